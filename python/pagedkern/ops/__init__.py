@@ -1,0 +1,20 @@
+"""The public kernel API: one entry per op. Each validates its arguments (TypeError/ValueError
+naming the argument, its shape and dtype), then runs the CUDA kernel on CUDA arrays (caller's
+current stream) or the PyTorch reference on CPU tensors."""
+
+from .activation import silu_and_mul
+from .flash_prefill import flash_prefill
+from .norm import fused_add_rms_norm, rms_norm
+from .paged_attention import paged_attention
+from .rope import rope_and_cache
+from .sampling import sample
+
+__all__ = [
+    "flash_prefill",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "rms_norm",
+    "rope_and_cache",
+    "sample",
+    "silu_and_mul",
+]

@@ -1,0 +1,247 @@
+"""Caller arrays as raw device memory, and the argument checks every op shares.
+
+An op receives torch tensors, CuPy arrays or any object exposing `__cuda_array_interface__`
+(version 2 or 3). `view(obj, name)` turns each into an `ArrayView`: pointer, shape, strides in
+elements, dtype name, device ('cpu' or a CUDA index) and the library it came from. The checks
+raise TypeError (wrong kind or dtype) or ValueError (shape, layout, device) naming the argument
+with its shape and dtype, before anything reaches the GPU.
+
+torch and CuPy are looked up in sys.modules, never imported here: a tensor of a library can only
+exist once that library is loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+# Codes understood by csrc/common.cuh (enum DType).
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "int64": 4}
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "uint8": 1}
+_TYPESTR = {"<f4": "float32", "<f2": "float16", "<i4": "int32", "<i8": "int64", "|u1": "uint8"}
+
+
+def _module(name: str):
+    return sys.modules.get(name)
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayView:
+    name: str
+    obj: object
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    dtype: str
+    device: str | int | None  # 'cpu', a CUDA device index, or None (CUDA, device unknown)
+    library: str  # 'torch', 'cupy' or 'cai'
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def on_host(self) -> bool:
+        return self.device == "cpu"
+
+    def describe(self) -> str:
+        where = "cpu" if self.on_host else f"cuda:{self.device if self.device is not None else '?'}"
+        return f"{self.name} (shape {self.shape}, dtype {self.dtype}, {where})"
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.strides), strict=True):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+def _torch_view(obj, name: str) -> ArrayView:
+    dtype = str(obj.dtype).removeprefix("torch.")
+    device = "cpu" if obj.device.type == "cpu" else obj.device.index
+    if obj.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be a CPU or CUDA tensor, got device {obj.device}")
+    return ArrayView(
+        name, obj, obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), dtype, device, "torch"
+    )
+
+
+def _cai_view(obj, name: str) -> ArrayView:
+    cai = obj.__cuda_array_interface__
+    if not isinstance(cai, dict) or "shape" not in cai or "typestr" not in cai or "data" not in cai:
+        raise TypeError(f"{name}: malformed __cuda_array_interface__ {cai!r}")
+    typestr = cai["typestr"]
+    dtype = _TYPESTR.get(typestr)
+    if typestr == "<V2" and str(getattr(obj, "dtype", "")) == "bfloat16":
+        dtype = "bfloat16"  # bfloat16 has no typestr of its own (CuPy with ml_dtypes)
+    if dtype is None:
+        raise TypeError(f"{name} has unsupported element type {typestr!r}")
+    shape = tuple(int(s) for s in cai["shape"])
+    itemsize = ITEMSIZE[dtype]
+    if cai.get("strides") is None:
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= size
+        strides = tuple(reversed(strides))
+    else:
+        if any(s % itemsize for s in cai["strides"]):
+            raise ValueError(
+                f"{name} has byte strides {cai['strides']} not divisible by {itemsize}"
+            )
+        strides = tuple(int(s) // itemsize for s in cai["strides"])
+    ptr = int(cai["data"][0])
+    library = "cai"
+    device = None
+    cupy = _module("cupy")
+    if cupy is not None and isinstance(obj, cupy.ndarray):
+        library, device = "cupy", obj.device.id
+    return ArrayView(name, obj, ptr, shape, strides, dtype, device, library)
+
+
+def view(obj, name: str) -> ArrayView:
+    """View of a torch tensor, CuPy array or __cuda_array_interface__ object, else TypeError."""
+    torch = _module("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _torch_view(obj, name)
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _cai_view(obj, name)
+    raise TypeError(
+        f"{name} must be a torch tensor, a CuPy array or an object with __cuda_array_interface__, "
+        f"got {type(obj).__module__}.{type(obj).__qualname__}"
+    )
+
+
+def check_dtype(a: ArrayView, allowed: Sequence[str]) -> None:
+    if a.dtype not in allowed:
+        raise TypeError(f"{a.describe()}: dtype must be one of {', '.join(allowed)}")
+
+
+def check_same_dtype(a: ArrayView, b: ArrayView) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"{b.describe()} must have the dtype of {a.describe()}")
+
+
+def check_ndim(a: ArrayView, ndim: int) -> None:
+    if a.ndim != ndim:
+        raise ValueError(f"{a.describe()} must have {ndim} dimensions")
+
+
+def check_shape(a: ArrayView, shape: Sequence[int | None]) -> None:
+    """None in `shape` matches any size."""
+    if len(shape) != a.ndim or any(s is not None and s != t for s, t in zip(shape, a.shape)):
+        wanted = tuple("*" if s is None else s for s in shape)
+        raise ValueError(f"{a.describe()} must have shape {wanted}".replace("'*'", "*"))
+
+
+def check_contiguous(a: ArrayView) -> None:
+    if not a.is_contiguous():
+        raise ValueError(f"{a.describe()} must be contiguous, got strides {a.strides}")
+
+
+def rows_of(a: ArrayView) -> tuple[int, int]:
+    """(rows, row stride) of an array read as rows of its last dimension.
+
+    The last dimension must be contiguous and the leading ones must collapse into one strided
+    dimension (any 2-D slice with unit inner stride qualifies, as do contiguous N-D arrays).
+    """
+    if a.ndim == 0:
+        raise ValueError(f"{a.describe()} must have at least one dimension")
+    if a.shape[-1] > 1 and a.strides[-1] != 1:
+        raise ValueError(f"{a.describe()}: the last dimension must be contiguous (stride 1)")
+    rows = a.numel // a.shape[-1] if a.shape[-1] else 0
+    lead = [(n, s) for n, s in zip(a.shape[:-1], a.strides[:-1]) if n != 1]
+    for (_, outer), (n, inner) in zip(lead, lead[1:]):
+        if outer != inner * n:
+            raise ValueError(
+                f"{a.describe()}: leading dimensions must collapse into rows (strides {a.strides})"
+            )
+    return rows, lead[-1][1] if lead else a.shape[-1]
+
+
+def common_device(arrays: Iterable[ArrayView]) -> str | int | None:
+    """The one device all arrays live on ('cpu' or a CUDA index); ValueError if they differ."""
+    arrays = list(arrays)
+    host = [a for a in arrays if a.on_host]
+    if host and len(host) != len(arrays):
+        cuda = next(a for a in arrays if not a.on_host)
+        raise ValueError(f"{host[0].describe()} and {cuda.describe()} must be on the same device")
+    if host:
+        return "cpu"
+    known = {a.device for a in arrays if a.device is not None}
+    if len(known) > 1:
+        first = next(a for a in arrays if a.device is not None)
+        other = next(a for a in arrays if a.device not in (None, first.device))
+        raise ValueError(f"{first.describe()} and {other.describe()} must be on the same device")
+    return known.pop() if known else None
+
+
+def resolve_device(arrays: Sequence[ArrayView], module) -> int:
+    """CUDA device index of the arrays, asking the driver for pointers of unknown ownership."""
+    device = common_device(arrays)
+    if isinstance(device, int):
+        return device
+    owners = {module.pointer_device(a.ptr) for a in arrays if a.ptr}
+    if -1 in owners:
+        raise ValueError("an argument's pointer is not CUDA device memory")
+    if len(owners) > 1:
+        raise ValueError(f"arguments live on different devices {sorted(owners)}")
+    return owners.pop() if owners else 0
+
+
+def current_stream(arrays: Sequence[ArrayView], device: int, stream=None) -> int:
+    """Handle of the stream to launch on: `stream` if given (int, torch/CuPy stream), else the
+    caller's current stream of the library the arrays came from."""
+    if stream is not None:
+        for attr in ("cuda_stream", "ptr"):
+            if hasattr(stream, attr):
+                return int(getattr(stream, attr))
+        return int(stream)
+    libraries = {a.library for a in arrays}
+    if "torch" in libraries:
+        return _module("torch").cuda.current_stream(device).cuda_stream
+    if "cupy" in libraries:
+        return _module("cupy").cuda.get_current_stream().ptr
+    for a in arrays:  # __cuda_array_interface__ v3: the producer's stream
+        s = a.obj.__cuda_array_interface__.get("stream")
+        if isinstance(s, int):
+            return s
+    return 0
+
+
+def empty_like(a: ArrayView, shape: tuple[int, ...], dtype: str | None = None, name: str = "out"):
+    """A new array on a's device from a's library; generic CAI objects need an explicit out=."""
+    dtype = dtype or a.dtype
+    if a.library == "torch":
+        torch = _module("torch")
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=a.obj.device)
+    if a.library == "cupy":
+        cupy = _module("cupy")
+        with cupy.cuda.Device(a.device):
+            try:
+                return cupy.empty(shape, dtype=dtype)
+            except TypeError as exc:
+                raise TypeError(f"CuPy cannot allocate {dtype}; pass {name}= explicitly") from exc
+    raise TypeError(f"{a.describe()} is a plain __cuda_array_interface__ object: pass {name}=")
+
+
+def full_like(a: ArrayView, shape: tuple[int, ...], value, dtype: str):
+    """An array of `value` on a's device from a's library (turns scalar parameters into arrays)."""
+    if a.library == "torch":
+        torch = _module("torch")
+        return torch.full(shape, value, dtype=getattr(torch, dtype), device=a.obj.device)
+    if a.library == "cupy":
+        cupy = _module("cupy")
+        with cupy.cuda.Device(a.device):
+            return cupy.full(shape, value, dtype=dtype)
+    raise TypeError(f"{a.describe()} is a plain __cuda_array_interface__ object: pass arrays")

@@ -1,0 +1,68 @@
+"""Checks shared by every op that touches the paged KV cache: packed heads, the page layout
+[num_blocks, Hkv, block_size, D] and the attention arguments (queries, caches, tables, lengths)."""
+
+from __future__ import annotations
+
+from .arrays import (
+    FLOAT_DTYPES,
+    ArrayView,
+    check_contiguous,
+    check_dtype,
+    check_ndim,
+    check_same_dtype,
+    check_shape,
+    view,
+)
+
+
+def check_heads(a: ArrayView, tokens: int, head_dim: int) -> None:
+    """[tokens, heads, head_dim] with packed heads; the token stride is free (fused QKV views)."""
+    check_ndim(a, 3)
+    check_shape(a, (tokens, None, head_dim))
+    if a.shape[1] > 1 and a.strides[1] != head_dim or head_dim > 1 and a.strides[2] != 1:
+        raise ValueError(
+            f"{a.describe()}: heads must be packed (strides (*, D, 1)), got {a.strides}"
+        )
+
+
+def check_kv_cache(cache: ArrayView, like: ArrayView, num_kv_heads: int, head_dim: int) -> None:
+    """[num_blocks, Hkv, block_size, D] pages, contiguous, in the dtype of `like`."""
+    check_ndim(cache, 4)
+    check_shape(cache, (None, num_kv_heads, None, head_dim))
+    check_same_dtype(like, cache)
+    check_contiguous(cache)
+
+
+def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, batch_size, out):
+    qv = view(q, "q")
+    check_dtype(qv, FLOAT_DTYPES)
+    check_ndim(qv, 3)
+    tokens, num_heads, head_dim = qv.shape
+    check_heads(qv, tokens, head_dim)
+    kc, vc = view(k_cache, "k_cache"), view(v_cache, "v_cache")
+    check_ndim(kc, 4)
+    check_kv_cache(kc, qv, kc.shape[1], head_dim)
+    check_kv_cache(vc, qv, kc.shape[1], head_dim)
+    check_shape(vc, kc.shape)
+    if kc.shape[1] == 0 or num_heads % kc.shape[1]:
+        raise ValueError(
+            f"{qv.describe()}: query heads must be a multiple of the KV heads of {kc.describe()}"
+        )
+    bt, sl = view(block_tables, "block_tables"), view(seq_lens, "seq_lens")
+    check_dtype(bt, ("int32",))
+    check_dtype(sl, ("int32",))
+    batch = batch_size if batch_size is not None else sl.shape[0] if sl.ndim == 1 else -1
+    check_shape(bt, (batch, None))
+    check_shape(sl, (batch,))
+    views: list[ArrayView] = [qv, kc, vc, bt, sl]
+    if out is not None:
+        ov = view(out, "out")
+        check_same_dtype(qv, ov)
+        check_shape(ov, qv.shape)
+        views.append(ov)
+    return qv, views
+
+
+def check_scale(scale):
+    if scale is not None and (not isinstance(scale, (int, float)) or scale <= 0):
+        raise ValueError(f"scale must be a positive number or None, got {scale!r}")

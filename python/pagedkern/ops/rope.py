@@ -1,0 +1,54 @@
+"""rope_and_cache: validation, then the reference (the CUDA kernel lands with the decode issue)."""
+
+from __future__ import annotations
+
+from .arrays import (
+    FLOAT_DTYPES,
+    check_contiguous,
+    check_dtype,
+    check_ndim,
+    check_same_dtype,
+    check_shape,
+    common_device,
+    view,
+)
+from .launch import reference_on_torch
+from .paged_kv import check_heads, check_kv_cache
+
+
+def rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, *, stream=None):
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half, cos/sin from cos_sin
+    [max_positions, D] float32 at positions [T] int32) and write k, v into k_cache/v_cache
+    [num_blocks, Hkv, block_size, D] at slot_mapping [T] int32 (-1 = skip)."""
+    qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
+    check_dtype(qv, FLOAT_DTYPES)
+    check_ndim(qv, 3)
+    tokens, _, head_dim = qv.shape
+    if head_dim % 2:
+        raise ValueError(f"{qv.describe()}: head dim must be even")
+    check_heads(qv, tokens, head_dim)
+    check_heads(kv, tokens, head_dim)
+    check_heads(vv, tokens, head_dim)
+    check_same_dtype(qv, kv)
+    check_same_dtype(qv, vv)
+    if kv.shape[1] != vv.shape[1] or qv.shape[1] % kv.shape[1]:
+        raise ValueError(
+            f"{qv.describe()}, {kv.describe()}, {vv.describe()}: query heads must be "
+            "a multiple of the KV heads, and k and v must have the same heads"
+        )
+    pv, cv = view(positions, "positions"), view(cos_sin, "cos_sin")
+    sv = view(slot_mapping, "slot_mapping")
+    for idx in (pv, sv):
+        check_dtype(idx, ("int32",))
+        check_shape(idx, (tokens,))
+    check_dtype(cv, ("float32",))
+    check_shape(cv, (None, head_dim))
+    check_contiguous(cv)
+    kc, vc = view(k_cache, "k_cache"), view(v_cache, "v_cache")
+    check_kv_cache(kc, kv, kv.shape[1], head_dim)
+    check_kv_cache(vc, kv, kv.shape[1], head_dim)
+    check_shape(vc, kc.shape)
+    views = [qv, kv, vv, pv, cv, kc, vc, sv]
+    common_device(views)
+    reference = reference_on_torch("rope_and_cache", views)
+    reference.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
