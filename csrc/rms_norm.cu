@@ -9,11 +9,12 @@
  *
  * Versions:
  *  v1 rms_norm_vec_kernel<T, kIters, kFused>: one thread block per row. Thread t owns the 16-byte
- *     vectors t, t + blockDim, ... (kIters of them, kIters chosen so a block has at most 512
+ *     vectors t, t + blockDim, ... (kIters <= 4 of them, chosen so a block has at most 512
  *     threads, up to 1024 for the widest rows) and keeps them in registers, as T, between the
  *     sum-of-squares reduction and the scaled write: every byte of x and residual crosses HBM
  *     once. All loads of a thread are issued before any arithmetic so kIters loads are in flight.
- *     Needs hidden % (16 / sizeof(T)) == 0, 16-byte aligned row starts and hidden <= 8192 vectors.
+ *     Needs hidden % (16 / sizeof(T)) == 0, 16-byte aligned row starts and hidden <= 4096 vectors
+ *     (32768 bf16 elements).
  *  v2 rms_norm_scalar_kernel<T, kFused>: any hidden size, stride or alignment (hidden 111, 500,
  *     views into odd offsets). Two passes over the row; the second re-reads from L1/L2 (for the
  *     fused variant, the residual elements this same thread just wrote).
@@ -109,10 +110,14 @@ __global__ void __launch_bounds__(512) rms_norm_scalar_kernel(const RmsNormParam
   }
 }
 
+// Vectors per thread held in registers: 4 x 16 B (x 2 for the fused residual) fits the 64
+// registers a 1024-thread block allows without spilling; 8 did not.
+constexpr int kMaxIters = 4;
+
 template <typename T, bool kFused>
 void launch(const RmsNormParams& p, cudaStream_t stream) {
   constexpr int kVec = Vec16<T>::kSize;
-  const bool vectorizable = p.hidden % kVec == 0 && p.hidden / kVec <= 8 * 1024 &&
+  const bool vectorizable = p.hidden % kVec == 0 && p.hidden / kVec <= kMaxIters * 1024 &&
                             aligned16(p.x) && aligned16(p.out) && aligned16(p.weight) &&
                             p.x_stride % kVec == 0 && p.out_stride % kVec == 0 &&
                             (!kFused || (aligned16(p.residual) && p.residual_stride % kVec == 0));
@@ -125,13 +130,12 @@ void launch(const RmsNormParams& p, cudaStream_t stream) {
   }
   const int nvec = int(p.hidden / kVec);
   int iters = 1;
-  while (iters < 8 && ceil_div(nvec, iters) > 512) iters *= 2;
+  while (iters < kMaxIters && ceil_div(nvec, iters) > 512) iters *= 2;
   const int threads = (ceil_div(nvec, iters) + 31) / 32 * 32;
   switch (iters) {
     case 1: rms_norm_vec_kernel<T, 1, kFused><<<grid, threads, 0, stream>>>(p); break;
     case 2: rms_norm_vec_kernel<T, 2, kFused><<<grid, threads, 0, stream>>>(p); break;
-    case 4: rms_norm_vec_kernel<T, 4, kFused><<<grid, threads, 0, stream>>>(p); break;
-    default: rms_norm_vec_kernel<T, 8, kFused><<<grid, threads, 0, stream>>>(p); break;
+    default: rms_norm_vec_kernel<T, kMaxIters, kFused><<<grid, threads, 0, stream>>>(p); break;
   }
   PK_CHECK_LAUNCH("rms_norm_vec_kernel");
 }

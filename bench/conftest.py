@@ -1,0 +1,69 @@
+"""Fixtures for the benchmark suites: the device, the ceilings measured in this run, and
+`measure`, which times one implementation of one case and files it in the side-by-side table
+printed at the end (and written as JSON to $PAGEDKERN_BENCH_JSON when set)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from measure import Report, Result, measure_copy_bandwidth, measure_gemm_rate, run_case, smoke_mode
+
+_REPORT = Report()
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return "cpu" if smoke_mode() else "cuda"
+
+
+@pytest.fixture(scope="session")
+def smoke() -> bool:
+    return smoke_mode()
+
+
+@pytest.fixture(scope="session")
+def copy_gbps() -> float:
+    if "copy_gbps" not in _REPORT.ceilings:
+        _REPORT.ceilings["copy_gbps"] = measure_copy_bandwidth()
+    return _REPORT.ceilings["copy_gbps"]
+
+
+@pytest.fixture(scope="session")
+def gemm_tflops() -> float:
+    if "gemm_tflops" not in _REPORT.ceilings:
+        _REPORT.ceilings["gemm_tflops"] = measure_gemm_rate()
+    return _REPORT.ceilings["gemm_tflops"]
+
+
+@pytest.fixture
+def measure(benchmark, copy_gbps):
+    """measure(op, case, impl, fn, bytes=..., flops=...) -> Result; fn is called repeatedly."""
+
+    def run(op, case, impl, fn, *, bytes=None, flops=None, **extra) -> Result:
+        seconds = run_case(benchmark, fn)
+        result = Result(op, case, impl, seconds, bytes, flops, extra)
+        benchmark.extra_info.update(
+            op=op, case=case, impl=impl, gbps=result.gbps, tflops=result.tflops, seconds=seconds
+        )
+        _REPORT.add(result)
+        return result
+
+    return run
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _REPORT.results:
+        return
+    terminalreporter.section("pagedkern benchmarks")
+    terminalreporter.write_line(_REPORT.table())
+    path = os.environ.get("PAGEDKERN_BENCH_JSON")
+    if path:
+        _REPORT.write_json(path)
+        terminalreporter.write_line(f"written: {path}")
+
+
+def pytest_report_header(config):
+    where = "smoke mode (CPU, tiny sizes)" if smoke_mode() else torch.cuda.get_device_name()
+    return f"pagedkern benchmarks: {where}"

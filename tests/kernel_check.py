@@ -1,0 +1,24 @@
+"""How every kernel test compares: outputs poisoned with NaN before the call, then the relative
+error ||out - ref|| / ||ref|| against a float64 reference, per-dtype bounds (DESIGN.md)."""
+
+from __future__ import annotations
+
+import torch
+
+# bf16 keeps 8 mantissa bits, fp16 11: one rounding of the output dominates these errors.
+REL_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = (out.double() - ref.double()).norm()
+    return float(diff / ref.double().norm().clamp(min=1e-30))
+
+
+def assert_close_to(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not torch.isnan(out).any(), "output holds NaN (poison survived or kernel produced it)"
+    err = relative_error(out, ref)
+    assert err <= REL_TOLERANCE[dtype], f"relative error {err:.3g} > {REL_TOLERANCE[dtype]}"

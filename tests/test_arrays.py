@@ -1,0 +1,214 @@
+"""Argument validation at the Python boundary, on any machine: bad input raises TypeError or
+ValueError naming the argument with its shape and dtype, before anything reaches a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fake_cuda_array import FakeCudaArray
+
+import pagedkern
+from pagedkern.ops.arrays import rows_of, view
+
+
+def test_view_of_torch_tensor_and_cai_object():
+    t = torch.zeros(4, 6, dtype=torch.bfloat16)[:, 1:5]
+    v = view(t, "x")
+    assert (v.shape, v.strides, v.dtype, v.device, v.library) == (
+        (4, 4),
+        (6, 1),
+        "bfloat16",
+        "cpu",
+        "torch",
+    )
+    f = view(FakeCudaArray((3, 8), "float16", strides=(16, 1)), "y")
+    assert (f.shape, f.strides, f.dtype, f.device, f.library) == (
+        (3, 8),
+        (16, 1),
+        "float16",
+        None,
+        "cai",
+    )
+
+
+def test_rows_of_collapses_leading_dimensions():
+    assert rows_of(view(torch.zeros(2, 3, 8), "x")) == (6, 8)
+    assert rows_of(view(torch.zeros(5, 16)[:, :8], "x")) == (5, 16)
+    with pytest.raises(ValueError, match="leading dimensions"):
+        rows_of(view(torch.zeros(2, 3, 8).transpose(0, 1), "x"))
+    with pytest.raises(ValueError, match=r"x \(shape \(8, 4\).*contiguous"):
+        rows_of(view(torch.zeros(4, 8).t(), "x"))
+
+
+def test_numpy_arrays_are_rejected_with_the_argument_name():
+    with pytest.raises(TypeError, match="x must be a torch tensor, a CuPy array"):
+        pagedkern.rms_norm(np.zeros((2, 4), np.float32), torch.ones(4))
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (
+            lambda: pagedkern.rms_norm(FakeCudaArray((4, 8), "int32"), FakeCudaArray((8,))),
+            TypeError,
+            r"x \(shape \(4, 8\), dtype int32, cuda:\?\): dtype must be one of",
+        ),
+        (
+            lambda: pagedkern.rms_norm(FakeCudaArray((4, 8)), FakeCudaArray((7,))),
+            ValueError,
+            r"weight \(shape \(7,\), dtype float16.*must have shape \(8,\)",
+        ),
+        (
+            lambda: pagedkern.rms_norm(FakeCudaArray((4, 8)), FakeCudaArray((8,), "float32")),
+            TypeError,
+            r"weight .* must have the dtype of x",
+        ),
+        (
+            lambda: pagedkern.rms_norm(FakeCudaArray((4, 8)), FakeCudaArray((8,)), eps=-1.0),
+            ValueError,
+            "eps must be a non-negative number",
+        ),
+        (
+            lambda: pagedkern.rms_norm(
+                FakeCudaArray((4, 8)), FakeCudaArray((8,)), out=FakeCudaArray((4, 9))
+            ),
+            ValueError,
+            r"out \(shape \(4, 9\).*must have shape \(4, 8\)",
+        ),
+        (
+            lambda: pagedkern.fused_add_rms_norm(
+                FakeCudaArray((4, 8)), FakeCudaArray((4, 7)), FakeCudaArray((8,))
+            ),
+            ValueError,
+            r"residual \(shape \(4, 7\).*must have shape \(4, 8\)",
+        ),
+        (
+            lambda: pagedkern.silu_and_mul(FakeCudaArray((4, 7))),
+            ValueError,
+            r"x \(shape \(4, 7\).*must be even",
+        ),
+        (
+            lambda: pagedkern.silu_and_mul(FakeCudaArray((4, 8)), out=FakeCudaArray((4, 8))),
+            ValueError,
+            r"out \(shape \(4, 8\).*must have shape \(4, 4\)",
+        ),
+        (
+            lambda: pagedkern.silu_and_mul(FakeCudaArray((4, 8), strides=(1, 4))),
+            ValueError,
+            "last dimension must be contiguous",
+        ),
+        (
+            lambda: pagedkern.rms_norm(torch.ones(2, 8, dtype=torch.float16), FakeCudaArray((8,))),
+            ValueError,
+            "must be on the same device",
+        ),
+    ],
+)
+def test_norm_and_activation_validation(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def _attention_args(**changes):
+    args = dict(
+        q=FakeCudaArray((3, 8, 64)),
+        k_cache=FakeCudaArray((10, 2, 16, 64)),
+        v_cache=FakeCudaArray((10, 2, 16, 64)),
+        block_tables=FakeCudaArray((3, 4), "int32"),
+        seq_lens=FakeCudaArray((3,), "int32"),
+    )
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    "changes,error,message",
+    [
+        (
+            dict(q=FakeCudaArray((3, 8, 64), "int32")),
+            TypeError,
+            r"q \(shape \(3, 8, 64\), dtype int32",
+        ),
+        (
+            dict(k_cache=FakeCudaArray((10, 3, 16, 64)), v_cache=FakeCudaArray((10, 3, 16, 64))),
+            ValueError,
+            "multiple of the KV heads",
+        ),
+        (
+            dict(v_cache=FakeCudaArray((10, 2, 16, 64), "float32")),
+            TypeError,
+            "v_cache .* dtype of q",
+        ),
+        (dict(k_cache=FakeCudaArray((10, 2, 16, 32))), ValueError, r"k_cache .* must have shape"),
+        (dict(block_tables=FakeCudaArray((3, 4), "int64")), TypeError, "block_tables .* int32"),
+        (
+            dict(seq_lens=FakeCudaArray((4,), "int32")),
+            ValueError,
+            r"block_tables .* must have shape \(4, \*\)",
+        ),
+        (
+            dict(q=FakeCudaArray((3, 8, 64), strides=(1024, 128, 1))),
+            ValueError,
+            "heads must be packed",
+        ),
+    ],
+)
+def test_paged_attention_validation(changes, error, message):
+    with pytest.raises(error, match=message):
+        pagedkern.paged_attention(**_attention_args(**changes))
+
+
+def test_flash_prefill_and_rope_and_sample_validation():
+    with pytest.raises(TypeError, match="cu_seqlens_q .* int32"):
+        pagedkern.flash_prefill(cu_seqlens_q=FakeCudaArray((4,), "int64"), **_attention_args())
+    with pytest.raises(
+        ValueError, match=r"block_tables \(shape \(3, 4\).*must have shape \(2, \*\)"
+    ):
+        pagedkern.flash_prefill(cu_seqlens_q=FakeCudaArray((3,), "int32"), **_attention_args())
+    q, k, v = FakeCudaArray((5, 8, 64)), FakeCudaArray((5, 2, 64)), FakeCudaArray((5, 2, 64))
+    cache = FakeCudaArray((10, 2, 16, 64))
+    with pytest.raises(TypeError, match="positions .* int32"):
+        pagedkern.rope_and_cache(
+            q,
+            k,
+            v,
+            FakeCudaArray((5,), "int64"),
+            FakeCudaArray((100, 64), "float32"),
+            cache,
+            cache,
+            FakeCudaArray((5,), "int32"),
+        )
+    with pytest.raises(ValueError, match=r"slot_mapping \(shape \(4,\)"):
+        pagedkern.rope_and_cache(
+            q,
+            k,
+            v,
+            FakeCudaArray((5,), "int32"),
+            FakeCudaArray((100, 64), "float32"),
+            cache,
+            cache,
+            FakeCudaArray((4,), "int32"),
+        )
+    with pytest.raises(TypeError, match="top_k .* int32"):
+        pagedkern.sample(
+            FakeCudaArray((3, 100), "float32"), 1.0, 1.0, FakeCudaArray((3,), "int64"), 0
+        )
+    with pytest.raises(TypeError, match="seeds must be an int"):
+        pagedkern.sample(torch.zeros(3, 100), 1.0, 1.0, 0, 0.5)
+
+
+def test_valid_arguments_on_a_machine_without_gpu_raise_a_clear_error():
+    if pagedkern.cuda_available():
+        pytest.skip("this machine can run the kernels")
+    with pytest.raises(pagedkern.CudaUnavailableError, match="cannot run CUDA kernels here: "):
+        pagedkern.rms_norm(FakeCudaArray((4, 8)), FakeCudaArray((8,)), out=FakeCudaArray((4, 8)))
+    with pytest.raises(pagedkern.CudaUnavailableError):
+        pagedkern.silu_and_mul(FakeCudaArray((4, 8)), out=FakeCudaArray((4, 4)))
+
+
+def test_cpu_tensors_run_on_the_reference():
+    x, w = torch.randn(3, 10), torch.randn(10)
+    torch.testing.assert_close(pagedkern.rms_norm(x, w), pagedkern.reference.rms_norm(x, w))
+    y = torch.randn(3, 10)
+    torch.testing.assert_close(pagedkern.silu_and_mul(y), pagedkern.reference.silu_and_mul(y))
