@@ -10,7 +10,8 @@
 #include <string>
 #include <tuple>
 
-#include "ops.h"
+#include "rms_norm.h"
+#include "silu_and_mul.h"
 
 namespace py = pybind11;
 using pagedkern::DeviceGuard;

@@ -23,7 +23,7 @@
  * Memory bound; target >= 90% of the measured device-copy bandwidth at 8192 x 4096 bf16.
  */
 #include "device.cuh"
-#include "ops.h"
+#include "rms_norm.h"
 
 namespace pagedkern {
 namespace {

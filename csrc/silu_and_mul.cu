@@ -14,7 +14,7 @@
  * bandwidth.
  */
 #include "device.cuh"
-#include "ops.h"
+#include "silu_and_mul.h"
 
 namespace pagedkern {
 namespace {

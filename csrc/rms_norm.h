@@ -1,6 +1,4 @@
-// Host entry points of every kernel: one parameter struct per operator (pointers, shapes, strides
-// in elements, dtype) and one launcher that validates what it cannot trust, picks the kernel variant
-// and launches it on the caller's stream. No torch here: bindings.cpp passes raw values from Python.
+// rms_norm / fused_add_rms_norm: parameters and launcher (kernels in rms_norm.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,17 +25,5 @@ struct RmsNormParams {
   DType dtype = DType::kBFloat16;
 };
 void rms_norm(const RmsNormParams& p, cudaStream_t stream);
-
-// out[r, :] = silu(x[r, :d]) * x[r, d:2d]
-struct SiluAndMulParams {
-  void* out = nullptr;
-  const void* x = nullptr;
-  int64_t rows = 0;
-  int64_t d = 0;
-  int64_t out_stride = 0;
-  int64_t x_stride = 0;
-  DType dtype = DType::kBFloat16;
-};
-void silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream);
 
 }  // namespace pagedkern
