@@ -4,16 +4,10 @@ need the built extension (no GPU) and fail instead of skipping where the build i
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 import pagedkern
-from pagedkern._extension import extension_module
-
-
-def build_required() -> bool:
-    return os.environ.get("CI") == "true" or os.environ.get("PAGEDKERN_REQUIRE_CUDA") == "1"
+from pagedkern._extension import cuda_build_required, extension_module
 
 
 def _gpu_skip_reason() -> str | None:
@@ -32,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and reason:
             item.add_marker(pytest.mark.skip(reason=f"needs a GPU: {reason}"))
-        if "static" in item.keywords and missing_build and not build_required():
+        if "static" in item.keywords and missing_build and not cuda_build_required():
             item.add_marker(pytest.mark.skip(reason="the CUDA extension is not built"))
 
 

@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import build_required
 
 import pagedkern
-from pagedkern._extension import extension_module
+from pagedkern._extension import cuda_build_required, extension_module
 
 
 def test_availability_and_reason_agree():
@@ -22,7 +21,7 @@ def test_availability_and_reason_agree():
 
 
 def test_extension_is_built_where_required():
-    if not build_required():
+    if not cuda_build_required():
         pytest.skip("CUDA build not required here")
     module = extension_module()
     assert module is not None, pagedkern.cuda_unavailable_reason()

@@ -8,6 +8,7 @@ error instead of crashing.
 from __future__ import annotations
 
 import functools
+import os
 from types import ModuleType
 
 
@@ -47,6 +48,11 @@ def cuda_available() -> bool:
 def cuda_unavailable_reason() -> str | None:
     """Why `cuda_available()` is False, or None when it is True."""
     return _probe()[1]
+
+
+def cuda_build_required() -> bool:
+    """CI and PAGEDKERN_REQUIRE_CUDA=1: a missing or failing CUDA build is an error."""
+    return os.environ.get("CI") == "true" or os.environ.get("PAGEDKERN_REQUIRE_CUDA") == "1"
 
 
 def require() -> ModuleType:
