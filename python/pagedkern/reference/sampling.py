@@ -2,7 +2,7 @@
 
 Semantics (what every sampling kernel must reproduce in distribution):
   1. logits in fp32; NaN counts as -inf. A row holding +inf samples uniformly among its +inf
-     entries.
+     entries (top-k and top-p do not narrow that set further).
   2. temperature <= 0: greedy, argmax with ties to the lowest id.
   3. Otherwise s = logits / temperature. top-k (k <= 0 or k >= vocab: off) keeps every token with
      s >= the k-th largest s, ties included. p = softmax over the kept tokens.
@@ -11,7 +11,9 @@ Semantics (what every sampling kernel must reproduce in distribution):
   5. The id is drawn from p restricted to the kept set, renormalised, by inverse CDF over ids in
      vocabulary order with u = philox4x32_10(counter=(offset, 0), key=seed)[0] / 2^32. Same
      (seed, offset, logits, parameters), same id, whatever else is in the batch.
-  6. A row with no finite logit falls back to greedy (id 0 if all are -inf): always a valid id.
+  6. A row with no finite logit, or whose scaled logits overflow (a tiny temperature), falls back
+     to greedy (id 0 if all are -inf): always a valid id. The draw is the first id whose
+     cumulative mass exceeds u * total strictly, so a zero-probability id is never drawn.
 """
 
 from __future__ import annotations
@@ -92,7 +94,9 @@ def sample(
         if bool((k < vocab).any()):
             kth = s.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
             s = s.masked_fill(s < kth, float("-inf"))
-        probs = torch.softmax(s, dim=-1)
+        # Rows with no finite s (all -inf, or s overflowed to +inf) give NaN: zero them so
+        # top-p stays in bounds and the row falls back to greedy (total == 0) below.
+        probs = torch.softmax(s, dim=-1).nan_to_num(nan=0.0)
 
         if bool((top_p < 1).any()):
             ranked, order = probs.sort(dim=-1, descending=True, stable=True)
