@@ -1,0 +1,157 @@
+"""Paged KV memory: a fixed pool of blocks, a free list in eviction order, reference counts and a
+prefix cache of full blocks keyed by chained hashes (vLLM's automatic prefix caching).
+
+A block is *in use* while some request's block table holds it (ref_count > 0), otherwise *free*.
+A free block may still be *cached*: it keeps its hash and can be taken back by a later request
+whose prompt starts with the same tokens, until allocation evicts it. Eviction order: blocks that
+were never cached first, then cached ones least recently released first, and within one request
+its last block first (deep prefix blocks are the least likely to be shared).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+
+
+def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """Hash of a full block given its parent's hash: equal hashes mean equal whole prefixes.
+    BLAKE2b (128 bit) so that a collision, which would silently reuse wrong K/V, is negligible."""
+    h = hashlib.blake2b(parent or b"root", digest_size=16)
+    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    return h.digest()
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, found in the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_hashes(
+        self, token_ids: Sequence[int], known: list[bytes] | None = None
+    ) -> list[bytes]:
+        """Chained hashes of every full block of token_ids, extending `known` (a prefix)."""
+        hashes = list(known or [])
+        bs = self.block_size
+        for j in range(len(hashes), len(token_ids) // bs):
+            hashes.append(
+                chain_hash(hashes[-1] if hashes else None, token_ids[j * bs : (j + 1) * bs])
+            )
+        return hashes
+
+    def lookup_prefix(self, hashes: Sequence[bytes], max_blocks: int) -> list[int]:
+        """Blocks holding the longest cached prefix (at most max_blocks), not yet acquired."""
+        found = []
+        if self.enable_prefix_caching:
+            for h in hashes[:max_blocks]:
+                block_id = self._cached.get(h)
+                if block_id is None:
+                    break
+                found.append(block_id)
+        return found
+
+    def acquire(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on cached blocks (prefix hits)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n fresh blocks (evicting cached free ones as needed), or None if fewer are free."""
+        if n > len(self._free):
+            return None
+        taken = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self._cached.get(block.block_hash) == block_id:
+                    del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            taken.append(block_id)
+        return taken
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference per block; blocks reaching zero become free (cached ones stay
+        findable until evicted)."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than taken")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)  # evict uncached ones first
+
+    def register(self, block_id: int, block_hash: bytes) -> None:
+        """Mark a full, computed block as holding the prefix `block_hash`."""
+        if not self.enable_prefix_caching:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is None:
+            block.block_hash = block_hash
+            self._cached.setdefault(block_hash, block_id)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+
+    def check_invariants(self, block_tables: Iterable[Sequence[int]]) -> None:
+        """blocks in use + free == total; ref counts equal the uses in the live block tables;
+        the prefix cache points at blocks that hold the hash. AssertionError otherwise."""
+        uses = [0] * self.num_blocks
+        for table in block_tables:
+            for block_id in table:
+                uses[block_id] += 1
+        in_use = sum(1 for b in self.blocks if b.ref_count > 0)
+        assert in_use + len(self._free) == self.num_blocks, "in use + free != total"
+        for block in self.blocks:
+            uses_of = uses[block.block_id]
+            assert block.ref_count == uses_of, (
+                f"block {block.block_id}: ref_count {block.ref_count} != {uses_of} uses"
+            )
+            assert (block.ref_count == 0) == (block.block_id in self._free), "free list mismatch"
+        for block_hash, block_id in self._cached.items():
+            assert self.blocks[block_id].block_hash == block_hash, "stale prefix-cache entry"

@@ -1,0 +1,73 @@
+"""Incremental detokenization with stop strings: text leaves the engine in deltas that are
+always whole UTF-8 characters and never contain any part of a stop string.
+
+A byte-level BPE token can end in the middle of a character; decoding the tail of the sequence
+then yields U+FFFD, so the delta is held until a later token completes the character. Text that
+could still be the beginning of a stop string is held back too, and released once it can no
+longer match (or when the request ends for another reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.text = ""  # decoded so far (whole characters)
+        self.emitted = 0  # characters of self.text already returned
+        self._prefix_offset = 0  # ids[prefix_offset:read_offset] decode to the text's tail
+        self._read_offset = 0
+        self.stopped_by: str | None = None
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated id; returns the text that may be emitted now (maybe empty).
+        After a stop string is found, `stopped_by` is set and nothing more is emitted."""
+        if self.stopped_by is not None:
+            return ""
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix_offset : self._read_offset])
+        after = decode(self.ids[self._prefix_offset :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        return self._release()
+
+    def _release(self) -> str:
+        if self.stop:
+            start = max(0, self.emitted - max(len(s) for s in self.stop) + 1)
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                cut, self.stopped_by = min(hits)
+                self.text = self.text[:cut]
+                return self._emit(cut)
+            return self._emit(len(self.text) - self._held_back())
+        return self._emit(len(self.text))
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that begins some stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text) - self.emitted), longest, -1):
+                if self.text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _emit(self, end: int) -> str:
+        delta = self.text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a request: release text held back for a stop string that never came."""
+        return self._emit(len(self.text)) if self.stopped_by is None else ""

@@ -1,0 +1,84 @@
+"""A request as the engine sees it: a sequence state that every stage reads and writes
+(the reference document's R42: ids, block table, computed tokens, status, timestamps)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # admitted, waiting for KV blocks and a place in a batch
+    RUNNING = "running"  # holds KV blocks; prefilling in chunks or decoding
+    PREEMPTED = "preempted"  # blocks taken back; will recompute its KV from its ids
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS / end-of-turn, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens
+    CONTEXT = "context_length"  # the model's context is full
+    ABORT = "abort"  # cancelled by the caller
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    messages: list[dict] | None = None
+    prompt_text: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of those, found in the prefix cache at admission
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    seed: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def metrics(self) -> dict[str, float | None]:
+        """TTFT, TPOT (mean time per output token after the first), ITLs, tokens/s."""
+        end = self.finish_time or (self.token_times[-1] if self.token_times else None)
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        itl = [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        tpot = sum(itl) / len(itl) if itl else None
+        elapsed = None if end is None else end - self.arrival_time
+        rate = len(self.output_ids) / elapsed if elapsed else None
+        return {
+            "ttft": ttft,
+            "tpot": tpot,
+            "itl": itl,
+            "tokens_per_s": rate,
+            "num_output_tokens": len(self.output_ids),
+            "num_cached_tokens": self.num_cached_tokens,
+            "num_preemptions": self.num_preemptions,
+        }

@@ -1,0 +1,183 @@
+"""Continuous batching: each iteration picks which requests run and how many tokens each feeds,
+under a token budget and a sequence limit, with chunked prefill and preemption by recompute.
+
+Order: running requests first (decodes and unfinished prompt chunks), oldest first; then waiting
+requests in arrival order (preempted ones at the front). A long prompt is cut into chunks that
+share iterations with other requests' decodes. When a running request needs a block and none is
+free, the newest running request is preempted: its blocks go back to the pool and it later
+recomputes its K/V from its ids, so every admitted request eventually finishes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_pool import BlockPool
+from .request import Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """The request can never run here (longer than the context or the whole KV cache)."""
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) < 1:
+            raise ValueError(f"scheduler limits must be >= 1: {self}")
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One iteration: (request, number of new tokens) in batch order, and who was preempted."""
+
+    entries: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, config: SchedulerConfig):
+        self.pool = pool
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        limit = self.config.max_model_len
+        if request.num_tokens >= limit:
+            raise RequestRejected(
+                f"request {request.request_id}: {request.num_tokens} prompt tokens leave no room "
+                f"in the model's context of {limit} tokens"
+            )
+        if self.pool.blocks_for(request.num_tokens + 1) > self.pool.num_blocks:
+            raise RequestRejected(
+                f"request {request.request_id}: {request.num_tokens} prompt tokens need more KV "
+                f"blocks than the whole cache holds "
+                f"({self.pool.num_blocks} x {self.pool.block_size} tokens)"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_uncomputed, budget)
+            while not self._reserve(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            batch.entries.append((request, num_new))
+            budget -= num_new
+            i += 1
+        if batch.preempted:
+            return batch  # memory is short: admit nobody new this iteration
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits = self._prefix_hits(request)
+            num_new = min(request.num_uncomputed, budget)
+            chunk_not_allowed = (
+                not self.config.enable_chunked_prefill and num_new < request.num_uncomputed
+            )
+            if chunk_not_allowed or not self._reserve(request, num_new):
+                self.pool.free(hits)
+                request.block_table.clear()
+                request.num_computed_tokens = request.num_cached_tokens = 0
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.entries.append((request, num_new))
+            budget -= num_new
+        return batch
+
+    def _prefix_hits(self, request: Request) -> list[int]:
+        """Acquire the cached blocks of the request's longest cached prefix (leaving at least one
+        token to compute, whose logits give the next token)."""
+        request.block_hashes = self.pool.block_hashes(request.all_ids, request.block_hashes)
+        max_blocks = (request.num_tokens - 1) // self.pool.block_size
+        hits = self.pool.lookup_prefix(request.block_hashes, max_blocks)
+        self.pool.acquire(hits)
+        self.pool.prefix_queries += request.num_tokens
+        self.pool.prefix_hits += len(hits) * self.pool.block_size
+        request.block_table = list(hits)
+        request.num_computed_tokens = request.num_cached_tokens = len(hits) * self.pool.block_size
+        return hits
+
+    def _reserve(self, request: Request, num_new: int) -> bool:
+        needed = self.pool.blocks_for(request.num_computed_tokens + num_new) - len(
+            request.block_table
+        )
+        if needed <= 0:  # the common decode step: room left in the last block
+            return True
+        blocks = self.pool.allocate(needed)
+        if blocks is None:
+            return False
+        request.block_table.extend(blocks)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        self.pool.free(request.block_table)
+        request.block_table = []
+        request.num_computed_tokens = 0
+
+    def on_step_done(self, batch: ScheduledBatch) -> list[Request]:
+        """Account the tokens just computed (and cache newly full blocks); returns the requests
+        whose every token is now computed, i.e. those that sample a next token."""
+        ready = []
+        bs = self.pool.block_size
+        caching = self.pool.enable_prefix_caching
+        for request, num_new in batch.entries:
+            before = request.num_computed_tokens // bs
+            request.num_computed_tokens += num_new
+            full = request.num_computed_tokens // bs
+            if caching and full > before:  # blocks that just filled up become findable
+                ids = request.all_ids[: full * bs]
+                request.block_hashes = self.pool.block_hashes(ids, request.block_hashes)
+                for j in range(before, full):
+                    self.pool.register(request.block_table[j], request.block_hashes[j])
+            if request.num_computed_tokens == request.num_tokens:
+                ready.append(request)
+        return ready
+
+    def finish(self, request: Request) -> None:
+        """Remove a request from waiting or running and give its blocks back."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+
+    def block_tables(self) -> list[list[int]]:
+        return [r.block_table for r in self.running]

@@ -1,0 +1,77 @@
+"""Incremental detokenization: deltas are whole UTF-8 characters (Chinese and emoji split across
+byte-level tokens are never emitted broken) and stop strings are never emitted, even partly."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pagedkern.engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "The capital of France is Paris.",
+    "法国的首都是巴黎。",
+    "Emoji: 🎉🚀 and ZWJ 👩‍👩‍👧 done",
+    "def f(x):\n    return x ** 2  # code\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    # Byte-level BPE with few merges: multi-byte characters span several tokens.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["The capital of France is Paris. def return"] * 20, trainer)
+    return tok
+
+
+def stream(tok, text, stop=()):
+    detok = IncrementalDetokenizer(tok, stop)
+    deltas = [detok.add(i) for i in tok.encode(text).ids]
+    deltas.append(detok.flush())
+    return detok, deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_are_whole_characters_and_join_to_the_text(tokenizer, text):
+    ids = tokenizer.encode(text).ids
+    if not text.isascii():  # some character really is split across tokens
+        assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    detok, deltas = stream(tokenizer, text)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert detok.stopped_by is None
+
+
+@pytest.mark.parametrize(
+    "text,stop,expected",
+    [
+        ("The capital of France is Paris. More", ["."], "The capital of France is Paris"),
+        ("Answer: 巴黎。\nUser: next", ["\nUser:"], "Answer: 巴黎。"),
+        ("abc STOP def STOP", ["STOP", "def"], "abc "),
+        ("no stop string here", ["zzz"], "no stop string here"),
+        ("ends with a partial sto", ["stop!"], "ends with a partial sto"),
+        ("🎉🚀 party", ["🚀"], "🎉"),
+    ],
+)
+def test_stop_strings_are_cut_and_never_leak(tokenizer, text, stop, expected):
+    detok, deltas = stream(tokenizer, text, stop)
+    assert "".join(deltas) == expected
+    emitted = ""
+    for delta in deltas:  # at no moment has any character past the cut been emitted
+        emitted += delta
+        assert expected.startswith(emitted)
+    assert (detok.stopped_by is not None) == any(s in text for s in stop)
+
+
+def test_text_that_may_start_a_stop_string_is_held_back(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, ["Paris!"])
+    out = "".join(detok.add(i) for i in tokenizer.encode("Hello Par").ids)
+    assert out == "Hello "  # "Par" could begin "Paris!"
+    out += "".join(detok.add(i) for i in tokenizer.encode("is.").ids)
+    assert out == "Hello Paris."  # it did not: released
+    assert detok.flush() == ""
