@@ -11,6 +11,7 @@ its last block first (deep prefix blocks are the least likely to be shared).
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """Hash of a full block given its parent's hash: equal hashes mean equal whole prefixes.
     BLAKE2b (128 bit) so that a collision, which would silently reuse wrong K/V, is negligible."""
     h = hashlib.blake2b(parent or b"root", digest_size=16)
-    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    h.update(array("q", tokens).tobytes())
     return h.digest()
 
 

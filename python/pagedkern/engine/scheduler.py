@@ -78,18 +78,22 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        slots_per_block = self.pool.block_size
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_uncomputed, budget)
-            while not self._reserve(request, num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is request:
+        while i < len(running) and budget > 0:  # the hot loop: a few hundred decodes per step
+            request = running[i]
+            computed = request.num_computed_tokens
+            num_new = min(len(request.prompt_ids) + len(request.output_ids) - computed, budget)
+            if computed + num_new > len(request.block_table) * slots_per_block:
+                while not self._reserve(request, num_new):
+                    victim = running[-1]
+                    self._preempt(victim)
+                    batch.preempted.append(victim)
+                    if victim is request:
+                        break
+                if request.status is not RequestStatus.RUNNING:
                     break
-            if request.status is not RequestStatus.RUNNING:
-                break
             batch.entries.append((request, num_new))
             budget -= num_new
             i += 1
@@ -158,15 +162,15 @@ class Scheduler:
         bs = self.pool.block_size
         caching = self.pool.enable_prefix_caching
         for request, num_new in batch.entries:
-            before = request.num_computed_tokens // bs
-            request.num_computed_tokens += num_new
-            full = request.num_computed_tokens // bs
-            if caching and full > before:  # blocks that just filled up become findable
+            before = request.num_computed_tokens
+            after = request.num_computed_tokens = before + num_new
+            if caching and after // bs > before // bs:  # blocks that just filled become findable
+                full = after // bs
                 ids = request.all_ids[: full * bs]
                 request.block_hashes = self.pool.block_hashes(ids, request.block_hashes)
-                for j in range(before, full):
+                for j in range(before // bs, full):
                     self.pool.register(request.block_table[j], request.block_hashes[j])
-            if request.num_computed_tokens == request.num_tokens:
+            if after == len(request.prompt_ids) + len(request.output_ids):
                 ready.append(request)
         return ready
 
