@@ -56,6 +56,16 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_between(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output, without concatenating the whole sequence
+        (a decode step needs one id of a possibly long sequence)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
     @property
     def num_uncomputed(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""

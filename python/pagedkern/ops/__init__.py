@@ -4,6 +4,7 @@ current stream) or the PyTorch reference on CPU tensors."""
 
 from .activation import silu_and_mul
 from .flash_prefill import flash_prefill
+from .launch import get_backend, set_backend, use_backend
 from .norm import fused_add_rms_norm, rms_norm
 from .paged_attention import paged_attention
 from .rope import rope_and_cache
@@ -12,9 +13,12 @@ from .sampling import sample
 __all__ = [
     "flash_prefill",
     "fused_add_rms_norm",
+    "get_backend",
     "paged_attention",
     "rms_norm",
     "rope_and_cache",
     "sample",
+    "set_backend",
     "silu_and_mul",
+    "use_backend",
 ]

@@ -8,12 +8,11 @@ from .arrays import (
     check_dtype,
     check_same_dtype,
     check_shape,
-    common_device,
     empty_like,
     rows_of,
     view,
 )
-from .launch import launch_context
+from .launch import launch_context, use_reference
 
 
 def silu_and_mul(x, out=None, *, stream=None):
@@ -31,7 +30,7 @@ def silu_and_mul(x, out=None, *, stream=None):
         check_shape(ov, shape)
         rows_of(ov)
         views.append(ov)
-    if common_device(views) == "cpu":
+    if use_reference(views):
         from ..reference import silu_and_mul as reference
 
         return reference(x, out=out)

@@ -2,11 +2,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 
 from .._extension import require
-from .arrays import ArrayView, current_stream, resolve_device
+from .arrays import ArrayView, common_device, current_stream, resolve_device
+
+BACKENDS = ("auto", "cuda", "reference")
+_backend = "auto"
+
+
+def set_backend(name: str) -> None:
+    """'auto' (default): CUDA kernels for CUDA arrays, the reference for CPU tensors.
+    'reference': the PyTorch reference everywhere, also on a GPU (A/B comparisons).
+    'cuda': like auto (the engine uses it to insist on a GPU)."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    previous = get_backend()
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def use_reference(views: Sequence[ArrayView]) -> bool:
+    """Whether an op with these (validated) arguments runs on the reference."""
+    return _backend == "reference" or common_device(views) == "cpu"
 
 
 def launch_context(views: Sequence[ArrayView], stream=None) -> tuple[ModuleType, int, int]:

@@ -8,12 +8,11 @@ from .arrays import (
     check_dtype,
     check_same_dtype,
     check_shape,
-    common_device,
     empty_like,
     rows_of,
     view,
 )
-from .launch import launch_context
+from .launch import launch_context, use_reference
 
 
 def _check_eps(eps: float) -> float:
@@ -38,7 +37,7 @@ def rms_norm(x, weight, eps: float = 1e-6, out=None, *, stream=None):
         check_shape(ov, xv.shape)
         rows_of(ov)
         views.append(ov)
-    if common_device(views) == "cpu":
+    if use_reference(views):
         from ..reference import rms_norm as reference
 
         return reference(x, weight, eps, out=out)
@@ -76,7 +75,7 @@ def fused_add_rms_norm(x, residual, weight, eps: float = 1e-6, *, stream=None):
     check_shape(wv, (xv.shape[-1] if xv.ndim else None,))
     rows, x_stride = rows_of(xv)
     _, residual_stride = rows_of(rv)
-    if common_device([xv, rv, wv]) == "cpu":
+    if use_reference([xv, rv, wv]):
         from ..reference import fused_add_rms_norm as reference
 
         return reference(x, residual, weight, eps)
