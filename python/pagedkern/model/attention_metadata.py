@@ -1,0 +1,135 @@
+"""What one forward call needs to know about its flattened (varlen) batch, and a builder for it.
+
+A step of the engine runs B sequences at once: some feed a prompt chunk (prefill), the others one
+new token (decode). Their new tokens are concatenated into input_ids [T]: the prefill sequences
+first, then the decode sequences, so attention runs flash_prefill on rows [0, num_prefill_tokens)
+and paged_attention on the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Batch layout for LlamaModel.forward. All tensors int32 on the model's device.
+
+    Sequence b (0 <= b < B; sequences 0..num_prefills-1 are prefills, the rest decodes) owns
+    rows cu_seqlens[b]:cu_seqlens[b+1] of the batch (one row for a decode).
+
+    positions     [T]      position of each token in its sequence (RoPE angle).
+    slot_mapping  [T]      KV-cache slot each token's k/v is written to:
+                           block_table[pos // block_size] * block_size + pos % block_size;
+                           -1 skips the write (padding rows).
+    cu_seqlens    [B+1]    row offsets of the sequences, cu_seqlens[0] = 0.
+    block_tables  [B, M]   physical block ids of each sequence, in logical order (padded).
+    seq_lens      [B]      tokens of each sequence in the cache once this step's are written
+                           (cached prefix + new tokens): what attention reads.
+    logits_indices [N]     rows whose final hidden state goes through the LM head, one per
+                           requested logit row (default: the last row of every sequence).
+    num_prefills          B_p, sequences run by flash_prefill.
+    num_prefill_tokens    cu_seqlens[B_p], rows run by flash_prefill.
+    max_query_len, max_seq_len   host-side maxima (kernel launch sizes without a device sync).
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    logits_indices: torch.Tensor
+    num_prefills: int
+    num_prefill_tokens: int
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_decodes(self) -> int:
+        return self.num_seqs - self.num_prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+@dataclass(slots=True)
+class SequenceChunk:
+    """One sequence's part of a step: token_ids are its new tokens, at positions
+    num_computed, num_computed+1, ...; block_table lists its physical KV blocks and must cover
+    every position up to num_computed + len(token_ids) - 1."""
+
+    token_ids: Sequence[int]
+    num_computed: int
+    block_table: Sequence[int]
+
+
+def build_batch(
+    chunks: Sequence[SequenceChunk],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    max_blocks: int | None = None,
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """input_ids [T] int32 and the metadata for `chunks`, kept in the given order (logit row b
+    belongs to chunks[b]). The trailing run of one-token chunks runs as decodes, everything
+    before it as prefill, so callers should list prefill chunks first. block_tables are padded
+    with 0 to max_blocks (default: the longest table)."""
+    if not chunks:
+        raise ValueError("a batch needs at least one sequence")
+    num_decodes = 0
+    for chunk in reversed(chunks):
+        if len(chunk.token_ids) != 1:
+            break
+        num_decodes += 1
+    num_prefills = len(chunks) - num_decodes
+
+    width = max_blocks if max_blocks is not None else max(len(c.block_table) for c in chunks)
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu = [0]
+    tables: list[list[int]] = []
+    seq_lens: list[int] = []
+    for b, chunk in enumerate(chunks):
+        n, start = len(chunk.token_ids), chunk.num_computed
+        end = start + n
+        table = list(chunk.block_table)
+        if n == 0 or start < 0:
+            raise ValueError(f"sequence {b}: needs new tokens and num_computed >= 0")
+        if len(table) * block_size < end or len(table) > width:
+            raise ValueError(
+                f"sequence {b}: block table of {len(table)} blocks cannot hold {end} tokens "
+                f"(block_size {block_size}, max_blocks {width})"
+            )
+        ids.extend(int(t) for t in chunk.token_ids)
+        positions.extend(range(start, end))
+        slots.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
+        cu.append(cu[-1] + n)
+        tables.append(table + [0] * (width - len(table)))
+        seq_lens.append(end)
+
+    def tensor(data) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.int32, device=device)
+
+    meta = AttentionMetadata(
+        positions=tensor(positions),
+        slot_mapping=tensor(slots),
+        cu_seqlens=tensor(cu),
+        block_tables=tensor(tables).reshape(len(chunks), width),
+        seq_lens=tensor(seq_lens),
+        logits_indices=tensor([c - 1 for c in cu[1:]]),
+        num_prefills=num_prefills,
+        num_prefill_tokens=cu[num_prefills],
+        max_query_len=max(len(c.token_ids) for c in chunks),
+        max_seq_len=max(seq_lens),
+    )
+    return tensor(ids), meta

@@ -1,0 +1,108 @@
+"""Models from HF model folders: config.json, model.safetensors (or shards listed in
+model.safetensors.index.json), tokenizer.json and tokenizer_config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig, config_from_hf
+from .errors import ModelLoadError
+from .tokenizer import Tokenizer
+from .weights import LlamaWeights, assemble_weights
+
+_INDEX = "model.safetensors.index.json"
+
+
+def _read_config(folder: Path) -> ModelConfig:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(folder, "no config.json (not a HF model folder)")
+    try:
+        raw = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(path, f"invalid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(path, "config.json must hold a JSON object")
+    return config_from_hf(raw, str(path))
+
+
+def hf_checkpoint_dtype(folder: str | os.PathLike) -> torch.dtype | None:
+    """The half-precision dtype config.json names (torch_dtype, or dtype in transformers v5)."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None  # load_hf_folder reports the problem
+    name = raw.get("torch_dtype") or raw.get("dtype") if isinstance(raw, dict) else None
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(name)
+
+
+def _shard_files(folder: Path) -> list[Path]:
+    """The safetensors files holding the weights: from the index if there is one."""
+    index = folder / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(index, f"invalid index: {exc}") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(index, f"lists {f.name}, which does not exist")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        hint = " (.bin/.pt checkpoints are not supported)" if any(folder.glob("*.bin")) else ""
+        raise ModelLoadError(folder, f"no *.safetensors weights{hint}")
+    return files
+
+
+def _open_shards(files: list[Path]) -> dict[str, tuple[Path, object]]:
+    """name -> (file, open safetensors handle) over every shard."""
+    where: dict[str, tuple[Path, object]] = {}
+    for f in files:
+        try:
+            handle = safe_open(str(f), framework="pt")
+            names = list(handle.keys())
+        except Exception as exc:  # SafetensorError: truncated header, bad JSON, ...
+            raise ModelLoadError(f, f"not a readable safetensors file ({exc})") from None
+        for name in names:
+            where[name] = (f, handle)
+    return where
+
+
+def load_hf_folder(
+    folder: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[ModelConfig, LlamaWeights, Tokenizer]:
+    """Config, weights (on `device` in `dtype`) and tokenizer of a HF model folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelLoadError(folder, "no such folder")
+    config = _read_config(folder)
+    where = _open_shards(_shard_files(folder))
+
+    def get(name: str) -> torch.Tensor | None:
+        # HF checkpoints sometimes drop the "model." prefix (older exports).
+        for key in (name, name.removeprefix("model.")):
+            if key in where:
+                path, handle = where[key]
+                try:
+                    return handle.get_tensor(key)
+                except Exception as exc:  # data past the end of a truncated file, ...
+                    raise ModelLoadError(path, f"tensor {key!r} is unreadable: {exc}") from None
+        return None
+
+    def locate(name: str) -> str:  # errors name the shard holding the tensor
+        for key in (name, name.removeprefix("model.")):
+            if key in where:
+                return str(where[key][0])
+        return str(folder)
+
+    weights = assemble_weights(config, get, locate, device, dtype)
+    return config, weights, Tokenizer.from_folder(folder)

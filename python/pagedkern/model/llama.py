@@ -1,0 +1,158 @@
+"""The Llama-family forward over the paged KV cache, written only against pagedkern ops (plus
+torch GEMMs and the embedding lookup), so one model file serves CPU (reference ops) and CUDA.
+
+Per layer: fused add+RMSNorm, one fused QKV GEMM, rope_and_cache (rotate q/k, write k/v pages
+through slot_mapping), flash_prefill on the prefill rows and paged_attention on the decode rows,
+O GEMM, fused add+RMSNorm, one fused gate/up GEMM, silu_and_mul, down GEMM. Then the final norm
+and the LM head on the requested rows only. Norm statistics, softmax and logits are fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from .attention_metadata import AttentionMetadata
+from .config import ModelConfig
+from .kv_cache import KVCache, allocate_kv_cache
+from .rope import rope_table
+from .weights import LayerWeights, LlamaWeights
+
+_mm_out_dtype_works: bool | None = None  # torch.mm(..., out_dtype=) on CUDA, probed once
+
+
+def _mm_fp32_out(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """h @ weight.T as fp32 straight from a half-precision GEMM (CUDA, recent torch), or None."""
+    global _mm_out_dtype_works
+    if not h.is_cuda or _mm_out_dtype_works is False:
+        return None
+    try:
+        out = torch.mm(h, weight.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        _mm_out_dtype_works = False
+        return None
+    _mm_out_dtype_works = True
+    return out
+
+
+class LlamaModel:
+    """A loaded model: config, weights (device, dtype) and its RoPE table.
+
+    forward(input_ids, meta, kv_cache) -> logits [len(meta.logits_indices), vocab] float32.
+    """
+
+    def __init__(
+        self, config: ModelConfig, weights: LlamaWeights, max_positions: int | None = None
+    ):
+        self.config = config
+        self.weights = weights
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        self.max_positions = max_positions or config.max_position_embeddings
+        # [max_positions, D] fp32 cos|sin, frequencies already scaled (Llama 3, GGUF factors).
+        self.cos_sin = rope_table(
+            config, self.max_positions, self.device, weights.rope_freq_factors
+        )
+        self._lm_head_fp32: torch.Tensor | None = None  # fallback for fp32 logits, made lazily
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
+        """A KV cache for this model on its device, in its dtype."""
+        return allocate_kv_cache(self.config, num_blocks, block_size, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """input_ids [T] int32 (rows laid out as `meta` says); writes this step's k/v into
+        kv_cache; returns float32 logits for the rows meta.logits_indices selects."""
+        hidden = self.hidden_states(input_ids, meta, kv_cache)
+        return self.compute_logits(hidden[meta.logits_indices])
+
+    __call__ = forward
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] final hidden states -> [N, vocab] float32 logits.
+
+        Logits rounded to bf16 (spacing 0.125 near 25) turn close calls into ties, so half-
+        precision models get an fp32-output GEMM where torch has one (CUDA), else a GEMM
+        against an fp32 copy of the LM head (V*H*4 bytes, made on first use)."""
+        head = self.weights.lm_head
+        if hidden.dtype == torch.float32:
+            return F.linear(hidden, head)
+        logits = _mm_fp32_out(hidden, head)
+        if logits is not None:
+            return logits
+        if self._lm_head_fp32 is None:
+            self._lm_head_fp32 = head.float()
+        return F.linear(hidden.float(), self._lm_head_fp32)
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """Final-normed hidden states of every row, [T, H] in the model dtype."""
+        cfg, w = self.config, self.weights
+        eps = cfg.rms_norm_eps
+        if kv_cache.num_layers != cfg.num_layers:
+            raise ValueError(f"KV cache has {kv_cache.num_layers} layers, model {cfg.num_layers}")
+        tokens = input_ids.shape[0]
+        h = F.embedding(input_ids, w.embed)
+        residual: torch.Tensor | None = None
+        attn = torch.empty(
+            tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device
+        )
+        for layer, (k_cache, v_cache) in zip(w.layers, kv_cache.layers, strict=True):
+            if residual is None:  # first layer: the embedding is the residual stream
+                residual = h
+                h = ops.rms_norm(h, layer.input_norm, eps)
+            else:
+                h, residual = ops.fused_add_rms_norm(h, residual, layer.input_norm, eps)
+            self._attention(h, layer, meta, k_cache, v_cache, attn)
+            h = F.linear(attn.view(tokens, cfg.q_size), layer.o, layer.o_bias)
+            h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
+            gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)
+            h = F.linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+        h, _ = ops.fused_add_rms_norm(h, residual, w.norm, eps)
+        return h
+
+    def _attention(
+        self,
+        h: torch.Tensor,
+        layer: LayerWeights,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        cfg = self.config
+        tokens = h.shape[0]
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        # Head views into the fused output (token stride qkv_size): no copies.
+        q = qkv[:, : cfg.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(tokens, cfg.num_kv_heads, -1)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        ops.rope_and_cache(
+            q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping
+        )
+        p, rows = meta.num_prefills, meta.num_prefill_tokens
+        if p:
+            ops.flash_prefill(
+                q[:rows],
+                k_cache,
+                v_cache,
+                meta.cu_seqlens[: p + 1],
+                meta.block_tables[:p],
+                meta.seq_lens[:p],
+                out=out[:rows],
+            )
+        if rows < tokens:
+            ops.paged_attention(
+                q[rows:],
+                k_cache,
+                v_cache,
+                meta.block_tables[p:],
+                meta.seq_lens[p:],
+                out=out[rows:],
+            )

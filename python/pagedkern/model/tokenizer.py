@@ -1,0 +1,191 @@
+"""Tokenizer: a HF `tokenizers` backend plus what serving needs around it (special tokens, stop
+ids, the chat template, streaming detokenization), saved and loaded as a HF tokenizer folder
+(tokenizer.json + tokenizer_config.json)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+from .chat_template import Message, render_chat
+from .errors import ModelLoadError
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# End-of-turn / end-of-text markers of common chat formats: generation stops on any present.
+END_MARKERS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "</s>",
+)
+
+
+class IncrementalDecoder:
+    """Streaming detokenizer: step(id) returns the text that id completes ("" while a multi-byte
+    character is still split across tokens)."""
+
+    __slots__ = ("_backend", "_stream")
+
+    def __init__(self, backend: tokenizers.Tokenizer, skip_special_tokens: bool):
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._backend, int(token_id)) or ""
+
+
+class Tokenizer:
+    """Text <-> token ids and chat rendering for one model.
+
+    encode/decode wrap the backend; apply_chat_template renders like HF's; stop_token_ids is the
+    set of ids that end generation (eos plus the chat format's end-of-turn markers).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        special_tokens: Mapping[str, str | None],
+        chat_template: str | None = None,
+        extra_stop_ids: Iterable[int] = (),
+    ):
+        self.backend = backend
+        self.special_tokens = {k: special_tokens.get(k) for k in SPECIAL_TOKEN_KEYS}
+        self.chat_template = chat_template
+        stops = set(extra_stop_ids)
+        for token in (self.special_tokens["eos_token"], *END_MARKERS):
+            token_id = backend.token_to_id(token) if token else None
+            if token_id is not None:
+                stops.add(token_id)
+        self.stop_token_ids = frozenset(stops)
+
+    # --- ids -------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (may be below the model's vocab_size)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def _special_id(self, key: str) -> int | None:
+        token = self.special_tokens[key]
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special_id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._special_id("pad_token")
+
+    # --- text ------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (e.g. "<|im_end|>") become
+        their single ids. add_special_tokens=True lets the tokenizer's post-processor add what
+        the model expects around raw text (e.g. Llama 3's BOS); chat prompts already carry
+        theirs from the template, so the default is False, as in apply_chat_template."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self.backend, skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        *,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """The prompt text for `messages` (or its ids with tokenize=True), rendered like HF's
+        apply_chat_template. kwargs: continue_final_message, tools, documents and template
+        variables. The default add_generation_prompt=True ends with the assistant header."""
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError("this tokenizer has no chat template; pass chat_template=")
+        text = render_chat(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens,
+            **kwargs,
+        )
+        return self.encode(text) if tokenize else text
+
+    # --- files -----------------------------------------------------------------------------
+    def save(self, folder: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json (HF layout) into `folder`."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(folder / "tokenizer.json"))
+        config = {**self.special_tokens, "chat_template": self.chat_template}
+        config["pagedkern_stop_token_ids"] = sorted(self.stop_token_ids)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        """Load a HF tokenizer folder: tokenizer.json, tokenizer_config.json (special tokens,
+        chat_template), and where present chat_template.jinja and generation_config.json."""
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(folder, "no tokenizer.json (only fast tokenizers are supported)")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:
+            raise ModelLoadError(path, f"unreadable tokenizer: {exc}") from None
+        config = _read_json(folder / "tokenizer_config.json") or {}
+        special = {k: _token_content(config.get(k)) for k in SPECIAL_TOKEN_KEYS}
+        template = _pick_template(config.get("chat_template"))
+        jinja = folder / "chat_template.jinja"
+        if jinja.is_file():
+            template = jinja.read_text()
+        stops = list(config.get("pagedkern_stop_token_ids", []))
+        eos = (_read_json(folder / "generation_config.json") or {}).get("eos_token_id")
+        stops += [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(backend, special, template, stops)
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(path, f"invalid JSON: {exc}") from None
+
+
+def _token_content(value) -> str | None:
+    """tokenizer_config.json spells a special token as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _pick_template(value) -> str | None:
+    """chat_template is a string, or a list of named templates of which "default" is used."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value}
+        return named.get("default") or next(iter(named.values()), None)
+    return value

@@ -1,0 +1,88 @@
+"""On-disk cache of converted models (dequantized GGUF weights are slow to produce): one folder
+per source file, keyed by the file's SHA-256, holding the fused fp32 weights as safetensors, the
+ModelConfig and the tokenizer. Location: $PAGEDKERN_CACHE_DIR, else $XDG_CACHE_HOME/pagedkern,
+else ~/.cache/pagedkern."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .tokenizer import Tokenizer
+from .weights import LlamaWeights
+
+# Bump when the cached layout or the conversion changes, so stale entries are never read.
+CACHE_FORMAT = 1
+_WEIGHTS, _CONFIG, _DONE = "weights.safetensors", "pagedkern_config.json", "complete"
+
+
+def cache_root() -> Path:
+    override = os.environ.get("PAGEDKERN_CACHE_DIR")
+    if override:
+        return Path(override)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedkern"
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def entry_dir(kind: str, digest: str) -> Path:
+    return cache_root() / f"{kind}-v{CACHE_FORMAT}" / digest
+
+
+def load_entry(
+    kind: str, digest: str, device: torch.device | str, dtype: torch.dtype
+) -> tuple[ModelConfig, LlamaWeights, Tokenizer] | None:
+    """The cached model, or None on a miss (or an unreadable entry, which is then dropped)."""
+    folder = entry_dir(kind, digest)
+    if not (folder / _DONE).is_file():
+        return None
+    try:
+        config = ModelConfig.from_dict(json.loads((folder / _CONFIG).read_text()))
+        # Straight to the target device: no host copy of a GPU model.
+        load_device = "cpu" if torch.device(device).type == "meta" else str(device)
+        state = load_file(str(folder / _WEIGHTS), device=load_device)
+        weights = LlamaWeights.from_state_dict(config, state).to(device, dtype)
+        tokenizer = Tokenizer.from_folder(folder)
+    except Exception as exc:  # a damaged entry must never stop a load: rebuild it instead
+        warnings.warn(f"pagedkern: dropping unreadable cache entry {folder}: {exc}", stacklevel=2)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    return config, weights, tokenizer
+
+
+def store_entry(
+    kind: str, digest: str, config: ModelConfig, weights: LlamaWeights, tokenizer: Tokenizer
+) -> None:
+    """Write the entry atomically (temp folder, then rename); failures only warn."""
+    folder = entry_dir(kind, digest)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=folder.parent))
+        try:
+            state = {k: v.contiguous() for k, v in weights.state_dict().items()}
+            save_file(state, str(tmp / _WEIGHTS))
+            (tmp / _CONFIG).write_text(json.dumps(config.to_dict()))
+            tokenizer.save(tmp)
+            (tmp / _DONE).write_text("")
+            os.replace(tmp, folder)  # fails if a concurrent writer won: theirs is as good
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        if not (folder / _DONE).is_file():
+            warnings.warn(f"pagedkern: could not cache converted model: {exc}", stacklevel=2)

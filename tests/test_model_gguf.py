@@ -1,0 +1,246 @@
+"""The GGUF loader on small files written here with gguf.GGUFWriter the way llama.cpp's converter
+writes them (Q/K permuted for interleaved RoPE on "llama", Q8_0 weights, tokenizer metadata),
+and the converted-weights cache."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from unittest import mock
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+from hf_model_files import LLAMA3_TEMPLATE, SPECIALS, base_config, dense_logits, hf_tensors
+from hf_model_files import train_tokenizer as trained_tokenizer
+
+from pagedkern.model import ModelLoadError, SequenceChunk, build_batch, load_model
+from pagedkern.model.weights_cache import cache_root
+
+Q8 = gguf.GGMLQuantizationType.Q8_0
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half rows -> interleaved pairs."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(path, cfg: dict, arch: str = "llama", skip: str = "", seed: int = 0) -> dict:
+    """A GGUF of the HF-style config; returns the float64 HF-layout tensors as dequantized."""
+    tok = trained_tokenizer()
+    model = json.loads(tok.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    cfg["vocab_size"] = len(tokens)
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) for m in model["merges"]])
+    w.add_bos_token_id(tokens.index("<|begin_of_text|>"))
+    w.add_eos_token_id(tokens.index("<|eot_id|>"))
+    w.add_chat_template(LLAMA3_TEMPLATE)
+    expected = {}
+    for name, t in hf_tensors(cfg, seed).items():
+        arr = t.numpy().astype(np.float32)
+        if name.endswith("weight") and arr.ndim == 2:
+            arr = dequantize(quantize(arr, Q8), Q8)  # what the file will hold
+        expected[name] = torch.from_numpy(arr.astype(np.float64))
+        if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+            arr = llama_cpp_permute(arr, nh if "q_proj" in name else nkv)
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{GGUF_LAYER[module]}.{kind}"
+        if gname == skip:
+            continue
+        if arr.ndim == 2:
+            w.add_tensor(gname, quantize(arr, Q8), raw_dtype=Q8)
+        else:
+            w.add_tensor(gname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def all_logits(model, ids):
+    kv = model.allocate_kv_cache(8, 16)
+    batch, meta = build_batch([SequenceChunk(ids, 0, list(range(8)))], 16)
+    return model.compute_logits(model.hidden_states(batch, meta, kv)).double()
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+TEXT = "the capital of France is Paris; 法国的首都是巴黎. Quick brown foxes!"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_matches_dense(tmp_path, arch):
+    if arch == "llama":
+        cfg = base_config(rope_theta=500000.0)
+    else:
+        cfg = base_config(model_type="qwen2", tie_word_embeddings=True)
+    expected = write_gguf(tmp_path / "m.gguf", cfg, arch)
+    model, tok = load_model(tmp_path / "m.gguf")
+    assert model.config.vocab_size == cfg["vocab_size"]
+    assert model.config.qkv_bias == (arch == "qwen2") and model.weights.tied == (arch == "qwen2")
+    ids = tok.encode(TEXT)
+    got = all_logits(model, ids)
+    want = dense_logits(expected, cfg, ids)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got - want).abs().max().item() < 1e-4
+    assert tok.decode(ids) == TEXT
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]).startswith(
+        "<|begin_of_text|><|start_header_id|>user"
+    )
+    assert tok.token_to_id("<|eot_id|>") in tok.stop_token_ids
+
+
+def test_cache_hit_skips_parsing_and_damage_rebuilds(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, base_config())
+    first, tok = load_model(path)
+    entries = list((tmp_path / "cache").glob("gguf-v*/*"))
+    assert len(entries) == 1 and (entries[0] / "weights.safetensors").is_file()
+    with mock.patch("gguf.GGUFReader", side_effect=AssertionError("parsed the GGUF again")):
+        second, tok2 = load_model(path)
+    ids = tok.encode(TEXT)
+    assert tok2.encode(TEXT) == ids
+    assert torch.equal(all_logits(first, ids), all_logits(second, ids))
+    # A damaged entry is dropped with a warning and rebuilt from the file.
+    weights = entries[0] / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.warns(UserWarning, match="unreadable cache entry"):
+        third, _ = load_model(path)
+    assert torch.equal(all_logits(third, ids), all_logits(first, ids))
+    assert (entries[0] / "complete").is_file()
+    # Another file (other hash) gets its own entry; use_cache=False writes none.
+    other = tmp_path / "other.gguf"
+    write_gguf(other, base_config(), seed=1)
+    load_model(other, use_cache=False)
+    assert len(list((tmp_path / "cache").glob("gguf-v*/*"))) == 1
+    load_model(other)
+    assert len(list((tmp_path / "cache").glob("gguf-v*/*"))) == 2
+
+
+def test_cache_location(tmp_path, monkeypatch):
+    monkeypatch.delenv("PAGEDKERN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "pagedkern"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "pagedkern"
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
+
+
+def test_unwritable_cache_only_warns(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(blocker / "cache"))
+    write_gguf(tmp_path / "m.gguf", base_config())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _ = load_model(tmp_path / "m.gguf")
+    assert any("could not cache" in str(w.message) for w in caught)
+    assert model.config.num_layers == 2
+
+
+def test_gguf_missing_tensor_and_bad_arch(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, base_config(), skip="blk.1.ffn_up.weight")
+    with pytest.raises(ModelLoadError) as info:
+        load_model(path)
+    assert info.value.source == str(path) and "'blk.1.ffn_up.weight' is missing" in str(info.value)
+    falcon = tmp_path / "falcon.gguf"
+    write_gguf(falcon, base_config(), arch="falcon")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'falcon'"):
+        load_model(falcon)
+
+
+def toy_meta(pre: str, **extra) -> dict:
+    """GGUF tokenizer metadata: the 256 byte symbols, two merges, one control token."""
+    from tokenizers import pre_tokenizers
+
+    tokens = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "12", "123", "<|bos|>"]
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * (len(tokens) - 1) + [3],
+        "tokenizer.ggml.merges": ["1 2", "12 3"],
+        "tokenizer.ggml.bos_token_id": len(tokens) - 1,
+        "tokenizer.ggml.eos_token_id": len(tokens) - 1,
+    }
+    meta.update(extra)
+    return meta
+
+
+@pytest.mark.parametrize(
+    ("pre", "digit_tokens"),
+    [
+        ("default", ["123"]),
+        ("smollm", ["1", "2", "3"]),
+        ("llama-bpe", ["123"]),
+        ("qwen2", list("123")),
+    ],
+)
+def test_gguf_pre_tokenizers(pre, digit_tokens):
+    from pagedkern.model.gguf_tokenizer import tokenizer_from_gguf
+
+    tok = tokenizer_from_gguf(toy_meta(pre, **{"tokenizer.ggml.add_bos_token": True}), "toy.gguf")
+    ids = tok.encode("123")
+    assert [tok.id_to_token(i) for i in ids] == digit_tokens
+    assert tok.encode("123", add_special_tokens=True) == [tok.bos_token_id, *ids]
+    text = "héllo 法国 🇫🇷 x=123"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_gguf_tokenizer_errors():
+    from pagedkern.model.gguf_tokenizer import tokenizer_from_gguf
+
+    with pytest.raises(ModelLoadError, match="tokenizer model 'llama'"):
+        tokenizer_from_gguf(toy_meta("default", **{"tokenizer.ggml.model": "llama"}), "x.gguf")
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'mystery'"):
+        tokenizer_from_gguf(toy_meta("mystery"), "x.gguf")
+    with pytest.raises(ModelLoadError, match="no vocabulary"):
+        tokenizer_from_gguf(toy_meta("default", **{"tokenizer.ggml.tokens": []}), "x.gguf")

