@@ -34,13 +34,15 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return ""
         self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self._prefix_offset : self._read_offset])
-        after = decode(self.ids[self._prefix_offset :])
+        before = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        after = self._decode(self.ids[self._prefix_offset :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.text += after[len(before) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         return self._release()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
 
     def _release(self) -> str:
         if self.stop:

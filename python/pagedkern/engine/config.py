@@ -1,0 +1,38 @@
+"""Engine settings: which model, where it runs, how big the KV cache is, batching limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """model: None (default SmolLM2 GGUF), a .gguf path, a HF folder or "synthetic:<preset>".
+    backend: "auto" (CUDA kernels when a GPU is usable, else the CPU reference), "cuda"
+    (insist on the kernels), "reference" (PyTorch reference ops, on the GPU if there is one).
+    KV cache: num_blocks if given; else on the GPU a fraction of the free memory left after the
+    weights, on the CPU kv_cache_gib."""
+
+    model: str | None = None
+    backend: str = "auto"
+    dtype: torch.dtype | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_gib: float = 1.0
+    gpu_memory_fraction: float = 0.85
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0  # synthetic weights
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "cuda", "reference"):
+            raise ValueError(f"backend must be auto, cuda or reference, got {self.backend!r}")
+        if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
+            raise ValueError("block_size and num_blocks must be positive")
+        if not 0 < self.gpu_memory_fraction <= 1 or self.kv_cache_gib <= 0:
+            raise ValueError("gpu_memory_fraction must be in (0, 1] and kv_cache_gib positive")

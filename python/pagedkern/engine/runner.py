@@ -1,0 +1,65 @@
+"""Runs one scheduled iteration on the model: the flattened batch and its metadata from the
+requests' state, one forward pass, and sampling of the rows whose prompt is fully computed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..model import KVCache, LlamaModel, SequenceChunk, build_batch
+from .request import Request
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Sampled token per request that completed its uncomputed tokens this step, and those rows'
+    fp32 logits (for tracing), in the same order."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    logits: torch.Tensor | None
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = model.device
+
+    def run(self, entries: list[tuple[Request, int]]) -> StepResult:
+        # Prefill chunks first, then one-token rows: the layout the model's metadata expects.
+        ordered = [e for e in entries if e[1] > 1] + [e for e in entries if e[1] == 1]
+        chunks = [
+            SequenceChunk(
+                r.ids_between(r.num_computed_tokens, r.num_computed_tokens + n),
+                r.num_computed_tokens,
+                r.block_table,
+            )
+            for r, n in ordered
+        ]
+        input_ids, meta = build_batch(chunks, self.kv_cache.block_size, self.device)
+        rows = [i for i, (r, n) in enumerate(ordered) if r.num_computed_tokens + n == r.num_tokens]
+        if not rows:  # only mid-prompt chunks: fill the cache, skip the LM head
+            self.model.hidden_states(input_ids, meta, self.kv_cache)
+            return StepResult([], [], None)
+        meta.logits_indices = meta.logits_indices[torch.tensor(rows, device=self.device)]
+        logits = self.model(input_ids, meta, self.kv_cache)
+        requests = [ordered[i][0] for i in rows]
+        ids = self.sample(logits, requests)
+        return StepResult(requests, ids, logits)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """One id per row, with each request's parameters; the step offset is the number of
+        tokens it has generated, so its draws do not depend on its batch neighbours."""
+        device = logits.device
+        params = [r.params for r in requests]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32)
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64)
+        offsets = torch.tensor([len(r.output_ids) for r in requests], dtype=torch.int64)
+        host = (temperature, top_p, top_k, seeds, offsets)
+        args = [t.to(device, non_blocking=True) for t in host]
+        return ops.sample(logits, *args).tolist()

@@ -1,0 +1,1 @@
+"""Serving: the `pagedkern-serve` command line (streams to stdout) and its --trace narrator."""
