@@ -53,6 +53,19 @@ def measure(benchmark, copy_gbps):
     return run
 
 
+@pytest.fixture
+def record():
+    """record(op, case, impl, seconds, **notes): file a case timed by the test itself (e.g. an
+    end-to-end run measured with the wall clock)."""
+
+    def add(op, case, impl, seconds, *, bytes=None, flops=None, **extra) -> Result:
+        result = Result(op, case, impl, seconds, bytes, flops, extra)
+        _REPORT.add(result)
+        return result
+
+    return add
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _REPORT.results:
         return

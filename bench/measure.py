@@ -22,8 +22,10 @@ import pagedkern
 
 
 def smoke_mode() -> bool:
-    if os.environ.get("PAGEDKERN_BENCH_SMOKE") == "1":
-        return True
+    """PAGEDKERN_BENCH_SMOKE=1 forces smoke mode, =0 forbids it; unset: smoke without a GPU."""
+    setting = os.environ.get("PAGEDKERN_BENCH_SMOKE")
+    if setting in ("0", "1"):
+        return setting == "1"
     return not (pagedkern.cuda_available() and torch.cuda.is_available())
 
 
@@ -118,8 +120,9 @@ class Report:
             f"ceilings: device copy {ceiling(copy, 'GB/s')}, bf16 GEMM {ceiling(gemm, 'TFLOP/s')}"
             + (" -- SMOKE MODE (CPU, tiny sizes): the numbers mean nothing" if self.smoke else ""),
             "",
-            "| op | case | impl | time (us) | GB/s | % copy | TFLOP/s | % GEMM | vs eager |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|",
+            "| op | case | impl | time (us) | GB/s | % copy | TFLOP/s | % GEMM | vs eager "
+            "| notes |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
         ]
         eager = {(r.op, r.case): r.seconds for r in self.results if r.impl == "torch eager"}
         for r in self.results:
@@ -134,6 +137,10 @@ class Report:
                 f"{r.tflops:.1f}" if r.tflops else "",
                 f"{100 * r.tflops / gemm:.0f}%" if r.tflops and gemm else "",
                 f"{base / r.seconds:.2f}x" if base else "",
+                ", ".join(
+                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in r.extra.items()
+                ),
             ]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)

@@ -17,6 +17,7 @@ class EngineConfig:
 
     model: str | None = None
     backend: str = "auto"
+    device: str | None = None  # None: picked from the backend
     dtype: torch.dtype | None = None
     block_size: int = 16
     num_blocks: int | None = None

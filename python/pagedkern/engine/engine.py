@@ -87,7 +87,7 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig, tracer: Tracer | None = None) -> Engine:
         ops.set_backend(config.backend)
-        device = pick_device(config.backend)
+        device = torch.device(config.device) if config.device else pick_device(config.backend)
         model, tokenizer = load_model(
             config.model, device, config.dtype, seed=config.seed, max_positions=config.max_model_len
         )
