@@ -53,14 +53,58 @@ def paged_attention(
     scale = d**-0.5 if scale is None else scale
     result = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq), float("-inf"), dtype=torch.float32, device=q.device)
-    for i, length in enumerate(seq_lens.tolist()):
-        if length > 0:
-            k = _gather(k_cache, block_tables[i], length)
-            v = _gather(v_cache, block_tables[i], length)
-            o, s = _attend(q[i : i + 1], k, v, scale, None)
-            result[i], lse[i] = o[0], s[0]
+    lengths = seq_lens.tolist()
+    for group in _groups(lengths, k_cache.shape[1] * d):
+        rows = torch.tensor(group, device=q.device)
+        o, s = _attend_padded(
+            q[rows],
+            k_cache,
+            v_cache,
+            block_tables[rows],
+            seq_lens[rows].long(),
+            max(lengths[i] for i in group),
+            scale,
+        )
+        result[rows], lse[rows] = o, s
     out = _store(result, q.dtype, out)
     return (out, lse) if return_lse else out
+
+
+def _groups(lengths: list[int], elements_per_token: int, budget: int = 1 << 24) -> list[list[int]]:
+    """Sequences with keys, in groups whose padded K (rows x longest x heads x D) stays within
+    `budget` elements: batched math without an unbounded gather."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    longest = 0
+    for i in sorted((i for i, n in enumerate(lengths) if n > 0), key=lengths.__getitem__):
+        longest = max(longest, lengths[i])
+        if group and (len(group) + 1) * longest * elements_per_token > budget:
+            groups.append(group)
+            group = []
+        group.append(i)
+    return groups + [group] if group else groups
+
+
+def _attend_padded(q, k_cache, v_cache, tables, lengths, longest: int, scale: float):
+    """Decode attention for a group of sequences at once, keys padded to the longest and masked.
+    q [G, Hq, D] -> (out [G, Hq, D], lse [G, Hq]) in fp32."""
+    g, hq, d = q.shape
+    hkv, block_size = k_cache.shape[1], k_cache.shape[2]
+    nblk = -(-longest // block_size)
+    positions = torch.arange(nblk * block_size, device=q.device)
+    visible = positions[None, :] < lengths[:, None]  # [G, L]
+    pages = torch.where(visible[:, ::block_size], tables[:, :nblk].long(), 0)  # unused -> page 0
+
+    def gather(cache):  # [G, nblk, Hkv, bs, D] -> [G, Hkv, L, D], zero past each length
+        keys = cache[pages].permute(0, 2, 1, 3, 4).reshape(g, hkv, -1, d).float()
+        return keys.masked_fill(~visible[:, None, :, None], 0.0)  # never-written slots may be NaN
+
+    qg = q.float().reshape(g, hkv, hq // hkv, d)
+    scores = torch.einsum("bhgd,bhld->bhgl", qg, gather(k_cache)) * scale
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhgl,bhld->bhgd", torch.softmax(scores, dim=-1), gather(v_cache))
+    return out.reshape(g, hq, d), lse.reshape(g, hq)
 
 
 def flash_prefill(
