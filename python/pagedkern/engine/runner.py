@@ -39,12 +39,13 @@ class ModelRunner:
             )
             for r, n in ordered
         ]
-        input_ids, meta = build_batch(chunks, self.kv_cache.block_size, self.device)
         rows = [i for i, (r, n) in enumerate(ordered) if r.num_computed_tokens + n == r.num_tokens]
+        input_ids, meta = build_batch(
+            chunks, self.kv_cache.block_size, self.device, logits_rows=rows
+        )
         if not rows:  # only mid-prompt chunks: fill the cache, skip the LM head
             self.model.hidden_states(input_ids, meta, self.kv_cache)
             return StepResult([], [], None)
-        meta.logits_indices = meta.logits_indices[torch.tensor(rows, device=self.device)]
         logits = self.model(input_ids, meta, self.kv_cache)
         requests = [ordered[i][0] for i in rows]
         ids = self.sample(logits, requests)
@@ -52,14 +53,24 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """One id per row, with each request's parameters; the step offset is the number of
-        tokens it has generated, so its draws do not depend on its batch neighbours."""
-        device = logits.device
+        tokens it has generated, so its draws do not depend on its batch neighbours. The
+        parameters go up in one copy; the ids come back in one."""
         params = [r.params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32)
-        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64)
-        offsets = torch.tensor([len(r.output_ids) for r in requests], dtype=torch.int64)
-        host = (temperature, top_p, top_k, seeds, offsets)
-        args = [t.to(device, non_blocking=True) for t in host]
-        return ops.sample(logits, *args).tolist()
+        fields = (
+            torch.tensor([r.seed for r in requests], dtype=torch.int64),
+            torch.tensor([len(r.output_ids) for r in requests], dtype=torch.int64),
+            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], dtype=torch.int32),
+        )
+        packed = torch.cat([f.view(torch.uint8) for f in fields])  # int64s first: aligned views
+        if logits.device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(logits.device, non_blocking=True)
+        seeds, offsets, temperature, top_p, top_k = (
+            part.view(f.dtype)
+            for part, f in zip(
+                packed.split([f.numel() * f.element_size() for f in fields]), fields, strict=True
+            )
+        )
+        return ops.sample(logits, temperature, top_p, top_k, seeds, offsets).tolist()

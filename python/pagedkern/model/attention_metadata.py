@@ -71,16 +71,65 @@ class SequenceChunk:
     block_table: Sequence[int]
 
 
-def build_batch(
+@dataclass(slots=True)
+class BatchLayout:
+    """The host-side (Python ints) content of a batch: what build_batch uploads. Kept separate so
+    the engine can pad it (CUDA-graph buckets) or place it in its own buffers."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    cu_seqlens: list[int]
+    block_tables: list[int]  # row-major [num_seqs, width]
+    width: int
+    seq_lens: list[int]
+    logits_indices: list[int]
+    num_prefills: int
+    max_query_len: int
+
+    def upload(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, AttentionMetadata]:
+        """input_ids and metadata on `device`, from ONE int32 host buffer (pinned for CUDA) and
+        one non-blocking copy: per-step host-to-device traffic is a single transfer."""
+        device = torch.device(device)
+        parts = (
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.cu_seqlens,
+            self.block_tables,
+            self.seq_lens,
+            self.logits_indices,
+        )
+        host = torch.tensor([x for part in parts for x in part], dtype=torch.int32)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(device, non_blocking=True)
+        views = flat.split([len(part) for part in parts])
+        meta = AttentionMetadata(
+            positions=views[1],
+            slot_mapping=views[2],
+            cu_seqlens=views[3],
+            block_tables=views[4].view(len(self.seq_lens), self.width),
+            seq_lens=views[5],
+            logits_indices=views[6],
+            num_prefills=self.num_prefills,
+            num_prefill_tokens=self.cu_seqlens[self.num_prefills],
+            max_query_len=self.max_query_len,
+            max_seq_len=max(self.seq_lens),
+        )
+        return views[0], meta
+
+
+def layout_batch(
     chunks: Sequence[SequenceChunk],
     block_size: int,
-    device: torch.device | str = "cpu",
     max_blocks: int | None = None,
-) -> tuple[torch.Tensor, AttentionMetadata]:
-    """input_ids [T] int32 and the metadata for `chunks`, kept in the given order (logit row b
-    belongs to chunks[b]). The trailing run of one-token chunks runs as decodes, everything
-    before it as prefill, so callers should list prefill chunks first. block_tables are padded
-    with 0 to max_blocks (default: the longest table)."""
+    logits_rows: Sequence[int] | None = None,
+) -> BatchLayout:
+    """The batch for `chunks`, kept in the given order. The trailing run of one-token chunks runs
+    as decodes, everything before it as prefill, so callers list prefill chunks first.
+    block_tables are padded with 0 to max_blocks (default: the longest table). Logits are
+    computed for the last token of chunks[r] for r in logits_rows (default: every chunk)."""
     if not chunks:
         raise ValueError("a batch needs at least one sequence")
     num_decodes = 0
@@ -88,19 +137,18 @@ def build_batch(
         if len(chunk.token_ids) != 1:
             break
         num_decodes += 1
-    num_prefills = len(chunks) - num_decodes
 
     width = max_blocks if max_blocks is not None else max(len(c.block_table) for c in chunks)
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     cu = [0]
-    tables: list[list[int]] = []
+    tables: list[int] = []
     seq_lens: list[int] = []
     for b, chunk in enumerate(chunks):
         n, start = len(chunk.token_ids), chunk.num_computed
         end = start + n
-        table = list(chunk.block_table)
+        table = chunk.block_table
         if n == 0 or start < 0:
             raise ValueError(f"sequence {b}: needs new tokens and num_computed >= 0")
         if len(table) * block_size < end or len(table) > width:
@@ -108,28 +156,37 @@ def build_batch(
                 f"sequence {b}: block table of {len(table)} blocks cannot hold {end} tokens "
                 f"(block_size {block_size}, max_blocks {width})"
             )
-        ids.extend(int(t) for t in chunk.token_ids)
+        ids.extend(chunk.token_ids)
         positions.extend(range(start, end))
         slots.extend(
             table[p // block_size] * block_size + p % block_size for p in range(start, end)
         )
         cu.append(cu[-1] + n)
-        tables.append(table + [0] * (width - len(table)))
+        tables.extend(table)
+        tables.extend([0] * (width - len(table)))
         seq_lens.append(end)
-
-    def tensor(data) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.int32, device=device)
-
-    meta = AttentionMetadata(
-        positions=tensor(positions),
-        slot_mapping=tensor(slots),
-        cu_seqlens=tensor(cu),
-        block_tables=tensor(tables).reshape(len(chunks), width),
-        seq_lens=tensor(seq_lens),
-        logits_indices=tensor([c - 1 for c in cu[1:]]),
-        num_prefills=num_prefills,
-        num_prefill_tokens=cu[num_prefills],
+    rows = range(len(chunks)) if logits_rows is None else logits_rows
+    return BatchLayout(
+        input_ids=ids,
+        positions=positions,
+        slot_mapping=slots,
+        cu_seqlens=cu,
+        block_tables=tables,
+        width=width,
+        seq_lens=seq_lens,
+        logits_indices=[cu[r + 1] - 1 for r in rows],
+        num_prefills=len(chunks) - num_decodes,
         max_query_len=max(len(c.token_ids) for c in chunks),
-        max_seq_len=max(seq_lens),
     )
-    return tensor(ids), meta
+
+
+def build_batch(
+    chunks: Sequence[SequenceChunk],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    max_blocks: int | None = None,
+    logits_rows: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """input_ids [T] int32 and the metadata for `chunks` on `device` (see layout_batch; logit
+    row i belongs to chunks[logits_rows[i]], by default chunks[i])."""
+    return layout_batch(chunks, block_size, max_blocks, logits_rows).upload(device)
