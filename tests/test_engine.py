@@ -248,3 +248,14 @@ def test_llm_generate_and_chat_keep_input_order():
     assert results[0].token_ids == results[3].token_ids == results[6].token_ids
     chats = llm.chat([[{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=3))
     assert chats[0].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+def test_padded_static_decode_path_equals_the_dynamic_one(solo):
+    # cuda_graphs=True on the CPU runs the CUDA-graph path's padded static buffers eagerly:
+    # padding rows (length 0, slot -1) must change nothing.
+    prompts, expected = solo
+    engine = make_engine(cuda_graphs=True, max_num_seqs=20)
+    assert engine.runner.graphs is not None and engine.runner.graphs.sizes == [1, 2, 4, 8, 16, 20]
+    requests = [engine.add_request(prompt_ids=p, params=GREEDY) for p in prompts]
+    got = run_checked(engine)
+    assert [got[r.request_id] for r in requests] == expected

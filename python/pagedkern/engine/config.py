@@ -12,8 +12,10 @@ class EngineConfig:
     """model: None (default SmolLM2 GGUF), a .gguf path, a HF folder or "synthetic:<preset>".
     backend: "auto" (CUDA kernels when a GPU is usable, else the CPU reference), "cuda"
     (insist on the kernels), "reference" (PyTorch reference ops, on the GPU if there is one).
-    KV cache: num_blocks if given; else on the GPU a fraction of the free memory left after the
-    weights, on the CPU kv_cache_gib."""
+    KV cache: num_blocks if given; else on the GPU what gpu_memory_fraction of the device's
+    memory leaves after the weights and a profiled forward pass, on the CPU kv_cache_gib.
+    cuda_graphs: replay decode steps from CUDA graphs (None: wherever the kernels run on a GPU;
+    True on the CPU runs the same padded static-buffer path eagerly, for tests)."""
 
     model: str | None = None
     backend: str = "auto"
@@ -28,6 +30,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    cuda_graphs: bool | None = None  # None: on for the CUDA kernels on a GPU
     seed: int = 0  # synthetic weights
 
     def __post_init__(self) -> None:

@@ -17,10 +17,11 @@ import torch
 
 from .. import ops
 from .._extension import cuda_available, cuda_unavailable_reason
-from ..model import LlamaModel, Tokenizer, kv_block_bytes, load_model, num_blocks_for_bytes
+from ..model import LlamaModel, Tokenizer, load_model
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .kv_budget import kv_cache_blocks
 from .request import FinishReason, Request
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
@@ -64,7 +65,7 @@ class Engine:
         self.config = config
         self.tracer = tracer
         self.max_model_len = min(config.max_model_len or model.max_positions, model.max_positions)
-        num_blocks = config.num_blocks or self._kv_blocks_from_budget()
+        num_blocks = config.num_blocks or kv_cache_blocks(model, config, self.max_model_len)
         self.kv_cache = model.allocate_kv_cache(num_blocks, config.block_size)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -76,7 +77,12 @@ class Engine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
             ),
         )
-        self.runner = ModelRunner(model, self.kv_cache)
+        graphs = config.cuda_graphs
+        if graphs is None:  # on by default where kernels run on a GPU (the reference syncs)
+            graphs = model.device.type == "cuda" and ops.get_backend() != "reference"
+        self.runner = ModelRunner(
+            model, self.kv_cache, config.max_num_seqs, self.max_model_len, cuda_graphs=graphs
+        )
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -92,19 +98,6 @@ class Engine:
             config.model, device, config.dtype, seed=config.seed, max_positions=config.max_model_len
         )
         return cls(model, tokenizer, config, tracer)
-
-    def _kv_blocks_from_budget(self) -> int:
-        cfg, bs, dtype = self.model.config, self.config.block_size, self.model.dtype
-        if self.model.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.model.device)
-            budget = int(free * self.config.gpu_memory_fraction)
-        else:
-            budget = int(self.config.kv_cache_gib * 2**30)
-        blocks = num_blocks_for_bytes(cfg, budget, bs, dtype)
-        if blocks < 1:
-            need = kv_block_bytes(cfg, bs, dtype)
-            raise RuntimeError(f"no memory for even one KV block ({need} bytes, budget {budget})")
-        return blocks
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(

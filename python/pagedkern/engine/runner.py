@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from ..model import KVCache, LlamaModel, SequenceChunk, build_batch
+from ..model import KVCache, LlamaModel, SequenceChunk, layout_batch
+from .cuda_graphs import DecodeGraphs
 from .request import Request
 
 
@@ -23,10 +24,22 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache):
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        max_num_seqs: int,
+        max_model_len: int,
+        cuda_graphs: bool = False,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
+        self.graphs = None
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_model_len)
+            if self.device.type == "cuda":
+                self.graphs.capture()
 
     def run(self, entries: list[tuple[Request, int]]) -> StepResult:
         # Prefill chunks first, then one-token rows: the layout the model's metadata expects.
@@ -40,13 +53,15 @@ class ModelRunner:
             for r, n in ordered
         ]
         rows = [i for i, (r, n) in enumerate(ordered) if r.num_computed_tokens + n == r.num_tokens]
-        input_ids, meta = build_batch(
-            chunks, self.kv_cache.block_size, self.device, logits_rows=rows
-        )
-        if not rows:  # only mid-prompt chunks: fill the cache, skip the LM head
-            self.model.hidden_states(input_ids, meta, self.kv_cache)
-            return StepResult([], [], None)
-        logits = self.model(input_ids, meta, self.kv_cache)
+        layout = layout_batch(chunks, self.kv_cache.block_size, logits_rows=rows)
+        if self.graphs is not None and layout.num_prefills == 0 and len(rows) == len(chunks):
+            logits = self.graphs.run(layout)  # every row a decode that samples: replay a graph
+        else:
+            input_ids, meta = layout.upload(self.device)
+            if not rows:  # only mid-prompt chunks: fill the cache, skip the LM head
+                self.model.hidden_states(input_ids, meta, self.kv_cache)
+                return StepResult([], [], None)
+            logits = self.model(input_ids, meta, self.kv_cache)
         requests = [ordered[i][0] for i in rows]
         ids = self.sample(logits, requests)
         return StepResult(requests, ids, logits)

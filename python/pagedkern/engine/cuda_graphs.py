@@ -1,0 +1,120 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step launches a few hundred small kernels (per layer: two norms, four GEMMs, RoPE +
+cache write, attention, SiLU); at small batch sizes launching them costs more than running them.
+The forward pass of a pure-decode batch is therefore captured once per batch size of a ladder
+(1, 2, 4, 8, then steps of 16 up to max_num_seqs) and replayed with the batch padded to the next
+size: padding rows have sequence length 0 (attention reads nothing, writes zeros) and slot -1 (no
+cache write). Inputs live in one static int32 device buffer at fixed offsets, filled each step
+from one pinned host buffer with one copy; block tables are padded to the widest a sequence can
+need, so the attention launch (split plan included) is the same for every replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from ..model import AttentionMetadata, BatchLayout, KVCache, LlamaModel
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = {s for s in (1, 2, 4, 8) if s <= max_num_seqs}
+    sizes |= set(range(16, max_num_seqs + 1, 16))
+    sizes.add(max_num_seqs)
+    return sorted(sizes)
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, max_num_seqs: int, max_model_len: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.max_batch = self.sizes[-1]
+        self.width = -(-max_model_len // kv_cache.block_size)  # blocks of the longest sequence
+        b, m = self.max_batch, self.width
+        # ids, positions, slot_mapping, cu_seqlens, block_tables, seq_lens, logits_indices
+        self._lengths = [b, b, b, b + 1, b * m, b, b]
+        total = sum(self._lengths)
+        pinned = model.device.type == "cuda"
+        self._host = torch.zeros(total, dtype=torch.int32, pin_memory=pinned)
+        self._device = torch.zeros(total, dtype=torch.int32, device=model.device)
+        self._h = self._host.split(self._lengths)
+        self._d = self._device.split(self._lengths)
+        self._h[3].copy_(torch.arange(b + 1, dtype=torch.int32))  # one row per sequence
+        self._h[6].copy_(torch.arange(b, dtype=torch.int32))
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+
+    def bucket(self, num_seqs: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+
+    def _meta(self, size: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        ids, positions, slots, cu, tables, seq_lens, logits_indices = self._d
+        meta = AttentionMetadata(
+            positions=positions[:size],
+            slot_mapping=slots[:size],
+            cu_seqlens=cu[: size + 1],
+            block_tables=tables[: size * self.width].view(size, self.width),
+            seq_lens=seq_lens[:size],
+            logits_indices=logits_indices[:size],
+            num_prefills=0,
+            num_prefill_tokens=0,
+            max_query_len=1,
+            max_seq_len=self.width * self.kv_cache.block_size,
+        )
+        return ids[:size], meta
+
+    def _fill(self, layout: BatchLayout | None) -> None:
+        """Write a decode batch (or, with None, all padding) into the host buffer and upload it."""
+        ids, positions, slots, _, tables, seq_lens, _ = self._h
+        n = 0 if layout is None else len(layout.seq_lens)
+        if n:
+            ids[:n] = torch.tensor(layout.input_ids, dtype=torch.int32)
+            positions[:n] = torch.tensor(layout.positions, dtype=torch.int32)
+            slots[:n] = torch.tensor(layout.slot_mapping, dtype=torch.int32)
+            seq_lens[:n] = torch.tensor(layout.seq_lens, dtype=torch.int32)
+            rows = tables.view(self.max_batch, self.width)
+            rows[:n, : layout.width] = torch.tensor(layout.block_tables, dtype=torch.int32).view(
+                n, layout.width
+            )
+        ids[n:] = 0
+        positions[n:] = 0
+        slots[n:] = -1  # padding rows write nothing to the cache
+        seq_lens[n:] = 0  # ... and read nothing from it
+        # The previous step's copy has completed: its sampled ids were read back (a sync) before
+        # this step began, so the host buffer is free to rewrite.
+        self._device.copy_(self._host, non_blocking=True)
+
+    def capture(self) -> None:
+        """Capture one graph per batch size, largest first so the smaller ones share its memory
+        pool. Each is warmed up eagerly first (cuBLAS workspaces, lazy kernel loading)."""
+        self._fill(None)
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        for size in reversed(self.sizes):
+            ids, meta = self._meta(size)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.model(ids, meta, self.kv_cache)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[size] = self.model(ids, meta, self.kv_cache)
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def run(self, layout: BatchLayout) -> torch.Tensor:
+        """Logits [n, vocab] of a pure-decode batch of n <= max_batch sequences."""
+        n = len(layout.seq_lens)
+        if layout.num_prefills or layout.width > self.width or n > self.max_batch:
+            raise ValueError("not a decode batch these graphs can run")
+        size = self.bucket(n)
+        self._fill(layout)
+        if size in self._graphs:
+            self._graphs[size].replay()
+            return self._logits[size][:n]
+        ids, meta = self._meta(size)  # not captured (CPU, or capture skipped): same path, eager
+        return self.model(ids, meta, self.kv_cache)[:n]
