@@ -18,7 +18,7 @@ def test_gpu_check_dry_run_writes_a_summary(tmp_path):
     out = tmp_path / "results"
     env = {"PYTHON": sys.executable, "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
     proc = subprocess.run(
-        ["bash", str(ROOT / "tools" / "gpu_check.sh"), "--dry-run", str(out)],
+        ["bash", str(ROOT / "tools" / "gpu_check.sh"), "--dry-run", "--e2e", str(out)],
         capture_output=True,
         text=True,
         env=env,
@@ -28,7 +28,7 @@ def test_gpu_check_dry_run_writes_a_summary(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["bench"]["smoke"] is True
     ops = {r["op"] for r in summary["bench"]["results"]}
-    assert {"rms_norm", "fused_add_rms_norm", "silu_and_mul"} <= ops
+    assert {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "e2e offline"} <= ops
     assert "| op | case | impl |" in (out / "summary.md").read_text()
 
 

@@ -3,10 +3,12 @@
 # the `gpu` tests and the benchmarks, and write summary.md + summary.json (plus raw logs, JUnit
 # XML and benchmark JSON) into RESULTS_DIR. Budget: under 8 minutes on one H200.
 #
-#   tools/gpu_check.sh [--dry-run] RESULTS_DIR
+#   tools/gpu_check.sh [--dry-run] [--e2e] RESULTS_DIR
 #
 #   --dry-run   CPU only, for CI: no build (the installed package is used), gpu tests skip,
 #               benchmarks in smoke mode (tiny sizes, reference ops). Keeps this script from rotting.
+#   --e2e       also the end-to-end serving benchmarks (bench/test_bench_e2e.py: default model and
+#               the 8B shape; offline, online, batch-1 roofline, reference backend, HF).
 #
 # Needs python with torch, pybind11, cmake, ninja, setuptools and nvcc. What the machine lacks
 # comes from .carry/ (tools/pack_carry.sh makes it): CUTLASS headers as a tarball (unless
@@ -14,15 +16,17 @@
 set -uo pipefail
 
 dry_run=0
+e2e=0
 out=""
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry_run=1 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --e2e) e2e=1 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) out="$arg" ;;
   esac
 done
-[ -n "$out" ] || { echo "usage: tools/gpu_check.sh [--dry-run] RESULTS_DIR" >&2; exit 2; }
+[ -n "$out" ] || { echo "usage: tools/gpu_check.sh [--dry-run] [--e2e] RESULTS_DIR" >&2; exit 2; }
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
@@ -69,6 +73,8 @@ stage "gpu tests"
 "$python" -m pytest tests -m gpu -q -p no:cacheprovider --junitxml="$out/tests.xml" \
   >"$out/tests.log" 2>&1 || status=1
 tail -3 "$out/tests.log"
+
+[ "$e2e" = 1 ] || bench_flags+=(--ignore=bench/test_bench_e2e.py)
 
 stage "benchmarks"
 PAGEDKERN_BENCH_JSON="$out/bench.json" "$python" -m pytest bench -q -p no:cacheprovider \

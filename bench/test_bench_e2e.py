@@ -1,0 +1,158 @@
+"""End-to-end serving benchmarks (bench/e2e.py) for the default model and the reference
+document's 8B shape (synthetic weights): offline throughput, online latency, batch-1 decode vs
+the weight-bandwidth roofline, the reference backend and HF transformers on the same workload.
+Targets on an H200: batch-1 decode of the 8B shape >= 80% of the roofline; offline throughput
+of the 8B shape >= 10x HF transformers; the CUDA backend >= 3x the reference backend.
+Smoke mode: the tiny synthetic model on the CPU reference ops, a handful of short requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from e2e import decode_roofline, make_workload, run_hf, run_offline, run_online, warm_up
+from measure import smoke_mode
+
+from pagedkern import ops
+from pagedkern.engine import Engine, EngineConfig
+
+SMOKE = smoke_mode()
+MODELS = ["synthetic:tiny"] if SMOKE else ["smollm2 (default)", "synthetic:seed"]
+OFFLINE = (8, (4, 16)) if SMOKE else (256, (100, 1024))  # requests, length range
+ONLINE = (8, 50.0) if SMOKE else (64, 8.0)  # requests, arrivals per second
+SUBSET = (4, 8) if SMOKE else (32, 128)  # requests, output tokens: A/B against slower stacks
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def engine(request) -> Engine:
+    model = None if request.param.startswith("smollm2") else request.param
+    config = EngineConfig(
+        model=model,
+        backend="reference" if SMOKE else "cuda",
+        device="cpu" if SMOKE else None,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        gpu_memory_fraction=0.8,
+    )
+    engine = Engine.from_config(config)
+    warm_up(engine)
+    yield engine
+    del engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _case(engine: Engine) -> str:
+    return f"{engine.model.config.name} {str(engine.model.dtype).removeprefix('torch.')}"
+
+
+def test_offline_throughput(engine, record):
+    n, lens = OFFLINE
+    jobs = make_workload(n, lens, lens, engine.model.config.vocab_size)
+    r = run_offline(engine, jobs)
+    assert r["output_tokens"] == sum(j.max_tokens for j in jobs)
+    record(
+        "e2e offline",
+        f"{_case(engine)}, {n} req",
+        "pagedkern",
+        r["seconds"],
+        out_tok_s=r["output_tokens_per_s"],
+        total_tok_s=r["total_tokens_per_s"],
+    )
+    assert engine.pool.num_used == 0
+
+
+def test_online_latency(engine, record):
+    n, rate = ONLINE
+    jobs = make_workload(
+        n,
+        (100, 512) if not SMOKE else (4, 16),
+        (64, 256) if not SMOKE else (4, 16),
+        engine.model.config.vocab_size,
+        seed=1,
+    )
+    r = run_online(engine, jobs, rate)
+    assert r["requests"] == n
+    record(
+        "e2e online",
+        f"{_case(engine)}, {rate:g} req/s",
+        "pagedkern",
+        r["seconds"],
+        ttft_mean_ms=r["ttft_ms"]["mean"],
+        ttft_p99_ms=r["ttft_ms"]["p99"],
+        tpot_median_ms=r["tpot_ms"]["median"],
+        itl_p99_ms=r["itl_ms"]["p99"],
+        out_tok_s=r["output_tokens_per_s"],
+    )
+
+
+def test_batch1_decode_vs_roofline(engine, record, request):
+    copy = 1.0 if SMOKE else request.getfixturevalue("copy_gbps")
+    r = decode_roofline(engine, 16 if SMOKE else 1024, copy)
+    assert r["seconds_per_token"] > 0
+    record(
+        "e2e batch-1 decode",
+        f"{_case(engine)}, context {r['context']}",
+        "pagedkern",
+        r["seconds_per_token"],
+        bytes=r["weight_bytes"],
+        roofline_fraction=r["fraction_of_roofline"],
+    )
+
+
+def test_cuda_backend_vs_reference_backend(engine, record):
+    n, tokens = SUBSET
+    jobs = make_workload(
+        n,
+        (100, 512) if not SMOKE else (4, 16),
+        (tokens, tokens),
+        engine.model.config.vocab_size,
+        seed=2,
+    )
+    fast = run_offline(engine, jobs)
+    graphs, engine.runner.graphs = engine.runner.graphs, None  # graphs hold captured kernels
+    try:
+        with ops.use_backend("reference"):
+            slow = run_offline(engine, jobs)
+    finally:
+        engine.runner.graphs = graphs
+    record(
+        "e2e backends",
+        f"{_case(engine)}, {n} req x {tokens}",
+        "reference backend",
+        slow["seconds"],
+        out_tok_s=slow["output_tokens_per_s"],
+    )
+    record(
+        "e2e backends",
+        f"{_case(engine)}, {n} req x {tokens}",
+        f"{engine.config.backend} backend",
+        fast["seconds"],
+        out_tok_s=fast["output_tokens_per_s"],
+        speedup=slow["seconds"] / fast["seconds"],
+    )
+
+
+def test_hf_transformers_generate(engine, record):
+    if SMOKE:
+        pytest.skip("smoke mode: HF transformers is compared on the GPU only")
+    n, tokens = SUBSET
+    jobs = make_workload(n, (100, 512), (tokens, tokens), engine.model.config.vocab_size, seed=3)
+    hf = run_hf(engine.model.config, jobs, "cuda", engine.model.dtype)
+    if hf is None:
+        pytest.skip("transformers is not installed")
+    ours = run_offline(engine, jobs)
+    record(
+        "e2e vs HF",
+        f"{_case(engine)}, {n} req x {tokens}",
+        "HF generate",
+        hf["seconds"],
+        out_tok_s=hf["output_tokens_per_s"],
+    )
+    record(
+        "e2e vs HF",
+        f"{_case(engine)}, {n} req x {tokens}",
+        "pagedkern",
+        ours["seconds"],
+        out_tok_s=ours["output_tokens_per_s"],
+        speedup=hf["seconds"] / ours["seconds"],
+    )
