@@ -3,15 +3,19 @@
     pagedkern-serve "What is the capital of France?"
     pagedkern-serve --trace --temperature 0.7 --top-p 0.9 "法国的首都是哪里？"
     printf 'Hi\\n{"messages": [...], "max_tokens": 8}\\n' | pagedkern-serve -
+    pagedkern-serve --http --port 8000    # OpenAI-compatible API on http://127.0.0.1:8000/v1
 
 One prompt streams token by token. With `-`, every stdin line is a request (plain text, or a JSON
 object with "prompt" or "messages" and sampling fields); they run together with continuous
-batching and each answer is printed whole, in input order. Bad arguments exit with status 2.
+batching and each answer is printed whole, in input order. With --http, the model is served
+over an OpenAI-compatible HTTP API (chat and completions, SSE streaming, /metrics) until Ctrl-C.
+Bad arguments exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -54,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-blocks", type=int)
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size on the CPU")
     g.add_argument("--no-prefix-caching", action="store_true")
+    h = p.add_argument_group("http (--http)")
+    h.add_argument("--http", action="store_true", help="serve the OpenAI-compatible HTTP API")
+    h.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    h.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    h.add_argument(
+        "--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)"
+    )
     return p
 
 
@@ -107,7 +118,12 @@ def _stats(request: Request) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.prompt is None:
+    if args.http:
+        if args.prompt is not None:
+            parser.error("--http serves requests over HTTP: give no prompt")
+        if not 0 <= args.port <= 65535 or args.max_queue < 1:
+            parser.error("--port must be in 0..65535 and --max-queue >= 1")
+    elif args.prompt is None:
         parser.error("a prompt (or '-' for stdin) is required")
     try:
         _params(args)  # reject bad sampling flags before loading anything
@@ -115,8 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         requests = [_request_args(args, line) for line in lines if line.strip()] if lines else None
         if lines is not None and not requests:
             raise ValueError("no prompts on stdin")
-        single = None if requests else _prompt_args(args, args.prompt)
-    except (ValueError, json.JSONDecodeError) as exc:
+        single = None if requests or args.http else _prompt_args(args, args.prompt)
+        sock = _bind(args) if args.http else None  # a taken port fails before the model loads
+    except (ValueError, json.JSONDecodeError, OSError) as exc:
         parser.exit(2, f"pagedkern-serve: error: {exc}\n")
 
     config = EngineConfig(
@@ -138,12 +155,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .trace import TraceWriter
 
         engine.tracer = TraceWriter(engine.tokenizer)
+    if sock is not None:
+        return _serve_http(engine, sock, args.max_queue)
     try:
         if single is not None:
             return _stream_one(engine, single, _params(args), args.stats)
         return _run_many(engine, requests, args.stats)
     except ValueError as exc:  # e.g. a prompt longer than the context
         parser.exit(2, f"pagedkern-serve: error: {exc}\n")
+
+
+def _bind(args):
+    from .http_server import bind
+
+    return bind(args.host, args.port)
+
+
+def _serve_http(engine: Engine, sock, max_queue: int) -> int:
+    from .http_server import serve
+
+    def listening(model: str, url: str) -> None:
+        print(f"pagedkern-serve: serving {model!r} at {url}/v1 (Ctrl-C stops)", file=sys.stderr)
+        sys.stderr.flush()
+
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
+        serve(engine, sock, max_queue=max_queue, on_listening=listening)
+    return 0
 
 
 def _stream_one(engine: Engine, request_args: dict, params: SamplingParams, stats: bool) -> int:

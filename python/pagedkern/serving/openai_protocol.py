@@ -1,0 +1,263 @@
+"""OpenAI API schemas (the subset pagedkern serves) as pydantic models, the mapping from a
+request to the engine's SamplingParams, and the mapping of finish reasons and errors.
+
+Requests are parsed strictly (`"max_tokens": "8"` or `true` is a 400, an int where a float is
+expected is fine); unknown fields are ignored, as vLLM does. Fields that would change the
+answer's meaning and are not implemented (n > 1, logprobs, echo, tools, penalties, logit_bias)
+are rejected with a 400 that names them instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from ..engine import FinishReason, SamplingParams
+from .errors import APIError
+
+# --- requests --------------------------------------------------------------------------------
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def as_template_message(self) -> dict:
+        text = (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/chat/completions and /v1/completions (plus vLLM's extras top_k,
+    ignore_eos and stop_token_ids, which load generators use for fixed output lengths)."""
+
+    model_config = _STRICT
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: int = 0  # <= 0 (OpenAI clients send -1): off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = None
+    user: str | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        """Set fields whose meaning the engine does not implement (-> 400)."""
+        checks = {
+            "n": self.n != 1,
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "logit_bias": bool(self.logit_bias),
+            "logprobs": self.logprobs not in (None, False, 0),
+        }
+        return {name: getattr(self, name) for name, bad in checks.items() if bad}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        for name, value in self.unsupported().items():
+            raise APIError(400, f"'{name}'={value!r} is not supported", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                400, "stream_options is only allowed with stream=true", param="stream_options"
+            )
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        return SamplingParams(
+            max_tokens=self.max_tokens or default_max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # newer name of max_tokens
+    tools: list[dict] | None = None
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        found = super().unsupported()
+        if self.tools:
+            found["tools"] = "[...]"
+        if self.top_logprobs:
+            found["top_logprobs"] = self.top_logprobs
+        return found
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return super().sampling_params(default_max_tokens)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        found = super().unsupported()
+        for name, bad in (("echo", self.echo), ("best_of", self.best_of not in (None, 1))):
+            if bad:
+                found[name] = getattr(self, name)
+        if self.suffix:
+            found["suffix"] = self.suffix
+        return found
+
+    def engine_prompt(self) -> dict:
+        """add_request arguments: {"prompt": text} or {"prompt_ids": ids}; one prompt only."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            p = p[0]
+        if isinstance(p, str):
+            return {"prompt": p}
+        if not p:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return {"prompt_ids": list(p)}
+
+
+# --- responses -------------------------------------------------------------------------------
+
+
+def openai_finish_reason(reason: FinishReason | None) -> str | None:
+    """stop -> "stop"; max_tokens, the context length and the request's time budget -> "length"
+    (the answer was cut by a limit); a cancelled request -> "abort" (vLLM's word; only seen
+    when the server shuts down, a disconnected client sees nothing). Errors are not a finish
+    reason: they become a 500 (or an error event in a stream)."""
+    if reason is None:
+        return None
+    return {
+        FinishReason.STOP: "stop",
+        FinishReason.LENGTH: "length",
+        FinishReason.CONTEXT: "length",
+        FinishReason.TIMEOUT: "length",
+        FinishReason.ABORT: "abort",
+    }.get(reason, "error")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    """A chunk's delta: absent keys are left out ({} on the closing chunk), as OpenAI does."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(_Response):
+    """Both the whole answer and each streamed chunk (OpenAI uses one schema for both)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedkern"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
