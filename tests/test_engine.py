@@ -187,10 +187,10 @@ def test_a_failing_step_finishes_its_requests_and_the_engine_lives_on(monkeypatc
 
 
 def test_bad_requests_are_rejected_at_once():
-    engine = make_engine(num_blocks=8, max_model_len=64)
     with pytest.raises(RequestRejected, match="context of 64"):
-        engine.add_request(prompt_ids=list(range(3, 70)))
-    with pytest.raises(RequestRejected, match="whole cache"):
+        make_engine(max_model_len=64).add_request(prompt_ids=list(range(3, 70)))
+    engine = make_engine(num_blocks=8, max_model_len=64)  # the cache holds 32 tokens
+    with pytest.raises(RequestRejected, match="context of 32"):
         engine.add_request(prompt_ids=list(range(3, 40)))
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("")
@@ -259,3 +259,19 @@ def test_padded_static_decode_path_equals_the_dynamic_one(solo):
     requests = [engine.add_request(prompt_ids=p, params=GREEDY) for p in prompts]
     got = run_checked(engine)
     assert [got[r.request_id] for r in requests] == expected
+
+
+def test_a_request_can_not_outgrow_the_whole_cache():
+    # 8 blocks of 4 tokens: a request may hold at most 32 tokens, then it ends with "context";
+    # without the cap it would be preempted and re-admitted forever.
+    engine = make_engine(num_blocks=8, block_size=4)
+    request = engine.add_request(
+        prompt_ids=list(range(3, 13)),
+        params=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True),
+    )
+    for _ in range(100):
+        if not engine.has_unfinished:
+            break
+        engine.step()
+    assert request.finish_reason is FinishReason.CONTEXT
+    assert request.num_tokens == 32 and engine.pool.num_used == 0

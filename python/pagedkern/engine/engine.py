@@ -64,8 +64,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.tracer = tracer
-        self.max_model_len = min(config.max_model_len or model.max_positions, model.max_positions)
-        num_blocks = config.num_blocks or kv_cache_blocks(model, config, self.max_model_len)
+        context = min(config.max_model_len or model.max_positions, model.max_positions)
+        num_blocks = config.num_blocks or kv_cache_blocks(model, config, context)
+        # A sequence can never outgrow the whole cache: one that did would be preempted forever.
+        self.max_model_len = min(context, num_blocks * config.block_size)
         self.kv_cache = model.allocate_kv_cache(num_blocks, config.block_size)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -108,10 +110,12 @@ class Engine:
         messages: Sequence[dict] | None = None,
         prompt_ids: Sequence[int] | None = None,
         request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> Request:
         """Admit one request: raw prompt text, chat `messages` (rendered with the model's chat
         template) or token ids. Raises ValueError for an empty prompt and RequestRejected (a
-        ValueError) for one that can never fit the context or the KV cache."""
+        ValueError) for one that can never fit the context or the KV cache. arrival_time (on
+        `clock`'s scale): when the request really arrived, e.g. at an HTTP server, for TTFT."""
         params = params or SamplingParams()
         if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
             raise ValueError("give exactly one of prompt, messages, prompt_ids")
@@ -137,7 +141,7 @@ class Engine:
             messages=list(messages or []) or None,
             prompt_text=prompt,
             seed=seed,
-            arrival_time=self.clock(),
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
         )
         self.scheduler.add(request)
         self.requests[request_id] = request

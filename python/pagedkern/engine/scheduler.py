@@ -60,7 +60,7 @@ class Scheduler:
         if request.num_tokens >= limit:
             raise RequestRejected(
                 f"request {request.request_id}: {request.num_tokens} prompt tokens leave no room "
-                f"in the model's context of {limit} tokens"
+                f"in a context of {limit} tokens (the model's, or what the KV cache holds)"
             )
         if self.pool.blocks_for(request.num_tokens + 1) > self.pool.num_blocks:
             raise RequestRejected(
