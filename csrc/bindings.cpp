@@ -12,6 +12,9 @@
 
 #include "rms_norm.h"
 #include "silu_and_mul.h"
+#include "paged_attention.h"
+#include "rope_and_cache.h"
+#include "sampling.h"
 
 namespace py = pybind11;
 using pagedkern::DeviceGuard;
@@ -102,6 +105,102 @@ PYBIND11_MODULE(_C, m) {
         p.dtype = static_cast<DType>(dtype);
         DeviceGuard guard(device);
         pagedkern::silu_and_mul(p, as_stream(stream));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "multiprocessor_count",
+      [](int device) {
+        int count = 0;
+        PK_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+        return count;
+      },
+      py::arg("device"));
+
+  m.def(
+      "paged_attention",
+      [](std::uintptr_t out, std::uintptr_t lse, std::uintptr_t q, std::uintptr_t k_cache,
+         std::uintptr_t v_cache, std::uintptr_t block_tables, std::uintptr_t seq_lens,
+         std::uintptr_t workspace, int64_t q_stride, int64_t out_stride,
+         int64_t block_table_stride, int batch, int num_heads, int num_kv_heads, int head_dim,
+         int block_size, int num_splits, int split_size, double scale, int dtype, int device,
+         std::uintptr_t stream) {
+        pagedkern::PagedAttentionParams p;
+        p.out = as_ptr<void>(out);
+        p.lse = as_ptr<float>(lse);
+        p.q = as_ptr<const void>(q);
+        p.k_cache = as_ptr<const void>(k_cache);
+        p.v_cache = as_ptr<const void>(v_cache);
+        p.block_tables = as_ptr<const int>(block_tables);
+        p.seq_lens = as_ptr<const int>(seq_lens);
+        p.workspace = as_ptr<float>(workspace);
+        p.q_stride = q_stride;
+        p.out_stride = out_stride;
+        p.block_table_stride = block_table_stride;
+        p.batch = batch;
+        p.num_heads = num_heads;
+        p.num_kv_heads = num_kv_heads;
+        p.head_dim = head_dim;
+        p.block_size = block_size;
+        p.num_splits = num_splits;
+        p.split_size = split_size;
+        p.scale = static_cast<float>(scale);
+        p.dtype = static_cast<DType>(dtype);
+        DeviceGuard guard(device);
+        pagedkern::paged_attention(p, as_stream(stream));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "rope_and_cache",
+      [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t positions,
+         std::uintptr_t cos_sin, std::uintptr_t k_cache, std::uintptr_t v_cache,
+         std::uintptr_t slot_mapping, int64_t q_stride, int64_t k_stride, int64_t v_stride,
+         int64_t tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, int dtype,
+         int device, std::uintptr_t stream) {
+        pagedkern::RopeAndCacheParams p;
+        p.q = as_ptr<void>(q);
+        p.k = as_ptr<void>(k);
+        p.v = as_ptr<const void>(v);
+        p.positions = as_ptr<const int>(positions);
+        p.cos_sin = as_ptr<const float>(cos_sin);
+        p.k_cache = as_ptr<void>(k_cache);
+        p.v_cache = as_ptr<void>(v_cache);
+        p.slot_mapping = as_ptr<const int>(slot_mapping);
+        p.q_stride = q_stride;
+        p.k_stride = k_stride;
+        p.v_stride = v_stride;
+        p.tokens = tokens;
+        p.num_heads = num_heads;
+        p.num_kv_heads = num_kv_heads;
+        p.head_dim = head_dim;
+        p.block_size = block_size;
+        p.dtype = static_cast<DType>(dtype);
+        DeviceGuard guard(device);
+        pagedkern::rope_and_cache(p, as_stream(stream));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "sample",
+      [](std::uintptr_t out, std::uintptr_t logits, std::uintptr_t temperature,
+         std::uintptr_t top_p, std::uintptr_t top_k, std::uintptr_t seeds, std::uintptr_t offsets,
+         int64_t rows, int64_t vocab, int64_t logits_stride, int dtype, int device,
+         std::uintptr_t stream) {
+        pagedkern::SampleParams p;
+        p.out = as_ptr<int>(out);
+        p.logits = as_ptr<const void>(logits);
+        p.temperature = as_ptr<const float>(temperature);
+        p.top_p = as_ptr<const float>(top_p);
+        p.top_k = as_ptr<const int>(top_k);
+        p.seeds = as_ptr<const int64_t>(seeds);
+        p.offsets = as_ptr<const int64_t>(offsets);
+        p.rows = rows;
+        p.vocab = vocab;
+        p.logits_stride = logits_stride;
+        p.dtype = static_cast<DType>(dtype);
+        DeviceGuard guard(device);
+        pagedkern::sample(p, as_stream(stream));
       },
       py::call_guard<py::gil_scoped_release>());
 }

@@ -14,6 +14,14 @@ ARCHS = ("sm_80", "sm_90a")
 VECTOR_ACCESS = {
     "rms_norm_vec_kernel": ("LDG.E.128", "STG.E.128"),
     "silu_and_mul_vec_kernel": ("LDG.E.128", "STG.E.128"),
+    # q in with LDG.128, K/V pages by 16-byte cp.async (L1 bypass), out with STG.128.
+    "paged_attention_kernel": ("LDG.E.128", "LDGSTS.E.BYPASS.128", "STG.E.128"),
+    "paged_attention_merge_kernel": ("LDG.E.128",),  # float4 partials
+    "rope_and_cache_kernelI13__nv_bfloat16Li8": ("LDG.E.128", "STG.E.128"),
+    "rope_and_cache_kernelI6__halfLi8": ("LDG.E.128", "STG.E.128"),
+    "rope_and_cache_kernelIfLi4": ("LDG.E.128", "STG.E.128"),
+    "sample_kernelI13__nv_bfloat16Li8": ("LDG.E.128",),
+    "sample_kernelIfLi4": ("LDG.E.128",),
 }
 # Every operator's kernels (substring of the mangled name) must be in the binary.
 KERNELS = (
@@ -21,6 +29,10 @@ KERNELS = (
     "rms_norm_scalar_kernel",
     "silu_and_mul_vec_kernel",
     "silu_and_mul_scalar_kernel",
+    "paged_attention_kernel",
+    "paged_attention_merge_kernel",
+    "rope_and_cache_kernel",
+    "sample_kernel",
 )
 
 
@@ -54,3 +66,4 @@ def test_sixteen_byte_accesses_on_hopper(cuda_binary, kernel, opcodes):
     for name, sass in listings.items():
         for opcode in opcodes:
             assert opcode in sass, f"{name} has no {opcode}"
+

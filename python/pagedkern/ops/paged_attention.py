@@ -1,11 +1,146 @@
-"""paged_attention (decode): validation, then the reference (its CUDA kernel lands with the
-decode-kernel issue)."""
+"""paged_attention (decode): validation, the split-KV plan, then csrc/paged_attention.cu or the
+reference.
+
+Split-KV (flash-decoding): when batch x KV heads leaves SMs idle, each sequence's keys are cut into
+splits of `split_size` tokens (a multiple of 64; the last split takes the rest), one CTA per split
+writes its partial output and log-sum-exp to an fp32 workspace, and a second kernel merges them.
+The plan depends only on host-side values (batch, heads, `max_seq_len`, SM count), never on
+seq_lens' contents, so the launch needs no device sync and a fixed `max_seq_len` gives a fixed grid
+(CUDA-graph capture: pass `max_seq_len` and a `workspace` of `workspace_size(...)` floats).
+"""
 
 from __future__ import annotations
 
-from .arrays import check_shape, common_device
-from .launch import reference_on_torch
-from .paged_kv import check_attention_args, check_scale
+import functools
+from dataclasses import dataclass
+
+from .arrays import (
+    DTYPE_CODES,
+    ArrayView,
+    check_contiguous,
+    check_dtype,
+    check_shape,
+    common_device,
+    empty_like,
+    view,
+)
+from .launch import launch_context, reference_on_torch, use_reference
+from .paged_kv import check_attention_args, check_heads, check_scale
+
+KERNEL_DTYPES = ("float16", "bfloat16")
+KERNEL_HEAD_DIMS = (64, 128, 256)
+SPLIT_ALIGN = 64  # split sizes are whole pipeline tiles (4096 / D tokens) for every D
+MIN_SPLIT_TOKENS = 256  # shorter splits cost more in pipeline fill and merge than they save
+MAX_SPLITS = 128
+CTA_OVERHEAD_TOKENS = 64  # fixed cost of a CTA (prologue, merge of rows, epilogue) in tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPlan:
+    num_splits: int
+    split_size: int  # tokens per split; 0 when num_splits == 1
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _plan_for(num_splits: int, max_seq_len: int) -> SplitPlan:
+    """The plan with at most num_splits splits of whole 64-token tiles covering max_seq_len."""
+    if num_splits <= 1 or max_seq_len <= SPLIT_ALIGN:
+        return SplitPlan(1, 0)
+    size = _ceil_div(_ceil_div(max_seq_len, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
+    n = _ceil_div(max_seq_len, size)
+    return SplitPlan(n, size) if n > 1 else SplitPlan(1, 0)
+
+
+def ctas_per_kv_head(group: int, head_dim: int) -> int:
+    """CTAs serving one KV head of one sequence (per split), as csrc/paged_attention.cu cuts a
+    group of query heads: units of 2 heads for even groups, else 1; up to kRows units per CTA
+    (16 for D = 64, else 8)."""
+    units = group // 2 if group % 2 == 0 else group
+    return _ceil_div(units, 16 if head_dim == 64 else 8)
+
+
+def plan_splits(
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_seq_len: int,
+    num_sms: int,
+    num_splits: int | None = None,
+) -> SplitPlan:
+    """Number and size of the KV splits (host-side heuristic, no device values).
+
+    CTAs without splitting: batch x KV heads x ctas_per_kv_head(group). If they fill the GPU
+    (num_sms x 4 resident CTAs, 3 for D = 256), no split. Otherwise pick the split count that
+    minimises waves x (tokens per split + a fixed per-CTA cost), with splits of at least 256
+    tokens and at most 128 splits; ties go to fewer splits (less workspace and merge traffic).
+    An explicit num_splits is honoured (rounded to whole 64-token tiles).
+    """
+    if num_splits is not None:
+        return _plan_for(num_splits, max_seq_len)
+    ctas = batch * num_kv_heads * ctas_per_kv_head(num_heads // num_kv_heads, head_dim)
+    # Resident CTAs per SM: 48 KB of shared memory each (4 per H100/H200 SM); registers cap the
+    # 256-thread CTAs of D = 256 at 3.
+    slots = max(1, num_sms * (3 if head_dim == 256 else 4))
+    most = min(MAX_SPLITS, max_seq_len // MIN_SPLIT_TOKENS)
+    if ctas == 0 or ctas >= slots or most <= 1:
+        return SplitPlan(1, 0)
+    best, best_cost = SplitPlan(1, 0), None
+    for n in range(1, most + 1):
+        plan = _plan_for(n, max_seq_len)
+        size = plan.split_size or max_seq_len
+        cost = _ceil_div(ctas * plan.num_splits, slots) * (size + CTA_OVERHEAD_TOKENS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = plan, cost
+    return best
+
+
+def split_bounds(plan: SplitPlan, seq_len: int) -> list[tuple[int, int]]:
+    """Key ranges [start, end) of the splits that hold keys of a sequence, as the kernel cuts
+    them: split s starts at s * split_size, the last split runs to seq_len."""
+    if seq_len <= 0:
+        return []
+    if plan.num_splits == 1:
+        return [(0, seq_len)]
+    bounds = []
+    for s in range(min(plan.num_splits, _ceil_div(seq_len, plan.split_size))):
+        start = s * plan.split_size
+        last = s == plan.num_splits - 1
+        bounds.append((start, seq_len if last else min(seq_len, start + plan.split_size)))
+    return bounds
+
+
+def workspace_size(batch: int, num_heads: int, head_dim: int, num_splits: int) -> int:
+    """float32 elements of workspace a launch with num_splits > 1 needs (0 otherwise)."""
+    return 0 if num_splits <= 1 else batch * num_heads * num_splits * (head_dim + 1)
+
+
+@functools.cache
+def _num_sms(module, device: int) -> int:
+    return int(module.multiprocessor_count(device))
+
+
+def _kernel_supports(qv: ArrayView, kc: ArrayView) -> bool:
+    block_size = kc.shape[2]
+    return (
+        qv.dtype in KERNEL_DTYPES
+        and qv.shape[2] in KERNEL_HEAD_DIMS
+        and block_size > 0
+        and block_size & (block_size - 1) == 0
+    )
+
+
+def _check_rows_aligned(a: ArrayView) -> None:
+    if a.ptr % 16 or (a.shape[0] > 1 and a.strides[0] % 8):
+        raise ValueError(f"{a.describe()}: rows must start at 16-byte boundaries for the kernel")
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        raise ValueError(f"{name} must be an int >= {low} or None, got {value!r}")
 
 
 def paged_attention(
@@ -18,16 +153,86 @@ def paged_attention(
     out=None,
     return_lse=False,
     *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    workspace=None,
     stream=None,
 ):
     """Decode attention, one query per sequence: q [B, Hq, D]; caches [N, Hkv, bs, D];
     block_tables [B, max_blocks] int32; seq_lens [B] int32 (0 = padding, output zeros).
-    Returns out [B, Hq, D] (and lse [B, Hq] float32 with return_lse)."""
+    Returns out [B, Hq, D] (and lse [B, Hq] float32 with return_lse).
+
+    max_seq_len: a host-side bound on seq_lens for the split plan (default: the block table's
+    width x block_size); a smaller bound stays correct (the last split takes the rest) but may
+    be slow. num_splits: force the split count (1 = no split-KV). workspace: float32 CUDA array
+    of at least workspace_size(B, Hq, D, plan.num_splits) elements, else allocated per call.
+    The CUDA kernel covers float16/bfloat16, D in {64, 128, 256} and power-of-two block sizes;
+    other torch inputs run on the reference."""
     check_scale(scale)
+    _check_int("max_seq_len", max_seq_len, 0)
+    _check_int("num_splits", num_splits, 1)
     qv, views = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, None, out)
     check_shape(views[4], (qv.shape[0],))
-    common_device(views)
-    reference = reference_on_torch("paged_attention", views)
-    return reference.paged_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, out, return_lse
+    kc, bt = views[1], views[3]
+    if use_reference(views) or not _kernel_supports(qv, kc):
+        reference = reference_on_torch("paged_attention", views)
+        return reference.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out, return_lse
+        )
+    batch, num_heads, head_dim = qv.shape
+    num_kv_heads, block_size = kc.shape[1], kc.shape[2]
+    if bt.shape[1] > 1 and bt.strides[1] != 1:
+        raise ValueError(f"{bt.describe()}: rows must be contiguous")
+    check_contiguous(views[4])
+    _check_rows_aligned(qv)
+    for cache in views[1:3]:
+        if cache.ptr % 16:
+            raise ValueError(f"{cache.describe()} must start at a 16-byte boundary")
+    module, device, handle = launch_context(views, stream)
+    if max_seq_len is None:
+        max_seq_len = bt.shape[1] * block_size
+    num_sms = _num_sms(module, device)
+    plan = plan_splits(batch, num_heads, num_kv_heads, head_dim, max_seq_len, num_sms, num_splits)
+    if out is None:
+        out = empty_like(qv, qv.shape)
+    ov = view(out, "out")
+    check_heads(ov, batch, head_dim)
+    _check_rows_aligned(ov)
+    lse = empty_like(qv, (batch, num_heads), "float32", "lse") if return_lse else None
+    ws_ptr = 0
+    if plan.num_splits > 1:
+        need = workspace_size(batch, num_heads, head_dim, plan.num_splits)
+        if workspace is None:
+            workspace = empty_like(qv, (need,), "float32", "workspace")
+        wv = view(workspace, "workspace")
+        check_dtype(wv, ("float32",))
+        check_contiguous(wv)
+        common_device([*views, wv])
+        if wv.numel < need or wv.ptr % 16:
+            raise ValueError(f"{wv.describe()}: need {need} float32 elements, 16-byte aligned")
+        ws_ptr = wv.ptr
+    module.paged_attention(
+        ov.ptr,
+        view(lse, "lse").ptr if lse is not None else 0,
+        qv.ptr,
+        kc.ptr,
+        views[2].ptr,
+        bt.ptr,
+        views[4].ptr,
+        ws_ptr,
+        qv.strides[0],
+        ov.strides[0],
+        bt.strides[0],
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        plan.num_splits,
+        plan.split_size,
+        float(scale if scale is not None else head_dim**-0.5),
+        DTYPE_CODES[qv.dtype],
+        device,
+        handle,
     )
+    return (out, lse) if return_lse else out

@@ -1,8 +1,9 @@
-"""rope_and_cache: validation, then the reference (the CUDA kernel lands with the decode issue)."""
+"""rope_and_cache: validation, then csrc/rope_and_cache.cu or the reference."""
 
 from __future__ import annotations
 
 from .arrays import (
+    DTYPE_CODES,
     FLOAT_DTYPES,
     check_contiguous,
     check_dtype,
@@ -12,7 +13,7 @@ from .arrays import (
     common_device,
     view,
 )
-from .launch import reference_on_torch
+from .launch import launch_context, use_reference
 from .paged_kv import check_heads, check_kv_cache
 
 
@@ -41,6 +42,7 @@ def rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, 
     for idx in (pv, sv):
         check_dtype(idx, ("int32",))
         check_shape(idx, (tokens,))
+        check_contiguous(idx)
     check_dtype(cv, ("float32",))
     check_shape(cv, (None, head_dim))
     check_contiguous(cv)
@@ -50,5 +52,32 @@ def rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, 
     check_shape(vc, kc.shape)
     views = [qv, kv, vv, pv, cv, kc, vc, sv]
     common_device(views)
-    reference = reference_on_torch("rope_and_cache", views)
-    reference.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    if use_reference(views):
+        from ..reference import rope_and_cache as reference
+
+        reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        return
+    if tokens == 0:
+        return
+    module, device, handle = launch_context(views, stream)
+    module.rope_and_cache(
+        qv.ptr,
+        kv.ptr,
+        vv.ptr,
+        pv.ptr,
+        cv.ptr,
+        kc.ptr,
+        vc.ptr,
+        sv.ptr,
+        qv.strides[0],
+        kv.strides[0],
+        vv.strides[0],
+        tokens,
+        qv.shape[1],
+        kv.shape[1],
+        head_dim,
+        kc.shape[2],
+        DTYPE_CODES[qv.dtype],
+        device,
+        handle,
+    )

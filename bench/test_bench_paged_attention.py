@@ -1,0 +1,81 @@
+"""paged_attention (decode): pagedkern (split-KV as planned, and forced off) vs the PyTorch
+reference, on shuffled block tables, bf16, 32 query / 8 KV heads, D = 128, block size 16.
+Bytes: B * L * 2 * Hkv * D * 2 (every K and V element once; q, out and the split workspace are
+small). Targets on an H200: >= 80% of the measured copy bandwidth at B=64, L=4096; at B=1,
+L=32768 split-KV must be far ahead of the unsplit launch (8 CTAs cannot fill 132 SMs).
+The reference (gather + padded batched attention, a host sync per call) is timed over a few
+calls only, by the test itself; torch.compile is left out: the reference's data-dependent
+shapes (seq_lens.tolist()) make it graph-break and recompile rather than fuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from measure import smoke_mode, time_cuda
+
+import pagedkern
+from pagedkern import reference
+
+HQ, HKV, D, BLOCK = (4, 2, 64, 16) if smoke_mode() else (32, 8, 128, 16)
+CASES = (
+    {"B=2 L=100": (2, 100)}
+    if smoke_mode()
+    else {"B=64 L=4096": (64, 4096), "B=1 L=32768": (1, 32768)}
+)
+IMPLS = ["pagedkern", "pagedkern no split", "torch eager"]
+TARGETS = {"B=64 L=4096": ">= 80% of copy", "B=1 L=32768": ">> no split"}
+_data: dict = {}
+
+
+def make_data(case: str, device: str):
+    if case in _data:
+        return _data[case]
+    _data.clear()
+    batch, length = CASES[case]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+    pages = -(-length // BLOCK)
+    shape = (batch * pages, HKV, BLOCK, D)
+    k_cache = torch.randn(shape, generator=g, device=device).to(dtype)
+    v_cache = torch.randn(shape, generator=g, device=device).to(dtype)
+    perm = torch.randperm(batch * pages, generator=g, device=device)
+    tables = perm.view(batch, pages).int()  # shuffled, non-contiguous pages
+    lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HQ, D, generator=g, device=device).to(dtype)
+    _data[case] = (q, k_cache, v_cache, tables, lens, 2 * batch * length * HKV * D * 2)
+    return _data[case]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention(request, record, copy_gbps, device, case, impl):
+    q, k_cache, v_cache, tables, lens, nbytes = make_data(case, device)
+    if impl == "torch eager":
+        fn = lambda: reference.paged_attention(q, k_cache, v_cache, tables, lens)  # noqa: E731
+        fn()
+        seconds = 1.0 if smoke_mode() else time_cuda(fn, inner=3)
+        result = record("paged_attention", case, impl, seconds, bytes=nbytes)
+    else:
+        out = torch.empty_like(q)
+        splits = 1 if impl.endswith("no split") else None
+        ws = None
+        if not smoke_mode():
+            from pagedkern.ops.paged_attention import plan_splits, workspace_size
+
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            plan = plan_splits(len(lens), HQ, HKV, D, tables.shape[1] * BLOCK, sms, splits)
+            ws = torch.empty(workspace_size(len(lens), HQ, D, plan.num_splits), device=device)
+            notes = {"splits": plan.num_splits}
+        else:
+            notes = {}
+        if impl == "pagedkern":
+            notes["target"] = TARGETS.get(case, "")
+
+        def fn():
+            return pagedkern.paged_attention(
+                q, k_cache, v_cache, tables, lens, out=out, num_splits=splits, workspace=ws
+            )
+
+        measure = request.getfixturevalue("measure")  # (pytest-benchmark: only where it times)
+        result = measure("paged_attention", case, impl, fn, bytes=nbytes, **notes)
+    assert result.seconds > 0 and copy_gbps > 0

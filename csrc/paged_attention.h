@@ -1,0 +1,41 @@
+// paged_attention (decode, split-KV): parameters and launcher (kernels in paged_attention.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common.h"
+
+namespace pagedkern {
+
+// out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b over keys 0..seq_lens[b]-1 of sequence b, read
+// through block_tables[b] from HND pages [num_blocks, Hkv, block_size, D]; query head h reads KV
+// head h / (Hq / Hkv). seq_lens[b] <= 0: zeros (lse -inf). With num_splits > 1 the keys are cut
+// into splits of split_size tokens (the last split takes the rest), each written to the fp32
+// workspace with its log-sum-exp, and a second kernel merges them.
+struct PagedAttentionParams {
+  void* out = nullptr;             // [B, Hq, D], token stride out_stride
+  float* lse = nullptr;            // [B, Hq] natural-log LSE of the scaled scores, or nullptr
+  const void* q = nullptr;         // [B, Hq, D], token stride q_stride
+  const void* k_cache = nullptr;   // [num_blocks, Hkv, block_size, D], contiguous
+  const void* v_cache = nullptr;
+  const int* block_tables = nullptr;  // [B, *], row stride block_table_stride
+  const int* seq_lens = nullptr;      // [B]
+  float* workspace = nullptr;  // num_splits > 1: B*Hq*num_splits*(D + 1) floats (partials, LSEs)
+  int64_t q_stride = 0;        // in elements
+  int64_t out_stride = 0;
+  int64_t block_table_stride = 0;
+  int batch = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;      // 64, 128 or 256
+  int block_size = 16;   // a power of two
+  int num_splits = 1;
+  int split_size = 0;    // tokens per split, a multiple of 64 (num_splits > 1)
+  float scale = 1.f;
+  DType dtype = DType::kBFloat16;  // float16 or bfloat16
+};
+void paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
+
+}  // namespace pagedkern

@@ -1,0 +1,157 @@
+/*
+ * rope_and_cache: rotary embedding of q and k (rotate-half, in place) fused with the paged KV-cache
+ * write of k and v (the seed's "RoPE + KV cache write").
+ *
+ *   (cos, sin) = cos_sin[positions[t]] split at D/2;  x = [x1, x2] split at D/2
+ *   x' = [x1 cos - x2 sin, x2 cos + x1 sin]   (fp32 without FMA contraction, as the reference and
+ *   torch compute it, rounded once to T: bit-identical results; the cache gets the rotated k)
+ *   slot = slot_mapping[t] >= 0: k_cache/v_cache[slot / bs, :, slot % bs, :] = k'[t], v[t]
+ * Frequencies (plain, Llama 3 scaled, ...) live in the cos_sin table, not in the kernel.
+ *
+ * Versions:
+ *  v1 rope_and_cache_kernel<T, kVec>: grid (tokens, ceil(items / 128)), one item per thread.
+ *     Items of a token: (Hq + Hkv) x (D/2 / kVec) rotations, each the chunk pair [c, c + kVec) and
+ *     [D/2 + c, ...) of one q or k head with its cos/sin chunks (float4 loads), then Hkv x
+ *     (D / kVec) copies of v chunks, present only when the slot is >= 0. Every element of q, k, v
+ *     is read once and written once (plus once more into the cache for k and v): one pass.
+ *     kVec = 16 / sizeof(T) (16-byte accesses) when D/2 is a multiple of it and every pointer and
+ *     token stride is 16-byte aligned; kVec = 1 otherwise (any even D, any alignment).
+ *     q, k, v may be views into one fused QKV output: token strides are free, heads packed.
+ *
+ * Traffic: T * (2 * (Hq + Hkv) + 3 * Hkv) * D * sizeof(T) bytes (q, k read and written, v read,
+ * k and v written to the cache) + the cos/sin rows (L2). Memory bound; target >= 80% of copy
+ * bandwidth for prefill-sized T.
+ */
+#include "device.cuh"
+#include "rope_and_cache.h"
+
+namespace pagedkern {
+namespace {
+
+constexpr int kThreads = 128;
+
+// kVec elements of T moved as one access (16 bytes) or element by element (kVec == 1).
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Chunk {
+  T v[kVec];
+  __device__ __forceinline__ static Chunk load(const T* p) {
+    Chunk c;
+    if constexpr (sizeof(T) * kVec == 16) {
+      *reinterpret_cast<uint4*>(c.v) = *reinterpret_cast<const uint4*>(p);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) c.v[e] = p[e];
+    }
+    return c;
+  }
+  __device__ __forceinline__ void store(T* p) const {
+    if constexpr (sizeof(T) * kVec == 16) {
+      *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) p[e] = v[e];
+    }
+  }
+};
+
+template <int kVec>
+__device__ __forceinline__ void load_floats(const float* p, float (&out)[kVec]) {
+  if constexpr (kVec % 4 == 0) {
+#pragma unroll
+    for (int e = 0; e < kVec; e += 4) {
+      const float4 f = __ldg(reinterpret_cast<const float4*>(p + e));
+      out[e] = f.x;
+      out[e + 1] = f.y;
+      out[e + 2] = f.z;
+      out[e + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) out[e] = __ldg(p + e);
+  }
+}
+
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kThreads) rope_and_cache_kernel(const RopeAndCacheParams p) {
+  using C = Chunk<T, kVec>;
+  const int64_t token = blockIdx.x;
+  const int D = p.head_dim;
+  const int half = D / 2;
+  const int rot_chunks = half / kVec;  // per head
+  const int copy_chunks = D / kVec;
+  const int heads = p.num_heads + p.num_kv_heads;
+  const int n_rot = heads * rot_chunks;
+  const int slot = p.slot_mapping[token];
+  const int item = blockIdx.y * kThreads + threadIdx.x;
+  if (item >= n_rot + (slot >= 0 ? p.num_kv_heads * copy_chunks : 0)) return;
+
+  const int64_t page = slot / p.block_size;  // cache row of this token's heads (slot >= 0)
+  const int64_t cache_row = page * p.num_kv_heads * p.block_size + slot % p.block_size;
+  if (item < n_rot) {
+    const int head = item / rot_chunks;
+    const int c = item % rot_chunks * kVec;
+    const bool is_k = head >= p.num_heads;
+    T* x = is_k ? static_cast<T*>(p.k) + token * p.k_stride + (head - p.num_heads) * D
+                : static_cast<T*>(p.q) + token * p.q_stride + head * D;
+    const C x1 = C::load(x + c);
+    const C x2 = C::load(x + half + c);
+    const float* cs = p.cos_sin + int64_t(p.positions[token]) * D;
+    float cosv[kVec], sinv[kVec];
+    load_floats<kVec>(cs + c, cosv);
+    load_floats<kVec>(cs + half + c, sinv);
+    C y1, y2;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float a = to_float(x1.v[e]), b = to_float(x2.v[e]);
+      // Rounded products, no FMA contraction: bit-identical to the reference's fp32 math.
+      y1.v[e] = from_float<T>(__fsub_rn(__fmul_rn(a, cosv[e]), __fmul_rn(b, sinv[e])));
+      y2.v[e] = from_float<T>(__fadd_rn(__fmul_rn(b, cosv[e]), __fmul_rn(a, sinv[e])));
+    }
+    y1.store(x + c);
+    y2.store(x + half + c);
+    if (is_k && slot >= 0) {
+      T* dst = static_cast<T*>(p.k_cache) +
+               (cache_row + int64_t(head - p.num_heads) * p.block_size) * D;
+      y1.store(dst + c);
+      y2.store(dst + half + c);
+    }
+  } else {
+    const int j = item - n_rot;
+    const int head = j / copy_chunks;
+    const int c = j % copy_chunks * kVec;
+    const C v = C::load(static_cast<const T*>(p.v) + token * p.v_stride + head * D + c);
+    v.store(static_cast<T*>(p.v_cache) + (cache_row + int64_t(head) * p.block_size) * D + c);
+  }
+}
+
+template <typename T>
+void launch(const RopeAndCacheParams& p, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const bool vectorizable = (p.head_dim / 2) % kVec == 0 && aligned16(p.q) && aligned16(p.k) &&
+                            aligned16(p.v) && aligned16(p.k_cache) && aligned16(p.v_cache) &&
+                            aligned16(p.cos_sin) && p.q_stride % kVec == 0 &&
+                            p.k_stride % kVec == 0 && p.v_stride % kVec == 0;
+  const int vec = vectorizable ? kVec : 1;
+  const int items = (p.num_heads + p.num_kv_heads) * (p.head_dim / 2 / vec) +
+                    p.num_kv_heads * (p.head_dim / vec);
+  const dim3 grid(unsigned(p.tokens), unsigned(ceil_div(items, kThreads)));
+  if (vectorizable) {
+    rope_and_cache_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    rope_and_cache_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p);
+  }
+  PK_CHECK_LAUNCH("rope_and_cache_kernel");
+}
+
+}  // namespace
+
+void rope_and_cache(const RopeAndCacheParams& p, cudaStream_t stream) {
+  require(p.head_dim > 0 && p.head_dim % 2 == 0, "rope_and_cache: head_dim must be even");
+  require(p.num_kv_heads > 0 && p.num_heads >= 0 && p.block_size > 0,
+          "rope_and_cache: bad head counts or block size");
+  require(p.tokens >= 0 && p.tokens <= 0x7fffffff, "rope_and_cache: tokens out of range");
+  if (p.tokens == 0) return;
+  dispatch_float(p.dtype, [&](auto tag) { launch<decltype(tag)>(p, stream); });
+}
+
+}  // namespace pagedkern

@@ -1,0 +1,37 @@
+// rope_and_cache: parameters and launcher (kernel in rope_and_cache.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common.h"
+
+namespace pagedkern {
+
+// For every token t with (cos, sin) = cos_sin[positions[t]] split at D/2: rotate q[t] and k[t]
+// in place (rotate-half: x' = [x1 cos - x2 sin, x2 cos + x1 sin] in fp32, rounded once), and
+// when slot_mapping[t] >= 0 write the rotated k[t] and v[t] into page slot / block_size at offset
+// slot % block_size of k_cache / v_cache ([num_blocks, Hkv, block_size, D]).
+struct RopeAndCacheParams {
+  void* q = nullptr;        // [T, Hq, D], heads packed, token stride q_stride
+  void* k = nullptr;        // [T, Hkv, D], token stride k_stride
+  const void* v = nullptr;  // [T, Hkv, D], token stride v_stride
+  const int* positions = nullptr;     // [T]
+  const float* cos_sin = nullptr;     // [max_positions, D]
+  void* k_cache = nullptr;            // [num_blocks, Hkv, block_size, D], contiguous
+  void* v_cache = nullptr;
+  const int* slot_mapping = nullptr;  // [T], -1 = no cache write
+  int64_t q_stride = 0;  // in elements
+  int64_t k_stride = 0;
+  int64_t v_stride = 0;
+  int64_t tokens = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;  // even
+  int block_size = 16;
+  DType dtype = DType::kBFloat16;
+};
+void rope_and_cache(const RopeAndCacheParams& p, cudaStream_t stream);
+
+}  // namespace pagedkern

@@ -1,0 +1,184 @@
+"""CPU emulation of pagedkern's CUDA kernels: the .cu sources compiled by g++ against emu.h (CUDA
+threads as coroutines, barriers and shuffles with divergence checks, cp.async deferred to its
+wait) into a stand-in pagedkern._C, and a context manager that runs the op entries' kernel path
+on CPU tensors through it. It checks the kernels' indexing, synchronisation and arithmetic where
+no GPU is available; it says nothing about speed, and memory-model subtleties of real hardware
+(warp scheduling, caches) are out of its reach.
+
+    from emulator import available, emulated
+    with emulated():
+        pagedkern.paged_attention(q, k_cache, v_cache, tables, seq_lens)  # CPU tensors
+
+Needs g++, the CUDA headers and pybind11 (the build is cached under build/emulator/);
+PAGEDKERN_NO_EMULATION=1 skips it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+CSRC = ROOT / "csrc"
+# Kernels written in plain CUDA C++ (no inline PTX outside __CUDA_ARCH__ guards, no CuTe).
+KERNELS = (
+    "rms_norm.cu",
+    "silu_and_mul.cu",
+    "paged_attention.cu",
+    "rope_and_cache.cu",
+    "sampling.cu",
+)
+LAUNCH = re.compile(
+    r"(?P<kern>[A-Za-z_][\w:]*(?:<[^;<>]*>)?)\s*<<<(?P<cfg>[^;]*?)>>>\s*\((?P<args>[^;]*)\)\s*;"
+)
+
+
+def _cuda_include() -> Path | None:
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parents[1]))
+    candidates.append("/usr/local/cuda")
+    for c in candidates:
+        if c and (Path(c) / "include" / "cuda_runtime.h").is_file():
+            return Path(c) / "include"
+    return None
+
+
+def unavailable_reason() -> str | None:
+    if os.environ.get("PAGEDKERN_NO_EMULATION") == "1":
+        return "PAGEDKERN_NO_EMULATION=1"
+    if shutil.which("g++") is None:
+        return "g++ not found"
+    if _cuda_include() is None:
+        return "CUDA headers (cuda_runtime.h) not found"
+    if importlib.util.find_spec("pybind11") is None:
+        return "pybind11 not installed"
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def _rewrite(text: str) -> str:
+    """`k<<<grid, block, smem, stream>>>(args);` -> `::emu::launch(k, grid, ..., args);`"""
+
+    def repl(m: re.Match) -> str:
+        args = m["args"].strip()
+        return f"::emu::launch({m['kern']}, {m['cfg']}{', ' + args if args else ''});"
+
+    return LAUNCH.sub(repl, text)
+
+
+def _compile(src: Path, obj: Path, includes: list[str]) -> Path:
+    cmd = ["g++", "-std=c++20", "-O1", "-fPIC", "-Wno-unknown-pragmas", "-include"]
+    cmd += [str(HERE / "emu.h"), "-I", str(CSRC), *includes, "-c", str(src), "-o", str(obj)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"emulator build of {src.name} failed:\n{proc.stderr[-4000:]}")
+    return obj
+
+
+def _cutlass_include() -> list[str]:
+    """As setup.py finds it: bindings.cpp may include headers that need CUTLASS/CuTe."""
+    path = os.environ.get("PAGEDKERN_CUTLASS_INCLUDE")
+    spec = importlib.util.find_spec("cutlass_library")
+    if not path and spec and spec.submodule_search_locations:
+        path = str(Path(next(iter(spec.submodule_search_locations))) / "source" / "include")
+    return ["-isystem", path] if path and Path(path).is_dir() else []
+
+
+def build() -> Path:
+    """Builds (or reuses) the emulated module; returns the path of its .so."""
+    import pybind11
+
+    includes = ["-I", str(_cuda_include()), "-I", sysconfig.get_paths()["include"]]
+    includes += ["-I", pybind11.get_include(), *_cutlass_include()]
+    sources = [CSRC / k for k in KERNELS] + [CSRC / "bindings.cpp"]
+    digest = hashlib.sha256()
+    for f in [*sources, *CSRC.glob("*.h"), CSRC / "device.cuh", HERE / "emu.h"]:
+        digest.update(f.name.encode() + f.read_bytes())
+    digest.update((HERE / "emu_runtime.cpp").read_bytes())
+    out = ROOT / "build" / "emulator" / digest.hexdigest()[:16]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    target = out / f"_C{suffix}"
+    if target.exists():
+        return target
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for src in sources:
+        if src.suffix == ".cu":
+            dst = out / (src.stem + ".cpp")
+            dst.write_text(_rewrite(src.read_text()))
+            src = dst
+        jobs.append((src, out / (src.stem + ".o")))
+    jobs.append((HERE / "emu_runtime.cpp", out / "emu_runtime.o"))
+    with ThreadPoolExecutor(2) as pool:
+        objs = list(pool.map(lambda j: _compile(j[0], j[1], includes), jobs))
+    # bindings.cpp also binds kernels that are not emulated: stubs that throw.
+    nm = subprocess.run(["nm", *map(str, objs)], check=True, capture_output=True, text=True).stdout
+    defined = {ln.split()[-1] for ln in nm.splitlines() if len(ln.split()) == 3}
+    missing = {
+        ln.split()[-1] for ln in nm.splitlines() if ln.split()[:1] == ["U"] and "9pagedkern" in ln
+    } - defined
+    stub = out / "stubs.cpp"
+    lines = [
+        "#include <stdexcept>",
+        'extern "C" void emu_not_emulated() { throw std::runtime_error("not emulated"); }',
+    ]
+    lines += [f'asm(".globl {m}\\n.set {m}, emu_not_emulated");' for m in sorted(missing)]
+    stub.write_text("\n".join(lines) + "\n")
+    objs.append(_compile(stub, out / "stubs.o", includes))
+    tmp = out / f"_C.tmp{suffix}"
+    subprocess.run(["g++", "-shared", "-o", str(tmp), *map(str, objs)], check=True)
+    tmp.rename(target)
+    return target
+
+
+def load():
+    """The emulated module (built on first use)."""
+    name = "pagedkern_emulated._C"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, build())
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+@contextlib.contextmanager
+def emulated():
+    """Within: pagedkern ops run their kernel path on CPU tensors through the emulated module."""
+    import pagedkern.ops  # noqa: F401  (loads every op module)
+    from pagedkern.ops import launch
+
+    module = load()
+    saved = []
+
+    def patch(obj, attr, value):
+        saved.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    patch(launch, "require", lambda: module)
+    patch(launch, "current_stream", lambda views, device, stream=None: 0)
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("pagedkern.ops.") and hasattr(
+            mod, "use_reference"
+        ):
+            patch(mod, "use_reference", lambda views: False)
+    try:
+        yield module
+    finally:
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)

@@ -1,0 +1,172 @@
+"""The CUDA sources of the decode kernels (paged_attention, rope_and_cache, sample), run on the CPU
+through the emulator in tests/emulator (g++, no GPU) against the references: indexing, block
+tables, split-KV partitioning and merge, pipeline waits, barriers and shuffles (divergence is an
+error there), tie rules and fallbacks. Speed is not measured here; the GPU tests remain the
+ground truth on real hardware. Skipped where g++, the CUDA headers or pybind11 are missing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from emulator import emulated, unavailable_reason
+
+import pagedkern
+from pagedkern import reference
+from pagedkern.reference import cos_sin_cache
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+def test_emulator_runs_the_existing_norm_kernels():
+    # The emulator against kernels it did not come with: rms_norm's vector and scalar paths.
+    g = torch.Generator().manual_seed(0)
+    for hidden in (4096, 111):
+        x = torch.randn(3, hidden, generator=g).bfloat16()
+        w = torch.randn(hidden, generator=g).bfloat16()
+        with emulated():
+            out = pagedkern.rms_norm(x, w)
+        torch.testing.assert_close(out, reference.rms_norm(x, w), rtol=0, atol=0)
+
+
+def _paged(seq_lens, hkv, block_size, d, dtype, g):
+    """Caches with shuffled pages and NaN in every slot no sequence owns."""
+    needed = [math.ceil(n / block_size) for n in seq_lens]
+    order = torch.randperm(sum(needed) + 2, generator=g).tolist()
+    tables = torch.full((len(seq_lens), max(needed) + 1), order[-1], dtype=torch.int32)
+    k_cache = torch.full((len(order), hkv, block_size, d), math.nan, dtype=dtype)
+    v_cache = k_cache.clone()
+    for b, n in enumerate(seq_lens):
+        pages, order = order[: needed[b]], order[needed[b] :]
+        tables[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        for t in range(n):
+            k_cache[pages[t // block_size], :, t % block_size] = torch.randn(hkv, d, generator=g)
+            v_cache[pages[t // block_size], :, t % block_size] = torch.randn(hkv, d, generator=g)
+    return k_cache, v_cache, tables
+
+
+# (dtype, D, block size, Hq, Hkv, seq_lens, num_splits, max_seq_len)
+ATTENTION = [
+    (torch.float16, 128, 16, 8, 2, [1, 15, 0, 16, 17, 100], None, None),
+    (torch.bfloat16, 128, 16, 8, 2, [1, 15, 0, 16, 17, 100], 3, None),
+    (torch.bfloat16, 64, 32, 9, 3, [33, 64, 65, 255], None, None),
+    (torch.float16, 256, 64, 4, 4, [5, 130], 2, None),
+    (torch.bfloat16, 128, 16, 12, 1, [70, 3], None, None),
+    (torch.float16, 64, 16, 7, 1, [255, 1], 4, None),
+    (torch.bfloat16, 64, 64, 16, 2, [129, 64, 0], 2, None),
+    (torch.bfloat16, 64, 16, 34, 1, [40, 9], None, None),  # 17 head pairs: two CTAs
+    (torch.float16, 256, 32, 18, 1, [37, 300], 3, None),
+    (torch.float16, 64, 16, 4, 2, [700, 20], 3, 200),  # bound too small: last split runs on
+]
+
+
+@pytest.mark.parametrize("case", range(len(ATTENTION)))
+def test_paged_attention(case):
+    dtype, d, block_size, hq, hkv, seq_lens, num_splits, max_seq_len = ATTENTION[case]
+    g = torch.Generator().manual_seed(case)
+    k_cache, v_cache, tables = _paged(seq_lens, hkv, block_size, d, dtype, g)
+    batch = len(seq_lens)
+    qkv = torch.randn(batch, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q = qkv[:, : hq * d].view(batch, hq, d)  # a fused-QKV view: token stride (Hq + 2 Hkv) D
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = torch.full((batch, hq, d), math.nan, dtype=dtype)
+    with emulated():
+        result, lse = pagedkern.paged_attention(
+            q, k_cache, v_cache, tables, lens, out=out, return_lse=True,
+            num_splits=num_splits, max_seq_len=max_seq_len,
+        )  # fmt: skip
+    assert result is out
+    ref, ref_lse = reference.paged_attention(
+        q.double(), k_cache.double(), v_cache.double(), tables, lens, return_lse=True
+    )
+    assert not out.isnan().any()
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err <= (1e-2 if dtype == torch.bfloat16 else 2e-3)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), rtol=1e-5, atol=1e-5)
+    for b, n in enumerate(seq_lens):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d, misaligned", [(128, False), (64, True), (6, False)])
+def test_rope_and_cache_is_bit_exact(dtype, d, misaligned):
+    g = torch.Generator().manual_seed(d)
+    tokens, hq, hkv, block_size = 23, 6, 2, 16
+    off = 1 if misaligned else 0  # 2-byte offset: the scalar path
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d + off, generator=g).to(dtype)
+    q = qkv[:, off : off + hq * d].view(tokens, hq, d)
+    k = qkv[:, off + hq * d : off + (hq + hkv) * d].view(tokens, hkv, d)
+    v = qkv[:, off + (hq + hkv) * d :].view(tokens, hkv, d)
+    positions = torch.randint(0, 4096, (tokens,), generator=g, dtype=torch.int32)
+    slots = torch.randperm(4 * block_size, generator=g)[:tokens].int()
+    slots[::4] = -1
+    cos_sin = cos_sin_cache(d, 4096)
+    k_cache = torch.full((4, hkv, block_size, d), math.nan, dtype=dtype)
+    v_cache = k_cache.clone()
+    expected = [t.clone() for t in (q, k, v, k_cache, v_cache)]
+    reference.rope_and_cache(*expected[:3], positions, cos_sin, *expected[3:], slots)
+    with emulated():
+        pagedkern.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+    for got, want in zip((q, k, v, k_cache, v_cache), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def _special_rows(vocab, g):
+    rows = torch.randn(8, vocab, generator=g) * 2
+    rows[0] = rows[0].round()  # ties, -0.0
+    rows[1, ::5] = math.nan
+    rows[2, [4, 20, 30]] = math.inf
+    rows[3] = -math.inf
+    rows[3, 2] = -5.0  # one finite entry
+    rows[4] = math.nan
+    rows[5, :4] = torch.tensor([1.0, 5.0, 100.0, -3.0])  # overflows at temperature 1e-37
+    rows[6, : vocab // 2] = -math.inf
+    return rows
+
+
+@pytest.mark.parametrize(
+    "dtype, vocab", [(torch.float32, 203), (torch.float32, 200), (torch.bfloat16, 96)]
+)
+def test_sample_draws_the_reference_ids(dtype, vocab):
+    # Same u and inverse CDF in vocabulary order as the reference: identical ids, row by row.
+    g = torch.Generator().manual_seed(vocab)
+    rows = _special_rows(vocab, g).to(dtype)
+    temps = torch.tensor([1.0, 0.8, 2.0, 1.0, 1.0, 1e-37, 1.3, 0.0])
+    n = 6
+    seeds = torch.arange(8 * n) * 7919 + 2**33
+    for top_p, top_k in [(1.0, 0), (0.9, 0), (0.3, 1), (0.7, 40), (0.95, 3), (0.0, 0)]:
+        logits = rows.repeat(n, 1)
+        ref = reference.sample(logits, temps.repeat(n), top_p, top_k, seeds, 11)
+        with emulated():
+            ids = pagedkern.sample(logits, temps.repeat(n), top_p, top_k, seeds, 11)
+        assert ids.tolist() == ref.tolist(), (top_p, top_k)
+
+
+def test_sample_per_row_parameters_and_strided_rows():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, 256, generator=g)[:, :200]  # row stride 256
+    temps = torch.rand(12, generator=g) + 0.2
+    temps[0] = 0
+    top_p = torch.rand(12, generator=g) * 0.7 + 0.3
+    top_k = torch.randint(-1, 50, (12,), generator=g, dtype=torch.int32)
+    seeds = torch.randint(0, 2**62, (12,), generator=g)
+    offsets = torch.randint(0, 2**40, (12,), generator=g)
+    out = torch.full((12,), -1, dtype=torch.int32)
+    ref = reference.sample(logits, temps, top_p, top_k, seeds, offsets)
+    with emulated():
+        ids = pagedkern.sample(logits, temps, top_p, top_k, seeds, offsets, out=out)
+    assert ids is out and out.tolist() == ref.tolist()
+
+
+def test_sample_signed_zeros_are_one_tie():
+    # top_k = 2 with the 2nd largest value 0.0 and a -0.0 beside it: both zeros are kept.
+    row = torch.full((64,), -4.0)
+    row[[3, 10, 20]] = torch.tensor([1.0, 0.0, -0.0])
+    seeds = torch.arange(300) * 31 + 1
+    ref = reference.sample(row.expand(300, -1), 1.0, 1.0, 2, seeds, 0)
+    assert 20 in ref.tolist()
+    with emulated():
+        ids = pagedkern.sample(row.expand(300, -1), 1.0, 1.0, 2, seeds, 0)
+    assert ids.tolist() == ref.tolist()

@@ -1,0 +1,152 @@
+"""sample kernel on the GPU vs the distribution pagedkern.reference.sample defines: frequencies
+over 2^20 draws per configuration against the exact renormalised top-k/top-p probabilities
+(float64 model in test_decode_algorithms), every draw inside the kept set, greedy = argmax,
+NaN/inf/tie rows, reproducibility and independence of the batch, per-row parameter arrays,
+every logits dtype, odd vocabularies, and draw-for-draw agreement with the reference (the kernel
+uses the same u and the same inverse CDF in vocabulary order)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_decode_algorithms import _expected
+
+import pagedkern
+from pagedkern import reference
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+N_DRAWS = 1 << 20
+VOCAB = 1000
+
+
+def _row(kind: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(VOCAB, generator=g) * 2
+    if kind == "ties":
+        x = x.round()
+    elif kind == "nan":
+        x[torch.randperm(VOCAB, generator=g)[:100]] = math.nan
+    elif kind == "posinf":
+        x[[4, 500, 999]] = math.inf
+    elif kind == "peaked":
+        x = x * 4
+    return x
+
+
+# (row kind, temperature, top_p, top_k)
+DISTRIBUTIONS = [
+    ("plain", 1.0, 1.0, 0),
+    ("plain", 0.7, 1.0, 50),
+    ("plain", 1.3, 0.9, -1),
+    ("peaked", 1.0, 0.95, 100),
+    ("ties", 1.0, 0.6, 0),
+    ("ties", 0.5, 1.0, 7),
+    ("nan", 1.0, 0.8, 30),
+    ("posinf", 2.0, 0.3, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind, temperature, top_p, top_k", DISTRIBUTIONS)
+def test_frequencies_match_the_renormalised_distribution(kind, temperature, top_p, top_k, dtype):
+    row = _row(kind, seed=len(kind)).to(dtype)
+    expected = _expected(row.float(), temperature, top_p, top_k)
+    logits = row.to(DEVICE).expand(N_DRAWS, VOCAB)  # one row, 2^20 draws (row stride 0)
+    seeds = torch.arange(N_DRAWS, device=DEVICE) * 1000003 + 12345
+    ids = pagedkern.sample(logits, temperature, top_p, top_k, seeds, offsets=7)
+    freq = torch.bincount(ids.long(), minlength=VOCAB).double().cpu() / N_DRAWS
+    assert (freq[expected == 0] == 0).all(), "a draw outside the top-k/top-p set"
+    cosine = float(freq @ expected / (freq.norm() * expected.norm()))
+    assert cosine > 0.99
+    # Total variation: P(TV >= eps) <= 2^K exp(-2 N eps^2) for K kept tokens (Bretagnolle-Huber-
+    # Carol); eps at a 1e-9 false-alarm rate.
+    kept = int((expected > 0).sum())
+    bound = math.sqrt((kept * math.log(2) + math.log(1e9)) / (2 * N_DRAWS))
+    assert 0.5 * float((freq - expected).abs().sum()) < bound
+
+
+def test_greedy_is_the_first_argmax():
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    logits = torch.randn(64, 128256, generator=g, device=DEVICE)
+    logits[0, [5, 77, 90000]] = 50.0  # ties: the lowest id
+    logits[1, ::2] = math.nan
+    logits[2, [3, 9]] = math.inf
+    logits[3] = -math.inf
+    logits[4] = math.nan
+    expected = torch.nan_to_num(logits, nan=-math.inf).argmax(-1).int()
+    for temperature in (0.0, -1.0):
+        ids = pagedkern.sample(logits, temperature, 0.9, 40, 123)
+        assert torch.equal(ids, expected)
+    ids = pagedkern.sample(logits, 1e-37, 1.0, 0, 123)  # row 0 overflows: greedy; row 1 is
+    rows = [0, 1, 3, 4]  # sharp enough to be greedy; 3 and 4 have nothing finite (row 2: +inf)
+    assert torch.equal(ids[rows], expected[rows])
+
+
+def _mixed_batch(rows, vocab, dtype, seed):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g, device=DEVICE) * 3).to(dtype)
+    logits[::9] = logits[::9].round()  # tie-heavy rows
+    logits[1::9, ::13] = math.nan
+    logits[2::9, 7] = math.inf
+    logits[3::9] = -math.inf
+    params = dict(
+        temperature=torch.rand(rows, generator=g, device=DEVICE) * 1.5,
+        top_p=torch.rand(rows, generator=g, device=DEVICE) * 1.2,
+        top_k=torch.randint(-2, 80, (rows,), generator=g, device=DEVICE, dtype=torch.int32),
+        seeds=torch.randint(0, 2**62, (rows,), generator=g, device=DEVICE),
+        offsets=torch.randint(0, 2**40, (rows,), generator=g, device=DEVICE),
+    )
+    params["temperature"][::11] = 0.0
+    return logits, params
+
+
+@pytest.mark.parametrize(
+    "dtype, vocab",
+    [(torch.float32, 32000), (torch.bfloat16, 32000), (torch.float16, 4097), (torch.float32, 4099)],
+)
+def test_draws_equal_the_reference_draws(dtype, vocab):
+    # Same u, same inverse CDF in vocabulary order: ids agree with the reference except where a
+    # cumulative sum lands within rounding of u (fp64 of fp32 probabilities vs exact fixed point).
+    logits, params = _mixed_batch(512, vocab, dtype, seed=vocab)
+    ids = pagedkern.sample(logits, **params)
+    ref = reference.sample(logits, **params)
+    assert ids.dtype == torch.int32 and ((ids >= 0) & (ids < vocab)).all()
+    agree = float((ids == ref).double().mean())
+    assert agree >= 0.99, f"only {agree:.2%} of the draws equal the reference's"
+
+
+def test_reproducible_and_independent_of_the_batch():
+    logits, params = _mixed_batch(96, 5000, torch.float32, seed=3)
+    ids = pagedkern.sample(logits, **params)
+    assert torch.equal(ids, pagedkern.sample(logits, **params))
+    order = torch.randperm(96, device=DEVICE)
+    extra, extra_params = _mixed_batch(96, 5000, torch.float32, seed=4)
+    mixed = torch.cat([logits[order], extra])
+    mixed_params = {k: torch.cat([v[order], extra_params[k]]) for k, v in params.items()}
+    assert torch.equal(pagedkern.sample(mixed, **mixed_params)[:96], ids[order])
+
+
+def test_scalar_parameters_equal_per_row_arrays_and_out():
+    logits, _ = _mixed_batch(40, 3000, torch.bfloat16, seed=5)
+    rows = logits.shape[0]
+    scalar = pagedkern.sample(logits, 0.8, 0.9, 40, 1234, 5)
+    arrays = pagedkern.sample(
+        logits,
+        torch.full((rows,), 0.8, device=DEVICE),
+        torch.full((rows,), 0.9, device=DEVICE),
+        torch.full((rows,), 40, dtype=torch.int32, device=DEVICE),
+        torch.full((rows,), 1234, device=DEVICE),
+        torch.full((rows,), 5, device=DEVICE),
+    )
+    assert torch.equal(scalar, arrays)
+    out = torch.full((rows,), -1, dtype=torch.int32, device=DEVICE)
+    assert pagedkern.sample(logits, 0.8, 0.9, 40, 1234, 5, out=out) is out
+    assert torch.equal(out, scalar)
+    # Offsets move the draw: different ids across offsets of one seed.
+    flat = torch.zeros(200, 1000, device=DEVICE)
+    by_offset = pagedkern.sample(flat, 1.0, 1.0, 0, 42, torch.arange(200, device=DEVICE))
+    assert by_offset.unique().numel() > 150
