@@ -15,6 +15,7 @@
 #include "paged_attention.h"
 #include "rope_and_cache.h"
 #include "sampling.h"
+#include "flash_prefill.h"
 
 namespace py = pybind11;
 using pagedkern::DeviceGuard;
@@ -203,4 +204,56 @@ PYBIND11_MODULE(_C, m) {
         pagedkern::sample(p, as_stream(stream));
       },
       py::call_guard<py::gil_scoped_release>());
+
+  // Returns the path that ran (1: mma.sync, 2: wgmma + TMA); path 0 = automatic choice.
+  m.def(
+      "flash_prefill",
+      [](std::uintptr_t out, std::uintptr_t lse, std::uintptr_t q, std::uintptr_t k_cache,
+         std::uintptr_t v_cache, std::uintptr_t cu_seqlens_q, std::uintptr_t block_tables,
+         std::uintptr_t seq_lens, std::uintptr_t workspace, int64_t q_stride, int64_t out_stride,
+         int64_t block_table_stride, int64_t num_blocks, int total_q, int batch, int num_heads,
+         int num_kv_heads, int head_dim, int block_size, double scale, int dtype, int path,
+         bool strict, int device, std::uintptr_t stream) {
+        pagedkern::FlashPrefillParams p;
+        p.out = as_ptr<void>(out);
+        p.lse = as_ptr<float>(lse);
+        p.q = as_ptr<const void>(q);
+        p.k_cache = as_ptr<const void>(k_cache);
+        p.v_cache = as_ptr<const void>(v_cache);
+        p.cu_seqlens_q = as_ptr<const int>(cu_seqlens_q);
+        p.block_tables = as_ptr<const int>(block_tables);
+        p.seq_lens = as_ptr<const int>(seq_lens);
+        p.workspace = as_ptr<int>(workspace);
+        p.q_stride = q_stride;
+        p.out_stride = out_stride;
+        p.block_table_stride = block_table_stride;
+        p.num_blocks = num_blocks;
+        p.total_q = total_q;
+        p.batch = batch;
+        p.num_heads = num_heads;
+        p.num_kv_heads = num_kv_heads;
+        p.head_dim = head_dim;
+        p.block_size = block_size;
+        p.scale = static_cast<float>(scale);
+        p.dtype = static_cast<DType>(dtype);
+        DeviceGuard guard(device);
+        return static_cast<int>(pagedkern::flash_prefill(
+            p, static_cast<pagedkern::FlashPrefillPath>(path), strict, as_stream(stream)));
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def("flash_prefill_workspace_ints", &pagedkern::flash_prefill_workspace_ints,
+        py::arg("total_q"), py::arg("batch"));
+  // The path flash_prefill takes on `device` for this head dim and block size (aligned arrays).
+  m.def(
+      "flash_prefill_path",
+      [](int device, int head_dim, int block_size, int path) {
+        pagedkern::FlashPrefillParams p;
+        p.head_dim = head_dim;
+        p.block_size = block_size;
+        p.num_blocks = 1;
+        p.num_kv_heads = 1;
+        return static_cast<int>(pagedkern::flash_prefill_select_path(
+            p, device, static_cast<pagedkern::FlashPrefillPath>(path), false));
+      },
+      py::arg("device"), py::arg("head_dim"), py::arg("block_size"), py::arg("path"));
 }

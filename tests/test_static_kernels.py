@@ -22,6 +22,9 @@ VECTOR_ACCESS = {
     "rope_and_cache_kernelIfLi4": ("LDG.E.128", "STG.E.128"),
     "sample_kernelI13__nv_bfloat16Li8": ("LDG.E.128",),
     "sample_kernelIfLi4": ("LDG.E.128",),
+    # flash_prefill: K/V pages by 16-byte cp.async (path 1) or TMA (path 2), out with STG.128.
+    "flash_prefill_sm80_kernel": ("LDGSTS.E.BYPASS", "STG.E.128"),
+    "flash_prefill_sm90_kernel": ("UTMALDG.3D", "STG.E.128"),
 }
 # Every operator's kernels (substring of the mangled name) must be in the binary.
 KERNELS = (
@@ -33,6 +36,17 @@ KERNELS = (
     "paged_attention_merge_kernel",
     "rope_and_cache_kernel",
     "sample_kernel",
+    "flash_prefill_schedule_kernel",
+    "flash_prefill_sm80_kernel",
+    "flash_prefill_sm90_kernel",
+)
+# Kernel -> tensor-core instruction its design needs, per architecture: flash_prefill's path 1
+# is mma.sync (HMMA) everywhere, path 2 wgmma (HGMMA) on sm_90a; path 2's sm_80 build is an
+# empty stub (never launched there), present only so every cubin has the same kernels.
+TENSOR_CORE_OPS = (
+    ("flash_prefill_sm80_kernel", "sm_80", "HMMA.16816"),
+    ("flash_prefill_sm80_kernel", "sm_90a", "HMMA.16816"),
+    ("flash_prefill_sm90_kernel", "sm_90a", "HGMMA"),
 )
 
 
@@ -67,3 +81,10 @@ def test_sixteen_byte_accesses_on_hopper(cuda_binary, kernel, opcodes):
         for opcode in opcodes:
             assert opcode in sass, f"{name} has no {opcode}"
 
+
+@pytest.mark.parametrize("kernel,arch,opcode", TENSOR_CORE_OPS)
+def test_tensor_core_instructions(cuda_binary, kernel, arch, opcode):
+    listings = {n: s for n, s in cuda_binary.sass(arch).items() if kernel in n}
+    assert listings, f"{kernel} not found in the {arch} code"
+    for name, sass in listings.items():
+        assert opcode in sass, f"{name} has no {opcode} ({arch})"

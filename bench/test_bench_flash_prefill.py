@@ -1,0 +1,149 @@
+"""flash_prefill: both pagedkern paths vs torch SDPA (flash and cuDNN backends) on the same data,
+SDPA reading it in contiguous form [B, H, L, D] (K/V heads repeated for GQA). Causal, D = 128,
+16k tokens in total, bf16; FLOPs = 4 * Hq * D * sum over sequences of (visible keys summed over
+its queries), the causal count, the same for every implementation.
+
+Targets on an H200: path 1 (mma.sync) at least SDPA flash (FlashAttention-2); path 2 (wgmma +
+TMA) >= 550 TFLOP/s and ahead of SDPA cuDNN. The skewed batch (one long sequence and many short
+ones) has no SDPA counterpart (it needs a varlen interface). In smoke mode (CPU, tiny shapes)
+pagedkern runs its reference and SDPA its math backend; the numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from measure import smoke_mode
+
+import pagedkern
+from pagedkern._extension import require
+from pagedkern.ops import flash_prefill as fp_module
+
+HEAD_DIM = 64 if smoke_mode() else 128
+NUM_HEADS, NUM_KV_HEADS = (4, 2) if smoke_mode() else (32, 8)
+BLOCK_SIZE = 16
+# name -> [(chunk, cached prefix)] per sequence
+CASES = (
+    {"1x256": [(256, 0)], "skewed 128+8x16": [(128, 0)] + [(16, 0)] * 8}
+    if smoke_mode()
+    else {
+        "1x16384": [(16384, 0)],
+        "4x4096": [(4096, 0)] * 4,
+        "16x1024": [(1024, 0)] * 16,
+        "skewed 8192+64x128": [(8192, 0)] + [(128, 0)] * 64,
+        "4x4096 after 4096 cached": [(4096, 4096)] * 4,
+    }
+)
+IMPLS = ["pagedkern path 1", "pagedkern path 2", "torch sdpa flash", "torch sdpa cudnn"]
+PATH_OF = {"pagedkern path 1": "sm80", "pagedkern path 2": "sm90"}
+TARGETS = {
+    "pagedkern path 1": ">= sdpa flash",
+    "pagedkern path 2": ">= 550 TFLOP/s and > sdpa cudnn",
+}
+_data: dict = {}
+
+
+def causal_flops(pairs) -> int:
+    keys = sum(n * p + n * (n + 1) // 2 for n, p in pairs)  # query i of a chunk sees p + i + 1
+    return 4 * NUM_HEADS * HEAD_DIM * keys
+
+
+def make_data(name: str, device: str):
+    """Paged inputs for pagedkern and the same keys/values contiguous for SDPA."""
+    if name in _data:
+        return _data[name]
+    _data.clear()
+    pairs = CASES[name]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+    seq_lens = [n + p for n, p in pairs]
+    pages = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    shape = (sum(pages), NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    k_cache = torch.zeros(shape, device=device, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    perm = torch.randperm(sum(pages), generator=g, device=device).int()
+    table = torch.zeros(len(pairs), max(pages), dtype=torch.int32, device=device)
+    keys, values, start = [], [], 0
+    for b, (n_pages, seq_len) in enumerate(zip(pages, seq_lens, strict=True)):
+        blocks = perm[start : start + n_pages]
+        start += n_pages
+        table[b, :n_pages] = blocks
+        kv = []
+        for cache in (k_cache, v_cache):
+            x = torch.randn(
+                NUM_KV_HEADS, n_pages * BLOCK_SIZE, HEAD_DIM, generator=g, device=device
+            )
+            x = x.to(dtype)
+            cache[blocks.long()] = x.view(NUM_KV_HEADS, n_pages, BLOCK_SIZE, -1).transpose(0, 1)
+            kv.append(x[:, :seq_len])
+        keys.append(kv[0])
+        values.append(kv[1])
+    total = sum(n for n, _ in pairs)
+    q = torch.randn(total, NUM_HEADS, HEAD_DIM, generator=g, device=device).to(dtype)
+    chunks = torch.tensor([0] + [n for n, _ in pairs], device=device)
+    cu = torch.cumsum(chunks, 0).to(torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    paged = (q, k_cache, v_cache, cu, table, seq)
+    contiguous = None
+    if len({(n, p) for n, p in pairs}) == 1 and pairs[0][1] == 0:
+        # SDPA: [B, Hq, L, D], fresh prompts of one length (its causal mask is the prefill's).
+        n, group = pairs[0][0], NUM_HEADS // NUM_KV_HEADS
+        qs = q.view(len(pairs), n, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+        ks = torch.stack(keys).repeat_interleave(group, 1).contiguous()
+        vs = torch.stack(values).repeat_interleave(group, 1).contiguous()
+        contiguous = (qs, ks, vs)
+    _data[name] = (paged, contiguous, causal_flops(pairs))
+    return _data[name]
+
+
+def sdpa_fn(impl, contiguous, device):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qs, ks, vs = contiguous
+    if smoke_mode():
+        backend = SDPBackend.MATH  # the flash / cuDNN kernels need a GPU
+    else:
+        backend = (
+            SDPBackend.FLASH_ATTENTION if impl.endswith("flash") else SDPBackend.CUDNN_ATTENTION
+        )
+
+    def run():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+
+    try:
+        run()
+    except RuntimeError as exc:  # backend unavailable for this GPU / build / shape
+        pytest.skip(f"{impl} cannot run here: {str(exc).splitlines()[0]}")
+    return run
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_flash_prefill(measure, gemm_tflops, device, monkeypatch, case, impl):
+    paged, contiguous, flops = make_data(case, device)
+    extra = {}
+    if impl in PATH_OF:
+        path = PATH_OF[impl]
+        if not smoke_mode():
+            if path == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+                pytest.skip("path 2 needs an sm_90 GPU")
+            monkeypatch.setenv(fp_module.PATH_ENV, path)
+        out = torch.empty_like(paged[0])
+        ws = None
+        if not smoke_mode():
+            need = require().flash_prefill_workspace_ints(paged[0].shape[0], len(paged[5]))
+            ws = torch.empty(need, dtype=torch.int32, device=device)
+
+        def fn():
+            return pagedkern.flash_prefill(*paged, out=out, workspace=ws)
+
+        extra["target"] = TARGETS[impl]
+    else:
+        if contiguous is None:
+            pytest.skip("SDPA has no varlen / cached-prefix form of this batch")
+        fn = sdpa_fn(impl, contiguous, device)
+        if smoke_mode():
+            extra["backend"] = "math (smoke)"
+    result = measure("flash_prefill", case, impl, fn, flops=flops, **extra)
+    assert result.seconds > 0 and gemm_tflops > 0

@@ -1,0 +1,57 @@
+// flash_prefill: causal varlen prefill attention over the paged KV cache; parameters and launcher
+// (kernels in flash_prefill_sm80.cu and flash_prefill_sm90.cu, scheduler in flash_prefill.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common.h"
+
+namespace pagedkern {
+
+// Sequence b owns query rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 (n_b rows) and seq_lens[b]
+// keys in the cache, read through block_tables[b, :]; query i of the chunk sits at position
+// seq_lens[b] - n_b + i and sees keys 0..that position. GQA: query head h reads KV head
+// h / (num_heads / num_kv_heads).
+struct FlashPrefillParams {
+  void* out = nullptr;              // [total_q, num_heads, head_dim], token stride out_stride
+  float* lse = nullptr;             // [total_q, num_heads] natural-log LSE, or nullptr
+  const void* q = nullptr;          // [total_q, num_heads, head_dim], token stride q_stride
+  const void* k_cache = nullptr;    // [num_blocks, num_kv_heads, block_size, head_dim]
+  const void* v_cache = nullptr;    // same shape as k_cache
+  const int* cu_seqlens_q = nullptr;  // [batch + 1]
+  const int* block_tables = nullptr;  // [batch, *], row stride block_table_stride
+  const int* seq_lens = nullptr;      // [batch]
+  int* workspace = nullptr;  // flash_prefill_workspace_ints(total_q, batch) int32, device memory
+  int64_t q_stride = 0;      // elements between tokens
+  int64_t out_stride = 0;
+  int64_t num_blocks = 0;
+  int64_t block_table_stride = 0;
+  int total_q = 0;
+  int batch = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 0;
+  float scale = 0.f;  // softmax scale (the Python layer defaults it to head_dim^-0.5)
+  DType dtype = DType::kBFloat16;
+};
+
+// Path 1: mma.sync + cp.async (sm_80 and newer). Path 2: wgmma + TMA, warp specialised (sm_90).
+enum class FlashPrefillPath : int { kAuto = 0, kSm80 = 1, kSm90 = 2 };
+
+// int32 entries of the workspace: the work list the scheduler kernel builds on the device.
+int64_t flash_prefill_workspace_ints(int64_t total_q, int64_t batch);
+
+// The path a call with these parameters takes on `device` (kAuto resolved; kSm90 where the
+// device or the page layout cannot take it falls back to kSm80 unless `strict`, which throws).
+FlashPrefillPath flash_prefill_select_path(const FlashPrefillParams& p, int device,
+                                           FlashPrefillPath requested, bool strict);
+
+// Launches the scheduler and the attention kernel on `stream` (no host synchronisation); returns
+// the path that ran. The caller has made `device` current.
+FlashPrefillPath flash_prefill(const FlashPrefillParams& p, FlashPrefillPath path, bool strict,
+                               cudaStream_t stream);
+
+}  // namespace pagedkern

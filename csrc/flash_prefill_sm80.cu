@@ -1,0 +1,321 @@
+/*
+ * flash_prefill, path 1: tensor-core flash attention with mma.sync (sm_80 and every later GPU,
+ * Hopper included), K/V tiles gathered from the paged cache with cp.async.
+ *
+ *   out[i, h] = softmax(q[i, h] K_b^T * scale, causal) V_b     for query i of sequence b
+ *
+ * Version: v1 flash_prefill_sm80_kernel<Traits>, persistent (one or two CTAs per SM), 4 warps.
+ *  Work: (sequence, 128-query tile, head) items from the shared scheduler (flash_prefill.cu),
+ *    taken with an atomic counter. KV tiles are visited from the last one down, so the tiles that
+ *    need the causal mask come first; tiles wholly above the diagonal are never loaded.
+ *  Tiles: kBlockM = 128 queries x kBlockN keys (64 for D = 128, 128 for D = 64). Warp w owns
+ *    query rows 16w..16w+15 and 64+16w..64+16w+15; TiledMMA = 4 x 1 warps of
+ *    mma.sync.m16n8k16 (bf16/fp16 in, fp32 accumulate), N permuted in 16s so one ldmatrix.x4
+ *    feeds two n8 atoms. S = Q K^T: A and B from shared memory (ldmatrix); O += P V: P stays in
+ *    registers (the S accumulator rounded to the input type, reread as the A operand), V^T read
+ *    with ldmatrix.trans.
+ *  Shared memory: Q [128, D], then `stages` K and V buffers [kBlockN, D]; rows of 64 elements
+ *    (128 B) under Swizzle<3,3,3> (the 16-byte chunk index xor the row mod 8), so both the
+ *    cp.async writes (8 threads per 128-byte row) and the ldmatrix reads are conflict-free.
+ *  Pipeline: cp.async groups in the order K0 V0 K1 V1 ...; K of tile j+stages is issued once
+ *    every thread finished Q K_j^T, V of tile j+stages-1 once every thread finished P V_{j-1},
+ *    so loads of K overlap P V and loads of V overlap Q K^T. stages = 2 when two CTAs per SM
+ *    still fit (H100/H200: 96 KiB for D = 128), else 1 (A100 at D = 128, sm_86/89).
+ *  Page gather: thread t copies 16-byte chunks (t % 8) and (t % 8) + 8 of rows t / 8 + 16 i; a
+ *    row's key k lives at page block_tables[b, k / block_size], slot k % block_size, so its
+ *    address is ((page * Hkv + kv_head) * block_size + slot) * D: one table lookup per row and
+ *    tile, any block size. Keys at or past seq_len are zero-filled (cp.async src-size 0) so
+ *    P = 0 never meets a non-finite V.
+ *  Softmax: fp32 online softmax per row (4 rows per thread, quads of lanes share a row), exp2
+ *    with log2(e) * scale folded into one FFMA; the output is normalised once, rounded to the
+ *    input type, staged through shared memory and stored with 16-byte writes.
+ *
+ * FLOPs: 4 * D * sum over query rows of visible keys (x heads); bytes: Q, O once, K/V once per
+ * query tile and head (L2 absorbs the reuse across query tiles and GQA heads). Compute bound:
+ * target >= the FlashAttention-2 rate of torch SDPA's flash backend (~330-370 TFLOP/s for causal
+ * D = 128 at 16k tokens on H100/H200, about half the mma.sync peak).
+ */
+#include "flash_prefill_sm80.cuh"
+
+namespace pagedkern {
+namespace flash {
+namespace {
+
+using namespace cute;
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+// threadIdx.x, read afresh: addresses derived from it are recomputed where they are used instead
+// of being hoisted out of the persistent loop, where they would crowd the accumulators out of
+// registers.
+__device__ __forceinline__ int fresh_tid() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return tid;
+}
+
+// Waits for all but the 2 * (stages - 1) most recent groups (K_j or V_j and everything before).
+__device__ __forceinline__ void cp_async_wait_tile(int stages) {
+  if (stages == 2) {
+    cp_async_wait<2>();
+  } else {
+    cp_async_wait<0>();
+  }
+}
+
+// acc += A B over the k slices, loading slice k+1 from shared memory while slice k multiplies.
+template <bool kAFromSmem, class Mma, class Acc, class RA, class RB, class SA, class SB, class CA,
+          class CB, class VA, class VB>
+__device__ __forceinline__ void gemm(Mma& mma, Acc& acc, RA& rA, RB& rB, const SA& sA,
+                                     const SB& sB, const CA& copy_a, const CB& copy_b, VA& vA,
+                                     VB& vB) {
+  static_assert(decltype(size<2>(rA))::value == decltype(size<2>(rB))::value);
+#pragma unroll
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if constexpr (kAFromSmem) copy(copy_a, sA(_, _, k), vA(_, _, k));
+    copy(copy_b, sB(_, _, k), vB(_, _, k));
+    cute::gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 2)
+    flash_prefill_sm80_kernel(const KernelParams p, const int stages) {
+  using T = typename Tr::T;
+  constexpr int BN = Tr::kBlockN, D = Tr::kHeadDim, KV = Tr::kKVElems;
+  constexpr int kSlabs = D / 64;
+  extern __shared__ __align__(128) unsigned char smem[];
+  // The current and the next work tile, decoded once by thread 0: shared, not held in every
+  // thread's registers through the main loop (the accumulators need them).
+  __shared__ WorkTile tiles[2];
+  T* const q_smem = reinterpret_cast<T*>(smem);
+  T* const k_smem = q_smem + Tr::kQElems;
+  T* const v_smem = k_smem + stages * KV;
+  const int tid = threadIdx.x;
+
+  typename Tr::TiledMma mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Tr::SmemLayoutQ{});
+  auto sK = [&](int slot) {
+    return make_tensor(make_smem_ptr(k_smem + slot * KV), typename Tr::SmemLayoutKV{});
+  };
+  auto sVt = [&](int slot) {
+    return make_tensor(make_smem_ptr(v_smem + slot * KV), typename Tr::SmemLayoutVt{});
+  };
+  Tensor rQ = thr_mma.partition_fragment_A(sQ);     // (MMA, MMA_M, MMA_K)
+  Tensor rK = thr_mma.partition_fragment_B(sK(0));  // (MMA, MMA_N, MMA_K)
+  Tensor rVt = thr_mma.partition_fragment_B(
+      make_tensor(make_smem_ptr(v_smem), typename Tr::SmemLayoutVtNoSwizzle{}));
+
+  auto copy_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, T>{}, mma);
+  auto copy_k = make_tiled_copy_B(Copy_Atom<SM75_U32x4_LDSM_N, T>{}, mma);
+  auto copy_v = make_tiled_copy_B(Copy_Atom<SM75_U16x8_LDSM_T, T>{}, mma);
+  Tensor rQ_view = copy_q.get_thread_slice(tid).retile_D(rQ);
+  Tensor rK_view = copy_k.get_thread_slice(tid).retile_D(rK);
+  Tensor rVt_view = copy_v.get_thread_slice(tid).retile_D(rVt);
+
+  // (row, column) of every accumulator element, as rows x columns.
+  Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<BN>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), rowcol_layout(cS.layout()));
+  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<D>>{}));
+  Tensor cO_rc = make_tensor(cO.data(), rowcol_layout(cO.layout()));
+  constexpr int kRows = decltype(size<0>(cO_rc))::value;
+
+  const int total_work = p.workspace[1] * p.num_heads;
+  __shared__ int works[2];
+  if (tid == 0) {
+    works[0] = atomicAdd(p.workspace, 1);
+    if (works[0] < total_work) tiles[0] = decode_work<BN>(p, works[0]);
+  }
+  __syncthreads();
+  for (int parity = 0; works[parity] < total_work; parity ^= 1) {
+    const WorkTile& t = tiles[parity];
+
+    // Q rows past the chunk are zero-filled; their outputs are never stored.
+    {
+      const int tid = fresh_tid();
+      const T* q = static_cast<const T*>(p.q) + int64_t(t.q_row0) * p.q_stride + t.head * D;
+      const int rows = t.rows;
+#pragma unroll
+      for (int m = 0; m < kBlockM / 16; ++m) {
+        const int row = Tr::chunk_row(tid) + 16 * m;
+        const bool valid = row < rows;
+        const T* src = q + (valid ? row * p.q_stride : 0) + Tr::chunk_col(tid);
+#pragma unroll
+        for (int k = 0; k < kSlabs; ++k) {
+          cp_async_16(q_smem + Tr::chunk_offset(tid) + m * 1024 + k * kBlockM * 64, src + k * 64,
+                      valid);
+        }
+      }
+    }
+    // Keys tile*BN .. tile*BN+BN-1 of K or V into the buffer at dst, gathered through the table.
+    auto load_kv = [&](const void* cache, T* dst, int tile) {
+      const int tid = fresh_tid();
+      const int* table = p.block_tables + int64_t(t.seq) * p.block_table_stride;
+      const int seq_len = t.seq_len;
+      const T* base = static_cast<const T*>(cache) + int64_t(t.kv_head) * p.block_size * D +
+                      Tr::chunk_col(tid);
+#pragma unroll
+      for (int m = 0; m < BN / 16; ++m) {
+        const int key = tile * BN + Tr::chunk_row(tid) + 16 * m;
+        const bool valid = key < seq_len;
+        int64_t offset = 0;
+        if (valid) {
+          int page, slot;
+          page_of(p, key, page, slot);
+          offset = int64_t(table[page]) * p.page_stride + slot * D;
+        }
+#pragma unroll
+        for (int k = 0; k < kSlabs; ++k) {
+          cp_async_16(dst + Tr::chunk_offset(tid) + m * 1024 + k * BN * 64,
+                      base + offset + k * 64, valid);
+        }
+      }
+    };
+
+    // Prologue: groups [Q + K0], V0, K1, ... V_{stages-2}, K_{stages-1}. Iteration i handles
+    // KV tile n_tiles-1-i in buffer i % stages.
+    const int n_tiles = t.n_tiles;
+    if (n_tiles > 0) load_kv(p.k_cache, k_smem, n_tiles - 1);
+    cp_async_commit();
+    for (int s = 1; s < stages; ++s) {
+      if (s - 1 < n_tiles) load_kv(p.v_cache, v_smem + (s - 1) * KV, n_tiles - s);
+      cp_async_commit();
+      if (s < n_tiles) load_kv(p.k_cache, k_smem + s * KV, n_tiles - 1 - s);
+      cp_async_commit();
+    }
+
+    Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<D>>{});
+    Tensor o_rc = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
+    clear(acc_o);
+    float row_max[kRows], row_sum[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) row_max[r] = -INFINITY, row_sum[r] = 0.f;
+
+    for (int i = 0; i < t.n_tiles; ++i) {
+      const int tile = t.n_tiles - 1 - i;
+      const int slot = stages == 1 ? 0 : (i & 1);
+      cp_async_wait_tile(stages);  // K_i (and Q) have landed
+      __syncthreads();             // ... for every thread; and everyone is done with V_{i-1}
+      if (i + stages - 1 < t.n_tiles) {
+        load_kv(p.v_cache, v_smem + ((i + stages - 1) % stages) * KV, tile - (stages - 1));
+      }
+      cp_async_commit();
+
+      Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<BN>>{});
+      clear(acc_s);
+      const int ftid = fresh_tid();
+      Tensor sQ_frag = copy_q.get_thread_slice(ftid).partition_S(sQ);
+      Tensor sK_frag = copy_k.get_thread_slice(ftid).partition_S(sK(slot));
+      gemm<true>(mma, acc_s, rQ, rK, sQ_frag, sK_frag, copy_q, copy_k, rQ_view, rK_view);
+
+      Tensor s_rc = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
+      if (tile >= t.n_unmasked) causal_mask(s_rc, cS_rc, t, tile * BN);
+      float alpha[kRows];
+      softmax_step(s_rc, row_max, row_sum, alpha, p.scale_log2);
+      rescale_rows(o_rc, alpha);
+      Tensor rP = make_tensor<T>(acc_as_a_layout(acc_s.layout()));
+      convert_storage(acc_s, rP);
+
+      cp_async_wait_tile(stages);  // V_i has landed
+      __syncthreads();             // ... for every thread; and everyone is done with K_i
+      if (i + stages < t.n_tiles) load_kv(p.k_cache, k_smem + slot * KV, tile - stages);
+      cp_async_commit();
+
+      Tensor sVt_frag = copy_v.get_thread_slice(fresh_tid()).partition_S(sVt(slot));
+      gemm<false>(mma, acc_o, rP, rVt, sVt_frag, sVt_frag, copy_v, copy_v, rVt_view, rVt_view);
+    }
+
+    // Epilogue: normalise, stage the tile in Q's buffer, 16-byte stores of the valid rows. The
+    // next work item is claimed now (not at the start: a register held through the main loop
+    // would spill); its latency hides behind the stores.
+    int next = 0;
+    if (tid == 0) next = atomicAdd(p.workspace, 1);
+    float lse[kRows];
+    softmax_finalize(o_rc, row_max, row_sum, p.scale, lse);
+    cp_async_wait<0>();  // only empty groups remain; Q's has landed (n_tiles == 0 included)
+    __syncthreads();
+    Tensor o_frag = make_tensor<T>(acc_o.layout());
+    convert_storage(acc_o, o_frag);
+    auto copy_o = make_tiled_copy_C(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, T>{}, mma);
+    auto thr_copy_o = copy_o.get_thread_slice(fresh_tid());
+    copy(copy_o, thr_copy_o.retile_S(o_frag), thr_copy_o.partition_D(sQ));
+    if (p.lse != nullptr) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int row = get<0>(cO_rc(r, 0));
+        if (get<1>(cO_rc(r, 0)) == 0 && row < t.rows) {
+          p.lse[int64_t(t.q_row0 + row) * p.num_heads + t.head] = lse[r];
+        }
+      }
+    }
+    __syncthreads();
+    {
+      const int tid = fresh_tid();
+      T* out = static_cast<T*>(p.out) + int64_t(t.q_row0) * p.out_stride + t.head * D;
+      const int rows = t.rows;
+#pragma unroll
+      for (int m = 0; m < kBlockM / 16; ++m) {
+        const int row = Tr::chunk_row(tid) + 16 * m;
+        if (row < rows) {
+#pragma unroll
+          for (int k = 0; k < kSlabs; ++k) {
+            *reinterpret_cast<uint4*>(out + row * p.out_stride + Tr::chunk_col(tid) + k * 64) =
+                *reinterpret_cast<const uint4*>(q_smem + Tr::chunk_offset(tid) + m * 1024 +
+                                                k * kBlockM * 64);
+          }
+        }
+      }
+    }
+    if (tid == 0) {
+      works[parity ^ 1] = next;
+      if (next < total_work) tiles[parity ^ 1] = decode_work<BN>(p, next);
+    }
+    __syncthreads();  // Q's buffer is free again; the next tile is decoded
+  }
+}
+
+template <class Tr>
+void launch(const KernelParams& p, int device, cudaStream_t stream) {
+  int smem_per_sm = 0;
+  PK_CUDA_CHECK(
+      cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  // Two buffers per K and V when two CTAs (the register file's limit) still fit on an SM.
+  const int stages = 2 * (Tr::smem_bytes(2) + 1024) <= size_t(smem_per_sm) ? 2 : 1;
+  const size_t smem = Tr::smem_bytes(stages);
+  const auto kernel = flash_prefill_sm80_kernel<Tr>;
+  const int grid = persistent_grid(reinterpret_cast<const void*>(kernel), Tr::kThreads, smem,
+                                   device, max_tiles(p.total_q, p.batch) * p.num_heads);
+  kernel<<<grid, Tr::kThreads, smem, stream>>>(p, stages);
+  PK_CHECK_LAUNCH("flash_prefill_sm80_kernel");
+}
+
+template <class T>
+void launch_dtype(const KernelParams& p, int device, cudaStream_t stream) {
+  if (p.head_dim == 64) {
+    launch<Sm80Traits<T, 64>>(p, device, stream);
+  } else {
+    launch<Sm80Traits<T, 128>>(p, device, stream);
+  }
+}
+
+}  // namespace
+
+void launch_flash_prefill_sm80(const KernelParams& p, int device, cudaStream_t stream) {
+  if (p.dtype == DType::kFloat16) {
+    launch_dtype<cutlass::half_t>(p, device, stream);
+  } else {
+    launch_dtype<cutlass::bfloat16_t>(p, device, stream);
+  }
+}
+
+}  // namespace flash
+}  // namespace pagedkern

@@ -1,0 +1,173 @@
+// Host-side check of the layout assumptions of the flash_prefill kernels, on the very types they
+// use (no GPU): which accumulator element holds which (row, column), that the S accumulator reread
+// as an A operand holds the (row, key) the P V product expects, that the quads of lanes the row
+// reductions shuffle over hold whole rows, and the hand-written shared-memory addresses.
+// Built and run by tests/test_flash_prefill_schedule.py (needs nvcc); prints "ok" or the first
+// mismatch.
+#include <cstdio>
+#include <cstdlib>
+#include <set>
+
+#include "flash_prefill_sm80.cuh"
+#include "flash_prefill_sm90.cuh"
+
+using namespace cute;
+using namespace pagedkern::flash;
+
+static int failures = 0;
+static long checks = 0;
+#define CHECK(cond, ...)                                              \
+  do {                                                                \
+    ++checks;                                                         \
+    if (!(cond)) {                                                    \
+      if (failures++ < 10) {                                          \
+        std::printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);   \
+        std::printf(__VA_ARGS__);                                     \
+        std::printf("\n");                                            \
+      }                                                               \
+    }                                                                 \
+  } while (0)
+
+// Accumulator (rows x cols of the tile) over all threads of `mma`: every element exactly once;
+// rowcol rows constant along columns; every row held by one quad of lanes (4q .. 4q+3);
+// acc_as_a_layout maps element i to the (row, key) the A operand of the P V product expects.
+template <class MmaS, class MmaO, int kM, int kN, int kD>
+void check_accumulators(const char* name, int threads) {
+  MmaS mma;
+  MmaO mma_o;
+  std::set<std::pair<int, int>> seen;
+  std::vector<int> row_owner_quad(kM, -1);
+  for (int t = 0; t < threads; ++t) {
+    auto thr = mma.get_thread_slice(t);
+    auto thr_o = mma_o.get_thread_slice(t);
+    Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kM>, Int<kN>>{}));
+    Tensor cS_rc = make_tensor(cS.data(), rowcol_layout(cS.layout()));
+    Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<kM>, Int<kD>>{}));
+    Tensor cO_rc = make_tensor(cO.data(), rowcol_layout(cO.layout()));
+    CHECK(size<0>(cS_rc) == size<0>(cO_rc), "%s: S and O row counts differ", name);
+    for (int i = 0; i < size(cS); ++i) {
+      const int r = get<0>(cS(i)), c = get<1>(cS(i));
+      CHECK(seen.insert({r, c}).second, "%s: (%d, %d) held twice", name, r, c);
+    }
+    for (int r = 0; r < size<0>(cS_rc); ++r) {
+      const int row = get<0>(cS_rc(r, 0));
+      CHECK(get<0>(cO_rc(r, 0)) == row, "%s: thread %d row %d: S row %d, O row %d", name, t, r,
+            row, int(get<0>(cO_rc(r, 0))));
+      for (int c = 0; c < size<1>(cS_rc); ++c) {
+        CHECK(get<0>(cS_rc(r, c)) == row, "%s: thread %d rowcol row varies", name, t);
+      }
+      for (int c = 0; c < size<1>(cO_rc); ++c) {
+        CHECK(get<0>(cO_rc(r, c)) == row, "%s: thread %d O rowcol row varies", name, t);
+      }
+      const int quad = t / 4;
+      CHECK(row_owner_quad[row] == -1 || row_owner_quad[row] == quad,
+            "%s: row %d held by quads %d and %d", name, row, row_owner_quad[row], quad);
+      row_owner_quad[row] = quad;
+      // Column 0 of the rowcol view is the thread's first column: lane % 4 == 0 holds column 0.
+      CHECK((get<1>(cS_rc(r, 0)) == 0) == (t % 4 == 0), "%s: column-0 owner", name);
+    }
+    // P: the S accumulator reread as the A operand of O += P V (M = kM, K = kN).
+    Tensor cA = thr_o.partition_A(make_identity_tensor(Shape<Int<kM>, Int<kN>>{}));
+    Tensor cP = make_tensor(cS.data(), acc_as_a_layout(cS.layout()));
+    CHECK(size(cA) == size(cP) && size<1>(cA) == size<1>(cP) && size<2>(cA) == size<2>(cP),
+          "%s: A fragment shape", name);
+    for (int i = 0; i < size(cA); ++i) {
+      CHECK(get<0>(cA(i)) == get<0>(cP(i)) && get<1>(cA(i)) == get<1>(cP(i)),
+            "%s: thread %d A element %d wants (%d, %d), P holds (%d, %d)", name, t, i,
+            int(get<0>(cA(i))), int(get<1>(cA(i))), int(get<0>(cP(i))), int(get<1>(cP(i))));
+    }
+  }
+  CHECK(int(seen.size()) == kM * kN, "%s: %d of %d elements covered", name, int(seen.size()),
+        kM * kN);
+}
+
+template <class Tr>
+void check_sm80(const char* name) {
+  constexpr int BN = Tr::kBlockN, D = Tr::kHeadDim;
+  check_accumulators<typename Tr::TiledMma, typename Tr::TiledMma, kBlockM, BN, D>(name,
+                                                                                 Tr::kThreads);
+  typename Tr::SmemLayoutQ q_layout;
+  typename Tr::SmemLayoutKV kv_layout;
+  typename Tr::SmemLayoutVt vt_layout;
+  // Hand-written 16-byte chunk addresses == the swizzled layouts; chunks contiguous.
+  for (int t = 0; t < Tr::kThreads; ++t) {
+    for (int m = 0; m < BN / 16; ++m) {
+      for (int k = 0; k < D / 64; ++k) {
+        const int row = Tr::chunk_row(t) + 16 * m, col = Tr::chunk_col(t) + 64 * k;
+        for (int j = 0; j < 8; ++j) {
+          CHECK(kv_layout(row, col + j) == Tr::chunk_offset(t) + m * 1024 + k * BN * 64 + j,
+                "%s: KV chunk t=%d m=%d k=%d j=%d", name, t, m, k, j);
+        }
+      }
+    }
+    for (int m = 0; m < kBlockM / 16; ++m) {
+      for (int k = 0; k < D / 64; ++k) {
+        const int row = Tr::chunk_row(t) + 16 * m, col = Tr::chunk_col(t) + 64 * k;
+        CHECK(q_layout(row, col) == Tr::chunk_offset(t) + m * 1024 + k * kBlockM * 64,
+              "%s: Q chunk t=%d m=%d k=%d", name, t, m, k);
+      }
+    }
+  }
+  for (int n = 0; n < BN; ++n) {
+    for (int d = 0; d < D; ++d) {
+      CHECK(vt_layout(d, n) == kv_layout(n, d), "%s: V^T view (%d, %d)", name, d, n);
+    }
+  }
+}
+
+// Byte offset, from a 1024-aligned base, of element (row, col) of a [rows, D] tile stored as the
+// TMA SWIZZLE_128B boxes of the kernel write it: 64-column slabs of rows 128 B apart, each
+// 16-byte chunk xor (row % 8).
+int tma_sw128_offset(int row, int col, int rows) {
+  return (col / 64) * rows * 128 + row * 128 + ((col % 64 / 8) ^ (row % 8)) * 16 + col % 8 * 2;
+}
+
+template <class Tr>
+void check_sm90(const char* name) {
+  using T = typename Tr::T;
+  constexpr int BN = Tr::kBlockN, D = Tr::kHeadDim, S = Tr::kStages;
+  check_accumulators<typename Tr::TiledMmaQK, typename Tr::TiledMmaPV, kBlockM, BN, D>(
+      name, 128 * Tr::kConsumers);
+  // Shared memory as the kernel indexes it (CuTe applies the swizzle to the address, so use a
+  // 1024-aligned stand-in buffer; nothing is dereferenced) against where TMA puts each element.
+  alignas(1024) static T buffer[S * BN * D];
+  const auto base = reinterpret_cast<uintptr_t>(buffer);
+  Tensor sKV = make_tensor(make_smem_ptr(buffer), typename Tr::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(buffer), typename Tr::SmemLayoutVt{});
+  Tensor sQ = make_tensor(make_smem_ptr(buffer), typename Tr::SmemLayoutQ{});
+  for (int st = 0; st < S; ++st) {
+    for (int r = 0; r < BN; ++r) {
+      for (int c = 0; c < D; ++c) {
+        const auto at = reinterpret_cast<uintptr_t>(&sKV(r, c, st)) - base;
+        const int want = st * BN * D * int(sizeof(T)) + tma_sw128_offset(r, c, BN);
+        CHECK(int(at) == want, "%s: K/V (%d, %d, %d) at %d, TMA writes %d", name, r, c, st,
+              int(at), want);
+        CHECK(&sVt(c, r, st) == &sKV(r, c, st), "%s: V^T view (%d, %d, %d)", name, c, r, st);
+      }
+    }
+  }
+  for (int r = 0; r < kBlockM; ++r) {
+    for (int c = 0; c < D; ++c) {
+      const auto at = reinterpret_cast<uintptr_t>(&sQ(r, c)) - base;
+      CHECK(int(at) == tma_sw128_offset(r, c, kBlockM), "%s: Q (%d, %d)", name, r, c);
+    }
+  }
+  // Every buffer of the shared storage on a 1024-byte boundary.
+  using Storage = typename Tr::SharedStorage;
+  CHECK(offsetof(Storage, q) % 1024 == 0 && offsetof(Storage, k) % 1024 == 0 &&
+            offsetof(Storage, v) % 1024 == 0 && offsetof(Storage, o) % 1024 == 0,
+        "%s: buffer alignment", name);
+}
+
+int main() {
+  check_sm80<Sm80Traits<cutlass::bfloat16_t, 64>>("sm80 D=64");
+  check_sm80<Sm80Traits<cutlass::bfloat16_t, 128>>("sm80 D=128");
+  check_sm90<Sm90Traits<cutlass::bfloat16_t, 64>>("sm90 D=64");
+  check_sm90<Sm90Traits<cutlass::half_t, 128>>("sm90 D=128");
+  if (failures) {
+    std::printf("%d failures\n", failures);
+    return 1;
+  }
+  std::printf("ok (%ld checks)\n", checks);
+  return 0;
+}
