@@ -14,6 +14,7 @@ from measure import smoke_mode
 
 from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig
+from pagedkern.model import ModelLoadError, default_model_path
 
 SMOKE = smoke_mode()
 MODELS = ["synthetic:tiny"] if SMOKE else ["smollm2 (default)", "synthetic:seed"]
@@ -25,6 +26,8 @@ SUBSET = (4, 8) if SMOKE else (32, 128)  # requests, output tokens: A/B against 
 @pytest.fixture(scope="module", params=MODELS)
 def engine(request) -> Engine:
     model = None if request.param.startswith("smollm2") else request.param
+    if model is None and not default_model_installed():
+        model = "synthetic:smollm2-135m"  # same shape and speed; the GGUF may not be carried
     config = EngineConfig(
         model=model,
         backend="reference" if SMOKE else "cuda",
@@ -39,6 +42,13 @@ def engine(request) -> Engine:
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def default_model_installed() -> bool:
+    try:
+        return default_model_path().is_file()
+    except ModelLoadError:
+        return False
 
 
 def _case(engine: Engine) -> str:

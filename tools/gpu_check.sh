@@ -42,7 +42,8 @@ if [ "$dry_run" = 0 ]; then
   # Already-installed packages are left as they are; only missing ones come from .carry/wheels.
   if [ -d .carry/wheels ]; then
     "$python" -m pip install -q --no-index --find-links .carry/wheels pytest pytest-benchmark \
-      hypothesis gguf tokenizers safetensors jinja2 tqdm >"$out/pip.log" 2>&1 \
+      hypothesis gguf tokenizers safetensors jinja2 tqdm fastapi uvicorn pydantic transformers \
+      >"$out/pip.log" 2>&1 \
       || { echo "offline pip install failed (see pip.log)"; exit 1; }
   fi
   if [ -z "${PAGEDKERN_CUTLASS_INCLUDE:-}" ] && [ -f .carry/cutlass-include.tar.gz ]; then

@@ -19,5 +19,6 @@ tar -czf .carry/cutlass-include.tar.gz -C "$include" cute cutlass
 python3 -m pip download -q --dest .carry/wheels --only-binary=:all: \
   --python-version "$pyver" --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux_2_28_x86_64 --platform any \
-  pytest pytest-benchmark hypothesis gguf tokenizers safetensors jinja2 tqdm pyyaml requests
+  pytest pytest-benchmark hypothesis gguf tokenizers safetensors jinja2 tqdm pyyaml requests \
+  fastapi uvicorn pydantic transformers
 du -sh .carry/cutlass-include.tar.gz .carry/wheels
