@@ -21,11 +21,16 @@ from .arrays import (
     check_dtype,
     check_ndim,
     common_device,
-    empty_like,
     view,
 )
 from .launch import launch_context, reference_on_torch, use_reference
-from .paged_kv import check_attention_args, check_heads, check_scale
+from .paged_kv import (
+    attention_outputs,
+    check_attention_args,
+    check_rows_aligned,
+    check_scale,
+    workspace_view,
+)
 
 KERNEL_DTYPES = ("float16", "bfloat16")
 KERNEL_HEAD_DIMS = (64, 128)
@@ -55,11 +60,6 @@ def kernel_path(device: int, head_dim: int, block_size: int, path: str | None = 
 
 def _kernel_supports(qv: ArrayView) -> bool:
     return qv.dtype in KERNEL_DTYPES and qv.shape[2] in KERNEL_HEAD_DIMS
-
-
-def _check_rows_aligned(a: ArrayView) -> None:
-    if a.ptr % 16 or (a.shape[0] > 1 and a.strides[0] % 8):
-        raise ValueError(f"{a.describe()}: rows must start at 16-byte boundaries for the kernel")
 
 
 def flash_prefill(
@@ -108,27 +108,15 @@ def flash_prefill(
     check_contiguous(sl)
     if bt.shape[1] > 1 and bt.strides[1] != 1:
         raise ValueError(f"{bt.describe()}: rows must be contiguous")
-    _check_rows_aligned(qv)
+    check_rows_aligned(qv)
     for cache in (kc, vc):
         if cache.ptr % 16:
             raise ValueError(f"{cache.describe()} must start at a 16-byte boundary")
     path = requested_path()
     module, device, handle = launch_context(views, stream)
-    if out is None:
-        out = empty_like(qv, qv.shape)
-    ov = view(out, "out")
-    check_heads(ov, total, head_dim)
-    _check_rows_aligned(ov)
-    lse = empty_like(qv, (total, num_heads), "float32", "lse") if return_lse else None
+    out, ov, lse = attention_outputs(qv, out, return_lse)
     need = int(module.flash_prefill_workspace_ints(total, batch))
-    if workspace is None:
-        workspace = empty_like(qv, (need,), "int32", "workspace")
-    wv = view(workspace, "workspace")
-    check_dtype(wv, ("int32",))
-    check_contiguous(wv)
-    common_device([*views, wv])
-    if wv.numel < need or wv.ptr % 16:
-        raise ValueError(f"{wv.describe()}: need {need} int32 entries, 16-byte aligned")
+    wv = workspace_view(workspace, qv, need, "int32", views)
     module.flash_prefill(
         ov.ptr,
         view(lse, "lse").ptr if lse is not None else 0,

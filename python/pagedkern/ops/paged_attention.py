@@ -18,14 +18,17 @@ from .arrays import (
     DTYPE_CODES,
     ArrayView,
     check_contiguous,
-    check_dtype,
     check_shape,
-    common_device,
-    empty_like,
     view,
 )
 from .launch import launch_context, reference_on_torch, use_reference
-from .paged_kv import check_attention_args, check_heads, check_scale
+from .paged_kv import (
+    attention_outputs,
+    check_attention_args,
+    check_rows_aligned,
+    check_scale,
+    workspace_view,
+)
 
 KERNEL_DTYPES = ("float16", "bfloat16")
 KERNEL_HEAD_DIMS = (64, 128, 256)
@@ -133,11 +136,6 @@ def _kernel_supports(qv: ArrayView, kc: ArrayView) -> bool:
     )
 
 
-def _check_rows_aligned(a: ArrayView) -> None:
-    if a.ptr % 16 or (a.shape[0] > 1 and a.strides[0] % 8):
-        raise ValueError(f"{a.describe()}: rows must start at 16-byte boundaries for the kernel")
-
-
 def _check_int(name: str, value, low: int) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
         raise ValueError(f"{name} must be an int >= {low} or None, got {value!r}")
@@ -184,7 +182,7 @@ def paged_attention(
     if bt.shape[1] > 1 and bt.strides[1] != 1:
         raise ValueError(f"{bt.describe()}: rows must be contiguous")
     check_contiguous(views[4])
-    _check_rows_aligned(qv)
+    check_rows_aligned(qv)
     for cache in views[1:3]:
         if cache.ptr % 16:
             raise ValueError(f"{cache.describe()} must start at a 16-byte boundary")
@@ -193,24 +191,11 @@ def paged_attention(
         max_seq_len = bt.shape[1] * block_size
     num_sms = _num_sms(module, device)
     plan = plan_splits(batch, num_heads, num_kv_heads, head_dim, max_seq_len, num_sms, num_splits)
-    if out is None:
-        out = empty_like(qv, qv.shape)
-    ov = view(out, "out")
-    check_heads(ov, batch, head_dim)
-    _check_rows_aligned(ov)
-    lse = empty_like(qv, (batch, num_heads), "float32", "lse") if return_lse else None
-    ws_ptr = 0
+    out, ov, lse = attention_outputs(qv, out, return_lse)
+    wv = None  # holds the workspace (maybe allocated here) alive until the launch is queued
     if plan.num_splits > 1:
         need = workspace_size(batch, num_heads, head_dim, plan.num_splits)
-        if workspace is None:
-            workspace = empty_like(qv, (need,), "float32", "workspace")
-        wv = view(workspace, "workspace")
-        check_dtype(wv, ("float32",))
-        check_contiguous(wv)
-        common_device([*views, wv])
-        if wv.numel < need or wv.ptr % 16:
-            raise ValueError(f"{wv.describe()}: need {need} float32 elements, 16-byte aligned")
-        ws_ptr = wv.ptr
+        wv = workspace_view(workspace, qv, need, "float32", views)
     module.paged_attention(
         ov.ptr,
         view(lse, "lse").ptr if lse is not None else 0,
@@ -219,7 +204,7 @@ def paged_attention(
         views[2].ptr,
         bt.ptr,
         views[4].ptr,
-        ws_ptr,
+        wv.ptr if wv is not None else 0,
         qv.strides[0],
         ov.strides[0],
         bt.strides[0],

@@ -11,6 +11,8 @@ from .arrays import (
     check_ndim,
     check_same_dtype,
     check_shape,
+    common_device,
+    empty_like,
     view,
 )
 
@@ -66,3 +68,38 @@ def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, batch_size
 def check_scale(scale):
     if scale is not None and (not isinstance(scale, (int, float)) or scale <= 0):
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+
+
+def check_rows_aligned(a: ArrayView) -> None:
+    """Rows (tokens) start at 16-byte boundaries: the kernels move heads with 16-byte accesses."""
+    if a.ptr % 16 or (a.shape[0] > 1 and a.strides[0] % 8):
+        raise ValueError(f"{a.describe()}: rows must start at 16-byte boundaries for the kernel")
+
+
+def attention_outputs(qv: ArrayView, out, return_lse: bool):
+    """(out, its view, lse or None) for an attention kernel: `out` allocated like q unless given,
+    lse [tokens, Hq] float32 when asked for."""
+    tokens, num_heads, head_dim = qv.shape
+    if out is None:
+        out = empty_like(qv, qv.shape)
+    ov = view(out, "out")
+    check_heads(ov, tokens, head_dim)
+    check_rows_aligned(ov)
+    lse = empty_like(qv, (tokens, num_heads), "float32", "lse") if return_lse else None
+    return out, ov, lse
+
+
+def workspace_view(
+    workspace, qv: ArrayView, need: int, dtype: str, views: list[ArrayView]
+) -> ArrayView:
+    """The kernel's scratch array: the caller's (CUDA-graph capture passes a fixed one), checked
+    for dtype, size, alignment and device, or a new one."""
+    if workspace is None:
+        workspace = empty_like(qv, (need,), dtype, "workspace")
+    wv = view(workspace, "workspace")
+    check_dtype(wv, (dtype,))
+    check_contiguous(wv)
+    common_device([*views, wv])
+    if wv.numel < need or wv.ptr % 16:
+        raise ValueError(f"{wv.describe()}: need {need} {dtype} elements, 16-byte aligned")
+    return wv
