@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedkern.engine.detokenizer import IncrementalDetokenizer
 from pagedkern.model import Tokenizer, default_model_path, synthetic_tokenizer
 from pagedkern.model.gguf_loader import read_gguf_tokenizer
 
@@ -77,8 +78,8 @@ def test_gguf_chat_template(smol):
 @needs_default
 def test_gguf_stream_decoding(smol):
     text = "法国的首都是巴黎。🇫🇷 Paris!"
-    decoder = smol.decode_stream()
-    assert "".join(decoder.step(i) for i in smol.encode(text)) == text
+    decoder = IncrementalDetokenizer(smol)  # the engine's streaming detokenizer
+    assert "".join(decoder.add(i) for i in smol.encode(text)) + decoder.flush() == text
 
 
 @needs_default

@@ -27,7 +27,7 @@ from .llama import LlamaModel
 from .loading import default_dtype, default_model_path, load_model
 from .synthetic import synthetic_weights
 from .synthetic_tokenizer import synthetic_tokenizer
-from .tokenizer import IncrementalDecoder, Tokenizer
+from .tokenizer import Tokenizer
 from .weights import LayerWeights, LlamaWeights
 from .weights_cache import cache_root
 
@@ -35,7 +35,6 @@ __all__ = [
     "PRESETS",
     "AttentionMetadata",
     "BatchLayout",
-    "IncrementalDecoder",
     "KVCache",
     "LayerWeights",
     "LlamaModel",

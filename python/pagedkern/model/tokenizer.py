@@ -1,6 +1,6 @@
 """Tokenizer: a HF `tokenizers` backend plus what serving needs around it (special tokens, stop
-ids, the chat template, streaming detokenization), saved and loaded as a HF tokenizer folder
-(tokenizer.json + tokenizer_config.json)."""
+ids, the chat template), saved and loaded as a HF tokenizer folder (tokenizer.json +
+tokenizer_config.json). Streaming detokenization lives in engine/detokenizer.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers.decoders import DecodeStream
 
 from .chat_template import Message, render_chat
 from .errors import ModelLoadError
@@ -27,20 +26,6 @@ END_MARKERS = (
     "<|end|>",
     "</s>",
 )
-
-
-class IncrementalDecoder:
-    """Streaming detokenizer: step(id) returns the text that id completes ("" while a multi-byte
-    character is still split across tokens)."""
-
-    __slots__ = ("_backend", "_stream")
-
-    def __init__(self, backend: tokenizers.Tokenizer, skip_special_tokens: bool):
-        self._backend = backend
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-
-    def step(self, token_id: int) -> str:
-        return self._stream.step(self._backend, int(token_id)) or ""
 
 
 class Tokenizer:
@@ -105,9 +90,6 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    def decode_stream(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
-        return IncrementalDecoder(self.backend, skip_special_tokens)
 
     def apply_chat_template(
         self,
