@@ -1,42 +1,142 @@
-"""Engine settings: which model, where it runs, how big the KV cache is, batching limits."""
+"""Engine settings: which model, where it runs, how big the KV cache is, batching limits.
+
+The one place for their defaults and help texts: `SchedulerConfig` is built from an EngineConfig,
+and the CLI derives its engine flags (default and help) from `engine_fields()`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from .validation import (
+    INT32_MAX,
+    ParameterTypeError,
+    check_bool,
+    check_int,
+    check_number,
+)
+
+BACKENDS = ("auto", "cuda", "reference")
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def _setting(default: Any, help: str, **kw) -> Any:  # noqa: A002 - argparse's word
+    return field(default=default, metadata={"help": help}, **kw)
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    """model: None (default SmolLM2 GGUF), a .gguf path, a HF folder or "synthetic:<preset>".
-    backend: "auto" (CUDA kernels when a GPU is usable, else the CPU reference), "cuda"
-    (insist on the kernels), "reference" (PyTorch reference ops, on the GPU if there is one).
-    KV cache: num_blocks if given; else on the GPU what gpu_memory_fraction of the device's
-    memory leaves after the weights and a profiled forward pass, on the CPU kv_cache_gib.
-    cuda_graphs: replay decode steps from CUDA graphs (None: wherever the kernels run on a GPU;
-    True on the CPU runs the same padded static-buffer path eagerly, for tests)."""
+    """Validated on construction: a ValueError (ParameterTypeError for a wrong type) names the
+    field. See each field's help (`engine_fields()`) for its meaning."""
 
-    model: str | None = None
-    backend: str = "auto"
-    device: str | None = None  # None: picked from the backend
-    dtype: torch.dtype | None = None
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_gib: float = 1.0
-    gpu_memory_fraction: float = 0.85
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    cuda_graphs: bool | None = None  # None: on for the CUDA kernels on a GPU
-    seed: int = 0  # synthetic weights
+    model: str | None = _setting(
+        None, 'GGUF file, HF folder or "synthetic:<preset>" (default: SmolLM2-135M-Instruct GGUF)'
+    )
+    backend: str = _setting(
+        "auto",
+        "auto: CUDA kernels when a GPU is usable, else the CPU reference; cuda: insist on the "
+        "kernels; reference: PyTorch reference ops (on the GPU if there is one)",
+    )
+    device: str | None = _setting(None, "torch device (default: picked from the backend)")
+    dtype: torch.dtype | str | None = _setting(
+        None, "weights and KV cache dtype: float32, float16, bfloat16 (default: the model's)"
+    )
+    block_size: int = _setting(16, "tokens per KV cache block")
+    num_blocks: int | None = _setting(
+        None, "KV cache blocks (default: from --gpu-memory-fraction or --kv-cache-gib)"
+    )
+    kv_cache_gib: float = _setting(1.0, "KV cache size in GiB on the CPU")
+    gpu_memory_fraction: float = _setting(
+        0.85, "fraction of GPU memory for weights, activations and the KV cache"
+    )
+    max_num_seqs: int = _setting(64, "most requests in one batch")
+    max_num_batched_tokens: int = _setting(2048, "most tokens in one forward pass")
+    max_model_len: int | None = _setting(
+        None, "context length in tokens (default: the model's; capped by the KV cache)"
+    )
+    enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = _setting(
+        True, "split long prompts into chunks that share steps with decodes"
+    )
+    cuda_graphs: bool | None = _setting(
+        None,
+        "replay decode steps from CUDA graphs (default: where the kernels run on a GPU; True on "
+        "the CPU runs the same padded static-buffer path eagerly, for tests)",
+    )
+    seed: int = _setting(0, "seed of synthetic weights")
+    max_queue: int = _setting(
+        256, "requests that may wait for a batch slot before the HTTP server answers 429"
+    )
 
     def __post_init__(self) -> None:
-        if self.backend not in ("auto", "cuda", "reference"):
+        if self.model is not None and not isinstance(self.model, str):
+            raise ParameterTypeError(f"model must be a string or None, got {self.model!r}")
+        if self.backend not in BACKENDS:
             raise ValueError(f"backend must be auto, cuda or reference, got {self.backend!r}")
-        if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
-            raise ValueError("block_size and num_blocks must be positive")
-        if not 0 < self.gpu_memory_fraction <= 1 or self.kv_cache_gib <= 0:
-            raise ValueError("gpu_memory_fraction must be in (0, 1] and kv_cache_gib positive")
+        if self.device is not None and not isinstance(self.device, (str, torch.device)):
+            raise ParameterTypeError(f"device must be a string or None, got {self.device!r}")
+        self.dtype = _dtype(self.dtype)
+        check_int("block_size", self.block_size, 1, 1 << 16)
+        if self.num_blocks is not None:
+            check_int("num_blocks", self.num_blocks, 1, INT32_MAX)
+        if check_number("kv_cache_gib", self.kv_cache_gib) <= 0:
+            raise ValueError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
+        fraction = check_number("gpu_memory_fraction", self.gpu_memory_fraction)
+        if not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
+        check_int("max_num_seqs", self.max_num_seqs, 1, INT32_MAX)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, INT32_MAX)
+        if self.max_model_len is not None:  # 0 is not "the default": None is
+            check_int("max_model_len", self.max_model_len, 1, INT32_MAX)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        if self.cuda_graphs is not None:
+            check_bool("cuda_graphs", self.cuda_graphs)
+        check_int("seed", self.seed, 0, 2**63 - 1)
+        check_int("max_queue", self.max_queue, 1, INT32_MAX)
+
+
+def _dtype(value) -> torch.dtype | None:
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, torch.dtype):
+        if value not in DTYPES.values():
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {value}")
+        return value
+    if isinstance(value, str) and value in DTYPES:
+        return DTYPES[value]
+    raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigField:
+    """One EngineConfig field as a command line flag needs it."""
+
+    name: str
+    default: Any
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def engine_fields() -> dict[str, ConfigField]:
+    """Every EngineConfig field by name, with its default and help text (for the CLI)."""
+    return {
+        f.name: ConfigField(f.name, f.default, f.metadata.get("help", ""))
+        for f in dataclasses.fields(EngineConfig)
+    }

@@ -5,10 +5,15 @@ A byte-level BPE token can end in the middle of a character; decoding the tail o
 then yields U+FFFD, so the delta is held until a later token completes the character. Text that
 could still be the beginning of a stop string is held back too, and released once it can no
 longer match (or when the request ends for another reason).
+
+Cost per token, bounded by SamplingParams' limits on stop strings (S strings of length <= L):
+one `find` per stop string over the new text plus L characters, and at most L - 1 binary
+searches of the sorted stop strings for the held-back tail; nothing depends on other requests.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -20,7 +25,10 @@ class Decoder(Protocol):
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
+        self.stop = tuple(s for s in stop if s)
+        self._sorted_stop = sorted(self.stop)
+        self._max_stop = max(map(len, self.stop), default=0)
+        self._stop_starts = frozenset(s[0] for s in self.stop)
         self.ids: list[int] = []
         self.text = ""  # decoded so far (whole characters)
         self.emitted = 0  # characters of self.text already returned
@@ -46,7 +54,7 @@ class IncrementalDetokenizer:
 
     def _release(self) -> str:
         if self.stop:
-            start = max(0, self.emitted - max(len(s) for s in self.stop) + 1)
+            start = max(0, self.emitted - self._max_stop + 1)
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
                 cut, self.stopped_by = min(hits)
@@ -56,14 +64,16 @@ class IncrementalDetokenizer:
         return self._emit(len(self.text))
 
     def _held_back(self) -> int:
-        """Length of the longest tail of the text that begins some stop string."""
-        longest = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text) - self.emitted), longest, -1):
-                if self.text.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest
+        """Length of the longest unemitted tail of the text that begins some stop string."""
+        text, stops = self.text, self._sorted_stop
+        for n in range(min(self._max_stop - 1, len(text) - self.emitted), 0, -1):
+            if text[-n] not in self._stop_starts:
+                continue
+            tail = text[-n:]
+            i = bisect.bisect_left(stops, tail)  # the first stop string >= tail
+            if i < len(stops) and stops[i].startswith(tail):
+                return n
+        return 0
 
     def _emit(self, end: int) -> str:
         delta = self.text[self.emitted : end] if end > self.emitted else ""

@@ -14,7 +14,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
+from .config import EngineConfig
 from .request import Request, RequestStatus
+
+_ENGINE_DEFAULTS = EngineConfig()
 
 
 class RequestRejected(ValueError):
@@ -23,22 +26,37 @@ class RequestRejected(ValueError):
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 8192
-    enable_chunked_prefill: bool = True
+    """The scheduler's limits; the defaults are EngineConfig's (`from_engine` builds one).
+    max_model_len: the context a sequence may fill (the model's, capped by the KV cache)."""
+
+    max_model_len: int
+    max_num_seqs: int = _ENGINE_DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = _ENGINE_DEFAULTS.max_num_batched_tokens
+    enable_chunked_prefill: bool = _ENGINE_DEFAULTS.enable_chunked_prefill
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) < 1:
             raise ValueError(f"scheduler limits must be >= 1: {self}")
 
+    @classmethod
+    def from_engine(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+        return cls(
+            max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """One iteration: (request, number of new tokens) in batch order, and who was preempted."""
+    """One iteration: (request, number of new tokens) in batch order, who was preempted, and
+    the requests whose own scheduling or accounting failed (removed from the queues, blocks
+    given back; the engine finishes them with an error)."""
 
     entries: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -101,7 +119,14 @@ class Scheduler:
             return batch  # memory is short: admit nobody new this iteration
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits = self._prefix_hits(request)
+            try:  # hashing the request's own ids: its fault if it fails, nobody else's
+                hits = self._prefix_hits(request)
+            except Exception as exc:  # noqa: BLE001 - isolated: the request fails alone
+                self.waiting.popleft()
+                self._release(request)
+                request.num_cached_tokens = 0
+                batch.failed.append((request, exc))
+                continue
             num_new = min(request.num_uncomputed, budget)
             chunk_not_allowed = (
                 not self.config.enable_chunked_prefill and num_new < request.num_uncomputed
@@ -125,9 +150,9 @@ class Scheduler:
         max_blocks = (request.num_tokens - 1) // self.pool.block_size
         hits = self.pool.lookup_prefix(request.block_hashes, max_blocks)
         self.pool.acquire(hits)
+        request.block_table = list(hits)  # right after acquire: a release frees exactly these
         self.pool.prefix_queries += request.num_tokens
         self.pool.prefix_hits += len(hits) * self.pool.block_size
-        request.block_table = list(hits)
         request.num_computed_tokens = request.num_cached_tokens = len(hits) * self.pool.block_size
         return hits
 
@@ -157,7 +182,8 @@ class Scheduler:
 
     def on_step_done(self, batch: ScheduledBatch) -> list[Request]:
         """Account the tokens just computed (and cache newly full blocks); returns the requests
-        whose every token is now computed, i.e. those that sample a next token."""
+        whose every token is now computed, i.e. those that sample a next token. A request whose
+        own accounting fails is appended to batch.failed and left for the engine to finish."""
         ready = []
         bs = self.pool.block_size
         caching = self.pool.enable_prefix_caching
@@ -165,14 +191,20 @@ class Scheduler:
             before = request.num_computed_tokens
             after = request.num_computed_tokens = before + num_new
             if caching and after // bs > before // bs:  # blocks that just filled become findable
-                full = after // bs
-                ids = request.all_ids[: full * bs]
-                request.block_hashes = self.pool.block_hashes(ids, request.block_hashes)
-                for j in range(before // bs, full):
-                    self.pool.register(request.block_table[j], request.block_hashes[j])
+                try:
+                    self._register_full_blocks(request, before // bs, after // bs)
+                except Exception as exc:  # noqa: BLE001 - isolated: the request fails alone
+                    batch.failed.append((request, exc))
+                    continue
             if after == len(request.prompt_ids) + len(request.output_ids):
                 ready.append(request)
         return ready
+
+    def _register_full_blocks(self, request: Request, first: int, full: int) -> None:
+        ids = request.all_ids[: full * self.pool.block_size]
+        request.block_hashes = self.pool.block_hashes(ids, request.block_hashes)
+        for j in range(first, full):
+            self.pool.register(request.block_table[j], request.block_hashes[j])
 
     def finish(self, request: Request) -> None:
         """Remove a request from waiting or running and give its blocks back."""
