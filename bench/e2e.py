@@ -108,18 +108,18 @@ def run_online(engine: Engine, jobs: Sequence[Job], rate: float, seed: int = 0) 
         if not engine.has_unfinished:
             time.sleep(max(0.0, pending[0][0] - now))  # idle until the next arrival
             continue
-        finished += [o.request for o in engine.step() if o.finished]
+        finished += [o.metrics for o in engine.step() if o.finished]
     seconds = time.perf_counter() - start
-    metrics = [r.metrics() for r in finished]
+    metrics = finished
     ms = 1e3
     return {
         "requests": len(finished),
         "rate": rate,
         "seconds": seconds,
-        "ttft_ms": _summary([m["ttft"] * ms for m in metrics if m["ttft"] is not None]),
-        "tpot_ms": _summary([m["tpot"] * ms for m in metrics if m["tpot"] is not None]),
-        "itl_ms": _summary([x * ms for m in metrics for x in m["itl"]]),
-        "output_tokens_per_s": sum(m["num_output_tokens"] for m in metrics) / seconds,
+        "ttft_ms": _summary([m.ttft * ms for m in metrics if m.ttft is not None]),
+        "tpot_ms": _summary([m.tpot * ms for m in metrics if m.tpot is not None]),
+        "itl_ms": _summary([x * ms for m in metrics for x in m.itl]),
+        "output_tokens_per_s": sum(m.num_output_tokens for m in metrics) / seconds,
     }
 
 
@@ -144,7 +144,7 @@ def decode_roofline(engine: Engine, context: int, copy_gbps: float) -> dict:
         params=SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
     )
     outputs = list(engine.run_until_done())
-    itl = outputs[-1].request.metrics()["itl"]
+    itl = outputs[-1].metrics.itl
     per_token = statistics.median(itl)
     return {
         "context": context,

@@ -214,11 +214,13 @@ def test_default_model_streams_paris(smollm2):
     assert len(outputs) > 3 and not any(o.finished for o in outputs[:-1])
     text = "".join(o.text for o in outputs)
     assert "Paris" in text
-    request = outputs[-1].request
-    assert request.finish_reason is FinishReason.STOP  # <|im_end|>
-    assert request.output_ids[-1] in smollm2.tokenizer.stop_token_ids
-    m = request.metrics()
-    assert m["ttft"] > 0 and m["tpot"] > 0 and m["tokens_per_s"] > 0
+    last = outputs[-1]
+    assert last.finish_reason is FinishReason.STOP  # <|im_end|>
+    assert last.output_token_ids[-1] in smollm2.tokenizer.stop_token_ids
+    assert last.output_token_ids == tuple(t for o in outputs for t in o.token_ids)
+    m = last.metrics
+    assert m.ttft > 0 and m.tpot > 0 and m.tokens_per_s > 0
+    assert m.num_output_tokens == len(outputs) and len(m.itl) == len(outputs) - 1
     assert smollm2.pool.num_used == 0
 
 
@@ -229,25 +231,33 @@ def test_stop_strings_are_never_emitted(smollm2):
     )
     text = "".join(o.text for o in outputs)
     assert "Par" not in text and text.startswith("The capital of France is")
-    assert outputs[-1].request.finish_reason is FinishReason.STOP
+    assert outputs[-1].finish_reason is FinishReason.STOP
 
 
 def test_closing_a_stream_cancels_the_request(smollm2):
     stream = smollm2.stream("Once upon a time", SamplingParams(temperature=0, max_tokens=50))
     first = next(stream)
     stream.close()
-    assert first.request.finish_reason is FinishReason.ABORT
+    assert not first.finished and first.finish_reason is None  # a snapshot: it stays so
     assert not smollm2.has_unfinished and smollm2.pool.num_used == 0
 
 
 def test_llm_generate_and_chat_keep_input_order():
     llm = LLM(TINY, backend="reference", num_blocks=256, block_size=4)
-    prompts = ["hello there", "a", "the quick brown fox jumps over the lazy dog"] * 3
-    results = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
-    assert [len(r.token_ids) for r in results] == [5] * 9
-    assert results[0].token_ids == results[3].token_ids == results[6].token_ids
-    chats = llm.chat([[{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=3))
-    assert chats[0].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    distinct = ["hello there", "a", "the quick brown fox jumps over the lazy dog", "zebra"]
+    prompts = [*distinct, distinct[0], distinct[2]]  # repeats, but no rotation of itself
+    solo = {p: llm.generate(p, params)[0].token_ids for p in distinct}
+    alone = [solo[p] for p in prompts]
+    rotations = [alone[k:] + alone[:k] for k in range(1, len(alone))]
+    assert alone not in rotations and len(set(alone)) > 1  # order is observable
+    results = llm.generate(prompts, params)
+    assert [r.token_ids for r in results] == alone
+    assert [len(r.token_ids) for r in results] == [5] * 6
+    chats = [[{"role": "user", "content": c}] for c in ("hi", "what is 2 + 2?", "bye")]
+    alone = [llm.chat(c, params)[0].token_ids for c in chats]
+    assert len(set(alone)) == 3
+    assert [r.token_ids for r in llm.chat(chats, params)] == alone
 
 
 def test_padded_static_decode_path_equals_the_dynamic_one(solo):

@@ -5,29 +5,36 @@ runner, sampling, incremental detokenization and stop conditions.
     for out in engine.stream(messages=[{"role": "user", "content": "Hi"}]):
         print(out.text, end="")
 
-    LLM().generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+    LLM().generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
 """
 
 from .block_pool import BlockPool
-from .config import EngineConfig
-from .engine import Engine, RequestOutput
+from .config import ConfigField, EngineConfig, engine_fields
+from .engine import Engine
 from .llm import LLM, Generation
+from .outputs import EngineStats, RequestMetrics, RequestOutput
 from .request import FinishReason, Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import RequestRejected, Scheduler, SchedulerConfig
+from .validation import ParameterTypeError
 
 __all__ = [
     "LLM",
     "BlockPool",
+    "ConfigField",
     "Engine",
     "EngineConfig",
+    "EngineStats",
     "FinishReason",
     "Generation",
+    "ParameterTypeError",
     "Request",
+    "RequestMetrics",
     "RequestOutput",
     "RequestRejected",
     "RequestStatus",
     "SamplingParams",
     "Scheduler",
     "SchedulerConfig",
+    "engine_fields",
 ]

@@ -3,15 +3,21 @@
 One `step()` is one iteration of the reference document's loop: expire timed-out requests,
 schedule (decodes and prompt chunks under the token budget), run the model, sample, append,
 detokenize, check every stop condition, free the KV blocks of finished requests.
+
+Bad input is refused at admission (ValueError naming the field). Should a step still fail, the
+failure is pinned on the request(s) it can be attributed to (the scheduler isolates a request's
+own hashing and accounting; a failed forward pass is retried request by request): those finish
+with FinishReason.ERROR and their blocks go back; a failure nobody can be blamed for finishes
+that step's requests. Either way the engine stays usable.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -22,23 +28,15 @@ from .block_pool import BlockPool
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_budget import kv_cache_blocks
+from .outputs import EngineStats, RequestOutput
 from .request import FinishReason, Request
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .trace import Tracer
+from .validation import ParameterTypeError, check_messages, check_number, check_token_ids
 
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request: new text and ids since the last output."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None
-    request: Request
+log = logging.getLogger("pagedkern.engine")
 
 
 def pick_device(backend: str) -> torch.device:
@@ -64,41 +62,48 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.tracer = tracer
+        # The op backend is this engine's setting, applied around its own forward passes (a
+        # context variable), never flipped for the whole process.
+        self.backend = config.backend
+        self.vocab_size = model.config.vocab_size
         context = min(config.max_model_len or model.max_positions, model.max_positions)
-        num_blocks = config.num_blocks or kv_cache_blocks(model, config, context)
+        with ops.use_backend(self.backend):
+            num_blocks = config.num_blocks or kv_cache_blocks(model, config, context)
         # A sequence can never outgrow the whole cache: one that did would be preempted forever.
         self.max_model_len = min(context, num_blocks * config.block_size)
         self.kv_cache = model.allocate_kv_cache(num_blocks, config.block_size)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.pool,
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-            ),
+            self.pool, SchedulerConfig.from_engine(config, self.max_model_len)
         )
         graphs = config.cuda_graphs
         if graphs is None:  # on by default where kernels run on a GPU (the reference syncs)
-            graphs = model.device.type == "cuda" and ops.get_backend() != "reference"
-        self.runner = ModelRunner(
-            model, self.kv_cache, config.max_num_seqs, self.max_model_len, cuda_graphs=graphs
-        )
+            graphs = model.device.type == "cuda" and self.backend != "reference"
+        with ops.use_backend(self.backend):
+            self.runner = ModelRunner(
+                model, self.kv_cache, config.max_num_seqs, self.max_model_len, cuda_graphs=graphs
+            )
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._stop_ids: dict[str, frozenset[int]] = {}  # ids that end the request (EOS too)
+        self._undelivered: list[RequestOutput] = []  # taken by stream() for other requests
         self._ids = itertools.count()
         self._seeds = random.Random()
         self.iteration = 0
+        self._num_prompt_tokens = self._num_generated_tokens = self._num_finished = 0
         self.clock = time.monotonic  # arrival, token and finish times; tests substitute it
 
     @classmethod
     def from_config(cls, config: EngineConfig, tracer: Tracer | None = None) -> Engine:
-        ops.set_backend(config.backend)
         device = torch.device(config.device) if config.device else pick_device(config.backend)
-        model, tokenizer = load_model(
-            config.model, device, config.dtype, seed=config.seed, max_positions=config.max_model_len
-        )
+        with ops.use_backend(config.backend):
+            model, tokenizer = load_model(
+                config.model,
+                device,
+                config.dtype,
+                seed=config.seed,
+                max_positions=config.max_model_len,
+            )
         return cls(model, tokenizer, config, tracer)
 
     # --- requests ----------------------------------------------------------------------------
@@ -107,27 +112,36 @@ class Engine:
         prompt: str | None = None,
         params: SamplingParams | None = None,
         *,
-        messages: Sequence[dict] | None = None,
+        messages: Sequence[Mapping] | None = None,
         prompt_ids: Sequence[int] | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
         """Admit one request: raw prompt text, chat `messages` (rendered with the model's chat
-        template) or token ids. Raises ValueError for an empty prompt and RequestRejected (a
-        ValueError) for one that can never fit the context or the KV cache. arrival_time (on
-        `clock`'s scale): when the request really arrived, e.g. at an HTTP server, for TTFT."""
-        params = params or SamplingParams()
+        template) or token ids (ints in [0, vocab size)). Raises ValueError naming the field
+        for bad input (ParameterTypeError, also a TypeError, for a wrong type) and
+        RequestRejected (a ValueError) for one that can never fit the context or the KV cache.
+        arrival_time (on `clock`'s scale): when the request really arrived, e.g. at an HTTP
+        server, for TTFT."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ParameterTypeError(f"params must be a SamplingParams, got {params!r}")
         if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
             raise ValueError("give exactly one of prompt, messages, prompt_ids")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ParameterTypeError(f"request_id must be a non-empty string, got {request_id!r}")
+        if arrival_time is not None:
+            check_number("arrival_time", arrival_time)
         if messages is not None:
-            if not messages:
-                raise ValueError("messages must not be empty")
-            prompt = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+            messages = check_messages(messages)
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         if prompt_ids is None:
+            if not isinstance(prompt, str):
+                raise ParameterTypeError(f"prompt must be a string, got {prompt!r}")
             if not prompt:
                 raise ValueError("the prompt is empty")
             prompt_ids = self.tokenizer.encode(prompt)
-        prompt_ids = [int(i) for i in prompt_ids]
+        prompt_ids = check_token_ids("prompt_ids", prompt_ids, self.vocab_size)
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
         request_id = request_id or f"R{next(self._ids)}"
@@ -138,7 +152,7 @@ class Engine:
             request_id,
             prompt_ids,
             params,
-            messages=list(messages or []) or None,
+            messages=messages,
             prompt_text=prompt,
             seed=seed,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
@@ -146,6 +160,9 @@ class Engine:
         self.scheduler.add(request)
         self.requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
+        self._stop_ids[request_id] = frozenset(params.stop_token_ids).union(eos)
+        self._num_prompt_tokens += len(prompt_ids)
         if self.tracer:
             self.tracer.request_added(request)
         return request
@@ -161,75 +178,158 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state (call it where the engine runs: it is not
+        thread-safe)."""
+        scheduler, pool = self.scheduler, self.pool
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_blocks_total=pool.num_blocks,
+            num_blocks_used=pool.num_used,
+            num_blocks_free=pool.num_free,
+            block_size=pool.block_size,
+            prefix_cache_queries=pool.prefix_queries,
+            prefix_cache_hits=pool.prefix_hits,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generated_tokens=self._num_generated_tokens,
+            num_finished=self._num_finished,
+            num_iterations=self.iteration,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+
     # --- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration; the outputs it produced (and any that `stream()` set aside for
+        requests other than its own). Never raises for a request's fault."""
+        outputs, self._undelivered = self._undelivered, []
         now = self.clock()
-        outputs = [
+        outputs += [
             self._finish(r, FinishReason.TIMEOUT)
             for r in list(self.requests.values())
             if r.params.timeout is not None and now - r.arrival_time > r.params.timeout
         ]
-        batch = self.scheduler.schedule()
+        try:
+            batch = self.scheduler.schedule()
+        except Exception as exc:  # noqa: BLE001 - the scheduler's own fault: fail who it holds
+            self._fail_all(list(self.scheduler.running), exc, outputs)
+            return outputs
+        outputs += [self._fail(request, exc) for request, exc in batch.failed]
         if not batch:
             return outputs
         self.iteration += 1
+        try:
+            self._run(batch, outputs)
+        except Exception as exc:  # noqa: BLE001 - not one request's fault: this step's fail
+            self._fail_all([request for request, _ in batch.entries], exc, outputs)
+        return outputs
+
+    def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         if self.tracer:
             self.tracer.iteration(self.iteration, batch, self.pool)
-        try:
-            result = self.runner.run(batch.entries)
-        except Exception as exc:  # noqa: BLE001 - the batch fails, the engine and others live on
-            for request, _ in batch.entries:
-                request.error = f"{type(exc).__name__}: {exc}"
-                outputs.append(self._finish(request, FinishReason.ERROR))
-            return outputs
-        self.scheduler.on_step_done(batch)  # the runner sampled exactly the requests it returns
+        sampled, failures = self._forward(batch.entries)
+        outputs += [self._fail(request, exc) for request, exc in failures]
+        failed = {request for request, _ in failures}
+        done = ScheduledBatch([e for e in batch.entries if e[0] not in failed])
+        self.scheduler.on_step_done(done)  # the runner sampled exactly the requests it returns
+        outputs += [self._fail(request, exc) for request, exc in done.failed]
+        failed.update(request for request, _ in done.failed)
         now = self.clock()
-        for row, (request, token) in enumerate(zip(result.requests, result.token_ids, strict=True)):
-            if self.tracer:
-                self.tracer.candidates(request, result.logits[row], token, self.tokenizer)
-            outputs.append(self._append(request, token, now))
-        return outputs
+        for request, token, logits in sampled:
+            if request in failed:
+                continue
+            try:
+                if self.tracer:
+                    self.tracer.candidates(request, logits, token, self.tokenizer)
+                outputs.append(self._append(request, token, now))
+            except Exception as exc:  # noqa: BLE001 - e.g. its detokenization: it fails alone
+                if request.request_id in self.requests:
+                    outputs.append(self._fail(request, exc))
+
+    def _forward(
+        self, entries: list[tuple[Request, int]]
+    ) -> tuple[list[tuple[Request, int, torch.Tensor | None]], list[tuple[Request, Exception]]]:
+        """Run the batch: (request, sampled token, its logits row) for every request that
+        sampled, and (request, error) for those that failed. When the batch fails, each request
+        runs alone to find who is at fault (rewriting the same K/V slots and redrawing the same
+        seeded samples is harmless), so one bad request does not fail its neighbours."""
+        with ops.use_backend(self.backend):
+            try:
+                return _sampled(self.runner.run(entries)), []
+            except Exception as exc:  # noqa: BLE001 - isolated below
+                if len(entries) == 1:
+                    return [], [(entries[0][0], exc)]
+                log.warning("a batch of %d failed (%r); retrying each alone", len(entries), exc)
+            sampled, failures = [], []
+            for entry in entries:
+                try:
+                    sampled += _sampled(self.runner.run([entry]))
+                except Exception as exc:  # noqa: BLE001 - this request's fault
+                    failures.append((entry[0], exc))
+            return sampled, failures
 
     def _append(self, request: Request, token: int, now: float) -> RequestOutput:
         request.output_ids.append(token)
         request.token_times.append(now)
+        self._num_generated_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = now
-        params = request.params
+        if token in self._stop_ids[request.request_id]:
+            return self._finish(request, FinishReason.STOP, (token,))
         detokenizer = self._detokenizers[request.request_id]
-        if (token in self.tokenizer.stop_token_ids and not params.ignore_eos) or (
-            token in params.stop_token_ids
-        ):
-            return self._finish(request, FinishReason.STOP, [token])
         text = detokenizer.add(token)
         if detokenizer.stopped_by is not None:
             reason = FinishReason.STOP
-        elif len(request.output_ids) >= params.max_tokens:
+        elif len(request.output_ids) >= request.params.max_tokens:
             reason = FinishReason.LENGTH
         elif request.num_tokens >= self.max_model_len:
             reason = FinishReason.CONTEXT
         else:
             if self.tracer:
                 self.tracer.token(request, token, text)
-            return RequestOutput(request.request_id, text, [token], False, None, request)
-        return self._finish(request, reason, [token], text)
+            return RequestOutput.of(request, text, (token,), False)
+        return self._finish(request, reason, (token,), text)
 
     def _finish(
         self,
         request: Request,
         reason: FinishReason,
-        token_ids: list[int] | None = None,
+        token_ids: tuple[int, ...] = (),
         text: str = "",
     ) -> RequestOutput:
         freed = list(request.block_table)
         self.scheduler.finish(request)
         request.finish_reason = reason
         request.finish_time = self.clock()
-        text += self._detokenizers.pop(request.request_id).flush()
+        detokenizer = self._detokenizers.pop(request.request_id)
+        self._stop_ids.pop(request.request_id)
         del self.requests[request.request_id]
+        self._num_finished += 1
+        text += detokenizer.flush()
         if self.tracer:
             self.tracer.finished(request, text, freed, self.pool)
-        return RequestOutput(request.request_id, text, token_ids or [], True, reason, request)
+        return RequestOutput.of(request, text, token_ids, True, reason)
+
+    def _fail(self, request: Request, exc: BaseException) -> RequestOutput:
+        """Finish a request with FinishReason.ERROR; `error` (and the log) say why."""
+        request.error = f"{type(exc).__name__}: {exc}"
+        log.warning("request %s failed: %s", request.request_id, request.error, exc_info=exc)
+        try:
+            return self._finish(request, FinishReason.ERROR)
+        except Exception:  # noqa: BLE001 - broken state: drop the request without its blocks
+            log.exception("finishing request %s failed", request.request_id)
+            for table in (self.requests, self._detokenizers, self._stop_ids):
+                table.pop(request.request_id, None)
+            request.finish_reason = FinishReason.ERROR
+            return RequestOutput.of(request, "", (), True, FinishReason.ERROR)
+
+    def _fail_all(
+        self, requests: list[Request], exc: BaseException, outputs: list[RequestOutput]
+    ) -> None:
+        for request in requests:
+            if request.request_id in self.requests:  # not already finished this step
+                outputs.append(self._fail(request, exc))
 
     # --- convenience -------------------------------------------------------------------------
     def stream(
@@ -237,22 +337,40 @@ class Engine:
         prompt: str | None = None,
         params: SamplingParams | None = None,
         *,
-        messages: Sequence[dict] | None = None,
+        messages: Sequence[Mapping] | None = None,
+        prompt_ids: Sequence[int] | None = None,
+        request_id: str | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yield this request's outputs as they are produced (other requests keep running in
-        the same steps). Closing the generator early cancels the request."""
-        request = self.add_request(prompt, params, messages=messages)
+        """Yield this request's outputs as they are produced. Other requests keep running in
+        the same steps; their outputs are kept for the next `step()` (or another stream), not
+        dropped. Closing the generator early cancels the request."""
+        request = self.add_request(
+            prompt, params, messages=messages, prompt_ids=prompt_ids, request_id=request_id
+        )
+        rid = request.request_id
         try:
             while True:
-                for output in self.step():
-                    if output.request_id == request.request_id:
-                        yield output
-                        if output.finished:
-                            return
+                outputs = self.step()
+                mine = [o for o in outputs if o.request_id == rid]
+                self._undelivered += [o for o in outputs if o.request_id != rid]
+                if not mine and rid not in self.requests:
+                    return  # finished elsewhere (aborted by another caller)
+                for output in mine:
+                    yield output
+                    if output.finished:
+                        return
         finally:
-            if request.request_id in self.requests:
-                self.abort(request.request_id)
+            if rid in self.requests:
+                self.abort(rid)
 
     def run_until_done(self) -> Iterator[RequestOutput]:
-        while self.has_unfinished:
+        while self.has_unfinished or self._undelivered:
             yield from self.step()
+
+
+def _sampled(result) -> list[tuple[Request, int, torch.Tensor | None]]:
+    logits = result.logits
+    return [
+        (request, token, None if logits is None else logits[row])
+        for row, (request, token) in enumerate(zip(result.requests, result.token_ids, strict=True))
+    ]

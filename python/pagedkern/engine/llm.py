@@ -2,77 +2,127 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from .config import EngineConfig
 from .engine import Engine
+from .outputs import RequestMetrics
 from .request import FinishReason
 from .sampling_params import SamplingParams
+from .validation import ParameterTypeError, is_int
+
+# A prompt: text, token ids, or (as vLLM takes them) {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | Sequence[int] | Mapping
+Conversation = Sequence[Mapping]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Generation:
     """One finished request: its text, ids, why it stopped and its metrics."""
 
     text: str
-    token_ids: list[int]
+    token_ids: tuple[int, ...]
     finish_reason: FinishReason
-    metrics: dict
+    metrics: RequestMetrics
     error: str | None = None
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 class LLM:
     """LLM(model=None, **engine_config).generate(prompts, SamplingParams(...)).
 
-    `generate` takes raw prompt strings; `chat` takes conversations (lists of messages) and
-    renders them with the model's chat template. Answers come back in input order."""
+    `generate` takes one prompt or a list of them, each text or token ids (list[int]);
+    `chat` takes one conversation (a list of messages) or a list of them and renders each with
+    the model's chat template. Answers come back as a list, in input order."""
 
     def __init__(self, model: str | None = None, **config):
         self.engine = Engine.from_config(EngineConfig(model=model, **config))
 
     def generate(
         self,
-        prompts: Sequence[str],
+        prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[Generation]:
-        return self._run([{"prompt": p} for p in prompts], params, use_tqdm)
+        return self._run([_prompt_args(p) for p in _prompt_list(prompts)], params, use_tqdm)
 
     def chat(
         self,
-        conversations: Sequence[Sequence[dict]],
+        conversations: Conversation | Sequence[Conversation],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[Generation]:
+        if isinstance(conversations, (str, bytes, Mapping)) or not isinstance(
+            conversations, Sequence
+        ):
+            raise ParameterTypeError(
+                f"conversations must be a list of messages or a list of such lists, "
+                f"got {conversations!r}"
+            )
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]  # one conversation
         return self._run([{"messages": m} for m in conversations], params, use_tqdm)
 
     def _run(self, inputs: list[dict], params, use_tqdm: bool) -> list[Generation]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(inputs)
+        params = list(params)
         if len(params) != len(inputs):
             raise ValueError(f"{len(params)} sampling params for {len(inputs)} prompts")
-        order = {}
+        order: dict[str, int] = {}
         texts: dict[str, list[str]] = {}
-        for i, (item, p) in enumerate(zip(inputs, params, strict=True)):
-            request = self.engine.add_request(params=p, **item)
-            order[request.request_id] = i
-            texts[request.request_id] = []
+        try:
+            for i, (item, p) in enumerate(zip(inputs, params, strict=True)):
+                request = self.engine.add_request(params=p, **item)
+                order[request.request_id] = i
+                texts[request.request_id] = []
+        except Exception:
+            for request_id in order:  # a bad prompt: the ones before it do not linger
+                self.engine.abort(request_id)
+            raise
         results: list[Generation | None] = [None] * len(inputs)
         bar = tqdm(total=len(inputs), disable=not use_tqdm or len(inputs) < 8, unit="req")
         for output in self.engine.run_until_done():
+            if output.request_id not in order:
+                continue  # someone else's request on the same engine
             texts[output.request_id].append(output.text)
             if output.finished:
-                r = output.request
-                results[order[r.request_id]] = Generation(
-                    "".join(texts.pop(r.request_id)),
-                    list(r.output_ids),
-                    r.finish_reason,
-                    r.metrics(),
-                    r.error,
+                results[order[output.request_id]] = Generation(
+                    "".join(texts.pop(output.request_id)),
+                    output.output_token_ids,
+                    output.finish_reason,
+                    output.metrics,
+                    output.error,
+                    output.prompt_token_ids,
                 )
                 bar.update(1)
         bar.close()
         return results  # type: ignore[return-value]
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (text, token ids, a dict) or a list of them -> a list of prompts."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+        raise ParameterTypeError(
+            f"prompts must be a string, a list of token ids or a list of those, got {prompts!r}"
+        )
+    if prompts and is_int(prompts[0]):
+        return [prompts]  # one prompt as token ids
+    return list(prompts)
+
+
+def _prompt_args(prompt) -> dict:
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, Mapping):
+        if set(prompt) == {"prompt"}:
+            return {"prompt": prompt["prompt"]}
+        if set(prompt) == {"prompt_token_ids"}:
+            return {"prompt_ids": prompt["prompt_token_ids"]}
+        raise ValueError(f'a prompt dict has "prompt" or "prompt_token_ids", got {prompt!r}')
+    return {"prompt_ids": prompt}

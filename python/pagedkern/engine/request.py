@@ -29,7 +29,7 @@ class FinishReason(enum.Enum):
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]  # immutable: output snapshots share it
     params: SamplingParams
     messages: list[dict] | None = None
     prompt_text: str | None = None
@@ -48,13 +48,16 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
 
+    def __post_init__(self) -> None:
+        self.prompt_ids = tuple(self.prompt_ids)
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return [*self.prompt_ids, *self.output_ids]
 
     def ids_between(self, start: int, end: int) -> list[int]:
         """Token ids [start, end) of prompt + output, without concatenating the whole sequence
@@ -63,8 +66,8 @@ class Request:
         if start >= p:
             return self.output_ids[start - p : end - p]
         if end <= p:
-            return self.prompt_ids[start:end]
-        return self.prompt_ids[start:] + self.output_ids[: end - p]
+            return list(self.prompt_ids[start:end])
+        return [*self.prompt_ids[start:], *self.output_ids[: end - p]]
 
     @property
     def num_uncomputed(self) -> int:
@@ -76,7 +79,8 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def metrics(self) -> dict[str, float | None]:
-        """TTFT, TPOT (mean time per output token after the first), ITLs, tokens/s."""
+        """TTFT, TPOT (mean time per output token after the first), ITLs, tokens/s (for the
+        tracer; outputs carry a typed snapshot, outputs.RequestMetrics)."""
         end = self.finish_time or (self.token_times[-1] if self.token_times else None)
         ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
         itl = [b - a for a, b in zip(self.token_times, self.token_times[1:])]

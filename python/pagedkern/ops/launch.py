@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 
@@ -10,7 +11,8 @@ from .._extension import require
 from .arrays import ArrayView, common_device, current_stream, resolve_device
 
 BACKENDS = ("auto", "cuda", "reference")
-_backend = "auto"
+_backend = "auto"  # the process default (set_backend)
+_scoped: contextvars.ContextVar[str | None] = contextvars.ContextVar("backend", default=None)
 
 
 def set_backend(name: str) -> None:
@@ -24,22 +26,25 @@ def set_backend(name: str) -> None:
 
 
 def get_backend() -> str:
-    return _backend
+    return _scoped.get() or _backend
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    previous = get_backend()
-    set_backend(name)
+    """The backend for this thread / task only, inside the block (an engine's forward passes);
+    the process default and other threads are untouched."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    token = _scoped.set(name)
     try:
         yield
     finally:
-        set_backend(previous)
+        _scoped.reset(token)
 
 
 def use_reference(views: Sequence[ArrayView]) -> bool:
     """Whether an op with these (validated) arguments runs on the reference."""
-    return _backend == "reference" or common_device(views) == "cpu"
+    return get_backend() == "reference" or common_device(views) == "cpu"
 
 
 def launch_context(views: Sequence[ArrayView], stream=None) -> tuple[ModuleType, int, int]:

@@ -20,7 +20,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ..engine import Engine, EngineConfig, FinishReason, Request, SamplingParams
+from ..engine import Engine, EngineConfig, FinishReason, RequestOutput, SamplingParams
 
 _JSON_FIELDS = (
     "max_tokens",
@@ -102,16 +102,16 @@ def _prompt_args(args, text: str) -> dict:
     return {"messages": [*system, {"role": "user", "content": text}]}
 
 
-def _stats(request: Request) -> str:
-    m = request.metrics()
-    parts = [f"{request.request_id}: {m['num_output_tokens']} tokens"]
-    if m["ttft"] is not None:
-        parts.append(f"TTFT {m['ttft'] * 1e3:.1f} ms")
-    if m["tpot"] is not None:
-        parts.append(f"TPOT {m['tpot'] * 1e3:.1f} ms")
-    if m["tokens_per_s"]:
-        parts.append(f"{m['tokens_per_s']:.1f} tokens/s")
-    parts.append(f"finish {request.finish_reason.value if request.finish_reason else '?'}")
+def _stats(output: RequestOutput) -> str:
+    m = output.metrics
+    parts = [f"{output.request_id}: {m.num_output_tokens} tokens"]
+    if m.ttft is not None:
+        parts.append(f"TTFT {m.ttft * 1e3:.1f} ms")
+    if m.tpot is not None:
+        parts.append(f"TPOT {m.tpot * 1e3:.1f} ms")
+    if m.tokens_per_s:
+        parts.append(f"{m.tokens_per_s:.1f} tokens/s")
+    parts.append(f"finish {output.finish_reason.value if output.finish_reason else '?'}")
     return ", ".join(parts)
 
 
@@ -190,18 +190,18 @@ def _stream_one(engine: Engine, request_args: dict, params: SamplingParams, stat
         sys.stdout.flush()
     sys.stdout.write("\n")
     if stats and output is not None:
-        print(_stats(output.request), file=sys.stderr)
+        print(_stats(output), file=sys.stderr)
     return 1 if output is None or output.finish_reason is FinishReason.ERROR else 0
 
 
 def _run_many(engine: Engine, requests: list[tuple[dict, SamplingParams]], stats: bool) -> int:
     ids = [engine.add_request(params=p, **a).request_id for a, p in requests]
     texts = {i: [] for i in ids}
-    done: dict[str, Request] = {}
+    done: dict[str, RequestOutput] = {}
     for output in engine.run_until_done():
         texts[output.request_id].append(output.text)
         if output.finished:
-            done[output.request_id] = output.request
+            done[output.request_id] = output
     for request_id in ids:
         print("".join(texts[request_id]), flush=True)
         if stats:

@@ -77,12 +77,12 @@ class EngineLoop:
     def __init__(
         self,
         engine: Engine,
-        max_queue: int = 256,
+        max_queue: int | None = None,  # None: engine.config.max_queue
         metrics: ServerMetrics | None = None,
         after_step: Callable[[Engine], None] | None = None,
     ):
         self.engine = engine  # touched only by the engine thread once started
-        self.max_queue = max_queue
+        self.max_queue = engine.config.max_queue if max_queue is None else max_queue
         self.metrics = metrics or ServerMetrics()
         self.after_step = after_step  # test hook, runs in the engine thread after every step
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -160,10 +160,8 @@ class EngineLoop:
 
     def gauges(self) -> EngineGauges:
         """Engine-thread only (pass to `call`)."""
-        e = self.engine
-        return EngineGauges(
-            len(e.scheduler.running), len(e.scheduler.waiting), e.pool.num_used, e.pool.num_blocks
-        )
+        s = self.engine.stats()
+        return EngineGauges(s.num_running, s.num_waiting, s.num_blocks_used, s.num_blocks_total)
 
     def _put(self, command: Callable[[], None] | None, quiet: bool = False) -> None:
         with self._lock:
@@ -199,11 +197,11 @@ class EngineLoop:
     def _add(self, stream: RequestStream, args: dict, params: SamplingParams, admitted) -> None:
         if self._closed is not None:
             return _settle(stream.loop, admitted, None, EngineUnavailable(self._closed))
-        scheduler = self.engine.scheduler
-        free_slots = max(0, scheduler.config.max_num_seqs - len(scheduler.running))
-        if len(scheduler.waiting) - free_slots >= self.max_queue:
+        stats = self.engine.stats()
+        free_slots = max(0, stats.max_num_seqs - stats.num_running)
+        if stats.num_waiting - free_slots >= self.max_queue:
             self.metrics.request_rejected("queue_full")
-            error = QueueFull(f"{len(scheduler.waiting)} requests are already waiting")
+            error = QueueFull(f"{stats.num_waiting} requests are already waiting")
             return _settle(stream.loop, admitted, None, error)
         try:
             request = self.engine.add_request(params=params, request_id=stream.request_id, **args)
@@ -233,15 +231,14 @@ class EngineLoop:
             _call_soon(loop, _file, items)
 
     def _record(self, stream: RequestStream, out: RequestOutput) -> None:
-        request = out.request
+        m = out.metrics
         if out.token_ids:
-            times = request.token_times
-            first = len(request.output_ids) == 1
-            ttft = request.first_token_time - stream.arrival if first else None
-            itl = times[-1] - times[-2] if not first and len(times) >= 2 else None
+            first = m.num_output_tokens == 1
+            ttft = m.first_token_time - stream.arrival if first else None
+            itl = None if first else m.last_itl
             self.metrics.tokens(len(out.token_ids), ttft, itl)
         if out.finished:
-            latency = (request.finish_time or time.monotonic()) - stream.arrival
+            latency = (m.finish_time or time.monotonic()) - stream.arrival
             self.metrics.request_finished(out.finish_reason.value, latency)
 
     def _shutdown(self, reason: str, error: BaseException | None = None) -> None:

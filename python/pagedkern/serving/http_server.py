@@ -207,7 +207,7 @@ def serve(
     engine: Engine,
     sock: socket.socket,
     *,
-    max_queue: int = 256,
+    max_queue: int | None = None,  # None: engine.config.max_queue
     model_name: str | None = None,
     log_level: str = "warning",
     on_listening=None,
@@ -238,7 +238,7 @@ class ServerThread:
         self,
         engine: Engine,
         *,
-        max_queue: int = 256,
+        max_queue: int | None = None,  # None: engine.config.max_queue
         model_name: str | None = None,
         after_step=None,
     ):

@@ -106,7 +106,7 @@ async def sse_events(stream: RequestStream, fmt: Format) -> AsyncIterator[str]:
         async for out in stream.outputs():
             completion_tokens += len(out.token_ids)
             if out.finished and out.finish_reason is FinishReason.ERROR:
-                yield event(json.dumps(engine_error(out.request.error).body()))
+                yield event(json.dumps(engine_error(out.error).body()))
                 break
             if out.finished:
                 yield event(fmt.delta(out.text, openai_finish_reason(out.finish_reason)))
@@ -166,7 +166,7 @@ async def collect(stream: RequestStream, fmt: Format, http: HTTPRequest) -> dict
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from exc
     if final.finish_reason is FinishReason.ERROR:
-        raise engine_error(final.request.error)
+        raise engine_error(final.error)
     usage = Usage.of(stream.prompt_tokens, tokens)
     return fmt.whole("".join(texts), openai_finish_reason(final.finish_reason), usage)
 

@@ -1,0 +1,149 @@
+"""What the engine hands out: immutable snapshots, never its live state.
+
+A RequestOutput is one step's delta for one request plus a snapshot of the request at that
+moment (prompt ids, output ids so far, metrics). Snapshots are O(1) to take: a request's output
+ids and token times only ever grow, so a snapshot keeps a reference to those lists and its
+length at the time, and reads only that prefix (as a tuple) when asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import FinishReason, Request
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Times are on the engine clock's scale (time.monotonic unless a test substitutes it)."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens found in the prefix cache at admission
+    num_preemptions: int
+    _token_times: list[float] = field(repr=False, compare=False)
+
+    @classmethod
+    def of(cls, request: Request) -> RequestMetrics:
+        return cls(
+            request.arrival_time,
+            request.first_token_time,
+            request.finish_time,
+            len(request.prompt_ids),
+            len(request.output_ids),
+            request.num_cached_tokens,
+            request.num_preemptions,
+            request.token_times,
+        )
+
+    @property
+    def token_times(self) -> tuple[float, ...]:
+        return tuple(self._token_times[: self.num_output_tokens])
+
+    @property
+    def last_token_time(self) -> float | None:
+        n = self.num_output_tokens
+        return self._token_times[n - 1] if n else None
+
+    @property
+    def ttft(self) -> float | None:
+        """Arrival to first token."""
+        first = self.first_token_time
+        return None if first is None else first - self.arrival_time
+
+    @property
+    def itl(self) -> tuple[float, ...]:
+        """Inter-token latencies (one fewer than the output tokens)."""
+        times = self.token_times
+        return tuple(b - a for a, b in zip(times, times[1:]))
+
+    @property
+    def last_itl(self) -> float | None:
+        """Time between the last two tokens (None before the second)."""
+        n = self.num_output_tokens
+        return self._token_times[n - 1] - self._token_times[n - 2] if n >= 2 else None
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (= the mean of `itl`)."""
+        n = self.num_output_tokens
+        if n < 2:
+            return None
+        return (self._token_times[n - 1] - self._token_times[0]) / (n - 1)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        end = self.finish_time if self.finish_time is not None else self.last_token_time
+        elapsed = None if end is None else end - self.arrival_time
+        return self.num_output_tokens / elapsed if elapsed else None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request: `text` and `token_ids` are new since the last
+    output; `prompt_token_ids`, `output_token_ids` (all so far) and `metrics` describe the
+    request as it was then. `error` says why a request finished with FinishReason.ERROR."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_token_ids: tuple[int, ...]
+    metrics: RequestMetrics
+    error: str | None = None
+    _output_ids: list[int] = field(default_factory=list, repr=False, compare=False)
+
+    @classmethod
+    def of(
+        cls,
+        request: Request,
+        text: str,
+        token_ids: tuple[int, ...],
+        finished: bool,
+        finish_reason: FinishReason | None = None,
+    ) -> RequestOutput:
+        return cls(
+            request.request_id,
+            text,
+            token_ids,
+            finished,
+            finish_reason,
+            request.prompt_ids,
+            RequestMetrics.of(request),
+            request.error,
+            request.output_ids,
+        )
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(self._output_ids[: self.metrics.num_output_tokens])
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's state at one moment (`Engine.stats()`; call it where the engine runs)."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_free: int
+    block_size: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, found
+    num_prompt_tokens: int  # of every admitted request, since the engine started
+    num_generated_tokens: int
+    num_finished: int
+    num_iterations: int
+    max_num_seqs: int
+    max_model_len: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )

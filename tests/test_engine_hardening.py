@@ -1,0 +1,264 @@
+"""Bad input never kills the engine or fails anyone else (issue 12, defects 1, 2, 7 and 8):
+admission refuses it with a ValueError naming the field, and a request that still breaks a
+step fails alone while its neighbours get exactly what they would have got without it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pagedkern.engine import (
+    Engine,
+    EngineConfig,
+    FinishReason,
+    ParameterTypeError,
+    SamplingParams,
+)
+from pagedkern.engine.sampling_params import MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPT = list(range(3, 27))  # 24 ids: 6 full blocks of 4 (the prefix cache hashes them)
+OTHER = list(range(40, 61))
+
+
+def make_engine(**overrides) -> Engine:
+    config = dict(model="synthetic:tiny", backend="reference", num_blocks=128, block_size=4)
+    config.update(overrides)
+    return Engine.from_config(EngineConfig(**config))
+
+
+@pytest.fixture(scope="module")
+def solo() -> list[int]:
+    """What OTHER gets alone."""
+    engine = make_engine()
+    out = engine.add_request(prompt_ids=OTHER, params=GREEDY)
+    list(engine.run_until_done())
+    return list(out.output_ids)
+
+
+def run(engine: Engine) -> dict[str, list]:
+    """Every output by request id, checking the pool after every step."""
+    outputs: dict[str, list] = {}
+    for _ in range(200):
+        if not engine.has_unfinished:
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        engine.pool.check_invariants(engine.scheduler.block_tables())
+    assert not engine.has_unfinished and engine.pool.num_used == 0
+    return outputs
+
+
+def ids_of(outputs) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+# --- defect 1: a token id >= 2^63 crashed the engine thread -------------------------------------
+def test_a_token_id_past_int64_is_refused_and_the_engine_serves_on(solo):
+    engine = make_engine()
+    with pytest.raises(ValueError, match=r"prompt_ids\[0\] = 9223372036854775808"):
+        engine.add_request(prompt_ids=[2**63, *PROMPT])
+    good = engine.add_request(prompt_ids=OTHER, params=GREEDY)
+    assert ids_of(run(engine)[good.request_id]) == solo
+
+
+def test_a_request_that_breaks_scheduling_fails_alone(solo):
+    # Bypass admission: the prefix-cache hash of a token past int64 overflows in schedule().
+    engine = make_engine()
+    bad = engine.add_request(prompt_ids=PROMPT, params=GREEDY)
+    bad.prompt_ids = type(bad.prompt_ids)([2**63, *PROMPT])
+    good = engine.add_request(prompt_ids=OTHER, params=GREEDY)
+    outputs = run(engine)  # on the old engine step() raised OverflowError here, and ever after
+    assert [o.finish_reason for o in outputs[bad.request_id]] == [FinishReason.ERROR]
+    assert "OverflowError" in outputs[bad.request_id][0].error
+    assert ids_of(outputs[good.request_id]) == solo
+    again = engine.add_request(prompt_ids=OTHER, params=GREEDY)
+    assert ids_of(run(engine)[again.request_id]) == solo  # still usable
+
+
+def test_a_request_that_breaks_the_forward_pass_fails_alone(solo):
+    # Bypass admission with a seed past int64: the sampler's parameter upload overflows, which
+    # failed every request of the batch before.
+    engine = make_engine()
+    bad = engine.add_request(prompt_ids=PROMPT, params=GREEDY)
+    bad.seed = 2**64
+    good = engine.add_request(prompt_ids=OTHER, params=GREEDY)
+    outputs = run(engine)
+    assert [o.finish_reason for o in outputs[bad.request_id]] == [FinishReason.ERROR]
+    assert ids_of(outputs[good.request_id]) == solo
+    assert outputs[good.request_id][-1].finish_reason is FinishReason.LENGTH
+
+
+def test_a_request_whose_output_processing_fails_fails_alone(solo):
+    engine = make_engine()
+    bad = engine.add_request(prompt_ids=PROMPT, params=GREEDY)
+    good = engine.add_request(prompt_ids=OTHER, params=GREEDY)
+
+    def broken(token_id: int) -> str:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "broken tokenizer")
+
+    engine._detokenizers[bad.request_id].add = broken
+    outputs = run(engine)
+    assert [o.finish_reason for o in outputs[bad.request_id]] == [FinishReason.ERROR]
+    assert "UnicodeDecodeError" in outputs[bad.request_id][0].error
+    assert ids_of(outputs[good.request_id]) == solo
+
+
+def test_a_failure_nobody_can_be_blamed_for_fails_the_step_and_the_engine_lives_on(
+    solo, monkeypatch
+):
+    engine = make_engine()
+    first = engine.add_request(prompt_ids=PROMPT, params=GREEDY)
+    engine.step()  # first is running now
+    real = engine.scheduler.schedule
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: 1 / 0)
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [
+        (first.request_id, FinishReason.ERROR)
+    ]
+    assert "ZeroDivisionError" in outputs[0].error and engine.pool.num_used == 0
+    monkeypatch.setattr(engine.scheduler, "schedule", real)
+    good = engine.add_request(prompt_ids=OTHER, params=GREEDY)
+    assert ids_of(run(engine)[good.request_id]) == solo
+
+
+# --- defect 2 and 8: validation at admission, naming the field ----------------------------------
+@pytest.mark.parametrize(
+    "fields,name",
+    [
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_k": -(2**31) - 1}, "top_k"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"timeout": math.inf}, "timeout"),
+        ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": ["x" * (MAX_STOP_STRING_LENGTH + 1)]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+    ],
+)
+def test_out_of_range_sampling_params_are_value_errors_naming_the_field(fields, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**fields)
+
+
+@pytest.mark.parametrize(
+    "fields,name",
+    [
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 5.0}, "max_tokens"),
+        ({"top_k": "5"}, "top_k"),
+        ({"seed": 1.5}, "seed"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"stop": 5}, "stop"),
+        ({"stop": [5]}, "stop"),
+        ({"stop": {"a": 1}}, "stop"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"stop_token_ids": [1.0]}, "stop_token_ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_wrong_types_are_type_errors_naming_the_field(fields, name):
+    with pytest.raises(TypeError, match=name) as info:
+        SamplingParams(**fields)
+    assert isinstance(info.value, ValueError)  # the HTTP layer and the CLI catch ValueError
+
+
+def test_sampling_params_accept_their_whole_range():
+    p = SamplingParams(
+        max_tokens=2**31 - 1,
+        temperature=2,
+        top_k=-1,
+        seed=-(2**63),
+        stop="x",
+        stop_token_ids=[0, 2**63 - 1],
+    )
+    assert p.stop == ("x",) and p.stop_token_ids == (0, 2**63 - 1)
+    assert SamplingParams(stop=["s" * MAX_STOP_STRING_LENGTH] * MAX_STOP_STRINGS).stop
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return make_engine()
+
+
+@pytest.mark.parametrize(
+    "ids,match",
+    [
+        ([1.7, 5], r"prompt_ids\[0\] must be an integer"),
+        ([5, "5"], r"prompt_ids\[1\] must be an integer"),
+        ([5, 6, True], r"prompt_ids\[2\] must be an integer"),
+        ("123", "prompt_ids must be a list"),
+        (5, "prompt_ids must be a list"),
+    ],
+)
+def test_prompt_ids_of_the_wrong_type_are_refused_not_coerced(engine, ids, match):
+    with pytest.raises(ParameterTypeError, match=match):
+        engine.add_request(prompt_ids=ids)
+    assert not engine.has_unfinished
+
+
+@pytest.mark.parametrize("bad", [-1, 512, 2**63, 2**64])  # synthetic:tiny has 512 ids
+def test_prompt_ids_outside_the_vocabulary_are_refused(engine, bad):
+    with pytest.raises(ValueError, match=r"prompt_ids\[1\] = .* is not a token id"):
+        engine.add_request(prompt_ids=[5, bad, 6])
+    assert not engine.has_unfinished
+
+
+def test_other_add_request_arguments_are_checked(engine):
+    with pytest.raises(ParameterTypeError, match="params"):
+        engine.add_request("hi", {"max_tokens": 5})
+    with pytest.raises(ParameterTypeError, match="prompt must be a string"):
+        engine.add_request(b"hi")
+    with pytest.raises(ParameterTypeError, match="messages must be a list"):
+        engine.add_request(messages={"role": "user", "content": "hi"})
+    with pytest.raises(ParameterTypeError, match=r"messages\[0\] must be a dict"):
+        engine.add_request(messages=["hi"])
+    with pytest.raises(ParameterTypeError, match="request_id"):
+        engine.add_request("hi", request_id=5)
+    assert not engine.has_unfinished and engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize(
+    "fields,name",
+    [
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"max_model_len": True}, "max_model_len"),
+        ({"block_size": 0}, "block_size"),
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"kv_cache_gib": 0}, "kv_cache_gib"),
+        ({"kv_cache_gib": math.nan}, "kv_cache_gib"),
+        ({"gpu_memory_fraction": math.inf}, "gpu_memory_fraction"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 1.5}, "max_num_batched_tokens"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
+        ({"max_queue": 0}, "max_queue"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"backend": "gpu"}, "backend"),
+    ],
+)
+def test_bad_engine_config_is_a_value_error_naming_the_field(fields, name):
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(**fields)
+
+
+def test_max_model_len_is_honoured(engine):
+    assert make_engine(max_model_len=40).max_model_len == 40
+
+
+# --- defect 7: unbounded stop strings -----------------------------------------------------------
+def test_stop_strings_are_bounded_in_number_and_length():
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_STRINGS}"):
+        SamplingParams(stop=[f"s{i}" for i in range(200_000)])
+    with pytest.raises(ValueError, match=rf"stop\[0\] must have 1 to {MAX_STOP_STRING_LENGTH}"):
+        SamplingParams(stop=["x" * 10_000])
