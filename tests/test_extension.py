@@ -3,21 +3,40 @@ reports its build and stays out of libtorch."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
 import pagedkern
-from pagedkern._extension import cuda_build_required, extension_module
+from pagedkern._extension import (
+    CudaUnavailableError,
+    cuda_build_required,
+    extension_module,
+    require,
+)
 
 
 def test_availability_and_reason_agree():
+    # Checked against what the extension itself reports, not against each other only.
     available = pagedkern.cuda_available()
     reason = pagedkern.cuda_unavailable_reason()
     assert available == (reason is None)
-    if not available:
+    module = extension_module()
+    if module is None:
+        assert not available and "pagedkern._C" in reason
+    else:
+        count, error = module.device_count()
+        assert available == (count > 0)
+        if not available:
+            assert (error or "the device count is 0") in reason
+    if available:
+        assert require() is module
+    else:
         assert len(reason) > 20  # a sentence, not a code
+        with pytest.raises(CudaUnavailableError, match=re.escape(reason)):
+            require()
 
 
 def test_extension_is_built_where_required():

@@ -83,6 +83,8 @@ def test_preemption_takes_the_newest_and_everyone_finishes():
     assert sorted(r.request_id for r in done) == ["r0", "r1", "r2"]
     assert all(len(r.output_ids) == 10 for r in requests)
     assert requests[2].num_preemptions >= 1 and requests[0].num_preemptions == 0
+    # The first victim is the newest request, and the oldest is never one.
+    assert preempted and preempted[0] is requests[2] and requests[0] not in preempted
     assert pool.num_free == pool.num_blocks
 
 
