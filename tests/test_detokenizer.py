@@ -4,6 +4,8 @@ byte-level tokens are never emitted broken) and stop strings are never emitted, 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pagedkern.engine.detokenizer import IncrementalDetokenizer
@@ -75,3 +77,32 @@ def test_text_that_may_start_a_stop_string_is_held_back(tokenizer):
     out += "".join(detok.add(i) for i in tokenizer.encode("is.").ids)
     assert out == "Hello Paris."  # it did not: released
     assert detok.flush() == ""
+
+
+class CharTokenizer:
+    """One id per character: the text is fully under the test's control."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stop=st.lists(st.text(alphabet="abc", min_size=1, max_size=5), min_size=1, max_size=8),
+)
+def test_held_back_text_is_exactly_the_longest_tail_that_begins_a_stop_string(text, stop):
+    # Against the plain definition, after every character: what is emitted is the text before
+    # the first stop string, minus the longest tail that some stop string begins with.
+    detok = IncrementalDetokenizer(CharTokenizer(), stop)
+    emitted = ""
+    for n, ch in enumerate(text, 1):
+        emitted += detok.add(ord(ch))
+        seen = text[:n]
+        first = min((i for s in stop if (i := seen.find(s)) >= 0), default=None)
+        if first is not None:
+            assert detok.stopped_by is not None and emitted == seen[:first]
+            return
+        held = max((k for s in stop for k in range(1, len(s)) if seen.endswith(s[:k])), default=0)
+        assert emitted == seen[: n - held]
+    assert emitted + detok.flush() == text

@@ -4,9 +4,12 @@ step fails alone while its neighbours get exactly what they would have got witho
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkern.engine import (
     Engine,
@@ -262,3 +265,50 @@ def test_stop_strings_are_bounded_in_number_and_length():
         SamplingParams(stop=[f"s{i}" for i in range(200_000)])
     with pytest.raises(ValueError, match=rf"stop\[0\] must have 1 to {MAX_STOP_STRING_LENGTH}"):
         SamplingParams(stop=["x" * 10_000])
+
+
+# --- fuzz: whatever a client sends, a ValueError or a working request ---------------------------
+ANY_VALUE = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=8,
+)
+FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.dictionaries(st.sampled_from(FIELDS), ANY_VALUE, max_size=4))
+def test_sampling_params_raise_only_value_errors(fields):
+    try:
+        p = SamplingParams(**fields)
+    except ValueError as exc:  # ParameterTypeError included; anything else fails the test
+        assert any(name in str(exc) for name in fields)  # it names a field it was given
+        return
+    assert type(p.max_tokens) is int and 1 <= p.max_tokens < 2**31
+    assert type(p.top_k) is int and -(2**31) <= p.top_k < 2**31
+    assert p.seed is None or (type(p.seed) is int and -(2**63) <= p.seed < 2**63)
+    assert 0 <= p.temperature <= 2 and 0 < p.top_p <= 1 and type(p.ignore_eos) is bool
+    assert all(type(s) is str for s in p.stop) and all(type(t) is int for t in p.stop_token_ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(
+        st.integers(-5, 600) | st.integers(-(2**70), 2**70) | ANY_VALUE, min_size=1, max_size=6
+    ),
+    seed=st.integers(-(2**65), 2**65),
+)
+def test_any_prompt_ids_are_refused_or_served(engine, ids, seed):
+    try:
+        params = SamplingParams(max_tokens=2, seed=seed)
+        request = engine.add_request(prompt_ids=ids, params=params)
+    except ValueError:
+        assert not engine.has_unfinished
+        return
+    outputs = [o for o in engine.run_until_done() if o.request_id == request.request_id]
+    assert outputs[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert engine.pool.num_used == 0
