@@ -227,6 +227,10 @@ def test_other_add_request_arguments_are_checked(engine):
         engine.add_request(messages={"role": "user", "content": "hi"})
     with pytest.raises(ParameterTypeError, match=r"messages\[0\] must be a dict"):
         engine.add_request(messages=["hi"])
+    with pytest.raises(ValueError, match=r"messages\[1\] needs a 'role'"):
+        engine.add_request(messages=[{"role": "user", "content": "hi"}, {"content": "x"}])
+    with pytest.raises(ParameterTypeError, match=r"messages\[0\]\['content'\]"):
+        engine.add_request(messages=[{"role": "user", "content": 5}])
     with pytest.raises(ParameterTypeError, match="request_id"):
         engine.add_request("hi", request_id=5)
     assert not engine.has_unfinished and engine.pool.num_used == 0

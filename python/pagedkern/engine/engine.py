@@ -67,22 +67,22 @@ class Engine:
         self.backend = config.backend
         self.vocab_size = model.config.vocab_size
         context = min(config.max_model_len or model.max_positions, model.max_positions)
-        with ops.use_backend(self.backend):
+        graphs = config.cuda_graphs
+        if graphs is None:  # on by default where kernels run on a GPU (the reference syncs)
+            graphs = model.device.type == "cuda" and self.backend != "reference"
+        with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
             num_blocks = config.num_blocks or kv_cache_blocks(model, config, context)
-        # A sequence can never outgrow the whole cache: one that did would be preempted forever.
-        self.max_model_len = min(context, num_blocks * config.block_size)
-        self.kv_cache = model.allocate_kv_cache(num_blocks, config.block_size)
+            # A sequence can never outgrow the whole cache: one that did would be preempted
+            # forever.
+            self.max_model_len = min(context, num_blocks * config.block_size)
+            self.kv_cache = model.allocate_kv_cache(num_blocks, config.block_size)
+            self.runner = ModelRunner(
+                model, self.kv_cache, config.max_num_seqs, self.max_model_len, cuda_graphs=graphs
+            )
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.pool, SchedulerConfig.from_engine(config, self.max_model_len)
         )
-        graphs = config.cuda_graphs
-        if graphs is None:  # on by default where kernels run on a GPU (the reference syncs)
-            graphs = model.device.type == "cuda" and self.backend != "reference"
-        with ops.use_backend(self.backend):
-            self.runner = ModelRunner(
-                model, self.kv_cache, config.max_num_seqs, self.max_model_len, cuda_graphs=graphs
-            )
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._stop_ids: dict[str, frozenset[int]] = {}  # ids that end the request (EOS too)

@@ -83,4 +83,8 @@ def check_messages(messages: Any) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ParameterTypeError(f"messages[{i}] must be a dict, got {message!r}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a 'role' string, got {message!r}")
+        if not isinstance(message.get("content", ""), (str, list, type(None))):
+            raise ParameterTypeError(f"messages[{i}]['content'] must be a string or a list")
     return [dict(m) for m in messages]
