@@ -188,6 +188,10 @@ def test_sampling_params_accept_their_whole_range():
     )
     assert p.stop == ("x",) and p.stop_token_ids == (0, 2**63 - 1)
     assert SamplingParams(stop=["s" * MAX_STOP_STRING_LENGTH] * MAX_STOP_STRINGS).stop
+    with pytest.raises(dataclasses.FrozenInstanceError):  # no bypassing the checks later
+        p.seed = 2**64
+    with pytest.raises(ValueError, match="seed"):
+        dataclasses.replace(p, seed=2**64)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_TEMPERATURE = 2.0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request generation settings; validated on construction (the error names the field:
     ValueError for a value out of range, ParameterTypeError, a TypeError and ValueError, for a
@@ -40,7 +40,8 @@ class SamplingParams:
     Stop conditions: the model's end-of-turn / EOS tokens (unless ignore_eos), `stop_token_ids`
     (at most 1024), `stop` strings (at most 64, each 1..256 characters; never emitted, not even
     partly), `max_tokens`, the model's context length, `timeout` seconds after arrival, and
-    cancellation by the caller. `stop` and `stop_token_ids` are stored as tuples.
+    cancellation by the caller. `stop` and `stop_token_ids` are stored as tuples. Immutable
+    (one object may serve many requests; `dataclasses.replace` makes a checked variant).
     """
 
     max_tokens: int = 256
@@ -66,18 +67,11 @@ class SamplingParams:
         check_int("top_k", self.top_k, INT32_MIN, INT32_MAX)
         if self.seed is not None:
             check_int("seed", self.seed, INT64_MIN, INT64_MAX)
-        self.stop = _stop_strings(self.stop)
-        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(
-            self.stop_token_ids, "__iter__"
-        ):
-            raise ParameterTypeError(
-                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
-            )
-        self.stop_token_ids = tuple(check_token_ids("stop_token_ids", self.stop_token_ids))
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(
-                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}"
-            )
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        stop_ids = tuple(check_token_ids("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(stop_ids)}")
         check_bool("ignore_eos", self.ignore_eos)
         if self.timeout is not None and check_number("timeout", self.timeout) <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout}")
