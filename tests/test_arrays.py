@@ -67,7 +67,7 @@ def test_numpy_arrays_are_rejected_with_the_argument_name():
         (
             lambda: pagedkern.rms_norm(FakeCudaArray((4, 8)), FakeCudaArray((8,)), eps=-1.0),
             ValueError,
-            "eps must be a non-negative number",
+            "eps must be a finite non-negative number",
         ),
         (
             lambda: pagedkern.rms_norm(

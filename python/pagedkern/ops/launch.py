@@ -1,13 +1,17 @@
-"""What every kernel launch needs once its arguments are valid: the module, device and stream."""
+"""What every kernel launch needs once its arguments are valid: the backend's choice between the
+kernel and the reference, then the module, device and stream."""
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 
+from .. import envs
 from .._extension import require
 from .arrays import ArrayView, common_device, current_stream, resolve_device
+from .support import KernelSupport, KernelUnsupportedError
 
 BACKENDS = ("auto", "cuda", "reference")
 _backend = "auto"
@@ -16,7 +20,8 @@ _backend = "auto"
 def set_backend(name: str) -> None:
     """'auto' (default): CUDA kernels for CUDA arrays, the reference for CPU tensors.
     'reference': the PyTorch reference everywhere, also on a GPU (A/B comparisons).
-    'cuda': like auto (the engine uses it to insist on a GPU)."""
+    'cuda': strict, the CUDA kernels only: an op whose arguments no kernel covers (CPU tensors,
+    or a dtype / head dim / block size outside ops/support.py) raises KernelUnsupportedError."""
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
@@ -40,6 +45,40 @@ def use_backend(name: str) -> Iterator[None]:
 def use_reference(views: Sequence[ArrayView]) -> bool:
     """Whether an op with these (validated) arguments runs on the reference."""
     return _backend == "reference" or common_device(views) == "cpu"
+
+
+_warned: set[tuple[str, str]] = set()  # (op, reason) pairs already reported
+
+
+def kernel_or_reference(op: str, views: Sequence[ArrayView], support: KernelSupport) -> bool:
+    """True: launch the op's CUDA kernel. False: run the reference, which is where the "reference"
+    backend and CPU tensors go, and, under "auto", CUDA arrays outside kernel support (with a
+    RuntimeWarning once per (op, reason)). Under "cuda" anything but the kernel raises."""
+    reference = use_reference(views)
+    if _backend == "cuda" and (reference or not support.supported):
+        reason = support.reason or "CPU tensors"
+        raise KernelUnsupportedError(
+            f"{op}: no CUDA kernel for {reason}, and the 'cuda' backend never falls back to the "
+            "reference (backend 'auto' runs it there, slowly)"
+        )
+    if reference:
+        return False
+    if support.supported:
+        return True
+    if (op, support.reason) not in _warned:
+        _warned.add((op, support.reason))
+        warnings.warn(
+            f"pagedkern: {op} runs the PyTorch reference on the GPU because its CUDA kernel does "
+            f"not cover {support.reason}: slow, and not capturable in a CUDA graph",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+def check_indices() -> bool:
+    """Whether kernels run with their debug-mode index checks (PAGEDKERN_CHECK_INDICES=1)."""
+    return envs.check_indices()
 
 
 def launch_context(views: Sequence[ArrayView], stream=None) -> tuple[ModuleType, int, int]:
