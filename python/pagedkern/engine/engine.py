@@ -21,6 +21,7 @@ from ..model import LlamaModel, Tokenizer, load_model
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .kernel_policy import decode_graphs
 from .kv_budget import kv_cache_blocks
 from .request import FinishReason, Request
 from .runner import ModelRunner
@@ -79,9 +80,17 @@ class Engine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
             ),
         )
-        graphs = config.cuda_graphs
-        if graphs is None:  # on by default where kernels run on a GPU (the reference syncs)
-            graphs = model.device.type == "cuda" and ops.get_backend() != "reference"
+        # On by default where the kernels run on a GPU; refused or off (with a warning) where a
+        # kernel does not cover this model and cache (engine/kernel_policy.py).
+        graphs = decode_graphs(
+            device_type=model.device.type,
+            backend=config.backend,
+            dtype=str(model.dtype).removeprefix("torch."),
+            head_dim=model.config.head_dim,
+            block_size=config.block_size,
+            vocab=model.config.vocab_size,
+            requested=config.cuda_graphs,
+        )
         self.runner = ModelRunner(
             model, self.kv_cache, config.max_num_seqs, self.max_model_len, cuda_graphs=graphs
         )

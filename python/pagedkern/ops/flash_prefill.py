@@ -103,8 +103,8 @@ def flash_prefill(
     kc = views[1]
     if not kernel_or_reference("flash_prefill", views, kernel_support(qv.dtype, qv.shape[2])):
         reference = reference_on_torch("flash_prefill", views)
-        check_query_bounds(cu_seqlens_q, seq_lens, qv.shape[0])
         check_block_table_contents(block_tables, seq_lens, kc.shape[0], kc.shape[2])
+        check_query_bounds(cu_seqlens_q, seq_lens, qv.shape[0])
         return reference.flash_prefill(
             q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, scale, out, return_lse
         )

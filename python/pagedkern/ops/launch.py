@@ -65,15 +65,22 @@ def kernel_or_reference(op: str, views: Sequence[ArrayView], support: KernelSupp
         return False
     if support.supported:
         return True
-    if (op, support.reason) not in _warned:
-        _warned.add((op, support.reason))
-        warnings.warn(
-            f"pagedkern: {op} runs the PyTorch reference on the GPU because its CUDA kernel does "
-            f"not cover {support.reason}: slow, and not capturable in a CUDA graph",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    warn_fallback(op, support.reason, stacklevel=4)
     return False
+
+
+def warn_fallback(op: str, reason: str, stacklevel: int = 2) -> None:
+    """RuntimeWarning that `op` runs the reference on CUDA arrays, once per (op, reason) per
+    process (the engine reports it at start-up; the op then stays quiet)."""
+    if (op, reason) in _warned:
+        return
+    _warned.add((op, reason))
+    warnings.warn(
+        f"pagedkern: {op} runs the PyTorch reference on the GPU because its CUDA kernel does "
+        f"not cover {reason}: slow, and not capturable in a CUDA graph",
+        RuntimeWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def check_indices() -> bool:
