@@ -147,3 +147,22 @@ def test_cuda_available_is_false_on_gpus_the_build_cannot_run(
             assert f"sm_{capability[0]}{capability[1]}" in reason and archs in reason
     finally:
         _extension._probe.cache_clear()
+
+
+def test_an_extension_built_from_older_sources_is_reported_not_called(monkeypatch):
+    from pagedkern import _extension
+
+    class Stale:  # the base commit's module: no compute_capability, positional arguments
+        __file__ = "/somewhere/_C.so"
+
+        def device_count(self):
+            return 1, ""
+
+    monkeypatch.setattr(pagedkern, "_C", Stale(), raising=False)
+    monkeypatch.setitem(sys.modules, "pagedkern._C", pagedkern._C)
+    _extension._probe.cache_clear()
+    try:
+        assert not pagedkern.cuda_available()
+        assert "built from older sources" in pagedkern.cuda_unavailable_reason()
+    finally:
+        _extension._probe.cache_clear()

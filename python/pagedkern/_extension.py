@@ -29,6 +29,11 @@ def _probe() -> tuple[ModuleType | None, str | None]:
             "the CUDA extension pagedkern._C is not installed or failed to load "
             f"({exc}); reinstall with nvcc available and PAGEDKERN_REQUIRE_CUDA=1 to see why"
         )
+    if not hasattr(_C, "compute_capability"):  # a build from older sources: positional ABI
+        return None, (
+            f"the CUDA extension {_C.__file__} was built from older sources than this package; "
+            "rebuild it (python setup.py build_ext --inplace, or reinstall)"
+        )
     count, error = _C.device_count()
     if count == 0:
         return None, f"no CUDA device is usable ({error or 'the device count is 0'})"
