@@ -96,11 +96,12 @@ def launch_context(views: Sequence[ArrayView], stream=None) -> tuple[ModuleType,
 
 
 def reference_on_torch(op: str, views: Sequence[ArrayView]):
-    """The reference module, for ops whose CUDA kernel has not landed yet: it runs on torch
-    tensors wherever they live; other array libraries get a clear error."""
+    """The reference module, for arguments no CUDA kernel covers: it runs on torch tensors
+    wherever they live; other array libraries get a clear error."""
     if any(v.library != "torch" for v in views):
         raise NotImplementedError(
-            f"{op} has no CUDA kernel yet; pass torch tensors to run pagedkern.reference.{op}"
+            f"{op} has no CUDA kernel for these arguments; pass torch tensors to run "
+            f"pagedkern.reference.{op}"
         )
     from .. import reference
 
