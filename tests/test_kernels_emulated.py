@@ -10,10 +10,11 @@ import math
 
 import pytest
 import torch
-from emulator import emulated, unavailable_reason
+from emulator import emulated, launches, unavailable_reason
 
 import pagedkern
 from pagedkern import reference
+from pagedkern.ops.support import KernelUnsupportedError
 from pagedkern.reference import cos_sin_cache
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -187,3 +188,83 @@ def test_sample_signed_zeros_are_one_tie():
     with emulated():
         ids = pagedkern.sample(row.expand(300, -1), 1.0, 1.0, 2, seeds, 0)
     assert ids.tolist() == ref.tolist()
+
+
+def test_emulated_fails_when_no_kernel_ran():
+    # A test whose op never reached the kernel would otherwise compare the reference with itself.
+    with pytest.raises(AssertionError, match="no kernel ran inside emulated"), emulated():
+        pass
+    before = launches()
+    with emulated():
+        pagedkern.silu_and_mul(torch.randn(2, 16))
+    assert launches() == before + 1
+
+
+@pytest.mark.parametrize(
+    "dtype, d, block_size, reason",
+    [(torch.float32, 64, 16, "dtype float32"), (torch.float16, 96, 16, "head_dim 96"),
+     (torch.bfloat16, 64, 24, "block_size 24")],
+)  # fmt: skip
+def test_emulated_cases_outside_kernel_support_raise_instead_of_running_the_reference(
+    dtype, d, block_size, reason
+):
+    k_cache, v_cache, tables = _paged([5, 30], 2, block_size, d, dtype, torch.Generator())
+    q = torch.randn(2, 4, d).to(dtype)
+    lens = torch.tensor([5, 30], dtype=torch.int32)
+    before = launches()
+    with (
+        pytest.raises(KernelUnsupportedError, match=f"paged_attention: .*{reason}"),
+        emulated(expect_launch=False),
+    ):
+        pagedkern.paged_attention(q, k_cache, v_cache, tables, lens)
+    assert launches() == before
+
+
+def _attention_case(block_size=16, seq_lens=(40, 9)):
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache, tables = _paged(list(seq_lens), 2, block_size, 64, torch.float16, g)
+    q = torch.randn(len(seq_lens), 4, 64, generator=g).half()
+    return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("bad", ["minus_one", "past_the_cache", "seq_len_past_the_table"])
+def test_paged_attention_traps_bad_indices_in_debug_mode(bad):
+    q, k_cache, v_cache, tables, lens = _attention_case()
+    if bad == "minus_one":
+        tables[0, 1] = -1
+    elif bad == "past_the_cache":
+        tables[1, 0] = k_cache.shape[0]
+    else:
+        lens[0] = tables.shape[1] * 16 + 1
+    with pytest.raises(RuntimeError, match="__trap"), emulated():
+        pagedkern.paged_attention(q, k_cache, v_cache, tables, lens, num_splits=1)
+
+
+def test_index_checks_cost_nothing_but_a_flag_when_off(monkeypatch):
+    # Same kernels, check_indices=False in the params: the valid case still runs and matches.
+    monkeypatch.setenv("PAGEDKERN_CHECK_INDICES", "0")
+    q, k_cache, v_cache, tables, lens = _attention_case()
+    with emulated():
+        out = pagedkern.paged_attention(q, k_cache, v_cache, tables, lens)
+    ref = reference.paged_attention(q.double(), k_cache.double(), v_cache.double(), tables, lens)
+    assert float((out.double() - ref).norm() / ref.norm()) <= 2e-3
+
+
+@pytest.mark.parametrize(
+    "field, value", [("slot", 64), ("slot", -2), ("position", -1), ("position", 4096)]
+)
+def test_rope_and_cache_traps_bad_indices_in_debug_mode(field, value):
+    tokens, d = 5, 64
+    q, k = torch.randn(tokens, 4, d).half(), torch.randn(tokens, 2, d).half()
+    v = torch.randn(tokens, 2, d).half()
+    positions = torch.arange(tokens, dtype=torch.int32)
+    slots = torch.arange(tokens, dtype=torch.int32)
+    k_cache = torch.zeros(4, 2, 16, d).half()
+    if field == "slot":
+        slots[3] = value  # 4 blocks x 16 = 64 slots: 64 is one past the end; -1 alone skips
+    else:
+        positions[3] = value
+    with pytest.raises(RuntimeError, match="__trap"), emulated():
+        pagedkern.rope_and_cache(
+            q, k, v, positions, cos_sin_cache(d, 4096), k_cache, k_cache.clone(), slots
+        )

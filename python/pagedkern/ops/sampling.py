@@ -3,6 +3,7 @@ reference."""
 
 from __future__ import annotations
 
+from . import support
 from .arrays import (
     DTYPE_CODES,
     FLOAT_DTYPES,
@@ -15,7 +16,7 @@ from .arrays import (
     full_like,
     view,
 )
-from .launch import launch_context, reference_on_torch, use_reference
+from .launch import kernel_or_reference, launch_context, reference_on_torch
 
 _PARAMS = (
     ("temperature", "float32"),
@@ -24,7 +25,6 @@ _PARAMS = (
     ("seeds", "int64"),
     ("offsets", "int64"),
 )
-MAX_KERNEL_VOCAB = (1 << 23) - 1  # fixed-point masses: 2^23 tokens x 2^40 stay below 2^63
 _INT32 = (-(2**31), 2**31 - 1)
 
 
@@ -61,7 +61,7 @@ def sample(logits, temperature, top_p, top_k, seeds, offsets=0, out=None, *, str
         check_contiguous(ov)
         views.append(ov)
     common_device(views)
-    if use_reference(views) or vocab > MAX_KERNEL_VOCAB:
+    if not kernel_or_reference("sample", views, support.sample(lv.dtype, vocab)):
         reference = reference_on_torch("sample", views)
         return reference.sample(logits, temperature, top_p, top_k, seeds, offsets, out)
     if rows == 0:
@@ -76,18 +76,18 @@ def sample(logits, temperature, top_p, top_k, seeds, offsets=0, out=None, *, str
         out = empty_like(lv, (rows,), "int32")
         ov = view(out, "out")
     module.sample(
-        ov.ptr,
-        lv.ptr,
-        arrays["temperature"].ptr,
-        arrays["top_p"].ptr,
-        arrays["top_k"].ptr,
-        arrays["seeds"].ptr,
-        arrays["offsets"].ptr,
-        rows,
-        vocab,
-        lv.strides[0],
-        DTYPE_CODES[lv.dtype],
-        device,
-        handle,
+        out=ov.ptr,
+        logits=lv.ptr,
+        temperature=arrays["temperature"].ptr,
+        top_p=arrays["top_p"].ptr,
+        top_k=arrays["top_k"].ptr,
+        seeds=arrays["seeds"].ptr,
+        offsets=arrays["offsets"].ptr,
+        rows=rows,
+        vocab=vocab,
+        logits_stride=lv.strides[0],
+        dtype=DTYPE_CODES[lv.dtype],
+        device=device,
+        stream=handle,
     )
     return out
