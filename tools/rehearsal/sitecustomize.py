@@ -35,4 +35,17 @@ def install() -> BlockedImports | None:
     return finder
 
 
+def chain() -> None:
+    """Runs the sitecustomize this one shadows, if any (an image may rely on its own)."""
+    import runpy
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        candidate = os.path.join(os.path.abspath(entry or "."), "sitecustomize.py")
+        if os.path.dirname(candidate) != here and os.path.isfile(candidate):
+            runpy.run_path(candidate, run_name="sitecustomize")
+            return
+
+
 install()
+chain()
