@@ -82,7 +82,8 @@ class L2Flush:
     the timed kernel; after a read, the lines are clean and leave for free."""
 
     def __init__(self) -> None:
-        l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        l2 = getattr(props, "L2_cache_size", 0) or 128 << 20  # (older torch: assume 128 MiB)
         self.buffer = torch.ones(max(2 * l2, 1 << 20) // 4, dtype=torch.float32, device="cuda")
 
     def __call__(self) -> None:

@@ -160,3 +160,37 @@ def test_ci_runs_exactly_the_readme_commands():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for line in _readme_block("Set up") + _readme_block("Test"):
         assert line in ci, f"README command not in .ci/run: {line}"
+
+
+def test_each_timed_call_follows_an_l2_flush(bench_path, monkeypatch):
+    """time_cuda's order of work on the stream, with CUDA events and the flush replaced by
+    recorders: flush, start event, the call, end event, for every call; median per call."""
+    import measure
+
+    log: list[str] = []
+    clock = iter(range(1000))
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+            self.t = None
+
+        def record(self) -> None:
+            self.t = next(clock)
+            log.append("event")
+
+        def synchronize(self) -> None:
+            log.append("sync")
+
+        def elapsed_time(self, end) -> float:  # ms: the starts are recorded at t = 0, 2, 4
+            assert end.t == self.t + 1
+            return float(self.t + 1)
+
+    monkeypatch.setattr(measure.torch.cuda, "Event", Event)
+    monkeypatch.setattr(measure, "flush_l2", lambda: log.append("flush"))
+    seconds = measure.time_cuda(lambda: log.append("fn"), inner=3)
+    assert log == ["flush", "event", "fn", "event"] * 3 + ["sync"]
+    assert seconds == pytest.approx(3e-3)  # per-call 1, 3, 5 ms (start t = 0, 2, 4): median 3
+    log.clear()
+    measure.time_cuda(lambda: log.append("fn"), inner=3, flush=False)
+    assert log == ["event", "fn", "fn", "fn", "event", "sync"]
