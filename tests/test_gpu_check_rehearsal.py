@@ -159,3 +159,27 @@ def test_a_hanging_stage_is_killed_at_its_budget_and_the_run_goes_on(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "| hang | test | FAILED (exit 124) |" in summary
     assert "test_hangs.py" in (out / "run.log").read_text()
+
+
+def test_a_hung_test_is_ended_by_pytest_timeout_with_its_stack(tmp_path):
+    """Where pytest-timeout is installed (the GPU image has it), the script passes it the plan's
+    per-test bound with the thread method, which also ends a test stuck outside Python."""
+    pytest.importorskip("pytest_timeout")
+    (tmp_path / "test_hangs.py").write_text(
+        "import threading\n\ndef test_hangs():\n    threading.Event().wait()\n"
+    )
+    stages = tmp_path / "stages.txt"
+    stages.write_text(f"hang test 60 2 {tmp_path}/test_hangs.py\n")
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", str(out)],
+        capture_output=True,
+        text=True,
+        env=gpu_image_env(PAGEDKERN_GPU_STAGES=str(stages)),
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    row = (out / "stages.tsv").read_text().split("\t")
+    assert row[0] == "hang" and row[2] == "1" and int(row[3]) < 60  # pytest-timeout, not timeout
+    log = (out / "run.log").read_text()
+    assert "Timeout" in log and "test_hangs.py" in log and "threading.Event().wait()" in log
