@@ -214,7 +214,7 @@ def build_parser() -> Parser:
     h = p.add_argument_group("http (--http; defaults from ServerSettings)")
     h.add_argument("--http", action="store_true", help="serve the OpenAI-compatible HTTP API (off)")
     h.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    h.add_argument("--port", type=port, default=8000, help="port, 0: any free one (8000)")
+    h.add_argument("--port", type=port, default=8000, help="port, 0: any free one (default: 8000)")
     h.add_argument(
         "--served-model-name",
         help=_field_help(

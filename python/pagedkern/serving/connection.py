@@ -6,8 +6,9 @@ request id, the API key.
   keep-alive timer restarts on every byte). The head's size is bounded by uvicorn's
   `h11_max_incomplete_event_size`, the number of connections by `limit_concurrency`.
 - `read_body`: the request body, at most `max_bytes` (413) within `timeout` seconds (408).
-- `RequestContext`: an ASGI middleware that reads `X-Request-Id` (or makes one), echoes it on
-  the response and checks `Authorization: Bearer <api key>` on the /v1 routes (401).
+- `RequestContext`: an ASGI middleware that bounds the head's size (431), reads `X-Request-Id`
+  (or makes one), echoes it on the response and checks `Authorization: Bearer <api key>` on the
+  /v1 routes (401).
 """
 
 from __future__ import annotations
@@ -108,13 +109,19 @@ def _too_large(max_bytes: int) -> APIError:
 class RequestContext:
     """X-Request-Id in and out (scope["state"]["request_id"]), and the API key on /v1."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None = None):
+    def __init__(self, app: ASGIApp, api_key: str | None = None, max_header_bytes: int = 65536):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        head_bytes = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        head_bytes += sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head_bytes > self.max_header_bytes:  # h11 bounds only a head that arrives in parts
+            error = APIError(431, f"the request head is larger than {self.max_header_bytes} bytes")
+            return await _send_error(send, error, None)
         headers = dict(scope["headers"])
         given = headers.get(b"x-request-id", b"").decode("latin-1")
         if given and not _REQUEST_ID.fullmatch(given):

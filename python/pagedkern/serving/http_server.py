@@ -96,7 +96,9 @@ def create_app(
     app = FastAPI(title="pagedkern", lifespan=lifespan, default_response_class=ASCIIJSONResponse)
     app.state.engine_loop = loop
     app.state.model_name = model_name
-    app.add_middleware(RequestContext, api_key=settings.api_key)
+    app.add_middleware(
+        RequestContext, api_key=settings.api_key, max_header_bytes=settings.max_header_bytes
+    )
     if settings.allowed_origins:  # outermost: preflight requests never need the API key
         app.add_middleware(
             CORSMiddleware,
@@ -268,7 +270,8 @@ class _Server(uvicorn.Server):
             http=protocol_class(settings.header_timeout),
             timeout_keep_alive=settings.keep_alive_timeout,
             h11_max_incomplete_event_size=settings.max_header_bytes,
-            limit_concurrency=settings.max_connections,
+            # uvicorn refuses a request once connections (its own included) reach the limit
+            limit_concurrency=settings.max_connections + 1,
         )
         super().__init__(config)
         self.engine_loop: EngineLoop = app.state.engine_loop
