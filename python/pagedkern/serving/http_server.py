@@ -146,6 +146,11 @@ def create_app(
         param = "messages" if "messages" in args else "prompt"
         try:
             args = await asyncio.to_thread(prepare, args)  # template + tokens, off the engine
+        except Exception as exc:  # noqa: BLE001 - every refusal gets its status
+            error = admission_error(exc, param, rid)
+            loop.metrics.request_rejected(error.code or "invalid")
+            raise error from exc
+        try:
             stream = await loop.submit(rid, args, params)
         except Exception as exc:  # noqa: BLE001 - every admission failure gets its status
             raise admission_error(exc, param, rid) from exc
