@@ -32,7 +32,8 @@ EDGE_INTS = [
     2**64,
     10**30,
 ]
-ints = st.one_of(st.sampled_from(EDGE_INTS), st.integers(), st.integers(-3, 600))
+edge = st.sampled_from(EDGE_INTS)  # the limits of int32 / int64 and past them
+ints = st.one_of(edge, st.integers(), st.integers(-3, 600))
 floats = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False),
     st.sampled_from([0.0, 1e-300, 2.0, 2.0000001, 1e308, -0.0]),
@@ -61,14 +62,14 @@ message = st.fixed_dictionaries(
     }
 )
 OPTIONAL = {
-    "max_tokens": st.integers(1, 4),
+    "max_tokens": st.one_of(st.integers(1, 4), edge),
     "max_completion_tokens": st.integers(1, 4),
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0, 1, exclude_min=True),
-    "top_k": st.integers(-1, 50),
-    "seed": st.integers(0, 2**63 - 1),
+    "top_k": st.one_of(st.integers(-1, 50), edge),
+    "seed": st.one_of(st.integers(0, 2**63 - 1), edge),
     "stop": st.one_of(plain, st.lists(plain, max_size=4)),
-    "stop_token_ids": st.lists(st.integers(0, 600), max_size=4),
+    "stop_token_ids": st.lists(st.one_of(st.integers(0, 600), edge), max_size=4),
     "ignore_eos": st.booleans(),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
@@ -108,7 +109,7 @@ completion_bodies = bodies(
         "prompt": st.one_of(
             plain,
             st.lists(plain, min_size=1, max_size=1),
-            st.lists(st.integers(0, 511), min_size=1, max_size=6),
+            st.lists(st.one_of(st.integers(0, 520), edge), min_size=1, max_size=6),
             st.lists(st.lists(st.integers(0, 511), min_size=1, max_size=4), max_size=1),
         ),
     }
