@@ -32,8 +32,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     cuda_graphs: bool | None = None  # None: on for the CUDA kernels on a GPU
     seed: int = 0  # synthetic weights
+    # Weight-only quantization: "none" / "int8" / "int4"; None: the model's measured default.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "none", "int8", "int4"):
+            raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
         if self.backend not in ("auto", "cuda", "reference"):
             raise ValueError(f"backend must be auto, cuda or reference, got {self.backend!r}")
         if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):

@@ -97,7 +97,12 @@ class Engine:
         ops.set_backend(config.backend)
         device = torch.device(config.device) if config.device else pick_device(config.backend)
         model, tokenizer = load_model(
-            config.model, device, config.dtype, seed=config.seed, max_positions=config.max_model_len
+            config.model,
+            device,
+            config.dtype,
+            seed=config.seed,
+            max_positions=config.max_model_len,
+            quantization=config.quantization,
         )
         return cls(model, tokenizer, config, tracer)
 

@@ -16,8 +16,9 @@ from .. import ops
 from .attention_metadata import AttentionMetadata
 from .config import ModelConfig
 from .kv_cache import KVCache, allocate_kv_cache
+from .quantized_linear import QuantizedWeight
 from .rope import rope_table
-from .weights import LayerWeights, LlamaWeights
+from .weights import LayerWeights, Linear, LlamaWeights
 
 _mm_out_dtype_works: bool | None = None  # torch.mm(..., out_dtype=) on CUDA, probed once
 
@@ -36,6 +37,13 @@ def _mm_fp32_out(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def linear(x: torch.Tensor, weight: Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias: ops.quant_linear for quantized weights, else torch's GEMM."""
+    if isinstance(weight, QuantizedWeight):
+        return ops.quant_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class LlamaModel:
     """A loaded model: config, weights (device, dtype) and its RoPE table.
 
@@ -47,8 +55,9 @@ class LlamaModel:
     ):
         self.config = config
         self.weights = weights
-        self.device = weights.embed.device
-        self.dtype = weights.embed.dtype
+        self.device = weights.norm.device
+        self.dtype = weights.norm.dtype  # activations; linear weights may be quantized
+        self.quantization = weights.quantization
         self.max_positions = max_positions or config.max_position_embeddings
         # [max_positions, D] fp32 cos|sin, frequencies already scaled (Llama 3, GGUF factors).
         self.cos_sin = rope_table(
@@ -79,6 +88,8 @@ class LlamaModel:
         precision models get an fp32-output GEMM where torch has one (CUDA), else a GEMM
         against an fp32 copy of the LM head (V*H*4 bytes, made on first use)."""
         head = self.weights.lm_head
+        if isinstance(head, QuantizedWeight):  # bf16 logits: measured, see README
+            return ops.quant_linear(hidden, head).float()
         if hidden.dtype == torch.float32:
             return F.linear(hidden, head)
         logits = _mm_fp32_out(hidden, head)
@@ -98,7 +109,10 @@ class LlamaModel:
         if kv_cache.num_layers != cfg.num_layers:
             raise ValueError(f"KV cache has {kv_cache.num_layers} layers, model {cfg.num_layers}")
         tokens = input_ids.shape[0]
-        h = F.embedding(input_ids, w.embed)
+        if isinstance(w.embed, QuantizedWeight):  # tied to a quantized head: dequantize rows
+            h = w.embed.dequantize_rows(input_ids, self.dtype)
+        else:
+            h = F.embedding(input_ids, w.embed)
         residual: torch.Tensor | None = None
         attn = torch.empty(
             tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device
@@ -110,10 +124,10 @@ class LlamaModel:
             else:
                 h, residual = ops.fused_add_rms_norm(h, residual, layer.input_norm, eps)
             self._attention(h, layer, meta, k_cache, v_cache, attn)
-            h = F.linear(attn.view(tokens, cfg.q_size), layer.o, layer.o_bias)
+            h = linear(attn.view(tokens, cfg.q_size), layer.o, layer.o_bias)
             h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
-            gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)
-            h = F.linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
+            h = linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
         h, _ = ops.fused_add_rms_norm(h, residual, w.norm, eps)
         return h
 
@@ -128,7 +142,7 @@ class LlamaModel:
     ) -> None:
         cfg = self.config
         tokens = h.shape[0]
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        qkv = linear(h, layer.qkv, layer.qkv_bias)
         # Head views into the fused output (token stride qkv_size): no copies.
         q = qkv[:, : cfg.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(tokens, cfg.num_kv_heads, -1)

@@ -7,6 +7,7 @@ from .flash_prefill import flash_prefill
 from .launch import get_backend, set_backend, use_backend
 from .norm import fused_add_rms_norm, rms_norm
 from .paged_attention import paged_attention
+from .quant_gemm import quant_linear
 from .rope import rope_and_cache
 from .sampling import sample
 
@@ -15,6 +16,7 @@ __all__ = [
     "fused_add_rms_norm",
     "get_backend",
     "paged_attention",
+    "quant_linear",
     "rms_norm",
     "rope_and_cache",
     "sample",
