@@ -34,10 +34,13 @@ class EngineConfig:
     seed: int = 0  # synthetic weights
     # Weight-only quantization: "none" / "int8" / "int4"; None: the model's measured default.
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto": the activation dtype; "fp8": E4M3, per-layer scales
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "none", "int8", "int4"):
             raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.backend not in ("auto", "cuda", "reference"):
             raise ValueError(f"backend must be auto, cuda or reference, got {self.backend!r}")
         if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):

@@ -103,8 +103,14 @@ class Engine:
             seed=config.seed,
             max_positions=config.max_model_len,
             quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         return cls(model, tokenizer, config, tracer)
+
+    def describe(self) -> str:
+        """The model line of --trace / --stats, with the KV cache's size."""
+        kv = self.kv_cache.data
+        return f"{self.model.describe()}, {kv.numel() * kv.element_size() / 2**20:.0f} MiB KV"
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(

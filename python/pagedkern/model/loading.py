@@ -66,6 +66,7 @@ def load_model(
     use_cache: bool = True,
     quantization: str | None = None,
     group_size: int = DEFAULT_INT4_GROUP,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[LlamaModel, Tokenizer]:
     """Load a model and its tokenizer.
 
@@ -79,7 +80,8 @@ def load_model(
     None: what measured best (bench/test_bench_quant.py): on the CPU a GGUF file whose layers
     are Q4_0/Q4_1/Q4_K (the default model) stays 'int4' (gguf_default_quantization); all
     else, and everything on CUDA (quant_gemm.cu not yet verified on a GPU), 'none'.
-    Float weights are quantized at load.
+    Float weights are quantized at load. kv_cache_dtype: "auto" (the activation dtype) or
+    "fp8" (E4M3 with per-layer scales, attention on the reference ops).
     Raises ModelLoadError (naming the file and the problem) for anything unloadable.
     """
     device = torch.device(device)
@@ -102,7 +104,8 @@ def load_model(
         weights = synthetic_weights(config, device, dtype, seed)
         if quantization not in (None, "none"):
             weights = quantize_weights(weights, quantization, group_size)
-        return LlamaModel(config, weights, max_positions), synthetic_tokenizer(config.vocab_size)
+        model = LlamaModel(config, weights, max_positions, kv_cache_dtype)
+        return model, synthetic_tokenizer(config.vocab_size)
 
     path = default_model_path() if spec is None else Path(spec)
     if path.is_dir():
@@ -121,4 +124,4 @@ def load_model(
         )
     else:
         raise ModelLoadError(path, "no such file or folder")
-    return LlamaModel(config, weights, max_positions), tokenizer
+    return LlamaModel(config, weights, max_positions, kv_cache_dtype), tokenizer

@@ -58,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-blocks", type=int)
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size on the CPU")
     g.add_argument("--no-prefix-caching", action="store_true")
+    # Quantization (issue 14): weight-only int8/int4, fp8 KV cache, fixed-length runs.
+    g.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4"),
+        help="weights (default: the model's measured best)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="fp8: E4M3 K/V"
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens, past EOS")
     h = p.add_argument_group("http (--http)")
     h.add_argument("--http", action="store_true", help="serve the OpenAI-compatible HTTP API")
     h.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -76,6 +86,7 @@ def _params(args, overrides: dict | None = None) -> SamplingParams:
         top_k=args.top_k,
         seed=args.seed,
         stop=list(args.stop),
+        ignore_eos=args.ignore_eos,
     )
     fields.update(overrides or {})
     return SamplingParams(**fields)
@@ -146,11 +157,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     try:
         engine = Engine.from_config(config)
     except Exception as exc:  # noqa: BLE001 - unknown model, no GPU for --backend cuda, ...
         parser.exit(2, f"pagedkern-serve: error: {exc}\n")
+    if args.trace or args.stats:
+        print(f"pagedkern: {engine.describe()}", file=sys.stderr)
     if args.trace:
         from .trace import TraceWriter
 
