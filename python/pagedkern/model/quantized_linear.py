@@ -126,8 +126,15 @@ def permute_rows(qw: QuantizedWeight, permute) -> QuantizedWeight:
     )
 
 
+K_MULTIPLE = 32  # in-features of every quantized weight (torch's int8 CPU kernel needs 16)
+
+
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
     """Symmetric per-output-channel int8 (scale = max|w| / 127), computed in fp32."""
+    if w.dim() != 2 or w.shape[1] % K_MULTIPLE:
+        raise ValueError(
+            f"int8 weights must be [N, K] with K % {K_MULTIPLE} == 0, got {tuple(w.shape)}"
+        )
     w = w.float()
     scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)

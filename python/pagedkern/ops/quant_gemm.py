@@ -10,6 +10,7 @@ pagedkern.reference.quant_gemm."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..model.quantized_linear import QuantizedWeight
 
@@ -36,12 +37,13 @@ def _cpu_packed(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
             if weight.qweight.data_ptr() % 64:  # the int8 kernel crashes on unaligned weights
                 weight.qweight = weight.qweight.clone()  # (e.g. views into a safetensors file)
             packed = (weight.qweight, weight.scales.to(torch.bfloat16))
-        else:
-            q = weight.unpacked_int4().to(torch.int32)
+        else:  # the packing wants N % 16 == 0: pad with zero rows, sliced off the output
+            pad = -weight.shape[0] % 16
+            q = F.pad(weight.unpacked_int4().to(torch.int32), (0, 0, 0, pad))
             w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
             zeros = weight.mins.float() + 8 * weight.scales.float()  # w = (q - 8) * s + zero
-            sz = torch.stack([weight.scales.float(), zeros], dim=-1)  # [N, K/G, 2]
-            packed = (w, sz.transpose(0, 1).contiguous().to(torch.bfloat16))
+            sz = F.pad(torch.stack([weight.scales.float(), zeros], dim=-1), (0, 0, 0, 0, 0, pad))
+            packed = (w, sz.transpose(0, 1).contiguous().to(torch.bfloat16))  # [K/G, N, 2]
         weight.packed["cpu"] = packed
     return packed
 
@@ -51,6 +53,8 @@ def quant_linear(
 ) -> torch.Tensor:
     """x [M, K] float -> [M, N] in x.dtype (accumulation in fp32 or wider)."""
     _check(x, weight, bias)
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[0])
     if x.device.type == "cpu":
         w, scales = _cpu_packed(weight)
         xb = x.to(torch.bfloat16).contiguous()
@@ -58,6 +62,7 @@ def quant_linear(
             out = torch.ops.aten._weight_int8pack_mm(xb, w, scales)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, weight.group_size, scales)
+            out = out[:, : weight.shape[0]]
     else:
         out = _cuda(x, weight)
     out = out.to(x.dtype)
