@@ -3,9 +3,10 @@
 Dispatch after validation: CPU tensors -> torch's maintained int-pack kernels
 (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu), which want bf16 activations and
 bf16 scales, so x is rounded to bf16 around the GEMM and the result returned in x's dtype;
-CUDA tensors -> csrc/quant_gemm.cu for decode-shaped M, else (and with the 'reference' backend)
-a bf16 dequantized weight and torch.matmul. The float64 ground truth is
-pagedkern.reference.quant_gemm."""
+CUDA tensors -> csrc/quant_gemm.cu for decode-shaped M (<= 64, fp16/bf16 x), else (and with the
+'reference' backend) the weight dequantized into a temporary half-precision workspace and
+torch's GEMM. The float64 ground truth is pagedkern.reference.quant_gemm. CUDA inputs must be
+torch tensors (the weight is a QuantizedWeight of torch tensors)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from ..model.quantized_linear import QuantizedWeight
+from .arrays import DTYPE_CODES, view
+from .launch import launch_context, use_reference
+
+QUANT_GEMM_MAX_M = 64  # csrc/quant_gemm.h kQuantGemmMaxM: larger M dequantizes (prefill)
 
 
 def _check(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
@@ -55,7 +60,10 @@ def quant_linear(
     _check(x, weight, bias)
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
-    if x.device.type == "cpu":
+    xv = view(x, "x")
+    if not use_reference([xv]):
+        out = _cuda(x, weight)
+    elif x.device.type == "cpu":
         w, scales = _cpu_packed(weight)
         xb = x.to(torch.bfloat16).contiguous()
         if weight.format == "int8":
@@ -64,14 +72,48 @@ def quant_linear(
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, weight.group_size, scales)
             out = out[:, : weight.shape[0]]
     else:
-        out = _cuda(x, weight)
+        out = _dequantized_matmul(x, weight)
     out = out.to(x.dtype)
     return out if bias is None else out.add_(bias)
 
 
+def _dequantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """Prefill-shaped M, fp32 x or the 'reference' backend on a GPU: the weight dequantized into
+    a temporary in x's half dtype (bf16 for fp32 x), then torch's GEMM (cuBLAS)."""
+    dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+    return x.to(dtype) @ weight.dequantize_rows(dtype=dtype).T
+
+
 def _cuda(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    dense = weight.packed.get("dense")
-    if dense is None:  # prefill-shaped fallback: a bf16 copy of the weight, made once
-        dense = weight.dequantize_rows(dtype=torch.bfloat16)
-        weight.packed["dense"] = dense
-    return x.to(torch.bfloat16) @ dense.T
+    """csrc/quant_gemm.cu for M <= 64 and half-precision x, else _dequantized_matmul."""
+    m, (n, k) = x.shape[0], weight.shape
+    if m > QUANT_GEMM_MAX_M or x.dtype not in (torch.float16, torch.bfloat16):
+        return _dequantized_matmul(x, weight)
+    x = (
+        x
+        if x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+        else x.contiguous()
+    )
+    xv = view(x, "x")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ov = view(out, "out")
+    module, device, handle = launch_context([xv, ov])
+    int4 = weight.format == "int4"
+    module.quant_gemm(
+        out=ov.ptr,
+        x=xv.ptr,
+        qweight=weight.qweight.data_ptr(),
+        scales=weight.scales.data_ptr(),
+        mins=weight.mins.data_ptr() if int4 else 0,
+        m=m,
+        n=n,
+        k=k,
+        x_stride=x.stride(0),
+        out_stride=n,
+        bits=4 if int4 else 8,
+        group_size=weight.group_size if int4 else 0,
+        dtype=DTYPE_CODES[xv.dtype],
+        device=device,
+        stream=handle,
+    )
+    return out
