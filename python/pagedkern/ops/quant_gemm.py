@@ -54,15 +54,33 @@ def _cpu_packed(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quant_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] float -> [M, N] in x.dtype (accumulation in fp32 or wider)."""
+    """x [M, K] float -> [M, N] in x.dtype (accumulation in fp32 or wider), into `out` if given
+    (contiguous [M, N], x's dtype and device)."""
     _check(x, weight, bias)
+    if out is not None:
+        shape = (x.shape[0], weight.shape[0])
+        if tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"out {tuple(out.shape)} {out.dtype} must be contiguous {shape} {x.dtype}"
+            )
+    result = _quant_linear(x, weight, bias, out)
+    if out is not None and result is not out:
+        out.copy_(result)
+        return out
+    return result
+
+
+def _quant_linear(x, weight, bias, out):
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
     xv = view(x, "x")
     if not use_reference([xv]):
-        out = _cuda(x, weight)
+        out = _cuda(x, weight, out)
     elif x.device.type == "cpu":
         w, scales = _cpu_packed(weight)
         xb = x.to(torch.bfloat16).contiguous()
@@ -84,7 +102,7 @@ def _dequantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tenso
     return x.to(dtype) @ weight.dequantize_rows(dtype=dtype).T
 
 
-def _cuda(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def _cuda(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | None) -> torch.Tensor:
     """csrc/quant_gemm.cu for M <= 64 and half-precision x, else _dequantized_matmul."""
     m, (n, k) = x.shape[0], weight.shape
     if m > QUANT_GEMM_MAX_M or x.dtype not in (torch.float16, torch.bfloat16):
@@ -95,7 +113,8 @@ def _cuda(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         else x.contiguous()
     )
     xv = view(x, "x")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ov = view(out, "out")
     module, device, handle = launch_context([xv, ov])
     int4 = weight.format == "int4"
