@@ -26,7 +26,7 @@ FULL = os.environ.get("PAGEDKERN_BENCH_SMOKE") == "0"
 if FULL and torch.cuda.is_available():
     pytest.skip("CPU benchmark; this machine has a GPU", allow_module_level=True)
 assert FULL or smoke_mode()
-MODEL, TOKENS, ROUNDS = (None, 64, 3) if FULL else ("synthetic:tiny", 4, 1)
+MODEL, TOKENS, ROUNDS = (None, 48, 2) if FULL else ("synthetic:tiny", 4, 1)
 MODES = [("none", "auto"), ("int8", "auto"), ("int4", "auto"), ("int4", "fp8"), ("none", "fp8")]
 PROMPT = [{"role": "user", "content": "Tell me about the history of Paris."}]
 
