@@ -110,3 +110,18 @@ def test_synthetic_model_quantizes_at_load(quantization):
         outs.append(model(batch, meta, kv))
     rel = (outs[0] - outs[1]).norm() / outs[0].norm()
     assert torch.isfinite(outs[1]).all() and rel < 0.02
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_hf_bf16_folder_quantizes_at_load(tmp_path, quantization):
+    from hf_model_files import all_logits, base_config, write_folder
+
+    write_folder(tmp_path, base_config(torch_dtype="bfloat16"), dtype=torch.bfloat16)
+    quant, tok = load_model(tmp_path, quantization=quantization)
+    assert isinstance(quant.weights.layers[1].down, QuantizedWeight)
+    assert quant.weights.lm_head.format == "int8"  # untied head: its own int8 weight
+    same = LlamaModel(quant.config, quantize_weights(quant.weights, "none", 32, "none"))
+    ids = tok.encode("the capital of France is Paris")
+    got, want = all_logits(quant, ids), all_logits(same, ids)
+    assert torch.isfinite(got).all()
+    assert (got - want).norm() / want.norm() < 0.02
