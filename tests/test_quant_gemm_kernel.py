@@ -10,6 +10,7 @@ import torch
 from emulator import emulated, unavailable_reason
 from kernel_check import assert_close_to, poisoned
 
+import pagedkern.ops.quant_gemm  # noqa: F401  (imported before emulated() patches the op modules)
 from pagedkern import ops
 from pagedkern.model.quantized_linear import quantize_int4, quantize_int8
 from pagedkern.reference.quant_gemm import dequantize, quant_linear

@@ -7,7 +7,6 @@ from .flash_prefill import flash_prefill
 from .launch import get_backend, set_backend, use_backend
 from .norm import fused_add_rms_norm, rms_norm
 from .paged_attention import paged_attention
-from .quant_gemm import quant_linear
 from .rope import rope_and_cache
 from .sampling import sample
 
@@ -24,3 +23,14 @@ __all__ = [
     "silu_and_mul",
     "use_backend",
 ]
+
+
+def __getattr__(name: str):
+    # quant_linear works on torch tensors (QuantizedWeight) and imports torch: loaded on first
+    # use, so `import pagedkern` stays torch-free for CuPy users.
+    if name == "quant_linear":
+        from .quant_gemm import quant_linear
+
+        globals()[name] = quant_linear
+        return quant_linear
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
