@@ -82,6 +82,7 @@ class Engine:
         graphs = config.cuda_graphs
         if graphs is None:  # on by default where kernels run on a GPU (the reference syncs)
             graphs = model.device.type == "cuda" and ops.get_backend() != "reference"
+            graphs = graphs and model.kv_cache_dtype != "fp8"  # fp8 KV runs the reference ops
         self.runner = ModelRunner(
             model, self.kv_cache, config.max_num_seqs, self.max_model_len, cuda_graphs=graphs
         )

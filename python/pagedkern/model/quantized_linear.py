@@ -82,7 +82,8 @@ class QuantizedWeight:
         return w.reshape(-1, k).to(dtype)
 
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
-        meta = torch.tensor([1 if self.format == "int8" else 4, self.group_size, *self.shape])
+        bits = 8 if self.format == "int8" else 4  # qmeta: bits, group size, N, K
+        meta = torch.tensor([bits, self.group_size, *self.shape])
         out = {f"{prefix}.qweight": self.qweight, f"{prefix}.scales": self.scales}
         out[f"{prefix}.qmeta"] = meta
         if self.mins is not None:
@@ -95,16 +96,16 @@ class QuantizedWeight:
         if meta is None:
             return None
         bits, group, n, k = (int(x) for x in meta.tolist())
-        fmt = "int8" if bits == 1 else "int4"
-        return cls(fmt, (n, k), sd[f"{prefix}.qweight"], sd[f"{prefix}.scales"],
-                   sd.get(f"{prefix}.mins"), group)  # fmt: skip
+        fmt = {8: "int8", 4: "int4"}[bits]
+        parts = (sd[f"{prefix}.qweight"], sd[f"{prefix}.scales"], sd.get(f"{prefix}.mins"))
+        return cls(fmt, (n, k), *parts, group)
 
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Fuse weights along the output dimension (QKV, gate/up): same format, K and group."""
     first = parts[0]
-    if any((p.format, p.shape[1], p.group_size) != (first.format, first.shape[1], first.group_size)
-           for p in parts):  # fmt: skip
+    kind = (first.format, first.shape[1], first.group_size)
+    if any((p.format, p.shape[1], p.group_size) != kind for p in parts):
         raise ValueError("fused weights must share format, in-features and group size")
     mins = None if first.mins is None else torch.cat([p.mins for p in parts])
     rows = sum(p.shape[0] for p in parts)

@@ -22,7 +22,7 @@ from .tokenizer import Tokenizer
 from .weights import LlamaWeights
 
 # Bump when the cached layout or the conversion changes, so stale entries are never read.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: quantized entries (int8/int4 parts with .qmeta)
 _WEIGHTS, _CONFIG, _DONE = "weights.safetensors", "pagedkern_config.json", "complete"
 
 
