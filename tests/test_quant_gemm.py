@@ -131,3 +131,15 @@ def _q4k_blocks(rng, n: int, k: int) -> np.ndarray:
     d = rng.uniform(1e-3, 1e-2, size=(blocks.shape[0], 2)).astype(np.float16)
     blocks[:, :4] = d.view(np.uint8)
     return blocks.reshape(n, -1)
+
+
+def test_int8_weight_not_64_byte_aligned_is_realigned():
+    """torch's int8 CPU kernel reads out of bounds (segfaults at M > 1) on weights that do not
+    start on a 64-byte boundary, e.g. tensors inside a loaded safetensors file."""
+    _, qw = make("int8", 0, 960, 576, 7)
+    buffer = torch.empty(qw.qweight.numel() + 40, dtype=torch.int8)
+    shifted = buffer[40:].view(qw.qweight.shape).copy_(qw.qweight)
+    assert shifted.data_ptr() % 64
+    moved = QuantizedWeight("int8", qw.shape, shifted, qw.scales)
+    x = torch.randn(7, 576)
+    assert torch.equal(ops.quant_linear(x, moved), ops.quant_linear(x, qw))
