@@ -20,6 +20,7 @@
 #include "rope_and_cache.h"
 #include "sampling.h"
 #include "flash_prefill.h"
+#include "quant_gemm.h"
 
 namespace py = pybind11;
 using pagedkern::DeviceGuard;
@@ -322,4 +323,33 @@ PYBIND11_MODULE(_C, m) {
       },
       py::kw_only(), py::arg("device"), py::arg("head_dim"), py::arg("block_size"),
       py::arg("path"));
+  // --- quant_gemm (issue 14): weight-only int4/int8 GEMM for M <= quant_gemm_max_m ---------
+  m.attr("quant_gemm_max_m") = pagedkern::kQuantGemmMaxM;
+  m.def(
+      "quant_gemm",
+      [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t qweight, std::uintptr_t scales,
+         std::uintptr_t mins, int64_t m_rows, int64_t n, int64_t k, int64_t x_stride,
+         int64_t out_stride, int bits, int group_size, int dtype, int device,
+         std::uintptr_t stream) {
+        pagedkern::QuantGemmParams p;
+        p.out = as_ptr<void>(out);
+        p.x = as_ptr<const void>(x);
+        p.qweight = as_ptr<const void>(qweight);
+        p.scales = as_ptr<const void>(scales);
+        p.mins = as_ptr<const void>(mins);
+        p.m = m_rows;
+        p.n = n;
+        p.k = k;
+        p.x_stride = x_stride;
+        p.out_stride = out_stride;
+        p.bits = bits;
+        p.group_size = group_size;
+        p.dtype = static_cast<DType>(dtype);
+        DeviceGuard guard(device);
+        pagedkern::quant_gemm(p, as_stream(stream));
+      },
+      py::kw_only(), py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"),
+      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("out_stride"),
+      py::arg("bits"), py::arg("group_size"), py::arg("dtype"), py::arg("device"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 }

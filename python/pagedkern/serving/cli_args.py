@@ -23,7 +23,14 @@ INT64 = 2**63 - 1
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # The CLI's sampling defaults for a prompt given on the command line or stdin (greedy, like a
 # calculator). With --http only the flags given explicitly become the server's defaults.
-SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+SAMPLING_DEFAULTS = {
+    "max_tokens": 256,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "seed": None,
+    "ignore_eos": False,
+}
 
 
 class Parser(argparse.ArgumentParser):
@@ -134,6 +141,12 @@ def build_parser() -> Parser:
     s.add_argument(
         "--stop", action="append", default=[], help="stop string, repeatable (default: none)"
     )
+    s.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        default=None,
+        help="generate exactly --max-tokens tokens, past EOS (fixed-length runs; default: off)",
+    )
 
     e = p.add_argument_group("engine (defaults from EngineConfig)")
     e.add_argument(
@@ -155,6 +168,18 @@ def build_parser() -> Parser:
             "backend",
             "auto: the CUDA kernels when a GPU is usable, else the PyTorch reference ops",
         ),
+    )
+    e.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4"),
+        default=_default(EngineConfig, "quantization"),
+        help=_field_help(EngineConfig, "quantization", "weight-only quantization"),
+    )
+    e.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default=_default(EngineConfig, "kv_cache_dtype"),
+        help=_field_help(EngineConfig, "kv_cache_dtype", "KV cache dtype"),
     )
     e.add_argument(
         "--device",
@@ -281,6 +306,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         max_queue=args.max_queue,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         cuda_graphs=False if args.enforce_eager else _default(EngineConfig, "cuda_graphs"),
     )
 
