@@ -74,8 +74,10 @@ PYBIND11_MODULE(_C, m) {
       "rms_norm",
       [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t residual, std::uintptr_t weight,
          int64_t rows, int64_t hidden, int64_t out_stride, int64_t x_stride,
-         int64_t residual_stride, double eps, int dtype, int device, std::uintptr_t stream) {
+         int64_t residual_stride, double eps, int dtype, int device, std::uintptr_t stream,
+         int variant) {
         pagedkern::RmsNormParams p;
+        p.variant = variant;
         p.out = as_ptr<void>(out);
         p.x = as_ptr<const void>(x);
         p.residual = as_ptr<void>(residual);
@@ -158,8 +160,9 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t cos_sin, std::uintptr_t k_cache, std::uintptr_t v_cache,
          std::uintptr_t slot_mapping, int64_t q_stride, int64_t k_stride, int64_t v_stride,
          int64_t tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, int dtype,
-         int device, std::uintptr_t stream) {
+         int device, std::uintptr_t stream, int variant) {
         pagedkern::RopeAndCacheParams p;
+        p.variant = variant;
         p.q = as_ptr<void>(q);
         p.k = as_ptr<void>(k);
         p.v = as_ptr<const void>(v);
@@ -213,8 +216,9 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t seq_lens, std::uintptr_t workspace, int64_t q_stride, int64_t out_stride,
          int64_t block_table_stride, int64_t num_blocks, int total_q, int batch, int num_heads,
          int num_kv_heads, int head_dim, int block_size, double scale, int dtype, int path,
-         bool strict, int device, std::uintptr_t stream) {
+         bool strict, int device, std::uintptr_t stream, int variant) {
         pagedkern::FlashPrefillParams p;
+        p.variant = variant;
         p.out = as_ptr<void>(out);
         p.lse = as_ptr<float>(lse);
         p.q = as_ptr<const void>(q);

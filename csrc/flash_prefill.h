@@ -36,7 +36,14 @@ struct FlashPrefillParams {
   int block_size = 0;
   float scale = 0.f;  // softmax scale (the Python layer defaults it to head_dim^-0.5)
   DType dtype = DType::kBFloat16;
+  int variant = 0;  // kFlashVariantV2 or kFlashVariantV1 (kernel schedule, both paths)
 };
+
+// Kernel schedules, kept selectable until a GPU run has verified v2 (PAGEDKERN_FLASH_VARIANT).
+// v2 (default): page ids fetched a tile ahead (both paths), P double-buffered (path 2).
+// v1: the first schedule (table lookups on the copy path, one P buffer).
+constexpr int kFlashVariantV2 = 0;
+constexpr int kFlashVariantV1 = 1;
 
 // Path 1: mma.sync + cp.async (sm_80 and newer). Path 2: wgmma + TMA, warp specialised (sm_90).
 enum class FlashPrefillPath : int { kAuto = 0, kSm80 = 1, kSm90 = 2 };

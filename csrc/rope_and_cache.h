@@ -31,6 +31,7 @@ struct RopeAndCacheParams {
   int head_dim = 0;  // even
   int block_size = 16;
   DType dtype = DType::kBFloat16;
+  int variant = 0;  // 0: v2 (4 heads per thread), 1: v1 (PAGEDKERN_ROPE_VARIANT)
 };
 void rope_and_cache(const RopeAndCacheParams& p, cudaStream_t stream);
 

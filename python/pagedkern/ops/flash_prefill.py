@@ -23,7 +23,7 @@ from .arrays import (
     common_device,
     view,
 )
-from .launch import launch_context, reference_on_torch, use_reference
+from .launch import kernel_variant, launch_context, reference_on_torch, use_reference
 from .paged_kv import (
     attention_outputs,
     check_attention_args,
@@ -143,5 +143,6 @@ def flash_prefill(
         path != "auto",
         device,
         handle,
+        kernel_variant("flash_prefill"),
     )
     return (out, lse) if return_lse else out

@@ -1,13 +1,35 @@
-"""What every kernel launch needs once its arguments are valid: the module, device and stream."""
+"""What every kernel launch needs once its arguments are valid: the module, device and stream;
+and which variant of a kernel runs."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 
 from .._extension import require
 from .arrays import ArrayView, common_device, current_stream, resolve_device
+
+# ---- kernel variants ---------------------------------------------------------------------------
+# A rewritten kernel keeps the one it replaces selectable until a GPU run has verified the new
+# one (README, Kernels). Op -> (environment variable, {name: code passed to the kernel}); the
+# first name is the default. Codes match the `variant` field of the op's params (csrc/*.h).
+KERNEL_VARIANTS: dict[str, tuple[str, dict[str, int]]] = {
+    "flash_prefill": ("PAGEDKERN_FLASH_VARIANT", {"v2": 0, "v1": 1}),
+    "rms_norm": ("PAGEDKERN_RMS_NORM_VARIANT", {"v3": 0, "v1": 1}),
+    "rope_and_cache": ("PAGEDKERN_ROPE_VARIANT", {"v2": 0, "v1": 1}),
+}
+
+
+def kernel_variant(op: str) -> int:
+    """The variant code of `op`'s kernel its environment variable asks for (default when unset)."""
+    env, names = KERNEL_VARIANTS[op]
+    name = os.environ.get(env, "").strip().lower() or next(iter(names))
+    if name not in names:
+        raise ValueError(f"{env} must be one of {', '.join(names)}, got {name!r}")
+    return names[name]
+
 
 BACKENDS = ("auto", "cuda", "reference")
 _backend = "auto"

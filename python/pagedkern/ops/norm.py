@@ -12,7 +12,7 @@ from .arrays import (
     rows_of,
     view,
 )
-from .launch import launch_context, use_reference
+from .launch import kernel_variant, launch_context, use_reference
 
 
 def _check_eps(eps: float) -> float:
@@ -59,6 +59,7 @@ def rms_norm(x, weight, eps: float = 1e-6, out=None, *, stream=None):
         DTYPE_CODES[xv.dtype],
         device,
         handle,
+        kernel_variant("rms_norm"),
     )
     return out
 
@@ -94,5 +95,6 @@ def fused_add_rms_norm(x, residual, weight, eps: float = 1e-6, *, stream=None):
         DTYPE_CODES[xv.dtype],
         device,
         handle,
+        kernel_variant("rms_norm"),
     )
     return x, residual

@@ -13,7 +13,7 @@ from .arrays import (
     common_device,
     view,
 )
-from .launch import launch_context, use_reference
+from .launch import kernel_variant, launch_context, use_reference
 from .paged_kv import check_heads, check_kv_cache
 
 
@@ -80,4 +80,5 @@ def rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, 
         DTYPE_CODES[qv.dtype],
         device,
         handle,
+        kernel_variant("rope_and_cache"),
     )
