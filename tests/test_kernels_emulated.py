@@ -133,10 +133,10 @@ def test_rope_and_cache_is_bit_exact(dtype, d, misaligned):
 @pytest.mark.parametrize("variant", ["v2", "v1"])
 @pytest.mark.parametrize("d, misaligned", [(128, False), (64, True)])
 def test_rope_and_cache_variants_are_bit_exact(monkeypatch, variant, d, misaligned):
-    # 5 + 2 heads: v2's groups of 4 heads end in a partial group and one mixes q and k heads.
+    # 6 + 3 heads: v2's groups of 4 heads end in a partial group and one mixes q and k heads.
     monkeypatch.setenv("PAGEDKERN_ROPE_VARIANT", variant)
     g = torch.Generator().manual_seed(7 + d)
-    tokens, hq, hkv, block_size = 9, 5, 2, 8
+    tokens, hq, hkv, block_size = 9, 6, 3, 8
     off = 1 if misaligned else 0
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d + off, generator=g).bfloat16()
     q = qkv[:, off : off + hq * d].view(tokens, hq, d)
