@@ -190,3 +190,21 @@ def test_rope_v2_loads_cos_sin_once_per_four_heads(cuda_binary, arch):
         table = len(re.findall(r"LDG\.E\.128\.CONSTANT", sass))
         data = len(re.findall(r"LDG\.E\.128(?!\.CONSTANT)", sass))
         assert table and data >= 2 * table, f"{name}: {data} data loads per {table} cos/sin loads"
+
+
+def test_flash_sm90_v2_producer_has_no_table_load_after_its_waits(cuda_binary):
+    # v1 looked a tile's page ids up after waiting for its empty buffer, a dependent L2 round
+    # trip before each TMA; v2 loads them (and decodes the next work item) before the waits.
+    for name, sass in _listings(
+        cuda_binary, "sm_90a", "flash_prefill_sm90_kernel", "Lb1EEEv"
+    ).items():
+        since_wait, exposed = 0, 0
+        for ins in _instructions(sass):
+            if "SYNCS.PHASECHK" in ins:
+                since_wait = 0
+            elif "UTMALDG" in ins:
+                exposed += since_wait
+                since_wait = 0
+            elif re.search(r"\bLDG\.E(\.\w+)*\s", ins):
+                since_wait += 1
+        assert exposed == 0, f"{name}: {exposed} global loads between a barrier wait and a TMA"
