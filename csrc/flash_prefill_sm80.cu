@@ -157,23 +157,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   for (int parity = 0; works[parity] < total_work; parity ^= 1) {
     const WorkTile& t = tiles[parity];
 
-    // Q rows past the chunk are zero-filled; their outputs are never stored.
-    {
-      const int tid = fresh_tid();
-      const T* q = static_cast<const T*>(p.q) + int64_t(t.q_row0) * p.q_stride + t.head * D;
-      const int rows = t.rows;
-#pragma unroll
-      for (int m = 0; m < kBlockM / 16; ++m) {
-        const int row = Tr::chunk_row(tid) + 16 * m;
-        const bool valid = row < rows;
-        const T* src = q + (valid ? row * p.q_stride : 0) + Tr::chunk_col(tid);
-#pragma unroll
-        for (int k = 0; k < kSlabs; ++k) {
-          cp_async_16(q_smem + Tr::chunk_offset(tid) + m * 1024 + k * kBlockM * 64, src + k * 64,
-                      valid);
-        }
-      }
-    }
     // Page ids of the key rows of the tile visited at step i (KV tile n_tiles-1-i) into the
     // ring, as one cp.async per row (rows past seq_len: 0, never used).
     auto fetch_pages = [&](int i) {
@@ -227,6 +210,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
+    }
+    // Q rows past the chunk are zero-filled; their outputs are never stored.
+    {
+      const int tid = fresh_tid();
+      const T* q = static_cast<const T*>(p.q) + int64_t(t.q_row0) * p.q_stride + t.head * D;
+      const int rows = t.rows;
+#pragma unroll
+      for (int m = 0; m < kBlockM / 16; ++m) {
+        const int row = Tr::chunk_row(tid) + 16 * m;
+        const bool valid = row < rows;
+        const T* src = q + (valid ? row * p.q_stride : 0) + Tr::chunk_col(tid);
+#pragma unroll
+        for (int k = 0; k < kSlabs; ++k) {
+          cp_async_16(q_smem + Tr::chunk_offset(tid) + m * 1024 + k * kBlockM * 64, src + k * 64,
+                      valid);
+        }
+      }
     }
     if (n_tiles > 0) load_kv(p.k_cache, k_smem, n_tiles - 1);
     cp_async_commit();
@@ -353,10 +353,14 @@ void launch(const KernelParams& p, int device, cudaStream_t stream) {
   int smem_per_sm = 0;
   PK_CUDA_CHECK(
       cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  // Two buffers per K and V when two CTAs (the register file's limit) still fit on an SM.
-  const int stages = 2 * (Tr::smem_bytes(2) + 1024) <= size_t(smem_per_sm) ? 2 : 1;
-  const size_t smem = Tr::smem_bytes(stages);
+  // Two buffers per K and V when two CTAs (the register file's limit) still fit on an SM, static
+  // shared memory (v2: page-id ring and row sums, ~4 KB) and the 1 KB per-CTA reserve included.
   const auto kernel = flash_prefill_sm80_kernel<Tr, kPrefetchPages>;
+  cudaFuncAttributes attr{};
+  PK_CUDA_CHECK(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)));
+  const int stages =
+      2 * (Tr::smem_bytes(2) + attr.sharedSizeBytes + 1024) <= size_t(smem_per_sm) ? 2 : 1;
+  const size_t smem = Tr::smem_bytes(stages);
   const int grid = persistent_grid(reinterpret_cast<const void*>(kernel), Tr::kThreads, smem,
                                    device, max_tiles(p.total_q, p.batch) * p.num_heads);
   kernel<<<grid, Tr::kThreads, smem, stream>>>(p, stages);
