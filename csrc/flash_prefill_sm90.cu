@@ -214,13 +214,15 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
   // V rows past seq_len hold whatever the cache's last page holds there (or an earlier tile):
   // zero them so that P = 0 never meets a non-finite value. v1: both warpgroups zero the same
   // rows (identical values), each ordering its own writes before its wgmma -- but one's generic
-  // stores may meet the other's wgmma reading the stage. kV2: warpgroup 0 zeroes, fences
-  // (generic -> async proxy) and signals kBarVTail; warpgroup 1 waits for it before its wgmma.
-  auto zero_v_tail = [&](const WorkTile& t, int j, int stage) {
+  // stores may meet the other's wgmma reading the stage. kV2: warpgroup 0 zeroes and fences
+  // (generic -> async proxy); warpgroup 1's wgmma is ordered after that by the turn barrier
+  // (in_turn: warpgroup 0 zeroes before it hands over the turn) or, in the last P V of a
+  // one-tile item, which takes no turns, by named barrier kBarVTail (both warpgroups sync).
+  auto zero_v_tail = [&](const WorkTile& t, int j, int stage, bool in_turn) {
     const int first = t.seq_len - j * BN;
     if (first >= BN) return;
     if (kV2 && wg == 1) {
-      named_sync(kBarVTail, 256);
+      if (!in_turn) named_sync(kBarVTail, 256);
       return;
     }
     for (int c = ct % 128; c < (BN - first) * (D / 8); c += 128) {
@@ -229,7 +231,7 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
     }
     fence_async_shared();
     named_sync(kBarWarpgroup0 + wg, 128);
-    if (kV2) named_arrive(kBarVTail, 256);
+    if (kV2 && !in_turn) named_sync(kBarVTail, 256);
   };
 
   if (wg == 0) named_arrive(kBarTurn0, 256);  // warpgroup 0 issues first
@@ -273,7 +275,7 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
         named_sync(kBarTurn0 + wg, 256);  // our turn to issue
         wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, k_stage), acc_s);
         mbar_wait(&s.v_full[v_stage], v_phase);
-        if (i == 1) zero_v_tail(t, n - 1, v_stage);
+        if (i == 1) zero_v_tail(t, n - 1, v_stage, true);
         wgmma<false>(mma_pv, p_prev, tOrV(_, _, _, v_stage), acc_o);
         named_arrive(kBarTurn0 + (1 - wg), 256);  // the other warpgroup's turn
         warpgroup_wait<1>();  // S_i is ready, P_{i-1} V_{i-1} may still run
@@ -306,7 +308,7 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
       };
       auto last_pv = [&](auto& p_last) {  // KV tile 0: the last P V
         mbar_wait(&s.v_full[v_stage], v_phase);
-        if (n == 1) zero_v_tail(t, 0, v_stage);
+        if (n == 1) zero_v_tail(t, 0, v_stage, false);
         wgmma<false>(mma_pv, p_last, tOrV(_, _, _, v_stage), acc_o);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);

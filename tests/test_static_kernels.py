@@ -145,12 +145,12 @@ def test_flash_sm90_v2_overlaps_softmax_with_pv(cuda_binary):
 
 
 def test_flash_sm90_v2_zeroes_v_tail_once_behind_a_barrier(cuda_binary):
-    # Warpgroup 0 zeroes and arrives on named barrier 5; warpgroup 1 syncs on it (256 threads).
+    # Warpgroup 0 zeroes; warpgroup 1 waits through the turn barrier, or (one-tile items) both
+    # sync on named barrier 5 (256 threads).
     for name, sass in _listings(
         cuda_binary, "sm_90a", "flash_prefill_sm90_kernel", "Lb1EEEv"
     ).items():
-        assert re.search(r"BAR\.ARV 0x5, 0x100", sass), name
-        assert re.search(r"BAR\.SYNC(\.DEFER_BLOCKING)? 0x5, 0x100", sass), name
+        assert len(re.findall(r"BAR\.SYNC(\.DEFER_BLOCKING)? 0x5, 0x100", sass)) >= 2, name
 
 
 @pytest.mark.parametrize("arch", ARCHS)
