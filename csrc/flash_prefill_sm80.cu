@@ -30,6 +30,15 @@
  *    with log2(e) * scale folded into one FFMA; the output is normalised once, rounded to the
  *    input type, staged through shared memory and stored with 16-byte writes.
  *
+ * v2 flash_prefill_sm80_kernel<Traits, true> (default; v1 = <Traits, false>, selected by
+ *    PAGEDKERN_FLASH_VARIANT=v1): v1 looked each copied row's page up in the block table right
+ *    after a __syncthreads, BN / 16 dependent global loads per thread ahead of the next MMAs.
+ *    v2 fetches a tile's page ids two K groups ahead into a 4-tile shared ring with 4-byte
+ *    cp.async riding in the K groups, so the copies read them from shared memory (static test:
+ *    no LDG between a barrier and the next HMMA). Both: exps by ex2.approx.ftz (one MUFU.EX2),
+ *    row sums parked in shared memory between tiles and coordinates from a fresh thread index
+ *    (at 255 registers ptxas otherwise spilled a few words).
+ *
  * FLOPs: 4 * D * sum over query rows of visible keys (x heads); bytes: Q, O once, K/V once per
  * query tile and head (L2 absorbs the reuse across query tiles and GQA heads). Compute bound:
  * target >= the FlashAttention-2 rate of torch SDPA's flash backend (~330-370 TFLOP/s for causal

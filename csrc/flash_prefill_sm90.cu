@@ -27,9 +27,18 @@
  *    Q load overlaps this tile's last P V and epilogue.
  *  Epilogue: normalise, round, stage in a separate shared buffer (swizzled), 16-byte stores of
  *    the valid rows; LSE from the lane that holds column 0.
+ * v2 flash_prefill_sm90_kernel<Traits, true> (default; v1 = <Traits, false>, selected by
+ *    PAGEDKERN_FLASH_VARIANT=v1): in v1's SASS every MUFU.EX2 of the softmax sat after the wait
+ *    for the in-flight P V (ptxas hoists wgmma.wait_group to the top of its basic block, which
+ *    began after the mask branch): no overlap. v2 runs the softmax inside both arms of that
+ *    branch, so the exps precede the wait (static test). The producer decodes the next work item
+ *    and looks up each tile's page ids before its barrier waits (v1: a dependent table load
+ *    between the wait and every TMA); V's tail is zeroed by warpgroup 0 only, ordered before
+ *    warpgroup 1's wgmma by the turn barrier or a named barrier (v1: both warpgroups wrote it).
+ *    Not yet considered: sharing the O staging buffer with Q for a third K/V stage at D = 128.
  *
- * FLOPs and bytes as path 1. Target on H200 (causal, D = 128, 16k tokens): >= 550 TFLOP/s,
- * ~70% of the dense bf16 GEMM rate measured in the same run, ahead of cuDNN's SDPA.
+ * FLOPs and bytes as path 1. Target on H200 (causal, D = 128, 16k tokens): >= 600 TFLOP/s
+ * (FlashAttention-3 ~620 on an H100), ahead of cuDNN's SDPA.
  *
  * On sm_80 and in the compute_80 PTX this kernel has an empty body (the dispatcher never launches
  * it there); it exists in every cubin so the build carries the same kernels for every target.
@@ -71,8 +80,8 @@ __device__ __forceinline__ void wgmma(Mma& mma, const TA& a, const TB& b, TC& c)
   if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a));
 }
 
-// kV2: the next work item decoded and each tile's page ids looked up one tile ahead (before
-// the waits on the empty barriers), P double-buffered, V's tail zeroed once. v1: as first built.
+// kV2 (producer): the next work item decoded and each tile's page ids looked up one tile ahead,
+// before the waits on the empty barriers. v1: after them, as first built.
 template <class Tr, bool kV2>
 __device__ __forceinline__ void producer(const Sm90Params& params,
                                          typename Tr::SharedStorage& s) {
@@ -266,9 +275,9 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
         softmax_step(s_rc, row_max, row_sum, alpha, p.scale_log2);
         convert_storage(acc_s, rP);
       }
-      // Step i: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together; the softmax of S_i
-      // into p_next (kV2: the other P buffer; v1: p_prev, once P V is done).
-      auto step = [&](int i, auto& p_prev, auto& p_next) {
+      // Step i: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together, the softmax of S_i
+      // in between (kV2: really; v1: ptxas moved it after the wait), then P_i into rP.
+      auto step = [&](int i) {
         const int tile = n - 1 - i;
         AccS acc_s;
         mbar_wait(&s.k_full[k_stage], k_phase);
@@ -276,7 +285,7 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
         wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, k_stage), acc_s);
         mbar_wait(&s.v_full[v_stage], v_phase);
         if (i == 1) zero_v_tail(t, n - 1, v_stage, true);
-        wgmma<false>(mma_pv, p_prev, tOrV(_, _, _, v_stage), acc_o);
+        wgmma<false>(mma_pv, rP, tOrV(_, _, _, v_stage), acc_o);
         named_arrive(kBarTurn0 + (1 - wg), 256);  // the other warpgroup's turn
         warpgroup_wait<1>();  // S_i is ready, P_{i-1} V_{i-1} may still run
         warpgroup_fence_operand(acc_s);
@@ -300,24 +309,24 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
-        warpgroup_fence_operand(p_prev);
+        warpgroup_fence_operand(rP);
         release(&s.v_empty[v_stage]);
         next_v();
         rescale_rows(o_rc, alpha);
-        convert_storage(acc_s, p_next);
+        convert_storage(acc_s, rP);
       };
-      auto last_pv = [&](auto& p_last) {  // KV tile 0: the last P V
+      auto last_pv = [&] {  // KV tile 0: the last P V
         mbar_wait(&s.v_full[v_stage], v_phase);
         if (n == 1) zero_v_tail(t, 0, v_stage, false);
-        wgmma<false>(mma_pv, p_last, tOrV(_, _, _, v_stage), acc_o);
+        wgmma<false>(mma_pv, rP, tOrV(_, _, _, v_stage), acc_o);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
-        warpgroup_fence_operand(p_last);
+        warpgroup_fence_operand(rP);
         release(&s.v_empty[v_stage]);
         next_v();
       };
-      for (int i = 1; i < n; ++i) step(i, rP, rP);
-      last_pv(rP);
+      for (int i = 1; i < n; ++i) step(i);
+      last_pv();
     }
 
     // Epilogue, per warpgroup (its 64 rows of sO).
