@@ -46,6 +46,8 @@ class StubExtension:
 def stub(monkeypatch) -> StubExtension:
     ext = StubExtension()
     monkeypatch.setattr(launch_module, "require", lambda: ext)
+    # The kernel path whatever backend an earlier benchmark left selected (e2e: "reference").
+    monkeypatch.setattr(launch_module, "_backend", "auto")
     pa_module._num_sms.cache_clear()
     return ext
 
