@@ -32,10 +32,10 @@ class StubExtension:
     def __init__(self) -> None:
         self.launches = 0
 
-    def pointer_device(self, ptr: int) -> int:
+    def pointer_device(self, *, address: int) -> int:
         return 0
 
-    def multiprocessor_count(self, device: int) -> int:
+    def multiprocessor_count(self, *, device: int) -> int:
         return NUM_SMS
 
     def paged_attention(self, *args, **kwargs) -> None:

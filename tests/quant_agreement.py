@@ -70,7 +70,7 @@ def greedy_answers(llm: LLM, max_tokens: int) -> tuple[list[list[int]], list[str
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     out = llm.chat(chats, params, use_tqdm=False)
-    return [g.token_ids for g in out], [g.text for g in out]
+    return [list(g.token_ids) for g in out], [g.text for g in out]
 
 
 def token_logprobs(model, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
