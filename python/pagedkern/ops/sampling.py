@@ -24,15 +24,62 @@ _PARAMS = (
     ("seeds", "int64"),
     ("offsets", "int64"),
 )
+# The logits-processing inputs (pagedkern.reference.logits_processing): name, dtypes, shape
+# given rows B, vocab V and nnz (the token_ids length); None = any size.
+_PROCESSING = (
+    ("token_offsets", "int32", lambda b, v, n: (b + 1,)),
+    ("token_ids", "int32", lambda b, v, n: (n,)),
+    ("token_counts", "int32", lambda b, v, n: (n,)),
+    ("token_bias", "float32", lambda b, v, n: (n,)),
+    ("presence_penalty", "float32", lambda b, v, n: (b,)),
+    ("frequency_penalty", "float32", lambda b, v, n: (b,)),
+    ("repetition_penalty", "float32", lambda b, v, n: (b,)),
+    ("bitmask", "int32", lambda b, v, n: (None, (v + 31) // 32)),
+    ("bitmask_rows", "int32", lambda b, v, n: (b,)),
+    ("min_p", "float32", lambda b, v, n: (b,)),
+)
+_SPARSE = ("token_offsets", "token_ids", "token_counts", "token_bias")
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+MAX_TOP_LOGPROBS = 20
 MAX_KERNEL_VOCAB = (1 << 23) - 1  # fixed-point masses: 2^23 tokens x 2^40 stay below 2^63
 _INT32 = (-(2**31), 2**31 - 1)
 
 
-def sample(logits, temperature, top_p, top_k, seeds, offsets=0, out=None, *, stream=None):
+def sample(
+    logits,
+    temperature,
+    top_p,
+    top_k,
+    seeds,
+    offsets=0,
+    out=None,
+    *,
+    token_offsets=None,
+    token_ids=None,
+    token_counts=None,
+    token_bias=None,
+    presence_penalty=None,
+    frequency_penalty=None,
+    repetition_penalty=None,
+    bitmask=None,
+    bitmask_rows=None,
+    min_p=None,
+    logprobs=None,
+    top_ids=None,
+    top_logprobs=None,
+    stream=None,
+):
     """One token id per row of logits [B, V] (int32 [B]). Per-row parameters, as [B] arrays or
     Python numbers: temperature float32 (<= 0: greedy), top_p float32 (>= 1: off), top_k int32
     (<= 0: off), seeds int64, offsets int64. Semantics: pagedkern.reference.sampling; the CUDA
-    kernel draws from exactly that distribution (not necessarily the same ids)."""
+    kernel draws from exactly that distribution (not necessarily the same ids).
+
+    Logits processing (optional arrays, reference.logits_processing has the semantics): the
+    sparse entries token_offsets int32 [B + 1], token_ids / token_counts int32 [nnz],
+    token_bias float32 [nnz] (all four together, with the three penalties float32 [B]);
+    bitmask int32 [M, ceil(V / 32)] with bitmask_rows int32 [B]; min_p float32 [B].
+    Outputs (optional): logprobs float32 [B] (the sampled token's), top_ids int32 [B, N] and
+    top_logprobs float32 [B, N], N <= 20, both or neither."""
     lv = view(logits, "logits")
     check_dtype(lv, FLOAT_DTYPES)
     check_ndim(lv, 2)
@@ -60,10 +107,38 @@ def sample(logits, temperature, top_p, top_k, seeds, offsets=0, out=None, *, str
         check_shape(ov, (rows,))
         check_contiguous(ov)
         views.append(ov)
+    given = {
+        "token_offsets": token_offsets,
+        "token_ids": token_ids,
+        "token_counts": token_counts,
+        "token_bias": token_bias,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "repetition_penalty": repetition_penalty,
+        "bitmask": bitmask,
+        "bitmask_rows": bitmask_rows,
+        "min_p": min_p,
+    }
+    processing = _check_processing(given, rows, vocab, views)
+    outputs = _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows, views)
     common_device(views)
-    if use_reference(views) or vocab > MAX_KERNEL_VOCAB:
+    if use_reference(views) or vocab > MAX_KERNEL_VOCAB or processing or outputs:
+        # Not yet in csrc/sampling.cu: logits processing and logprob outputs run as the
+        # reference's torch ops (on the logits' device).
         reference = reference_on_torch("sample", views)
-        return reference.sample(logits, temperature, top_p, top_k, seeds, offsets, out)
+        return reference.sample(
+            logits,
+            temperature,
+            top_p,
+            top_k,
+            seeds,
+            offsets,
+            out,
+            logprobs=logprobs,
+            top_ids=top_ids,
+            top_logprobs_out=top_logprobs,
+            **processing,
+        )
     if rows == 0:
         return out if out is not None else empty_like(lv, (0,), "int32")
     module, device, handle = launch_context(views, stream)
@@ -91,3 +166,52 @@ def sample(logits, temperature, top_p, top_k, seeds, offsets=0, out=None, *, str
         handle,
     )
     return out
+
+
+def _check_processing(given: dict, rows: int, vocab: int, views: list) -> dict:
+    """The processing arrays that were given, checked (dtype, shape, contiguity, groups)."""
+    present = {name: value for name, value in given.items() if value is not None}
+    sparse = [name for name in _SPARSE if name in present]
+    if sparse and len(sparse) != len(_SPARSE):
+        raise ValueError(f"give all of {', '.join(_SPARSE)} or none, got only {sparse}")
+    if sparse and any(name not in present for name in _PENALTIES):
+        raise ValueError(f"the sparse token entries need {', '.join(_PENALTIES)} too")
+    if ("bitmask" in present) != ("bitmask_rows" in present):
+        raise ValueError("give bitmask and bitmask_rows together")
+    nnz = 0
+    if "token_ids" in present:
+        tv = view(present["token_ids"], "token_ids")
+        check_ndim(tv, 1)
+        nnz = tv.shape[0]
+    for name, dtype, shape in _PROCESSING:
+        if name not in present:
+            continue
+        pv = view(present[name], name)
+        check_dtype(pv, (dtype,))
+        check_shape(pv, shape(rows, vocab, nnz))
+        check_contiguous(pv)
+        views.append(pv)
+    return present
+
+
+def _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows: int, views: list) -> bool:
+    if (top_ids is None) != (top_logprobs is None):
+        raise ValueError("give top_ids and top_logprobs together")
+    if logprobs is not None:
+        lv = view(logprobs, "logprobs")
+        check_dtype(lv, ("float32",))
+        check_shape(lv, (rows,))
+        check_contiguous(lv)
+        views.append(lv)
+    if top_ids is not None:
+        iv, tv = view(top_ids, "top_ids"), view(top_logprobs, "top_logprobs")
+        check_dtype(iv, ("int32",))
+        check_dtype(tv, ("float32",))
+        check_ndim(iv, 2)
+        if iv.shape[0] != rows or iv.shape[1] > MAX_TOP_LOGPROBS:
+            raise ValueError(f"{iv.describe()}: must be [{rows}, N] with N <= {MAX_TOP_LOGPROBS}")
+        check_shape(tv, iv.shape)
+        check_contiguous(iv)
+        check_contiguous(tv)
+        views += [iv, tv]
+    return logprobs is not None or top_ids is not None
