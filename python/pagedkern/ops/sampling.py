@@ -122,9 +122,9 @@ def sample(
     processing = _check_processing(given, rows, vocab, views)
     outputs = _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows, views)
     common_device(views)
-    if use_reference(views) or vocab > MAX_KERNEL_VOCAB or processing or outputs:
-        # Not yet in csrc/sampling.cu: logits processing and logprob outputs run as the
-        # reference's torch ops (on the logits' device).
+    if use_reference(views) or vocab > MAX_KERNEL_VOCAB or top_ids is not None:
+        # Not yet in csrc/sampling.cu: the top-N logprobs (the reference's torch ops, on the
+        # logits' device).
         reference = reference_on_torch("sample", views)
         return reference.sample(
             logits,
@@ -150,20 +150,39 @@ def sample(
     if out is None:
         out = empty_like(lv, (rows,), "int32")
         ov = view(out, "out")
+    ptr = {name: view(value, name).ptr for name, value in processing.items()}
+    workspace, stride = None, 0
+    if "token_offsets" in ptr or "bitmask" in ptr:  # the processed rows (fp32, 16-byte rows)
+        stride = -(-vocab // 4) * 4
+        workspace = empty_like(lv, (rows, stride), "float32", name="workspace")
     module.sample(
-        ov.ptr,
-        lv.ptr,
-        arrays["temperature"].ptr,
-        arrays["top_p"].ptr,
-        arrays["top_k"].ptr,
-        arrays["seeds"].ptr,
-        arrays["offsets"].ptr,
-        rows,
-        vocab,
-        lv.strides[0],
-        DTYPE_CODES[lv.dtype],
-        device,
-        handle,
+        out=ov.ptr,
+        logits=lv.ptr,
+        temperature=arrays["temperature"].ptr,
+        top_p=arrays["top_p"].ptr,
+        top_k=arrays["top_k"].ptr,
+        seeds=arrays["seeds"].ptr,
+        offsets=arrays["offsets"].ptr,
+        rows=rows,
+        vocab=vocab,
+        logits_stride=lv.strides[0],
+        dtype=DTYPE_CODES[lv.dtype],
+        token_offsets=ptr.get("token_offsets", 0),
+        token_ids=ptr.get("token_ids", 0),
+        token_counts=ptr.get("token_counts", 0),
+        token_bias=ptr.get("token_bias", 0),
+        presence_penalty=ptr.get("presence_penalty", 0),
+        frequency_penalty=ptr.get("frequency_penalty", 0),
+        repetition_penalty=ptr.get("repetition_penalty", 0),
+        bitmask=ptr.get("bitmask", 0),
+        bitmask_rows=ptr.get("bitmask_rows", 0),
+        bitmask_words=(vocab + 31) // 32,
+        min_p=ptr.get("min_p", 0),
+        logprobs=0 if logprobs is None else view(logprobs, "logprobs").ptr,
+        workspace=0 if workspace is None else view(workspace, "workspace").ptr,
+        workspace_stride=stride,
+        device=device,
+        stream=handle,
     )
     return out
 
