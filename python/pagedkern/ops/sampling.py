@@ -120,7 +120,7 @@ def sample(
         "min_p": min_p,
     }
     processing = _check_processing(given, rows, vocab, views)
-    outputs = _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows, views)
+    _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows, views)
     common_device(views)
     if use_reference(views) or vocab > MAX_KERNEL_VOCAB or top_ids is not None:
         # Not yet in csrc/sampling.cu: the top-N logprobs (the reference's torch ops, on the
@@ -213,7 +213,7 @@ def _check_processing(given: dict, rows: int, vocab: int, views: list) -> dict:
     return present
 
 
-def _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows: int, views: list) -> bool:
+def _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows: int, views: list) -> None:
     if (top_ids is None) != (top_logprobs is None):
         raise ValueError("give top_ids and top_logprobs together")
     if logprobs is not None:
@@ -233,4 +233,3 @@ def _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows: int, views: li
         check_contiguous(iv)
         check_contiguous(tv)
         views += [iv, tv]
-    return logprobs is not None or top_ids is not None
