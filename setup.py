@@ -1,14 +1,12 @@
 """Builds pagedkern._C with CMake + Ninja (metadata lives in pyproject.toml).
 
-Environment:
-  PAGEDKERN_BUILD_CUDA=0       skip the CUDA build on purpose (pure-Python install).
-  PAGEDKERN_REQUIRE_CUDA=1     a missing nvcc or a failing CUDA build is an error (CI sets it);
-                               otherwise the package installs without _C, with a warning, and
-                               runs on the PyTorch reference ops.
-  PAGEDKERN_CUTLASS_INCLUDE    CUTLASS include folder (holds cute/ and cutlass/); default: the
-                               headers shipped by the nvidia-cutlass package.
-  PAGEDKERN_CUDA_ARCHS         CMake CUDA architectures (default "80-real;90a-real;80-virtual").
-  MAX_JOBS                     parallel compile jobs (default: all cores).
+Environment: the PAGEDKERN_* build variables are defined (name, default, parsing) in
+python/pagedkern/envs.py, loaded here by path since the package is not built yet, so setup.py
+and the package agree on them: PAGEDKERN_BUILD_CUDA=0 skips the CUDA build; with
+PAGEDKERN_REQUIRE_CUDA=1 (or, unset, CI=true) a missing nvcc or a failing build is an error,
+otherwise the package installs without _C, with a warning, and runs on the PyTorch reference ops;
+PAGEDKERN_CUTLASS_INCLUDE and PAGEDKERN_CUDA_ARCHS. MAX_JOBS: parallel compile jobs (default: all
+cores).
 
 The CMake build folder is build/cmake-<python tag> under the project root and persists between
 installs, so an unchanged `pip install -e .` recompiles nothing.
@@ -30,8 +28,21 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
+def _load_envs():
+    spec = importlib.util.spec_from_file_location(
+        "pagedkern_envs", ROOT / "python/pagedkern/envs.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building the class
+    spec.loader.exec_module(module)
+    return module
+
+
+envs = _load_envs()
+
+
 def _require_cuda() -> bool:
-    return os.environ.get("PAGEDKERN_REQUIRE_CUDA", "0") not in ("", "0", "false", "False")
+    return envs.cuda_build_required()
 
 
 def _find_nvcc() -> str | None:
@@ -44,7 +55,7 @@ def _find_nvcc() -> str | None:
 
 
 def _find_cutlass_include() -> str | None:
-    env = os.environ.get("PAGEDKERN_CUTLASS_INCLUDE")
+    env = envs.ENV["PAGEDKERN_CUTLASS_INCLUDE"].get()
     if env:
         return env
     # find_spec locates the package without importing it (its imports pull heavy dependencies).
@@ -80,7 +91,7 @@ class CMakeBuild(build_ext):
             )
 
     def build_extension(self, ext: Extension) -> None:
-        if os.environ.get("PAGEDKERN_BUILD_CUDA", "1") == "0":
+        if not envs.ENV["PAGEDKERN_BUILD_CUDA"].get():
             raise RuntimeError("PAGEDKERN_BUILD_CUDA=0 was set")
         nvcc = _find_nvcc()
         if nvcc is None:
@@ -101,7 +112,7 @@ class CMakeBuild(build_ext):
         tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
         build_dir = ROOT / "build" / f"cmake-{tag}"
         build_dir.mkdir(parents=True, exist_ok=True)
-        archs = os.environ.get("PAGEDKERN_CUDA_ARCHS", "80-real;90a-real;80-virtual")
+        archs = envs.ENV["PAGEDKERN_CUDA_ARCHS"].get()
         configure = [
             cmake,
             "-S",

@@ -8,7 +8,15 @@ import os
 
 import pytest
 import torch
-from measure import Report, Result, measure_copy_bandwidth, measure_gemm_rate, run_case, smoke_mode
+from measure import (
+    JSON_ENV,
+    Report,
+    Result,
+    measure_copy_bandwidth,
+    measure_gemm_rate,
+    run_case,
+    smoke_mode,
+)
 
 _REPORT = Report()
 
@@ -39,11 +47,12 @@ def gemm_tflops() -> float:
 
 @pytest.fixture
 def measure(benchmark, copy_gbps):
-    """measure(op, case, impl, fn, bytes=..., flops=...) -> Result; fn is called repeatedly."""
+    """measure(op, case, impl, fn, bytes=..., flops=..., baseline=...) -> Result; fn is called
+    repeatedly; baseline names the PyTorch row it is compared with (default torch eager)."""
 
-    def run(op, case, impl, fn, *, bytes=None, flops=None, **extra) -> Result:
+    def run(op, case, impl, fn, *, bytes=None, flops=None, baseline=None, **extra) -> Result:
         seconds = run_case(benchmark, fn)
-        result = Result(op, case, impl, seconds, bytes, flops, extra)
+        result = Result(op, case, impl, seconds, bytes, flops, extra, baseline)
         benchmark.extra_info.update(
             op=op, case=case, impl=impl, gbps=result.gbps, tflops=result.tflops, seconds=seconds
         )
@@ -58,8 +67,8 @@ def record():
     """record(op, case, impl, seconds, **notes): file a case timed by the test itself (e.g. an
     end-to-end run measured with the wall clock)."""
 
-    def add(op, case, impl, seconds, *, bytes=None, flops=None, **extra) -> Result:
-        result = Result(op, case, impl, seconds, bytes, flops, extra)
+    def add(op, case, impl, seconds, *, bytes=None, flops=None, baseline=None, **extra) -> Result:
+        result = Result(op, case, impl, seconds, bytes, flops, extra, baseline)
         _REPORT.add(result)
         return result
 
@@ -71,7 +80,7 @@ def pytest_terminal_summary(terminalreporter):
         return
     terminalreporter.section("pagedkern benchmarks")
     terminalreporter.write_line(_REPORT.table())
-    path = os.environ.get("PAGEDKERN_BENCH_JSON")
+    path = os.environ.get(JSON_ENV)
     if path:
         _REPORT.write_json(path)
         terminalreporter.write_line(f"written: {path}")

@@ -36,6 +36,7 @@ CASES = (
 )
 IMPLS = ["pagedkern path 1", "pagedkern path 2", "torch sdpa flash", "torch sdpa cudnn"]
 PATH_OF = {"pagedkern path 1": "sm80", "pagedkern path 2": "sm90"}
+BASELINES = {"pagedkern path 1": "torch sdpa flash", "pagedkern path 2": "torch sdpa cudnn"}
 TARGETS = {
     "pagedkern path 1": ">= sdpa flash",
     "pagedkern path 2": ">= 550 TFLOP/s and > sdpa cudnn",
@@ -145,5 +146,7 @@ def test_flash_prefill(measure, gemm_tflops, device, monkeypatch, case, impl):
         fn = sdpa_fn(impl, contiguous, device)
         if smoke_mode():
             extra["backend"] = "math (smoke)"
-    result = measure("flash_prefill", case, impl, fn, flops=flops, **extra)
+    result = measure(
+        "flash_prefill", case, impl, fn, flops=flops, baseline=BASELINES.get(impl), **extra
+    )
     assert result.seconds > 0 and gemm_tflops > 0

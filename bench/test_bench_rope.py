@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from measure import compile_reference, smoke_mode
+from measure import compile_reference, smoke_mode, with_compile
 
 import pagedkern
 from pagedkern import reference
@@ -16,7 +16,7 @@ from pagedkern.reference import cos_sin_cache
 
 HQ, HKV, D, BLOCK = (4, 2, 64, 16) if smoke_mode() else (32, 8, 128, 16)
 CASES = [8] if smoke_mode() else [64, 8192]
-IMPLS = ["pagedkern", "torch eager", "torch.compile"]
+IMPLS = with_compile(["pagedkern", "torch eager", "torch.compile"])
 _compiled = {}
 
 

@@ -2,6 +2,10 @@
 // device index and a stream handle in; kernels launched; C++ exceptions out as Python errors
 // (std::invalid_argument -> ValueError, std::runtime_error -> RuntimeError). The Python layer
 // (python/pagedkern/ops) has already validated everything a user can get wrong.
+//
+// A named ABI: every argument is keyword-only (py::kw_only + py::arg), so two swapped strides
+// are a TypeError instead of corrupted memory, and the enums the Python side mirrors (dtype
+// codes, flash-prefill paths) are module attributes that tests compare with the Python tables.
 #include <pybind11/pybind11.h>
 
 #include <cuda_runtime.h>
@@ -53,6 +57,14 @@ int pointer_device(std::uintptr_t address) {
                                                                                  : -1;
 }
 
+// (major, minor) compute capability of `device`.
+std::tuple<int, int> compute_capability(int device) {
+  int major = 0, minor = 0;
+  PK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  PK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return {major, minor};
+}
+
 py::dict build_info() {
   py::dict info;
   info["cuda_runtime_version"] = CUDART_VERSION;
@@ -66,8 +78,22 @@ py::dict build_info() {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pagedkern CUDA kernels (raw-pointer interface; use pagedkern.ops)";
+  py::dict dtype_codes;
+  dtype_codes["float32"] = int(DType::kFloat32);
+  dtype_codes["float16"] = int(DType::kFloat16);
+  dtype_codes["bfloat16"] = int(DType::kBFloat16);
+  dtype_codes["int32"] = int(DType::kInt32);
+  dtype_codes["int64"] = int(DType::kInt64);
+  m.attr("DTYPE_CODES") = dtype_codes;
+  py::dict paths;
+  paths["auto"] = int(pagedkern::FlashPrefillPath::kAuto);
+  paths["sm80"] = int(pagedkern::FlashPrefillPath::kSm80);
+  paths["sm90"] = int(pagedkern::FlashPrefillPath::kSm90);
+  m.attr("FLASH_PREFILL_PATHS") = paths;
+
   m.def("device_count", &device_count);
-  m.def("pointer_device", &pointer_device, py::arg("address"));
+  m.def("pointer_device", &pointer_device, py::kw_only(), py::arg("address"));
+  m.def("compute_capability", &compute_capability, py::kw_only(), py::arg("device"));
   m.def("build_info", &build_info);
 
   m.def(
@@ -90,7 +116,10 @@ PYBIND11_MODULE(_C, m) {
         DeviceGuard guard(device);
         pagedkern::rms_norm(p, as_stream(stream));
       },
-      py::call_guard<py::gil_scoped_release>());
+      py::kw_only(), py::arg("out"), py::arg("x"), py::arg("residual"), py::arg("weight"),
+      py::arg("rows"), py::arg("hidden"), py::arg("out_stride"), py::arg("x_stride"),
+      py::arg("residual_stride"), py::arg("eps"), py::arg("dtype"), py::arg("device"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "silu_and_mul",
@@ -107,7 +136,9 @@ PYBIND11_MODULE(_C, m) {
         DeviceGuard guard(device);
         pagedkern::silu_and_mul(p, as_stream(stream));
       },
-      py::call_guard<py::gil_scoped_release>());
+      py::kw_only(), py::arg("out"), py::arg("x"), py::arg("rows"), py::arg("d"),
+      py::arg("out_stride"), py::arg("x_stride"), py::arg("dtype"), py::arg("device"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "multiprocessor_count",
@@ -116,15 +147,16 @@ PYBIND11_MODULE(_C, m) {
         PK_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
         return count;
       },
-      py::arg("device"));
+      py::kw_only(), py::arg("device"));
 
   m.def(
       "paged_attention",
       [](std::uintptr_t out, std::uintptr_t lse, std::uintptr_t q, std::uintptr_t k_cache,
          std::uintptr_t v_cache, std::uintptr_t block_tables, std::uintptr_t seq_lens,
          std::uintptr_t workspace, int64_t q_stride, int64_t out_stride,
-         int64_t block_table_stride, int batch, int num_heads, int num_kv_heads, int head_dim,
-         int block_size, int num_splits, int split_size, double scale, int dtype, int device,
+         int64_t block_table_stride, int64_t block_table_width, int64_t num_blocks, int batch,
+         int num_heads, int num_kv_heads, int head_dim, int block_size, int num_splits,
+         int split_size, double scale, int dtype, bool check_indices, int device,
          std::uintptr_t stream) {
         pagedkern::PagedAttentionParams p;
         p.out = as_ptr<void>(out);
@@ -138,6 +170,8 @@ PYBIND11_MODULE(_C, m) {
         p.q_stride = q_stride;
         p.out_stride = out_stride;
         p.block_table_stride = block_table_stride;
+        p.block_table_width = block_table_width;
+        p.num_blocks = num_blocks;
         p.batch = batch;
         p.num_heads = num_heads;
         p.num_kv_heads = num_kv_heads;
@@ -147,9 +181,17 @@ PYBIND11_MODULE(_C, m) {
         p.split_size = split_size;
         p.scale = static_cast<float>(scale);
         p.dtype = static_cast<DType>(dtype);
+        p.check_indices = check_indices;
         DeviceGuard guard(device);
         pagedkern::paged_attention(p, as_stream(stream));
       },
+      py::kw_only(), py::arg("out"), py::arg("lse"), py::arg("q"), py::arg("k_cache"),
+      py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("workspace"),
+      py::arg("q_stride"), py::arg("out_stride"), py::arg("block_table_stride"),
+      py::arg("block_table_width"), py::arg("num_blocks"), py::arg("batch"),
+      py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
+      py::arg("num_splits"), py::arg("split_size"), py::arg("scale"), py::arg("dtype"),
+      py::arg("check_indices"), py::arg("device"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -157,7 +199,8 @@ PYBIND11_MODULE(_C, m) {
       [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t positions,
          std::uintptr_t cos_sin, std::uintptr_t k_cache, std::uintptr_t v_cache,
          std::uintptr_t slot_mapping, int64_t q_stride, int64_t k_stride, int64_t v_stride,
-         int64_t tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, int dtype,
+         int64_t tokens, int64_t max_positions, int64_t num_blocks, int num_heads,
+         int num_kv_heads, int head_dim, int block_size, int dtype, bool check_indices,
          int device, std::uintptr_t stream) {
         pagedkern::RopeAndCacheParams p;
         p.q = as_ptr<void>(q);
@@ -172,14 +215,23 @@ PYBIND11_MODULE(_C, m) {
         p.k_stride = k_stride;
         p.v_stride = v_stride;
         p.tokens = tokens;
+        p.max_positions = max_positions;
+        p.num_blocks = num_blocks;
         p.num_heads = num_heads;
         p.num_kv_heads = num_kv_heads;
         p.head_dim = head_dim;
         p.block_size = block_size;
         p.dtype = static_cast<DType>(dtype);
+        p.check_indices = check_indices;
         DeviceGuard guard(device);
         pagedkern::rope_and_cache(p, as_stream(stream));
       },
+      py::kw_only(), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("positions"),
+      py::arg("cos_sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+      py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"), py::arg("tokens"),
+      py::arg("max_positions"), py::arg("num_blocks"), py::arg("num_heads"),
+      py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("dtype"),
+      py::arg("check_indices"), py::arg("device"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -222,24 +274,25 @@ PYBIND11_MODULE(_C, m) {
         DeviceGuard guard(device);
         pagedkern::sample(p, as_stream(stream));
       },
-      py::arg("out"), py::arg("logits"), py::arg("temperature"), py::arg("top_p"),
-      py::arg("top_k"), py::arg("seeds"), py::arg("offsets"), py::arg("rows"), py::arg("vocab"),
-      py::arg("logits_stride"), py::arg("dtype"), py::arg("token_offsets"), py::arg("token_ids"),
-      py::arg("token_counts"), py::arg("token_bias"), py::arg("presence_penalty"),
-      py::arg("frequency_penalty"), py::arg("repetition_penalty"), py::arg("bitmask"),
-      py::arg("bitmask_rows"), py::arg("bitmask_words"), py::arg("min_p"), py::arg("logprobs"),
-      py::arg("workspace"), py::arg("workspace_stride"), py::arg("device"), py::arg("stream"),
-      py::call_guard<py::gil_scoped_release>());
+      py::kw_only(), py::arg("out"), py::arg("logits"), py::arg("temperature"),
+      py::arg("top_p"), py::arg("top_k"), py::arg("seeds"), py::arg("offsets"), py::arg("rows"),
+      py::arg("vocab"), py::arg("logits_stride"), py::arg("dtype"), py::arg("token_offsets"),
+      py::arg("token_ids"), py::arg("token_counts"), py::arg("token_bias"),
+      py::arg("presence_penalty"), py::arg("frequency_penalty"), py::arg("repetition_penalty"),
+      py::arg("bitmask"), py::arg("bitmask_rows"), py::arg("bitmask_words"), py::arg("min_p"),
+      py::arg("logprobs"), py::arg("workspace"), py::arg("workspace_stride"), py::arg("device"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 
-  // Returns the path that ran (1: mma.sync, 2: wgmma + TMA); path 0 = automatic choice.
+  // Returns the path that ran (FLASH_PREFILL_PATHS: 1 mma.sync, 2 wgmma + TMA; 0 = automatic).
   m.def(
       "flash_prefill",
       [](std::uintptr_t out, std::uintptr_t lse, std::uintptr_t q, std::uintptr_t k_cache,
          std::uintptr_t v_cache, std::uintptr_t cu_seqlens_q, std::uintptr_t block_tables,
          std::uintptr_t seq_lens, std::uintptr_t workspace, int64_t q_stride, int64_t out_stride,
-         int64_t block_table_stride, int64_t num_blocks, int total_q, int batch, int num_heads,
-         int num_kv_heads, int head_dim, int block_size, double scale, int dtype, int path,
-         bool strict, int device, std::uintptr_t stream) {
+         int64_t block_table_stride, int64_t block_table_width, int64_t num_blocks, int total_q,
+         int batch, int num_heads, int num_kv_heads, int head_dim, int block_size, double scale,
+         int dtype, int path, bool strict, bool check_indices, int device,
+         std::uintptr_t stream) {
         pagedkern::FlashPrefillParams p;
         p.out = as_ptr<void>(out);
         p.lse = as_ptr<float>(lse);
@@ -253,6 +306,7 @@ PYBIND11_MODULE(_C, m) {
         p.q_stride = q_stride;
         p.out_stride = out_stride;
         p.block_table_stride = block_table_stride;
+        p.block_table_width = block_table_width;
         p.num_blocks = num_blocks;
         p.total_q = total_q;
         p.batch = batch;
@@ -262,12 +316,20 @@ PYBIND11_MODULE(_C, m) {
         p.block_size = block_size;
         p.scale = static_cast<float>(scale);
         p.dtype = static_cast<DType>(dtype);
+        p.check_indices = check_indices;
         DeviceGuard guard(device);
         return static_cast<int>(pagedkern::flash_prefill(
             p, static_cast<pagedkern::FlashPrefillPath>(path), strict, as_stream(stream)));
       },
-      py::call_guard<py::gil_scoped_release>());
-  m.def("flash_prefill_workspace_ints", &pagedkern::flash_prefill_workspace_ints,
+      py::kw_only(), py::arg("out"), py::arg("lse"), py::arg("q"), py::arg("k_cache"),
+      py::arg("v_cache"), py::arg("cu_seqlens_q"), py::arg("block_tables"), py::arg("seq_lens"),
+      py::arg("workspace"), py::arg("q_stride"), py::arg("out_stride"),
+      py::arg("block_table_stride"), py::arg("block_table_width"), py::arg("num_blocks"),
+      py::arg("total_q"), py::arg("batch"), py::arg("num_heads"), py::arg("num_kv_heads"),
+      py::arg("head_dim"), py::arg("block_size"), py::arg("scale"), py::arg("dtype"),
+      py::arg("path"), py::arg("strict"), py::arg("check_indices"), py::arg("device"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+  m.def("flash_prefill_workspace_ints", &pagedkern::flash_prefill_workspace_ints, py::kw_only(),
         py::arg("total_q"), py::arg("batch"));
   // The path flash_prefill takes on `device` for this head dim and block size (aligned arrays).
   m.def(
@@ -281,5 +343,6 @@ PYBIND11_MODULE(_C, m) {
         return static_cast<int>(pagedkern::flash_prefill_select_path(
             p, device, static_cast<pagedkern::FlashPrefillPath>(path), false));
       },
-      py::arg("device"), py::arg("head_dim"), py::arg("block_size"), py::arg("path"));
+      py::kw_only(), py::arg("device"), py::arg("head_dim"), py::arg("block_size"),
+      py::arg("path"));
 }

@@ -13,7 +13,8 @@
 
 namespace pagedkern {
 
-// Must match python/pagedkern/ops/arrays.py DTYPE_CODES.
+// Mirrored by python/pagedkern/ops/arrays.py DTYPE_CODES (exported as _C.DTYPE_CODES; a test
+// compares the two).
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt32 = 3, kInt64 = 4 };
 
 [[noreturn]] inline void throw_cuda_error(cudaError_t err, const char* what, const char* file,

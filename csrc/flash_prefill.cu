@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "flash_prefill_common.cuh"
+#include "index_check.cuh"
 
 namespace pagedkern {
 namespace flash {
@@ -100,6 +101,22 @@ __global__ void __launch_bounds__(kScheduleThreads)
   }
 }
 
+// Debug mode (check_indices): the lengths and page ids every work tile will follow, checked
+// before the scheduler and the attention kernels read them; a thread per sequence.
+__global__ void flash_prefill_check_kernel(const FlashPrefillParams p) {
+  for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < p.batch; b += gridDim.x * blockDim.x) {
+    const int lo = p.cu_seqlens_q[b], hi = p.cu_seqlens_q[b + 1], n = hi - lo;
+    if (b == 0) check_index(true, lo, 1);                          // cu_seqlens_q[0] == 0
+    if (b == p.batch - 1) check_index(true, p.total_q - hi, 1);    // cu_seqlens_q[B] == total_q
+    check_index(true, n, int64_t(p.total_q) - lo + 1);              // lo <= hi <= total_q
+    const int len = p.seq_lens[b];                                  // n <= len <= width * bs
+    check_index(true, int64_t(len) - n, p.block_table_width * p.block_size - n + 1);
+    const int* table = p.block_tables + int64_t(b) * p.block_table_stride;
+    for (int i = 0; i < (len + p.block_size - 1) / p.block_size; ++i)
+      check_index(true, table[i], p.num_blocks);
+  }
+}
+
 }  // namespace
 
 int persistent_grid(const void* kernel, int threads, size_t smem, int device, int64_t max_ctas) {
@@ -167,6 +184,10 @@ FlashPrefillPath flash_prefill(const FlashPrefillParams& p, FlashPrefillPath pat
   path = flash_prefill_select_path(p, device, path, strict);
   if (p.total_q == 0 || p.batch == 0) return path;
 
+  if (p.check_indices) {
+    flash::flash_prefill_check_kernel<<<ceil_div(p.batch, 256), 256, 0, stream>>>(p);
+    PK_CHECK_LAUNCH("flash_prefill_check_kernel");
+  }
   const int64_t capacity = flash::max_tiles(p.total_q, p.batch);
   flash::flash_prefill_schedule_kernel<<<1, flash::kScheduleThreads, 0, stream>>>(
       p.cu_seqlens_q, p.seq_lens, p.batch, p.workspace, int(capacity));

@@ -21,13 +21,14 @@ struct FlashPrefillParams {
   const void* k_cache = nullptr;    // [num_blocks, num_kv_heads, block_size, head_dim]
   const void* v_cache = nullptr;    // same shape as k_cache
   const int* cu_seqlens_q = nullptr;  // [batch + 1]
-  const int* block_tables = nullptr;  // [batch, *], row stride block_table_stride
+  const int* block_tables = nullptr;  // [batch, block_table_width], row stride block_table_stride
   const int* seq_lens = nullptr;      // [batch]
   int* workspace = nullptr;  // flash_prefill_workspace_ints(total_q, batch) int32, device memory
   int64_t q_stride = 0;      // elements between tokens
   int64_t out_stride = 0;
-  int64_t num_blocks = 0;
+  int64_t num_blocks = 0;          // pages in each cache (check_indices: ids in [0, num_blocks))
   int64_t block_table_stride = 0;
+  int64_t block_table_width = 0;   // entries per row (check_indices: seq_lens fit the row)
   int total_q = 0;
   int batch = 0;
   int num_heads = 0;
@@ -36,6 +37,9 @@ struct FlashPrefillParams {
   int block_size = 0;
   float scale = 0.f;  // softmax scale (the Python layer defaults it to head_dim^-0.5)
   DType dtype = DType::kBFloat16;
+  // Debug mode: trap on an out-of-range block id, cu_seqlens_q not rising from 0 to total_q, or
+  // seq_lens[b] outside [chunk length, block_table_width * block_size].
+  bool check_indices = false;
 };
 
 // Path 1: mma.sync + cp.async (sm_80 and newer). Path 2: wgmma + TMA, warp specialised (sm_90).

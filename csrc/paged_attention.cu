@@ -44,6 +44,7 @@
 #include <cuda_pipeline_primitives.h>
 
 #include "device.cuh"
+#include "index_check.cuh"
 #include "paged_attention.h"
 
 namespace pagedkern {
@@ -150,6 +151,12 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
   }
 
   const int* table = p.block_tables + b * p.block_table_stride;
+  if (p.check_indices) {  // debug mode: this split's page ids, before any of them is followed
+    check_index(true, (len - 1) >> lay.block_shift, p.block_table_width);
+    for (int i = (start >> lay.block_shift) + threadIdx.x; i <= (end - 1) >> lay.block_shift;
+         i += blockDim.x)
+      check_index(true, table[i], p.num_blocks);
+  }
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
   const int block_mask = (1 << lay.block_shift) - 1;

@@ -20,12 +20,14 @@ struct PagedAttentionParams {
   const void* q = nullptr;         // [B, Hq, D], token stride q_stride
   const void* k_cache = nullptr;   // [num_blocks, Hkv, block_size, D], contiguous
   const void* v_cache = nullptr;
-  const int* block_tables = nullptr;  // [B, *], row stride block_table_stride
+  const int* block_tables = nullptr;  // [B, block_table_width], row stride block_table_stride
   const int* seq_lens = nullptr;      // [B]
   float* workspace = nullptr;  // num_splits > 1: B*Hq*num_splits*(D + 1) floats (partials, LSEs)
   int64_t q_stride = 0;        // in elements
   int64_t out_stride = 0;
   int64_t block_table_stride = 0;
+  int64_t block_table_width = 0;  // entries per row (check_indices: seq_lens[b] <= width * bs)
+  int64_t num_blocks = 0;         // pages in each cache (check_indices: ids in [0, num_blocks))
   int batch = 0;
   int num_heads = 0;
   int num_kv_heads = 0;
@@ -35,6 +37,7 @@ struct PagedAttentionParams {
   int split_size = 0;    // tokens per split, a multiple of 64 (num_splits > 1)
   float scale = 1.f;
   DType dtype = DType::kBFloat16;  // float16 or bfloat16
+  bool check_indices = false;      // trap on an out-of-range block id or seq_len (debug mode)
 };
 void paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
 

@@ -23,6 +23,7 @@
  * bandwidth for prefill-sized T.
  */
 #include "device.cuh"
+#include "index_check.cuh"
 #include "rope_and_cache.h"
 
 namespace pagedkern {
@@ -82,6 +83,10 @@ __global__ void __launch_bounds__(kThreads) rope_and_cache_kernel(const RopeAndC
   const int heads = p.num_heads + p.num_kv_heads;
   const int n_rot = heads * rot_chunks;
   const int slot = p.slot_mapping[token];
+  if (p.check_indices) {  // debug mode: slot -1 (no write) or a slot of the cache; a table row
+    check_index(true, int64_t(slot) + 1, p.num_blocks * p.block_size + 1);
+    check_index(true, p.positions[token], p.max_positions);
+  }
   const int item = blockIdx.y * kThreads + threadIdx.x;
   if (item >= n_rot + (slot >= 0 ? p.num_kv_heads * copy_chunks : 0)) return;
 

@@ -26,11 +26,14 @@ struct RopeAndCacheParams {
   int64_t k_stride = 0;
   int64_t v_stride = 0;
   int64_t tokens = 0;
+  int64_t max_positions = 0;  // rows of cos_sin (check_indices: positions in [0, max_positions))
+  int64_t num_blocks = 0;     // pages in each cache (check_indices: slots < num_blocks * bs)
   int num_heads = 0;
   int num_kv_heads = 0;
   int head_dim = 0;  // even
   int block_size = 16;
   DType dtype = DType::kBFloat16;
+  bool check_indices = false;  // trap on an out-of-range position or slot (debug mode)
 };
 void rope_and_cache(const RopeAndCacheParams& p, cudaStream_t stream);
 

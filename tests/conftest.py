@@ -1,10 +1,15 @@
 """Test-wide switches: `gpu` tests skip without a usable CUDA device and kernels; `static` tests
 need the built extension (no GPU) and fail instead of skipping where the build is required
-(CI=true or PAGEDKERN_REQUIRE_CUDA=1)."""
+(CI=true or PAGEDKERN_REQUIRE_CUDA=1); the kernels' debug-mode index checks are on
+(PAGEDKERN_CHECK_INDICES=1 unless the environment says otherwise)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("PAGEDKERN_CHECK_INDICES", "1")
 
 import pagedkern
 from pagedkern._extension import cuda_build_required, extension_module

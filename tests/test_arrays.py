@@ -3,6 +3,8 @@ ValueError naming the argument with its shape and dtype, before anything reaches
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -67,7 +69,7 @@ def test_numpy_arrays_are_rejected_with_the_argument_name():
         (
             lambda: pagedkern.rms_norm(FakeCudaArray((4, 8)), FakeCudaArray((8,)), eps=-1.0),
             ValueError,
-            "eps must be a non-negative number",
+            "eps must be a finite non-negative number",
         ),
         (
             lambda: pagedkern.rms_norm(
@@ -212,3 +214,100 @@ def test_cpu_tensors_run_on_the_reference():
     torch.testing.assert_close(pagedkern.rms_norm(x, w), pagedkern.reference.rms_norm(x, w))
     y = torch.randn(3, 10)
     torch.testing.assert_close(pagedkern.silu_and_mul(y), pagedkern.reference.silu_and_mul(y))
+
+
+@pytest.mark.parametrize("eps", [math.nan, math.inf, -1e-6, True, "1e-6"])
+def test_eps_must_be_finite_and_non_negative(eps):
+    x, w = torch.randn(2, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="eps must be a finite non-negative number"):
+        pagedkern.rms_norm(x, w, eps)
+    with pytest.raises(ValueError, match="eps must be a finite non-negative number"):
+        pagedkern.fused_add_rms_norm(x, x.clone(), w, eps)
+
+
+def test_fused_add_rms_norm_rejects_aliased_x_and_residual():
+    w = torch.ones(8)
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"x \(shape \(4, 8\).* and residual .* overlap"):
+        pagedkern.fused_add_rms_norm(x, x, w)  # reference path
+    buf = torch.randn(4, 12)
+    with pytest.raises(ValueError, match="overlap in memory"):
+        pagedkern.fused_add_rms_norm(buf[:, :8], buf[:, 4:], w)
+    with pytest.raises(ValueError, match="overlap in memory"):  # kernel path (CUDA arrays)
+        pagedkern.fused_add_rms_norm(
+            FakeCudaArray((4, 8)), FakeCudaArray((4, 8), offset=8), FakeCudaArray((8,))
+        )
+    halves = torch.randn(2, 4, 8)  # disjoint halves of one buffer are fine
+    got = pagedkern.fused_add_rms_norm(halves[0].clone(), halves[1].clone(), w)
+    assert pagedkern.fused_add_rms_norm(halves[0], halves[1], w)[0].equal(got[0])
+
+
+def _paged_cpu(seq_lens=(5, 9), num_blocks=6, block_size=4, width=3):
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(num_blocks, 2, block_size, 16, generator=g)
+    q = torch.randn(len(seq_lens), 4, 16, generator=g)
+    tables = torch.arange(len(seq_lens) * width, dtype=torch.int32).view(-1, width) % num_blocks
+    return q, cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t, s: t.__setitem__((1, 0), -1), r"block_tables\[1, 0\] = -1 is not a block id"),
+        (lambda t, s: t.__setitem__((0, 1), 6), r"block_tables\[0, 1\] = 6 is not a block id"),
+        (lambda t, s: s.__setitem__(1, 13), r"seq_lens\[1\] = 13 exceeds the block table's cap"),
+        (lambda t, s: s.__setitem__(0, -2), r"seq_lens\[0\] = -2 is negative"),
+    ],
+)
+def test_reference_attention_checks_index_contents(edit, message):
+    # Before: a block id of -1 silently read the last block, seq_lens past the table gave an
+    # IndexError naming nothing. Entries past a sequence's pages stay free (padding).
+    q, cache, tables, lens = _paged_cpu()
+    tables[0, 2] = -7  # unused padding entry: sequence 0 has 5 keys = 2 pages
+    pagedkern.paged_attention(q, cache, cache, tables, lens)
+    edit(tables, lens)
+    with pytest.raises(ValueError, match=message):
+        pagedkern.paged_attention(q, cache, cache, tables, lens)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        pagedkern.flash_prefill(q, cache, cache, cu, tables, lens)
+
+
+@pytest.mark.parametrize(
+    "cu, message",
+    [
+        ([1, 1, 2], r"cu_seqlens_q\[0\] = 1 must be 0"),
+        ([0, 2, 1], r"cu_seqlens_q must not decrease"),
+        ([0, 1, 3], r"cu_seqlens_q\[-1\] = 3 must equal the number of query rows 2"),
+        ([0, 1, 1], r"cu_seqlens_q\[-1\] = 1 must equal"),
+    ],
+)
+def test_reference_prefill_checks_query_bounds(cu, message):
+    q, cache, tables, lens = _paged_cpu()
+    with pytest.raises(ValueError, match=message):
+        pagedkern.flash_prefill(q, cache, cache, torch.tensor(cu, dtype=torch.int32), tables, lens)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("positions", -1, r"positions\[2\] = -1 is outside the cos_sin table \(\[0, 32\)\)"),
+        ("positions", 32, r"positions\[2\] = 32 is outside"),
+        ("slots", -2, r"slot_mapping\[2\] = -2 is neither -1"),
+        ("slots", 24, r"slot_mapping\[2\] = 24 is neither -1 \(no write\) nor a cache slot"),
+    ],
+)
+def test_reference_rope_checks_positions_and_slots(field, value, message):
+    # Before: a negative position wrapped to the end of the table, a slot past the cache
+    # raised an IndexError naming nothing.
+    from pagedkern.reference import cos_sin_cache
+
+    q, k, v = torch.randn(4, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8)
+    cache = torch.zeros(6, 1, 4, 8)
+    args = dict(positions=torch.arange(4, dtype=torch.int32), slots=torch.tensor([0, -1, 5, 23]))
+    args["slots"] = args["slots"].int()
+    args[field][2] = value
+    with pytest.raises(ValueError, match=message):
+        pagedkern.rope_and_cache(
+            q, k, v, args["positions"], cos_sin_cache(8, 32), cache, cache.clone(), args["slots"]
+        )

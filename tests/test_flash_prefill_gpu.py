@@ -144,11 +144,12 @@ def test_matches_reference(path, ratio, head_dim, dtype):
     torch.testing.assert_close(lse, lse32, atol=2e-3, rtol=0)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 24])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128, 256, 24])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_block_sizes(path, block_size, head_dim):
-    """Block sizes 16/32/64 take TMA in path 2; 8 too (one swizzle atom), 24 falls back to
-    path 1 (pages straddle 128-key tiles), which gathers any block size."""
+    """Block sizes 16/32/64 take TMA in path 2; 8 too (one swizzle atom); 128 and 256 too, where
+    a 128-key tile is one page or half of one, so a TMA box starts mid-page (256); 24 falls back
+    to path 1 (pages straddle 128-key tiles), which gathers any block size."""
     pairs = [(1, 0), (7, 40), (200, 0), (130, 333), (64, 64), (1000, 17)]
     dtype = torch.bfloat16
     batch = make_batch(pairs, 3 * NUM_KV_HEADS, head_dim, dtype, block_size, seed=block_size)
@@ -161,6 +162,24 @@ def test_block_sizes(path, block_size, head_dim):
     assert_flash_rule(pagedkern.flash_prefill(*batch), out32, low)
     taken = fp_module.kernel_path(batch[0].device.index, head_dim, block_size, "auto")
     assert taken == ("sm90" if taken_auto else "sm80")
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [[(1, 0)], [(1, 300)], [(5, 0), (1, 17), (40, 90)], [(127, 0)], [(63, 1000), (64, 0)]],
+    ids=["1row", "1row-prefix", "46rows", "127rows", "127rows-2seq"],
+)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_fewer_query_rows_than_one_tile(path, pairs, head_dim):
+    """Under 128 query rows in the whole batch: one partial M tile per sequence, the TMA load of
+    q clipped at total_q, no full tile anywhere."""
+    assert sum(c for c, _ in pairs) < 128
+    batch = make_batch(pairs, 4 * NUM_KV_HEADS, head_dim, torch.float16, 16, seed=len(pairs))
+    out = poisoned(batch[0].shape, torch.float16, DEVICE)
+    _, lse = pagedkern.flash_prefill(*batch, out=out, return_lse=True)
+    out32, lse32, low = references(("few", tuple(pairs), head_dim), *batch, head_dim**-0.5)
+    assert_flash_rule(out, out32, low)
+    torch.testing.assert_close(lse, lse32, atol=2e-3, rtol=0)
 
 
 def test_forced_paths_and_selection(monkeypatch):

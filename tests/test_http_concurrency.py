@@ -10,7 +10,7 @@ import asyncio
 import re
 
 import httpx
-import openai
+from http_stack import openai
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.serving.http_server import ServerThread

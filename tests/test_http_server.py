@@ -21,8 +21,8 @@ import threading
 
 import httpx
 import jinja2
-import openai
 import pytest
+from http_stack import openai
 
 from pagedkern.engine import Engine, EngineConfig, RequestRejected, SamplingParams
 from pagedkern.serving.cli import main

@@ -10,10 +10,11 @@ import math
 
 import pytest
 import torch
-from emulator import emulated, unavailable_reason
+from emulator import emulated, launches, unavailable_reason
 
 import pagedkern
 from pagedkern import reference
+from pagedkern.ops.support import KernelUnsupportedError
 from pagedkern.reference import cos_sin_cache
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -222,9 +223,7 @@ def _processing_case(rows, vocab, g):
 @pytest.mark.parametrize(
     "dtype, vocab", [(torch.float32, 203), (torch.float32, 200), (torch.bfloat16, 96)]
 )
-def test_sample_with_logits_processing_runs_the_kernel_and_matches_the_reference(
-    dtype, vocab, monkeypatch
-):
+def test_sample_with_logits_processing_runs_the_kernel_and_matches_the_reference(dtype, vocab):
     # The processing stage + sampling passes of csrc/sampling.cu against reference.sample with
     # the same inputs: identical ids, and the sampled token's logprob within 1e-5.
     g = torch.Generator().manual_seed(vocab + 1)
@@ -234,27 +233,104 @@ def test_sample_with_logits_processing_runs_the_kernel_and_matches_the_reference
     processing = _processing_case(rows, vocab, g)
     temps = torch.tensor([1.0, 0.0, 0.7, 1.3, 0.0, 1.0, 2.0, 0.5, 1.0, 0.9])
     seeds = torch.arange(rows) * 7919 + 3
-    import pagedkern.ops.sampling as op_module
-
-    def no_reference(*args, **kwargs):
-        raise AssertionError("the reference ran instead of the kernel")
-
-    monkeypatch.setattr(op_module, "reference_on_torch", no_reference)
-    calls = []
-    with emulated() as module:
-        kernel = module.sample
-        monkeypatch.setattr(module, "sample", lambda **kw: calls.append(kw) or kernel(**kw))
+    with emulated():
         for top_p, top_k in [(1.0, 0), (0.8, 0), (0.9, 7)]:
             ref_lp = torch.full((rows,), float("nan"))
+            ref_ids, ref_top = torch.zeros(rows, 5, dtype=torch.int32), torch.zeros(rows, 5)
             ref = reference.sample(
-                logits, temps, top_p, top_k, seeds, 5, logprobs=ref_lp, **processing
-            )
+                logits, temps, top_p, top_k, seeds, 5, logprobs=ref_lp, top_ids=ref_ids,
+                top_logprobs_out=ref_top, **processing,
+            )  # fmt: skip
             out = torch.full((rows,), -1, dtype=torch.int32)
             lp = torch.full((rows,), float("nan"))
+            top_ids = torch.full((rows, 5), -1, dtype=torch.int32)
+            top = torch.full((rows, 5), float("nan"))
+            before = launches()
             pagedkern.sample(
-                logits, temps, top_p, top_k, seeds, 5, out=out, logprobs=lp, **processing
-            )
-            assert calls and calls[-1]["workspace"] != 0, "the emulated kernel ran"
+                logits, temps, top_p, top_k, seeds, 5, out=out, logprobs=lp, top_ids=top_ids,
+                top_logprobs=top, **processing,
+            )  # fmt: skip
+            assert launches() == before + 2, "the processing stage and the sampling kernel ran"
             assert out.tolist() == ref.tolist(), (top_p, top_k)
             torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
-    assert len(calls) == 3
+            assert torch.equal(top_ids, ref_ids) and torch.equal(top, ref_top)  # torch ops
+
+
+def test_emulated_fails_when_no_kernel_ran():
+    # A test whose op never reached the kernel would otherwise compare the reference with itself.
+    with pytest.raises(AssertionError, match="no kernel ran inside emulated"), emulated():
+        pass
+    before = launches()
+    with emulated():
+        pagedkern.silu_and_mul(torch.randn(2, 16))
+    assert launches() == before + 1
+
+
+@pytest.mark.parametrize(
+    "dtype, d, block_size, reason",
+    [(torch.float32, 64, 16, "dtype float32"), (torch.float16, 96, 16, "head_dim 96"),
+     (torch.bfloat16, 64, 24, "block_size 24")],
+)  # fmt: skip
+def test_emulated_cases_outside_kernel_support_raise_instead_of_running_the_reference(
+    dtype, d, block_size, reason
+):
+    k_cache, v_cache, tables = _paged([5, 30], 2, block_size, d, dtype, torch.Generator())
+    q = torch.randn(2, 4, d).to(dtype)
+    lens = torch.tensor([5, 30], dtype=torch.int32)
+    before = launches()
+    with (
+        pytest.raises(KernelUnsupportedError, match=f"paged_attention: .*{reason}"),
+        emulated(expect_launch=False),
+    ):
+        pagedkern.paged_attention(q, k_cache, v_cache, tables, lens)
+    assert launches() == before
+
+
+def _attention_case(block_size=16, seq_lens=(40, 9)):
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache, tables = _paged(list(seq_lens), 2, block_size, 64, torch.float16, g)
+    q = torch.randn(len(seq_lens), 4, 64, generator=g).half()
+    return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("bad", ["minus_one", "past_the_cache", "seq_len_past_the_table"])
+def test_paged_attention_traps_bad_indices_in_debug_mode(bad):
+    q, k_cache, v_cache, tables, lens = _attention_case()
+    if bad == "minus_one":
+        tables[0, 1] = -1
+    elif bad == "past_the_cache":
+        tables[1, 0] = k_cache.shape[0]
+    else:
+        lens[0] = tables.shape[1] * 16 + 1
+    with pytest.raises(RuntimeError, match="__trap"), emulated():
+        pagedkern.paged_attention(q, k_cache, v_cache, tables, lens, num_splits=1)
+
+
+def test_index_checks_cost_nothing_but_a_flag_when_off(monkeypatch):
+    # Same kernels, check_indices=False in the params: the valid case still runs and matches.
+    monkeypatch.setenv("PAGEDKERN_CHECK_INDICES", "0")
+    q, k_cache, v_cache, tables, lens = _attention_case()
+    with emulated():
+        out = pagedkern.paged_attention(q, k_cache, v_cache, tables, lens)
+    ref = reference.paged_attention(q.double(), k_cache.double(), v_cache.double(), tables, lens)
+    assert float((out.double() - ref).norm() / ref.norm()) <= 2e-3
+
+
+@pytest.mark.parametrize(
+    "field, value", [("slot", 64), ("slot", -2), ("position", -1), ("position", 4096)]
+)
+def test_rope_and_cache_traps_bad_indices_in_debug_mode(field, value):
+    tokens, d = 5, 64
+    q, k = torch.randn(tokens, 4, d).half(), torch.randn(tokens, 2, d).half()
+    v = torch.randn(tokens, 2, d).half()
+    positions = torch.arange(tokens, dtype=torch.int32)
+    slots = torch.arange(tokens, dtype=torch.int32)
+    k_cache = torch.zeros(4, 2, 16, d).half()
+    if field == "slot":
+        slots[3] = value  # 4 blocks x 16 = 64 slots: 64 is one past the end; -1 alone skips
+    else:
+        positions[3] = value
+    with pytest.raises(RuntimeError, match="__trap"), emulated():
+        pagedkern.rope_and_cache(
+            q, k, v, positions, cos_sin_cache(d, 4096), k_cache, k_cache.clone(), slots
+        )

@@ -1,7 +1,8 @@
 """paged_attention (decode) kernel vs the fp32 reference on the GPU: shuffled non-contiguous block
 tables with NaN in every cache slot no sequence owns, lengths 1..16384, batches 1..129, split-KV
 on and off, every dispatched head dim / block size / GQA ratio, padding rows, return_lse, views
-into a fused QKV output, CUDA-graph capture with a fixed plan, the caller's stream."""
+into a fused QKV output, CUDA-graph capture with a fixed plan, the caller's stream, an error bound
+per head (not only over all heads), and the policy outside kernel support (warn or refuse)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import random
 
 import pytest
 import torch
-from kernel_check import assert_close_to, poisoned
+from kernel_check import REL_TOLERANCE, assert_close_to, poisoned
 
 import pagedkern
 from pagedkern import reference
+from pagedkern.ops import launch
 from pagedkern.ops.paged_attention import plan_splits, workspace_size
+from pagedkern.ops.support import KernelUnsupportedError
 
 pytestmark = pytest.mark.gpu
 
@@ -113,6 +116,26 @@ def test_head_dims_block_sizes_and_gqa_ratios(dtype, d, block_size, hq, hkv, num
     check([1, 17, 63, 300, 777, 0], dtype, d, block_size, hq, hkv, num_splits, seed=hq * d)
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_head_within_the_bound_on_its_own(dtype, num_splits):
+    # A bug confined to one query head of 32 (or one KV head's group) hides under a relative
+    # error taken over all heads at once: bound each (sequence, head) separately.
+    seq_lens = [1, 17, 300, 1000, 4097]
+    hq, hkv, d = 32, 8, 128
+    k_cache, v_cache, tables = paged_cache(seq_lens, hkv, 16, d, dtype, seed=11)
+    q = torch.randn(len(seq_lens), hq, d, device=DEVICE).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = poisoned(q.shape, dtype, DEVICE)
+    pagedkern.paged_attention(q, k_cache, v_cache, tables, lens, out=out, num_splits=num_splits)
+    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens)
+    assert not out.isnan().any()
+    per_head = (out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
+    worst = per_head.max().item()
+    b, h = divmod(int(per_head.argmax()), hq)
+    assert worst <= REL_TOLERANCE[dtype], f"head {h} of sequence {b}: relative error {worst:.3g}"
+
+
 def test_small_bound_on_the_lengths_stays_correct():
     # max_seq_len below the real lengths: the last split runs to the end (slower, still right).
     check([3000, 20, 700], torch.bfloat16, 128, 16, 8, 2, max_seq_len=512)
@@ -197,12 +220,17 @@ def test_runs_on_the_callers_stream():
     assert_close_to(out, ref, torch.bfloat16)
 
 
-def test_float32_runs_on_the_reference_and_misaligned_rows_are_rejected():
+def test_float32_runs_on_the_reference_and_misaligned_rows_are_rejected(monkeypatch):
+    # Outside kernel support: "auto" warns and runs the reference, "cuda" refuses.
     k_cache, v_cache, tables = paged_cache([30], 2, 16, 64, torch.float32, 9)
     lens = torch.tensor([30], dtype=torch.int32, device=DEVICE)
     q = torch.randn(1, 4, 64, device=DEVICE)
-    out = pagedkern.paged_attention(q, k_cache, v_cache, tables, lens)
+    monkeypatch.setattr(launch, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="paged_attention runs the PyTorch reference"):
+        out = pagedkern.paged_attention(q, k_cache, v_cache, tables, lens)
     torch.testing.assert_close(out, reference.paged_attention(q, k_cache, v_cache, tables, lens))
+    with launch.use_backend("cuda"), pytest.raises(KernelUnsupportedError, match="float32"):
+        pagedkern.paged_attention(q, k_cache, v_cache, tables, lens)
     k16, v16 = k_cache.half(), v_cache.half()
     base = torch.randn(4 * 64 + 1, device=DEVICE).half()
     q_odd = base[1:].view(1, 4, 64)  # 2-byte offset

@@ -1,6 +1,7 @@
 """sample kernel on the GPU vs the distribution pagedkern.reference.sample defines: frequencies
 over 2^20 draws per configuration against the exact renormalised top-k/top-p probabilities
-(float64 model in test_decode_algorithms), every draw inside the kept set, greedy = argmax,
+(float64 model in test_decode_algorithms), at V = 1000 and at Llama 3's V = 128256 (top-k, top-p,
+bf16 rows with +-inf and ties), every draw inside the kept set, greedy = argmax,
 NaN/inf/tie rows, reproducibility and independence of the batch, per-row parameter arrays,
 every logits dtype, odd vocabularies, and draw-for-draw agreement with the reference (the kernel
 uses the same u and the same inverse CDF in vocabulary order)."""
@@ -23,17 +24,25 @@ N_DRAWS = 1 << 20
 VOCAB = 1000
 
 
-def _row(kind: str, seed: int) -> torch.Tensor:
+def _row(kind: str, seed: int, vocab: int = VOCAB) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(VOCAB, generator=g) * 2
+    x = torch.randn(vocab, generator=g) * 2
     if kind == "ties":
         x = x.round()
     elif kind == "nan":
-        x[torch.randperm(VOCAB, generator=g)[:100]] = math.nan
+        x[torch.randperm(vocab, generator=g)[:100]] = math.nan
     elif kind == "posinf":
-        x[[4, 500, 999]] = math.inf
+        x[[4, vocab // 2, vocab - 1]] = math.inf
     elif kind == "peaked":
         x = x * 4
+    elif kind == "neginf_ties":  # ties, -0.0 and a third of the vocabulary at -inf
+        x = (x * 2).round()
+        x[x == 0] = -0.0
+        x[torch.randperm(vocab, generator=g)[: vocab // 3]] = -math.inf
+    elif kind == "inf_ties":  # +inf ties beside -inf and finite ties: the +inf ids share it all
+        x = x.round()
+        x[torch.randperm(vocab, generator=g)[: vocab // 3]] = -math.inf
+        x[[7, vocab // 3, vocab - 2]] = math.inf
     return x
 
 
@@ -65,6 +74,58 @@ def test_frequencies_match_the_renormalised_distribution(kind, temperature, top_
     # Total variation: P(TV >= eps) <= 2^K exp(-2 N eps^2) for K kept tokens (Bretagnolle-Huber-
     # Carol); eps at a 1e-9 false-alarm rate.
     kept = int((expected > 0).sum())
+    bound = math.sqrt((kept * math.log(2) + math.log(1e9)) / (2 * N_DRAWS))
+    assert 0.5 * float((freq - expected).abs().sum()) < bound
+
+
+def _expected_large(row, temperature, top_p, top_k):
+    """test_decode_algorithms._expected with the top-p masses from one sort (O(V log V) instead
+    of O(V^2), for V = 128256): mass above token i = sum of the probabilities strictly larger."""
+    x = row.double().clone()
+    x[x.isnan()] = -math.inf
+    if (x == math.inf).any():
+        return (x == math.inf).double() / (x == math.inf).sum()
+    s = (row.float() / temperature).double()
+    s[row.isnan()] = -math.inf
+    if 0 < top_k < x.numel():
+        s[s < s.sort(descending=True).values[top_k - 1]] = -math.inf
+    p = torch.exp(s - s.max())
+    p /= p.sum()
+    if top_p < 1:
+        values, order = p.sort(descending=True)
+        first = torch.searchsorted(-values, -values, side="left")  # start of each tie group
+        cumulative = values.cumsum(0)
+        above = torch.empty_like(p)
+        above[order] = torch.where(first > 0, cumulative[(first - 1).clamp(min=0)], 0.0)
+        p[(above >= top_p) & (above > 0)] = 0
+        p /= p.sum()
+    return p
+
+
+LLAMA3_VOCAB = 128256
+# (row kind, dtype, temperature, top_p, top_k) at Llama 3's vocabulary size.
+LARGE_VOCAB = [
+    ("plain", torch.float32, 0.7, 1.0, 50),  # top-k: 50 kept
+    ("plain", torch.float32, 0.5, 0.9, 0),  # top-p: ~720 kept
+    ("peaked", torch.bfloat16, 3.0, 0.95, 1000),  # both: ~860 kept
+    ("neginf_ties", torch.bfloat16, 1.0, 0.7, 0),
+    ("neginf_ties", torch.bfloat16, 0.8, 1.0, 20),
+    ("inf_ties", torch.bfloat16, 1.0, 0.5, 2),
+]
+
+
+@pytest.mark.parametrize("kind, dtype, temperature, top_p, top_k", LARGE_VOCAB)
+def test_frequencies_at_llama3_vocabulary(kind, dtype, temperature, top_p, top_k):
+    # The kernel's block-wide top-k / top-p over 128256 entries: ties at the cut, -0.0, +-inf.
+    row = _row(kind, seed=len(kind) + top_k, vocab=LLAMA3_VOCAB).to(dtype)
+    expected = _expected_large(row.float(), temperature, top_p, top_k)
+    logits = row.to(DEVICE).expand(N_DRAWS, LLAMA3_VOCAB)
+    seeds = torch.arange(N_DRAWS, device=DEVICE) * 1000003 + 99
+    ids = pagedkern.sample(logits, temperature, top_p, top_k, seeds, offsets=3)
+    freq = torch.bincount(ids.long(), minlength=LLAMA3_VOCAB).double().cpu() / N_DRAWS
+    assert (freq[expected == 0] == 0).all(), "a draw outside the top-k/top-p set"
+    kept = int((expected > 0).sum())
+    assert kept < 5000, "the case keeps too many tokens for 2^20 draws to resolve"
     bound = math.sqrt((kept * math.log(2) + math.log(1e9)) / (2 * N_DRAWS))
     assert 0.5 * float((freq - expected).abs().sum()) < bound
 

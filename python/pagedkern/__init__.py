@@ -3,6 +3,8 @@
 Single kernels:   pagedkern.rms_norm(x, w, eps), pagedkern.silu_and_mul(x), ...  (see `ops`)
 Ground truth:     pagedkern.reference.<op> (PyTorch, CPU or CUDA)
 Availability:     pagedkern.cuda_available(), pagedkern.cuda_unavailable_reason()
+Kernel coverage:  pagedkern.ops.support (outside it: the reference with a warning, or
+                  KernelUnsupportedError under ops.set_backend("cuda"))
 
 Ops accept torch tensors and CuPy arrays (or any object with __cuda_array_interface__). CPU torch
 tensors run on the reference ops; CUDA arrays run on the kernels, on the caller's current stream.
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ._extension import CudaUnavailableError, cuda_available, cuda_unavailable_reason
 from .ops import (
+    KernelUnsupportedError,
     flash_prefill,
     fused_add_rms_norm,
     paged_attention,
@@ -32,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CudaUnavailableError",
+    "KernelUnsupportedError",
     "cuda_available",
     "cuda_unavailable_reason",
     "flash_prefill",

@@ -9,6 +9,10 @@ no GPU is available; it says nothing about speed, and memory-model subtleties of
     with emulated():
         pagedkern.paged_attention(q, k_cache, v_cache, tables, seq_lens)  # CPU tensors
 
+Inside `emulated()` the op backend is "cuda" (strict): arguments outside kernel support raise
+instead of running the reference, and leaving the block without a kernel launch (the runtime
+counts them, `launches()`) fails, so no test can compare the reference with itself.
+
 Needs g++, the CUDA headers and pybind11 (the build is cached under build/emulator/);
 PAGEDKERN_NO_EMULATION=1 skips it.
 """
@@ -16,6 +20,7 @@ PAGEDKERN_NO_EMULATION=1 skips it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import importlib.util
 import os
@@ -56,7 +61,9 @@ def _cuda_include() -> Path | None:
 
 
 def unavailable_reason() -> str | None:
-    if os.environ.get("PAGEDKERN_NO_EMULATION") == "1":
+    from pagedkern.envs import ENV
+
+    if ENV["PAGEDKERN_NO_EMULATION"].get():
         return "PAGEDKERN_NO_EMULATION=1"
     if shutil.which("g++") is None:
         return "g++ not found"
@@ -92,7 +99,9 @@ def _compile(src: Path, obj: Path, includes: list[str]) -> Path:
 
 def _cutlass_include() -> list[str]:
     """As setup.py finds it: bindings.cpp may include headers that need CUTLASS/CuTe."""
-    path = os.environ.get("PAGEDKERN_CUTLASS_INCLUDE")
+    from pagedkern.envs import ENV
+
+    path = ENV["PAGEDKERN_CUTLASS_INCLUDE"].get()
     spec = importlib.util.find_spec("cutlass_library")
     if not path and spec and spec.submodule_search_locations:
         path = str(Path(next(iter(spec.submodule_search_locations))) / "source" / "include")
@@ -107,7 +116,7 @@ def build() -> Path:
     includes += ["-I", pybind11.get_include(), *_cutlass_include()]
     sources = [CSRC / k for k in KERNELS] + [CSRC / "bindings.cpp"]
     digest = hashlib.sha256()
-    for f in [*sources, *CSRC.glob("*.h"), CSRC / "device.cuh", HERE / "emu.h"]:
+    for f in [*sources, *sorted(CSRC.glob("*.h")), *sorted(CSRC.glob("*.cuh")), HERE / "emu.h"]:
         digest.update(f.name.encode() + f.read_bytes())
     digest.update((HERE / "emu_runtime.cpp").read_bytes())
     out = ROOT / "build" / "emulator" / digest.hexdigest()[:16]
@@ -157,9 +166,17 @@ def load():
     return sys.modules[name]
 
 
+def launches() -> int:
+    """Kernel launches the emulated runtime has run so far (grids, including the merge and
+    check kernels)."""
+    return ctypes.CDLL(load().__file__).emu_launch_count()
+
+
 @contextlib.contextmanager
-def emulated():
-    """Within: pagedkern ops run their kernel path on CPU tensors through the emulated module."""
+def emulated(expect_launch: bool = True):
+    """Within: pagedkern ops run their kernel path on CPU tensors through the emulated module,
+    under the strict "cuda" backend. On leaving, AssertionError if no kernel was launched
+    (expect_launch=False for blocks that test a refusal)."""
     import pagedkern.ops  # noqa: F401  (loads every op module)
     from pagedkern.ops import launch
 
@@ -172,13 +189,13 @@ def emulated():
 
     patch(launch, "require", lambda: module)
     patch(launch, "current_stream", lambda views, device, stream=None: 0)
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("pagedkern.ops.") and hasattr(
-            mod, "use_reference"
-        ):
-            patch(mod, "use_reference", lambda views: False)
+    patch(launch, "use_reference", lambda views: False)
+    before = launches()
     try:
-        yield module
+        with launch.use_backend("cuda"):
+            yield module
     finally:
         for obj, attr, value in reversed(saved):
             setattr(obj, attr, value)
+    if expect_launch and launches() == before:
+        raise AssertionError("no kernel ran inside emulated(): the test compared nothing")

@@ -157,8 +157,11 @@ uint32_t warp_ballot(bool pred) {
   return bits;
 }
 
+long long g_launches = 0;  // kernel launches so far: tests check that the kernel really ran
+
 void run_grid(dim3 grid, dim3 block, const std::function<void()>& body) {
   if (block.x * block.y * block.z > 1024) throw std::runtime_error("emu: block too large");
+  ++g_launches;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
@@ -181,8 +184,9 @@ void run_grid(dim3 grid, dim3 block, const std::function<void()>& body) {
 
 }  // namespace emu
 
-// CUDA runtime stand-ins: one device (0), every pointer is "device memory", no errors.
+// CUDA runtime stand-ins: one device (0, an sm_90), every pointer is "device memory", no errors.
 extern "C" {
+long long emu_launch_count(void) { return emu::g_launches; }
 cudaError_t cudaGetDevice(int* device) {
   *device = 0;
   return cudaSuccess;
@@ -202,7 +206,9 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, const void*) {
   return cudaSuccess;
 }
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
-  *value = attr == cudaDevAttrMultiProcessorCount ? 132 : 0;
+  *value = attr == cudaDevAttrMultiProcessorCount       ? 132
+           : attr == cudaDevAttrComputeCapabilityMajor ? 9
+                                                       : 0;
   return cudaSuccess;
 }
 cudaError_t cudaFuncSetAttribute(const void*, cudaFuncAttribute, int) { return cudaSuccess; }

@@ -27,6 +27,7 @@ from ..model import LlamaModel, Tokenizer, load_model
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .kernel_policy import decode_graphs
 from .kv_budget import kv_cache_blocks
 from .logits_processing import LogitsState
 from .outputs import EngineStats, RequestOutput, TokenLogprob
@@ -68,9 +69,17 @@ class Engine:
         self.backend = config.backend
         self.vocab_size = model.config.vocab_size
         context = min(config.max_model_len or model.max_positions, model.max_positions)
-        graphs = config.cuda_graphs
-        if graphs is None:  # on by default where kernels run on a GPU (the reference syncs)
-            graphs = model.device.type == "cuda" and self.backend != "reference"
+        # On by default where the kernels run on a GPU; refused or off (with a warning) where a
+        # kernel does not cover this model and cache (engine/kernel_policy.py).
+        graphs = decode_graphs(
+            device_type=model.device.type,
+            backend=self.backend,
+            dtype=str(model.dtype).removeprefix("torch."),
+            head_dim=model.config.head_dim,
+            block_size=config.block_size,
+            vocab=model.config.vocab_size,
+            requested=config.cuda_graphs,
+        )
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
             num_blocks = config.num_blocks or kv_cache_blocks(model, config, context)
             # A sequence can never outgrow the whole cache: one that did would be preempted

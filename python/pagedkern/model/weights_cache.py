@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..envs import ENV
 from .config import ModelConfig
 from .tokenizer import Tokenizer
 from .weights import LlamaWeights
@@ -26,7 +27,7 @@ _WEIGHTS, _CONFIG, _DONE = "weights.safetensors", "pagedkern_config.json", "comp
 
 
 def cache_root() -> Path:
-    override = os.environ.get("PAGEDKERN_CACHE_DIR")
+    override = ENV["PAGEDKERN_CACHE_DIR"].get()
     if override:
         return Path(override)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -1,6 +1,8 @@
 """The public kernel API: one entry per op. Each validates its arguments (TypeError/ValueError
 naming the argument, its shape and dtype), then runs the CUDA kernel on CUDA arrays (caller's
-current stream) or the PyTorch reference on CPU tensors."""
+current stream) or the PyTorch reference on CPU tensors; what each kernel covers is decided in
+support.py (outside it: the reference with a warning, or KernelUnsupportedError under the strict
+"cuda" backend)."""
 
 from .activation import silu_and_mul
 from .flash_prefill import flash_prefill
@@ -9,10 +11,13 @@ from .norm import fused_add_rms_norm, rms_norm
 from .paged_attention import paged_attention
 from .rope import rope_and_cache
 from .sampling import sample
+from .support import KernelSupport, KernelUnsupportedError
 
 __all__ = [
     "flash_prefill",
     "fused_add_rms_norm",
+    "KernelSupport",
+    "KernelUnsupportedError",
     "get_backend",
     "paged_attention",
     "rms_norm",

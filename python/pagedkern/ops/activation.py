@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import support
 from .arrays import (
     DTYPE_CODES,
     FLOAT_DTYPES,
@@ -12,7 +13,7 @@ from .arrays import (
     rows_of,
     view,
 )
-from .launch import launch_context, use_reference
+from .launch import kernel_or_reference, launch_context
 
 
 def silu_and_mul(x, out=None, *, stream=None):
@@ -30,7 +31,7 @@ def silu_and_mul(x, out=None, *, stream=None):
         check_shape(ov, shape)
         rows_of(ov)
         views.append(ov)
-    if use_reference(views):
+    if not kernel_or_reference("silu_and_mul", views, support.elementwise(xv.dtype)):
         from ..reference import silu_and_mul as reference
 
         return reference(x, out=out)
@@ -39,14 +40,14 @@ def silu_and_mul(x, out=None, *, stream=None):
         out = empty_like(xv, shape)
         ov = view(out, "out")
     module.silu_and_mul(
-        ov.ptr,
-        xv.ptr,
-        rows,
-        shape[-1],
-        rows_of(ov)[1],
-        x_stride,
-        DTYPE_CODES[xv.dtype],
-        device,
-        handle,
+        out=ov.ptr,
+        x=xv.ptr,
+        rows=rows,
+        d=shape[-1],
+        out_stride=rows_of(ov)[1],
+        x_stride=x_stride,
+        dtype=DTYPE_CODES[xv.dtype],
+        device=device,
+        stream=handle,
     )
     return out

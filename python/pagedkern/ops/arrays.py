@@ -191,7 +191,7 @@ def resolve_device(arrays: Sequence[ArrayView], module) -> int:
     device = common_device(arrays)
     if isinstance(device, int):
         return device
-    owners = {module.pointer_device(a.ptr) for a in arrays if a.ptr}
+    owners = {module.pointer_device(address=a.ptr) for a in arrays if a.ptr}
     if -1 in owners:
         raise ValueError("an argument's pointer is not CUDA device memory")
     if len(owners) > 1:

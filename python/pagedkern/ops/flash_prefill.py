@@ -4,26 +4,27 @@
 Two kernel paths (csrc/flash_prefill.cu dispatches): path 1, mma.sync + cp.async, runs on every
 GPU from sm_80 on; path 2, wgmma + TMA with warp specialisation, on sm_90 when the block size
 allows TMA page loads (a multiple of 8 dividing 128, or a multiple of 128). The environment
-variable PAGEDKERN_FLASH_PREFILL_PATH picks one: "auto" (default), "sm80" (path 1 everywhere,
-e.g. to test it on Hopper) or "sm90" (path 2, an error where it cannot run). Work is scheduled on
-the device from cu_seqlens_q and seq_lens (never read back to the host), into a small int32
-workspace allocated per call unless `workspace=` passes one (CUDA-graph capture).
+variable PAGEDKERN_FLASH_PREFILL_PATH (pagedkern/envs.py) picks one: "auto" (default), "sm80"
+(path 1 everywhere, e.g. to test it on Hopper) or "sm90" (path 2, an error where it cannot
+run). Work is scheduled on the device from cu_seqlens_q and seq_lens (never read back to the
+host), into a small int32 workspace allocated per call unless `workspace=` passes one (CUDA-graph
+capture).
 """
 
 from __future__ import annotations
 
-import os
-
+from .. import envs
+from . import support
 from .arrays import (
     DTYPE_CODES,
-    ArrayView,
     check_contiguous,
     check_dtype,
     check_ndim,
     common_device,
     view,
 )
-from .launch import launch_context, reference_on_torch, use_reference
+from .index_checks import check_block_table_contents, check_query_bounds
+from .launch import check_indices, kernel_or_reference, launch_context, reference_on_torch
 from .paged_kv import (
     attention_outputs,
     check_attention_args,
@@ -32,19 +33,15 @@ from .paged_kv import (
     workspace_view,
 )
 
-KERNEL_DTYPES = ("float16", "bfloat16")
-KERNEL_HEAD_DIMS = (64, 128)
 PATH_ENV = "PAGEDKERN_FLASH_PREFILL_PATH"
-PATHS = {"auto": 0, "sm80": 1, "sm90": 2}  # csrc/flash_prefill.h FlashPrefillPath
+# csrc/flash_prefill.h FlashPrefillPath, exported as _C.FLASH_PREFILL_PATHS (a test compares them)
+PATHS = {"auto": 0, "sm80": 1, "sm90": 2}
 PATH_NAMES = {code: name for name, code in PATHS.items()}
 
 
 def requested_path() -> str:
     """The kernel path PAGEDKERN_FLASH_PREFILL_PATH asks for ("auto" when unset)."""
-    name = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
-    if name not in PATHS:
-        raise ValueError(f"{PATH_ENV} must be one of {', '.join(PATHS)}, got {name!r}")
-    return name
+    return envs.ENV[PATH_ENV].get()
 
 
 def kernel_path(device: int, head_dim: int, block_size: int, path: str | None = None) -> str:
@@ -53,13 +50,17 @@ def kernel_path(device: int, head_dim: int, block_size: int, path: str | None = 
     from .._extension import require
 
     code = require().flash_prefill_path(
-        device, head_dim, block_size, PATHS[path or requested_path()]
+        device=device,
+        head_dim=head_dim,
+        block_size=block_size,
+        path=PATHS[path or requested_path()],
     )
     return PATH_NAMES[code]
 
 
-def _kernel_supports(qv: ArrayView) -> bool:
-    return qv.dtype in KERNEL_DTYPES and qv.shape[2] in KERNEL_HEAD_DIMS
+def kernel_support(dtype: str, head_dim: int) -> support.KernelSupport:
+    """(supported, reason): whether the CUDA kernels cover these arguments (ops/support.py)."""
+    return support.flash_prefill(dtype, head_dim)
 
 
 def flash_prefill(
@@ -80,9 +81,12 @@ def flash_prefill(
     delimited by cu_seqlens_q [B+1] int32; seq_lens [B] int32 counts each sequence's keys in the
     cache (prefix + chunk). Returns out [total_q, Hq, D] (and lse [total_q, Hq] float32).
 
-    The CUDA kernels cover float16/bfloat16 and D in {64, 128}; other torch inputs run on the
-    reference. They trust the lengths (never read on the host): cu_seqlens_q non-decreasing up to
-    total_q, seq_lens[b] >= the chunk length, block tables covering seq_lens[b] keys.
+    The CUDA kernels cover float16/bfloat16 and D in {64, 128} (`kernel_support`); other CUDA
+    torch inputs run on the reference with a warning under the "auto" backend and raise
+    KernelUnsupportedError under "cuda". The reference checks the indices' contents; the kernels
+    never read lengths on the host and check them (cu_seqlens_q rising from 0 to total_q,
+    chunk length <= seq_lens[b] <= table capacity, block ids in the cache) only in the
+    PAGEDKERN_CHECK_INDICES=1 debug mode.
     workspace: int32 CUDA array of at least _C.flash_prefill_workspace_ints(total_q, B) entries,
     else allocated per call."""
     check_scale(scale)
@@ -96,8 +100,11 @@ def flash_prefill(
     )
     views.append(cu)
     common_device(views)
-    if use_reference(views) or not _kernel_supports(qv):
+    kc = views[1]
+    if not kernel_or_reference("flash_prefill", views, kernel_support(qv.dtype, qv.shape[2])):
         reference = reference_on_torch("flash_prefill", views)
+        check_block_table_contents(block_tables, seq_lens, kc.shape[0], kc.shape[2])
+        check_query_bounds(cu_seqlens_q, seq_lens, qv.shape[0])
         return reference.flash_prefill(
             q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, scale, out, return_lse
         )
@@ -115,33 +122,35 @@ def flash_prefill(
     path = requested_path()
     module, device, handle = launch_context(views, stream)
     out, ov, lse = attention_outputs(qv, out, return_lse)
-    need = int(module.flash_prefill_workspace_ints(total, batch))
+    need = int(module.flash_prefill_workspace_ints(total_q=total, batch=batch))
     wv = workspace_view(workspace, qv, need, "int32", views)
     module.flash_prefill(
-        ov.ptr,
-        view(lse, "lse").ptr if lse is not None else 0,
-        qv.ptr,
-        kc.ptr,
-        vc.ptr,
-        cu.ptr,
-        bt.ptr,
-        sl.ptr,
-        wv.ptr,
-        qv.strides[0] if total > 1 else num_heads * head_dim,
-        ov.strides[0] if total > 1 else num_heads * head_dim,
-        bt.strides[0],
-        kc.shape[0],
-        total,
-        batch,
-        num_heads,
-        kc.shape[1],
-        head_dim,
-        kc.shape[2],
-        float(scale if scale is not None else head_dim**-0.5),
-        DTYPE_CODES[qv.dtype],
-        PATHS[path],
-        path != "auto",
-        device,
-        handle,
+        out=ov.ptr,
+        lse=view(lse, "lse").ptr if lse is not None else 0,
+        q=qv.ptr,
+        k_cache=kc.ptr,
+        v_cache=vc.ptr,
+        cu_seqlens_q=cu.ptr,
+        block_tables=bt.ptr,
+        seq_lens=sl.ptr,
+        workspace=wv.ptr,
+        q_stride=qv.strides[0] if total > 1 else num_heads * head_dim,
+        out_stride=ov.strides[0] if total > 1 else num_heads * head_dim,
+        block_table_stride=bt.strides[0],
+        block_table_width=bt.shape[1],
+        num_blocks=kc.shape[0],
+        total_q=total,
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=kc.shape[1],
+        head_dim=head_dim,
+        block_size=kc.shape[2],
+        scale=float(scale if scale is not None else head_dim**-0.5),
+        dtype=DTYPE_CODES[qv.dtype],
+        path=PATHS[path],
+        strict=path != "auto",
+        check_indices=check_indices(),
+        device=device,
+        stream=handle,
     )
     return (out, lse) if return_lse else out

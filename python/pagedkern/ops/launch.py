@@ -1,14 +1,18 @@
-"""What every kernel launch needs once its arguments are valid: the module, device and stream."""
+"""What every kernel launch needs once its arguments are valid: the backend's choice between the
+kernel and the reference, then the module, device and stream."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 
+from .. import envs
 from .._extension import require
 from .arrays import ArrayView, common_device, current_stream, resolve_device
+from .support import KernelSupport, KernelUnsupportedError
 
 BACKENDS = ("auto", "cuda", "reference")
 _backend = "auto"  # the process default (set_backend)
@@ -18,7 +22,8 @@ _scoped: contextvars.ContextVar[str | None] = contextvars.ContextVar("backend", 
 def set_backend(name: str) -> None:
     """'auto' (default): CUDA kernels for CUDA arrays, the reference for CPU tensors.
     'reference': the PyTorch reference everywhere, also on a GPU (A/B comparisons).
-    'cuda': like auto (the engine uses it to insist on a GPU)."""
+    'cuda': strict, the CUDA kernels only: an op whose arguments no kernel covers (CPU tensors,
+    or a dtype / head dim / block size outside ops/support.py) raises KernelUnsupportedError."""
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
@@ -47,6 +52,47 @@ def use_reference(views: Sequence[ArrayView]) -> bool:
     return get_backend() == "reference" or common_device(views) == "cpu"
 
 
+_warned: set[tuple[str, str]] = set()  # (op, reason) pairs already reported
+
+
+def kernel_or_reference(op: str, views: Sequence[ArrayView], support: KernelSupport) -> bool:
+    """True: launch the op's CUDA kernel. False: run the reference, which is where the "reference"
+    backend and CPU tensors go, and, under "auto", CUDA arrays outside kernel support (with a
+    RuntimeWarning once per (op, reason)). Under "cuda" anything but the kernel raises."""
+    reference = use_reference(views)
+    if get_backend() == "cuda" and (reference or not support.supported):
+        reason = support.reason or "CPU tensors"
+        raise KernelUnsupportedError(
+            f"{op}: no CUDA kernel for {reason}, and the 'cuda' backend never falls back to the "
+            "reference (backend 'auto' runs it there, slowly)"
+        )
+    if reference:
+        return False
+    if support.supported:
+        return True
+    warn_fallback(op, support.reason, stacklevel=4)
+    return False
+
+
+def warn_fallback(op: str, reason: str, stacklevel: int = 2) -> None:
+    """RuntimeWarning that `op` runs the reference on CUDA arrays, once per (op, reason) per
+    process (the engine reports it at start-up; the op then stays quiet)."""
+    if (op, reason) in _warned:
+        return
+    _warned.add((op, reason))
+    warnings.warn(
+        f"pagedkern: {op} runs the PyTorch reference on the GPU because its CUDA kernel does "
+        f"not cover {reason}: slow, and not capturable in a CUDA graph",
+        RuntimeWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def check_indices() -> bool:
+    """Whether kernels run with their debug-mode index checks (PAGEDKERN_CHECK_INDICES=1)."""
+    return envs.check_indices()
+
+
 def launch_context(views: Sequence[ArrayView], stream=None) -> tuple[ModuleType, int, int]:
     """(pagedkern._C, device index, stream handle); CudaUnavailableError where no kernel can run."""
     module = require()
@@ -55,11 +101,12 @@ def launch_context(views: Sequence[ArrayView], stream=None) -> tuple[ModuleType,
 
 
 def reference_on_torch(op: str, views: Sequence[ArrayView]):
-    """The reference module, for ops whose CUDA kernel has not landed yet: it runs on torch
-    tensors wherever they live; other array libraries get a clear error."""
+    """The reference module, for arguments no CUDA kernel covers: it runs on torch tensors
+    wherever they live; other array libraries get a clear error."""
     if any(v.library != "torch" for v in views):
         raise NotImplementedError(
-            f"{op} has no CUDA kernel yet; pass torch tensors to run pagedkern.reference.{op}"
+            f"{op} has no CUDA kernel for these arguments; pass torch tensors to run "
+            f"pagedkern.reference.{op}"
         )
     from .. import reference
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
+from . import support
 from .arrays import (
     DTYPE_CODES,
     FLOAT_DTYPES,
+    ITEMSIZE,
+    ArrayView,
     check_dtype,
     check_same_dtype,
     check_shape,
@@ -12,13 +17,34 @@ from .arrays import (
     rows_of,
     view,
 )
-from .launch import launch_context, use_reference
+from .launch import kernel_or_reference, launch_context
 
 
 def _check_eps(eps: float) -> float:
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"eps must be a finite non-negative number, got {eps!r}")
     return float(eps)
+
+
+def _byte_span(a: ArrayView) -> tuple[int, int]:
+    """[first, last) bytes an array's elements can touch (empty arrays touch nothing)."""
+    if a.numel == 0:
+        return a.ptr, a.ptr
+    itemsize = ITEMSIZE[a.dtype]
+    extent = sum((n - 1) * abs(s) for n, s in zip(a.shape, a.strides, strict=True))
+    low = a.ptr + itemsize * sum(
+        (n - 1) * s for n, s in zip(a.shape, a.strides, strict=True) if s < 0
+    )
+    return low, low + (extent + 1) * itemsize
+
+
+def check_disjoint(a: ArrayView, b: ArrayView) -> None:
+    """a and b must not share memory (conservatively: their byte spans must not overlap)."""
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    if a0 < b1 and b0 < a1:
+        raise ValueError(
+            f"{a.describe()} and {b.describe()} overlap in memory; pass distinct arrays"
+        )
 
 
 def rms_norm(x, weight, eps: float = 1e-6, out=None, *, stream=None):
@@ -37,7 +63,7 @@ def rms_norm(x, weight, eps: float = 1e-6, out=None, *, stream=None):
         check_shape(ov, xv.shape)
         rows_of(ov)
         views.append(ov)
-    if use_reference(views):
+    if not kernel_or_reference("rms_norm", views, support.elementwise(xv.dtype)):
         from ..reference import rms_norm as reference
 
         return reference(x, weight, eps, out=out)
@@ -46,26 +72,26 @@ def rms_norm(x, weight, eps: float = 1e-6, out=None, *, stream=None):
         out = empty_like(xv, xv.shape)
         ov = view(out, "out")
     module.rms_norm(
-        ov.ptr,
-        xv.ptr,
-        0,
-        wv.ptr,
-        rows,
-        xv.shape[-1],
-        rows_of(ov)[1],
-        x_stride,
-        0,
-        eps,
-        DTYPE_CODES[xv.dtype],
-        device,
-        handle,
+        out=ov.ptr,
+        x=xv.ptr,
+        residual=0,
+        weight=wv.ptr,
+        rows=rows,
+        hidden=xv.shape[-1],
+        out_stride=rows_of(ov)[1],
+        x_stride=x_stride,
+        residual_stride=0,
+        eps=eps,
+        dtype=DTYPE_CODES[xv.dtype],
+        device=device,
+        stream=handle,
     )
     return out
 
 
 def fused_add_rms_norm(x, residual, weight, eps: float = 1e-6, *, stream=None):
     """In place: residual = x + residual; x = rms_norm(residual, weight, eps). Returns
-    (x, residual). x, residual: [..., H], same dtype and shape; weight: [H]."""
+    (x, residual). x, residual: [..., H], same dtype and shape, not sharing memory; weight: [H]."""
     eps = _check_eps(eps)
     xv, rv, wv = view(x, "x"), view(residual, "residual"), view(weight, "weight")
     check_dtype(xv, FLOAT_DTYPES)
@@ -75,24 +101,25 @@ def fused_add_rms_norm(x, residual, weight, eps: float = 1e-6, *, stream=None):
     check_shape(wv, (xv.shape[-1] if xv.ndim else None,))
     rows, x_stride = rows_of(xv)
     _, residual_stride = rows_of(rv)
-    if use_reference([xv, rv, wv]):
+    check_disjoint(xv, rv)  # the kernel reads x and residual after writing both
+    if not kernel_or_reference("fused_add_rms_norm", [xv, rv, wv], support.elementwise(xv.dtype)):
         from ..reference import fused_add_rms_norm as reference
 
         return reference(x, residual, weight, eps)
     module, device, handle = launch_context([xv, rv, wv], stream)
     module.rms_norm(
-        xv.ptr,
-        xv.ptr,
-        rv.ptr,
-        wv.ptr,
-        rows,
-        xv.shape[-1],
-        x_stride,
-        x_stride,
-        residual_stride,
-        eps,
-        DTYPE_CODES[xv.dtype],
-        device,
-        handle,
+        out=xv.ptr,
+        x=xv.ptr,
+        residual=rv.ptr,
+        weight=wv.ptr,
+        rows=rows,
+        hidden=xv.shape[-1],
+        out_stride=x_stride,
+        x_stride=x_stride,
+        residual_stride=residual_stride,
+        eps=eps,
+        dtype=DTYPE_CODES[xv.dtype],
+        device=device,
+        stream=handle,
     )
     return x, residual

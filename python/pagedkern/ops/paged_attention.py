@@ -14,14 +14,15 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from . import support
 from .arrays import (
     DTYPE_CODES,
-    ArrayView,
     check_contiguous,
     check_shape,
     view,
 )
-from .launch import launch_context, reference_on_torch, use_reference
+from .index_checks import check_block_table_contents
+from .launch import check_indices, kernel_or_reference, launch_context, reference_on_torch
 from .paged_kv import (
     attention_outputs,
     check_attention_args,
@@ -30,8 +31,6 @@ from .paged_kv import (
     workspace_view,
 )
 
-KERNEL_DTYPES = ("float16", "bfloat16")
-KERNEL_HEAD_DIMS = (64, 128, 256)
 SPLIT_ALIGN = 64  # split sizes are whole pipeline tiles (4096 / D tokens) for every D
 MIN_SPLIT_TOKENS = 256  # shorter splits cost more in pipeline fill and merge than they save
 MAX_SPLITS = 128
@@ -123,17 +122,12 @@ def workspace_size(batch: int, num_heads: int, head_dim: int, num_splits: int) -
 
 @functools.cache
 def _num_sms(module, device: int) -> int:
-    return int(module.multiprocessor_count(device))
+    return int(module.multiprocessor_count(device=device))
 
 
-def _kernel_supports(qv: ArrayView, kc: ArrayView) -> bool:
-    block_size = kc.shape[2]
-    return (
-        qv.dtype in KERNEL_DTYPES
-        and qv.shape[2] in KERNEL_HEAD_DIMS
-        and block_size > 0
-        and block_size & (block_size - 1) == 0
-    )
+def kernel_support(dtype: str, head_dim: int, block_size: int) -> support.KernelSupport:
+    """(supported, reason): whether the CUDA kernel covers these arguments (ops/support.py)."""
+    return support.paged_attention(dtype, head_dim, block_size)
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -164,16 +158,21 @@ def paged_attention(
     width x block_size); a smaller bound stays correct (the last split takes the rest) but may
     be slow. num_splits: force the split count (1 = no split-KV). workspace: float32 CUDA array
     of at least workspace_size(B, Hq, D, plan.num_splits) elements, else allocated per call.
-    The CUDA kernel covers float16/bfloat16, D in {64, 128, 256} and power-of-two block sizes;
-    other torch inputs run on the reference."""
+    The CUDA kernel covers float16/bfloat16, D in {64, 128, 256} and power-of-two block sizes
+    (`kernel_support`); other CUDA torch inputs run on the reference with a warning under the
+    "auto" backend and raise KernelUnsupportedError under "cuda". The reference checks the
+    indices' contents (ValueError naming the entry); the kernel checks them on the device with
+    PAGEDKERN_CHECK_INDICES=1."""
     check_scale(scale)
     _check_int("max_seq_len", max_seq_len, 0)
     _check_int("num_splits", num_splits, 1)
     qv, views = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, None, out)
     check_shape(views[4], (qv.shape[0],))
     kc, bt = views[1], views[3]
-    if use_reference(views) or not _kernel_supports(qv, kc):
+    decision = kernel_support(qv.dtype, qv.shape[2], kc.shape[2])
+    if not kernel_or_reference("paged_attention", views, decision):
         reference = reference_on_torch("paged_attention", views)
+        check_block_table_contents(block_tables, seq_lens, kc.shape[0], kc.shape[2])
         return reference.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, scale, out, return_lse
         )
@@ -197,27 +196,30 @@ def paged_attention(
         need = workspace_size(batch, num_heads, head_dim, plan.num_splits)
         wv = workspace_view(workspace, qv, need, "float32", views)
     module.paged_attention(
-        ov.ptr,
-        view(lse, "lse").ptr if lse is not None else 0,
-        qv.ptr,
-        kc.ptr,
-        views[2].ptr,
-        bt.ptr,
-        views[4].ptr,
-        wv.ptr if wv is not None else 0,
-        qv.strides[0],
-        ov.strides[0],
-        bt.strides[0],
-        batch,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        plan.num_splits,
-        plan.split_size,
-        float(scale if scale is not None else head_dim**-0.5),
-        DTYPE_CODES[qv.dtype],
-        device,
-        handle,
+        out=ov.ptr,
+        lse=view(lse, "lse").ptr if lse is not None else 0,
+        q=qv.ptr,
+        k_cache=kc.ptr,
+        v_cache=views[2].ptr,
+        block_tables=bt.ptr,
+        seq_lens=views[4].ptr,
+        workspace=wv.ptr if wv is not None else 0,
+        q_stride=qv.strides[0],
+        out_stride=ov.strides[0],
+        block_table_stride=bt.strides[0],
+        block_table_width=bt.shape[1],
+        num_blocks=kc.shape[0],
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_splits=plan.num_splits,
+        split_size=plan.split_size,
+        scale=float(scale if scale is not None else head_dim**-0.5),
+        dtype=DTYPE_CODES[qv.dtype],
+        check_indices=check_indices(),
+        device=device,
+        stream=handle,
     )
     return (out, lse) if return_lse else out

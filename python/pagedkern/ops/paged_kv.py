@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from .arrays import (
     FLOAT_DTYPES,
     ArrayView,
@@ -66,8 +68,10 @@ def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, batch_size
 
 
 def check_scale(scale):
-    if scale is not None and (not isinstance(scale, (int, float)) or scale <= 0):
-        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a finite positive number or None, got {scale!r}")
 
 
 def check_rows_aligned(a: ArrayView) -> None:

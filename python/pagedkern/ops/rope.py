@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import support
 from .arrays import (
     DTYPE_CODES,
     FLOAT_DTYPES,
@@ -13,14 +14,17 @@ from .arrays import (
     common_device,
     view,
 )
-from .launch import launch_context, use_reference
+from .index_checks import check_rope_indices
+from .launch import check_indices, kernel_or_reference, launch_context
 from .paged_kv import check_heads, check_kv_cache
 
 
 def rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, *, stream=None):
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half, cos/sin from cos_sin
     [max_positions, D] float32 at positions [T] int32) and write k, v into k_cache/v_cache
-    [num_blocks, Hkv, block_size, D] at slot_mapping [T] int32 (-1 = skip)."""
+    [num_blocks, Hkv, block_size, D] at slot_mapping [T] int32 (-1 = skip). The reference
+    checks positions and slots against the table and the cache (ValueError naming the entry);
+    the kernel checks them on the device with PAGEDKERN_CHECK_INDICES=1."""
     qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
     check_dtype(qv, FLOAT_DTYPES)
     check_ndim(qv, 3)
@@ -52,32 +56,36 @@ def rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, 
     check_shape(vc, kc.shape)
     views = [qv, kv, vv, pv, cv, kc, vc, sv]
     common_device(views)
-    if use_reference(views):
+    if not kernel_or_reference("rope_and_cache", views, support.elementwise(qv.dtype)):
         from ..reference import rope_and_cache as reference
 
+        check_rope_indices(positions, slot_mapping, cv.shape[0], kc.shape[0] * kc.shape[2])
         reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
         return
     if tokens == 0:
         return
     module, device, handle = launch_context(views, stream)
     module.rope_and_cache(
-        qv.ptr,
-        kv.ptr,
-        vv.ptr,
-        pv.ptr,
-        cv.ptr,
-        kc.ptr,
-        vc.ptr,
-        sv.ptr,
-        qv.strides[0],
-        kv.strides[0],
-        vv.strides[0],
-        tokens,
-        qv.shape[1],
-        kv.shape[1],
-        head_dim,
-        kc.shape[2],
-        DTYPE_CODES[qv.dtype],
-        device,
-        handle,
+        q=qv.ptr,
+        k=kv.ptr,
+        v=vv.ptr,
+        positions=pv.ptr,
+        cos_sin=cv.ptr,
+        k_cache=kc.ptr,
+        v_cache=vc.ptr,
+        slot_mapping=sv.ptr,
+        q_stride=qv.strides[0],
+        k_stride=kv.strides[0],
+        v_stride=vv.strides[0],
+        tokens=tokens,
+        max_positions=cv.shape[0],
+        num_blocks=kc.shape[0],
+        num_heads=qv.shape[1],
+        num_kv_heads=kv.shape[1],
+        head_dim=head_dim,
+        block_size=kc.shape[2],
+        dtype=DTYPE_CODES[qv.dtype],
+        check_indices=check_indices(),
+        device=device,
+        stream=handle,
     )

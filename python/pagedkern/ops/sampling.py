@@ -3,6 +3,7 @@ reference."""
 
 from __future__ import annotations
 
+from . import support
 from .arrays import (
     DTYPE_CODES,
     FLOAT_DTYPES,
@@ -15,7 +16,7 @@ from .arrays import (
     full_like,
     view,
 )
-from .launch import launch_context, reference_on_torch, use_reference
+from .launch import kernel_or_reference, launch_context, reference_on_torch
 
 _PARAMS = (
     ("temperature", "float32"),
@@ -41,7 +42,6 @@ _PROCESSING = (
 _SPARSE = ("token_offsets", "token_ids", "token_counts", "token_bias")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 MAX_TOP_LOGPROBS = 20
-MAX_KERNEL_VOCAB = (1 << 23) - 1  # fixed-point masses: 2^23 tokens x 2^40 stay below 2^63
 _INT32 = (-(2**31), 2**31 - 1)
 
 
@@ -122,9 +122,7 @@ def sample(
     processing = _check_processing(given, rows, vocab, views)
     _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows, views)
     common_device(views)
-    if use_reference(views) or vocab > MAX_KERNEL_VOCAB or top_ids is not None:
-        # Not yet in csrc/sampling.cu: the top-N logprobs (the reference's torch ops, on the
-        # logits' device).
+    if not kernel_or_reference("sample", views, support.sample(lv.dtype, vocab)):
         reference = reference_on_torch("sample", views)
         return reference.sample(
             logits,
@@ -184,6 +182,12 @@ def sample(
         device=device,
         stream=handle,
     )
+    if top_ids is not None and rows:
+        # The top-N logprobs are not in the kernel: torch ops on the processed logits.
+        from ..reference.logits_processing import write_top_logprobs
+
+        reference_on_torch("sample (top-N logprobs)", views)  # torch tensors only
+        write_top_logprobs(logits, temperature, top_ids, top_logprobs, **processing)
     return out
 
 

@@ -113,3 +113,19 @@ def min_p_filter(s: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     cutoff = s_max + torch.log(torch.where(on, min_p.float(), torch.ones_like(min_p)))[:, None]
     drop = on[:, None] & (s < cutoff) & torch.isfinite(s_max)
     return s.masked_fill(drop, float("-inf"))
+
+
+def write_top_logprobs(
+    logits: torch.Tensor, temperature, top_ids: torch.Tensor, top_values: torch.Tensor, **processing
+) -> None:
+    """Fill top_ids / top_values [B, N] with the N most likely tokens of the processed
+    distribution (what `sample` writes; min_p, which comes after, is ignored)."""
+    processing.pop("min_p", None)
+    rows = logits.shape[0]
+    t = torch.as_tensor(temperature, device=logits.device).float()
+    t = t.expand(rows) if t.dim() == 0 else t
+    ids, values = top_logprobs(
+        logprobs_of(process_logits(logits, **processing), t), top_ids.shape[1]
+    )
+    top_ids.copy_(ids)
+    top_values.copy_(values)

@@ -1,0 +1,76 @@
+"""What the engine does at start-up when a CUDA kernel does not cover its configuration.
+
+The ops' kernel-support decisions (pagedkern/ops/support.py) for the model's dtype, head dim and
+vocabulary and the cache's block size are consulted once, before any CUDA graph is captured:
+
+- backend "cuda" (strict): any op without a kernel is an error, raised here with the op and the
+  reason, instead of at the first forward pass.
+- backend "auto": each such op is reported (RuntimeWarning, once) and runs the PyTorch reference.
+  If it is one of a decode step's ops, the decode CUDA graphs are turned off (the reference reads
+  lengths back to the host, which capture forbids): a warning by default, an error if
+  cuda_graphs=True was asked for explicitly.
+- backend "reference", or a model on the CPU: nothing to decide (the CPU still honours an
+  explicit cuda_graphs=True, which runs the static-buffer path eagerly for tests).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ..ops import launch, support
+
+
+def _describe(missing: dict[str, str]) -> str:
+    return "; ".join(f"{op} ({reason})" for op, reason in missing.items())
+
+
+def decode_graphs(
+    *,
+    device_type: str,
+    backend: str,
+    dtype: str,
+    head_dim: int,
+    block_size: int,
+    vocab: int,
+    requested: bool | None,
+) -> bool:
+    """Whether to capture decode CUDA graphs; raises ValueError where the configuration cannot
+    run as asked (see the module docstring)."""
+    on_gpu = device_type == "cuda"
+    if backend == "cuda" and not on_gpu:
+        raise ValueError(
+            f"backend 'cuda' runs the CUDA kernels only, but the model is on {device_type}"
+        )
+    if not on_gpu or backend == "reference":
+        if on_gpu and requested:
+            raise ValueError(
+                "cuda_graphs=True needs the CUDA kernels: the reference backend reads lengths "
+                "back to the host, which CUDA-graph capture forbids"
+            )
+        return bool(requested)
+    decisions = support.model_support(dtype, head_dim, block_size, vocab)
+    missing = {op: d.reason for op, d in decisions.items() if not d.supported}
+    if backend == "cuda" and missing:
+        raise ValueError(
+            f"backend 'cuda': no CUDA kernel for {_describe(missing)}; change the model dtype or "
+            "block size, or use backend 'auto' to run these ops on the PyTorch reference "
+            "(slower, without CUDA graphs)"
+        )
+    for op, reason in missing.items():
+        launch.warn_fallback(op, reason, stacklevel=4)
+    in_graph = {op: r for op, r in missing.items() if op in support.DECODE_GRAPH_OPS}
+    if not in_graph:
+        return True if requested is None else requested
+    if requested:
+        raise ValueError(
+            f"cuda_graphs=True, but decode steps cannot be captured: {_describe(in_graph)} "
+            "run on the PyTorch reference, which reads lengths back to the host"
+        )
+    if requested is None:
+        warnings.warn(
+            f"pagedkern: CUDA graphs are off because {_describe(in_graph)} run on the PyTorch "
+            "reference (not capturable); decode runs eagerly and slowly",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False

@@ -1,0 +1,148 @@
+"""Every PAGEDKERN_* environment variable: its name, default, meaning and parsing rule, in one
+place. The rest of the tree reads them only through `ENV[name].get()` (or the helpers below), so
+a value means the same everywhere and a malformed one is a ValueError naming the variable.
+
+Standard library only: setup.py loads this file by path (the package is not importable before
+it is built), so the build and the package agree on what, e.g., "build required" means.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name} must be one of 1/true/yes/on or 0/false/no/off, got {raw!r}")
+
+
+def _text(name: str, raw: str) -> str | None:
+    return raw.strip() or None
+
+
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower() or choices[0]
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {raw!r}")
+        return value
+
+    return parse
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    name: str
+    default: str | None  # as it would be written in the environment; None: unset
+    doc: str
+    parse: Callable[[str, str], object]
+    when: str  # "build", "run" or "test": who reads it
+
+    def is_set(self) -> bool:
+        return self.name in os.environ
+
+    def get(self):
+        """The parsed value (the parsed default when unset; None for an unset one without)."""
+        raw = os.environ.get(self.name, self.default)
+        return None if raw is None else self.parse(self.name, raw)
+
+
+_VARS = (
+    EnvVar(
+        "PAGEDKERN_BUILD_CUDA",
+        "1",
+        "0 skips the CUDA build on purpose (pure-Python install, reference ops only).",
+        parse_bool,
+        "build",
+    ),
+    EnvVar(
+        "PAGEDKERN_REQUIRE_CUDA",
+        None,
+        "1: a missing nvcc or a failing CUDA build is an error, and tests that need the built "
+        "extension fail instead of skipping. Unset: required exactly when CI=true.",
+        parse_bool,
+        "build",
+    ),
+    EnvVar(
+        "PAGEDKERN_CUTLASS_INCLUDE",
+        None,
+        "CUTLASS include folder (holds cute/ and cutlass/); default: the nvidia-cutlass package.",
+        _text,
+        "build",
+    ),
+    EnvVar(
+        "PAGEDKERN_CUDA_ARCHS",
+        "80-real;90a-real;80-virtual",
+        "CMake CUDA architectures the kernels are compiled for.",
+        _text,
+        "build",
+    ),
+    EnvVar(
+        "PAGEDKERN_FLASH_PREFILL_PATH",
+        "auto",
+        "flash_prefill kernel path: auto, sm80 (mma.sync everywhere) or sm90 (wgmma + TMA; an "
+        "error where it cannot run).",
+        _choice("auto", "sm80", "sm90"),
+        "run",
+    ),
+    EnvVar(
+        "PAGEDKERN_CHECK_INDICES",
+        "0",
+        "1: debug mode, the kernels trap on an out-of-range block id, slot, position or length "
+        "(the tests turn it on); off it costs one branch on a kernel parameter.",
+        parse_bool,
+        "run",
+    ),
+    EnvVar(
+        "PAGEDKERN_CACHE_DIR",
+        None,
+        "Folder of the converted-weights cache; default $XDG_CACHE_HOME/pagedkern, else "
+        "~/.cache/pagedkern.",
+        _text,
+        "run",
+    ),
+    EnvVar(
+        "PAGEDKERN_BENCH_SMOKE",
+        None,
+        "Benchmarks: 1 forces smoke mode (tiny CPU inputs, numbers meaningless), 0 forbids it; "
+        "unset: smoke mode without a GPU.",
+        parse_bool,
+        "test",
+    ),
+    EnvVar(
+        "PAGEDKERN_BENCH_JSON",
+        None,
+        "Benchmarks: also write the results table as JSON to this path.",
+        _text,
+        "test",
+    ),
+    EnvVar(
+        "PAGEDKERN_NO_EMULATION",
+        "0",
+        "1 skips the CPU emulator tests (tests/emulator, built with g++).",
+        parse_bool,
+        "test",
+    ),
+)
+ENV: dict[str, EnvVar] = {v.name: v for v in _VARS}
+
+
+def cuda_build_required() -> bool:
+    """PAGEDKERN_REQUIRE_CUDA when set, else CI=true: a missing or failing CUDA build is an
+    error (setup.py) and tests needing the built extension fail instead of skipping."""
+    required = ENV["PAGEDKERN_REQUIRE_CUDA"].get()
+    return os.environ.get("CI") == "true" if required is None else required
+
+
+def check_indices() -> bool:
+    """PAGEDKERN_CHECK_INDICES: the kernels' debug-mode index checks (read at every launch)."""
+    return ENV["PAGEDKERN_CHECK_INDICES"].get()

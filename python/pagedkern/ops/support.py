@@ -1,0 +1,92 @@
+"""Which arguments each op's CUDA kernel covers: one explicit decision per op, `(supported,
+reason)`, used by the op's dispatch (ops/launch.py `kernel_or_reference`) and by the engine at
+start-up (engine/kernel_policy.py), so the two can never disagree.
+
+Outside kernel support an op on CUDA arrays runs the PyTorch reference under the "auto" backend,
+with a warning once per (op, reason): the reference is slow and reads lengths back to the host,
+which CUDA-graph capture forbids. Under the "cuda" backend it raises KernelUnsupportedError
+naming the op and the reason.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .arrays import FLOAT_DTYPES
+
+HALF_DTYPES = ("float16", "bfloat16")
+PAGED_ATTENTION_HEAD_DIMS = (64, 128, 256)
+FLASH_PREFILL_HEAD_DIMS = (64, 128)
+MAX_SAMPLE_VOCAB = (1 << 23) - 1  # fixed-point masses: 2^23 tokens x 2^40 stay below 2^63
+
+
+class KernelSupport(NamedTuple):
+    supported: bool
+    reason: str  # why not ("" when supported)
+
+
+_YES = KernelSupport(True, "")
+
+
+class KernelUnsupportedError(ValueError):
+    """An op was asked to run its CUDA kernel (backend "cuda") on arguments it does not cover."""
+
+
+def _dtype(dtype: str, allowed: tuple[str, ...]) -> KernelSupport | None:
+    if dtype not in allowed:
+        return KernelSupport(False, f"dtype {dtype} (the kernel covers {', '.join(allowed)})")
+    return None
+
+
+def paged_attention(dtype: str, head_dim: int, block_size: int) -> KernelSupport:
+    """Decode attention: float16/bfloat16, D in {64, 128, 256}, power-of-two block sizes."""
+    if bad := _dtype(dtype, HALF_DTYPES):
+        return bad
+    if head_dim not in PAGED_ATTENTION_HEAD_DIMS:
+        return KernelSupport(False, f"head_dim {head_dim} (the kernel covers 64, 128, 256)")
+    if block_size <= 0 or block_size & (block_size - 1):
+        return KernelSupport(False, f"block_size {block_size} (the kernel needs a power of two)")
+    return _YES
+
+
+def flash_prefill(dtype: str, head_dim: int) -> KernelSupport:
+    """Prefill attention: float16/bfloat16, D in {64, 128}; any block size (path 1)."""
+    if bad := _dtype(dtype, HALF_DTYPES):
+        return bad
+    if head_dim not in FLASH_PREFILL_HEAD_DIMS:
+        return KernelSupport(False, f"head_dim {head_dim} (the kernel covers 64, 128)")
+    return _YES
+
+
+def sample(dtype: str, vocab: int) -> KernelSupport:
+    """Sampling: float32/float16/bfloat16 logits, vocabularies below 2^23."""
+    if bad := _dtype(dtype, FLOAT_DTYPES):
+        return bad
+    if vocab > MAX_SAMPLE_VOCAB:
+        return KernelSupport(False, f"vocabulary of {vocab} (the kernel covers < 2^23 entries)")
+    return _YES
+
+
+def elementwise(dtype: str) -> KernelSupport:
+    """rms_norm, fused_add_rms_norm, silu_and_mul, rope_and_cache: every float dtype, any shape
+    their validation accepts."""
+    return _dtype(dtype, FLOAT_DTYPES) or _YES
+
+
+# The ops of a decode step's forward pass: all of them are captured in its CUDA graphs.
+DECODE_GRAPH_OPS = ("rms_norm", "silu_and_mul", "rope_and_cache", "paged_attention")
+
+
+def model_support(
+    dtype: str, head_dim: int, block_size: int, vocab: int
+) -> dict[str, KernelSupport]:
+    """The decision of every op a Llama forward pass and its sampling launch, for one model and
+    cache configuration (dtype as a name: "bfloat16", ...)."""
+    return {
+        "rms_norm": elementwise(dtype),
+        "silu_and_mul": elementwise(dtype),
+        "rope_and_cache": elementwise(dtype),
+        "paged_attention": paged_attention(dtype, head_dim, block_size),
+        "flash_prefill": flash_prefill(dtype, head_dim),
+        "sample": sample("float32", vocab),  # the engine samples fp32 logits
+    }
