@@ -152,7 +152,9 @@ class Engine:
                 raise ParameterTypeError(f"prompt must be a string, got {prompt!r}")
             if not prompt:
                 raise ValueError("the prompt is empty")
-            prompt_ids = self.tokenizer.encode(prompt)
+            # Raw text gets what the tokenizer's config adds around it (e.g. BOS, as HF and
+            # vLLM do); a rendered chat template already carries its own.
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=messages is None)
         prompt_ids = check_token_ids("prompt_ids", prompt_ids, self.vocab_size)
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
