@@ -275,11 +275,13 @@ def test_admission_failures_map_to_statuses():
         (ValueError("the prompt is empty"), 400, None),
         (jinja2.TemplateError("roles must alternate"), 400, None),
         (EngineUnavailable("stopped"), 503, "engine_unavailable"),
-        (RuntimeError("bug"), 500, None),
+        (TypeError("stop must be a list"), 400, None),
+        (RuntimeError("secret internals"), 500, "internal_error"),
     ]
     for exc, status, code in cases:
-        error = admission_error(exc, "messages")
+        error = admission_error(exc, "messages", "req-7")
         assert (error.status, error.code) == (status, code), exc
+    assert "secret" not in error.message and "req-7" in error.message  # 5xx: the id, no internals
 
 
 def test_routes_and_methods_errors_and_still_serving(server, client):
@@ -420,7 +422,7 @@ def test_dead_engine_answers_503_and_ends_streams():
         assert (
             rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "engine_unavailable"
         )
-        assert "injected failure" in json.loads(rest[-2])["error"]["message"]
+        assert "injected failure" not in json.loads(rest[-2])["error"]["message"]
         assert httpx.get(s.url + "/health").status_code == 503
         r = httpx.post(s.url + "/v1/completions", json={"model": TINY, "prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
@@ -459,8 +461,12 @@ def test_cli_serves_http_until_interrupted():
     "args,message",
     [
         (["--http", "hi"], "give no prompt"),
-        (["--http", "--port", "70000"], "--port must be in"),
-        (["--http", "--max-queue", "0"], "--max-queue >= 1"),
+        (["--http", "--port", "70000"], "--port: expected a port in 0..65535"),
+        (["--http", "--max-queue", "0"], "--max-queue: expected an integer >= 1"),
+        (["--http", "--max-body-bytes", "-5"], "--max-body-bytes: expected an integer >= 1"),
+        (["--http", "--body-timeout", "inf"], "--body-timeout: expected a finite number"),
+        (["--http", "--chat-template", "/no/such.jinja"], "cannot read /no/such.jinja"),
+        (["--http", "--chat-template", "{% if %}"], "--chat-template: line 1"),
         (["--http", "--port", "{taken}"], "in use"),
     ],
 )

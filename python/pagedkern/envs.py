@@ -132,6 +132,29 @@ _VARS = (
         parse_bool,
         "test",
     ),
+    EnvVar(
+        "PAGEDKERN_BENCH_COMPILE",
+        "0",
+        "Benchmarks: 1 adds the torch.compile baseline rows (minutes of cold inductor builds; "
+        "tools/gpu_check.sh --compile sets it).",
+        parse_bool,
+        "test",
+    ),
+    EnvVar(
+        "PAGEDKERN_BLOCK_IMPORTS",
+        None,
+        "Tests: comma-separated top-level modules that raise ImportError under "
+        "tools/rehearsal/sitecustomize.py (the GPU-check rehearsal's missing packages).",
+        _text,
+        "test",
+    ),
+    EnvVar(
+        "PAGEDKERN_GPU_STAGES",
+        None,
+        "tools/gpu_check.sh: another stage plan instead of tools/gpu_stages.txt (its own tests).",
+        _text,
+        "test",
+    ),
 )
 ENV: dict[str, EnvVar] = {v.name: v for v in _VARS}
 

@@ -9,7 +9,10 @@ One prompt streams token by token. With `-`, every stdin line is a request (plai
 object with "prompt" or "messages" and sampling fields); they run together with continuous
 batching and each answer is printed whole, in input order. With --http, the model is served
 over an OpenAI-compatible HTTP API (chat and completions, SSE streaming, /metrics) until Ctrl-C.
-Bad arguments exit with status 2.
+
+Exit status: 0 done; 1 a request failed in the engine; 2 bad arguments or input (one line on
+stderr; a bad stdin line is reported with its number and the other lines are still answered);
+130 interrupted (Ctrl-C; what was generated so far is printed); 141 stdout closed early.
 """
 
 from __future__ import annotations
@@ -17,10 +20,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-from ..engine import Engine, EngineConfig, FinishReason, RequestOutput, SamplingParams
+from ..engine import Engine, FinishReason, RequestOutput, SamplingParams
+from . import cli_args
+from .cli_args import INT32, INT64, PROG
 
 _JSON_FIELDS = (
     "max_tokens",
@@ -33,73 +41,182 @@ _JSON_FIELDS = (
     "ignore_eos",
     "timeout",
 )
+_HTTP_STACK = {"fastapi", "uvicorn", "pydantic", "pydantic_core", "starlette", "h11", "anyio"}
+
+build_parser = cli_args.build_parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkern-serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("prompt", nargs="?", help="the question; '-' reads one request per stdin line")
-    p.add_argument("--model", help="GGUF file, HF folder or synthetic:<preset> (default SmolLM2)")
-    p.add_argument("--backend", choices=("auto", "cuda", "reference"), default="auto")
-    p.add_argument("--system", help="system message")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--raw", action="store_true", help="no chat template: complete the text")
-    p.add_argument("--stats", action="store_true", help="TTFT, TPOT, tokens/s on stderr")
-    p.add_argument("--trace", action="store_true", help="narrate each request's life on stderr")
-    g = p.add_argument_group("engine")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int)
-    g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size on the CPU")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    h = p.add_argument_group("http (--http)")
-    h.add_argument("--http", action="store_true", help="serve the OpenAI-compatible HTTP API")
-    h.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    h.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
-    h.add_argument(
-        "--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)"
-    )
-    return p
+class BadInput(ValueError):
+    """A request the CLI refuses before running it (-> one line on stderr, exit status 2)."""
 
 
-def _params(args, overrides: dict | None = None) -> SamplingParams:
-    fields = dict(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=list(args.stop),
-    )
-    fields.update(overrides or {})
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = cli_args.build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _main(parser, args)
+    except KeyboardInterrupt:  # the modes flushed what they had
+        return 130
+    except BrokenPipeError:  # e.g. `| head -c 5`: the reader is gone, say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail
+        return 141
+
+
+def _fail(message: object) -> NoReturn:
+    _say(f"{PROG}: error: {message}")
+    raise SystemExit(2)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.http and args.prompt is not None:
+        parser.error("--http serves requests over HTTP: give no prompt")
+    if not args.http and args.prompt is None:
+        parser.error("a prompt (or '-' for stdin) is required")
+    flags = cli_args.sampling_flags(args)
+    try:
+        defaults = {**cli_args.SAMPLING_DEFAULTS, **flags}
+        _params(defaults)  # reject bad sampling flags before loading anything
+        template = cli_args.chat_template(args.chat_template)
+        settings = cli_args.server_settings(args) if args.http else None
+        config = cli_args.engine_config(args)
+        requests, bad_lines = [], 0
+        if args.prompt == "-":
+            requests, bad_lines = _read_stdin(args, defaults)
+            if not requests:
+                raise BadInput("no request on stdin to answer")
+        single = None if args.http or requests else _prompt_args(args, args.prompt)
+        sock = _bind(args) if args.http else None  # a taken port fails before the model loads
+    except (ValueError, TypeError, OSError) as exc:
+        _fail(exc)
+
+    try:
+        engine = Engine.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - unknown model, no GPU for --backend cuda, ...
+        _fail(exc)
+    if template is not None:
+        engine.tokenizer.chat_template = template
+    if args.trace:
+        from .trace import TraceWriter
+
+        engine.tracer = TraceWriter(engine.tokenizer)
+    if sock is not None:
+        return _serve_http(engine, sock, settings)
+    if single is not None:
+        try:
+            return _stream_one(engine, single, _params(defaults), args.stats)
+        except (ValueError, TypeError) as exc:  # e.g. a prompt longer than the context
+            _fail(exc)
+    status = _run_many(engine, requests, args.stats)
+    return 2 if bad_lines and status == 0 else status
+
+
+def _params(fields: dict) -> SamplingParams:
+    cli_args.check_int("seed", fields.get("seed"), -INT64 - 1, INT64)
+    cli_args.check_int("top_k", fields.get("top_k"), -INT32 - 1, INT32)
+    for token in fields.get("stop_token_ids") or []:
+        cli_args.check_int("stop_token_ids", token, 0, INT32)
+    stop = fields.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise BadInput(f"stop must be a string or a list of strings, got {stop!r}")
     return SamplingParams(**fields)
 
 
-def _request_args(args, line: str) -> tuple[dict, SamplingParams]:
+# --- stdin -------------------------------------------------------------------------------------
+
+
+def _read_stdin(args, defaults: dict) -> tuple[list[tuple[int, dict, SamplingParams]], int]:
+    """Every non-blank stdin line as (line number, add_request arguments, params); a bad line
+    is reported on stderr (with its number) and skipped."""
+    requests, bad = [], 0
+    for number, raw in enumerate(sys.stdin.buffer.read().splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+            if not line.strip():
+                continue
+            request_args, params = _request_args(args, line, defaults)
+        except (ValueError, TypeError) as exc:  # UnicodeDecodeError, JSON, fields
+            _say(f"{PROG}: error: stdin line {number}: {_reason(exc)}")
+            bad += 1
+            continue
+        requests.append((number, request_args, params))
+    return requests, bad
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"not valid JSON: {exc}"
+    return str(exc)
+
+
+def _request_args(args, line: str, defaults: dict) -> tuple[dict, SamplingParams]:
     """A stdin line -> add_request arguments and its sampling parameters."""
     text = line.strip()
-    if text.startswith("{"):
-        item = json.loads(text)
-        overrides = {k: item[k] for k in _JSON_FIELDS if k in item}
-        if "messages" in item:
-            return {"messages": item["messages"]}, _params(args, overrides)
-        return _prompt_args(args, str(item.get("prompt", ""))), _params(args, overrides)
-    return _prompt_args(args, text), _params(args)
+    if not text.startswith("{"):
+        return _prompt_args(args, text), _params(defaults)
+    item = json.loads(text)
+    overrides = {k: item[k] for k in _JSON_FIELDS if k in item}
+    params = _params({**defaults, **overrides})
+    if "messages" in item:
+        return {"messages": _messages(item["messages"])}, params
+    prompt = item.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise BadInput(f"prompt must be a string, got {type(prompt).__name__}")
+    return _prompt_args(args, prompt), params
+
+
+def _messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise BadInput("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not all(
+            isinstance(m.get(k), str) for k in ("role", "content")
+        ):
+            raise BadInput(f"messages[{i}] must have a string 'role' and a string 'content'")
+    return messages
 
 
 def _prompt_args(args, text: str) -> dict:
     if not text.strip():
-        raise ValueError("the prompt is empty")
+        raise BadInput("the prompt is empty")
     if args.raw:
         return {"prompt": text}
     system = [{"role": "system", "content": args.system}] if args.system else []
     return {"messages": [*system, {"role": "user", "content": text}]}
+
+
+# --- the three modes ---------------------------------------------------------------------------
+
+
+def _bind(args):
+    try:
+        from .http_server import bind
+    except ImportError as exc:
+        if exc.name and exc.name.split(".")[0] in _HTTP_STACK:
+            raise BadInput(
+                f"--http needs the HTTP serving stack ({exc.name} is not installed): "
+                "pip install 'pagedkern[serve]'"
+            ) from None
+        raise
+    return bind(args.host, args.port)
+
+
+def _serve_http(engine: Engine, sock, settings) -> int:
+    from .http_server import serve
+
+    def listening(model: str, url: str) -> None:
+        _say(f"{PROG}: serving {model!r} at {url}/v1 (Ctrl-C stops)")
+
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
+        serve(engine, sock, settings, on_listening=listening)
+    return 0
 
 
 def _stats(output: RequestOutput) -> str:
@@ -115,98 +232,52 @@ def _stats(output: RequestOutput) -> str:
     return ", ".join(parts)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.http:
-        if args.prompt is not None:
-            parser.error("--http serves requests over HTTP: give no prompt")
-        if not 0 <= args.port <= 65535 or args.max_queue < 1:
-            parser.error("--port must be in 0..65535 and --max-queue >= 1")
-    elif args.prompt is None:
-        parser.error("a prompt (or '-' for stdin) is required")
+def _stream_one(engine: Engine, request_args: dict, params: SamplingParams, stats: bool) -> int:
+    output = None
     try:
-        _params(args)  # reject bad sampling flags before loading anything
-        lines = sys.stdin.read().splitlines() if args.prompt == "-" else None
-        requests = [_request_args(args, line) for line in lines if line.strip()] if lines else None
-        if lines is not None and not requests:
-            raise ValueError("no prompts on stdin")
-        single = None if requests or args.http else _prompt_args(args, args.prompt)
-        sock = _bind(args) if args.http else None  # a taken port fails before the model loads
-    except (ValueError, json.JSONDecodeError, OSError) as exc:
-        parser.exit(2, f"pagedkern-serve: error: {exc}\n")
-
-    config = EngineConfig(
-        model=args.model,
-        backend=args.backend,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_gib=args.kv_cache_gib,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
-    try:
-        engine = Engine.from_config(config)
-    except Exception as exc:  # noqa: BLE001 - unknown model, no GPU for --backend cuda, ...
-        parser.exit(2, f"pagedkern-serve: error: {exc}\n")
-    if args.trace:
-        from .trace import TraceWriter
-
-        engine.tracer = TraceWriter(engine.tokenizer)
-    if sock is not None:
-        return _serve_http(engine, sock, args.max_queue)
-    try:
-        if single is not None:
-            return _stream_one(engine, single, _params(args), args.stats)
-        return _run_many(engine, requests, args.stats)
-    except ValueError as exc:  # e.g. a prompt longer than the context
-        parser.exit(2, f"pagedkern-serve: error: {exc}\n")
-
-
-def _bind(args):
-    from .http_server import bind
-
-    return bind(args.host, args.port)
-
-
-def _serve_http(engine: Engine, sock, max_queue: int) -> int:
-    from .http_server import serve
-
-    def listening(model: str, url: str) -> None:
-        print(f"pagedkern-serve: serving {model!r} at {url}/v1 (Ctrl-C stops)", file=sys.stderr)
-        sys.stderr.flush()
-
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
-        serve(engine, sock, max_queue=max_queue, on_listening=listening)
+        for output in engine.stream(params=params, **request_args):
+            sys.stdout.write(output.text)
+            sys.stdout.flush()
+    finally:  # also on Ctrl-C: end the partial answer's line
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if stats and output is not None:
+        _say(_stats(output))
+    if output is None or output.finish_reason is FinishReason.ERROR:
+        _say(f"{PROG}: error: generation failed: {output.error if output else '?'}")
+        return 1
     return 0
 
 
-def _stream_one(engine: Engine, request_args: dict, params: SamplingParams, stats: bool) -> int:
-    output = None
-    for output in engine.stream(params=params, **request_args):
-        sys.stdout.write(output.text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    if stats and output is not None:
-        print(_stats(output), file=sys.stderr)
-    return 1 if output is None or output.finish_reason is FinishReason.ERROR else 0
-
-
-def _run_many(engine: Engine, requests: list[tuple[dict, SamplingParams]], stats: bool) -> int:
-    ids = [engine.add_request(params=p, **a).request_id for a, p in requests]
-    texts = {i: [] for i in ids}
+def _run_many(engine: Engine, requests: list[tuple[int, dict, SamplingParams]], stats: bool) -> int:
+    """Answers in input order; a line the engine refuses (too long, template error) is reported
+    and skipped. Returns 1 if a request failed in the engine, 2 if a line was refused."""
+    line_of: dict[str, int] = {}
+    status = 0
+    for number, request_args, params in requests:
+        try:
+            line_of[engine.add_request(params=params, **request_args).request_id] = number
+        except Exception as exc:  # noqa: BLE001 - this line's fault: the others still run
+            _say(f"{PROG}: error: stdin line {number}: {exc}")
+            status = 2
+    texts: dict[str, list[str]] = {i: [] for i in line_of}
     done: dict[str, RequestOutput] = {}
-    for output in engine.run_until_done():
-        texts[output.request_id].append(output.text)
-        if output.finished:
-            done[output.request_id] = output
-    for request_id in ids:
-        print("".join(texts[request_id]), flush=True)
+    try:
+        for output in engine.run_until_done():
+            texts[output.request_id].append(output.text)
+            if output.finished:
+                done[output.request_id] = output
+    finally:  # also on Ctrl-C: what each answer has so far, in input order
+        for request_id in line_of:
+            print("".join(texts[request_id]), flush=True)
+    for request_id, number in line_of.items():
+        request = done[request_id]
         if stats:
-            print(_stats(done[request_id]), file=sys.stderr)
-    return 1 if any(r.finish_reason is FinishReason.ERROR for r in done.values()) else 0
+            _say(_stats(request))
+        if request.finish_reason is FinishReason.ERROR:
+            _say(f"{PROG}: error: stdin line {number}: generation failed: {request.error}")
+            status = 1
+    return status
 
 
 if __name__ == "__main__":

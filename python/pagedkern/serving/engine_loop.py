@@ -91,6 +91,7 @@ class EngineLoop:
         self._closed: str | None = None  # why no command will run any more
         self._changed = threading.Condition()  # notified after every loop iteration
         self.num_live = 0  # requests admitted and not finished (updated by the engine thread)
+        self._last_gauges: EngineGauges | None = None
         self._thread = threading.Thread(target=self._run, name="pagedkern-engine", daemon=True)
 
     # --- any thread -----------------------------------------------------------------------------
@@ -158,8 +159,22 @@ class EngineLoop:
         with self._changed:
             return self._changed.wait_for(predicate, timeout)
 
+    async def current_gauges(self) -> EngineGauges | None:
+        """The engine's gauges: read in the engine thread while it runs; read directly once it
+        has ended (nothing else touches the engine then), so a dead engine's /metrics still
+        shows what it held; the last reading while it is shutting down."""
+        if self._thread.is_alive():
+            with contextlib.suppress(EngineUnavailable):
+                self._last_gauges = await self.call(lambda _engine: self.gauges())
+        else:
+            try:
+                self._last_gauges = self.gauges()
+            except Exception:  # noqa: BLE001 - a broken engine: keep the last reading
+                log.debug("reading a stopped engine's gauges failed", exc_info=True)
+        return self._last_gauges
+
     def gauges(self) -> EngineGauges:
-        """Engine-thread only (pass to `call`)."""
+        """Engine-thread only (pass to `call`), or once the engine thread has ended."""
         s = self.engine.stats()
         return EngineGauges(s.num_running, s.num_waiting, s.num_blocks_used, s.num_blocks_total)
 
@@ -192,7 +207,7 @@ class EngineLoop:
                 self._notify()
         except BaseException as exc:
             log.exception("the engine thread failed; no more requests will be served")
-            self._shutdown(f"the engine failed: {type(exc).__name__}: {exc}", exc)
+            self._shutdown("the engine stopped after an internal error", exc)
 
     def _add(self, stream: RequestStream, args: dict, params: SamplingParams, admitted) -> None:
         if self._closed is not None:

@@ -1,23 +1,27 @@
 """The OpenAI-compatible HTTP server: FastAPI routes on uvicorn, one engine thread behind them.
 
     POST /v1/chat/completions, POST /v1/completions   (stream: Server-Sent Events)
-    GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text)
+    GET  /v1/models, /v1/models/{id}, /health (also HEAD), /metrics (Prometheus text)
 
 Every connection's request goes into the same engine (`EngineLoop`: one thread owns it and
-batches all live requests continuously). Errors are OpenAI-shaped, {"error": {"message",
-"type", "param", "code"}}: 400 bad JSON / fields / prompt too long (code
-context_length_exceeded), 404 unknown model (model_not_found) or route, 429 queue full
-(queue_full, with Retry-After), 500 engine error, 503 engine stopped. The server keeps serving
-after any of them.
+batches all live requests continuously). The handlers render chat templates and tokenize in a
+worker thread and hand the engine token ids, so a big prompt never stalls the other streams.
+Errors are OpenAI-shaped, {"error": {"message", "type", "param", "code"}}: 400 bad JSON /
+fields / token ids / prompt too long (code context_length_exceeded), 401 missing API key
+(--api-key), 404 unknown model (model_not_found) or route, 408 body too slow, 413 body too
+large, 429 queue full (queue_full, with Retry-After), 500 engine error, 503 engine stopped. 5xx
+bodies carry the request id, never internal exception text (that goes to the server log). The
+server keeps serving after any of them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
 import socket
 import threading
-import uuid
 from pathlib import Path
 
 import jinja2
@@ -26,8 +30,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..engine import Engine, RequestRejected, SamplingParams
+from .connection import BodyGone, RequestContext, protocol_class, read_body
 from .engine_loop import EngineLoop, EngineUnavailable, QueueFull
 from .errors import APIError, validation_error
 from .openai_protocol import (
@@ -36,6 +42,8 @@ from .openai_protocol import (
     ModelCard,
     ModelList,
 )
+from .prompts import PromptPreparer
+from .settings import ServerSettings
 from .streaming import ChatFormat, CompletionFormat, EventStreamResponse, collect, sse_events
 
 log = logging.getLogger("pagedkern.serving")
@@ -52,9 +60,30 @@ def served_model_name(spec: str | None) -> str:
     return Path(spec).stem if spec.endswith(".gguf") else Path(spec).name
 
 
-def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
+class ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a lone surrogate echoed from a request cannot fail to
+    encode (JSONResponse's UTF-8 encoding would raise on it)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
+def error_response(error: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    return ASCIIJSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def create_app(
+    loop: EngineLoop, model_name: str | None = None, settings: ServerSettings | None = None
+) -> FastAPI:
     """The app around a (possibly not yet started) EngineLoop; the app's lifespan starts it
     and stops it (aborting what is still running) when the server shuts down."""
+    settings = settings or ServerSettings()
+    engine = loop.engine  # only what is fixed at construction is read here
+    model_name = model_name or settings.served_model_name
+    model_name = model_name or served_model_name(engine.config.model)
+    max_model_len = engine.max_model_len
+    prepare = PromptPreparer(engine.tokenizer, max_model_len, engine.model.config.vocab_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -64,20 +93,39 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
         finally:
             loop.stop()
 
-    app = FastAPI(title="pagedkern", lifespan=lifespan)
+    app = FastAPI(title="pagedkern", lifespan=lifespan, default_response_class=ASCIIJSONResponse)
     app.state.engine_loop = loop
-    max_model_len = loop.engine.max_model_len  # fixed at construction: safe to read here
+    app.state.model_name = model_name
+    app.add_middleware(
+        RequestContext, api_key=settings.api_key, max_header_bytes=settings.max_header_bytes
+    )
+    if settings.allowed_origins:  # outermost: preflight requests never need the API key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
+        )
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if exc.status == 429 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        error = APIError(exc.status_code, str(exc.detail), type=kind)
-        return JSONResponse(error.body(), status_code=exc.status_code)
+        return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(BodyGone)
+    async def body_gone(http: Request, _exc: BodyGone) -> Response:
+        log.debug("request %s: the client left before sending its body", request_id(http))
+        return Response(status_code=499)  # nobody reads it
+
+    @app.exception_handler(Exception)
+    async def unexpected(http: Request, exc: Exception) -> JSONResponse:
+        log.error("request %s failed", request_id(http), exc_info=exc)
+        return error_response(internal_error(request_id(http)))
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -89,31 +137,43 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
                 code="model_not_found",
             )
 
+    async def parse_body(http: Request, schema: type):
+        body = await read_body(http, settings.max_body_bytes, settings.body_timeout)
+        return parse(schema, body)
+
     async def generate(http: Request, args: dict, params, fmt, streaming: bool) -> Response:
+        rid = request_id(http)
+        param = "messages" if "messages" in args else "prompt"
         try:
-            stream = await loop.submit(fmt.meta["id"], args, params)
+            args = await asyncio.to_thread(prepare, args)  # template + tokens, off the engine
+        except Exception as exc:  # noqa: BLE001 - every refusal gets its status
+            error = admission_error(exc, param, rid)
+            loop.metrics.request_rejected(error.code or "invalid")
+            raise error from exc
+        try:
+            stream = await loop.submit(rid, args, params)
         except Exception as exc:  # noqa: BLE001 - every admission failure gets its status
-            raise admission_error(exc, "messages" if "messages" in args else "prompt") from exc
+            raise admission_error(exc, param, rid) from exc
         if streaming:
             return EventStreamResponse(sse_events(stream, fmt), on_close=stream.close)
         body = await collect(stream, fmt, http)
-        return JSONResponse(body) if body is not None else Response(status_code=499)
+        return ASCIIJSONResponse(body) if body is not None else Response(status_code=499)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request) -> Response:
-        req = parse(ChatCompletionRequest, await http.body())
+        req = await parse_body(http, ChatCompletionRequest)
         check_model(req.model)
-        params = sampling(req, max_model_len)
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", model_name, req.include_usage)
+        params = sampling(req, max_model_len, settings.default_sampling)
+        fmt = ChatFormat(f"chatcmpl-{request_id(http)}", model_name, req.include_usage)
         messages = [m.as_template_message() for m in req.messages]
         return await generate(http, {"messages": messages}, params, fmt, req.stream)
 
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
-        req = parse(CompletionRequest, await http.body())
+        req = await parse_body(http, CompletionRequest)
         check_model(req.model)
-        params = sampling(req, COMPLETIONS_DEFAULT_MAX_TOKENS)
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", model_name, req.include_usage)
+        params = sampling(req, COMPLETIONS_DEFAULT_MAX_TOKENS, settings.default_sampling)
+        fmt = CompletionFormat(f"cmpl-{request_id(http)}", model_name, req.include_usage)
         return await generate(http, req.engine_prompt(), params, fmt, req.stream)
 
     @app.get("/v1/models")
@@ -125,41 +185,55 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
         check_model(model_id)
         return ModelCard(id=model_name, max_model_len=max_model_len).model_dump()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if loop.alive:
-            return JSONResponse({"status": "ok"})
-        error = APIError(
-            503, "the engine is not running", "server_error", None, "engine_unavailable"
-        )
-        return JSONResponse(error.body(), status_code=503)
+            return ASCIIJSONResponse({"status": "ok"})
+        return error_response(unavailable())
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        try:
-            gauges = await loop.call(lambda _engine: loop.gauges())
-        except EngineUnavailable:
-            gauges = None
-        text = loop.metrics.render(gauges, model_name)
+        text = loop.metrics.render(await loop.current_gauges(), model_name)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 
 
-def admission_error(exc: Exception, param: str) -> APIError:
-    """Why the engine thread refused a request, as an OpenAI error."""
+def request_id(http: Request) -> str:
+    """The request's id: its X-Request-Id header, or one made up by RequestContext."""
+    return http.scope.get("state", {}).get("request_id") or "-"
+
+
+def internal_error(request_id: str) -> APIError:
+    return APIError(
+        500,
+        f"internal server error (request id {request_id}); the server log has the details",
+        "server_error",
+        code="internal_error",
+    )
+
+
+def unavailable(reason: str = "the engine is not running") -> APIError:
+    return APIError(503, reason, "server_error", None, "engine_unavailable")
+
+
+def admission_error(exc: Exception, param: str, request_id: str = "-") -> APIError:
+    """Why a request was refused before it ran, as an OpenAI error. Bad input (ValueError,
+    TypeError, a template's refusal) is the client's 400; anything else is logged and a 500."""
+    if isinstance(exc, APIError):
+        return exc
     if isinstance(exc, QueueFull):
         return APIError(
             429, f"too many requests queued: {exc}", "rate_limit_error", None, "queue_full"
         )
     if isinstance(exc, RequestRejected):  # longer than the context (or the whole KV cache)
         return APIError(400, str(exc), param=param, code="context_length_exceeded")
-    if isinstance(exc, (ValueError, jinja2.TemplateError)):  # empty prompt, template refusal
+    if isinstance(exc, (ValueError, TypeError, jinja2.TemplateError)):
         return APIError(400, str(exc), param=param)
     if isinstance(exc, EngineUnavailable):
-        return APIError(503, str(exc), "server_error", None, "engine_unavailable")
-    log.error("admission failed", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        return unavailable(str(exc))
+    log.error("request %s: admission failed", request_id, exc_info=exc)
+    return internal_error(request_id)
 
 
 def parse(model: type, body: bytes):
@@ -169,10 +243,10 @@ def parse(model: type, body: bytes):
         raise validation_error(exc) from exc
 
 
-def sampling(req, default_max_tokens: int) -> SamplingParams:
+def sampling(req, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
     try:
-        return req.sampling_params(default_max_tokens)
-    except ValueError as exc:  # SamplingParams' own checks
+        return req.sampling_params(default_max_tokens, defaults or {})
+    except (ValueError, TypeError) as exc:  # SamplingParams' own checks
         raise APIError(400, str(exc)) from exc
 
 
@@ -187,13 +261,22 @@ def bind(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, but a shutdown (Ctrl-C, SIGTERM, should_exit) first tells the engine thread to
-    abort what is running, so open streams end at once with finish_reason "abort" and
-    `[DONE]` instead of waiting for uvicorn's graceful-shutdown timeout."""
+    """uvicorn with the connection limits of `settings`, and a shutdown (Ctrl-C, SIGTERM,
+    should_exit) that first tells the engine thread to abort what is running, so open streams
+    end at once with finish_reason "abort" and `[DONE]` instead of waiting for uvicorn's
+    graceful-shutdown timeout."""
 
-    def __init__(self, app: FastAPI, log_level: str):
+    def __init__(self, app: FastAPI, settings: ServerSettings):
         config = uvicorn.Config(
-            app, log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level == "debug"
+            app,
+            log_level=settings.log_level,
+            access_log=settings.log_level == "debug",
+            timeout_graceful_shutdown=5,
+            http=protocol_class(settings.header_timeout),
+            timeout_keep_alive=settings.keep_alive_timeout,
+            h11_max_incomplete_event_size=settings.max_header_bytes,
+            # uvicorn refuses a request once connections (its own included) reach the limit
+            limit_concurrency=settings.max_connections + 1,
         )
         super().__init__(config)
         self.engine_loop: EngineLoop = app.state.engine_loop
@@ -206,20 +289,18 @@ class _Server(uvicorn.Server):
 def serve(
     engine: Engine,
     sock: socket.socket,
+    settings: ServerSettings | None = None,
     *,
-    max_queue: int | None = None,  # None: engine.config.max_queue
-    model_name: str | None = None,
-    log_level: str = "warning",
     on_listening=None,
 ) -> None:
     """Serve on a bound socket (see `bind`) until interrupted. Ctrl-C / SIGTERM: running requests
     are aborted (open streams end with finish_reason "abort" and [DONE]), then uvicorn closes
     the connections (at most 5 s of grace)."""
-    name = model_name or served_model_name(engine.config.model)
-    app = create_app(EngineLoop(engine, max_queue=max_queue), name)
+    settings = settings or ServerSettings()
+    app = create_app(EngineLoop(engine), settings=settings)  # max_queue: engine.config
     if on_listening is not None:
-        on_listening(name, url_of(sock))
-    _Server(app, log_level).run(sockets=[sock])
+        on_listening(app.state.model_name, url_of(sock))
+    _Server(app, settings).run(sockets=[sock])
 
 
 def url_of(sock: socket.socket) -> str:
@@ -241,13 +322,15 @@ class ServerThread:
         max_queue: int | None = None,  # None: engine.config.max_queue
         model_name: str | None = None,
         after_step=None,
+        settings: ServerSettings | None = None,
     ):
+        settings = settings or ServerSettings()
         self.sock = bind("127.0.0.1", 0)
         self.url = url_of(self.sock)
-        self.model_name = model_name or served_model_name(engine.config.model)
         self.engine_loop = EngineLoop(engine, max_queue=max_queue, after_step=after_step)
-        self.app = create_app(self.engine_loop, self.model_name)
-        self.server = _Server(self.app, "warning")
+        self.app = create_app(self.engine_loop, model_name, settings)
+        self.model_name = self.app.state.model_name
+        self.server = _Server(self.app, settings)
         self.thread = threading.Thread(
             target=self.server.run,
             kwargs={"sockets": [self.sock]},

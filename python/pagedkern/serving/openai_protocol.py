@@ -2,7 +2,8 @@
 request to the engine's SamplingParams, and the mapping of finish reasons and errors.
 
 Requests are parsed strictly (`"max_tokens": "8"` or `true` is a 400, an int where a float is
-expected is fine); unknown fields are ignored, as vLLM does. Fields that would change the
+expected is fine); numbers are bounded to what the engine's int32/int64 fields hold and floats
+must be finite (400 beyond); unknown fields are ignored, as vLLM does. Fields that would change the
 answer's meaning and are not implemented (n > 1, logprobs, echo, tools, penalties, logit_bias)
 are rejected with a 400 that names them instead of being silently ignored.
 """
@@ -19,7 +20,15 @@ from .errors import APIError
 
 # --- requests --------------------------------------------------------------------------------
 
-_STRICT = ConfigDict(strict=True, extra="ignore")
+_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+INT32 = 2**31 - 1
+INT64 = 2**63 - 1
+Int32 = Annotated[int, Field(ge=-INT32 - 1, le=INT32)]
+TokenId = Annotated[int, Field(ge=0, le=INT32)]
+Seed = Annotated[int, Field(ge=-INT64 - 1, le=INT64)]
+Count = Annotated[int, Field(ge=1, le=INT32)]
+# Fields a server-wide default (the CLI's sampling flags) fills in when a request leaves them out.
+DEFAULTABLE = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
 class StreamOptions(BaseModel):
@@ -51,21 +60,21 @@ class _SamplingFields(BaseModel):
 
     model_config = _STRICT
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: int = 0  # <= 0 (OpenAI clients send -1): off
-    seed: int | None = None
+    top_k: Int32 = 0  # <= 0 (OpenAI clients send -1): off
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Count = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | int | None = None
+    logprobs: bool | Int32 | None = None
     user: str | None = None
 
     def unsupported(self) -> dict[str, Any]:
@@ -83,7 +92,9 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None):
+        """The engine's SamplingParams; `defaults` (the server's) fill the DEFAULTABLE fields
+        this request did not set."""
         for name, value in self.unsupported().items():
             raise APIError(400, f"'{name}'={value!r} is not supported", param=name)
         if self.stream_options is not None and not self.stream:
@@ -93,23 +104,30 @@ class _SamplingFields(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise APIError(400, "stop strings must not be empty", param="stop")
-        return SamplingParams(
+        fields = dict(
             max_tokens=self.max_tokens or default_max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
             stop=stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
         )
+        for name, value in (defaults or {}).items():
+            if name in DEFAULTABLE and not self._sets(name):
+                fields[name] = value
+        return SamplingParams(
+            **fields, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos
+        )
+
+    def _sets(self, name: str) -> bool:
+        return name in self.model_fields_set and getattr(self, name) is not None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # newer name of max_tokens
+    max_completion_tokens: Count | None = None  # newer name of max_tokens
     tools: list[dict] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
 
     def unsupported(self) -> dict[str, Any]:
         found = super().unsupported()
@@ -119,16 +137,16 @@ class ChatCompletionRequest(_SamplingFields):
             found["top_logprobs"] = self.top_logprobs
         return found
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None):
         if self.max_tokens is None and self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens)
+            self.max_tokens = self.max_completion_tokens  # counts as set (model_fields_set)
+        return super().sampling_params(default_max_tokens, defaults)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int32 | None = None
     suffix: str | None = None
 
     def unsupported(self) -> dict[str, Any]:

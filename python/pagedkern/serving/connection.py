@@ -1,0 +1,167 @@
+"""Connection hygiene around the app: bounded request heads and bodies, read timeouts, the
+request id, the API key.
+
+- `BoundedH11Protocol`: uvicorn's h11 protocol plus a deadline for a request's head (a client
+  that trickles its headers is disconnected after `header_timeout` seconds; uvicorn's own
+  keep-alive timer restarts on every byte). The head's size is bounded by uvicorn's
+  `h11_max_incomplete_event_size`, the number of connections by `limit_concurrency`.
+- `read_body`: the request body, at most `max_bytes` (413) within `timeout` seconds (408).
+- `RequestContext`: an ASGI middleware that bounds the head's size (431), reads `X-Request-Id`
+  (or makes one), echoes it on the response and checks `Authorization: Bearer <api key>` on the
+  /v1 routes (401).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import re
+import uuid
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .errors import APIError
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+class BoundedH11Protocol(H11Protocol):
+    header_timeout: float = 10.0  # set per server by a subclass (see `protocol_class`)
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_deadline = None
+        self._arm_head_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self._waiting_for_head():
+            self._cancel_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_head_deadline()
+        super().connection_lost(exc)
+
+    def _waiting_for_head(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_head_deadline(self) -> None:
+        self._cancel_head_deadline()
+        if not self.transport.is_closing():
+            self._head_deadline = self.loop.call_later(self.header_timeout, self._head_too_slow)
+
+    def _cancel_head_deadline(self) -> None:
+        if getattr(self, "_head_deadline", None) is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_too_slow(self) -> None:
+        self._head_deadline = None
+        if self._waiting_for_head() and not self.transport.is_closing():
+            self.transport.close()
+
+
+def protocol_class(header_timeout: float) -> type[BoundedH11Protocol]:
+    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"header_timeout": header_timeout})
+
+
+class BodyGone(Exception):
+    """The client disconnected before its body arrived: nobody is left to answer."""
+
+
+async def read_body(http: Request, max_bytes: int, timeout: float) -> bytes:
+    """The whole body; APIError 413 past max_bytes (checked against Content-Length first),
+    408 when it takes longer than `timeout`; BodyGone if the client left."""
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s") from None
+    except ClientDisconnect:
+        raise BodyGone() from None
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(
+        413, f"the request body is larger than {max_bytes} bytes", code="request_too_large"
+    )
+
+
+class RequestContext:
+    """X-Request-Id in and out (scope["state"]["request_id"]), and the API key on /v1."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None = None, max_header_bytes: int = 65536):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_header_bytes = max_header_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        head_bytes = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        head_bytes += sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head_bytes > self.max_header_bytes:  # h11 bounds only a head that arrives in parts
+            error = APIError(431, f"the request head is larger than {self.max_header_bytes} bytes")
+            return await _send_error(send, error, None)
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        if given and not _REQUEST_ID.fullmatch(given):
+            error = APIError(
+                400,
+                "X-Request-Id must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+                param="X-Request-Id",
+            )
+            return await _send_error(send, error, None)
+        request_id = given or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        authorized = self.api_key is None or not scope["path"].startswith("/v1")
+        if not authorized:
+            given_key = headers.get(b"authorization", b"")
+            authorized = hmac.compare_digest(given_key, b"Bearer " + self.api_key)
+        if not authorized:
+            error = APIError(
+                401,
+                "a valid API key is required (Authorization: Bearer <key>)",
+                code="invalid_api_key",
+            )
+            return await _send_error(send, error, request_id)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"x-request-id", request_id.encode()),
+                ]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+async def _send_error(send: Send, error: APIError, request_id: str | None) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if request_id:
+        headers.append((b"x-request-id", request_id.encode()))
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

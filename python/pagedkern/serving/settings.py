@@ -1,0 +1,51 @@
+"""The HTTP server's settings, with their defaults in one place (the CLI's `--http` flags derive
+their defaults and help text from these fields, as the engine flags do from EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _opt(default, help: str, **kwargs):
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    max_body_bytes: int = _opt(8 * 2**20, "largest request body accepted, in bytes (413 beyond)")
+    body_timeout: float = _opt(30.0, "seconds a client may take to send a request body (408)")
+    header_timeout: float = _opt(10.0, "seconds a connection may take to send request headers")
+    keep_alive_timeout: int = _opt(5, "seconds an idle keep-alive connection stays open")
+    max_header_bytes: int = _opt(64 * 1024, "largest request head (request line and headers)")
+    max_connections: int = _opt(1024, "open connections (and running handlers) before a 503")
+    served_model_name: str | None = _opt(None, "the model name clients pass (default: derived)")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer <key>' on /v1 routes")
+    allowed_origins: list[str] = _opt(None, "CORS origins allowed ('*': any; default: none)")
+    default_sampling: dict = _opt(
+        None, "sampling fields used when a request leaves them out (CLI sampling flags)"
+    )
+    log_level: str = _opt("warning", "server log level (debug also logs every request)")
+
+    def __post_init__(self) -> None:
+        self.allowed_origins = list(self.allowed_origins or [])
+        self.default_sampling = dict(self.default_sampling or {})
+        positive = {
+            "max_body_bytes": self.max_body_bytes,
+            "body_timeout": self.body_timeout,
+            "header_timeout": self.header_timeout,
+            "keep_alive_timeout": self.keep_alive_timeout,
+            "max_header_bytes": self.max_header_bytes,
+            "max_connections": self.max_connections,
+        }
+        for name, value in positive.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            if value == float("inf"):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")

@@ -1,0 +1,146 @@
+"""`pagedkern-serve` on bad input (issue 12, defect 5), through a real process on synthetic:tiny:
+every bad flag or stdin line is one line on stderr and exit status 2, never a traceback; a bad
+stdin line names its number and the other lines are still answered; Ctrl-C exits 130 with what
+was generated so far; a reader that stops early (`| head -c 5`) is no BrokenPipeError."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--model", "synthetic:tiny"]
+WAIT = 300
+
+
+def run(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], input=stdin, capture_output=True, timeout=WAIT)
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    err = proc.stderr.decode()
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedkern-serve: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--seed", str(2**64)], "--seed"),
+        (["--seed", "x"], "--seed"),
+        (["--top-k", str(2**31)], "--top-k"),
+        (["--block-size", "0"], "--block-size"),
+        (["--num-blocks", "0"], "--num-blocks"),
+        (["--kv-cache-gib", "0"], "--kv-cache-gib"),
+        (["--kv-cache-gib", "nan"], "--kv-cache-gib"),
+        (["--max-model-len", "0"], "--max-model-len"),
+        (["--max-num-seqs", "-1"], "--max-num-seqs"),
+        (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction"),
+        (["--temperature", "inf"], "--temperature"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--dtype", "int8"], "--dtype"),
+        (["--log-level", "loud"], "--log-level"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(args, message):
+    proc = run(*args, "hi")
+    assert proc.returncode == 2
+    assert message in one_error_line(proc)
+
+
+def test_bad_stdin_lines_are_reported_and_the_others_answered():
+    lines = [
+        b"hello",
+        json.dumps({"prompt": "x", "stop": 5}).encode(),
+        json.dumps({"messages": [{"role": "user"}]}).encode(),
+        b"caf\xff",
+        b"{not json",
+        json.dumps({"prompt": "y", "seed": 2**64}).encode(),
+        json.dumps({"prompt": "y", "top_k": 2**31}).encode(),
+        json.dumps({"prompt": 5}).encode(),
+        json.dumps({"prompt": "z", "max_tokens": 2, "ignore_eos": True}).encode(),
+    ]
+    proc = run("--max-tokens", "3", "-", stdin=b"\n".join(lines) + b"\n")
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    reported = sorted(int(n) for n in __import__("re").findall(r"stdin line (\d+):", err))
+    assert reported == [2, 3, 4, 5, 6, 7, 8], err
+    assert len(err.strip().splitlines()) == 7
+    assert len(proc.stdout.decode().rstrip("\n").split("\n")) == 2  # lines 1 and 9 answered
+
+
+def test_stdin_with_only_bad_lines_exits_2_before_loading():
+    proc = run("-", stdin=b"\xff\xfe\n")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr.decode()
+    assert proc.stdout == b""
+
+
+def test_ctrl_c_exits_130_and_prints_what_was_generated():
+    # stdin mode prints whole answers at the end: Ctrl-C must still print the partial ones.
+    line = json.dumps({"prompt": "go", "max_tokens": 100000, "ignore_eos": True})
+    proc = subprocess.Popen(
+        [*CLI, "--backend", "reference", "--trace", "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        proc.stdin.write(f"{line}\n{line}\n".encode())
+        proc.stdin.close()
+        proc.stdin = None  # communicate() must not flush it
+        streamed = {b"R0": 0, b"R1": 0}
+        for trace in proc.stderr:  # --trace: a request's second "streams" line comes a step
+            name = trace.split()[0] if trace.strip() else b""  # after its first text arrived
+            if b" streams " in trace and name in streamed:
+                streamed[name] += 1
+                if min(streamed.values()) >= 2:
+                    break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=WAIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130
+    assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err[-2000:]
+    answers = out.decode().split("\n")[:2]
+    assert all(answers), out  # both partial answers, in order
+
+
+def test_ctrl_c_while_streaming_one_prompt_exits_130():
+    proc = subprocess.Popen(
+        [*CLI, "--backend", "reference", "--max-tokens", "100000", "hi"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        first = proc.stdout.read(1)  # the answer has started streaming
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=WAIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert first and proc.returncode == 130
+    assert b"Traceback" not in err, err[-2000:]
+    assert out.endswith(b"\n")  # the partial answer's line is ended
+
+
+def test_a_reader_that_stops_early_is_not_a_traceback():
+    cmd = " ".join([*CLI, "--backend", "reference", "--max-tokens", "400", "hi"])
+    proc = subprocess.run(
+        f"{cmd} | head -c 5; exit ${{PIPESTATUS[0]}}",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        timeout=WAIT,
+    )
+    assert len(proc.stdout) == 5
+    assert b"Traceback" not in proc.stderr and b"BrokenPipe" not in proc.stderr, proc.stderr
+    assert proc.returncode == 141
