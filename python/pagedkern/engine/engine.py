@@ -222,6 +222,12 @@ class Engine:
         self._undelivered += outputs
         return self._finish(request, FinishReason.ABORT)
 
+    def pop_undelivered(self) -> list[RequestOutput]:
+        """Outputs produced outside step() (an aborted n > 1 request's other samples) that the
+        next step() would return: for a caller that may not step again."""
+        outputs, self._undelivered = self._undelivered, []
+        return outputs
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
