@@ -171,3 +171,17 @@ def test_unknown_token_ids_are_rejected_at_admission():
         with pytest.raises(ValueError, match=field):
             engine.add_request(prompt_ids=PROMPT, params=SamplingParams(**kw))
     assert not engine.has_unfinished
+
+
+def test_llm_generate_returns_every_sample_with_logprobs():
+    from pagedkern.engine import LLM
+
+    llm = LLM.__new__(LLM)
+    llm.engine = make_engine()
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=9, n=3, logprobs=1, ignore_eos=True)
+    [gen] = llm.generate([PROMPT], params, use_tqdm=False)
+    assert len(gen.samples) == 3 and gen.samples[0].token_ids == gen.token_ids
+    for sample in gen.samples:
+        assert len(sample.token_ids) == 4 and len(sample.logprobs) == 4
+        assert [lp.token_id for lp in sample.logprobs] == list(sample.token_ids)
+    assert llm.engine.pool.num_used == 0
