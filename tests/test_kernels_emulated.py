@@ -334,3 +334,28 @@ def test_rope_and_cache_traps_bad_indices_in_debug_mode(field, value):
         pagedkern.rope_and_cache(
             q, k, v, positions, cos_sin_cache(d, 4096), k_cache, k_cache.clone(), slots
         )
+
+
+def test_sample_with_no_sparse_entries_and_min_p_only():
+    # An empty sparse list (every row without penalties / biases) and min-p alone: the kernel
+    # path without a processing stage (one launch) still equals the reference.
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 200, generator=g) * 3
+    empty = dict(
+        token_offsets=torch.zeros(7, dtype=torch.int32),
+        token_ids=torch.zeros(0, dtype=torch.int32),
+        token_counts=torch.zeros(0, dtype=torch.int32),
+        token_bias=torch.zeros(0),
+        presence_penalty=torch.zeros(6),
+        frequency_penalty=torch.zeros(6),
+        repetition_penalty=torch.ones(6),
+        min_p=torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0, 0.2]),
+    )
+    seeds = torch.arange(6) + 5
+    ref = reference.sample(logits, 1.0, 1.0, 0, seeds, 0, **empty)
+    out = torch.full((6,), -1, dtype=torch.int32)
+    before = launches()
+    with emulated():
+        pagedkern.sample(logits, 1.0, 1.0, 0, seeds, 0, out=out, **empty)
+    assert launches() == before + 1 and out.tolist() == ref.tolist()
+    assert ref.tolist() != reference.sample(logits, 1.0, 1.0, 0, seeds, 0).tolist()

@@ -148,7 +148,11 @@ def sample(
     if out is None:
         out = empty_like(lv, (rows,), "int32")
         ov = view(out, "out")
-    ptr = {name: view(value, name).ptr for name, value in processing.items()}
+    kernel_inputs = dict(processing)
+    if "token_ids" in kernel_inputs and view(kernel_inputs["token_ids"], "token_ids").numel == 0:
+        for name in _SPARSE + _PENALTIES:  # no entries: nothing to apply (and no pointers)
+            kernel_inputs.pop(name)
+    ptr = {name: view(value, name).ptr for name, value in kernel_inputs.items()}
     workspace, stride = None, 0
     if "token_offsets" in ptr or "bitmask" in ptr:  # the processed rows (fp32, 16-byte rows)
         stride = -(-vocab // 4) * 4
