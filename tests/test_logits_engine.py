@@ -20,7 +20,8 @@ def _outputs(engine, params, prompt=PROMPT):
 
 
 @pytest.mark.parametrize("prompt_len", [10, 8])  # with and without a partial last block
-@pytest.mark.parametrize("overrides", [{}, {"num_blocks": 14}])  # plenty / preemption
+# plenty of blocks / preemption / no free block for some samples' copies at the fork
+@pytest.mark.parametrize("overrides", [{}, {"num_blocks": 14}, {"num_blocks": 5}])
 def test_n_samples_equal_separately_seeded_requests(prompt_len, overrides):
     prompt = PROMPT[:prompt_len]
     params = SamplingParams(max_tokens=9, temperature=1.0, seed=123, n=4, ignore_eos=True)
@@ -34,6 +35,8 @@ def test_n_samples_equal_separately_seeded_requests(prompt_len, overrides):
                 "q" if out.index == 0 else f"q.{out.index}"
             )
         engine.pool.check_invariants(engine.scheduler.block_tables())
+        if engine.iteration == 1 and overrides.get("num_blocks") == 5 and prompt_len == 10:
+            assert len(engine.scheduler.waiting) >= 1, "a sample without a block waits"
         if engine.iteration == 1 and not overrides:
             # after the prefill: the samples share the full blocks, each has its own last one
             tables = [r.block_table for r in engine.scheduler.running]

@@ -31,7 +31,7 @@ from .kernel_policy import decode_graphs
 from .kv_budget import kv_cache_blocks
 from .logits_processing import LogitsState
 from .outputs import EngineStats, RequestOutput, TokenLogprob
-from .request import FinishReason, Request, RequestStatus
+from .request import FinishReason, Request
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -306,30 +306,14 @@ class Engine:
                     outputs.append(self._fail(request, exc))
 
     def _fork(self, leader: Request, samples: list[Request]) -> None:
-        """n > 1: the further samples take the first's prompt KV: its full blocks shared (one
-        more reference each), its last partial block copied (the samples write different
-        tokens into it). Without a free block for the copy, a sample waits and recomputes."""
-        pool, bs = self.pool, self.pool.block_size
-        prompt_len = len(leader.prompt_ids)
-        full = prompt_len // bs
+        """n > 1: the further samples take the first's prompt KV (Scheduler.fork); the K/V of
+        a partial last block is copied into each sample's own block."""
+        data = self.kv_cache.data
         for sample in samples:
-            if sample.request_id not in self.requests:
-                continue
-            table = list(leader.block_table[:full])
-            if prompt_len % bs:
-                copy = pool.allocate(1)
-                if copy is None:
-                    self.scheduler.add(sample)
-                    continue
-                data = self.kv_cache.data
-                data[:, :, copy[0]] = data[:, :, leader.block_table[full]]
-                table += copy
-            pool.acquire(table[:full])
-            sample.block_table = table
-            sample.block_hashes = list(leader.block_hashes[:full])
-            sample.num_computed_tokens = prompt_len
-            sample.status = RequestStatus.RUNNING
-            self.scheduler.running.append(sample)
+            if sample.request_id in self.requests:
+                copy = self.scheduler.fork(leader, sample)
+                if copy is not None:
+                    data[:, :, copy[1]] = data[:, :, copy[0]]
 
     def _run_model(self, entries, forks):
         return self.runner.run(entries, forks) if forks else self.runner.run(entries)
