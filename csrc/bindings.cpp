@@ -20,6 +20,7 @@
 #include "rope_and_cache.h"
 #include "sampling.h"
 #include "flash_prefill.h"
+#include "quant_gemm.h"
 
 namespace py = pybind11;
 using pagedkern::DeviceGuard;
@@ -100,8 +101,10 @@ PYBIND11_MODULE(_C, m) {
       "rms_norm",
       [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t residual, std::uintptr_t weight,
          int64_t rows, int64_t hidden, int64_t out_stride, int64_t x_stride,
-         int64_t residual_stride, double eps, int dtype, int device, std::uintptr_t stream) {
+         int64_t residual_stride, double eps, int dtype, int device, std::uintptr_t stream,
+         int variant) {
         pagedkern::RmsNormParams p;
+        p.variant = variant;
         p.out = as_ptr<void>(out);
         p.x = as_ptr<const void>(x);
         p.residual = as_ptr<void>(residual);
@@ -119,7 +122,7 @@ PYBIND11_MODULE(_C, m) {
       py::kw_only(), py::arg("out"), py::arg("x"), py::arg("residual"), py::arg("weight"),
       py::arg("rows"), py::arg("hidden"), py::arg("out_stride"), py::arg("x_stride"),
       py::arg("residual_stride"), py::arg("eps"), py::arg("dtype"), py::arg("device"),
-      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("stream"), py::arg("variant"), py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "silu_and_mul",
@@ -201,8 +204,9 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t slot_mapping, int64_t q_stride, int64_t k_stride, int64_t v_stride,
          int64_t tokens, int64_t max_positions, int64_t num_blocks, int num_heads,
          int num_kv_heads, int head_dim, int block_size, int dtype, bool check_indices,
-         int device, std::uintptr_t stream) {
+         int device, std::uintptr_t stream, int variant) {
         pagedkern::RopeAndCacheParams p;
+        p.variant = variant;
         p.q = as_ptr<void>(q);
         p.k = as_ptr<void>(k);
         p.v = as_ptr<const void>(v);
@@ -231,7 +235,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"), py::arg("tokens"),
       py::arg("max_positions"), py::arg("num_blocks"), py::arg("num_heads"),
       py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("dtype"),
-      py::arg("check_indices"), py::arg("device"), py::arg("stream"),
+      py::arg("check_indices"), py::arg("device"), py::arg("stream"), py::arg("variant"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -292,8 +296,9 @@ PYBIND11_MODULE(_C, m) {
          int64_t block_table_stride, int64_t block_table_width, int64_t num_blocks, int total_q,
          int batch, int num_heads, int num_kv_heads, int head_dim, int block_size, double scale,
          int dtype, int path, bool strict, bool check_indices, int device,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, int variant) {
         pagedkern::FlashPrefillParams p;
+        p.variant = variant;
         p.out = as_ptr<void>(out);
         p.lse = as_ptr<float>(lse);
         p.q = as_ptr<const void>(q);
@@ -328,7 +333,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("total_q"), py::arg("batch"), py::arg("num_heads"), py::arg("num_kv_heads"),
       py::arg("head_dim"), py::arg("block_size"), py::arg("scale"), py::arg("dtype"),
       py::arg("path"), py::arg("strict"), py::arg("check_indices"), py::arg("device"),
-      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("stream"), py::arg("variant"), py::call_guard<py::gil_scoped_release>());
   m.def("flash_prefill_workspace_ints", &pagedkern::flash_prefill_workspace_ints, py::kw_only(),
         py::arg("total_q"), py::arg("batch"));
   // The path flash_prefill takes on `device` for this head dim and block size (aligned arrays).
@@ -345,4 +350,33 @@ PYBIND11_MODULE(_C, m) {
       },
       py::kw_only(), py::arg("device"), py::arg("head_dim"), py::arg("block_size"),
       py::arg("path"));
+  // --- quant_gemm (issue 14): weight-only int4/int8 GEMM for M <= quant_gemm_max_m ---------
+  m.attr("quant_gemm_max_m") = pagedkern::kQuantGemmMaxM;
+  m.def(
+      "quant_gemm",
+      [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t qweight, std::uintptr_t scales,
+         std::uintptr_t mins, int64_t m_rows, int64_t n, int64_t k, int64_t x_stride,
+         int64_t out_stride, int bits, int group_size, int dtype, int device,
+         std::uintptr_t stream) {
+        pagedkern::QuantGemmParams p;
+        p.out = as_ptr<void>(out);
+        p.x = as_ptr<const void>(x);
+        p.qweight = as_ptr<const void>(qweight);
+        p.scales = as_ptr<const void>(scales);
+        p.mins = as_ptr<const void>(mins);
+        p.m = m_rows;
+        p.n = n;
+        p.k = k;
+        p.x_stride = x_stride;
+        p.out_stride = out_stride;
+        p.bits = bits;
+        p.group_size = group_size;
+        p.dtype = static_cast<DType>(dtype);
+        DeviceGuard guard(device);
+        pagedkern::quant_gemm(p, as_stream(stream));
+      },
+      py::kw_only(), py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"),
+      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("out_stride"),
+      py::arg("bits"), py::arg("group_size"), py::arg("dtype"), py::arg("device"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 }

@@ -43,6 +43,22 @@ struct alignas(16) Vec16 {
   }
 };
 
+// 2^x for softmax weights (x <= 0): one MUFU.EX2 (ftz; 2^-inf = 0). The accurate exp2f adds a
+// denormal fix-up (FSETP x < -126, two predicated FMULs) around every MUFU.
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+#ifdef EXP_VOLATILE
+  asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+#else
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+#endif
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);

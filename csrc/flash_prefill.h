@@ -40,7 +40,14 @@ struct FlashPrefillParams {
   // Debug mode: trap on an out-of-range block id, cu_seqlens_q not rising from 0 to total_q, or
   // seq_lens[b] outside [chunk length, block_table_width * block_size].
   bool check_indices = false;
+  int variant = 0;  // kFlashVariantV2 or kFlashVariantV1 (kernel schedule, both paths)
 };
+
+// Kernel schedules, kept selectable until a GPU run has verified v2 (PAGEDKERN_FLASH_VARIANT).
+// v2 (default): page ids fetched a tile ahead (both paths), P double-buffered (path 2).
+// v1: the first schedule (table lookups on the copy path, one P buffer).
+constexpr int kFlashVariantV2 = 0;
+constexpr int kFlashVariantV1 = 1;
 
 // Path 1: mma.sync + cp.async (sm_80 and newer). Path 2: wgmma + TMA, warp specialised (sm_90).
 enum class FlashPrefillPath : int { kAuto = 0, kSm80 = 1, kSm90 = 2 };

@@ -154,9 +154,10 @@ __device__ __forceinline__ float quad_sum(float v) {
 }
 
 // One KV tile of the online softmax. s: raw scores (rows, cols), replaced by p = exp(s*scale -
-// max*scale) through exp2 with log2(e) folded into scale_log2; row_max in raw-score units,
-// row_sum thread-partial; alpha[r] = factor the output row must be rescaled by. A row that has
-// seen only masked keys keeps max = -inf and uses 0 as its exponent base, so no inf - inf.
+// max*scale) through exp2 (fast_exp2: one MUFU.EX2 each) with log2(e) folded into scale_log2;
+// row_max in raw-score units, row_sum thread-partial; alpha[r] = factor the output row must be
+// rescaled by. A row that has seen only masked keys keeps max = -inf and uses 0 as its exponent
+// base, so no inf - inf.
 template <int kRows, class TS>
 __device__ __forceinline__ void softmax_step(TS& s, float (&row_max)[kRows],
                                              float (&row_sum)[kRows], float (&alpha)[kRows],
@@ -170,12 +171,16 @@ __device__ __forceinline__ void softmax_step(TS& s, float (&row_max)[kRows],
     for (int c = 0; c < size<1>(s); ++c) mx = fmaxf(mx, s(r, c));
     mx = quad_max(mx);
     const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
+#ifdef EXP_ALPHA_SLOW
     alpha[r] = exp2f(row_max[r] * scale_log2 - base);
+#else
+    alpha[r] = fast_exp2(row_max[r] * scale_log2 - base);
+#endif
     row_max[r] = mx;
     float sum = 0.f;
 #pragma unroll
     for (int c = 0; c < size<1>(s); ++c) {
-      s(r, c) = exp2f(fmaf(s(r, c), scale_log2, -base));
+      s(r, c) = fast_exp2(fmaf(s(r, c), scale_log2, -base));
       sum += s(r, c);
     }
     row_sum[r] = row_sum[r] * alpha[r] + sum;

@@ -30,6 +30,15 @@
  *    with log2(e) * scale folded into one FFMA; the output is normalised once, rounded to the
  *    input type, staged through shared memory and stored with 16-byte writes.
  *
+ * v2 flash_prefill_sm80_kernel<Traits, true> (default; v1 = <Traits, false>, selected by
+ *    PAGEDKERN_FLASH_VARIANT=v1): v1 looked each copied row's page up in the block table right
+ *    after a __syncthreads, BN / 16 dependent global loads per thread ahead of the next MMAs.
+ *    v2 fetches a tile's page ids two K groups ahead into a 4-tile shared ring with 4-byte
+ *    cp.async riding in the K groups, so the copies read them from shared memory (static test:
+ *    no LDG between a barrier and the next HMMA). Both: exps by ex2.approx.ftz (one MUFU.EX2),
+ *    row sums parked in shared memory between tiles and coordinates from a fresh thread index
+ *    (at 255 registers ptxas otherwise spilled a few words).
+ *
  * FLOPs: 4 * D * sum over query rows of visible keys (x heads); bytes: Q, O once, K/V once per
  * query tile and head (L2 absorbs the reuse across query tiles and GQA heads). Compute bound:
  * target >= the FlashAttention-2 rate of torch SDPA's flash backend (~330-370 TFLOP/s for causal
@@ -47,6 +56,12 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
                "r"(valid ? 16 : 0));
+}
+// 4 bytes (a page id) into shared memory, or 0 where !valid.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -86,7 +101,14 @@ __device__ __forceinline__ void gemm(Mma& mma, Acc& acc, RA& rA, RB& rB, const S
   }
 }
 
-template <class Tr>
+// Page-id ring (kPrefetchPages): the page of every key row of 4 consecutive KV tiles (by visit
+// step i, slot i % 4). The ids of step i + 2 * stages ride along with the cp.async group of K of
+// step i + stages, so they have landed (and a barrier has passed) before the K and V copies of
+// that step read them: no block-table load between a barrier and the next MMAs (v1 did up to
+// BN / 16 dependent ones per thread there).
+constexpr int kPageRing = 4;
+
+template <class Tr, bool kPrefetchPages>
 __global__ void __launch_bounds__(Tr::kThreads, 2)
     flash_prefill_sm80_kernel(const KernelParams p, const int stages) {
   using T = typename Tr::T;
@@ -96,6 +118,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   // The current and the next work tile, decoded once by thread 0: shared, not held in every
   // thread's registers through the main loop (the accumulators need them).
   __shared__ WorkTile tiles[2];
+  __shared__ int page_ring[kPrefetchPages ? kPageRing : 1][kPrefetchPages ? BN : 1];
   T* const q_smem = reinterpret_cast<T*>(smem);
   T* const k_smem = q_smem + Tr::kQElems;
   T* const v_smem = k_smem + stages * KV;
@@ -122,12 +145,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   Tensor rK_view = copy_k.get_thread_slice(tid).retile_D(rK);
   Tensor rVt_view = copy_v.get_thread_slice(tid).retile_D(rVt);
 
-  // (row, column) of every accumulator element, as rows x columns.
-  Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<BN>>{}));
-  Tensor cS_rc = make_tensor(cS.data(), rowcol_layout(cS.layout()));
-  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<D>>{}));
-  Tensor cO_rc = make_tensor(cO.data(), rowcol_layout(cO.layout()));
-  constexpr int kRows = decltype(size<0>(cO_rc))::value;
+  // (row, column) of every accumulator element, as rows x columns; from a fresh thread index
+  // where used (hoisted, the four row indices would be spilled).
+  auto coords = [&](auto tile_shape) {
+    Tensor c = mma.get_thread_slice(fresh_tid()).partition_C(make_identity_tensor(tile_shape));
+    return make_tensor(c.data(), rowcol_layout(c.layout()));
+  };
+  using OShape = Shape<Int<kBlockM>, Int<D>>;
+  constexpr int kRows = decltype(size<0>(coords(OShape{})))::value;
+  constexpr bool kSumsInSmem = true;
+  __shared__ float row_sums[kSumsInSmem ? kRows : 1][Tr::kThreads];
 
   const int total_work = p.workspace[1] * p.num_heads;
   __shared__ int works[2];
@@ -139,6 +166,60 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   for (int parity = 0; works[parity] < total_work; parity ^= 1) {
     const WorkTile& t = tiles[parity];
 
+    // Page ids of the key rows of the tile visited at step i (KV tile n_tiles-1-i) into the
+    // ring, as one cp.async per row (rows past seq_len: 0, never used).
+    auto fetch_pages = [&](int i) {
+      const int tid = fresh_tid();
+      const int key = (t.n_tiles - 1 - i) * BN + tid;
+      if (tid < BN && i < t.n_tiles) {
+        int page, slot;
+        page_of(p, key, page, slot);
+        const bool valid = key < t.seq_len;
+        cp_async_4(&page_ring[i % kPageRing][tid],
+                   p.block_tables + int64_t(t.seq) * p.block_table_stride + (valid ? page : 0),
+                   valid);
+      }
+    };
+    // Keys tile*BN .. tile*BN+BN-1 of K or V into the buffer at dst, gathered through the table
+    // (kPrefetchPages: through the ids of the ring, tile = KV tile of step i).
+    auto load_kv = [&](const void* cache, T* dst, int tile) {
+      const int tid = fresh_tid();
+      const int* table = p.block_tables + int64_t(t.seq) * p.block_table_stride;
+      const int seq_len = t.seq_len;
+      const T* base = static_cast<const T*>(cache) + int64_t(t.kv_head) * p.block_size * D +
+                      Tr::chunk_col(tid);
+      const int* ids = &page_ring[kPrefetchPages ? (t.n_tiles - 1 - tile) % kPageRing : 0]
+                                 [kPrefetchPages ? Tr::chunk_row(tid) : 0];
+#pragma unroll
+      for (int m = 0; m < BN / 16; ++m) {
+        const int row = Tr::chunk_row(tid) + 16 * m;
+        const int key = tile * BN + row;
+        const bool valid = key < seq_len;
+        int64_t offset = 0;
+        if (valid) {
+          int page, slot;
+          page_of(p, key, page, slot);
+          const int block = kPrefetchPages ? ids[16 * m] : table[page];
+          offset = int64_t(block) * p.page_stride + slot * D;
+        }
+#pragma unroll
+        for (int k = 0; k < kSlabs; ++k) {
+          cp_async_16(dst + Tr::chunk_offset(tid) + m * 1024 + k * BN * 64,
+                      base + offset + k * 64, valid);
+        }
+      }
+    };
+
+    // Prologue: groups [Q + K0], V0, K1, ... V_{stages-2}, K_{stages-1}. Iteration i handles
+    // KV tile n_tiles-1-i in buffer i % stages.
+    const int n_tiles = t.n_tiles;
+    if constexpr (kPrefetchPages) {
+      // Ids of steps 0 .. 2 * stages - 1 now; later ones with the main loop's K groups.
+      for (int i = 0; i < 2 * stages; ++i) fetch_pages(i);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
     // Q rows past the chunk are zero-filled; their outputs are never stored.
     {
       const int tid = fresh_tid();
@@ -156,34 +237,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
         }
       }
     }
-    // Keys tile*BN .. tile*BN+BN-1 of K or V into the buffer at dst, gathered through the table.
-    auto load_kv = [&](const void* cache, T* dst, int tile) {
-      const int tid = fresh_tid();
-      const int* table = p.block_tables + int64_t(t.seq) * p.block_table_stride;
-      const int seq_len = t.seq_len;
-      const T* base = static_cast<const T*>(cache) + int64_t(t.kv_head) * p.block_size * D +
-                      Tr::chunk_col(tid);
-#pragma unroll
-      for (int m = 0; m < BN / 16; ++m) {
-        const int key = tile * BN + Tr::chunk_row(tid) + 16 * m;
-        const bool valid = key < seq_len;
-        int64_t offset = 0;
-        if (valid) {
-          int page, slot;
-          page_of(p, key, page, slot);
-          offset = int64_t(table[page]) * p.page_stride + slot * D;
-        }
-#pragma unroll
-        for (int k = 0; k < kSlabs; ++k) {
-          cp_async_16(dst + Tr::chunk_offset(tid) + m * 1024 + k * BN * 64,
-                      base + offset + k * 64, valid);
-        }
-      }
-    };
-
-    // Prologue: groups [Q + K0], V0, K1, ... V_{stages-2}, K_{stages-1}. Iteration i handles
-    // KV tile n_tiles-1-i in buffer i % stages.
-    const int n_tiles = t.n_tiles;
     if (n_tiles > 0) load_kv(p.k_cache, k_smem, n_tiles - 1);
     cp_async_commit();
     for (int s = 1; s < stages; ++s) {
@@ -196,9 +249,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<D>>{});
     Tensor o_rc = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
     clear(acc_o);
+    // kSumsInSmem: the row sums wait in shared memory between tiles (one per thread and row,
+    // each thread its own): carried in registers through the MMAs, ptxas spilled them at D = 64.
     float row_max[kRows], row_sum[kRows];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) row_max[r] = -INFINITY, row_sum[r] = 0.f;
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = -INFINITY, row_sum[r] = 0.f;
+      if constexpr (kSumsInSmem) row_sums[r][fresh_tid()] = 0.f;
+    }
 
     for (int i = 0; i < t.n_tiles; ++i) {
       const int tile = t.n_tiles - 1 - i;
@@ -218,9 +276,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       gemm<true>(mma, acc_s, rQ, rK, sQ_frag, sK_frag, copy_q, copy_k, rQ_view, rK_view);
 
       Tensor s_rc = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
-      if (tile >= t.n_unmasked) causal_mask(s_rc, cS_rc, t, tile * BN);
+      if (tile >= t.n_unmasked) causal_mask(s_rc, coords(Shape<Int<kBlockM>, Int<BN>>{}), t, tile * BN);
       float alpha[kRows];
+      if constexpr (kSumsInSmem) {
+        const int ftid = fresh_tid();
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) row_sum[r] = row_sums[r][ftid];
+      }
       softmax_step(s_rc, row_max, row_sum, alpha, p.scale_log2);
+      if constexpr (kSumsInSmem) {
+        const int ftid = fresh_tid();
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) row_sums[r][ftid] = row_sum[r];
+      }
       rescale_rows(o_rc, alpha);
       Tensor rP = make_tensor<T>(acc_as_a_layout(acc_s.layout()));
       convert_storage(acc_s, rP);
@@ -228,6 +296,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       cp_async_wait_tile(stages);  // V_i has landed
       __syncthreads();             // ... for every thread; and everyone is done with K_i
       if (i + stages < t.n_tiles) load_kv(p.k_cache, k_smem + slot * KV, tile - stages);
+      if constexpr (kPrefetchPages) fetch_pages(i + 2 * stages);
       cp_async_commit();
 
       Tensor sVt_frag = copy_v.get_thread_slice(fresh_tid()).partition_S(sVt(slot));
@@ -237,9 +306,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     // Epilogue: normalise, stage the tile in Q's buffer, 16-byte stores of the valid rows. The
     // next work item is claimed now (not at the start: a register held through the main loop
     // would spill); its latency hides behind the stores.
-    int next = 0;
-    if (tid == 0) next = atomicAdd(p.workspace, 1);
+    // Straight into shared memory (nobody reads works[parity ^ 1] before the last barrier).
+    if (tid == 0) works[parity ^ 1] = atomicAdd(p.workspace, 1);
     float lse[kRows];
+    if constexpr (kSumsInSmem) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) row_sum[r] = row_sums[r][fresh_tid()];
+    }
     softmax_finalize(o_rc, row_max, row_sum, p.scale, lse);
     cp_async_wait<0>();  // only empty groups remain; Q's has landed (n_tiles == 0 included)
     __syncthreads();
@@ -249,6 +322,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     auto thr_copy_o = copy_o.get_thread_slice(fresh_tid());
     copy(copy_o, thr_copy_o.retile_S(o_frag), thr_copy_o.partition_D(sQ));
     if (p.lse != nullptr) {
+      const auto cO_rc = coords(OShape{});
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int row = get<0>(cO_rc(r, 0));
@@ -276,44 +350,57 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       }
     }
     if (tid == 0) {
-      works[parity ^ 1] = next;
+      const int next = works[parity ^ 1];
       if (next < total_work) tiles[parity ^ 1] = decode_work<BN>(p, next);
     }
     __syncthreads();  // Q's buffer is free again; the next tile is decoded
   }
 }
 
-template <class Tr>
+template <class Tr, bool kPrefetchPages>
 void launch(const KernelParams& p, int device, cudaStream_t stream) {
   int smem_per_sm = 0;
   PK_CUDA_CHECK(
       cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  // Two buffers per K and V when two CTAs (the register file's limit) still fit on an SM.
-  const int stages = 2 * (Tr::smem_bytes(2) + 1024) <= size_t(smem_per_sm) ? 2 : 1;
+  // Two buffers per K and V when two CTAs (the register file's limit) still fit on an SM, static
+  // shared memory (v2: page-id ring and row sums, ~4 KB) and the 1 KB per-CTA reserve included.
+  const auto kernel = flash_prefill_sm80_kernel<Tr, kPrefetchPages>;
+  cudaFuncAttributes attr{};
+  PK_CUDA_CHECK(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)));
+  const int stages =
+      2 * (Tr::smem_bytes(2) + attr.sharedSizeBytes + 1024) <= size_t(smem_per_sm) ? 2 : 1;
   const size_t smem = Tr::smem_bytes(stages);
-  const auto kernel = flash_prefill_sm80_kernel<Tr>;
   const int grid = persistent_grid(reinterpret_cast<const void*>(kernel), Tr::kThreads, smem,
                                    device, max_tiles(p.total_q, p.batch) * p.num_heads);
   kernel<<<grid, Tr::kThreads, smem, stream>>>(p, stages);
   PK_CHECK_LAUNCH("flash_prefill_sm80_kernel");
 }
 
-template <class T>
+template <class T, bool kPrefetchPages>
 void launch_dtype(const KernelParams& p, int device, cudaStream_t stream) {
   if (p.head_dim == 64) {
-    launch<Sm80Traits<T, 64>>(p, device, stream);
+    launch<Sm80Traits<T, 64>, kPrefetchPages>(p, device, stream);
   } else {
-    launch<Sm80Traits<T, 128>>(p, device, stream);
+    launch<Sm80Traits<T, 128>, kPrefetchPages>(p, device, stream);
+  }
+}
+
+template <bool kPrefetchPages>
+void launch_variant(const KernelParams& p, int device, cudaStream_t stream) {
+  if (p.dtype == DType::kFloat16) {
+    launch_dtype<cutlass::half_t, kPrefetchPages>(p, device, stream);
+  } else {
+    launch_dtype<cutlass::bfloat16_t, kPrefetchPages>(p, device, stream);
   }
 }
 
 }  // namespace
 
 void launch_flash_prefill_sm80(const KernelParams& p, int device, cudaStream_t stream) {
-  if (p.dtype == DType::kFloat16) {
-    launch_dtype<cutlass::half_t>(p, device, stream);
+  if (p.variant == kFlashVariantV1) {
+    launch_variant<false>(p, device, stream);
   } else {
-    launch_dtype<cutlass::bfloat16_t>(p, device, stream);
+    launch_variant<true>(p, device, stream);
   }
 }
 

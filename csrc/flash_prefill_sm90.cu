@@ -27,9 +27,18 @@
  *    Q load overlaps this tile's last P V and epilogue.
  *  Epilogue: normalise, round, stage in a separate shared buffer (swizzled), 16-byte stores of
  *    the valid rows; LSE from the lane that holds column 0.
+ * v2 flash_prefill_sm90_kernel<Traits, true> (default; v1 = <Traits, false>, selected by
+ *    PAGEDKERN_FLASH_VARIANT=v1): in v1's SASS every MUFU.EX2 of the softmax sat after the wait
+ *    for the in-flight P V (ptxas hoists wgmma.wait_group to the top of its basic block, which
+ *    began after the mask branch): no overlap. v2 runs the softmax inside both arms of that
+ *    branch, so the exps precede the wait (static test). The producer decodes the next work item
+ *    and looks up each tile's page ids before its barrier waits (v1: a dependent table load
+ *    between the wait and every TMA); V's tail is zeroed by warpgroup 0 only, ordered before
+ *    warpgroup 1's wgmma by the turn barrier or a named barrier (v1: both warpgroups wrote it).
+ *    Not yet considered: sharing the O staging buffer with Q for a third K/V stage at D = 128.
  *
- * FLOPs and bytes as path 1. Target on H200 (causal, D = 128, 16k tokens): >= 550 TFLOP/s,
- * ~70% of the dense bf16 GEMM rate measured in the same run, ahead of cuDNN's SDPA.
+ * FLOPs and bytes as path 1. Target on H200 (causal, D = 128, 16k tokens): >= 600 TFLOP/s
+ * (FlashAttention-3 ~620 on an H100), ahead of cuDNN's SDPA.
  *
  * On sm_80 and in the compute_80 PTX this kernel has an empty body (the dispatcher never launches
  * it there); it exists in every cubin so the build carries the same kernels for every target.
@@ -71,7 +80,9 @@ __device__ __forceinline__ void wgmma(Mma& mma, const TA& a, const TB& b, TC& c)
   if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a));
 }
 
-template <class Tr>
+// kV2 (producer): the next work item decoded and each tile's page ids looked up one tile ahead,
+// before the waits on the empty barriers. v1: after them, as first built.
+template <class Tr, bool kV2>
 __device__ __forceinline__ void producer(const Sm90Params& params,
                                          typename Tr::SharedStorage& s) {
   using T = typename Tr::T;
@@ -82,17 +93,29 @@ __device__ __forceinline__ void producer(const Sm90Params& params,
   const int box_rows = min(p.block_size, BN);  // rows per TMA box: one page, or a tile of it
   int q_phase = 0, k_stage = 0, k_phase = 0, v_stage = 0, v_phase = 0;
 
+  auto boxes_of = [&](const WorkTile& t, int j) {
+    return (min(BN, t.seq_len - j * BN) + box_rows - 1) / box_rows;
+  };
+  // The cache block holding lane i's box of KV tile j (or 0 where the box holds no key).
+  auto block_of = [&](const WorkTile& t, int j) {
+    if (lane >= boxes_of(t, j)) return 0;
+    int page, slot;
+    page_of(p, j * BN + lane * box_rows, page, slot);
+    return p.block_tables[int64_t(t.seq) * p.block_table_stride + page];
+  };
   // KV tile j (keys j*BN ..) of K or V into `buf`: lane i loads box i (keys j*BN + i*box_rows
-  // ..) from its page, if any of its keys is < seq_len. Lane 0 first announces the bytes.
-  auto load_kv = [&](const CUtensorMap* map, T* buf, uint64_t* full, const WorkTile& t, int j) {
+  // ..) from its page (cache block `block`, v1: looked up here), if any of its keys is <
+  // seq_len. Lane 0 first announces the bytes.
+  auto load_kv = [&](const CUtensorMap* map, T* buf, uint64_t* full, const WorkTile& t, int j,
+                     int block) {
     const int key0 = j * BN;
-    const int boxes = (min(BN, t.seq_len - key0) + box_rows - 1) / box_rows;
+    const int boxes = boxes_of(t, j);
     if (lane == 0) mbar_arrive_expect_tx(full, uint32_t(boxes * kSlabs * box_rows * 128));
     __syncwarp();
     if (lane < boxes) {
       int page, slot;
       page_of(p, key0 + lane * box_rows, page, slot);
-      const int block = p.block_tables[int64_t(t.seq) * p.block_table_stride + page];
+      if constexpr (!kV2) block = p.block_tables[int64_t(t.seq) * p.block_table_stride + page];
       const int plane = block * p.num_kv_heads + t.kv_head;
 #pragma unroll
       for (int slab = 0; slab < kSlabs; ++slab) {
@@ -106,6 +129,14 @@ __device__ __forceinline__ void producer(const Sm90Params& params,
     int work = 0;
     if (lane == 0) work = atomicAdd(p.workspace, 1);
     work = __shfl_sync(0xffffffffu, work, 0);
+    WorkTile t{};
+    int block_next = 0;  // kV2: the page of this lane's box of the next K/V tile to load
+    if constexpr (kV2) {  // the loads of the work list and the first table entry overlap the wait
+      if (work < total_work) {
+        t = decode_work<BN>(p, work);
+        if (t.n_tiles > 0) block_next = block_of(t, t.n_tiles - 1);
+      }
+    }
     mbar_wait(&s.q_empty, q_phase ^ 1);  // the consumers are done with the previous Q and tile
     if (work >= total_work) {
       if (lane == 0) {
@@ -114,7 +145,7 @@ __device__ __forceinline__ void producer(const Sm90Params& params,
       }
       return;
     }
-    const WorkTile t = decode_work<BN>(p, work);
+    if constexpr (!kV2) t = decode_work<BN>(p, work);
     if (lane == 0) {
       s.tile = t;
       s.work = work;
@@ -127,24 +158,29 @@ __device__ __forceinline__ void producer(const Sm90Params& params,
     }
     q_phase ^= 1;
     // In the consumers' order: K_0, K_1, V_0, K_2, V_1, ..., V_{n-1} (step i = KV tile n-1-i).
+    // kV2: V of a tile reuses the page ids of its K; the next tile's are loaded before the waits.
+    int block_k = 0, block_v = 0;
     for (int i = 0; i <= t.n_tiles; ++i) {
       if (i < t.n_tiles) {
+        block_k = block_next;
+        if (kV2 && i + 1 < t.n_tiles) block_next = block_of(t, t.n_tiles - 2 - i);
         mbar_wait(&s.k_empty[k_stage], k_phase ^ 1);
         load_kv(&params.tma_k, s.k + k_stage * Tr::kKVTileElems, &s.k_full[k_stage], t,
-                t.n_tiles - 1 - i);
+                t.n_tiles - 1 - i, block_k);
         if (++k_stage == S) k_stage = 0, k_phase ^= 1;
       }
       if (i > 0) {
         mbar_wait(&s.v_empty[v_stage], v_phase ^ 1);
         load_kv(&params.tma_v, s.v + v_stage * Tr::kKVTileElems, &s.v_full[v_stage], t,
-                t.n_tiles - i);
+                t.n_tiles - i, block_v);
         if (++v_stage == S) v_stage = 0, v_phase ^= 1;
       }
+      block_v = block_k;
     }
   }
 }
 
-template <class Tr>
+template <class Tr, bool kV2>
 __device__ __forceinline__ void consumer(const Sm90Params& params,
                                          typename Tr::SharedStorage& s) {
   using T = typename Tr::T;
@@ -185,17 +221,26 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
     if (++v_stage == S) v_stage = 0, v_phase ^= 1;
   };
   // V rows past seq_len hold whatever the cache's last page holds there (or an earlier tile):
-  // zero them so that P = 0 never meets a non-finite value. Both warpgroups zero the same rows
-  // (identical values) and each orders its own writes before its wgmma.
-  auto zero_v_tail = [&](const WorkTile& t, int j, int stage) {
+  // zero them so that P = 0 never meets a non-finite value. v1: both warpgroups zero the same
+  // rows (identical values), each ordering its own writes before its wgmma -- but one's generic
+  // stores may meet the other's wgmma reading the stage. kV2: warpgroup 0 zeroes and fences
+  // (generic -> async proxy); warpgroup 1's wgmma is ordered after that by the turn barrier
+  // (in_turn: warpgroup 0 zeroes before it hands over the turn) or, in the last P V of a
+  // one-tile item, which takes no turns, by named barrier kBarVTail (both warpgroups sync).
+  auto zero_v_tail = [&](const WorkTile& t, int j, int stage, bool in_turn) {
     const int first = t.seq_len - j * BN;
     if (first >= BN) return;
+    if (kV2 && wg == 1) {
+      if (!in_turn) named_sync(kBarVTail, 256);
+      return;
+    }
     for (int c = ct % 128; c < (BN - first) * (D / 8); c += 128) {
       *reinterpret_cast<uint4*>(&sV(first + c / (D / 8), c % (D / 8) * 8, stage)) =
           make_uint4(0, 0, 0, 0);
     }
     fence_async_shared();
     named_sync(kBarWarpgroup0 + wg, 128);
+    if (kV2 && !in_turn) named_sync(kBarVTail, 256);
   };
 
   if (wg == 0) named_arrive(kBarTurn0, 256);  // warpgroup 0 issues first
@@ -230,14 +275,16 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
         softmax_step(s_rc, row_max, row_sum, alpha, p.scale_log2);
         convert_storage(acc_s, rP);
       }
-      for (int i = 1; i < n; ++i) {
+      // Step i: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together, the softmax of S_i
+      // in between (kV2: really; v1: ptxas moved it after the wait), then P_i into rP.
+      auto step = [&](int i) {
         const int tile = n - 1 - i;
         AccS acc_s;
         mbar_wait(&s.k_full[k_stage], k_phase);
         named_sync(kBarTurn0 + wg, 256);  // our turn to issue
         wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, k_stage), acc_s);
         mbar_wait(&s.v_full[v_stage], v_phase);
-        if (i == 1) zero_v_tail(t, n - 1, v_stage);
+        if (i == 1) zero_v_tail(t, n - 1, v_stage, true);
         wgmma<false>(mma_pv, rP, tOrV(_, _, _, v_stage), acc_o);
         named_arrive(kBarTurn0 + (1 - wg), 256);  // the other warpgroup's turn
         warpgroup_wait<1>();  // S_i is ready, P_{i-1} V_{i-1} may still run
@@ -246,8 +293,20 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
         next_k();
         if (i == n - 1) release(&s.q_empty);  // the tile's last Q K^T is done
         Tensor s_rc = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
-        if (tile >= t.n_unmasked) causal_mask(s_rc, cS_rc, t, tile * BN);
-        softmax_step(s_rc, row_max, row_sum, alpha, p.scale_log2);
+        if constexpr (kV2) {
+          // The softmax inside both arms of the mask branch: ptxas hoists the wait below to the
+          // top of its basic block, so it must not share one with the exps.
+          if (tile >= t.n_unmasked) {
+            causal_mask(s_rc, cS_rc, t, tile * BN);
+            softmax_step(s_rc, row_max, row_sum, alpha, p.scale_log2);
+          } else {
+            softmax_step(s_rc, row_max, row_sum, alpha, p.scale_log2);
+          }
+          warpgroup_fence_operand(acc_s);
+        } else {
+          if (tile >= t.n_unmasked) causal_mask(s_rc, cS_rc, t, tile * BN);
+          softmax_step(s_rc, row_max, row_sum, alpha, p.scale_log2);
+        }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(rP);
@@ -255,15 +314,19 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
         next_v();
         rescale_rows(o_rc, alpha);
         convert_storage(acc_s, rP);
-      }
-      mbar_wait(&s.v_full[v_stage], v_phase);  // KV tile 0: the last P V
-      if (n == 1) zero_v_tail(t, 0, v_stage);
-      wgmma<false>(mma_pv, rP, tOrV(_, _, _, v_stage), acc_o);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      warpgroup_fence_operand(rP);
-      release(&s.v_empty[v_stage]);
-      next_v();
+      };
+      auto last_pv = [&] {  // KV tile 0: the last P V
+        mbar_wait(&s.v_full[v_stage], v_phase);
+        if (n == 1) zero_v_tail(t, 0, v_stage, false);
+        wgmma<false>(mma_pv, rP, tOrV(_, _, _, v_stage), acc_o);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        warpgroup_fence_operand(rP);
+        release(&s.v_empty[v_stage]);
+        next_v();
+      };
+      for (int i = 1; i < n; ++i) step(i);
+      last_pv();
     }
 
     // Epilogue, per warpgroup (its 64 rows of sO).
@@ -301,7 +364,7 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
 
 #endif  // sm_90a or host
 
-template <class Tr>
+template <class Tr, bool kV2>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     flash_prefill_sm90_kernel(const __grid_constant__ Sm90Params params) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -326,10 +389,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   __syncthreads();
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    if (threadIdx.x < 32) producer<Tr>(params, s);
+    if (threadIdx.x < 32) producer<Tr, kV2>(params, s);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-    consumer<Tr>(params, s);
+    consumer<Tr, kV2>(params, s);
   }
 #endif
 }
@@ -376,7 +439,7 @@ CUtensorMap tensor_map(CUtensorMapDataType type, const void* base, const uint64_
   return map;
 }
 
-template <class Tr>
+template <class Tr, bool kV2>
 void launch(const KernelParams& p, int device, cudaStream_t stream) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim;
@@ -394,7 +457,7 @@ void launch(const KernelParams& p, int device, cudaStream_t stream) {
   params.tma_k = tensor_map(type, p.k_cache, page_dims, page_strides, {64, box_rows, 1});
   params.tma_v = tensor_map(type, p.v_cache, page_dims, page_strides, {64, box_rows, 1});
 
-  const auto kernel = flash_prefill_sm90_kernel<Tr>;
+  const auto kernel = flash_prefill_sm90_kernel<Tr, kV2>;
   const int grid = persistent_grid(reinterpret_cast<const void*>(kernel), Tr::kThreads,
                                    Tr::kSmemBytes, device,
                                    max_tiles(p.total_q, p.batch) * p.num_heads);
@@ -402,12 +465,21 @@ void launch(const KernelParams& p, int device, cudaStream_t stream) {
   PK_CHECK_LAUNCH("flash_prefill_sm90_kernel");
 }
 
-template <class T>
+template <class T, bool kV2>
 void launch_dtype(const KernelParams& p, int device, cudaStream_t stream) {
   if (p.head_dim == 64) {
-    launch<Sm90Traits<T, 64>>(p, device, stream);
+    launch<Sm90Traits<T, 64>, kV2>(p, device, stream);
   } else {
-    launch<Sm90Traits<T, 128>>(p, device, stream);
+    launch<Sm90Traits<T, 128>, kV2>(p, device, stream);
+  }
+}
+
+template <bool kV2>
+void launch_variant(const KernelParams& p, int device, cudaStream_t stream) {
+  if (p.dtype == DType::kFloat16) {
+    launch_dtype<cutlass::half_t, kV2>(p, device, stream);
+  } else {
+    launch_dtype<cutlass::bfloat16_t, kV2>(p, device, stream);
   }
 }
 
@@ -422,10 +494,10 @@ bool flash_prefill_sm90_supports(const FlashPrefillParams& p) {
 }
 
 void launch_flash_prefill_sm90(const KernelParams& p, int device, cudaStream_t stream) {
-  if (p.dtype == DType::kFloat16) {
-    launch_dtype<cutlass::half_t>(p, device, stream);
+  if (p.variant == kFlashVariantV1) {
+    launch_variant<false>(p, device, stream);
   } else {
-    launch_dtype<cutlass::bfloat16_t>(p, device, stream);
+    launch_variant<true>(p, device, stream);
   }
 }
 

@@ -88,6 +88,7 @@ struct Sm90Traits {
 // consumer warpgroup for its own shared-memory hand-offs.
 constexpr int kBarTurn0 = 1;       // + warpgroup: "your turn to issue GEMMs"
 constexpr int kBarWarpgroup0 = 3;  // + warpgroup
+constexpr int kBarVTail = 5;       // v2: V's rows past seq_len are zeroed (one-tile items)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));

@@ -75,17 +75,6 @@ struct Layout {
   int units_per_cta;  // head units (kHeads query heads each) per CTA, <= Shape<D>::kRows
 };
 
-// 2^x, x <= 0: one MUFU.EX2 (ftz; 2^-inf = 0). The accurate exp2f adds a denormal fix-up.
-__device__ __forceinline__ float fast_exp2(float x) {
-#ifdef __CUDA_ARCH__
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return exp2f(x);
-#endif
-}
-
 template <typename T>
 __device__ __forceinline__ void to_floats(const Vec16<T>& v, float (&f)[8]) {
 #pragma unroll

@@ -15,6 +15,10 @@
  *     once. All loads of a thread are issued before any arithmetic so kIters loads are in flight.
  *     Needs hidden % (16 / sizeof(T)) == 0, 16-byte aligned row starts and hidden <= 4096 vectors
  *     (32768 bf16 elements).
+ *  v3 (default; v1 stays selectable: PAGEDKERN_RMS_NORM_VARIANT=v1): the weight vectors are
+ *     loaded with x, before the block reduction, instead of after its barrier (one L2 latency
+ *     per row off the critical path; kIters more 16-byte registers per thread, so not at
+ *     kIters = 4, hidden > 8192 bf16 elements, where 1024-thread blocks leave no room).
  *  v2 rms_norm_scalar_kernel<T, kFused>: any hidden size, stride or alignment (hidden 111, 500,
  *     views into odd offsets). Two passes over the row; the second re-reads from L1/L2 (for the
  *     fused variant, the residual elements this same thread just wrote).
@@ -28,8 +32,10 @@
 namespace pagedkern {
 namespace {
 
-template <typename T, int kIters, bool kFused>
+// kMaxIters vectors per thread (1024-thread blocks, 64 registers): no room for the weights.
+template <typename T, int kIters, bool kFused, bool kPrefetchWeight_>
 __global__ void __launch_bounds__(1024) rms_norm_vec_kernel(const RmsNormParams p) {
+  constexpr bool kPrefetchWeight = kPrefetchWeight_ && kIters < 4;
   using V = Vec16<T>;
   constexpr int kVec = V::kSize;
   const int64_t row = blockIdx.x;
@@ -37,14 +43,17 @@ __global__ void __launch_bounds__(1024) rms_norm_vec_kernel(const RmsNormParams 
   const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
   T* residual = kFused ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
 
+  const T* w = static_cast<const T*>(p.weight);
   V cache[kIters];
   V other[kFused ? kIters : 1];
+  V weight[kPrefetchWeight ? kIters : 1];
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int i = threadIdx.x + it * blockDim.x;
     if (i < nvec) {
       cache[it] = V::load(x + i * kVec);
       if constexpr (kFused) other[it] = V::load(residual + i * kVec);
+      if constexpr (kPrefetchWeight) weight[it] = V::load_ldg(w + i * kVec);
     }
   }
 
@@ -68,13 +77,12 @@ __global__ void __launch_bounds__(1024) rms_norm_vec_kernel(const RmsNormParams 
   }
   const float inv_rms = rsqrtf(block_sum(sumsq) / float(p.hidden) + p.eps);
 
-  const T* w = static_cast<const T*>(p.weight);
   T* out = static_cast<T*>(p.out) + row * p.out_stride;
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int i = threadIdx.x + it * blockDim.x;
     if (i < nvec) {
-      const V wv = V::load_ldg(w + i * kVec);
+      const V wv = kPrefetchWeight ? weight[it] : V::load_ldg(w + i * kVec);
       V o;
 #pragma unroll
       for (int j = 0; j < kVec; ++j)
@@ -114,6 +122,19 @@ __global__ void __launch_bounds__(512) rms_norm_scalar_kernel(const RmsNormParam
 // registers a 1024-thread block allows without spilling; 8 did not.
 constexpr int kMaxIters = 4;
 
+template <typename T, bool kFused, bool kPrefetchWeight>
+void launch_vec(const RmsNormParams& p, int iters, int threads, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.rows));
+  switch (iters) {
+    case 1: rms_norm_vec_kernel<T, 1, kFused, kPrefetchWeight><<<grid, threads, 0, stream>>>(p); break;
+    case 2: rms_norm_vec_kernel<T, 2, kFused, kPrefetchWeight><<<grid, threads, 0, stream>>>(p); break;
+    default:
+      rms_norm_vec_kernel<T, kMaxIters, kFused, kPrefetchWeight><<<grid, threads, 0, stream>>>(p);
+      break;
+  }
+  PK_CHECK_LAUNCH("rms_norm_vec_kernel");
+}
+
 template <typename T, bool kFused>
 void launch(const RmsNormParams& p, cudaStream_t stream) {
   constexpr int kVec = Vec16<T>::kSize;
@@ -132,12 +153,11 @@ void launch(const RmsNormParams& p, cudaStream_t stream) {
   int iters = 1;
   while (iters < kMaxIters && ceil_div(nvec, iters) > 512) iters *= 2;
   const int threads = (ceil_div(nvec, iters) + 31) / 32 * 32;
-  switch (iters) {
-    case 1: rms_norm_vec_kernel<T, 1, kFused><<<grid, threads, 0, stream>>>(p); break;
-    case 2: rms_norm_vec_kernel<T, 2, kFused><<<grid, threads, 0, stream>>>(p); break;
-    default: rms_norm_vec_kernel<T, kMaxIters, kFused><<<grid, threads, 0, stream>>>(p); break;
+  if (p.variant == 1) {
+    launch_vec<T, kFused, false>(p, iters, threads, stream);
+  } else {
+    launch_vec<T, kFused, true>(p, iters, threads, stream);
   }
-  PK_CHECK_LAUNCH("rms_norm_vec_kernel");
 }
 
 }  // namespace

@@ -17,6 +17,9 @@
  *     kVec = 16 / sizeof(T) (16-byte accesses) when D/2 is a multiple of it and every pointer and
  *     token stride is 16-byte aligned; kVec = 1 otherwise (any even D, any alignment).
  *     q, k, v may be views into one fused QKV output: token strides are free, heads packed.
+ *  v2 (default; v1 stays selectable, PAGEDKERN_ROPE_VARIANT=v1): a rotation item is one chunk
+ *     pair of kHeads = 4 consecutive q/k heads: the cos/sin chunks (64 B per 32 B of data in v1)
+ *     are loaded once for 4 heads and the 8 data loads are all issued before the math.
  *
  * Traffic: T * (2 * (Hq + Hkv) + 3 * Hkv) * D * sizeof(T) bytes (q, k read and written, v read,
  * k and v written to the cache) + the cos/sin rows (L2). Memory bound; target >= 80% of copy
@@ -72,7 +75,7 @@ __device__ __forceinline__ void load_floats(const float* p, float (&out)[kVec]) 
   }
 }
 
-template <typename T, int kVec>
+template <typename T, int kVec, int kHeads>
 __global__ void __launch_bounds__(kThreads) rope_and_cache_kernel(const RopeAndCacheParams p) {
   using C = Chunk<T, kVec>;
   const int64_t token = blockIdx.x;
@@ -81,7 +84,7 @@ __global__ void __launch_bounds__(kThreads) rope_and_cache_kernel(const RopeAndC
   const int rot_chunks = half / kVec;  // per head
   const int copy_chunks = D / kVec;
   const int heads = p.num_heads + p.num_kv_heads;
-  const int n_rot = heads * rot_chunks;
+  const int n_rot = (heads + kHeads - 1) / kHeads * rot_chunks;
   const int slot = p.slot_mapping[token];
   if (p.check_indices) {  // debug mode: slot -1 (no write) or a slot of the cache; a table row
     check_index(true, int64_t(slot) + 1, p.num_blocks * p.block_size + 1);
@@ -93,32 +96,47 @@ __global__ void __launch_bounds__(kThreads) rope_and_cache_kernel(const RopeAndC
   const int64_t page = slot / p.block_size;  // cache row of this token's heads (slot >= 0)
   const int64_t cache_row = page * p.num_kv_heads * p.block_size + slot % p.block_size;
   if (item < n_rot) {
-    const int head = item / rot_chunks;
+    const int head0 = item / rot_chunks * kHeads;
     const int c = item % rot_chunks * kVec;
-    const bool is_k = head >= p.num_heads;
-    T* x = is_k ? static_cast<T*>(p.k) + token * p.k_stride + (head - p.num_heads) * D
-                : static_cast<T*>(p.q) + token * p.q_stride + head * D;
-    const C x1 = C::load(x + c);
-    const C x2 = C::load(x + half + c);
+    auto head_ptr = [&](int head) {
+      return head >= p.num_heads
+                 ? static_cast<T*>(p.k) + token * p.k_stride + (head - p.num_heads) * D
+                 : static_cast<T*>(p.q) + token * p.q_stride + head * D;
+    };
+    // Every load first (2 * kHeads chunks in flight), one cos/sin chunk pair for all heads.
+    C x1[kHeads], x2[kHeads];
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      if (head0 + h < heads) {
+        x1[h] = C::load(head_ptr(head0 + h) + c);
+        x2[h] = C::load(head_ptr(head0 + h) + half + c);
+      }
+    }
     const float* cs = p.cos_sin + int64_t(p.positions[token]) * D;
     float cosv[kVec], sinv[kVec];
     load_floats<kVec>(cs + c, cosv);
     load_floats<kVec>(cs + half + c, sinv);
-    C y1, y2;
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      const float a = to_float(x1.v[e]), b = to_float(x2.v[e]);
-      // Rounded products, no FMA contraction: bit-identical to the reference's fp32 math.
-      y1.v[e] = from_float<T>(__fsub_rn(__fmul_rn(a, cosv[e]), __fmul_rn(b, sinv[e])));
-      y2.v[e] = from_float<T>(__fadd_rn(__fmul_rn(b, cosv[e]), __fmul_rn(a, sinv[e])));
-    }
-    y1.store(x + c);
-    y2.store(x + half + c);
-    if (is_k && slot >= 0) {
-      T* dst = static_cast<T*>(p.k_cache) +
-               (cache_row + int64_t(head - p.num_heads) * p.block_size) * D;
-      y1.store(dst + c);
-      y2.store(dst + half + c);
+    for (int h = 0; h < kHeads; ++h) {
+      const int head = head0 + h;
+      if (head >= heads) break;
+      C y1, y2;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float a = to_float(x1[h].v[e]), b = to_float(x2[h].v[e]);
+        // Rounded products, no FMA contraction: bit-identical to the reference's fp32 math.
+        y1.v[e] = from_float<T>(__fsub_rn(__fmul_rn(a, cosv[e]), __fmul_rn(b, sinv[e])));
+        y2.v[e] = from_float<T>(__fadd_rn(__fmul_rn(b, cosv[e]), __fmul_rn(a, sinv[e])));
+      }
+      T* x = head_ptr(head);
+      y1.store(x + c);
+      y2.store(x + half + c);
+      if (head >= p.num_heads && slot >= 0) {
+        T* dst = static_cast<T*>(p.k_cache) +
+                 (cache_row + int64_t(head - p.num_heads) * p.block_size) * D;
+        y1.store(dst + c);
+        y2.store(dst + half + c);
+      }
     }
   } else {
     const int j = item - n_rot;
@@ -129,7 +147,9 @@ __global__ void __launch_bounds__(kThreads) rope_and_cache_kernel(const RopeAndC
   }
 }
 
-template <typename T>
+// Query/key heads rotated per thread: v2 4 (each cos/sin chunk pair loaded once for 4 heads),
+// v1 1.
+template <typename T, int kHeads>
 void launch(const RopeAndCacheParams& p, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   const bool vectorizable = (p.head_dim / 2) % kVec == 0 && aligned16(p.q) && aligned16(p.k) &&
@@ -137,13 +157,13 @@ void launch(const RopeAndCacheParams& p, cudaStream_t stream) {
                             aligned16(p.cos_sin) && p.q_stride % kVec == 0 &&
                             p.k_stride % kVec == 0 && p.v_stride % kVec == 0;
   const int vec = vectorizable ? kVec : 1;
-  const int items = (p.num_heads + p.num_kv_heads) * (p.head_dim / 2 / vec) +
+  const int items = ceil_div(p.num_heads + p.num_kv_heads, kHeads) * (p.head_dim / 2 / vec) +
                     p.num_kv_heads * (p.head_dim / vec);
   const dim3 grid(unsigned(p.tokens), unsigned(ceil_div(items, kThreads)));
   if (vectorizable) {
-    rope_and_cache_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(p);
+    rope_and_cache_kernel<T, kVec, kHeads><<<grid, kThreads, 0, stream>>>(p);
   } else {
-    rope_and_cache_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p);
+    rope_and_cache_kernel<T, 1, kHeads><<<grid, kThreads, 0, stream>>>(p);
   }
   PK_CHECK_LAUNCH("rope_and_cache_kernel");
 }
@@ -156,7 +176,13 @@ void rope_and_cache(const RopeAndCacheParams& p, cudaStream_t stream) {
           "rope_and_cache: bad head counts or block size");
   require(p.tokens >= 0 && p.tokens <= 0x7fffffff, "rope_and_cache: tokens out of range");
   if (p.tokens == 0) return;
-  dispatch_float(p.dtype, [&](auto tag) { launch<decltype(tag)>(p, stream); });
+  dispatch_float(p.dtype, [&](auto tag) {
+    if (p.variant == 1) {
+      launch<decltype(tag), 1>(p, stream);
+    } else {
+      launch<decltype(tag), 4>(p, stream);
+    }
+  });
 }
 
 }  // namespace pagedkern

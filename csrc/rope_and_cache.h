@@ -34,6 +34,7 @@ struct RopeAndCacheParams {
   int block_size = 16;
   DType dtype = DType::kBFloat16;
   bool check_indices = false;  // trap on an out-of-range position or slot (debug mode)
+  int variant = 0;  // 0: v2 (4 heads per thread), 1: v1 (PAGEDKERN_ROPE_VARIANT)
 };
 void rope_and_cache(const RopeAndCacheParams& p, cudaStream_t stream);
 

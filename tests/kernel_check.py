@@ -22,3 +22,20 @@ def assert_close_to(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) ->
     assert not torch.isnan(out).any(), "output holds NaN (poison survived or kernel produced it)"
     err = relative_error(out, ref)
     assert err <= REL_TOLERANCE[dtype], f"relative error {err:.3g} > {REL_TOLERANCE[dtype]}"
+
+
+def every_variant(op: str):
+    """An autouse fixture running each test of a module once per kernel variant of `op`
+    (pagedkern.ops.launch.KERNEL_VARIANTS: the environment variable the op reads at launch)."""
+    import pytest
+
+    from pagedkern.ops.launch import KERNEL_VARIANTS
+
+    env, names = KERNEL_VARIANTS[op]
+
+    @pytest.fixture(params=list(names), autouse=True, ids=lambda name: f"{op}-{name}")
+    def kernel_variant(request, monkeypatch):
+        monkeypatch.setenv(env, request.param)
+        return request.param
+
+    return kernel_variant

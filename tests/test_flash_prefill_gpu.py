@@ -16,13 +16,14 @@ import itertools
 
 import pytest
 import torch
-from kernel_check import poisoned
+from kernel_check import every_variant, poisoned
 
 import pagedkern
 from pagedkern import reference
 from pagedkern.ops import flash_prefill as fp_module
 
 pytestmark = pytest.mark.gpu
+kernel_variant = every_variant("flash_prefill")  # every test on every variant of the kernel
 
 CHUNKS = (1, 7, 113, 1023, 4096)
 PREFIXES = (0, 15, 16, 1000)

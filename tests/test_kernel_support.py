@@ -172,6 +172,7 @@ def test_the_engine_consults_the_policy_at_start(monkeypatch):
         block_size=8,
         vocab=cfg.vocab_size,
         requested=None,
+        kv_cache_dtype="auto",
     )
 
 

@@ -131,6 +131,66 @@ def test_rope_and_cache_is_bit_exact(dtype, d, misaligned):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("variant", ["v2", "v1"])
+@pytest.mark.parametrize("d, misaligned", [(128, False), (64, True)])
+def test_rope_and_cache_variants_are_bit_exact(monkeypatch, variant, d, misaligned):
+    # 6 + 3 heads: v2's groups of 4 heads end in a partial group and one mixes q and k heads.
+    monkeypatch.setenv("PAGEDKERN_ROPE_VARIANT", variant)
+    g = torch.Generator().manual_seed(7 + d)
+    tokens, hq, hkv, block_size = 9, 6, 3, 8
+    off = 1 if misaligned else 0
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d + off, generator=g).bfloat16()
+    q = qkv[:, off : off + hq * d].view(tokens, hq, d)
+    k = qkv[:, off + hq * d : off + (hq + hkv) * d].view(tokens, hkv, d)
+    v = qkv[:, off + (hq + hkv) * d :].view(tokens, hkv, d)
+    positions = torch.randint(0, 512, (tokens,), generator=g, dtype=torch.int32)
+    slots = torch.randperm(3 * block_size, generator=g)[:tokens].int()
+    slots[1] = -1
+    cos_sin = cos_sin_cache(d, 512)
+    k_cache = torch.full((3, hkv, block_size, d), math.nan, dtype=torch.bfloat16)
+    v_cache = k_cache.clone()
+    expected = [t.clone() for t in (q, k, v, k_cache, v_cache)]
+    reference.rope_and_cache(*expected[:3], positions, cos_sin, *expected[3:], slots)
+    with emulated():
+        pagedkern.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+    for got, want in zip((q, k, v, k_cache, v_cache), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("variant", ["v3", "v1"])
+@pytest.mark.parametrize("hidden", [4096, 8192, 8192 + 64])  # 1, 2, 4 (no prefetch) vectors
+def test_rms_norm_variants_are_bit_exact(monkeypatch, variant, hidden):
+    monkeypatch.setenv("PAGEDKERN_RMS_NORM_VARIANT", variant)
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(3, hidden, generator=g).bfloat16()
+    w = torch.randn(hidden, generator=g).bfloat16()
+    residual = torch.randn(3, hidden, generator=g).bfloat16()
+    with emulated():
+        out = pagedkern.rms_norm(x, w)
+    torch.testing.assert_close(out, reference.rms_norm(x, w), rtol=0, atol=0)
+    x2, r2 = x.clone(), residual.clone()
+    with emulated():
+        pagedkern.fused_add_rms_norm(x, residual, w)
+    reference.fused_add_rms_norm(x2, r2, w)
+    torch.testing.assert_close((x, residual), (x2, r2), rtol=0, atol=0)
+
+
+def test_unknown_kernel_variant_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("PAGEDKERN_ROPE_VARIANT", "v9")
+    x = torch.zeros(1, 1, 8).bfloat16()
+    with pytest.raises(ValueError, match="PAGEDKERN_ROPE_VARIANT"), emulated():
+        pagedkern.rope_and_cache(
+            x,
+            x.clone(),
+            x.clone(),
+            torch.zeros(1, dtype=torch.int32),
+            cos_sin_cache(8, 4),
+            torch.zeros(1, 1, 16, 8).bfloat16(),
+            torch.zeros(1, 1, 16, 8).bfloat16(),
+            torch.full((1,), -1, dtype=torch.int32),
+        )
+
+
 def _special_rows(vocab, g):
     rows = torch.randn(8, vocab, generator=g) * 2
     rows[0] = rows[0].round()  # ties, -0.0

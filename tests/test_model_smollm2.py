@@ -54,15 +54,17 @@ def private_cache(folder):
 
 @pytest.fixture(scope="module")
 def loaded(cache_dir):
-    """(cold-loaded model, warm-loaded model, tokenizer), the cache in a temp folder."""
+    """(cold-loaded model, warm-loaded model, tokenizer), the cache in a temp folder. The fp32
+    mode (quantization="none"): these are exact-arithmetic checks; the default int4 mode is
+    tested in test_quant_end_to_end.py."""
     with private_cache(cache_dir):
         start = time.perf_counter()
-        cold, _ = load_model()
+        cold, _ = load_model(quantization="none")
         cold_s = time.perf_counter() - start
         # A warm load must come from the cache alone: parsing the GGUF again would fail here.
         with mock.patch("gguf.GGUFReader", side_effect=AssertionError("GGUF parsed again")):
             start = time.perf_counter()
-            model, tokenizer = load_model()
+            model, tokenizer = load_model(quantization="none")
             warm_s = time.perf_counter() - start
     print(f"\ndefault model load: cold {cold_s:.2f}s, warm {warm_s:.2f}s")
     return cold, model, tokenizer
@@ -142,7 +144,7 @@ def test_greedy_answer_is_paris(model, tokenizer):
 def test_greedy_answer_is_paris_in_fp16(loaded, cache_dir):
     """float16 is the default dtype of GGUF models on CUDA; the CPU reference ops run it too."""
     with private_cache(cache_dir):
-        model, tokenizer = load_model(dtype=torch.float16)
+        model, tokenizer = load_model(dtype=torch.float16, quantization="none")
     assert model.weights.layers[0].qkv.dtype == torch.float16
     assert "Paris" in greedy_answer(model, tokenizer, "What is the capital of France?")
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_check import REL_TOLERANCE, assert_close_to, poisoned
+from kernel_check import REL_TOLERANCE, assert_close_to, every_variant, poisoned
 
 import pagedkern
 
 pytestmark = pytest.mark.gpu
+kernel_variant = every_variant("rms_norm")  # every test on every variant of the kernel
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # 1 row; odd hidden sizes (scalar path); model sizes; 8192 x 4096; beyond the register path.

@@ -10,12 +10,14 @@ import math
 
 import pytest
 import torch
+from kernel_check import every_variant
 
 import pagedkern
 from pagedkern import reference
 from pagedkern.reference import cos_sin_cache
 
 pytestmark = pytest.mark.gpu
+kernel_variant = every_variant("rope_and_cache")  # every test on every variant of the kernel
 
 DEVICE = "cuda"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

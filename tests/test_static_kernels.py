@@ -4,6 +4,8 @@ designed around."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytestmark = pytest.mark.static
@@ -92,3 +94,121 @@ def test_tensor_core_instructions(cuda_binary, kernel, arch, opcode):
     assert listings, f"{kernel} not found in the {arch} code"
     for name, sass in listings.items():
         assert opcode in sass, f"{name} has no {opcode} ({arch})"
+
+
+# ---- speed guards (issue 18): SASS patterns the kernels' schedules depend on -------------------
+# Variants in the mangled names: flash_prefill_sm80_kernel<Traits, kPrefetchPages>,
+# flash_prefill_sm90_kernel<Traits, kV2>, rms_norm_vec_kernel<T, kIters, kFused, kPrefetchWeight>,
+# rope_and_cache_kernel<T, kVec, kHeads>; "Lb1EEEv" = last template argument true.
+FLASH_KERNELS = (
+    ("flash_prefill_sm80_kernel", "sm_80"),
+    ("flash_prefill_sm80_kernel", "sm_90a"),
+    ("flash_prefill_sm90_kernel", "sm_90a"),
+)
+
+
+def _listings(cuda_binary, arch: str, *parts: str) -> dict[str, str]:
+    found = {n: s for n, s in cuda_binary.sass(arch).items() if all(p in n for p in parts)}
+    assert found, f"no kernel named with {parts} in the {arch} code"
+    return found
+
+
+def _instructions(sass: str) -> list[str]:
+    return [
+        line.split(";")[0] for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)
+    ]
+
+
+@pytest.mark.parametrize("kernel,arch", FLASH_KERNELS)
+def test_flash_softmax_exp_is_one_mufu(cuda_binary, kernel, arch):
+    # exp2f without fast-math adds FSETP.GEU x, -126 and two predicated FMULs to every MUFU.EX2
+    # (134 such checks in the sm_90a kernel before); ex2.approx.ftz is the MUFU alone.
+    for name, sass in _listings(cuda_binary, arch, kernel).items():
+        if arch == "sm_80" and "sm90" in kernel:
+            continue
+        assert "MUFU.EX2" in sass, name
+        fixups = re.findall(r"FSETP\.GEU\.AND [^;]*, -126, ", sass)
+        assert not fixups, f"{name}: {len(fixups)} exp2f denormal fix-ups"
+
+
+def test_flash_sm90_v2_overlaps_softmax_with_pv(cuda_binary):
+    # Main loop: S_i = Q K_i^T and P_{i-1} V_{i-1} in flight, wait for S_i (gsb0, 0x1), softmax,
+    # wait for P V (0x0). A tile's exps (64 per thread, + 2 rescale factors) must sit between.
+    for name, sass in _listings(
+        cuda_binary, "sm_90a", "flash_prefill_sm90_kernel", "Lb1EEEv"
+    ).items():
+        inside, between = False, 0
+        for ins in _instructions(sass):
+            if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in ins:
+                inside = True
+            elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in ins:
+                inside = False
+            elif "MUFU.EX2" in ins and inside:
+                between += 1
+        assert between >= 66, f"{name}: only {between} MUFU.EX2 overlap the P V product"
+
+
+def test_flash_sm90_v2_zeroes_v_tail_once_behind_a_barrier(cuda_binary):
+    # Warpgroup 0 zeroes; warpgroup 1 waits through the turn barrier, or (one-tile items) both
+    # sync on named barrier 5 (256 threads).
+    for name, sass in _listings(
+        cuda_binary, "sm_90a", "flash_prefill_sm90_kernel", "Lb1EEEv"
+    ).items():
+        assert len(re.findall(r"BAR\.SYNC(\.DEFER_BLOCKING)? 0x5, 0x100", sass)) >= 2, name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flash_sm80_v2_no_table_load_between_barrier_and_mma(cuda_binary, arch):
+    # Block-table LDGs after a __syncthreads put an L2 round trip before the next HMMA; v2 takes
+    # the page ids from the shared ring its cp.async groups filled a tile ahead.
+    for name, sass in _listings(cuda_binary, arch, "flash_prefill_sm80_kernel", "Lb1EEEv").items():
+        pending, exposed = None, 0
+        for ins in _instructions(sass):
+            if "BAR.SYNC" in ins:
+                pending = 0
+            elif "HMMA" in ins and pending is not None:
+                exposed, pending = exposed + pending, None
+            elif pending is not None and re.search(r"\bLDG\.E(\.\w+)*\s", ins):
+                pending += 1
+        assert exposed == 0, f"{name}: {exposed} global loads between a barrier and the MMAs"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rms_norm_v3_loads_weights_before_the_barrier(cuda_binary, arch):
+    for iters in ("Li1E", "Li2E"):  # v3 prefetches where registers allow (1 or 2 vectors)
+        for name, sass in _listings(
+            cuda_binary, arch, "rms_norm_vec_kernel", iters, "Lb1EEEv"
+        ).items():
+            tail = sass.split("BAR.SYNC", 1)[1]
+            assert "BAR.SYNC" not in tail, f"{name}: one barrier expected"
+            assert not re.search(r"\bLDG\.E", tail), f"{name}: a load after the reduction barrier"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rope_v2_loads_cos_sin_once_per_four_heads(cuda_binary, arch):
+    # cos/sin come through the read-only path (LDG...CONSTANT), q/k/v through plain LDG.128:
+    # v2 rotates 4 heads (8 chunk loads) per cos/sin pair, v1 one head (2 loads).
+    for name, sass in _listings(cuda_binary, arch, "rope_and_cache_kernel", "ELi4EEEv").items():
+        if "Li1ELi4E" in name:  # the scalar path
+            continue
+        table = len(re.findall(r"LDG\.E\.128\.CONSTANT", sass))
+        data = len(re.findall(r"LDG\.E\.128(?!\.CONSTANT)", sass))
+        assert table and data >= 2 * table, f"{name}: {data} data loads per {table} cos/sin loads"
+
+
+def test_flash_sm90_v2_producer_has_no_table_load_after_its_waits(cuda_binary):
+    # v1 looked a tile's page ids up after waiting for its empty buffer, a dependent L2 round
+    # trip before each TMA; v2 loads them (and decodes the next work item) before the waits.
+    for name, sass in _listings(
+        cuda_binary, "sm_90a", "flash_prefill_sm90_kernel", "Lb1EEEv"
+    ).items():
+        since_wait, exposed = 0, 0
+        for ins in _instructions(sass):
+            if "SYNCS.PHASECHK" in ins:
+                since_wait = 0
+            elif "UTMALDG" in ins:
+                exposed += since_wait
+                since_wait = 0
+            elif re.search(r"\bLDG\.E(\.\w+)*\s", ins):
+                since_wait += 1
+        assert exposed == 0, f"{name}: {exposed} global loads between a barrier wait and a TMA"

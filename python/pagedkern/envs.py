@@ -95,6 +95,30 @@ _VARS = (
         "run",
     ),
     EnvVar(
+        "PAGEDKERN_FLASH_VARIANT",
+        "v2",
+        "flash_prefill kernel schedule: v2 (page ids a tile ahead, softmax overlapping P·V on "
+        "sm_90a) or v1 (the first schedule), selectable until a GPU run has verified v2.",
+        _choice("v2", "v1"),
+        "run",
+    ),
+    EnvVar(
+        "PAGEDKERN_RMS_NORM_VARIANT",
+        "v3",
+        "rms_norm / fused_add_rms_norm kernel: v3 (weights loaded before the block barrier) or "
+        "v1, selectable until a GPU run has verified v3.",
+        _choice("v3", "v1"),
+        "run",
+    ),
+    EnvVar(
+        "PAGEDKERN_ROPE_VARIANT",
+        "v2",
+        "rope_and_cache kernel: v2 (4 heads per thread, one cos/sin load) or v1, selectable "
+        "until a GPU run has verified v2.",
+        _choice("v2", "v1"),
+        "run",
+    ),
+    EnvVar(
         "PAGEDKERN_CHECK_INDICES",
         "0",
         "1: debug mode, the kernels trap on an out-of-range block id, slot, position or length "
@@ -164,6 +188,11 @@ def cuda_build_required() -> bool:
     error (setup.py) and tests needing the built extension fail instead of skipping."""
     required = ENV["PAGEDKERN_REQUIRE_CUDA"].get()
     return os.environ.get("CI") == "true" if required is None else required
+
+
+def get(name: str):
+    """The parsed value of a declared variable (its parsed default when unset)."""
+    return ENV[name].get()
 
 
 def check_indices() -> bool:

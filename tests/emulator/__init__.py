@@ -42,6 +42,7 @@ KERNELS = (
     "paged_attention.cu",
     "rope_and_cache.cu",
     "sampling.cu",
+    "quant_gemm.cu",
 )
 LAUNCH = re.compile(
     r"(?P<kern>[A-Za-z_][\w:]*(?:<[^;<>]*>)?)\s*<<<(?P<cfg>[^;]*?)>>>\s*\((?P<args>[^;]*)\)\s*;"

@@ -80,10 +80,22 @@ class EngineConfig:
     max_queue: int = _setting(
         256, "requests that may wait for a batch slot before the HTTP server answers 429"
     )
+    quantization: str | None = _setting(
+        None,
+        "weight-only quantization: none, int8 (per channel) or int4 (groups of 32) "
+        "(default: the model's measured best: int4 for a GGUF on the CPU, else none)",
+    )
+    kv_cache_dtype: str = _setting(
+        "auto", "KV cache dtype: auto (the model's dtype) or fp8 (E4M3, per-layer scales)"
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
             raise ParameterTypeError(f"model must be a string or None, got {self.model!r}")
+        if self.quantization not in (None, "none", "int8", "int4"):
+            raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be auto, cuda or reference, got {self.backend!r}")
         if self.device is not None and not isinstance(self.device, (str, torch.device)):

@@ -79,6 +79,7 @@ class Engine:
             block_size=config.block_size,
             vocab=model.config.vocab_size,
             requested=config.cuda_graphs,
+            kv_cache_dtype=model.kv_cache_dtype,
         )
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
             num_blocks = config.num_blocks or kv_cache_blocks(model, config, context)
@@ -115,8 +116,15 @@ class Engine:
                 config.dtype,
                 seed=config.seed,
                 max_positions=config.max_model_len,
+                quantization=config.quantization,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
         return cls(model, tokenizer, config, tracer)
+
+    def describe(self) -> str:
+        """The model line of --trace / --stats, with the KV cache's size."""
+        kv = self.kv_cache.data
+        return f"{self.model.describe()}, {kv.numel() * kv.element_size() / 2**20:.0f} MiB KV"
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(

@@ -33,6 +33,7 @@ def decode_graphs(
     block_size: int,
     vocab: int,
     requested: bool | None,
+    kv_cache_dtype: str = "auto",
 ) -> bool:
     """Whether to capture decode CUDA graphs; raises ValueError where the configuration cannot
     run as asked (see the module docstring)."""
@@ -50,6 +51,9 @@ def decode_graphs(
         return bool(requested)
     decisions = support.model_support(dtype, head_dim, block_size, vocab)
     missing = {op: d.reason for op, d in decisions.items() if not d.supported}
+    if kv_cache_dtype == "fp8":  # the kernels read and write 16-bit caches only, so far
+        for op in ("rope_and_cache", "paged_attention", "flash_prefill"):
+            missing.setdefault(op, "an fp8 (E4M3) KV cache")
     if backend == "cuda" and missing:
         raise ValueError(
             f"backend 'cuda': no CUDA kernel for {_describe(missing)}; change the model dtype or "

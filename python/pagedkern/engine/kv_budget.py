@@ -37,7 +37,7 @@ def profile_peak_bytes(
 
 
 def kv_cache_blocks(model: LlamaModel, config: EngineConfig, max_model_len: int) -> int:
-    cfg, bs, dtype = model.config, config.block_size, model.dtype
+    cfg, bs, dtype = model.config, config.block_size, model.kv_dtype
     if model.device.type == "cuda":
         _, total = torch.cuda.mem_get_info(model.device)
         tokens = min(config.max_num_batched_tokens, max_model_len)

@@ -1,6 +1,8 @@
 """Models from GGUF files (llama.cpp's format), read with the `gguf` package.
 
-Quantized tensors are dequantized with gguf.quants.dequantize to fp32. llama.cpp stores the Q
+Quantized tensors are dequantized with gguf.quants.dequantize to fp32, except with int4
+quantization, where Q4_0/Q4_1/Q4_K layer weights map straight onto int4 (quantized_linear).
+llama.cpp stores the Q
 and K projections of "llama" models permuted for its interleaved RoPE (pairs 2i, 2i+1); the
 loader undoes that so every model uses rotate-half RoPE (halves i, i + D/2). The converted model
 is cached (weights_cache), so only the first load of a file pays for parsing and dequantizing.
@@ -17,9 +19,10 @@ import torch
 from .config import ModelConfig, RopeScaling
 from .errors import ModelLoadError
 from .gguf_tokenizer import tokenizer_from_gguf
+from .quantized_linear import DEFAULT_INT4_GROUP, gguf_to_int4, permute_rows
 from .tokenizer import Tokenizer
-from .weights import LlamaWeights, assemble_weights
-from .weights_cache import file_sha256, load_entry, store_entry
+from .weights import LlamaWeights, assemble_weights, quantize_weights
+from .weights_cache import cached_default, file_sha256, load_entry, store_default, store_entry
 
 _ARCHITECTURES = {"llama": True, "qwen2": False}  # arch -> Q/K stored permuted
 
@@ -129,7 +132,9 @@ def _config(meta: dict[str, Any], tensors: dict, path: str) -> tuple[ModelConfig
     return config, _ARCHITECTURES[arch]
 
 
-def _convert(path: str) -> tuple[ModelConfig, LlamaWeights, Tokenizer]:
+def _convert(
+    path: str, quantization: str, group_size: int
+) -> tuple[ModelConfig, LlamaWeights, Tokenizer]:
     from gguf.quants import dequantize
 
     reader, meta = _open(path)
@@ -137,10 +142,15 @@ def _convert(path: str) -> tuple[ModelConfig, LlamaWeights, Tokenizer]:
     config, permuted = _config(meta, tensors, path)
     tokenizer = tokenizer_from_gguf(meta, path)
 
-    def read(name: str) -> torch.Tensor | None:
+    def read(name: str):
         t = tensors.get(name)
         if t is None:
             return None
+        if quantization == "int4" and group_size == 32 and len(t.shape) == 2:
+            n, k = (int(x) for x in reversed(t.shape))
+            direct = gguf_to_int4(t.tensor_type.name, t.data, n, k)  # no fp32 detour
+            if direct is not None:
+                return direct
         try:
             arr = dequantize(t.data, t.tensor_type)
         except Exception as exc:
@@ -155,13 +165,25 @@ def _convert(path: str) -> tuple[ModelConfig, LlamaWeights, Tokenizer]:
         if w is not None and permuted and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = config.num_heads if ".q_proj" in hf_name else config.num_kv_heads
             if w.shape[0] % (2 * heads) == 0:  # else let the shape check report it
-                w = unpermute_rope(w, heads)
+                if isinstance(w, torch.Tensor):
+                    w = unpermute_rope(w, heads)
+                else:
+                    w = permute_rows(w, lambda t, h=heads: unpermute_rope(t, h))
         return w
 
     factors = read("rope_freqs.weight")
     # Shapes are checked and reported in torch order [out, in] (GGUF lists dims reversed).
     weights = assemble_weights(config, get, path, "cpu", torch.float32, factors, gguf_name)
-    return config, weights, tokenizer
+    return config, quantize_weights(weights, quantization, group_size), tokenizer
+
+
+def gguf_default_quantization(path: str | os.PathLike) -> str:
+    """'int4' when every layer weight is a 4-bit block that maps onto int4 without loss
+    (Q4_0 / Q4_1 / Q4_K, e.g. the default model), else 'none' (reads the tensor table only)."""
+    reader, _ = _open(os.fspath(path))
+    kinds = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.")}
+    kinds.discard("F32")  # norms
+    return "int4" if kinds and kinds <= {"Q4_0", "Q4_1", "Q4_K"} else "none"
 
 
 def read_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
@@ -177,17 +199,30 @@ def load_gguf(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     use_cache: bool = True,
+    quantization: str | None = "none",
+    group_size: int = DEFAULT_INT4_GROUP,
 ) -> tuple[ModelConfig, LlamaWeights, Tokenizer]:
-    """Config, weights (on `device` in `dtype`) and tokenizer of a GGUF model file."""
+    """Config, weights (on `device`; float ones in `dtype`, linear layers in `quantization`,
+    None: gguf_default_quantization) and tokenizer of a GGUF model file. The cache keeps one
+    entry per quantization mode (and remembers the default, so a hit never parses the file)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModelLoadError(path, "no such file")
     digest = file_sha256(path) if use_cache else None
+    if quantization is None:
+        quantization = cached_default(digest) if digest else None
+        if quantization is None:
+            quantization = gguf_default_quantization(path)
+            if digest:
+                store_default(digest, quantization)
+    kind = "gguf" if quantization == "none" else f"gguf-{quantization}"
+    if quantization == "int4":
+        kind += f"g{group_size}"
     if digest is not None:
-        hit = load_entry("gguf", digest, device, dtype)
+        hit = load_entry(kind, digest, device, dtype)
         if hit is not None:
             return hit
-    config, weights, tokenizer = _convert(path)
+    config, weights, tokenizer = _convert(path, quantization, group_size)
     if digest is not None:
-        store_entry("gguf", digest, config, weights, tokenizer)
+        store_entry(kind, digest, config, weights, tokenizer)
     return config, weights.to(device, dtype), tokenizer

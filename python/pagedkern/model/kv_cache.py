@@ -10,6 +10,9 @@ import torch
 
 from .config import ModelConfig
 
+FP8 = torch.float8_e4m3fn
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's activation dtype
+
 
 @dataclass(slots=True)
 class KVCache:
@@ -18,6 +21,8 @@ class KVCache:
     slot block * block_size + offset (the slot_mapping of AttentionMetadata)."""
 
     data: torch.Tensor
+    # fp8 caches: per layer (k_scale, v_scale); stored value = k / k_scale (E4M3, saturated).
+    scales: list[tuple[float, float]] | None = None
     layers: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False)
 
     def __post_init__(self):
@@ -26,6 +31,12 @@ class KVCache:
                 f"KV cache must be [L, 2, N, Hkv, bs, D], got {tuple(self.data.shape)}"
             )
         self.layers = [(layer[0], layer[1]) for layer in self.data.unbind(0)]
+        if self.is_fp8 and (self.scales is None or len(self.scales) != self.num_layers):
+            raise ValueError("an fp8 KV cache needs (k_scale, v_scale) for every layer")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.data.dtype == FP8
 
     @property
     def num_layers(self) -> int:
@@ -63,9 +74,10 @@ def allocate_kv_cache(
     block_size: int = 16,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    scales: list[tuple[float, float]] | None = None,
 ) -> KVCache:
     """A zeroed cache of `num_blocks` blocks of `block_size` tokens (zeros, so a stray read of an
-    unwritten slot gives finite numbers, never NaN)."""
+    unwritten slot gives finite numbers, never NaN); fp8 (dtype FP8) needs per-layer scales."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
     shape = (
@@ -76,4 +88,4 @@ def allocate_kv_cache(
         block_size,
         config.head_dim,
     )
-    return KVCache(torch.zeros(shape, dtype=dtype, device=device))
+    return KVCache(torch.zeros(shape, dtype=dtype, device=device), scales)

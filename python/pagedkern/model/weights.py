@@ -10,16 +10,23 @@ import torch
 
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .quantized_linear import QuantizedWeight, cat_rows, quantize
+
+# A linear layer's weight: a float tensor or a weight-only quantized one.
+Linear = torch.Tensor | QuantizedWeight
+LINEAR_FIELDS = ("qkv", "o", "gate_up", "down")
+# The LM head's format per mode (measured in bench/test_bench_quant.py; see README).
+LM_HEAD_MODE = {"none": "none", "int8": "int8", "int4": "int8"}
 
 
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [Hq*D + 2*Hkv*D, H]: q rows, k rows, v rows; rotate-half RoPE layout
-    o: torch.Tensor  # [H, Hq*D]
+    qkv: Linear  # [Hq*D + 2*Hkv*D, H]: q rows, k rows, v rows; rotate-half RoPE layout
+    o: Linear  # [H, Hq*D]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2I, H]: gate rows then up rows, the halves silu_and_mul expects
-    down: torch.Tensor  # [H, I]
+    gate_up: Linear  # [2I, H]: gate rows then up rows, the halves silu_and_mul expects
+    down: Linear  # [H, I]
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
@@ -28,10 +35,10 @@ class LayerWeights:
 
 @dataclass(slots=True)
 class LlamaWeights:
-    embed: torch.Tensor  # [V, H]
+    embed: Linear  # [V, H]; quantized only when tied to a quantized LM head (rows dequantized)
     layers: list[LayerWeights]
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]; the embed tensor itself when embeddings are tied
+    lm_head: Linear  # [V, H]; the embed tensor itself when embeddings are tied
     rope_freq_factors: torch.Tensor | None = None  # [D/2] fp32, divides the RoPE frequencies
 
     @property
@@ -41,7 +48,9 @@ class LlamaWeights:
     def to(self, device: torch.device | str, dtype: torch.dtype) -> LlamaWeights:
         """A copy on `device` in `dtype` (tensors already there are shared, ties kept)."""
 
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        def move(t: Linear | None) -> Linear | None:
+            if isinstance(t, QuantizedWeight):
+                return t.to(device)
             return None if t is None else t.to(device=device, dtype=dtype)
 
         layers = [
@@ -58,29 +67,86 @@ class LlamaWeights:
             None if factors is None else factors.to(device=device, dtype=torch.float32),
         )
 
+    @property
+    def quantization(self) -> str:
+        """'int8' / 'int4' (the format of the layers' linear weights) or 'none'."""
+        qkv = self.layers[0].qkv if self.layers else None
+        return qkv.format if isinstance(qkv, QuantizedWeight) else "none"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every weight in memory (a tied head counted once)."""
+        seen: dict[int, int] = {}
+        for t in self.state_dict().values():
+            seen[id(t)] = t.numel() * t.element_size()
+        return sum(seen.values())
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Flat name -> tensor map (the weights cache format); a tied lm_head is left out."""
-        out = {"embed": self.embed, "norm": self.norm}
+        """Flat name -> tensor map (the weights cache format); a tied lm_head is left out, a
+        quantized weight is stored as its parts (<name>.qweight, .scales, .mins, .qmeta)."""
+        out: dict[str, torch.Tensor] = {}
+
+        def put(name: str, t: Linear | None) -> None:
+            if isinstance(t, QuantizedWeight):
+                out.update(t.state_dict(name))
+            elif t is not None:
+                out[name] = t
+
+        put("embed", self.embed)
+        put("norm", self.norm)
         if not self.tied:
-            out["lm_head"] = self.lm_head
-        if self.rope_freq_factors is not None:
-            out["rope_freq_factors"] = self.rope_freq_factors
+            put("lm_head", self.lm_head)
+        put("rope_freq_factors", self.rope_freq_factors)
         for i, layer in enumerate(self.layers):
             for f in fields(LayerWeights):
-                t = getattr(layer, f.name)
-                if t is not None:
-                    out[f"layers.{i}.{f.name}"] = t
+                put(f"layers.{i}.{f.name}", getattr(layer, f.name))
         return out
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, sd: dict[str, torch.Tensor]) -> LlamaWeights:
+        def get(name: str) -> Linear | None:
+            return QuantizedWeight.from_state_dict(name, sd) or sd.get(name)
+
         layers = [
-            LayerWeights(**{f.name: sd.get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})
+            LayerWeights(**{f.name: get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})
             for i in range(config.num_layers)
         ]
-        embed = sd["embed"]
-        lm_head = embed if config.tie_word_embeddings else sd["lm_head"]
+        embed = get("embed")
+        lm_head = embed if config.tie_word_embeddings else get("lm_head")
         return cls(embed, layers, sd["norm"], lm_head, sd.get("rope_freq_factors"))
+
+
+def quantize_weights(
+    weights: LlamaWeights, mode: str, group_size: int, head_mode: str | None = None
+) -> LlamaWeights:
+    """Every layer's linear weights in `mode` ('none' / 'int8' / 'int4') and the LM head in
+    head_mode (default: LM_HEAD_MODE[mode]); weights already in the target format are kept as
+    they are, others are requantized from their floats ('none': dequantized to fp32). A tied
+    embedding follows the head (its rows are dequantized at lookup)."""
+
+    def convert(w: Linear, mode: str = mode) -> Linear:
+        if isinstance(w, QuantizedWeight):
+            if w.format == mode and (mode == "int8" or w.group_size == group_size):
+                return w
+            w = w.dequantize_rows()
+        return w.float() if mode == "none" else quantize(w, mode, group_size)
+
+    def plain(w: Linear) -> torch.Tensor:
+        return w.dequantize_rows() if isinstance(w, QuantizedWeight) else w
+
+    layers = [
+        LayerWeights(
+            **{
+                f.name: convert(v) if f.name in LINEAR_FIELDS else v
+                for f in fields(LayerWeights)
+                for v in [getattr(layer, f.name)]
+            }
+        )
+        for layer in weights.layers
+    ]
+    head = convert(weights.lm_head, LM_HEAD_MODE[mode] if head_mode is None else head_mode)
+    embed = head if weights.tied else plain(weights.embed)
+    return LlamaWeights(embed, layers, weights.norm, head, weights.rope_freq_factors)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -111,8 +177,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-# get(name) -> the tensor under that HF name (any float dtype, any device) or None if absent.
-TensorGetter = Callable[[str], "torch.Tensor | None"]
+# get(name) -> the tensor under that HF name (any float dtype, any device, or a QuantizedWeight)
+# or None if absent.
+TensorGetter = Callable[[str], "Linear | None"]
 
 
 def assemble_weights(
@@ -132,8 +199,15 @@ def assemble_weights(
     def where(name: str) -> str:
         return source(name) if callable(source) else source
 
-    def load(name: str) -> torch.Tensor:
+    def load(name: str) -> Linear:
         t = get(name)
+        if isinstance(t, QuantizedWeight):
+            if tuple(t.shape) != shapes[name]:
+                raise ModelLoadError(
+                    where(name),
+                    f"tensor {describe(name)!r} has shape {t.shape}, expected {shapes[name]}",
+                )
+            return t.to(device)
         if t is None:
             raise ModelLoadError(where(name), f"tensor {describe(name)!r} is missing")
         if tuple(t.shape) != shapes[name]:
@@ -150,10 +224,16 @@ def assemble_weights(
     def maybe(name: str) -> torch.Tensor | None:
         return load(name) if name in shapes else None
 
-    def cat(names: list[str]) -> torch.Tensor | None:
+    def cat(names: list[str]) -> Linear | None:
         if names[0] not in shapes:
             return None
-        return torch.cat([load(n) for n in names])
+        parts = [load(n) for n in names]
+        if all(isinstance(p, QuantizedWeight) for p in parts):
+            return cat_rows(parts)
+        plain = [
+            p.dequantize_rows(dtype=dtype) if isinstance(p, QuantizedWeight) else p for p in parts
+        ]
+        return torch.cat(plain)
 
     layers = []
     for n in range(config.num_layers):

@@ -1,7 +1,8 @@
 """On-disk cache of converted models (dequantized GGUF weights are slow to produce): one folder
-per source file, keyed by the file's SHA-256, holding the fused fp32 weights as safetensors, the
-ModelConfig and the tokenizer. Location: $PAGEDKERN_CACHE_DIR, else $XDG_CACHE_HOME/pagedkern,
-else ~/.cache/pagedkern."""
+per source file and quantization mode (kind "gguf", "gguf-int8", "gguf-int4g32", ...), keyed
+by the file's SHA-256, holding the fused weights as safetensors (fp32, or a quantized model's
+int8/int4 parts: never an fp32 copy of a quantized model), the ModelConfig and the tokenizer.
+Location: $PAGEDKERN_CACHE_DIR, else $XDG_CACHE_HOME/pagedkern, else ~/.cache/pagedkern."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from .tokenizer import Tokenizer
 from .weights import LlamaWeights
 
 # Bump when the cached layout or the conversion changes, so stale entries are never read.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: quantized entries (int8/int4 parts with .qmeta)
 _WEIGHTS, _CONFIG, _DONE = "weights.safetensors", "pagedkern_config.json", "complete"
 
 
@@ -87,3 +88,26 @@ def store_entry(
     except OSError as exc:
         if not (folder / _DONE).is_file():
             warnings.warn(f"pagedkern: could not cache converted model: {exc}", stacklevel=2)
+
+
+def _default_file(digest: str) -> Path:
+    return cache_root() / f"defaults-v{CACHE_FORMAT}" / digest
+
+
+def cached_default(digest: str) -> str | None:
+    """The remembered default quantization of a source file, or None."""
+    try:
+        return _default_file(digest).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def store_default(digest: str, quantization: str) -> None:
+    path = _default_file(digest)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(quantization)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # only a missed shortcut: the next load parses the header again

@@ -20,6 +20,7 @@ __all__ = [
     "KernelUnsupportedError",
     "get_backend",
     "paged_attention",
+    "quant_linear",
     "rms_norm",
     "rope_and_cache",
     "sample",
@@ -27,3 +28,14 @@ __all__ = [
     "silu_and_mul",
     "use_backend",
 ]
+
+
+def __getattr__(name: str):
+    # quant_linear works on torch tensors (QuantizedWeight) and imports torch: loaded on first
+    # use, so `import pagedkern` stays torch-free for CuPy users.
+    if name == "quant_linear":
+        from .quant_gemm import quant_linear
+
+        globals()[name] = quant_linear
+        return quant_linear
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,7 +24,13 @@ from .arrays import (
     view,
 )
 from .index_checks import check_block_table_contents, check_query_bounds
-from .launch import check_indices, kernel_or_reference, launch_context, reference_on_torch
+from .launch import (
+    check_indices,
+    kernel_or_reference,
+    kernel_variant,
+    launch_context,
+    reference_on_torch,
+)
 from .paged_kv import (
     attention_outputs,
     check_attention_args,
@@ -152,5 +158,6 @@ def flash_prefill(
         check_indices=check_indices(),
         device=device,
         stream=handle,
+        variant=kernel_variant("flash_prefill"),
     )
     return (out, lse) if return_lse else out

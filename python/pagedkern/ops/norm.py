@@ -17,7 +17,7 @@ from .arrays import (
     rows_of,
     view,
 )
-from .launch import kernel_or_reference, launch_context
+from .launch import kernel_or_reference, kernel_variant, launch_context
 
 
 def _check_eps(eps: float) -> float:
@@ -85,6 +85,7 @@ def rms_norm(x, weight, eps: float = 1e-6, out=None, *, stream=None):
         dtype=DTYPE_CODES[xv.dtype],
         device=device,
         stream=handle,
+        variant=kernel_variant("rms_norm"),
     )
     return out
 
@@ -121,5 +122,6 @@ def fused_add_rms_norm(x, residual, weight, eps: float = 1e-6, *, stream=None):
         dtype=DTYPE_CODES[xv.dtype],
         device=device,
         stream=handle,
+        variant=kernel_variant("rms_norm"),
     )
     return x, residual

@@ -64,6 +64,9 @@ def ctas_per_kv_head(group: int, head_dim: int) -> int:
     return _ceil_div(units, 16 if head_dim == 64 else 8)
 
 
+# Every input is an int and the search loops over up to MAX_SPLITS counts (~100 us in Python):
+# a call site sees few distinct shapes, so each is planned once.
+@functools.lru_cache(maxsize=1024)
 def plan_splits(
     batch: int,
     num_heads: int,

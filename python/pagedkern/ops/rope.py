@@ -15,7 +15,7 @@ from .arrays import (
     view,
 )
 from .index_checks import check_rope_indices
-from .launch import check_indices, kernel_or_reference, launch_context
+from .launch import check_indices, kernel_or_reference, kernel_variant, launch_context
 from .paged_kv import check_heads, check_kv_cache
 
 
@@ -88,4 +88,5 @@ def rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, 
         check_indices=check_indices(),
         device=device,
         stream=handle,
+        variant=kernel_variant("rope_and_cache"),
     )

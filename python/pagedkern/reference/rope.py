@@ -50,7 +50,8 @@ def rope_and_cache(
 
     q: [T, Hq, D]; k, v: [T, Hkv, D] (views into a fused QKV output are fine);
     positions: [T] int; cos_sin: [max_positions, D] float32 from `cos_sin_cache`;
-    k_cache, v_cache: [num_blocks, Hkv, block_size, D] (HND pages), dtype of k;
+    k_cache, v_cache: [num_blocks, Hkv, block_size, D] (HND pages), dtype of k or
+    float8_e4m3fn (written saturated; the attention references read any dtype as fp32);
     slot_mapping: [T] int, slot = block * block_size + offset, -1 = do not write this token.
 
     Rotate-half: with x = [x1, x2] split at D/2 and (cos, sin) = cos_sin[position],
@@ -67,5 +68,13 @@ def rope_and_cache(
     block_size = k_cache.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
     # Advanced indices around a slice: the indexed result is [n, Hkv, D].
-    k_cache[blocks, :, offsets] = k[keep]
-    v_cache[blocks, :, offsets] = v[keep]
+    k_cache[blocks, :, offsets] = _to_cache(k[keep], k_cache.dtype)
+    v_cache[blocks, :, offsets] = _to_cache(v[keep], v_cache.dtype)
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache dtype; an fp8 (E4M3) cache saturates at +-448 (a plain cast would give NaN). The
+    caller divides k/v by the cache's per-layer scales beforehand (KVCache.scales)."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-448.0, 448.0).to(dtype)
+    return x

@@ -101,6 +101,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         _fail(exc)
     if template is not None:
         engine.tokenizer.chat_template = template
+    if args.trace or args.stats:
+        _say(f"pagedkern: {engine.describe()}")
     if args.trace:
         from .trace import TraceWriter
 

@@ -32,6 +32,7 @@ SAMPLING_DEFAULTS = {
     "seed": None,
     "repetition_penalty": 1.0,
     "logprobs": None,
+    "ignore_eos": False,
 }
 
 
@@ -151,6 +152,12 @@ def build_parser() -> Parser:
         metavar="FILE",
         help="structured output: answers are JSON valid against the schema in FILE",
     )
+    s.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        default=None,
+        help="generate exactly --max-tokens tokens, past EOS (fixed-length runs; default: off)",
+    )
 
     e = p.add_argument_group("engine (defaults from EngineConfig)")
     e.add_argument(
@@ -172,6 +179,18 @@ def build_parser() -> Parser:
             "backend",
             "auto: the CUDA kernels when a GPU is usable, else the PyTorch reference ops",
         ),
+    )
+    e.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4"),
+        default=_default(EngineConfig, "quantization"),
+        help=_field_help(EngineConfig, "quantization", "weight-only quantization"),
+    )
+    e.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default=_default(EngineConfig, "kv_cache_dtype"),
+        help=_field_help(EngineConfig, "kv_cache_dtype", "KV cache dtype"),
     )
     e.add_argument(
         "--device",
@@ -309,6 +328,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         max_queue=args.max_queue,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         cuda_graphs=False if args.enforce_eager else _default(EngineConfig, "cuda_graphs"),
     )
 

@@ -1,0 +1,91 @@
+"""Host cost of one paged_attention call: argument checks, split plan, the launch call, with the
+extension stubbed (its launch is a no-op) and fake CUDA arrays, so it runs on any CPU, smoke mode
+included. The kernel at B=1, L=32768 takes ~40 us on a GPU; the Python in front of it must stay
+well below that (target < 15 us per call). Timed with perf_counter over many calls (a GPU is not
+involved), median of rounds; the first call of each case (plan cache miss) is reported apart."""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from fake_cuda_array import FakeCudaArray  # noqa: E402
+
+# The modules (pagedkern.ops re-exports functions of the same names).
+launch_module = importlib.import_module("pagedkern.ops.launch")
+pa_module = importlib.import_module("pagedkern.ops.paged_attention")
+
+NUM_SMS = 132
+# (batch, query heads, KV heads, head dim, block size, max_seq_len)
+CASES = [(1, 32, 8, 128, 16, 32768), (64, 32, 8, 128, 16, 4096)]
+
+
+class StubExtension:
+    """Just what the op's host path calls on pagedkern._C; the launch records its arguments."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def pointer_device(self, ptr: int) -> int:
+        return 0
+
+    def multiprocessor_count(self, device: int) -> int:
+        return NUM_SMS
+
+    def paged_attention(self, *args, **kwargs) -> None:
+        self.launches += 1
+
+
+@pytest.fixture
+def stub(monkeypatch) -> StubExtension:
+    ext = StubExtension()
+    monkeypatch.setattr(launch_module, "require", lambda: ext)
+    # The kernel path whatever backend an earlier benchmark left selected (e2e: "reference").
+    monkeypatch.setattr(launch_module, "_backend", "auto")
+    pa_module._num_sms.cache_clear()
+    return ext
+
+
+def _per_call_seconds(fn, calls: int, rounds: int) -> float:
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples)
+
+
+@pytest.mark.parametrize("batch,hq,hkv,d,bs,max_len", CASES)
+def test_paged_attention_host_cost(stub, record, smoke, batch, hq, hkv, d, bs, max_len):
+    blocks = max_len // bs
+    q = FakeCudaArray((batch, hq, d), "float16")
+    out = FakeCudaArray((batch, hq, d), "float16")
+    cache = FakeCudaArray((batch * blocks, hkv, bs, d), "float16")
+    tables = FakeCudaArray((batch, blocks), "int32")
+    lens = FakeCudaArray((batch,), "int32")
+    plan = pa_module.plan_splits(batch, hq, hkv, d, max_len, NUM_SMS)
+    need = pa_module.workspace_size(batch, hq, d, plan.num_splits)
+    workspace = FakeCudaArray((max(need, 1),), "float32")
+
+    def call():
+        pa_module.paged_attention(
+            q, cache, cache, tables, lens, out=out, max_seq_len=max_len, workspace=workspace
+        )
+
+    pa_module.plan_splits.cache_clear()
+    t0 = time.perf_counter()
+    call()
+    first = time.perf_counter() - t0
+    seconds = _per_call_seconds(call, calls=20 if smoke else 2000, rounds=3 if smoke else 15)
+    case = f"B={batch} L={max_len} Hq/Hkv={hq}/{hkv} D={d}"
+    record("paged_attention host", case, "python per call", seconds, first_call_us=first * 1e6)
+    assert stub.launches == 1 + (3 if smoke else 15) * (20 if smoke else 2000)
+    # Every call after the first took its plan from the cache.
+    assert pa_module.plan_splits.cache_info().misses == 1

@@ -1,0 +1,45 @@
+"""quant_gemm (W4A16 / W8A16, decode-shaped M) vs bf16 torch.mm, as GB/s of the weight bytes
+beside the measured copy bandwidth (the roofline: decode GEMMs are weight-read bound). Target
+on a GPU: >= 80% of copy bandwidth at M = 1..16 for 4096x4096 and 4096x14336 (N x K). In smoke
+mode (no GPU) a tiny case runs once on the CPU path (torch's int-pack kernels)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from measure import smoke_mode
+
+from pagedkern import ops
+from pagedkern.model.quantized_linear import quantize_int4, quantize_int8
+
+SHAPES = [(64, 128)] if smoke_mode() else [(4096, 4096), (14336, 4096), (4096, 14336)]
+ROWS = [1, 4] if smoke_mode() else [1, 4, 16, 64]
+IMPLS = ["int4 g128", "int4 g32", "int8", "bf16 torch.mm"]
+_weights: dict = {}
+
+
+def weights(n: int, k: int, device: str) -> dict:
+    if (n, k) not in _weights:
+        w = torch.randn(n, k, device=device) * 0.02
+        _weights.clear()  # one shape's weights at a time
+        _weights[n, k] = {
+            "int4 g128": quantize_int4(w, 128),
+            "int4 g32": quantize_int4(w, 32),
+            "int8": quantize_int8(w),
+            "bf16 torch.mm": w.bfloat16(),
+        }
+    return _weights[n, k]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_quant_gemm(measure, device, n, k, m, impl):
+    w = weights(n, k, device)[impl]
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    if impl == "bf16 torch.mm":
+        fn, nbytes = (lambda: x @ w.T), w.numel() * 2
+    else:
+        fn, nbytes = (lambda: ops.quant_linear(x, w)), w.nbytes
+    result = measure("quant_gemm", f"M={m} N={n} K={k}", impl, fn, bytes=nbytes + x.numel() * 2)
+    assert result.seconds > 0

@@ -1,0 +1,213 @@
+"""Weight-only quantized linear weights: the formats, quantize-at-load, and GGUF block mapping.
+
+QuantizedWeight holds one [N, K] weight (N output channels) in a device-neutral canonical form,
+which is also what the weights cache stores:
+
+  int8: qweight int8 [N, K], scales fp32 [N]             w[n, k] = scales[n] * q[n, k]
+  int4: qweight uint8 [N, K/2], byte j = q[2j] | q[2j+1] << 4, q in 0..15;
+        scales, mins fp16 [N, K/G] (G = group_size, 32 or 128)
+                                                          w[n, k] = scales[n, g] * q + mins[n, g]
+
+GGUF Q4_0 (w = d*(q-8)), Q4_1 (w = d*q + m) and Q4_K (w = d*sc*q - dmin*m per 32 weights) map
+onto int4 with G = 32 by rearranging nibbles and scales, never through fp32 weights. Q8_0 has a
+scale per 32 weights, which per-channel int8 cannot hold: it is dequantized and requantized.
+Kernel-specific packed forms (torch's CPU int4pack, bf16 scales) are built once per weight by
+ops.quant_gemm and kept in `packed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+MODES = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 128)
+DEFAULT_INT4_GROUP = 32
+
+
+@dataclass(slots=True, eq=False)
+class QuantizedWeight:
+    format: str  # "int8" | "int4"
+    shape: tuple[int, int]  # [N, K] of the weight it stands for
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+    group_size: int = 0  # int4 only
+    packed: dict = field(default_factory=dict)  # kernel key -> packed tensors, made lazily
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.qweight, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        if self.qweight.device == torch.device(device):
+            return self
+        mins = None if self.mins is None else self.mins.to(device)
+        return QuantizedWeight(
+            self.format,
+            self.shape,
+            self.qweight.to(device),
+            self.scales.to(device),
+            mins,
+            self.group_size,
+        )
+
+    def unpacked_int4(self) -> torch.Tensor:
+        """int4: q values as uint8 [N, K] (0..15)."""
+        lo, hi = self.qweight & 15, self.qweight >> 4
+        return torch.stack([lo, hi], dim=-1).view(self.shape)
+
+    def dequantize_rows(
+        self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The float weight (or only `rows` of it: an embedding lookup), in `dtype`."""
+        sel = slice(None) if rows is None else rows.long()
+        if self.format == "int8":
+            q = self.qweight[sel].to(torch.float32)
+            return (q * self.scales[sel, None].float()).to(dtype)
+        n, k = self.shape
+        q = (
+            self.unpacked_int4()[sel]
+            .to(torch.float32)
+            .view(-1, k // self.group_size, self.group_size)
+        )
+        w = q * self.scales[sel].float()[..., None] + self.mins[sel].float()[..., None]
+        return w.reshape(-1, k).to(dtype)
+
+    def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        bits = 8 if self.format == "int8" else 4  # qmeta: bits, group size, N, K
+        meta = torch.tensor([bits, self.group_size, *self.shape])
+        out = {f"{prefix}.qweight": self.qweight, f"{prefix}.scales": self.scales}
+        out[f"{prefix}.qmeta"] = meta
+        if self.mins is not None:
+            out[f"{prefix}.mins"] = self.mins
+        return out
+
+    @classmethod
+    def from_state_dict(cls, prefix: str, sd: dict[str, torch.Tensor]) -> QuantizedWeight | None:
+        meta = sd.get(f"{prefix}.qmeta")
+        if meta is None:
+            return None
+        bits, group, n, k = (int(x) for x in meta.tolist())
+        fmt = {8: "int8", 4: "int4"}[bits]
+        parts = (sd[f"{prefix}.qweight"], sd[f"{prefix}.scales"], sd.get(f"{prefix}.mins"))
+        return cls(fmt, (n, k), *parts, group)
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Fuse weights along the output dimension (QKV, gate/up): same format, K and group."""
+    first = parts[0]
+    kind = (first.format, first.shape[1], first.group_size)
+    if any((p.format, p.shape[1], p.group_size) != kind for p in parts):
+        raise ValueError("fused weights must share format, in-features and group size")
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts])
+    rows = sum(p.shape[0] for p in parts)
+    return QuantizedWeight(
+        first.format,
+        (rows, first.shape[1]),
+        torch.cat([p.qweight for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        mins,
+        first.group_size,
+    )
+
+
+def permute_rows(qw: QuantizedWeight, permute) -> QuantizedWeight:
+    """Apply a row permutation function (e.g. GGUF's Q/K un-permutation) to every part."""
+    mins = None if qw.mins is None else permute(qw.mins)
+    return QuantizedWeight(
+        qw.format, qw.shape, permute(qw.qweight), permute(qw.scales), mins, qw.group_size
+    )
+
+
+K_MULTIPLE = 32  # in-features of every quantized weight (torch's int8 CPU kernel needs 16)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Symmetric per-output-channel int8 (scale = max|w| / 127), computed in fp32."""
+    if w.dim() != 2 or w.shape[1] % K_MULTIPLE:
+        raise ValueError(
+            f"int8 weights must be [N, K] with K % {K_MULTIPLE} == 0, got {tuple(w.shape)}"
+        )
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight("int8", tuple(w.shape), q.contiguous(), scales.contiguous())
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP) -> QuantizedWeight:
+    """Asymmetric group-wise int4: per group of `group_size` weights along K, scale = (max -
+    min) / 15 and min, both stored fp16; q = round((w - min) / scale) in 0..15."""
+    n, k = w.shape
+    if group_size not in INT4_GROUP_SIZES or k % group_size:
+        raise ValueError(
+            f"int4 group size {group_size} must be in {INT4_GROUP_SIZES} and divide {k}"
+        )
+    g = w.float().view(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).clamp_min(1e-8).half()
+    mins = lo.half()
+    q = torch.round((g - mins.float()[..., None]) / scales.float()[..., None]).clamp_(0, 15)
+    return _int4(q.to(torch.uint8).view(n, k), scales, mins, group_size)
+
+
+def _int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> QuantizedWeight:
+    n, k = q.shape
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    return QuantizedWeight("int4", (n, k), packed, scales.contiguous(), mins.contiguous(), group)
+
+
+def quantize(w: torch.Tensor, mode: str, group_size: int = DEFAULT_INT4_GROUP) -> QuantizedWeight:
+    if mode == "int8":
+        return quantize_int8(w)
+    if mode == "int4":
+        return quantize_int4(w, group_size)
+    raise ValueError(f"quantization must be one of {MODES[1:]}, got {mode!r}")
+
+
+# --- GGUF blocks -> int4 (no fp32 weights in between) ---------------------------------------
+
+
+def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+    """GGUF's 16 bytes per 32 weights (weight j in the low nibble of byte j, weight j+16 in the
+    high nibble) -> q values [blocks, 32] uint8."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def gguf_to_int4(tensor_type: str, data: np.ndarray, n: int, k: int) -> QuantizedWeight | None:
+    """A GGUF Q4_0 / Q4_1 / Q4_K tensor's raw bytes ([n, bytes per row] uint8) as int4 with
+    G = 32, or None for other types."""
+    blocks = np.ascontiguousarray(data).reshape(-1, _BLOCK_BYTES.get(tensor_type, 1))
+    if tensor_type == "Q4_0":  # d fp16, 16 bytes: w = d * (q - 8)
+        d = blocks[:, :2].view(np.float16)[:, 0]
+        q, scales, mins = _nibbles_32(blocks[:, 2:]), d, -8 * d.astype(np.float32)
+    elif tensor_type == "Q4_1":  # d, m fp16, 16 bytes: w = d * q + m
+        d, m = blocks[:, :2].view(np.float16)[:, 0], blocks[:, 2:4].view(np.float16)[:, 0]
+        q, scales, mins = _nibbles_32(blocks[:, 4:]), d, m
+    elif tensor_type == "Q4_K":  # 256 weights: d, dmin fp16, 12 bytes of 6-bit sc/m, 128 bytes
+        from gguf.quants import Q4_K
+
+        d = blocks[:, :2].view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+        scales, mins = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+        # 128 bytes = 4 chunks of 32 bytes; chunk c holds sub-blocks 2c (low) and 2c+1 (high).
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 32)
+    else:
+        return None
+    q = torch.from_numpy(np.ascontiguousarray(q)).view(n, k)
+    groups = k // 32
+    scales = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float16)).view(n, groups)
+    mins = torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float16)).view(n, groups)
+    return _int4(q, scales, mins, 32)
+
+
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}

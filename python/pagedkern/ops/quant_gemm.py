@@ -1,0 +1,139 @@
+"""quant_linear: x @ W.T for a weight-only quantized W (int8 per channel, int4 per group).
+
+Dispatch after validation: CPU tensors -> torch's maintained int-pack kernels
+(aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu), which want bf16 activations and
+bf16 scales, so x is rounded to bf16 around the GEMM and the result returned in x's dtype;
+CUDA tensors -> csrc/quant_gemm.cu for decode-shaped M (<= 64, fp16/bf16 x), else (and with the
+'reference' backend) the weight dequantized into a temporary half-precision workspace and
+torch's GEMM. The float64 ground truth is pagedkern.reference.quant_gemm. CUDA inputs must be
+torch tensors (the weight is a QuantizedWeight of torch tensors)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..model.quantized_linear import QuantizedWeight
+from . import launch
+from .arrays import DTYPE_CODES, view
+from .launch import launch_context
+
+QUANT_GEMM_MAX_M = 64  # csrc/quant_gemm.h kQuantGemmMaxM: larger M dequantizes (prefill)
+
+
+def _check(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    if not isinstance(weight, QuantizedWeight):
+        raise TypeError(f"weight must be a QuantizedWeight, got {type(weight).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.dtype.is_floating_point:
+        what = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a 2-D float tensor [M, K], got {what}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)}: K must equal the weight's {weight.shape[1]}")
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device}, the weight on {weight.device}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
+
+
+def _cpu_packed(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed weight, bf16 scales[/zeros]) for the CPU kernels, built once per weight."""
+    packed = weight.packed.get("cpu")
+    if packed is None:
+        if weight.format == "int8":
+            if weight.qweight.data_ptr() % 64:  # the int8 kernel crashes on unaligned weights
+                weight.qweight = weight.qweight.clone()  # (e.g. views into a safetensors file)
+            packed = (weight.qweight, weight.scales.to(torch.bfloat16))
+        else:  # the packing wants N % 16 == 0: pad with zero rows, sliced off the output
+            pad = -weight.shape[0] % 16
+            q = F.pad(weight.unpacked_int4().to(torch.int32), (0, 0, 0, pad))
+            w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
+            zeros = weight.mins.float() + 8 * weight.scales.float()  # w = (q - 8) * s + zero
+            sz = F.pad(torch.stack([weight.scales.float(), zeros], dim=-1), (0, 0, 0, 0, 0, pad))
+            packed = (w, sz.transpose(0, 1).contiguous().to(torch.bfloat16))  # [K/G, N, 2]
+        weight.packed["cpu"] = packed
+    return packed
+
+
+def quant_linear(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] float -> [M, N] in x.dtype (accumulation in fp32 or wider), into `out` if given
+    (contiguous [M, N], x's dtype and device)."""
+    _check(x, weight, bias)
+    if out is not None:
+        shape = (x.shape[0], weight.shape[0])
+        if tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"out {tuple(out.shape)} {out.dtype} must be contiguous {shape} {x.dtype}"
+            )
+    result = _quant_linear(x, weight, bias, out)
+    if out is not None and result is not out:
+        out.copy_(result)
+        return out
+    return result
+
+
+def _quant_linear(x, weight, bias, out):
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[0])
+    xv = view(x, "x")
+    if not launch.use_reference([xv]):  # via the module: the emulator patches it there
+        out = _cuda(x, weight, out)
+    elif x.device.type == "cpu":
+        w, scales = _cpu_packed(weight)
+        xb = x.to(torch.bfloat16).contiguous()
+        if weight.format == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(xb, w, scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, weight.group_size, scales)
+            out = out[:, : weight.shape[0]]
+    else:
+        out = _dequantized_matmul(x, weight)
+    out = out.to(x.dtype)
+    return out if bias is None else out.add_(bias)
+
+
+def _dequantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """Prefill-shaped M, fp32 x or the 'reference' backend on a GPU: the weight dequantized into
+    a temporary in x's half dtype (bf16 for fp32 x), then torch's GEMM (cuBLAS)."""
+    dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+    return x.to(dtype) @ weight.dequantize_rows(dtype=dtype).T
+
+
+def _cuda(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | None) -> torch.Tensor:
+    """csrc/quant_gemm.cu for M <= 64 and half-precision x, else _dequantized_matmul."""
+    m, (n, k) = x.shape[0], weight.shape
+    if m > QUANT_GEMM_MAX_M or x.dtype not in (torch.float16, torch.bfloat16):
+        return _dequantized_matmul(x, weight)
+    x = (
+        x
+        if x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+        else x.contiguous()
+    )
+    xv = view(x, "x")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ov = view(out, "out")
+    module, device, handle = launch_context([xv, ov])
+    int4 = weight.format == "int4"
+    module.quant_gemm(
+        out=ov.ptr,
+        x=xv.ptr,
+        qweight=weight.qweight.data_ptr(),
+        scales=weight.scales.data_ptr(),
+        mins=weight.mins.data_ptr() if int4 else 0,
+        m=m,
+        n=n,
+        k=k,
+        x_stride=x.stride(0),
+        out_stride=n,
+        bits=4 if int4 else 8,
+        group_size=weight.group_size if int4 else 0,
+        dtype=DTYPE_CODES[xv.dtype],
+        device=device,
+        stream=handle,
+    )
+    return out

