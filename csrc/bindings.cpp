@@ -242,8 +242,13 @@ PYBIND11_MODULE(_C, m) {
       "sample",
       [](std::uintptr_t out, std::uintptr_t logits, std::uintptr_t temperature,
          std::uintptr_t top_p, std::uintptr_t top_k, std::uintptr_t seeds, std::uintptr_t offsets,
-         int64_t rows, int64_t vocab, int64_t logits_stride, int dtype, int device,
-         std::uintptr_t stream) {
+         int64_t rows, int64_t vocab, int64_t logits_stride, int dtype,
+         std::uintptr_t token_offsets, std::uintptr_t token_ids, std::uintptr_t token_counts,
+         std::uintptr_t token_bias, std::uintptr_t presence_penalty,
+         std::uintptr_t frequency_penalty, std::uintptr_t repetition_penalty,
+         std::uintptr_t bitmask, std::uintptr_t bitmask_rows, int64_t bitmask_words,
+         std::uintptr_t min_p, std::uintptr_t logprobs, std::uintptr_t workspace,
+         int64_t workspace_stride, int device, std::uintptr_t stream) {
         pagedkern::SampleParams p;
         p.out = as_ptr<int>(out);
         p.logits = as_ptr<const void>(logits);
@@ -256,12 +261,30 @@ PYBIND11_MODULE(_C, m) {
         p.vocab = vocab;
         p.logits_stride = logits_stride;
         p.dtype = static_cast<DType>(dtype);
+        p.token_offsets = as_ptr<const int>(token_offsets);
+        p.token_ids = as_ptr<const int>(token_ids);
+        p.token_counts = as_ptr<const int>(token_counts);
+        p.token_bias = as_ptr<const float>(token_bias);
+        p.presence_penalty = as_ptr<const float>(presence_penalty);
+        p.frequency_penalty = as_ptr<const float>(frequency_penalty);
+        p.repetition_penalty = as_ptr<const float>(repetition_penalty);
+        p.bitmask = as_ptr<const int>(bitmask);
+        p.bitmask_rows = as_ptr<const int>(bitmask_rows);
+        p.bitmask_words = bitmask_words;
+        p.min_p = as_ptr<const float>(min_p);
+        p.logprobs = as_ptr<float>(logprobs);
+        p.workspace = as_ptr<float>(workspace);
+        p.workspace_stride = workspace_stride;
         DeviceGuard guard(device);
         pagedkern::sample(p, as_stream(stream));
       },
       py::kw_only(), py::arg("out"), py::arg("logits"), py::arg("temperature"),
       py::arg("top_p"), py::arg("top_k"), py::arg("seeds"), py::arg("offsets"), py::arg("rows"),
-      py::arg("vocab"), py::arg("logits_stride"), py::arg("dtype"), py::arg("device"),
+      py::arg("vocab"), py::arg("logits_stride"), py::arg("dtype"), py::arg("token_offsets"),
+      py::arg("token_ids"), py::arg("token_counts"), py::arg("token_bias"),
+      py::arg("presence_penalty"), py::arg("frequency_penalty"), py::arg("repetition_penalty"),
+      py::arg("bitmask"), py::arg("bitmask_rows"), py::arg("bitmask_words"), py::arg("min_p"),
+      py::arg("logprobs"), py::arg("workspace"), py::arg("workspace_stride"), py::arg("device"),
       py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 
   // Returns the path that ran (FLASH_PREFILL_PATHS: 1 mma.sync, 2 wgmma + TMA; 0 = automatic).

@@ -30,9 +30,31 @@
  *     top token's are never drawn); the reference's fp32 cumulative sums can differ only when a
  *     top-p cut falls within ~1e-6 of a token's mass-above.
  *
+ *  v2 (issue 13) logits processing, semantics of python/pagedkern/reference/logits_processing.py:
+ *     process_kernel<T, kVec> (a stage before the passes above, same stream): one CTA of 512
+ *       threads per row; thread t owns runs t, t + 512, ... of kVec elements (16-byte loads,
+ *       16-byte fp32 stores): x = logits (NaN = -inf), -inf where the row's grammar /
+ *       allowed-token bitmask (int32 words, 1 bit per token, L1/L2-resident: V / 8 bytes) has a
+ *       0 bit, written to an fp32 workspace row; then, after a barrier, one thread per sparse
+ *       entry (token id, count, bias) recomputes its token from the raw logit: repetition
+ *       penalty (divide positive, multiply negative), frequency x count + presence, bias (-inf
+ *       bans: bad words, EOS before min_tokens), mask. Host work is O(entries), never O(V).
+ *     The sampling passes then run unchanged on the workspace (sample_kernel<float, 4>), with
+ *       min-p as a lower cut on s (s < s_max + log min_p counts as -inf) and, when asked, one
+ *       extra pass for log Z = log sum exp(s - s_max) over the distribution before min-p /
+ *       top-k / top-p: logprob = s_token - s_max - log Z (temperature 1 for greedy rows).
+ *     Why a workspace and not a per-element lookup of the sparse list in every pass: the list
+ *       is unsorted and short, a lookup per element per pass would cost more than one extra
+ *       streaming pass; the workspace row (4 V bytes, 512 KB at V = 128256) is written once and
+ *       re-read by the passes mostly from L2 while the CTA's row is hot.
+ *     Not in the kernel yet: the top-N logprobs (N <= 20), which ops.sample computes with the
+ *       reference's torch ops when top_ids / top_logprobs are asked for.
+ *
  * Traffic: (passes) x V x sizeof(T) per row from L2/HBM; greedy 1 pass, plain sampling ~2.5,
- * top-k or top-p ~3.5-5.5, both ~5-9.5. Target: >= 5x faster than a torch.sort-based top-p at
- * B=128, V=128k.
+ * top-k or top-p ~3.5-5.5, both ~5-9.5. With processing: + V x (sizeof(T) + 4) for the stage
+ * and the passes read 4-byte values (+1 pass for a logprob). Target: >= 5x faster than a
+ * torch.sort-based top-p at B=128, V=128k; processing within 1.5x of plain sampling and well
+ * ahead of the same chain of torch ops (bench/test_bench_sampling.py).
  */
 #include "device.cuh"
 #include "sampling.h"
@@ -91,12 +113,14 @@ struct RowMath {
   float temperature;
   float s_max;
   bool posinf_row;
+  float s_min = -INFINITY;  // min-p: s below s_max + log(min_p) is out (as -inf)
   __device__ __forceinline__ unsigned key(float x, float& s) const {
     if (x != x) x = -INFINITY;
     if (posinf_row) x = x == INFINITY ? 0.f : -INFINITY;
     s = __fdiv_rn(x, temperature);
     if (s == 0.f) s = 0.f;      // -0 and +0 are one value (a tie)
     if (s != s) s = -INFINITY;  // -inf / inf (temperature = inf): never drawn
+    if (s < s_min) s = -INFINITY;
     const unsigned bits = __float_as_uint(s);
     return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
   }
@@ -284,6 +308,33 @@ __device__ __forceinline__ unsigned descend(const T* row, int64_t vocab, const R
   }
 }
 
+// log softmax(s)[token] under rm (its s_min off): one more pass for sum exp(s - s_max). Called
+// by every thread of the block; thread 0 writes it.
+template <typename T, int kVec>
+__device__ __forceinline__ void write_logprob(const T* row, int64_t vocab, const RowMath& rm,
+                                              bool finite_row, int token, Shared& sh,
+                                              float* out) {
+  float z = 0.f;
+  if (finite_row) {
+    for_each<T, kVec>(row, vocab, [&](int64_t, float x) {
+      float s;
+      rm.key(x, s);
+      z += s == -INFINITY ? 0.f : expf(s - rm.s_max);
+    });
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
+  if (threadIdx.x % 32 == 0) sh.best_value[threadIdx.x / 32] = z;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) total += sh.best_value[w];
+    float s;
+    rm.key(to_float(row[token]), s);
+    *out = finite_row && s != -INFINITY ? s - rm.s_max - logf(total) : -INFINITY;
+  }
+}
+
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads, 1) sample_kernel(const SampleParams p) {
   __shared__ Shared sh;
@@ -339,9 +390,18 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(const SampleParams 
   // Greedy: asked for, nothing finite to sample from, or s overflowed (reference: total NaN).
   if (!(temperature > 0.f) || best == -INFINITY || s_max == INFINITY) {
     if (threadIdx.x == 0) p.out[r] = best_i;
+    if (p.logprobs) {  // greedy rows: log softmax at temperature 1 (s overflowing: -inf)
+      const bool t1 = !(temperature > 0.f);
+      const RowMath unit{t1 ? 1.f : temperature, t1 ? (posinf_row ? 0.f : best) : s_max,
+                         posinf_row};
+      const bool finite = best != -INFINITY && unit.s_max != INFINITY;
+      write_logprob<T, kVec>(row, vocab, unit, finite, best_i, sh, p.logprobs + r);
+    }
     return;
   }
-  const RowMath rm{temperature, s_max, posinf_row};
+  RowMath rm{temperature, s_max, posinf_row};
+  const float min_p = p.min_p ? p.min_p[r] : 0.f;
+  if (min_p > 0.f) rm.s_min = s_max + logf(min_p);
   const int top_k = p.top_k[r];
   const float top_p = p.top_p[r];
   const bool use_p = top_p < 1.f;  // NaN: off
@@ -397,6 +457,63 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(const SampleParams 
   }
   __syncthreads();
   if (threadIdx.x == 0) p.out[r] = sh.found;
+  if (p.logprobs) {  // from the distribution before min-p / top-k / top-p
+    const int token = sh.found;
+    rm.s_min = -INFINITY;
+    write_logprob<T, kVec>(row, vocab, rm, true, token, sh, p.logprobs + r);
+  }
+}
+
+// Processing stage (before the sampling passes): row r of the workspace = the processed logits
+// (NaN = -inf, bitmask applied; 16-byte loads and stores), then the row's sparse entries are
+// recomputed from the raw logits with penalties and bias (one thread per entry; ids distinct).
+__device__ __forceinline__ bool allowed(const int* mask, int64_t i) {
+  return mask == nullptr || (unsigned(mask[i >> 5]) >> (i & 31)) & 1u;
+}
+
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kThreads) process_kernel(const SampleParams p) {
+  const int64_t r = blockIdx.x;
+  const T* row = static_cast<const T*>(p.logits) + r * p.logits_stride;
+  float* out = p.workspace + r * p.workspace_stride;
+  const int mask_row = p.bitmask_rows ? p.bitmask_rows[r] : -1;
+  const int* mask = mask_row >= 0 ? p.bitmask + int64_t(mask_row) * p.bitmask_words : nullptr;
+  for (int64_t i = int64_t(threadIdx.x) * kVec; i < p.vocab; i += int64_t(kThreads) * kVec) {
+    Run<T, kVec> run;
+    run.load(row + i);
+    float v[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float x = to_float(run.v[e]);
+      v[e] = x != x || !allowed(mask, i + e) ? -INFINITY : x;
+    }
+    if constexpr (kVec % 4 == 0) {
+#pragma unroll
+      for (int e = 0; e < kVec; e += 4)
+        *reinterpret_cast<float4*>(out + i + e) = make_float4(v[e], v[e + 1], v[e + 2], v[e + 3]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) out[i + e] = v[e];
+    }
+  }
+  __syncthreads();  // the dense writes land before the sparse entries overwrite theirs
+  if (p.token_offsets == nullptr) return;
+  const float presence = p.presence_penalty[r], frequency = p.frequency_penalty[r];
+  const float repetition = p.repetition_penalty[r];
+  for (int j = p.token_offsets[r] + threadIdx.x; j < p.token_offsets[r + 1]; j += kThreads) {
+    const int id = p.token_ids[j];
+    const int count = p.token_counts[j];
+    float x = to_float(row[id]);
+    if (x != x) x = -INFINITY;
+    if (count >= 0) {  // IEEE steps in the reference's order (no contraction into FMAs)
+      x = x > 0.f ? __fdiv_rn(x, repetition) : __fmul_rn(x, repetition);
+      const float penalty = __fadd_rn(__fmul_rn(frequency, float(count)),
+                                      count > 0 ? presence : __fmul_rn(presence, 0.f));
+      x = __fsub_rn(x, penalty);
+    }
+    x = __fadd_rn(x, p.token_bias[j]);
+    out[id] = x != x || !allowed(mask, id) ? -INFINITY : x;
+  }
 }
 
 template <typename T>
@@ -413,13 +530,47 @@ void launch(const SampleParams& p, cudaStream_t stream) {
   PK_CHECK_LAUNCH("sample_kernel");
 }
 
+// With processing: the processing stage writes the workspace, the sampling passes read it.
+template <typename T>
+void launch_processed(const SampleParams& p, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const bool vectorizable = aligned16(p.logits) && aligned16(p.workspace) &&
+                            p.vocab % kVec == 0 && p.logits_stride % kVec == 0 &&
+                            p.workspace_stride % 4 == 0;
+  const dim3 grid(static_cast<unsigned>(p.rows));
+  if (vectorizable) {
+    process_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    process_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p);
+  }
+  PK_CHECK_LAUNCH("process_kernel");
+  SampleParams q = p;
+  q.logits = p.workspace;
+  q.logits_stride = p.workspace_stride;
+  q.dtype = DType::kFloat32;
+  launch<float>(q, stream);
+}
+
 }  // namespace
 
 void sample(const SampleParams& p, cudaStream_t stream) {
   require(p.vocab > 0 && p.vocab < (int64_t(1) << 23), "sample: vocab must be in [1, 2^23)");
   require(p.rows >= 0 && p.rows <= 0x7fffffff, "sample: rows out of range");
   if (p.rows == 0) return;
-  dispatch_float(p.dtype, [&](auto tag) { launch<decltype(tag)>(p, stream); });
+  const bool processing = p.token_offsets != nullptr || p.bitmask_rows != nullptr;
+  require(!processing || (p.workspace != nullptr && p.workspace_stride >= p.vocab),
+          "sample: logits processing needs a workspace of [rows, >= vocab] floats");
+  require(p.token_offsets == nullptr ||
+              (p.token_ids && p.token_counts && p.token_bias && p.presence_penalty &&
+               p.frequency_penalty && p.repetition_penalty),
+          "sample: sparse entries need ids, counts, biases and the three penalties");
+  require(p.bitmask_rows == nullptr || (p.bitmask && p.bitmask_words == (p.vocab + 31) / 32),
+          "sample: bitmask_rows needs a bitmask of ceil(vocab / 32) words per row");
+  if (processing) {
+    dispatch_float(p.dtype, [&](auto tag) { launch_processed<decltype(tag)>(p, stream); });
+  } else {
+    dispatch_float(p.dtype, [&](auto tag) { launch<decltype(tag)>(p, stream); });
+  }
 }
 
 }  // namespace pagedkern

@@ -24,6 +24,23 @@ struct SampleParams {
   int64_t vocab = 0;
   int64_t logits_stride = 0;  // in elements
   DType dtype = DType::kFloat32;
+  // Logits processing (python/pagedkern/reference/logits_processing.py), each null = off.
+  // Sparse entries of row r: token_offsets[r] .. token_offsets[r + 1], distinct ids per row.
+  const int* token_offsets = nullptr;  // [rows + 1]
+  const int* token_ids = nullptr;      // [nnz]
+  const int* token_counts = nullptr;   // [nnz]; >= 0: in the penalty set, -1: bias only
+  const float* token_bias = nullptr;   // [nnz]
+  const float* presence_penalty = nullptr;    // [rows]
+  const float* frequency_penalty = nullptr;   // [rows]
+  const float* repetition_penalty = nullptr;  // [rows]
+  const int* bitmask = nullptr;       // [masks, bitmask_words]: bit t % 32 of word t / 32
+  const int* bitmask_rows = nullptr;  // [rows]; < 0: no mask
+  int64_t bitmask_words = 0;
+  const float* min_p = nullptr;  // [rows]; <= 0: off
+  float* logprobs = nullptr;     // [rows] out: the sampled token's log-probability
+  // [rows, workspace_stride] fp32: the processed logits (needed with sparse entries or masks)
+  float* workspace = nullptr;
+  int64_t workspace_stride = 0;
 };
 void sample(const SampleParams& p, cudaStream_t stream);
 

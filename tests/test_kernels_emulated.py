@@ -250,6 +250,72 @@ def test_sample_signed_zeros_are_one_tie():
     assert ids.tolist() == ref.tolist()
 
 
+def _processing_case(rows, vocab, g):
+    """Sparse penalty / bias entries (distinct per row, some -inf bans), a bitmask on every other
+    row, min-p on some rows: fresh random inputs."""
+    offsets, ids, counts, bias = [0], [], [], []
+    for _ in range(rows):
+        n = int(torch.randint(0, 9, (1,), generator=g))
+        ids += torch.randperm(vocab, generator=g)[:n].tolist()
+        counts += torch.randint(-1, 4, (n,), generator=g).tolist()
+        bias += [float(b) for b in (torch.randn(n, generator=g) * 3)]
+        if n:
+            bias[-1] = -math.inf
+        offsets.append(len(ids))
+    words = (vocab + 31) // 32
+    masks = torch.randint(-(2**31), 2**31, (rows // 2 + 1, words), generator=g, dtype=torch.int64)
+    return dict(
+        token_offsets=torch.tensor(offsets, dtype=torch.int32),
+        token_ids=torch.tensor(ids, dtype=torch.int32),
+        token_counts=torch.tensor(counts, dtype=torch.int32),
+        token_bias=torch.tensor(bias, dtype=torch.float32),
+        presence_penalty=torch.rand(rows, generator=g) * 4 - 2,
+        frequency_penalty=torch.rand(rows, generator=g) * 4 - 2,
+        repetition_penalty=torch.rand(rows, generator=g) * 1.5 + 0.5,
+        bitmask=masks.to(torch.int32),
+        bitmask_rows=torch.tensor(
+            [r // 2 if r % 2 else -1 for r in range(rows)], dtype=torch.int32
+        ),
+        min_p=torch.tensor([0.0, 0.05, 0.3, 0.0] * (rows // 4) + [0.1] * (rows % 4)),
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype, vocab", [(torch.float32, 203), (torch.float32, 200), (torch.bfloat16, 96)]
+)
+def test_sample_with_logits_processing_runs_the_kernel_and_matches_the_reference(dtype, vocab):
+    # The processing stage + sampling passes of csrc/sampling.cu against reference.sample with
+    # the same inputs: identical ids, and the sampled token's logprob within 1e-5.
+    g = torch.Generator().manual_seed(vocab + 1)
+    rows = 10
+    logits = (torch.randn(rows, vocab, generator=g) * 2).to(dtype)
+    logits[1, 4] = float("nan")
+    processing = _processing_case(rows, vocab, g)
+    temps = torch.tensor([1.0, 0.0, 0.7, 1.3, 0.0, 1.0, 2.0, 0.5, 1.0, 0.9])
+    seeds = torch.arange(rows) * 7919 + 3
+    with emulated():
+        for top_p, top_k in [(1.0, 0), (0.8, 0), (0.9, 7)]:
+            ref_lp = torch.full((rows,), float("nan"))
+            ref_ids, ref_top = torch.zeros(rows, 5, dtype=torch.int32), torch.zeros(rows, 5)
+            ref = reference.sample(
+                logits, temps, top_p, top_k, seeds, 5, logprobs=ref_lp, top_ids=ref_ids,
+                top_logprobs_out=ref_top, **processing,
+            )  # fmt: skip
+            out = torch.full((rows,), -1, dtype=torch.int32)
+            lp = torch.full((rows,), float("nan"))
+            top_ids = torch.full((rows, 5), -1, dtype=torch.int32)
+            top = torch.full((rows, 5), float("nan"))
+            before = launches()
+            pagedkern.sample(
+                logits, temps, top_p, top_k, seeds, 5, out=out, logprobs=lp, top_ids=top_ids,
+                top_logprobs=top, **processing,
+            )  # fmt: skip
+            assert launches() == before + 2, "the processing stage and the sampling kernel ran"
+            assert out.tolist() == ref.tolist(), (top_p, top_k)
+            torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
+            assert torch.equal(top_ids, ref_ids) and torch.equal(top, ref_top)  # torch ops
+
+
 def test_emulated_fails_when_no_kernel_ran():
     # A test whose op never reached the kernel would otherwise compare the reference with itself.
     with pytest.raises(AssertionError, match="no kernel ran inside emulated"), emulated():
@@ -328,3 +394,28 @@ def test_rope_and_cache_traps_bad_indices_in_debug_mode(field, value):
         pagedkern.rope_and_cache(
             q, k, v, positions, cos_sin_cache(d, 4096), k_cache, k_cache.clone(), slots
         )
+
+
+def test_sample_with_no_sparse_entries_and_min_p_only():
+    # An empty sparse list (every row without penalties / biases) and min-p alone: the kernel
+    # path without a processing stage (one launch) still equals the reference.
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 200, generator=g) * 3
+    empty = dict(
+        token_offsets=torch.zeros(7, dtype=torch.int32),
+        token_ids=torch.zeros(0, dtype=torch.int32),
+        token_counts=torch.zeros(0, dtype=torch.int32),
+        token_bias=torch.zeros(0),
+        presence_penalty=torch.zeros(6),
+        frequency_penalty=torch.zeros(6),
+        repetition_penalty=torch.ones(6),
+        min_p=torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0, 0.2]),
+    )
+    seeds = torch.arange(6) + 5
+    ref = reference.sample(logits, 1.0, 1.0, 0, seeds, 0, **empty)
+    out = torch.full((6,), -1, dtype=torch.int32)
+    before = launches()
+    with emulated():
+        pagedkern.sample(logits, 1.0, 1.0, 0, seeds, 0, out=out, **empty)
+    assert launches() == before + 1 and out.tolist() == ref.tolist()
+    assert ref.tolist() != reference.sample(logits, 1.0, 1.0, 0, seeds, 0).tolist()

@@ -24,6 +24,9 @@ VECTOR_ACCESS = {
     "rope_and_cache_kernelIfLi4": ("LDG.E.128", "STG.E.128"),
     "sample_kernelI13__nv_bfloat16Li8": ("LDG.E.128",),
     "sample_kernelIfLi4": ("LDG.E.128",),
+    # logits processing stage: 16-byte logits in, 16-byte fp32 workspace out
+    "process_kernelI13__nv_bfloat16Li8": ("LDG.E.128", "STG.E.128"),
+    "process_kernelIfLi4": ("LDG.E.128", "STG.E.128"),
     # flash_prefill: K/V pages by 16-byte cp.async (path 1) or TMA (path 2), out with STG.128.
     "flash_prefill_sm80_kernel": ("LDGSTS.E.BYPASS", "STG.E.128"),
     "flash_prefill_sm90_kernel": ("UTMALDG.3D", "STG.E.128"),
@@ -38,6 +41,7 @@ KERNELS = (
     "paged_attention_merge_kernel",
     "rope_and_cache_kernel",
     "sample_kernel",
+    "process_kernel",
     "flash_prefill_schedule_kernel",
     "flash_prefill_sm80_kernel",
     "flash_prefill_sm90_kernel",

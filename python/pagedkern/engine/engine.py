@@ -29,7 +29,8 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kernel_policy import decode_graphs
 from .kv_budget import kv_cache_blocks
-from .outputs import EngineStats, RequestOutput
+from .logits_processing import LogitsState
+from .outputs import EngineStats, RequestOutput, TokenLogprob
 from .request import FinishReason, Request
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
@@ -97,6 +98,8 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._stop_ids: dict[str, frozenset[int]] = {}  # ids that end the request (EOS too)
         self._undelivered: list[RequestOutput] = []  # taken by stream() for other requests
+        # n > 1: samples waiting for their first request's prompt (they fork from its blocks)
+        self._forks: dict[Request, list[Request]] = {}
         self._ids = itertools.count()
         self._seeds = random.Random()
         self.iteration = 0
@@ -157,39 +160,81 @@ class Engine:
                 raise ParameterTypeError(f"prompt must be a string, got {prompt!r}")
             if not prompt:
                 raise ValueError("the prompt is empty")
-            prompt_ids = self.tokenizer.encode(prompt)
+            # Raw text gets what the tokenizer's config adds around it (e.g. BOS, as HF and
+            # vLLM do); a rendered chat template already carries its own.
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=messages is None)
         prompt_ids = check_token_ids("prompt_ids", prompt_ids, self.vocab_size)
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
+        for name, token in params.token_ids_used():
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"{name}: {token} is not a token id (vocabulary {self.vocab_size})"
+                )
         request_id = request_id or f"R{next(self._ids)}"
-        if request_id in self.requests:
+        ids = [request_id] + [f"{request_id}.{i}" for i in range(1, params.n)]
+        if any(i in self.requests for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammars = self._grammars(params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        request = Request(
-            request_id,
-            prompt_ids,
-            params,
-            messages=messages,
-            prompt_text=prompt,
-            seed=seed,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
-        )
-        self.scheduler.add(request)
-        self.requests[request_id] = request
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        arrival = self.clock() if arrival_time is None else arrival_time
         eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
-        self._stop_ids[request_id] = frozenset(params.stop_token_ids).union(eos)
+        stop_ids = frozenset(params.stop_token_ids).union(eos)
+        samples = []
+        for i, rid in enumerate(ids):
+            sample = Request(
+                rid,
+                prompt_ids,
+                params,
+                messages=messages,
+                prompt_text=prompt,
+                seed=(seed + i + 2**63) % 2**64 - 2**63,  # sample i: its own seed stream
+                arrival_time=arrival,
+                sample_index=i,
+                parent_id=request_id if params.n > 1 else None,
+                grammar=grammars[i],
+            )
+            sample.logits_state = LogitsState(params, prompt_ids, stop_ids, self.vocab_size)
+            samples.append(sample)
+        request = samples[0]
+        self.scheduler.add(request)
+        if len(samples) > 1:
+            self._forks[request] = samples[1:]
+        for sample in samples:
+            rid = sample.request_id
+            self.requests[rid] = sample
+            self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
+            self._stop_ids[rid] = stop_ids
         self._num_prompt_tokens += len(prompt_ids)
         if self.tracer:
             self.tracer.request_added(request)
         return request
+
+    def _grammars(self, params: SamplingParams) -> list:
+        """One structured-output matcher per sample (None without response_format)."""
+        if params.response_format is None:
+            return [None] * params.n
+        from .structured_output import grammar_compiler
+
+        compiler = grammar_compiler(self.tokenizer, self.vocab_size)
+        grammar = compiler.compile(params.response_format)
+        return [compiler.matcher(grammar) for _ in range(params.n)]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request (caller gone); its blocks return to the pool at once."""
         request = self.requests.get(request_id)
         if request is None:
             return None
+        samples = [r for r in self.requests.values() if r.parent_id == request_id]
+        outputs = [self._finish(r, FinishReason.ABORT) for r in samples if r is not request]
+        self._undelivered += outputs
         return self._finish(request, FinishReason.ABORT)
+
+    def pop_undelivered(self) -> list[RequestOutput]:
+        """Outputs produced outside step() (an aborted n > 1 request's other samples) that the
+        next step() would return: for a caller that may not step again."""
+        outputs, self._undelivered = self._undelivered, []
+        return outputs
 
     @property
     def has_unfinished(self) -> bool:
@@ -245,35 +290,54 @@ class Engine:
     def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         if self.tracer:
             self.tracer.iteration(self.iteration, batch, self.pool)
-        sampled, failures = self._forward(batch.entries)
+        forks = {r: self._forks[r] for r, _ in batch.entries if r in self._forks}
+        sampled, failures = self._forward(batch.entries, forks)
         outputs += [self._fail(request, exc) for request, exc in failures]
         failed = {request for request, _ in failures}
         done = ScheduledBatch([e for e in batch.entries if e[0] not in failed])
         self.scheduler.on_step_done(done)  # the runner sampled exactly the requests it returns
         outputs += [self._fail(request, exc) for request, exc in done.failed]
         failed.update(request for request, _ in done.failed)
+        for leader in {s[0] for s in sampled} & forks.keys():
+            if leader not in failed:
+                self._fork(leader, self._forks.pop(leader))
         now = self.clock()
-        for request, token, logits in sampled:
-            if request in failed:
+        for request, token, logits, logprob in sampled:
+            if request in failed or request.request_id not in self.requests:
                 continue
             try:
                 if self.tracer:
                     self.tracer.candidates(request, logits, token, self.tokenizer)
-                outputs.append(self._append(request, token, now))
+                outputs.append(self._append(request, token, now, logprob))
             except Exception as exc:  # noqa: BLE001 - e.g. its detokenization: it fails alone
                 if request.request_id in self.requests:
                     outputs.append(self._fail(request, exc))
 
+    def _fork(self, leader: Request, samples: list[Request]) -> None:
+        """n > 1: the further samples take the first's prompt KV (Scheduler.fork); the K/V of
+        a partial last block is copied into each sample's own block."""
+        data = self.kv_cache.data
+        for sample in samples:
+            if sample.request_id in self.requests:
+                copy = self.scheduler.fork(leader, sample)
+                if copy is not None:
+                    data[:, :, copy[1]] = data[:, :, copy[0]]
+
+    def _run_model(self, entries, forks):
+        return self.runner.run(entries, forks) if forks else self.runner.run(entries)
+
     def _forward(
-        self, entries: list[tuple[Request, int]]
-    ) -> tuple[list[tuple[Request, int, torch.Tensor | None]], list[tuple[Request, Exception]]]:
+        self,
+        entries: list[tuple[Request, int]],
+        forks: dict[Request, list[Request]] | None = None,
+    ) -> tuple[list[tuple], list[tuple[Request, Exception]]]:
         """Run the batch: (request, sampled token, its logits row) for every request that
         sampled, and (request, error) for those that failed. When the batch fails, each request
         runs alone to find who is at fault (rewriting the same K/V slots and redrawing the same
         seeded samples is harmless), so one bad request does not fail its neighbours."""
         with ops.use_backend(self.backend):
             try:
-                return _sampled(self.runner.run(entries)), []
+                return _sampled(self._run_model(entries, forks)), []
             except Exception as exc:  # noqa: BLE001 - isolated below
                 if len(entries) == 1:
                     return [], [(entries[0][0], exc)]
@@ -281,22 +345,27 @@ class Engine:
             sampled, failures = [], []
             for entry in entries:
                 try:
-                    sampled += _sampled(self.runner.run([entry]))
+                    sampled += _sampled(self._run_model([entry], forks))
                 except Exception as exc:  # noqa: BLE001 - this request's fault
                     failures.append((entry[0], exc))
             return sampled, failures
 
-    def _append(self, request: Request, token: int, now: float) -> RequestOutput:
+    def _append(
+        self, request: Request, token: int, now: float, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         request.output_ids.append(token)
+        request.logits_state.append(token)
+        logprobs = None if logprob is None else (logprob,)
         request.token_times.append(now)
         self._num_generated_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = now
         if token in self._stop_ids[request.request_id]:
-            return self._finish(request, FinishReason.STOP, (token,))
+            return self._finish(request, FinishReason.STOP, (token,), logprobs=logprobs)
+        grammar_done = request.grammar is not None and request.grammar.accept(token)
         detokenizer = self._detokenizers[request.request_id]
         text = detokenizer.add(token)
-        if detokenizer.stopped_by is not None:
+        if detokenizer.stopped_by is not None or grammar_done:
             reason = FinishReason.STOP
         elif len(request.output_ids) >= request.params.max_tokens:
             reason = FinishReason.LENGTH
@@ -305,8 +374,8 @@ class Engine:
         else:
             if self.tracer:
                 self.tracer.token(request, token, text)
-            return RequestOutput.of(request, text, (token,), False)
-        return self._finish(request, reason, (token,), text)
+            return RequestOutput.of(request, text, (token,), False, logprobs=logprobs)
+        return self._finish(request, reason, (token,), text, logprobs)
 
     def _finish(
         self,
@@ -314,8 +383,12 @@ class Engine:
         reason: FinishReason,
         token_ids: tuple[int, ...] = (),
         text: str = "",
+        logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> RequestOutput:
         freed = list(request.block_table)
+        waiting = self._forks.pop(request, ())
+        if waiting:  # n > 1, finished before its prompt was done: its samples end with it
+            self._undelivered += [self._finish(s, reason) for s in waiting]
         self.scheduler.finish(request)
         request.finish_reason = reason
         request.finish_time = self.clock()
@@ -326,7 +399,7 @@ class Engine:
         text += detokenizer.flush()
         if self.tracer:
             self.tracer.finished(request, text, freed, self.pool)
-        return RequestOutput.of(request, text, token_ids, True, reason)
+        return RequestOutput.of(request, text, token_ids, True, reason, logprobs)
 
     def _fail(self, request: Request, exc: BaseException) -> RequestOutput:
         """Finish a request with FinishReason.ERROR; `error` (and the log) say why."""
@@ -385,9 +458,11 @@ class Engine:
             yield from self.step()
 
 
-def _sampled(result) -> list[tuple[Request, int, torch.Tensor | None]]:
+def _sampled(result) -> list[tuple]:
+    """(request, token, its logits row, its logprobs or None) per sampled row."""
     logits = result.logits
+    logprobs = result.logprobs or [None] * len(result.requests)
     return [
-        (request, token, None if logits is None else logits[row])
+        (request, token, None if logits is None else logits[row], logprobs[row])
         for row, (request, token) in enumerate(zip(result.requests, result.token_ids, strict=True))
     ]

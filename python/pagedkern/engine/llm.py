@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,9 @@ class Generation:
     metrics: RequestMetrics
     error: str | None = None
     prompt_token_ids: tuple[int, ...] = ()
+    # n > 1: every sample (this one is samples[0]); logprobs per token when asked for
+    samples: tuple[Generation, ...] = ()
+    logprobs: tuple = ()
 
 
 class LLM:
@@ -73,12 +77,12 @@ class LLM:
         if len(params) != len(inputs):
             raise ValueError(f"{len(params)} sampling params for {len(inputs)} prompts")
         order: dict[str, int] = {}
-        texts: dict[str, list[str]] = {}
+        samples: dict[str, list] = {}  # per request: per sample [texts, logprobs, final]
         try:
             for i, (item, p) in enumerate(zip(inputs, params, strict=True)):
                 request = self.engine.add_request(params=p, **item)
                 order[request.request_id] = i
-                texts[request.request_id] = []
+                samples[request.request_id] = [[[], [], None] for _ in range(p.n)]
         except Exception:
             for request_id in order:  # a bad prompt: the ones before it do not linger
                 self.engine.abort(request_id)
@@ -86,21 +90,35 @@ class LLM:
         results: list[Generation | None] = [None] * len(inputs)
         bar = tqdm(total=len(inputs), disable=not use_tqdm or len(inputs) < 8, unit="req")
         for output in self.engine.run_until_done():
-            if output.request_id not in order:
+            key = output.parent_id or output.request_id
+            if key not in order:
                 continue  # someone else's request on the same engine
-            texts[output.request_id].append(output.text)
+            state = samples[key][output.index]
+            state[0].append(output.text)
+            state[1].extend(output.logprobs or ())
             if output.finished:
-                results[order[output.request_id]] = Generation(
-                    "".join(texts.pop(output.request_id)),
-                    output.output_token_ids,
-                    output.finish_reason,
-                    output.metrics,
-                    output.error,
-                    output.prompt_token_ids,
-                )
-                bar.update(1)
+                state[2] = output
+                if all(s[2] is not None for s in samples[key]):
+                    done = [_generation(*s) for s in samples.pop(key)]
+                    first = done[0]
+                    results[order[key]] = dataclasses.replace(
+                        first, samples=tuple(done) if len(done) > 1 else ()
+                    )
+                    bar.update(1)
         bar.close()
         return results  # type: ignore[return-value]
+
+
+def _generation(texts: list[str], logprobs: list, final) -> Generation:
+    return Generation(
+        "".join(texts),
+        final.output_token_ids,
+        final.finish_reason,
+        final.metrics,
+        final.error,
+        final.prompt_token_ids,
+        logprobs=tuple(logprobs),
+    )
 
 
 def _prompt_list(prompts) -> list:

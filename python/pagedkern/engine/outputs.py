@@ -82,6 +82,16 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated (or prompt) token's log-probability and the top-N alternatives, most likely
+    first, from the processed distribution (reference.logits_processing, step 4)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What one step produced for one request: `text` and `token_ids` are new since the last
     output; `prompt_token_ids`, `output_token_ids` (all so far) and `metrics` describe the
@@ -96,6 +106,9 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     _output_ids: list[int] = field(default_factory=list, repr=False, compare=False)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # for token_ids, when asked for
+    index: int = 0  # which of the request's n samples (request_id is the first's id + ".i")
+    parent_id: str | None = None  # the request_id given at admission (n > 1)
 
     @classmethod
     def of(
@@ -105,7 +118,10 @@ class RequestOutput:
         token_ids: tuple[int, ...],
         finished: bool,
         finish_reason: FinishReason | None = None,
+        logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> RequestOutput:
+        if logprobs is None and request.params.logprobs is not None:
+            logprobs = ()
         return cls(
             request.request_id,
             text,
@@ -116,6 +132,9 @@ class RequestOutput:
             RequestMetrics.of(request),
             request.error,
             request.output_ids,
+            logprobs,
+            request.sample_index,
+            request.parent_id,
         )
 
     @property

@@ -6,8 +6,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .logits_processing import LogitsState
+    from .structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +52,10 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     num_preemptions: int = 0
+    logits_state: LogitsState | None = None  # penalties, biases, masks (set at admission)
+    grammar: GrammarMatcher | None = None  # structured output
+    sample_index: int = 0  # n > 1: which sample of the parent request
+    parent_id: str | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = tuple(self.prompt_ids)

@@ -3,24 +3,29 @@ requests' state, one forward pass, and sampling of the rows whose prompt is full
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import ops
 from ..model import KVCache, LlamaModel, SequenceChunk, layout_batch
 from .cuda_graphs import DecodeGraphs
+from .logits_processing import batch_processing
+from .outputs import TokenLogprob
 from .request import Request
 
 
 @dataclass(slots=True)
 class StepResult:
-    """Sampled token per request that completed its uncomputed tokens this step, and those rows'
-    fp32 logits (for tracing), in the same order."""
+    """Sampled token per request that completed its uncomputed tokens this step (and per
+    sample that forks from such a request), those rows' logits (for tracing) and, where asked
+    for, their logprobs, in the same order."""
 
     requests: list[Request]
     token_ids: list[int]
     logits: torch.Tensor | None
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -41,7 +46,13 @@ class ModelRunner:
             if self.device.type == "cuda":
                 self.graphs.capture()
 
-    def run(self, entries: list[tuple[Request, int]]) -> StepResult:
+    def run(
+        self,
+        entries: list[tuple[Request, int]],
+        forks: Mapping[Request, Sequence[Request]] | None = None,
+    ) -> StepResult:
+        """Run the batch; `forks`: for a request whose prompt completes now, the further
+        samples (n > 1) that draw their first token from the same logits row."""
         # Prefill chunks first, then one-token rows: the layout the model's metadata expects.
         ordered = [e for e in entries if e[1] > 1] + [e for e in entries if e[1] == 1]
         chunks = [
@@ -63,13 +74,24 @@ class ModelRunner:
                 return StepResult([], [], None)
             logits = self.model(input_ids, meta, self.kv_cache)
         requests = [ordered[i][0] for i in rows]
-        ids = self.sample(logits, requests)
-        return StepResult(requests, ids, logits)
+        if forks:
+            index = list(range(len(requests)))
+            for row, request in enumerate(list(requests)):
+                for sample in forks.get(request, ()):
+                    requests.append(sample)
+                    index.append(row)
+            if len(index) > len(rows):
+                logits = logits[torch.tensor(index, device=logits.device)]
+        ids, logprobs = self.sample(logits, requests)
+        return StepResult(requests, ids, logits, logprobs)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
         """One id per row, with each request's parameters; the step offset is the number of
         tokens it has generated, so its draws do not depend on its batch neighbours. The
-        parameters go up in one copy; the ids come back in one."""
+        parameters go up in one copy; the ids come back in one. Logits processing and logprobs
+        where a request asks for them (engine/logits_processing.py)."""
         params = [r.params for r in requests]
         fields = (
             torch.tensor([r.seed for r in requests], dtype=torch.int64),
@@ -88,4 +110,31 @@ class ModelRunner:
                 packed.split([f.numel() * f.element_size() for f in fields]), fields, strict=True
             )
         )
-        return ops.sample(logits, temperature, top_p, top_k, seeds, offsets).tolist()
+        masks = [r.grammar.bitmask() if r.grammar is not None else None for r in requests]
+        processing = batch_processing(
+            [r.logits_state for r in requests], [r.output_ids for r in requests], masks
+        )
+        kwargs = {
+            name: a.to(logits.device, non_blocking=True) for name, a in processing.arrays.items()
+        }
+        rows, n = logits.shape[0], processing.num_top_logprobs
+        if processing.want_logprobs:
+            kwargs["logprobs"] = torch.empty(rows, dtype=torch.float32, device=logits.device)
+            if n:
+                kwargs["top_ids"] = torch.empty(rows, n, dtype=torch.int32, device=logits.device)
+                kwargs["top_logprobs"] = torch.empty(rows, n, device=logits.device)
+        ids = ops.sample(logits, temperature, top_p, top_k, seeds, offsets, **kwargs).tolist()
+        if not processing.want_logprobs:
+            return ids, [None] * rows
+        sampled = kwargs["logprobs"].tolist()
+        top_ids = kwargs["top_ids"].tolist() if n else [[]] * rows
+        top_values = kwargs["top_logprobs"].tolist() if n else [[]] * rows
+        logprobs: list[TokenLogprob | None] = []
+        for r, p in enumerate(params):
+            if p.logprobs is None:
+                logprobs.append(None)
+                continue
+            k = p.logprobs
+            top = tuple(zip(top_ids[r][:k], top_values[r][:k], strict=True))
+            logprobs.append(TokenLogprob(ids[r], sampled[r], top))
+        return ids, logprobs

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from .validation import (
     INT32_MAX,
@@ -26,6 +27,13 @@ MAX_STOP_TOKEN_IDS = 1024
 # The one rule for temperature, shared by the CLI, the HTTP API and Python: [0, 2] as OpenAI's
 # API has it (above 2 a small model's distribution is noise; infinity would sample uniformly).
 MAX_TEMPERATURE = 2.0
+# OpenAI's ranges: penalties in [-2, 2], biases in [-100, 100], at most 20 top logprobs.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGPROBS = 20
+MAX_REPETITION_PENALTY = 10.0  # (0, 10]: 1 = off; vLLM allows any > 0, 10 already bans repeats
+MAX_N = 64  # samples per request
+MAX_TOKEN_LIST = 65536  # logit_bias / allowed_token_ids / bad_words entries (host work bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +50,19 @@ class SamplingParams:
     partly), `max_tokens`, the model's context length, `timeout` seconds after arrival, and
     cancellation by the caller. `stop` and `stop_token_ids` are stored as tuples. Immutable
     (one object may serve many requests; `dataclasses.replace` makes a checked variant).
+
+    Logits processing (semantics: pagedkern.reference.logits_processing): presence_penalty and
+    frequency_penalty in [-2, 2] over the generated tokens (OpenAI); repetition_penalty in
+    (0, 10] over prompt + generated tokens (HF / vLLM; 1 = off); logit_bias {token id: bias in
+    [-100, 100]}; allowed_token_ids (only these may be sampled); bad_words (token id
+    sequences that are never completed); min_p in [0, 1]; min_tokens (EOS and stop ids masked
+    until that many tokens are generated, <= max_tokens). Token ids are checked against the
+    vocabulary at admission. logprobs: None, or N in [0, 20]: the sampled token's log
+    probability and the N most likely, from the processed distribution (after penalties, bias,
+    masks and temperature; before min-p / top-k / top-p). n in [1, 64] samples that share the
+    prompt's KV blocks, sample i seeded with seed + i. response_format: None, {"type":
+    "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
+    ...}} (also the bare schema): structured output (engine.structured_output).
     """
 
     max_tokens: int = 256
@@ -53,6 +74,17 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
     timeout: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[Sequence[int]] = field(default_factory=tuple)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    n: int = 1
+    response_format: Mapping | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
@@ -75,6 +107,53 @@ class SamplingParams:
         check_bool("ignore_eos", self.ignore_eos)
         if self.timeout is not None and check_number("timeout", self.timeout) <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = check_number(name, getattr(self, name))
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(
+                    f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}"
+                )
+        rep = check_number("repetition_penalty", self.repetition_penalty)
+        if not 0 < rep <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {rep}"
+            )
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = tuple(check_token_ids("allowed_token_ids", self.allowed_token_ids))
+            if not allowed or len(allowed) > MAX_TOKEN_LIST:
+                raise ValueError(
+                    f"allowed_token_ids: 1 to {MAX_TOKEN_LIST} ids, got {len(allowed)}"
+                )
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        object.__setattr__(self, "bad_words", _bad_words(self.bad_words))
+        min_p = check_number("min_p", self.min_p)
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        check_int("n", self.n, 1, MAX_N)
+        if self.response_format is not None:
+            from .structured_output import check_response_format
+
+            object.__setattr__(self, "response_format", check_response_format(self.response_format))
+
+    def token_ids_used(self) -> list[tuple[str, int]]:
+        """(field, id) for every token id the parameters name, to check against a vocabulary."""
+        used = [("stop_token_ids", i) for i in self.stop_token_ids]
+        used += [("logit_bias", i) for i in self.logit_bias or ()]
+        used += [("allowed_token_ids", i) for i in self.allowed_token_ids or ()]
+        used += [("bad_words", i) for word in self.bad_words for i in word]
+        return used
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     @property
     def greedy(self) -> bool:
@@ -96,3 +175,39 @@ def _stop_strings(stop) -> tuple[str, ...]:
                 f"stop[{i}] must have 1 to {MAX_STOP_STRING_LENGTH} characters, got {len(s)}"
             )
     return tuple(stop)
+
+
+def _logit_bias(bias) -> Mapping[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ParameterTypeError(f"logit_bias must be a map of token id to bias, got {bias!r}")
+    if len(bias) > MAX_TOKEN_LIST:
+        raise ValueError(f"logit_bias: at most {MAX_TOKEN_LIST} entries, got {len(bias)}")
+    out = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)  # JSON object keys are strings (OpenAI sends {"50256": -100})
+        token = check_token_ids("logit_bias", [key])[0]
+        value = check_number(f"logit_bias[{token}]", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                f"got {value}"
+            )
+        out[token] = value
+    return MappingProxyType(out)  # read-only: the checks cannot be bypassed
+
+
+def _bad_words(words) -> tuple[tuple[int, ...], ...]:
+    if isinstance(words, (str, bytes, Mapping)) or not isinstance(words, Sequence):
+        raise ParameterTypeError(f"bad_words must be a list of token id lists, got {words!r}")
+    if len(words) > MAX_TOKEN_LIST:
+        raise ValueError(f"bad_words: at most {MAX_TOKEN_LIST} sequences, got {len(words)}")
+    out = []
+    for i, word in enumerate(words):
+        ids = tuple(check_token_ids(f"bad_words[{i}]", word))
+        if not 1 <= len(ids) <= MAX_STOP_STRING_LENGTH:
+            raise ValueError(f"bad_words[{i}] must have 1 to {MAX_STOP_STRING_LENGTH} ids")
+        out.append(ids)
+    return tuple(out)

@@ -206,6 +206,31 @@ class Scheduler:
         for j in range(first, full):
             self.pool.register(request.block_table[j], request.block_hashes[j])
 
+    def fork(self, leader: Request, sample: Request) -> tuple[int, int] | None:
+        """n > 1: `sample` starts running from `leader`'s computed prompt: the full prompt blocks
+        shared (one more reference each), the partial last block, if any, a fresh block whose
+        K/V the caller copies: (source, destination) is returned. Without a free block the
+        sample waits and recomputes its prompt (prefix-cache hits make that cheap)."""
+        bs = self.pool.block_size
+        prompt_len = len(leader.prompt_ids)
+        full = prompt_len // bs
+        copy = None
+        table = list(leader.block_table[:full])
+        if prompt_len % bs:
+            fresh = self.pool.allocate(1)
+            if fresh is None:
+                self.add(sample)
+                return None
+            copy = (leader.block_table[full], fresh[0])
+            table += fresh
+        self.pool.acquire(table[:full])
+        sample.block_table = table
+        sample.block_hashes = list(leader.block_hashes[:full])
+        sample.num_computed_tokens = prompt_len
+        sample.status = RequestStatus.RUNNING
+        self.running.append(sample)
+        return copy
+
     def finish(self, request: Request) -> None:
         """Remove a request from waiting or running and give its blocks back."""
         if request in self.running:

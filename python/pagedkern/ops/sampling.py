@@ -25,14 +25,61 @@ _PARAMS = (
     ("seeds", "int64"),
     ("offsets", "int64"),
 )
+# The logits-processing inputs (pagedkern.reference.logits_processing): name, dtypes, shape
+# given rows B, vocab V and nnz (the token_ids length); None = any size.
+_PROCESSING = (
+    ("token_offsets", "int32", lambda b, v, n: (b + 1,)),
+    ("token_ids", "int32", lambda b, v, n: (n,)),
+    ("token_counts", "int32", lambda b, v, n: (n,)),
+    ("token_bias", "float32", lambda b, v, n: (n,)),
+    ("presence_penalty", "float32", lambda b, v, n: (b,)),
+    ("frequency_penalty", "float32", lambda b, v, n: (b,)),
+    ("repetition_penalty", "float32", lambda b, v, n: (b,)),
+    ("bitmask", "int32", lambda b, v, n: (None, (v + 31) // 32)),
+    ("bitmask_rows", "int32", lambda b, v, n: (b,)),
+    ("min_p", "float32", lambda b, v, n: (b,)),
+)
+_SPARSE = ("token_offsets", "token_ids", "token_counts", "token_bias")
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+MAX_TOP_LOGPROBS = 20
 _INT32 = (-(2**31), 2**31 - 1)
 
 
-def sample(logits, temperature, top_p, top_k, seeds, offsets=0, out=None, *, stream=None):
+def sample(
+    logits,
+    temperature,
+    top_p,
+    top_k,
+    seeds,
+    offsets=0,
+    out=None,
+    *,
+    token_offsets=None,
+    token_ids=None,
+    token_counts=None,
+    token_bias=None,
+    presence_penalty=None,
+    frequency_penalty=None,
+    repetition_penalty=None,
+    bitmask=None,
+    bitmask_rows=None,
+    min_p=None,
+    logprobs=None,
+    top_ids=None,
+    top_logprobs=None,
+    stream=None,
+):
     """One token id per row of logits [B, V] (int32 [B]). Per-row parameters, as [B] arrays or
     Python numbers: temperature float32 (<= 0: greedy), top_p float32 (>= 1: off), top_k int32
     (<= 0: off), seeds int64, offsets int64. Semantics: pagedkern.reference.sampling; the CUDA
-    kernel draws from exactly that distribution (not necessarily the same ids)."""
+    kernel draws from exactly that distribution (not necessarily the same ids).
+
+    Logits processing (optional arrays, reference.logits_processing has the semantics): the
+    sparse entries token_offsets int32 [B + 1], token_ids / token_counts int32 [nnz],
+    token_bias float32 [nnz] (all four together, with the three penalties float32 [B]);
+    bitmask int32 [M, ceil(V / 32)] with bitmask_rows int32 [B]; min_p float32 [B].
+    Outputs (optional): logprobs float32 [B] (the sampled token's), top_ids int32 [B, N] and
+    top_logprobs float32 [B, N], N <= 20, both or neither."""
     lv = view(logits, "logits")
     check_dtype(lv, FLOAT_DTYPES)
     check_ndim(lv, 2)
@@ -60,10 +107,36 @@ def sample(logits, temperature, top_p, top_k, seeds, offsets=0, out=None, *, str
         check_shape(ov, (rows,))
         check_contiguous(ov)
         views.append(ov)
+    given = {
+        "token_offsets": token_offsets,
+        "token_ids": token_ids,
+        "token_counts": token_counts,
+        "token_bias": token_bias,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "repetition_penalty": repetition_penalty,
+        "bitmask": bitmask,
+        "bitmask_rows": bitmask_rows,
+        "min_p": min_p,
+    }
+    processing = _check_processing(given, rows, vocab, views)
+    _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows, views)
     common_device(views)
     if not kernel_or_reference("sample", views, support.sample(lv.dtype, vocab)):
         reference = reference_on_torch("sample", views)
-        return reference.sample(logits, temperature, top_p, top_k, seeds, offsets, out)
+        return reference.sample(
+            logits,
+            temperature,
+            top_p,
+            top_k,
+            seeds,
+            offsets,
+            out,
+            logprobs=logprobs,
+            top_ids=top_ids,
+            top_logprobs_out=top_logprobs,
+            **processing,
+        )
     if rows == 0:
         return out if out is not None else empty_like(lv, (0,), "int32")
     module, device, handle = launch_context(views, stream)
@@ -75,6 +148,15 @@ def sample(logits, temperature, top_p, top_k, seeds, offsets=0, out=None, *, str
     if out is None:
         out = empty_like(lv, (rows,), "int32")
         ov = view(out, "out")
+    kernel_inputs = dict(processing)
+    if "token_ids" in kernel_inputs and view(kernel_inputs["token_ids"], "token_ids").numel == 0:
+        for name in _SPARSE + _PENALTIES:  # no entries: nothing to apply (and no pointers)
+            kernel_inputs.pop(name)
+    ptr = {name: view(value, name).ptr for name, value in kernel_inputs.items()}
+    workspace, stride = None, 0
+    if "token_offsets" in ptr or "bitmask" in ptr:  # the processed rows (fp32, 16-byte rows)
+        stride = -(-vocab // 4) * 4
+        workspace = empty_like(lv, (rows, stride), "float32", name="workspace")
     module.sample(
         out=ov.ptr,
         logits=lv.ptr,
@@ -87,7 +169,75 @@ def sample(logits, temperature, top_p, top_k, seeds, offsets=0, out=None, *, str
         vocab=vocab,
         logits_stride=lv.strides[0],
         dtype=DTYPE_CODES[lv.dtype],
+        token_offsets=ptr.get("token_offsets", 0),
+        token_ids=ptr.get("token_ids", 0),
+        token_counts=ptr.get("token_counts", 0),
+        token_bias=ptr.get("token_bias", 0),
+        presence_penalty=ptr.get("presence_penalty", 0),
+        frequency_penalty=ptr.get("frequency_penalty", 0),
+        repetition_penalty=ptr.get("repetition_penalty", 0),
+        bitmask=ptr.get("bitmask", 0),
+        bitmask_rows=ptr.get("bitmask_rows", 0),
+        bitmask_words=(vocab + 31) // 32,
+        min_p=ptr.get("min_p", 0),
+        logprobs=0 if logprobs is None else view(logprobs, "logprobs").ptr,
+        workspace=0 if workspace is None else view(workspace, "workspace").ptr,
+        workspace_stride=stride,
         device=device,
         stream=handle,
     )
+    if top_ids is not None and rows:
+        # The top-N logprobs are not in the kernel: torch ops on the processed logits.
+        from ..reference.logits_processing import write_top_logprobs
+
+        reference_on_torch("sample (top-N logprobs)", views)  # torch tensors only
+        write_top_logprobs(logits, temperature, top_ids, top_logprobs, **processing)
     return out
+
+
+def _check_processing(given: dict, rows: int, vocab: int, views: list) -> dict:
+    """The processing arrays that were given, checked (dtype, shape, contiguity, groups)."""
+    present = {name: value for name, value in given.items() if value is not None}
+    sparse = [name for name in _SPARSE if name in present]
+    if sparse and len(sparse) != len(_SPARSE):
+        raise ValueError(f"give all of {', '.join(_SPARSE)} or none, got only {sparse}")
+    if sparse and any(name not in present for name in _PENALTIES):
+        raise ValueError(f"the sparse token entries need {', '.join(_PENALTIES)} too")
+    if ("bitmask" in present) != ("bitmask_rows" in present):
+        raise ValueError("give bitmask and bitmask_rows together")
+    nnz = 0
+    if "token_ids" in present:
+        tv = view(present["token_ids"], "token_ids")
+        check_ndim(tv, 1)
+        nnz = tv.shape[0]
+    for name, dtype, shape in _PROCESSING:
+        if name not in present:
+            continue
+        pv = view(present[name], name)
+        check_dtype(pv, (dtype,))
+        check_shape(pv, shape(rows, vocab, nnz))
+        check_contiguous(pv)
+        views.append(pv)
+    return present
+
+
+def _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows: int, views: list) -> None:
+    if (top_ids is None) != (top_logprobs is None):
+        raise ValueError("give top_ids and top_logprobs together")
+    if logprobs is not None:
+        lv = view(logprobs, "logprobs")
+        check_dtype(lv, ("float32",))
+        check_shape(lv, (rows,))
+        check_contiguous(lv)
+        views.append(lv)
+    if top_ids is not None:
+        iv, tv = view(top_ids, "top_ids"), view(top_logprobs, "top_logprobs")
+        check_dtype(iv, ("int32",))
+        check_dtype(tv, ("float32",))
+        check_ndim(iv, 2)
+        if iv.shape[0] != rows or iv.shape[1] > MAX_TOP_LOGPROBS:
+            raise ValueError(f"{iv.describe()}: must be [{rows}, N] with N <= {MAX_TOP_LOGPROBS}")
+        check_shape(tv, iv.shape)
+        check_contiguous(iv)
+        check_contiguous(tv)
+        views += [iv, tv]

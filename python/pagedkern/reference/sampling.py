@@ -11,6 +11,8 @@ Semantics (what every sampling kernel must reproduce in distribution):
   5. The id is drawn from p restricted to the kept set, renormalised, by inverse CDF over ids in
      vocabulary order with u = philox4x32_10(counter=(offset, 0), key=seed)[0] / 2^32. Same
      (seed, offset, logits, parameters), same id, whatever else is in the batch.
+  Logits processing (penalties, bias, masks, min-p, logprobs) comes first and is described in
+  reference/logits_processing.py; min-p narrows the candidates after temperature, before top-k.
   6. A row with no finite logit, or whose scaled logits overflow (a tiny temperature), falls back
      to greedy (id 0 if all are -inf): always a valid id. The draw is the first id whose
      cumulative mass exceeds u * total strictly, so a zero-probability id is never drawn.
@@ -19,6 +21,8 @@ Semantics (what every sampling kernel must reproduce in distribution):
 from __future__ import annotations
 
 import torch
+
+from .logits_processing import logprobs_of, min_p_filter, process_logits, top_logprobs
 
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
@@ -68,10 +72,19 @@ def sample(
     seeds,
     offsets=0,
     out: torch.Tensor | None = None,
+    *,
+    min_p=None,
+    logprobs: torch.Tensor | None = None,
+    top_ids: torch.Tensor | None = None,
+    top_logprobs_out: torch.Tensor | None = None,
+    **processing,
 ) -> torch.Tensor:
     """One token id per row of logits [B, V] (int32 [B]); parameters are [B] tensors or scalars:
     temperature float, top_p float, top_k int, seeds int64, offsets int64 (e.g. the number of
-    tokens the request has generated so far). Semantics in the module docstring."""
+    tokens the request has generated so far), min_p float. `processing`: the sparse penalty /
+    bias entries and bitmask of reference.logits_processing.process_logits. Outputs written
+    when given: logprobs float32 [B] (the sampled token's), top_ids int32 [B, N] and
+    top_logprobs_out float32 [B, N]. Semantics in the module docstrings."""
     rows, vocab = logits.shape
     dev = logits.device
     temperature = _per_row(temperature, rows, torch.float32, dev)
@@ -79,9 +92,10 @@ def sample(
     top_k = _per_row(top_k, rows, torch.int64, dev)
     seeds = _per_row(seeds, rows, torch.int64, dev)
     offsets = _per_row(offsets, rows, torch.int64, dev)
+    min_p = _per_row(0.0 if min_p is None else min_p, rows, torch.float32, dev)
 
-    x = logits.float()
-    x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
+    x = process_logits(logits, **processing)
+    processed = x
     ids = x.argmax(dim=-1)
     sampled = temperature > 0
     if bool(sampled.any()):
@@ -89,6 +103,7 @@ def sample(
         only_inf = torch.where(posinf, torch.zeros_like(x), torch.full_like(x, float("-inf")))
         x = torch.where(posinf.any(-1, keepdim=True), only_inf, x)
         s = x / torch.where(sampled, temperature, torch.ones_like(temperature))[:, None]
+        s = min_p_filter(s, torch.where(sampled, min_p, torch.zeros_like(min_p)))
 
         k = torch.where((top_k <= 0) | (top_k >= vocab), torch.full_like(top_k, vocab), top_k)
         if bool((k < vocab).any()):
@@ -113,6 +128,14 @@ def sample(
         valid = sampled & torch.isfinite(total[:, 0]) & (total[:, 0] > 0)
         ids = torch.where(valid, drawn, ids)
     ids = ids.to(torch.int32)
+    if logprobs is not None or top_ids is not None:
+        lp = logprobs_of(processed, temperature)
+        if logprobs is not None:
+            logprobs.copy_(lp.gather(1, ids.long()[:, None])[:, 0])
+        if top_ids is not None and top_ids.shape[1]:
+            best_ids, best = top_logprobs(lp, top_ids.shape[1])
+            top_ids.copy_(best_ids)
+            top_logprobs_out.copy_(best)
     if out is None:
         return ids
     out.copy_(ids)

@@ -78,8 +78,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--http serves requests over HTTP: give no prompt")
     if not args.http and args.prompt is None:
         parser.error("a prompt (or '-' for stdin) is required")
-    flags = cli_args.sampling_flags(args)
     try:
+        flags = cli_args.sampling_flags(args)  # (reads --json-schema FILE)
         defaults = {**cli_args.SAMPLING_DEFAULTS, **flags}
         _params(defaults)  # reject bad sampling flags before loading anything
         template = cli_args.chat_template(args.chat_template)
@@ -234,12 +234,22 @@ def _stats(output: RequestOutput) -> str:
     return ", ".join(parts)
 
 
+def _logprob_line(engine: Engine, lp) -> str:
+    def show(token_id: int, value: float) -> str:
+        return f"{engine.tokenizer.decode([token_id])!r} {value:.4f}"
+
+    top = "; ".join(show(t, v) for t, v in lp.top)
+    return f"logprob {show(lp.token_id, lp.logprob)}" + (f" | top: {top}" if top else "")
+
+
 def _stream_one(engine: Engine, request_args: dict, params: SamplingParams, stats: bool) -> int:
     output = None
     try:
         for output in engine.stream(params=params, **request_args):
             sys.stdout.write(output.text)
             sys.stdout.flush()
+            for lp in output.logprobs or ():  # --logprobs N: one line per token on stderr
+                _say(_logprob_line(engine, lp))
     finally:  # also on Ctrl-C: end the partial answer's line
         sys.stdout.write("\n")
         sys.stdout.flush()

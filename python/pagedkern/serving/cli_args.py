@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -29,6 +30,8 @@ SAMPLING_DEFAULTS = {
     "top_p": 1.0,
     "top_k": 0,
     "seed": None,
+    "repetition_penalty": 1.0,
+    "logprobs": None,
     "ignore_eos": False,
 }
 
@@ -72,6 +75,7 @@ port = _Check("port", int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
 positive_float = _Check("positive float", _finite, lambda v: v > 0, "a finite number > 0")
 fraction = _Check("fraction", _finite, lambda v: 0 < v <= 1, "a number in (0, 1]")
 number = _Check("number", _finite, lambda v: True, "a finite number")
+top_logprobs = _Check("logprobs", int, lambda v: 0 <= v <= 20, "an integer in 0..20")
 
 
 def check_int(name: str, value, low: int, high: int) -> None:
@@ -135,11 +139,18 @@ def build_parser() -> Parser:
         ("--top-p", number, "nucleus sampling mass in (0, 1]; 1: off"),
         ("--top-k", int32, "sample among the k likeliest; <= 0: off"),
         ("--seed", int64, "seed for reproducible draws; none: random"),
+        ("--repetition-penalty", number, "over prompt + output tokens, in (0, 10]; 1: off"),
+        ("--logprobs", top_logprobs, "print each token's logprob and the N likeliest (stderr)"),
     ):
         name = flag[2:].replace("-", "_")
         s.add_argument(flag, type=kind, help=f"{text} (default: {_shown(d[name])})")
     s.add_argument(
         "--stop", action="append", default=[], help="stop string, repeatable (default: none)"
+    )
+    s.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="structured output: answers are JSON valid against the schema in FILE",
     )
     s.add_argument(
         "--ignore-eos",
@@ -284,7 +295,18 @@ def sampling_flags(args: argparse.Namespace) -> dict:
     }
     if args.stop:
         given["stop"] = list(args.stop)
+    if args.json_schema:
+        given["response_format"] = json_schema_format(args.json_schema)
     return given
+
+
+def json_schema_format(path: str) -> dict:
+    """--json-schema FILE as a response_format (ValueError naming the flag if unreadable)."""
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--json-schema {path}: {exc}") from None
+    return {"type": "json_schema", "json_schema": {"name": Path(path).stem, "schema": schema}}
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

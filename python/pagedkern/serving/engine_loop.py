@@ -55,15 +55,21 @@ class RequestStream:
     prompt_tokens: int = 0
     finished: bool = False
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    samples: int = 1  # n > 1: outputs of every sample (out.index), finished when all are
+    _open: int = 0  # samples not finished, as the handler has seen them
+    pending: int = 1  # samples not finished, as the engine thread has delivered them
 
     async def outputs(self):
-        """RequestOutputs until the finished one; raises EngineUnavailable if the engine dies."""
+        """RequestOutputs until the last sample's finished one; raises EngineUnavailable if the
+        engine dies."""
+        self._open = self._open or self.samples
         while not self.finished:
             item = await self.queue.get()
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
-            self.finished = item.finished
+            self._open -= item.finished
+            self.finished = self._open == 0
             yield item
 
     def close(self) -> None:
@@ -118,7 +124,11 @@ class EngineLoop:
         return self._thread.is_alive() and self._closed is None
 
     def abort(self, request_id: str) -> None:
-        self._put(lambda: self._deliver(self.engine.abort(request_id)), quiet=True)
+        self._put(lambda: self._deliver(*self._abort(request_id)), quiet=True)
+
+    def _abort(self, request_id: str) -> list:
+        """The request's (and, n > 1, its samples') final outputs."""
+        return [self.engine.abort(request_id), *self.engine.pop_undelivered()]
 
     async def submit(self, request_id: str, request_args: dict, params: SamplingParams):
         """Add a request; returns its RequestStream once the engine admitted it. Raises
@@ -225,6 +235,7 @@ class EngineLoop:
             self.metrics.request_rejected(code)
             return _settle(stream.loop, admitted, None, exc)
         stream.prompt_tokens = len(request.prompt_ids)
+        stream.samples = stream.pending = params.n
         self._streams[stream.request_id] = stream
         self.metrics.request_added(stream.prompt_tokens)
         _settle(stream.loop, admitted, stream, None)
@@ -235,12 +246,15 @@ class EngineLoop:
         for out in outputs:
             if out is None:
                 continue
-            stream = self._streams.get(out.request_id)
+            key = out.parent_id or out.request_id  # n > 1: every sample goes to one stream
+            stream = self._streams.get(key)
             if stream is None:
                 continue
             self._record(stream, out)
             if out.finished:
-                del self._streams[out.request_id]
+                stream.pending -= 1
+                if stream.pending == 0:
+                    del self._streams[key]
             by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             _call_soon(loop, _file, items)
@@ -270,7 +284,7 @@ class EngineLoop:
                     log.exception("a command failed during shutdown")
         if error is None:
             for request_id in list(self._streams):
-                self._deliver(self.engine.abort(request_id))
+                self._deliver(*self._abort(request_id))
         failure = EngineUnavailable(reason)
         for stream in self._streams.values():
             _call_soon(stream.loop, stream.queue.put_nowait, failure)

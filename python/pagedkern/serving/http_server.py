@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes on uvicorn, one engine thread behind them.
 
     POST /v1/chat/completions, POST /v1/completions   (stream: Server-Sent Events)
+    POST /tokenize, /detokenize                        (vLLM's shapes)
     GET  /v1/models, /v1/models/{id}, /health (also HEAD), /metrics (Prometheus text)
 
 Every connection's request goes into the same engine (`EngineLoop`: one thread owns it and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -37,10 +39,13 @@ from .connection import BodyGone, RequestContext, protocol_class, read_body
 from .engine_loop import EngineLoop, EngineUnavailable, QueueFull
 from .errors import APIError, validation_error
 from .openai_protocol import (
+    IMPLEMENTED,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from .prompts import PromptPreparer
 from .settings import ServerSettings
@@ -141,40 +146,96 @@ def create_app(
         body = await read_body(http, settings.max_body_bytes, settings.body_timeout)
         return parse(schema, body)
 
-    async def generate(http: Request, args: dict, params, fmt, streaming: bool) -> Response:
+    vocab_size = engine.model.config.vocab_size
+    tokenizer = engine.tokenizer
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    async def generate(
+        http: Request, prompts: list[dict], params, fmt, streaming: bool, echo: bool = False
+    ) -> Response:
         rid = request_id(http)
-        param = "messages" if "messages" in args else "prompt"
-        try:
-            args = await asyncio.to_thread(prepare, args)  # template + tokens, off the engine
+        param = "messages" if "messages" in prompts[0] else "prompt"
+        try:  # template + tokens, off the engine
+            prepared = [await asyncio.to_thread(prepare, args) for args in prompts]
         except Exception as exc:  # noqa: BLE001 - every refusal gets its status
             error = admission_error(exc, param, rid)
             loop.metrics.request_rejected(error.code or "invalid")
             raise error from exc
+        streams = []
         try:
-            stream = await loop.submit(rid, args, params)
+            for k, args in enumerate(prepared):
+                sub = rid if len(prepared) == 1 else f"{rid}-p{k}"
+                streams.append(await loop.submit(sub, args, params))
         except Exception as exc:  # noqa: BLE001 - every admission failure gets its status
+            for stream in streams:
+                stream.close()
             raise admission_error(exc, param, rid) from exc
         if streaming:
-            return EventStreamResponse(sse_events(stream, fmt), on_close=stream.close)
-        body = await collect(stream, fmt, http)
+            return EventStreamResponse(
+                sse_events(streams, fmt), on_close=lambda: [s.close() for s in streams]
+            )
+        texts = None
+        if echo:
+            texts = [a.get("prompt") or tokenizer.decode(a["prompt_ids"]) for a in prompts]
+        body = await collect(streams, fmt, http, texts)
         return ASCIIJSONResponse(body) if body is not None else Response(status_code=499)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request) -> Response:
         req = await parse_body(http, ChatCompletionRequest)
         check_model(req.model)
-        params = sampling(req, max_model_len, settings.default_sampling)
-        fmt = ChatFormat(f"chatcmpl-{request_id(http)}", model_name, req.include_usage)
+        params = sampling(req, max_model_len, settings.default_sampling, tokenizer, vocab_size)
+        fmt = ChatFormat(
+            f"chatcmpl-{request_id(http)}", model_name, req.include_usage, token_text, params.n
+        )
         messages = [m.as_template_message() for m in req.messages]
-        return await generate(http, {"messages": messages}, params, fmt, req.stream)
+        return await generate(http, [{"messages": messages}], params, fmt, req.stream)
 
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
         req = await parse_body(http, CompletionRequest)
         check_model(req.model)
-        params = sampling(req, COMPLETIONS_DEFAULT_MAX_TOKENS, settings.default_sampling)
-        fmt = CompletionFormat(f"cmpl-{request_id(http)}", model_name, req.include_usage)
-        return await generate(http, req.engine_prompt(), params, fmt, req.stream)
+        params = sampling(
+            req, COMPLETIONS_DEFAULT_MAX_TOKENS, settings.default_sampling, tokenizer, vocab_size
+        )
+        prompts = req.engine_prompts()
+        if req.echo and req.stream:
+            raise APIError(400, "echo with stream=true is not supported", param="echo")
+        fmt = CompletionFormat(
+            f"cmpl-{request_id(http)}", model_name, req.include_usage, token_text,
+            params.n * len(prompts),
+        )  # fmt: skip
+        return await generate(http, prompts, params, fmt, req.stream, echo=req.echo)
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request) -> dict:
+        req = await parse_body(http, TokenizeRequest)
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            messages = [m.as_template_message() for m in req.messages]
+            try:
+                text = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=req.add_generation_prompt
+                )
+            except (ValueError, TypeError, jinja2.TemplateError) as exc:
+                raise APIError(400, str(exc), param="messages") from exc
+            ids = tokenizer.encode(text)
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request) -> dict:
+        req = await parse_body(http, DetokenizeRequest)
+        check_model(req.model)
+        for i, token in enumerate(req.tokens):
+            if token >= vocab_size:
+                raise APIError(400, f"tokens[{i}] = {token} is not a token id", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -243,11 +304,31 @@ def parse(model: type, body: bytes):
         raise validation_error(exc) from exc
 
 
-def sampling(req, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+def sampling(
+    req, default_max_tokens: int, defaults: dict | None = None, tokenizer=None, vocab_size=None
+) -> SamplingParams:
+    """The request's SamplingParams; a 400 naming the field for a bad value (SamplingParams'
+    own checks), an unknown token id (logit_bias, allowed_token_ids, bad_words) or schema."""
     try:
-        return req.sampling_params(default_max_tokens, defaults or {})
+        params = req.sampling_params(default_max_tokens, defaults or {})
+        if tokenizer is not None and req.bad_word_strings():
+            words = [tokenizer.encode(w) for w in req.bad_word_strings()]
+            params = dataclasses.replace(params, bad_words=[*params.bad_words, *words])
     except (ValueError, TypeError) as exc:  # SamplingParams' own checks
-        raise APIError(400, str(exc)) from exc
+        raise APIError(400, str(exc), param=_field_named(str(exc))) from exc
+    if vocab_size is not None:
+        for name, token in params.token_ids_used():
+            if not 0 <= token < vocab_size:
+                raise APIError(
+                    400, f"{name}: {token} is not a token id (vocabulary {vocab_size})", param=name
+                )
+    return params
+
+
+def _field_named(message: str) -> str | None:
+    """The request field a SamplingParams error message starts with."""
+    head = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0].rstrip(":")
+    return head if head in IMPLEMENTED else None
 
 
 # --- running it --------------------------------------------------------------------------------

@@ -3,9 +3,10 @@ request to the engine's SamplingParams, and the mapping of finish reasons and er
 
 Requests are parsed strictly (`"max_tokens": "8"` or `true` is a 400, an int where a float is
 expected is fine); numbers are bounded to what the engine's int32/int64 fields hold and floats
-must be finite (400 beyond); unknown fields are ignored, as vLLM does. Fields that would change the
-answer's meaning and are not implemented (n > 1, logprobs, echo, tools, penalties, logit_bias)
-are rejected with a 400 that names them instead of being silently ignored.
+must be finite (400 beyond). Every OpenAI field is in exactly one of three lists:
+IMPLEMENTED (mapped to SamplingParams or the response), UNSUPPORTED (known, would change the
+answer's meaning: a 400 naming the field when set) and everything else (unknown: ignored, as vLLM
+does).
 """
 
 from __future__ import annotations
@@ -28,7 +29,26 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 Seed = Annotated[int, Field(ge=-INT64 - 1, le=INT64)]
 Count = Annotated[int, Field(ge=1, le=INT32)]
 # Fields a server-wide default (the CLI's sampling flags) fills in when a request leaves them out.
-DEFAULTABLE = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+DEFAULTABLE = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty",
+    "logprobs", "response_format",
+)  # fmt: skip
+# The three lists (README, "HTTP server"): implemented fields ...
+IMPLEMENTED = (
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options",
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
+    "top_logprobs", "min_tokens", "response_format", "allowed_token_ids", "bad_words", "echo",
+    "user",
+)  # fmt: skip
+# ... known but not implemented (a 400 naming the field when set to anything but its default) ...
+UNSUPPORTED = (
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "best_of",
+    "suffix", "audio", "modalities", "prediction", "web_search_options", "prompt_logprobs",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "use_beam_search",
+)  # fmt: skip
+# ... and everything else is unknown and ignored.
+MAX_TOP_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
@@ -73,20 +93,45 @@ class _SamplingFields(BaseModel):
     n: Count = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | Int32 | None = None
+    min_p: float = 0.0
+    min_tokens: Annotated[int, Field(ge=0, le=INT32)] = 0
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | list[list[TokenId]] = []
+    response_format: dict | None = None
     user: str | None = None
+    # Known fields with no implementation: kept only to be refused (any non-default value).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    prompt_logprobs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    use_beam_search: Any = None
 
     def unsupported(self) -> dict[str, Any]:
         """Set fields whose meaning the engine does not implement (-> 400)."""
-        checks = {
-            "n": self.n != 1,
-            "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0,
-            "logit_bias": bool(self.logit_bias),
-            "logprobs": self.logprobs not in (None, False, 0),
-        }
-        return {name: getattr(self, name) for name, bad in checks.items() if bad}
+        found = {}
+        for name in UNSUPPORTED:
+            value = getattr(self, name, None)
+            if value not in (None, False, [], {}) and not (name == "best_of" and value == 1):
+                found[name] = value
+        return found
+
+    def num_logprobs(self) -> int | None:
+        """None (no logprobs) or the number of top alternatives per token."""
+        raise NotImplementedError
 
     @property
     def include_usage(self) -> bool:
@@ -111,13 +156,30 @@ class _SamplingFields(BaseModel):
             top_k=self.top_k,
             seed=self.seed,
             stop=stop,
+            repetition_penalty=self.repetition_penalty,
+            logprobs=self.num_logprobs(),
+            response_format=self.response_format,
         )
         for name, value in (defaults or {}).items():
             if name in DEFAULTABLE and not self._sets(name):
                 fields[name] = value
         return SamplingParams(
-            **fields, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos
+            **fields,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=[w for w in self.bad_words if not isinstance(w, str)],
         )
+
+    def bad_word_strings(self) -> list[str]:
+        """bad_words given as text (vLLM's form): tokenized by the server."""
+        return [w for w in self.bad_words if isinstance(w, str)]
 
     def _sets(self, name: str) -> bool:
         return name in self.model_fields_set and getattr(self, name) is not None
@@ -126,16 +188,13 @@ class _SamplingFields(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Count | None = None  # newer name of max_tokens
-    tools: list[dict] | None = None
-    top_logprobs: Int32 | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
-    def unsupported(self) -> dict[str, Any]:
-        found = super().unsupported()
-        if self.tools:
-            found["tools"] = "[...]"
-        if self.top_logprobs:
-            found["top_logprobs"] = self.top_logprobs
-        return found
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling_params(self, default_max_tokens: int, defaults: dict | None = None):
         if self.max_tokens is None and self.max_completion_tokens is not None:
@@ -146,30 +205,49 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
-    best_of: Int32 | None = None
-    suffix: str | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
-    def unsupported(self) -> dict[str, Any]:
-        found = super().unsupported()
-        for name, bad in (("echo", self.echo), ("best_of", self.best_of not in (None, 1))):
-            if bad:
-                found[name] = getattr(self, name)
-        if self.suffix:
-            found["suffix"] = self.suffix
-        return found
+    def num_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            # prompt logprobs need the LM head over every prompt position: not implemented
+            raise APIError(400, "echo with logprobs is not supported", param="echo")
+        return self.logprobs
 
-    def engine_prompt(self) -> dict:
-        """add_request arguments: {"prompt": text} or {"prompt_ids": ids}; one prompt only."""
+    def engine_prompts(self) -> list[dict]:
+        """add_request arguments per prompt: {"prompt": text} or {"prompt_ids": ids}."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            p = p[0]
-        if isinstance(p, str):
-            return {"prompt": p}
-        if not p:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return {"prompt_ids": list(p)}
+        prompts = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+        out = []
+        for one in prompts:
+            if isinstance(one, str):
+                out.append({"prompt": one})
+            elif not one:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            else:
+                out.append({"prompt_ids": list(one)})
+        return out
+
+
+MAX_PROMPTS = 64
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: {"model", "prompt"} or {"model", "messages"}."""
+
+    model_config = _STRICT
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str
+    tokens: list[TokenId]
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -220,7 +298,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict | None = None
 
 
 class ChatCompletion(_Response):
@@ -244,7 +322,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -257,7 +335,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict | None = None
 
 
 class Completion(_Response):

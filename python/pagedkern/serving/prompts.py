@@ -75,7 +75,9 @@ class PromptPreparer:
         if not text:
             raise ValueError("the prompt is empty")
         self.check_length(text)
-        ids = self.tokenizer.encode(text)
+        # raw text gets the tokenizer's special tokens (BOS where its config asks); a chat
+        # template carries its own
+        ids = self.tokenizer.encode(text, add_special_tokens="messages" not in args)
         if not ids:
             raise ValueError("the prompt has no tokens")
         return {"prompt_ids": ids}

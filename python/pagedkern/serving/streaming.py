@@ -5,6 +5,11 @@ Chat streams open with a role chunk, as OpenAI's do; the last text delta carries
 reason; with stream_options.include_usage every chunk has `"usage": null` and a final chunk
 with empty choices carries the usage. An engine error mid-stream becomes an error event
 (`data: {"error": {...}}`) before `[DONE]`, since the 200 status has already been sent.
+
+Several prompts (completions) and n samples each are one response: choice index = prompt
+index x n + sample index; usage counts every prompt once and every completion's tokens.
+Logprobs, when asked for: chat `logprobs.content[] = {token, logprob, bytes, top_logprobs}`,
+completions `{tokens, token_logprobs, top_logprobs, text_offset}`.
 """
 
 from __future__ import annotations
@@ -38,53 +43,122 @@ from .openai_protocol import (
 
 class _Format:
     """Response bodies for one request: `opening` (streams only), `delta` per streamed text,
-    `usage` (the last chunk with stream_options.include_usage), `whole` (non-streaming)."""
+    `usage` (the last chunk with stream_options.include_usage), `whole` (non-streaming).
+    token_text(id) -> the token's text, for logprobs."""
 
     chunk_type: type
     whole_type: type
 
-    def __init__(self, request_id: str, model: str, include_usage: bool):
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        token_text: Callable[[int], str] = str,
+        num_choices: int = 1,
+    ):
         self.include_usage = include_usage
+        self.token_text = token_text
+        self.num_choices = num_choices
+        self.offsets = [0] * num_choices  # completions' text_offset per choice
         # one id and timestamp for every chunk of the response
         self.meta = {"id": request_id, "created": int(time.time()), "model": model}
 
     def opening(self) -> str | None:
         return None
 
-    def delta(self, text: str, finish_reason: str | None) -> str:
-        chunk = self.chunk_type(**self.meta, choices=[self._delta_choice(text, finish_reason)])
+    def delta(self, index: int, out: RequestOutput, finish_reason: str | None) -> str:
+        choice = self._delta_choice(index, out.text, finish_reason, self.logprobs(index, out))
+        chunk = self.chunk_type(**self.meta, choices=[choice])
         return chunk.model_dump_json(exclude=None if self.include_usage else {"usage"})
 
     def usage(self, usage: Usage) -> str:
         return self.chunk_type(**self.meta, choices=[], usage=usage).model_dump_json()
 
-    def whole(self, text: str, finish_reason: str | None, usage: Usage) -> dict:
-        choice = self._whole_choice(text, finish_reason)
-        return self.whole_type(**self.meta, choices=[choice], usage=usage).model_dump()
+    def whole(self, choices: list[tuple[str, str | None, dict | None]], usage: Usage) -> dict:
+        built = [self._whole_choice(i, *c) for i, c in enumerate(choices)]
+        return self.whole_type(**self.meta, choices=built, usage=usage).model_dump()
+
+    def _entry(self, token_id: int, logprob: float) -> tuple[str, float, list[int]]:
+        text = self.token_text(token_id)
+        return text, _finite(logprob), list(text.encode("utf-8", "replace"))
+
+
+def _finite(value: float) -> float:
+    """JSON has no -inf: a token of probability 0 gets the most negative float (as vLLM's
+    -9999.0 stand-in, but exact in ordering)."""
+    return value if value > -float("inf") else -9999.0
 
 
 class ChatFormat(_Format):
     chunk_type, whole_type = ChatCompletionChunk, ChatCompletion
 
     def opening(self) -> str | None:
-        choice = ChatChunkChoice(delta=Delta(role="assistant", content=""))
-        chunk = ChatCompletionChunk(**self.meta, choices=[choice])
+        choices = [
+            ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))
+            for i in range(self.num_choices)
+        ]
+        chunk = ChatCompletionChunk(**self.meta, choices=choices)
         return chunk.model_dump_json(exclude=None if self.include_usage else {"usage"})
 
-    def _delta_choice(self, text: str, finish_reason: str | None):
-        return ChatChunkChoice(delta=Delta(content=text or None), finish_reason=finish_reason)
+    def logprobs(self, index: int, out: RequestOutput) -> dict | None:
+        if out.logprobs is None:
+            return None
+        content = []
+        for lp in out.logprobs:
+            token, logprob, raw = self._entry(lp.token_id, lp.logprob)
+            top = []
+            for t, v in lp.top:
+                t_text, t_lp, t_raw = self._entry(t, v)
+                top.append({"token": t_text, "logprob": t_lp, "bytes": t_raw})
+            content.append({"token": token, "logprob": logprob, "bytes": raw, "top_logprobs": top})
+        return {"content": content}
 
-    def _whole_choice(self, text: str, finish_reason: str | None):
-        return ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+    def _delta_choice(self, index, text, finish_reason, logprobs):
+        return ChatChunkChoice(
+            index=index, delta=Delta(content=text or None), finish_reason=finish_reason,
+            logprobs=logprobs,
+        )  # fmt: skip
+
+    def _whole_choice(self, index, text, finish_reason, logprobs):
+        return ChatChoice(
+            index=index, message=AssistantMessage(content=text), finish_reason=finish_reason,
+            logprobs=logprobs,
+        )  # fmt: skip
+
+    @staticmethod
+    def merge_logprobs(parts: list[dict]) -> dict | None:
+        return {"content": [c for p in parts for c in p["content"]]} if parts else None
 
 
 class CompletionFormat(_Format):
     chunk_type = whole_type = Completion
 
-    def _delta_choice(self, text: str, finish_reason: str | None):
-        return CompletionChoice(text=text, finish_reason=finish_reason)
+    def logprobs(self, index: int, out: RequestOutput) -> dict | None:
+        if out.logprobs is None:
+            return None
+        body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in out.logprobs:
+            token, logprob, _ = self._entry(lp.token_id, lp.logprob)
+            body["tokens"].append(token)
+            body["token_logprobs"].append(logprob)
+            body["top_logprobs"].append({self._entry(t, v)[0]: _finite(v) for t, v in lp.top})
+            body["text_offset"].append(self.offsets[index])
+            self.offsets[index] += len(token)
+        return body
+
+    def _delta_choice(self, index, text, finish_reason, logprobs):
+        return CompletionChoice(
+            index=index, text=text, finish_reason=finish_reason, logprobs=logprobs
+        )
 
     _whole_choice = _delta_choice
+
+    @staticmethod
+    def merge_logprobs(parts: list[dict]) -> dict | None:
+        if not parts:
+            return None
+        return {key: [v for p in parts for v in p[key]] for key in parts[0]}
 
 
 Format = ChatFormat | CompletionFormat
@@ -109,23 +183,58 @@ def event(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-async def sse_events(stream: RequestStream, fmt: Format) -> AsyncIterator[str]:
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from every stream as they come; choice = prompt x n + sample."""
+    if len(streams) == 1:
+        async for out in streams[0].outputs():
+            yield out.index, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream.outputs():
+                await q.put((k * stream.samples + out.index, out))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await q.put((k, exc))
+        finally:
+            await q.put((k, None))
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def sse_events(streams: list[RequestStream], fmt: Format) -> AsyncIterator[str]:
     opening = fmt.opening()
     if opening is not None:
         yield event(opening)
-    completion_tokens = 0
+    completion_tokens, open_choices = 0, fmt.num_choices
+    prompt_tokens = sum(s.prompt_tokens for s in streams)
     try:
-        async for out in stream.outputs():
+        async for index, out in merged(streams):
             completion_tokens += len(out.token_ids)
             if out.finished and out.finish_reason is FinishReason.ERROR:
-                yield event(json.dumps(engine_error(stream.request_id, out).body()))
+                yield event(json.dumps(engine_error(streams[0].request_id, out).body()))
                 break
             if out.finished:
-                yield event(fmt.delta(out.text, openai_finish_reason(out.finish_reason)))
-                if fmt.include_usage:
-                    yield event(fmt.usage(Usage.of(stream.prompt_tokens, completion_tokens)))
-            elif out.text:
-                yield event(fmt.delta(out.text, None))
+                yield event(fmt.delta(index, out, openai_finish_reason(out.finish_reason)))
+                open_choices -= 1
+                if fmt.include_usage and open_choices == 0:
+                    yield event(fmt.usage(Usage.of(prompt_tokens, completion_tokens)))
+            elif out.text or out.logprobs:
+                yield event(fmt.delta(index, out, None))
     except EngineUnavailable as exc:
         yield event(json.dumps(unavailable(exc).body()))
     yield "data: [DONE]\n\n"
@@ -147,19 +256,27 @@ class EventStreamResponse(StreamingResponse):
             self.on_close()
 
 
-async def collect(stream: RequestStream, fmt: Format, http: HTTPRequest) -> dict | None:
+async def collect(
+    streams: list[RequestStream], fmt: Format, http: HTTPRequest, echo: list[str] | None = None
+) -> dict | None:
     """The whole answer as a response body; None if the client disconnected first (the
-    request is then aborted). Raises APIError for an engine error."""
-    texts: list[str] = []
+    requests are then aborted). Raises APIError for an engine error. echo: per prompt, text
+    put before each of its choices."""
+    texts: list[list[str]] = [[] for _ in range(fmt.num_choices)]
+    logprobs: list[list[dict]] = [[] for _ in range(fmt.num_choices)]
+    finals: dict[int, RequestOutput] = {}
     tokens = 0
-    final = None
 
     async def gather() -> None:
-        nonlocal tokens, final
-        async for out in stream.outputs():
-            texts.append(out.text)
+        nonlocal tokens
+        async for index, out in merged(streams):
+            texts[index].append(out.text)
             tokens += len(out.token_ids)
-            final = out
+            lp = fmt.logprobs(index, out)
+            if lp is not None:
+                logprobs[index].append(lp)
+            if out.finished:
+                finals[index] = out
 
     gathering = asyncio.ensure_future(gather())
     watcher = asyncio.ensure_future(_disconnected(http))
@@ -169,17 +286,28 @@ async def collect(stream: RequestStream, fmt: Format, http: HTTPRequest) -> dict
         watcher.cancel()
         if not gathering.done():
             gathering.cancel()
-        stream.close()
+        for stream in streams:
+            stream.close()
     if not gathering.done() or gathering.cancelled():
         return None
     try:
         gathering.result()
     except EngineUnavailable as exc:
         raise unavailable(exc) from exc
-    if final.finish_reason is FinishReason.ERROR:
-        raise engine_error(stream.request_id, final)
-    usage = Usage.of(stream.prompt_tokens, tokens)
-    return fmt.whole("".join(texts), openai_finish_reason(final.finish_reason), usage)
+    for final in finals.values():
+        if final.finish_reason is FinishReason.ERROR:
+            raise engine_error(streams[0].request_id, final)
+    usage = Usage.of(sum(s.prompt_tokens for s in streams), tokens)
+    per_prompt = fmt.num_choices // len(streams)
+    choices = [
+        (
+            (echo[i // per_prompt] if echo else "") + "".join(texts[i]),
+            openai_finish_reason(finals[i].finish_reason),
+            fmt.merge_logprobs(logprobs[i]),
+        )
+        for i in range(fmt.num_choices)
+    ]
+    return fmt.whole(choices, usage)
 
 
 async def _disconnected(http: HTTPRequest) -> None:

@@ -1,0 +1,157 @@
+"""The sampling surface of issue 13 over HTTP: n choices, logprobs in OpenAI's chat and
+completions shapes, several prompts per completion request, /tokenize and /detokenize, and
+response_format through the official `openai` client (streamed and not) on the default model,
+with every answer parsing and validating against its schema."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from http_stack import openai
+from test_http_server import TINY, kv_used, tiny_engine
+
+from pagedkern.engine import Engine, EngineConfig
+from pagedkern.serving.http_server import ServerThread
+from pagedkern.serving.openai_protocol import IMPLEMENTED, UNSUPPORTED
+
+jsonschema = pytest.importorskip("jsonschema")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(tiny_engine()) as s:
+        yield s
+
+
+def post(server, path, body):
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def test_the_field_lists_are_disjoint():
+    assert not set(IMPLEMENTED) & set(UNSUPPORTED)
+
+
+def test_n_choices_with_chat_logprobs(server):
+    body = {
+        "model": TINY,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "n": 3,
+        "seed": 7,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "an_unknown_field": {"ignored": True},
+        "ignore_eos": True,
+    }
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    assert data["usage"]["completion_tokens"] == 12
+    for choice in data["choices"]:
+        content = choice["logprobs"]["content"]
+        assert len(content) == 4
+        for entry in content:
+            assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+            tops = [t["logprob"] for t in entry["top_logprobs"]]
+            assert tops == sorted(tops, reverse=True) and entry["logprob"] <= tops[0] + 1e-6
+    assert kv_used(server) == 0
+
+
+def test_completions_prompts_times_n_and_logprob_shape(server):
+    body = {
+        "model": TINY,
+        "prompt": [[5, 6, 7], [8, 9, 10, 11]],
+        "max_tokens": 3,
+        "n": 2,
+        "logprobs": 2,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert choices[0]["text"] == choices[1]["text"]  # greedy: the n samples agree
+    lp = choices[2]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == 3
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert all(len(t) <= 2 for t in lp["top_logprobs"])
+    # streamed: every choice index appears and each ends with a finish reason
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    finished = {c["index"] for e in events for c in e["choices"] if c["finish_reason"]}
+    assert finished == {0, 1, 2, 3}
+    texts = post(server, "/v1/completions", {**body, "prompt": ["one", "two"], "n": 1}).json()
+    assert [c["index"] for c in texts["choices"]] == [0, 1]
+    assert kv_used(server) == 0
+
+
+def test_tokenize_and_detokenize(server):
+    r = post(server, "/tokenize", {"model": TINY, "prompt": "hello world"})
+    assert r.status_code == 200
+    data = r.json()
+    assert data["count"] == len(data["tokens"]) and data["max_model_len"] > 0
+    back = post(server, "/detokenize", {"model": TINY, "tokens": data["tokens"]}).json()
+    assert "hello world" in back["prompt"]
+    chat = post(
+        server, "/tokenize", {"model": TINY, "messages": [{"role": "user", "content": "hi"}]}
+    ).json()
+    assert chat["count"] > data["count"] - 2
+    assert post(server, "/detokenize", {"model": TINY, "tokens": [10**6]}).status_code == 400
+    assert post(server, "/tokenize", {"model": TINY}).status_code == 400
+    assert post(server, "/tokenize", {"model": TINY, "prompt": "x"}).status_code == 200
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["city", "rank", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    engine = Engine.from_config(EngineConfig(backend="reference", kv_cache_gib=0.25))
+    with ServerThread(engine) as s:
+        yield s
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_response_format(default_server, stream):
+    client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="-")
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
+    messages = [{"role": "user", "content": "Name a city as JSON."}]
+    kwargs = dict(
+        model=default_server.model_name,
+        messages=messages,
+        max_tokens=40,
+        temperature=0.7,
+        seed=3,
+        response_format=fmt,
+    )
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        answer = client.chat.completions.create(**kwargs)
+        text, reason = answer.choices[0].message.content, answer.choices[0].finish_reason
+    assert reason == "stop", text
+    jsonschema.validate(json.loads(text), SCHEMA)
+    cut = client.chat.completions.create(**{**kwargs, "max_tokens": 2})
+    assert cut.choices[0].finish_reason == "length"
+    obj = client.chat.completions.create(
+        **{**kwargs, "response_format": {"type": "json_object"}, "max_tokens": 60}
+    )
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
