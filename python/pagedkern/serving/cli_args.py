@@ -150,7 +150,7 @@ def build_parser() -> Parser:
     s.add_argument(
         "--json-schema",
         metavar="FILE",
-        help="structured output: answers are JSON valid against the schema in FILE",
+        help="structured output: answers are JSON valid against the schema in FILE (default: off)",
     )
     s.add_argument(
         "--ignore-eos",
