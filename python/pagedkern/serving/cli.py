@@ -216,6 +216,7 @@ def _serve_http(engine: Engine, sock, settings) -> int:
     def listening(model: str, url: str) -> None:
         _say(f"{PROG}: serving {model!r} at {url}/v1 (Ctrl-C stops)")
 
+    engine.model.tp.exit_on_failure = True  # a dead TP rank ends the server, non-zero
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
         serve(engine, sock, settings, on_listening=listening)
     return 0
