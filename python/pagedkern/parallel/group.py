@@ -38,7 +38,7 @@ log = logging.getLogger("pagedkern.parallel")
 
 STARTUP_TIMEOUT_S = 120  # process-group rendezvous, model loading on every rank
 HEADER = 10  # int64s: kind, T, B, width, logits rows, prefills, prefill tokens, max q, max seq, lm
-STEP, STOP = 1, 0
+STOP, STEP, SEND_KV = 0, 1, 2  # header kinds; SEND_KV: gather every rank's KV cache (tests)
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
@@ -130,9 +130,12 @@ class TPGroup(TPContext):
             ).start()
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
-        if self.closing or self.failure is not None:
-            return
+        proc.wait()
+        if not self.closing:
+            self._exited(rank, proc)
+
+    def _exited(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.returncode
         how = f"signal {-code}" if code < 0 else f"status {code}"
         self.fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with {how}")
 
@@ -201,13 +204,14 @@ class TPGroup(TPContext):
             self._broadcast(flat)
         return layout.unpack(flat.to(device))
 
-    def receive_step(self) -> tuple[torch.Tensor, AttentionMetadata, bool] | None:
-        """A worker: the next step (input_ids, metadata, compute logits?), None for stop."""
-        header = self._header
-        self._broadcast(header)
-        kind, t, b, width, n, prefills, prefill_tokens, max_q, max_seq, lm = header.tolist()
-        if kind == STOP:
-            return None
+    def receive_header(self) -> list[int]:
+        """A worker: the next header (kind first: STOP, STEP or SEND_KV)."""
+        self._broadcast(self._header)
+        return self._header.tolist()
+
+    def receive_batch(self, header: list[int]) -> tuple[torch.Tensor, AttentionMetadata, bool]:
+        """A worker: a STEP's batch (input_ids, metadata, compute logits?) on its device."""
+        _, t, b, width, n, prefills, prefill_tokens, max_q, max_seq, lm = header
         sizes = [t, t, t, b + 1, b * width, b, n]
         flat = torch.empty(sum(sizes), dtype=torch.int32, device=self._comm_device())
         self._broadcast(flat)
@@ -215,6 +219,25 @@ class TPGroup(TPContext):
             flat.to(self.device), sizes, b, width, prefills, prefill_tokens, max_q, max_seq
         )
         return ids, meta, bool(lm)
+
+    def gather_kv_caches(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Rank 0: every rank's whole KV cache tensor, by rank (for checks, not the hot path)."""
+        import torch.distributed as dist
+
+        self.check()
+        self._header.zero_()
+        self._header[0] = SEND_KV
+        with self.fatal_errors():
+            self._broadcast(self._header)
+            parts = [torch.empty_like(local) for _ in range(self.size)]
+            dist.gather(local.contiguous(), parts, dst=0)
+        return parts
+
+    def send_kv_cache(self, local: torch.Tensor) -> None:
+        """A worker's side of gather_kv_caches."""
+        import torch.distributed as dist
+
+        dist.gather(local.contiguous(), None, dst=0)
 
     def check(self) -> None:
         if self.failure is not None:
@@ -235,10 +258,11 @@ class TPGroup(TPContext):
 
     def _find_failed_rank(self, timeout: float = 5.0) -> None:
         """A broken collective usually means a worker died: wait (bounded) for its watcher."""
-        for proc in self.procs.values():
+        for rank, proc in self.procs.items():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout / max(1, len(self.procs)))
-            if self.failure is not None:
+            if proc.returncode is not None:
+                self._exited(rank, proc)
                 return
 
     # --- end -------------------------------------------------------------------------------------

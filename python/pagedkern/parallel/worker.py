@@ -16,7 +16,7 @@ import sys
 import torch
 
 from .. import ops
-from .group import TPGroup, die_with_parent, launched_by_launcher
+from .group import SEND_KV, STOP, TPGroup, die_with_parent, launched_by_launcher
 
 log = logging.getLogger("pagedkern.parallel.worker")
 
@@ -26,8 +26,11 @@ def serve(model, group: TPGroup, backend: str) -> None:
     num_blocks, block_size = group.share_cache_shape()
     kv_cache = model.allocate_kv_cache(num_blocks, block_size)
     with ops.use_backend(backend), torch.inference_mode():
-        while (step := group.receive_step()) is not None:
-            input_ids, meta, logits = step
+        while (header := group.receive_header())[0] != STOP:
+            if header[0] == SEND_KV:
+                group.send_kv_cache(kv_cache.data)
+                continue
+            input_ids, meta, logits = group.receive_batch(header)
             if logits:
                 model(input_ids, meta, kv_cache)  # the gather sends this rank's logits
             else:
