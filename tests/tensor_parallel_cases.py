@@ -26,6 +26,7 @@ def mqa_folder(path) -> str:
         attention_bias=True,
         mlp_bias=True,
     )
+    path.mkdir(parents=True, exist_ok=True)
     write_folder(path, cfg)
     return str(path)
 
