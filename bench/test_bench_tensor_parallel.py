@@ -1,0 +1,109 @@
+"""Tensor parallelism on the CPU (gloo, loopback): the same workload at TP = 1 and TP = 2 side
+by side — generated tokens/s, and on rank 0 per engine step the time inside the step's
+broadcast (header + packed batch), the all-reduces (2 per layer + the embedding's) and the LM
+head gather, in µs. Rank 0's collective times include waiting for the slowest rank, so they
+bound the communication overhead from above. Full size (the default model, fp32 weights) with
+PAGEDKERN_BENCH_SMOKE=0 on a CPU machine; smoke mode runs the tiny synthetic model once.
+
+On a 2-core machine TP cannot speed anything up (both ranks share the same 2 cores); the numbers
+show the cost of the split, not a gain. NCCL on several GPUs: not measured yet."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+from measure import smoke_mode
+
+from pagedkern.engine import LLM, SamplingParams
+
+FULL = os.environ.get("PAGEDKERN_BENCH_SMOKE") == "0"
+if FULL and torch.cuda.is_available():
+    pytest.skip("CPU benchmark; this machine has a GPU", allow_module_level=True)
+assert FULL or smoke_mode()
+MODEL, STREAMS, TOKENS, ROUNDS = (None, 8, 32, 2) if FULL else ("synthetic:tiny", 4, 4, 1)
+PROMPT = [{"role": "user", "content": "Tell me about the history of Paris."}]
+SETTINGS = dict(
+    backend="reference", device="cpu", quantization="none", kv_cache_gib=0.25, max_num_seqs=16
+)
+
+
+def timed(seconds: dict, name: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def instrument(llm: LLM) -> dict:
+    """Rank 0's time in each collective, accumulated (TP > 1 only)."""
+    seconds: dict = defaultdict(float)
+    tp = llm.engine.model.tp
+    for name in ("broadcast_step", "all_reduce", "gather_logits"):
+        setattr(tp, name, timed(seconds, name, getattr(tp, name)))
+    return seconds
+
+
+def run(llm: LLM) -> tuple[float, int]:
+    """tokens/s and engine steps of STREAMS concurrent requests of TOKENS tokens each."""
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    steps = llm.engine.iteration
+    start = time.perf_counter()
+    out = llm.chat([PROMPT] * STREAMS, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    assert all(len(g.token_ids) == TOKENS and g.error is None for g in out)
+    return STREAMS * TOKENS / seconds, llm.engine.iteration - steps
+
+
+@pytest.fixture(scope="module")
+def engines():
+    single = LLM(MODEL, **SETTINGS)
+    with LLM(MODEL, tensor_parallel_size=2, **SETTINGS) as parallel:
+        yield {1: single, 2: parallel}
+
+
+def test_tensor_parallel_side_by_side(engines, record):
+    for llm in engines.values():
+        run(llm)  # warm-up
+    seconds = instrument(engines[2])
+    best = {1: 0.0, 2: 0.0}
+    steps = {1: 0, 2: 0}
+    for _ in range(ROUNDS):
+        for size, llm in engines.items():
+            for name in seconds:
+                seconds[name] = 0.0
+            rate, n = run(llm)
+            if rate > best[size]:
+                best[size], steps[size] = rate, n
+                per_step = {k: v / n * 1e6 for k, v in seconds.items()} if size == 2 else {}
+    assert best[1] > 0 and best[2] > 0 and steps[1] == steps[2]
+    table = "tensor parallel (CPU, default model)" if FULL else "tensor parallel (smoke)"
+    layers = engines[1].engine.model.config.num_layers
+    for size in (1, 2):
+        notes = {}
+        if size == 2:
+            comm = sum(per_step.values())
+            notes = dict(
+                broadcast_us_per_step=round(per_step["broadcast_step"], 1),
+                all_reduce_us_per_step=round(per_step["all_reduce"], 1),
+                all_reduces_per_step=2 * layers + 1,
+                gather_us_per_step=round(per_step["gather_logits"], 1),
+                comm_us_per_step=round(comm, 1),
+            )
+        record(
+            table,
+            f"{STREAMS} streams x {TOKENS} tokens",
+            f"TP={size}",
+            STREAMS * TOKENS / best[size],
+            tokens_per_s=round(best[size], 1),
+            steps=steps[size],
+            us_per_step=round(STREAMS * TOKENS / best[size] / steps[size] * 1e6, 1),
+            **notes,
+        )
