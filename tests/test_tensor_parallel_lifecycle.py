@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -75,3 +76,25 @@ def test_killing_a_worker_fails_rank0_naming_the_rank():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_torchrun_ranks_join_one_group_and_answer_as_tp1():
+    """The multi-host path on one host: torchrun starts both ranks of the same command; rank 1
+    becomes a worker, rank 0 answers exactly what TP = 1 answers."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    args = ["--model", "synthetic:tiny", "--num-blocks", "32", "--max-tokens", "6", "hello"]
+    cli = ["-m", "pagedkern.serving.cli", *args]
+    want = subprocess.run([sys.executable, *cli], capture_output=True, timeout=DEADLINE_S)
+    launch = [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2"]
+    launch += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    got = subprocess.run(
+        [*launch, *cli, "--tensor-parallel-size", "2"], capture_output=True, timeout=DEADLINE_S
+    )
+    assert want.returncode == 0 and got.returncode == 0, got.stderr.decode()
+    assert got.stdout == want.stdout and len(want.stdout) > 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
