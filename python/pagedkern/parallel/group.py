@@ -50,6 +50,11 @@ def launched_by_launcher() -> bool:
     return all(name in os.environ for name in LAUNCHER_ENV)
 
 
+def launcher_rank() -> int:
+    """This process's rank when a launcher (torchrun) started it, else 0."""
+    return int(os.environ["RANK"]) if launched_by_launcher() else 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
