@@ -77,6 +77,7 @@ class TPGroup(TPContext):
         self.failure: str | None = None
         self.closing = False
         self._header = torch.zeros(HEADER, dtype=torch.int64)
+        self._threads: int | None = None
 
     # --- start -------------------------------------------------------------------------------
     @classmethod
@@ -95,6 +96,7 @@ class TPGroup(TPContext):
             init = f"tcp://127.0.0.1:{port}"
             group._spawn(port, device)
         if group.device.type == "cpu":
+            group._threads = torch.get_num_threads()  # given back by close()
             split_cpu_threads(size)
         else:
             torch.cuda.set_device(group.device)
@@ -291,6 +293,8 @@ class TPGroup(TPContext):
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
 
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
