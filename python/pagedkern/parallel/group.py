@@ -167,12 +167,16 @@ class TPGroup(TPContext):
         import torch.distributed as dist
 
         box = [settings]
-        dist.broadcast_object_list(box, src=0, device=self._comm_device())
+        with self.fatal_errors():  # e.g. a worker that failed to start: named
+            dist.broadcast_object_list(box, src=0, device=self._comm_device())
         return box[0]
 
     def share_cache_shape(self, num_blocks: int = 0, block_size: int = 0) -> tuple[int, int]:
+        """Rank 0's KV cache shape to every rank (each allocates its heads of the same blocks);
+        rank 0 waits here for the workers to have loaded the model."""
         shape = torch.tensor([num_blocks, block_size], dtype=torch.int64)
-        self._broadcast(shape)
+        with self.fatal_errors():
+            self._broadcast(shape)
         return int(shape[0]), int(shape[1])
 
     # --- per step --------------------------------------------------------------------------------
@@ -260,7 +264,7 @@ class TPGroup(TPContext):
             raise
         except Exception as exc:
             self._find_failed_rank()
-            self.fail(f"tensor-parallel step failed on rank 0: {exc!r}")
+            self.fail(f"tensor-parallel step failed on rank {self.rank}: {exc!r}")
             raise TensorParallelError(self.failure) from exc
 
     def _find_failed_rank(self, timeout: float = 5.0) -> None:
