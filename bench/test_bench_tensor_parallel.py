@@ -12,6 +12,9 @@ show the cost of the split, not a gain. NCCL on several GPUs: not measured yet."
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import time
 from collections import defaultdict
 
@@ -111,3 +114,53 @@ def test_tensor_parallel_side_by_side(engines, record):
             us_per_step=round(STREAMS * TOKENS / best[size] / steps[size] * 1e6, 1),
             **notes,
         )
+
+
+LAYERS = 30 if FULL else 2  # the default model's and tiny's
+
+# SIZE bare processes all-reducing a decode step's hidden states: the transport's own cost,
+# without the other rank's compute to wait for (what the in-engine numbers above include).
+ALL_REDUCE = """
+import os, time, torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size={world})
+x = torch.randn({rows}, {hidden})
+for _ in range(20):
+    dist.all_reduce(x)
+dist.barrier()
+start = time.perf_counter()
+for _ in range({iters}):
+    dist.all_reduce(x)
+seconds = time.perf_counter() - start
+if dist.get_rank() == 0:
+    print(seconds / {iters} * 1e6)
+dist.destroy_process_group()
+"""
+
+
+def test_bare_all_reduce_latency(record):
+    hidden = 576 if FULL else 64
+    iters = 500 if FULL else 50
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ALL_REDUCE.format(rows=STREAMS, hidden=hidden, iters=iters, world=SIZE)
+    procs = []
+    for rank in range(SIZE):
+        env = dict(os.environ, RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(
+            subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
+        )
+    out = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    us = float(out[0])
+    assert us > 0
+    record(
+        f"tensor parallel all-reduce (gloo, loopback, {SIZE} processes)",
+        f"[{STREAMS}, {hidden}] fp32",
+        "dist.all_reduce",
+        us * 1e-6,
+        us_per_all_reduce=round(us, 1),
+        all_reduces_per_step=2 * LAYERS + 1,
+        us_per_step=round(us * (2 * LAYERS + 1), 1),
+    )
