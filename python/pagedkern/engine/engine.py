@@ -85,19 +85,17 @@ class Engine:
         context = min(config.max_model_len or model.max_positions, model.max_positions)
         # On by default where the kernels run on a GPU; refused or off (with a warning) where a
         # kernel does not cover this model and cache (engine/kernel_policy.py).
-        graphs = (
-            decode_graphs(
-                device_type=model.device.type,
-                backend=self.backend,
-                dtype=str(model.dtype).removeprefix("torch."),
-                head_dim=model.config.head_dim,
-                block_size=config.block_size,
-                vocab=model.config.vocab_size,
-                requested=config.cuda_graphs,
-                kv_cache_dtype=model.kv_cache_dtype,
-            )
-            and model.tp.size == 1
-        )  # TP steps broadcast and all-reduce: no graphs (yet)
+        graphs = decode_graphs(
+            device_type=model.device.type,
+            backend=self.backend,
+            dtype=str(model.dtype).removeprefix("torch."),
+            head_dim=model.config.head_dim,
+            block_size=config.block_size,
+            vocab=model.config.vocab_size,
+            requested=config.cuda_graphs,
+            kv_cache_dtype=model.kv_cache_dtype,
+        )
+        graphs = graphs and model.tp.size == 1  # TP steps broadcast and all-reduce: no graphs
         self.broken: TensorParallelError | None = None  # the TP group failed: nothing runs
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
             num_blocks = config.num_blocks or kv_cache_blocks(model, config, context)
