@@ -88,6 +88,11 @@ class EngineConfig:
     kv_cache_dtype: str = _setting(
         "auto", "KV cache dtype: auto (the model's dtype) or fp8 (E4M3, per-layer scales)"
     )
+    tensor_parallel_size: int = _setting(
+        1,
+        "ranks the model is split over (torch.distributed: gloo on the CPU, NCCL on CUDA); "
+        "rank 0 is this process, ranks 1..N-1 workers it spawns (or torchrun starts)",
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -119,6 +124,7 @@ class EngineConfig:
             check_bool("cuda_graphs", self.cuda_graphs)
         check_int("seed", self.seed, 0, 2**63 - 1)
         check_int("max_queue", self.max_queue, 1, INT32_MAX)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
 
 
 def _dtype(value) -> torch.dtype | None:

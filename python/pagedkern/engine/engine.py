@@ -24,6 +24,7 @@ import torch
 from .. import ops
 from .._extension import cuda_available, cuda_unavailable_reason
 from ..model import LlamaModel, Tokenizer, load_model
+from ..parallel import TensorParallelError
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -50,6 +51,20 @@ def pick_device(backend: str) -> torch.device:
     if backend == "auto" and gpu and not cuda_available():
         return torch.device("cpu")  # a GPU without our kernels: stay on the CPU reference
     return torch.device("cuda" if gpu else "cpu")
+
+
+def load_engine_model(config: EngineConfig, device: torch.device) -> tuple[LlamaModel, Tokenizer]:
+    """The whole model as `config` names it (every TP rank loads it, then keeps its shard)."""
+    with ops.use_backend(config.backend):
+        return load_model(
+            config.model,
+            device,
+            config.dtype,
+            seed=config.seed,
+            max_positions=config.max_model_len,
+            quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
 
 
 class Engine:
@@ -81,11 +96,15 @@ class Engine:
             requested=config.cuda_graphs,
             kv_cache_dtype=model.kv_cache_dtype,
         )
+        graphs = graphs and model.tp.size == 1  # TP steps broadcast and all-reduce: no graphs
+        self.broken: TensorParallelError | None = None  # the TP group failed: nothing runs
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
             num_blocks = config.num_blocks or kv_cache_blocks(model, config, context)
             # A sequence can never outgrow the whole cache: one that did would be preempted
             # forever.
             self.max_model_len = min(context, num_blocks * config.block_size)
+            if model.tp.size > 1:  # the workers allocate their shares of the same blocks
+                model.tp.share_cache_shape(num_blocks, config.block_size)
             self.kv_cache = model.allocate_kv_cache(num_blocks, config.block_size)
             self.runner = ModelRunner(
                 model, self.kv_cache, config.max_num_seqs, self.max_model_len, cuda_graphs=graphs
@@ -109,16 +128,11 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig, tracer: Tracer | None = None) -> Engine:
         device = torch.device(config.device) if config.device else pick_device(config.backend)
-        with ops.use_backend(config.backend):
-            model, tokenizer = load_model(
-                config.model,
-                device,
-                config.dtype,
-                seed=config.seed,
-                max_positions=config.max_model_len,
-                quantization=config.quantization,
-                kv_cache_dtype=config.kv_cache_dtype,
-            )
+        model, tokenizer = load_engine_model(config, device)
+        if config.tensor_parallel_size > 1:
+            from ..parallel.engine_group import start_tensor_parallel
+
+            model = start_tensor_parallel(model, config)  # rank 0's shard, workers started
         return cls(model, tokenizer, config, tracer)
 
     def describe(self) -> str:
@@ -264,7 +278,10 @@ class Engine:
     # --- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration; the outputs it produced (and any that `stream()` set aside for
-        requests other than its own). Never raises for a request's fault."""
+        requests other than its own). Never raises for a request's fault; raises
+        TensorParallelError once a broken TP group has failed every request."""
+        if self.broken is not None:
+            raise self.broken
         outputs, self._undelivered = self._undelivered, []
         now = self.clock()
         outputs += [
@@ -283,6 +300,9 @@ class Engine:
         self.iteration += 1
         try:
             self._run(batch, outputs)
+        except TensorParallelError as exc:  # a rank is gone: nobody can be served any more
+            self.broken = exc
+            self._fail_all(list(self.requests.values()), exc, outputs)
         except Exception as exc:  # noqa: BLE001 - not one request's fault: this step's fail
             self._fail_all([request for request, _ in batch.entries], exc, outputs)
         return outputs
@@ -338,6 +358,8 @@ class Engine:
         with ops.use_backend(self.backend):
             try:
                 return _sampled(self._run_model(entries, forks)), []
+            except TensorParallelError:
+                raise  # not a request's fault, and the ranks are out of step: no retries
             except Exception as exc:  # noqa: BLE001 - isolated below
                 if len(entries) == 1:
                     return [], [(entries[0][0], exc)]
@@ -452,6 +474,10 @@ class Engine:
         finally:
             if rid in self.requests:
                 self.abort(rid)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at TP = 1); idempotent."""
+        self.model.tp.close()
 
     def run_until_done(self) -> Iterator[RequestOutput]:
         while self.has_unfinished or self._undelivered:

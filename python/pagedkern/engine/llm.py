@@ -38,12 +38,24 @@ class Generation:
 class LLM:
     """LLM(model=None, **engine_config).generate(prompts, SamplingParams(...)).
 
-    `generate` takes one prompt or a list of them, each text or token ids (list[int]);
+    tensor_parallel_size=N runs the model on N ranks (see parallel/); `close()` (or `with`)
+    stops their workers. `generate` takes one prompt or a list of them, each text or token ids
+    (list[int]);
     `chat` takes one conversation (a list of messages) or a list of them and renders each with
     the model's chat template. Answers come back as a list, in input order."""
 
     def __init__(self, model: str | None = None, **config):
         self.engine = Engine.from_config(EngineConfig(model=model, **config))
+
+    def close(self) -> None:
+        """Stop tensor-parallel workers now (they also stop when this process exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,
@@ -106,6 +118,8 @@ class LLM:
                     )
                     bar.update(1)
         bar.close()
+        if self.engine.broken is not None:  # a TP rank died: say which, after failing all
+            raise self.engine.broken
         return results  # type: ignore[return-value]
 
 

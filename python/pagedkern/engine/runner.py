@@ -68,11 +68,13 @@ class ModelRunner:
         if self.graphs is not None and layout.num_prefills == 0 and len(rows) == len(chunks):
             logits = self.graphs.run(layout)  # every row a decode that samples: replay a graph
         else:
-            input_ids, meta = layout.upload(self.device)
-            if not rows:  # only mid-prompt chunks: fill the cache, skip the LM head
-                self.model.hidden_states(input_ids, meta, self.kv_cache)
-                return StepResult([], [], None)
-            logits = self.model(input_ids, meta, self.kv_cache)
+            tp = self.model.tp  # TP rank 0: broadcasts the step; a failure in it is fatal
+            with tp.fatal_errors():
+                input_ids, meta = tp.upload(layout, self.device, logits=bool(rows))
+                if not rows:  # only mid-prompt chunks: fill the cache, skip the LM head
+                    self.model.hidden_states(input_ids, meta, self.kv_cache)
+                    return StepResult([], [], None)
+                logits = self.model(input_ids, meta, self.kv_cache)
         requests = [ordered[i][0] for i in rows]
         if forks:
             index = list(range(len(requests)))

@@ -91,6 +91,19 @@ class BatchLayout:
         """input_ids and metadata on `device`, from ONE int32 host buffer (pinned for CUDA) and
         one non-blocking copy: per-step host-to-device traffic is a single transfer."""
         device = torch.device(device)
+        host = self.pack()
+        if device.type == "cuda":
+            host = host.pin_memory()
+        return self.unpack(host.to(device, non_blocking=True))
+
+    def sizes(self) -> list[int]:
+        """Lengths of the packed buffer's parts, in pack() order."""
+        t, b = len(self.input_ids), len(self.seq_lens)
+        return [t, t, t, b + 1, b * self.width, b, len(self.logits_indices)]
+
+    def pack(self) -> torch.Tensor:
+        """The one int32 host buffer: input_ids, positions, slot_mapping, cu_seqlens,
+        block_tables, seq_lens, logits_indices (tensor parallelism broadcasts this buffer)."""
         parts = (
             self.input_ids,
             self.positions,
@@ -100,24 +113,48 @@ class BatchLayout:
             self.seq_lens,
             self.logits_indices,
         )
-        host = torch.tensor([x for part in parts for x in part], dtype=torch.int32)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(device, non_blocking=True)
-        views = flat.split([len(part) for part in parts])
-        meta = AttentionMetadata(
-            positions=views[1],
-            slot_mapping=views[2],
-            cu_seqlens=views[3],
-            block_tables=views[4].view(len(self.seq_lens), self.width),
-            seq_lens=views[5],
-            logits_indices=views[6],
-            num_prefills=self.num_prefills,
-            num_prefill_tokens=self.cu_seqlens[self.num_prefills],
-            max_query_len=self.max_query_len,
-            max_seq_len=max(self.seq_lens),
+        return torch.tensor([x for part in parts for x in part], dtype=torch.int32)
+
+    def unpack(self, flat: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata]:
+        """input_ids and metadata as views of `flat` (pack()'s buffer, on any device)."""
+        return unpack_batch(
+            flat,
+            self.sizes(),
+            len(self.seq_lens),
+            self.width,
+            self.num_prefills,
+            self.cu_seqlens[self.num_prefills],
+            self.max_query_len,
+            max(self.seq_lens),
         )
-        return views[0], meta
+
+
+def unpack_batch(
+    flat: torch.Tensor,
+    sizes: list[int],
+    num_seqs: int,
+    width: int,
+    num_prefills: int,
+    num_prefill_tokens: int,
+    max_query_len: int,
+    max_seq_len: int,
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """input_ids [T] and AttentionMetadata as views of a packed buffer (BatchLayout.pack), from
+    its part sizes and host-side counts (a TP worker gets these in the step header)."""
+    views = flat.split(sizes)
+    meta = AttentionMetadata(
+        positions=views[1],
+        slot_mapping=views[2],
+        cu_seqlens=views[3],
+        block_tables=views[4].view(num_seqs, width),
+        seq_lens=views[5],
+        logits_indices=views[6],
+        num_prefills=num_prefills,
+        num_prefill_tokens=num_prefill_tokens,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+    )
+    return views[0], meta
 
 
 def layout_batch(

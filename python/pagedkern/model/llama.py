@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops, reference
+from ..parallel.context import SINGLE, TPContext
 from .attention_metadata import AttentionMetadata
 from .config import ModelConfig
 from .kv_cache import FP8, KV_CACHE_DTYPES, KVCache, allocate_kv_cache
@@ -48,6 +49,10 @@ class LlamaModel:
     """A loaded model: config, weights (device, dtype) and its RoPE table.
 
     forward(input_ids, meta, kv_cache) -> logits [len(meta.logits_indices), vocab] float32.
+
+    Tensor parallel (tp.size > 1): `weights` are this rank's shard (parallel/shard.py) and
+    `local` the shape it computes; the forward all-reduces where the residual add is and
+    gathers the LM head's vocabulary shards to rank 0 (None on the other ranks).
     """
 
     def __init__(
@@ -56,12 +61,18 @@ class LlamaModel:
         weights: LlamaWeights,
         max_positions: int | None = None,
         kv_cache_dtype: str = "auto",
+        tp: TPContext = SINGLE,
+        local: ModelConfig | None = None,
     ):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
             )
         self.config = config
+        self.tp = tp
+        self.local = local or config  # this rank's heads, intermediate and vocabulary rows
+        if tp.size > 1 and kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype fp8 is not supported with tensor parallelism yet")
         self.weights = weights
         self.device = weights.norm.device
         self.dtype = weights.norm.dtype  # activations; linear weights may be quantized
@@ -81,7 +92,7 @@ class LlamaModel:
         """A KV cache for this model on its device, in kv_dtype (fp8: with per-layer scales)."""
         scales = self.kv_scales() if self.kv_dtype == FP8 else None
         return allocate_kv_cache(
-            self.config, num_blocks, block_size, self.device, self.kv_dtype, scales
+            self.local, num_blocks, block_size, self.device, self.kv_dtype, scales
         )
 
     def kv_scales(self, tokens: int = 256) -> list[tuple[float, float]]:
@@ -113,13 +124,14 @@ class LlamaModel:
         """input_ids [T] int32 (rows laid out as `meta` says); writes this step's k/v into
         kv_cache; returns float32 logits for the rows meta.logits_indices selects."""
         hidden = self.hidden_states(input_ids, meta, kv_cache)
-        return self.compute_logits(hidden[meta.logits_indices])
+        return self.tp.gather_logits(self.compute_logits(hidden[meta.logits_indices]))
 
     __call__ = forward
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] final hidden states -> [N, vocab] float32 logits.
+        """[N, H] final hidden states -> [N, vocab] float32 logits (this rank's vocabulary
+        rows under tensor parallelism).
 
         Logits rounded to bf16 (spacing 0.125 near 25) turn close calls into ties, so half-
         precision models get an fp32-output GEMM where torch has one (CUDA), else a GEMM
@@ -142,24 +154,22 @@ class LlamaModel:
         kv = "fp8 (E4M3, per-layer scales)" if self.kv_dtype == FP8 else str(self.kv_dtype)
         kv = kv.replace("torch.", "")
         mib = self.weights.nbytes / 2**20
+        tp = f", tensor parallel {self.tp.size} (rank 0's shard)" if self.tp.size > 1 else ""
         return (
             f"{self.config.name}: weights {self.quantization} ({mib:.0f} MiB), "
-            f"activations {str(self.dtype).replace('torch.', '')}, KV cache {kv}"
+            f"activations {str(self.dtype).replace('torch.', '')}, KV cache {kv}{tp}"
         )
 
     def hidden_states(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
         """Final-normed hidden states of every row, [T, H] in the model dtype."""
-        cfg, w = self.config, self.weights
+        cfg, w = self.local, self.weights
         eps = cfg.rms_norm_eps
         if kv_cache.num_layers != cfg.num_layers:
             raise ValueError(f"KV cache has {kv_cache.num_layers} layers, model {cfg.num_layers}")
         tokens = input_ids.shape[0]
-        if isinstance(w.embed, QuantizedWeight):  # tied to a quantized head: dequantize rows
-            h = w.embed.dequantize_rows(input_ids, self.dtype)
-        else:
-            h = F.embedding(input_ids, w.embed)
+        h = self._embed(input_ids)
         residual: torch.Tensor | None = None
         attn = torch.empty(
             tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device
@@ -175,10 +185,28 @@ class LlamaModel:
                 h, residual = ops.fused_add_rms_norm(h, residual, layer.input_norm, eps)
             self._attention(h, layer, meta, k_cache, v_cache, attn, kv_scale)
             h = linear(attn.view(tokens, cfg.q_size), layer.o, layer.o_bias)
+            h = self.tp.all_reduce(h)  # row-parallel O: sum the ranks' partial outputs
             h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
             gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
             h = linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            h = self.tp.all_reduce(h)  # row-parallel down, likewise
         h, _ = ops.fused_add_rms_norm(h, residual, w.norm, eps)
+        return h
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows; vocab-parallel: this rank's rows, zeros elsewhere, all-reduced."""
+        w, tp = self.weights.embed, self.tp
+        ids = input_ids
+        if tp.size > 1:
+            ids = input_ids - tp.vocab_start
+            outside = (ids < 0) | (ids >= self.local.vocab_size)
+            ids = ids.masked_fill(outside, 0)
+        if isinstance(w, QuantizedWeight):  # tied to a quantized head: dequantize rows
+            h = w.dequantize_rows(ids, self.dtype)
+        else:
+            h = F.embedding(ids, w)
+        if tp.size > 1:
+            h = tp.all_reduce(h.masked_fill_(outside[:, None], 0))
         return h
 
     def _attention(
@@ -191,7 +219,7 @@ class LlamaModel:
         out: torch.Tensor,
         kv_scale: tuple[float, float] | None = None,
     ) -> None:
-        cfg = self.config
+        cfg = self.local
         tokens = h.shape[0]
         qkv = linear(h, layer.qkv, layer.qkv_bias)
         # Head views into the fused output (token stride qkv_size): no copies.

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ..engine import Engine, FinishReason, RequestOutput, SamplingParams
+from ..parallel.group import launcher_rank
 from . import cli_args
 from .cli_args import INT32, INT64, PROG
 
@@ -91,7 +92,9 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             if not requests:
                 raise BadInput("no request on stdin to answer")
         single = None if args.http or requests else _prompt_args(args, args.prompt)
-        sock = _bind(args) if args.http else None  # a taken port fails before the model loads
+        # A taken port fails before the model loads; a launcher's rank > 0 serves no HTTP (it
+        # becomes a TP worker inside Engine.from_config).
+        sock = _bind(args) if args.http and launcher_rank() == 0 else None
     except (ValueError, TypeError, OSError) as exc:
         _fail(exc)
 
@@ -216,6 +219,7 @@ def _serve_http(engine: Engine, sock, settings) -> int:
     def listening(model: str, url: str) -> None:
         _say(f"{PROG}: serving {model!r} at {url}/v1 (Ctrl-C stops)")
 
+    engine.model.tp.exit_on_failure = True  # a dead TP rank ends the server, non-zero
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
         serve(engine, sock, settings, on_listening=listening)
     return 0

@@ -216,6 +216,7 @@ def build_parser() -> Parser:
         ("max_num_batched_tokens", positive_int, "tokens in one forward pass at most"),
         ("max_model_len", positive_int, "context length (none: the model's)"),
         ("max_queue", positive_int, "waiting requests beyond the free batch slots before a 429"),
+        ("tensor_parallel_size", positive_int, "ranks the model is split over"),
     ):
         e.add_argument(
             "--" + name.replace("_", "-"),
@@ -328,6 +329,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         max_queue=args.max_queue,
+        tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         cuda_graphs=False if args.enforce_eager else _default(EngineConfig, "cuda_graphs"),

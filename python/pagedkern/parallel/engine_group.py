@@ -1,0 +1,38 @@
+"""Rank 0's side of starting tensor parallelism for an engine, and a launcher's ranks > 0."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import sys
+
+from .group import TPGroup, launched_by_launcher
+from .shard import TensorParallelConfigError, check_tp_size
+
+
+def start_tensor_parallel(model, config):
+    """Check the split, start (or join) the group, hand the workers the engine settings, and
+    return rank 0's shard of `model`. A process a launcher started as rank > 0 runs the worker
+    loop here instead and exits when rank 0 stops it."""
+    from . import shard_model
+    from .worker import serve
+
+    size = config.tensor_parallel_size
+    check_tp_size(model.config, size)
+    if config.kv_cache_dtype == "fp8":
+        raise TensorParallelConfigError("kv_cache_dtype fp8 is not supported with TP > 1 yet")
+    if model.device.type == "cuda" and config.num_blocks is None:
+        raise TensorParallelConfigError(
+            "tensor parallelism on CUDA needs num_blocks (--num-blocks) for now: the memory "
+            "profiling pass runs a forward on rank 0 alone"
+        )
+    group = TPGroup.start(size, model.device)
+    atexit.register(group.close)
+    group.share_settings({f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+    sharded = shard_model(model, group)
+    if group.rank != 0:
+        assert launched_by_launcher()
+        serve(sharded, group, config.backend)
+        group.close()
+        sys.exit(0)
+    return sharded

@@ -1,0 +1,122 @@
+"""Tensor parallelism on the CPU (gloo, loopback): TP = N gives TP = 1's tokens, logits (within
+LOGITS_ATOL) and, per rank, exactly its heads' slice of TP = 1's KV cache.
+
+One TP group per model (module-scoped): tiny at TP = 2 (KV heads split 2 -> 1 per rank), an HF
+folder with 6 query heads and 1 KV head at TP = 3 (KV replicated, biases, uneven vocabulary
+shards) and the default model (SmolLM2-135M GGUF, int4 layers and int8 head, 9/3 heads) at 3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensor_parallel_cases import (
+    LOGITS_ATOL,
+    SETTINGS,
+    greedy,
+    mqa_folder,
+    prompts,
+    record_logits,
+    sampled,
+)
+
+from pagedkern.engine import LLM
+from pagedkern.model import PRESETS, load_model
+from pagedkern.model.quantized_linear import quantize
+from pagedkern.model.weights import quantize_weights
+from pagedkern.parallel import TensorParallelConfigError, shard_weights
+from pagedkern.parallel.shard import kv_heads_of_rank
+
+CASES = {"tiny-tp2": ("synthetic:tiny", 2), "mqa-tp3": ("mqa", 3), "smollm2-tp3": (None, 3)}
+# fp32 weights for the default model too: its CPU int4 GEMM runs bf16 activations, whose output
+# rounding TP moves (each rank rounds its partial sum), so only fp32 can match token for token.
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def engines(request, tmp_path_factory):
+    spec, size = CASES[request.param]
+    if spec == "mqa":
+        spec = mqa_folder(tmp_path_factory.mktemp("mqa"))
+    settings = dict(SETTINGS, quantization="none")
+    reference = LLM(spec, **settings)
+    with LLM(spec, tensor_parallel_size=size, **settings) as parallel:
+        yield reference, parallel, size
+
+
+def _run(llm, ids, params):
+    steps = record_logits(llm)
+    out = llm.generate(ids, params, use_tqdm=False)
+    llm.engine.runner.run = type(llm.engine.runner).run.__get__(llm.engine.runner)
+    assert all(g.error is None for g in out), [g.error for g in out]
+    return out, steps
+
+
+def test_greedy_logits_and_kv_shards_match_tp1(engines):
+    reference, parallel, size = engines
+    ids = prompts(reference.engine.vocab_size)
+    want, want_logits = _run(reference, ids, greedy())
+    got, got_logits = _run(parallel, ids, greedy())
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    # The workload did preempt, hit the prefix cache and chunk prefills, on both engines.
+    assert sum(g.metrics.num_preemptions for g in got) > 0
+    assert parallel.engine.stats().prefix_cache_hits > 0
+    assert len(got_logits) == len(want_logits) > len(ids)
+    worst = max((a - b).abs().max().item() for a, b in zip(got_logits, want_logits, strict=True))
+    assert worst <= LOGITS_ATOL, worst
+    # Each rank's cache: its KV heads of TP = 1's cache (same block ids, same slots).
+    full = reference.engine.kv_cache.data
+    caches = parallel.engine.model.tp.gather_kv_caches(parallel.engine.kv_cache.data)
+    config = reference.engine.model.config
+    for rank, cache in enumerate(caches):
+        heads = list(kv_heads_of_rank(config, rank, size))
+        assert cache.shape[3] == len(heads)
+        assert cache.abs().sum() > 0
+        torch.testing.assert_close(cache, full[:, :, :, heads], atol=LOGITS_ATOL, rtol=0)
+
+
+def test_seeded_sampling_matches_tp1(engines):
+    reference, parallel, _ = engines
+    ids = prompts(reference.engine.vocab_size)
+    want, _ = _run(reference, ids, sampled(len(ids)))
+    got, _ = _run(parallel, ids, sampled(len(ids)))
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    assert len({g.token_ids for g in got}) > 1
+
+
+# --- without processes ---------------------------------------------------------------------------
+def test_sizes_the_heads_do_not_divide_are_refused_before_spawning():
+    with pytest.raises(TensorParallelConfigError, match="does not divide tiny's 4 query heads"):
+        LLM("synthetic:tiny", tensor_parallel_size=3, num_blocks=8)
+    config = PRESETS["tiny"].replace(name="odd", num_heads=6, num_kv_heads=3)
+    model, _ = load_model(config)
+    with pytest.raises(TensorParallelConfigError, match="3 KV heads: one must divide"):
+        shard_weights(model.weights, config, 0, 2)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_shards_are_slices_of_the_dequantized_weight(mode):
+    config = PRESETS["tiny"].replace(intermediate_size=128)
+    model, _ = load_model(config)
+    weights = quantize_weights(model.weights, mode, 32)
+    for rank in range(2):
+        shard = shard_weights(weights, config, rank, 2)
+        i, q = 64, 32
+        whole, part = weights.layers[0], shard.layers[0]
+        down = whole.down.dequantize_rows()[:, rank * i : (rank + 1) * i]
+        torch.testing.assert_close(part.down.dequantize_rows(), down, atol=0, rtol=0)
+        o = whole.o.dequantize_rows()[:, rank * q : (rank + 1) * q]
+        torch.testing.assert_close(part.o.dequantize_rows(), o, atol=0, rtol=0)
+        gate_up = whole.gate_up.dequantize_rows()
+        rows = torch.cat([torch.arange(rank * i, (rank + 1) * i)] * 2)
+        rows[i:] += 128
+        torch.testing.assert_close(part.gate_up.dequantize_rows(), gate_up[rows], atol=0, rtol=0)
+
+
+def test_int4_shards_off_group_boundaries_are_refused():
+    config = PRESETS["tiny"]  # intermediate 160: 80 per rank, not a multiple of groups of 32
+    model, _ = load_model(config)
+    weights = model.weights
+    layer = weights.layers[0]
+    layer.down = quantize(layer.down, "int4", 32)
+    with pytest.raises(TensorParallelConfigError, match="group boundaries"):
+        shard_weights(weights, config, 0, 2)
