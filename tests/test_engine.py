@@ -176,7 +176,7 @@ def test_a_failing_step_finishes_its_requests_and_the_engine_lives_on(monkeypatc
     engine = make_engine()
     victim = engine.add_request(prompt_ids=[5, 6, 7], params=GREEDY)
     real_run = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run", lambda entries: 1 / 0)
+    monkeypatch.setattr(engine.runner, "run", lambda entries, forks=None: 1 / 0)
     outputs = engine.step()
     assert victim.finish_reason is FinishReason.ERROR and "ZeroDivisionError" in victim.error
     assert [o.finished for o in outputs] == [True]

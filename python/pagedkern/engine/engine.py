@@ -343,9 +343,6 @@ class Engine:
                 if copy is not None:
                     data[:, :, copy[1]] = data[:, :, copy[0]]
 
-    def _run_model(self, entries, forks):
-        return self.runner.run(entries, forks) if forks else self.runner.run(entries)
-
     def _forward(
         self,
         entries: list[tuple[Request, int]],
@@ -357,7 +354,7 @@ class Engine:
         seeded samples is harmless), so one bad request does not fail its neighbours."""
         with ops.use_backend(self.backend):
             try:
-                return _sampled(self._run_model(entries, forks)), []
+                return _sampled(self.runner.run(entries, forks)), []
             except TensorParallelError:
                 raise  # not a request's fault, and the ranks are out of step: no retries
             except Exception as exc:  # noqa: BLE001 - isolated below
@@ -367,7 +364,7 @@ class Engine:
             sampled, failures = [], []
             for entry in entries:
                 try:
-                    sampled += _sampled(self._run_model([entry], forks))
+                    sampled += _sampled(self.runner.run([entry], forks))
                 except Exception as exc:  # noqa: BLE001 - this request's fault
                     failures.append((entry[0], exc))
             return sampled, failures
