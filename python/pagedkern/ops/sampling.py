@@ -7,6 +7,7 @@ from . import support
 from .arrays import (
     DTYPE_CODES,
     FLOAT_DTYPES,
+    ArrayView,
     check_contiguous,
     check_dtype,
     check_ndim,
@@ -93,20 +94,11 @@ def sample(
     arrays: dict[str, object] = {}
     for (name, dtype), value in zip(_PARAMS, values, strict=True):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            pv = view(value, name)
-            check_dtype(pv, (dtype,))
-            check_shape(pv, (rows,))
-            check_contiguous(pv)
-            views.append(pv)
-            arrays[name] = pv
+            arrays[name] = _checked(value, name, dtype, (rows,), views)
         elif dtype.startswith("int") and not isinstance(value, int):
             raise TypeError(f"{name} must be an int or an {dtype} array, got {value!r}")
     if out is not None:
-        ov = view(out, "out")
-        check_dtype(ov, ("int32",))
-        check_shape(ov, (rows,))
-        check_contiguous(ov)
-        views.append(ov)
+        ov = _checked(out, "out", "int32", (rows,), views)
     given = {
         "token_offsets": token_offsets,
         "token_ids": token_ids,
@@ -119,8 +111,8 @@ def sample(
         "bitmask_rows": bitmask_rows,
         "min_p": min_p,
     }
-    processing = _check_processing(given, rows, vocab, views)
-    _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows, views)
+    processing, checked = _check_processing(given, rows, vocab, views)
+    lpv = _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows, views)
     common_device(views)
     if not kernel_or_reference("sample", views, support.sample(lv.dtype, vocab)):
         reference = reference_on_torch("sample", views)
@@ -148,11 +140,10 @@ def sample(
     if out is None:
         out = empty_like(lv, (rows,), "int32")
         ov = view(out, "out")
-    kernel_inputs = dict(processing)
-    if "token_ids" in kernel_inputs and view(kernel_inputs["token_ids"], "token_ids").numel == 0:
+    ptr = {name: pv.ptr for name, pv in checked.items()}
+    if "token_ids" in checked and checked["token_ids"].numel == 0:
         for name in _SPARSE + _PENALTIES:  # no entries: nothing to apply (and no pointers)
-            kernel_inputs.pop(name)
-    ptr = {name: view(value, name).ptr for name, value in kernel_inputs.items()}
+            ptr.pop(name)
     workspace, stride = None, 0
     if "token_offsets" in ptr or "bitmask" in ptr:  # the processed rows (fp32, 16-byte rows)
         stride = -(-vocab // 4) * 4
@@ -180,7 +171,7 @@ def sample(
         bitmask_rows=ptr.get("bitmask_rows", 0),
         bitmask_words=(vocab + 31) // 32,
         min_p=ptr.get("min_p", 0),
-        logprobs=0 if logprobs is None else view(logprobs, "logprobs").ptr,
+        logprobs=0 if lpv is None else lpv.ptr,
         workspace=0 if workspace is None else view(workspace, "workspace").ptr,
         workspace_stride=stride,
         device=device,
@@ -195,8 +186,21 @@ def sample(
     return out
 
 
-def _check_processing(given: dict, rows: int, vocab: int, views: list) -> dict:
-    """The processing arrays that were given, checked (dtype, shape, contiguity, groups)."""
+def _checked(value, name: str, dtype: str, shape, views: list) -> ArrayView:
+    """`value` as a contiguous `dtype` array of `shape`, added to `views` (errors name it)."""
+    av = view(value, name)
+    check_dtype(av, (dtype,))
+    check_shape(av, shape)
+    check_contiguous(av)
+    views.append(av)
+    return av
+
+
+def _check_processing(
+    given: dict, rows: int, vocab: int, views: list
+) -> tuple[dict, dict[str, ArrayView]]:
+    """The processing arrays that were given, checked (dtype, shape, contiguity, groups), and
+    their views."""
     present = {name: value for name, value in given.items() if value is not None}
     sparse = [name for name in _SPARSE if name in present]
     if sparse and len(sparse) != len(_SPARSE):
@@ -210,26 +214,21 @@ def _check_processing(given: dict, rows: int, vocab: int, views: list) -> dict:
         tv = view(present["token_ids"], "token_ids")
         check_ndim(tv, 1)
         nnz = tv.shape[0]
-    for name, dtype, shape in _PROCESSING:
-        if name not in present:
-            continue
-        pv = view(present[name], name)
-        check_dtype(pv, (dtype,))
-        check_shape(pv, shape(rows, vocab, nnz))
-        check_contiguous(pv)
-        views.append(pv)
-    return present
+    checked = {
+        name: _checked(present[name], name, dtype, shape(rows, vocab, nnz), views)
+        for name, dtype, shape in _PROCESSING
+        if name in present
+    }
+    return present, checked
 
 
-def _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows: int, views: list) -> None:
+def _check_logprob_outputs(
+    logprobs, top_ids, top_logprobs, rows: int, views: list
+) -> ArrayView | None:
+    """Checks the optional outputs; the view of `logprobs` (None when not given)."""
     if (top_ids is None) != (top_logprobs is None):
         raise ValueError("give top_ids and top_logprobs together")
-    if logprobs is not None:
-        lv = view(logprobs, "logprobs")
-        check_dtype(lv, ("float32",))
-        check_shape(lv, (rows,))
-        check_contiguous(lv)
-        views.append(lv)
+    lv = None if logprobs is None else _checked(logprobs, "logprobs", "float32", (rows,), views)
     if top_ids is not None:
         iv, tv = view(top_ids, "top_ids"), view(top_logprobs, "top_logprobs")
         check_dtype(iv, ("int32",))
@@ -241,3 +240,4 @@ def _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows: int, views: li
         check_contiguous(iv)
         check_contiguous(tv)
         views += [iv, tv]
+    return lv
