@@ -61,8 +61,8 @@ def record_logits(llm: LLM) -> list[torch.Tensor]:
     runner = llm.engine.runner
     run, steps = runner.run, []
 
-    def recording(entries):
-        result = run(entries)
+    def recording(entries, forks=None):
+        result = run(entries, forks)
         if result.logits is not None:
             steps.append(result.logits.clone())
         return result
