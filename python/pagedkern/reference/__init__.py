@@ -7,8 +7,9 @@ docstrings. Written for clarity, not speed; the CPU serving path runs on them.
 from .activation import silu_and_mul
 from .attention import flash_prefill, merge_attention_states, paged_attention
 from .norm import fused_add_rms_norm, rms_norm
+from .rejection_sampling import rejection_sample
 from .rope import cos_sin_cache, rope_and_cache
-from .sampling import philox4x32, sample
+from .sampling import philox4x32, sample, sampling_distribution
 
 __all__ = [
     "cos_sin_cache",
@@ -17,8 +18,10 @@ __all__ = [
     "merge_attention_states",
     "paged_attention",
     "philox4x32",
+    "rejection_sample",
     "rms_norm",
     "rope_and_cache",
     "sample",
+    "sampling_distribution",
     "silu_and_mul",
 ]

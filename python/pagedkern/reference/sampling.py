@@ -64,6 +64,63 @@ def _per_row(value, rows: int, dtype: torch.dtype, device: torch.device) -> torc
     return t.expand(rows) if t.dim() == 0 else t.reshape(rows)
 
 
+def kept_probs(
+    x: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Steps 1 and 3-4 on processed logits x [B, V] with [B] parameters: the unnormalised
+    probabilities sample draws from (float32, zero outside the kept set; an all-zero row means
+    the greedy fallback). Rows with temperature <= 0 are scaled by 1; the caller takes argmax."""
+    vocab = x.shape[1]
+    sampled = temperature > 0
+    posinf = torch.isposinf(x)
+    only_inf = torch.where(posinf, torch.zeros_like(x), torch.full_like(x, float("-inf")))
+    x = torch.where(posinf.any(-1, keepdim=True), only_inf, x)
+    s = x / torch.where(sampled, temperature, torch.ones_like(temperature))[:, None]
+    s = min_p_filter(s, torch.where(sampled, min_p, torch.zeros_like(min_p)))
+
+    k = torch.where((top_k <= 0) | (top_k >= vocab), torch.full_like(top_k, vocab), top_k)
+    if bool((k < vocab).any()):
+        kth = s.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        s = s.masked_fill(s < kth, float("-inf"))
+    # Rows with no finite s (all -inf, or s overflowed to +inf) give NaN: zero them so
+    # top-p stays in bounds and the row falls back to greedy (total == 0).
+    probs = torch.softmax(s, dim=-1).nan_to_num(nan=0.0)
+
+    if bool((top_p < 1).any()):
+        ranked, order = probs.sort(dim=-1, descending=True, stable=True)
+        before = ranked.cumsum(-1) - ranked
+        tie_start = torch.searchsorted(-ranked, -ranked, side="left")
+        above = before.gather(1, tie_start)  # mass strictly more probable than each token
+        keep = (above < top_p[:, None]) | (above == 0) | (top_p[:, None] >= 1)
+        probs = probs * torch.zeros_like(keep).scatter(1, order, keep)
+    return probs
+
+
+def sampling_distribution(
+    logits: torch.Tensor, temperature, top_p, top_k, min_p=None, **processing
+) -> torch.Tensor:
+    """The distribution `sample` draws row i from, as float64 [B, V] summing to 1: the
+    processed, tempered, truncated, renormalised probabilities; a one-hot at the greedy id for
+    temperature <= 0 rows and for rows that fall back to greedy. Speculative decoding verifies
+    against exactly this (reference/rejection_sampling.py)."""
+    rows, vocab = logits.shape
+    dev = logits.device
+    temperature = _per_row(temperature, rows, torch.float32, dev)
+    top_p = _per_row(top_p, rows, torch.float32, dev)
+    top_k = _per_row(top_k, rows, torch.int64, dev)
+    min_p = _per_row(0.0 if min_p is None else min_p, rows, torch.float32, dev)
+    x = process_logits(logits, **processing)
+    greedy = torch.nn.functional.one_hot(x.argmax(dim=-1), vocab).double()
+    probs = kept_probs(x, temperature, top_p, top_k, min_p).double()
+    total = probs.sum(-1, keepdim=True)
+    valid = (temperature > 0)[:, None] & torch.isfinite(total) & (total > 0)
+    return torch.where(valid, probs / torch.where(valid, total, 1.0), greedy)
+
+
 def sample(
     logits: torch.Tensor,
     temperature,
@@ -99,28 +156,7 @@ def sample(
     ids = x.argmax(dim=-1)
     sampled = temperature > 0
     if bool(sampled.any()):
-        posinf = torch.isposinf(x)
-        only_inf = torch.where(posinf, torch.zeros_like(x), torch.full_like(x, float("-inf")))
-        x = torch.where(posinf.any(-1, keepdim=True), only_inf, x)
-        s = x / torch.where(sampled, temperature, torch.ones_like(temperature))[:, None]
-        s = min_p_filter(s, torch.where(sampled, min_p, torch.zeros_like(min_p)))
-
-        k = torch.where((top_k <= 0) | (top_k >= vocab), torch.full_like(top_k, vocab), top_k)
-        if bool((k < vocab).any()):
-            kth = s.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-            s = s.masked_fill(s < kth, float("-inf"))
-        # Rows with no finite s (all -inf, or s overflowed to +inf) give NaN: zero them so
-        # top-p stays in bounds and the row falls back to greedy (total == 0) below.
-        probs = torch.softmax(s, dim=-1).nan_to_num(nan=0.0)
-
-        if bool((top_p < 1).any()):
-            ranked, order = probs.sort(dim=-1, descending=True, stable=True)
-            before = ranked.cumsum(-1) - ranked
-            tie_start = torch.searchsorted(-ranked, -ranked, side="left")
-            above = before.gather(1, tie_start)  # mass strictly more probable than each token
-            keep = (above < top_p[:, None]) | (above == 0) | (top_p[:, None] >= 1)
-            probs = probs * torch.zeros_like(keep).scatter(1, order, keep)
-
+        probs = kept_probs(x, temperature, top_p, top_k, min_p)
         cdf = probs.double().cumsum(-1)
         total = cdf[:, -1:]
         drawn = torch.searchsorted(cdf, uniform(seeds, offsets)[:, None] * total, right=True)
