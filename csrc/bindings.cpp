@@ -19,6 +19,7 @@
 #include "paged_attention.h"
 #include "rope_and_cache.h"
 #include "sampling.h"
+#include "rejection_sampling.h"
 #include "flash_prefill.h"
 #include "quant_gemm.h"
 
@@ -286,6 +287,40 @@ PYBIND11_MODULE(_C, m) {
       py::arg("bitmask"), py::arg("bitmask_rows"), py::arg("bitmask_words"), py::arg("min_p"),
       py::arg("logprobs"), py::arg("workspace"), py::arg("workspace_stride"), py::arg("device"),
       py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "rejection_sample",
+      [](std::uintptr_t out_token_ids, std::uintptr_t out_num_tokens,
+         std::uintptr_t target_probs, std::uintptr_t draft_probs,
+         std::uintptr_t draft_token_ids, std::uintptr_t cu_draft, std::uintptr_t seeds,
+         std::uintptr_t offsets, int64_t batch, int64_t vocab, int64_t num_draft,
+         int64_t out_cols, int64_t target_stride, int64_t draft_stride, bool check_indices,
+         int device, std::uintptr_t stream) {
+        pagedkern::RejectionSampleParams p;
+        p.out_token_ids = as_ptr<int>(out_token_ids);
+        p.out_num_tokens = as_ptr<int>(out_num_tokens);
+        p.target_probs = as_ptr<const float>(target_probs);
+        p.draft_probs = as_ptr<const float>(draft_probs);
+        p.draft_token_ids = as_ptr<const int>(draft_token_ids);
+        p.cu_draft = as_ptr<const int>(cu_draft);
+        p.seeds = as_ptr<const int64_t>(seeds);
+        p.offsets = as_ptr<const int64_t>(offsets);
+        p.batch = batch;
+        p.vocab = vocab;
+        p.num_draft = num_draft;
+        p.out_cols = out_cols;
+        p.target_stride = target_stride;
+        p.draft_stride = draft_stride;
+        p.check_indices = check_indices;
+        DeviceGuard guard(device);
+        pagedkern::rejection_sample(p, as_stream(stream));
+      },
+      py::kw_only(), py::arg("out_token_ids"), py::arg("out_num_tokens"),
+      py::arg("target_probs"), py::arg("draft_probs"), py::arg("draft_token_ids"),
+      py::arg("cu_draft"), py::arg("seeds"), py::arg("offsets"), py::arg("batch"),
+      py::arg("vocab"), py::arg("num_draft"), py::arg("out_cols"), py::arg("target_stride"),
+      py::arg("draft_stride"), py::arg("check_indices"), py::arg("device"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
 
   // Returns the path that ran (FLASH_PREFILL_PATHS: 1 mma.sync, 2 wgmma + TMA; 0 = automatic).
   m.def(

@@ -9,6 +9,7 @@ from .flash_prefill import flash_prefill
 from .launch import get_backend, set_backend, use_backend
 from .norm import fused_add_rms_norm, rms_norm
 from .paged_attention import paged_attention
+from .rejection_sampling import rejection_sample
 from .rope import rope_and_cache
 from .sampling import sample
 from .support import KernelSupport, KernelUnsupportedError
@@ -21,6 +22,7 @@ __all__ = [
     "get_backend",
     "paged_attention",
     "quant_linear",
+    "rejection_sample",
     "rms_norm",
     "rope_and_cache",
     "sample",

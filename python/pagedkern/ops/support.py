@@ -67,6 +67,15 @@ def sample(dtype: str, vocab: int) -> KernelSupport:
     return _YES
 
 
+def rejection_sample(dtype: str, vocab: int) -> KernelSupport:
+    """Speculative verification: float32 probabilities, vocabularies below 2^23."""
+    if bad := _dtype(dtype, ("float32",)):
+        return bad
+    if vocab > MAX_SAMPLE_VOCAB:
+        return KernelSupport(False, f"vocabulary of {vocab} (the kernel covers < 2^23 entries)")
+    return _YES
+
+
 def elementwise(dtype: str) -> KernelSupport:
     """rms_norm, fused_add_rms_norm, silu_and_mul, rope_and_cache: every float dtype, any shape
     their validation accepts."""
