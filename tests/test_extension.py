@@ -111,7 +111,7 @@ def test_every_python_call_into_the_extension_uses_keywords():
     names = {"rms_norm", "silu_and_mul", "paged_attention", "rope_and_cache", "sample",
              "flash_prefill", "flash_prefill_workspace_ints", "flash_prefill_path",
              "multiprocessor_count", "pointer_device", "compute_capability",
-             "quant_gemm"}  # fmt: skip
+             "quant_gemm", "rejection_sample"}  # fmt: skip
     module = extension_module()
     if module is not None:
         assert names | {"device_count", "build_info"} == set(_kernel_entry_points(module))

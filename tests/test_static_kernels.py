@@ -27,6 +27,8 @@ VECTOR_ACCESS = {
     # logits processing stage: 16-byte logits in, 16-byte fp32 workspace out
     "process_kernelI13__nv_bfloat16Li8": ("LDG.E.128", "STG.E.128"),
     "process_kernelIfLi4": ("LDG.E.128", "STG.E.128"),
+    # speculative verification: 16-byte probability rows in (the outputs are a few ints)
+    "rejection_sample_kernelILi4": ("LDG.E.128",),
     # flash_prefill: K/V pages by 16-byte cp.async (path 1) or TMA (path 2), out with STG.128.
     "flash_prefill_sm80_kernel": ("LDGSTS.E.BYPASS", "STG.E.128"),
     "flash_prefill_sm90_kernel": ("UTMALDG.3D", "STG.E.128"),
@@ -42,6 +44,7 @@ KERNELS = (
     "rope_and_cache_kernel",
     "sample_kernel",
     "process_kernel",
+    "rejection_sample_kernel",
     "flash_prefill_schedule_kernel",
     "flash_prefill_sm80_kernel",
     "flash_prefill_sm90_kernel",
