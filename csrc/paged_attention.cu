@@ -40,6 +40,11 @@
  * Known limit: each K/V byte is read from shared memory once per head unit of the CTA, and the
  * SIMT math (fp32 dot products, shuffles) is close to the memory time at 4 heads per KV head;
  * a tensor-core (mma) variant would lift both for large groups.
+ * Speculative verification (issue 15): the 1 + k query rows of a speculating sequence run through
+ * this decode kernel as 1 + k decode rows that share its block table, row j with seq_len =
+ * computed + j + 1: causal by construction, no 128-row Q tile wasted on a 5-row chunk, and a
+ * step without prefill stays CUDA-graph replayable. Cost: the context is read 1 + k times
+ * (after the first, mostly from L2).
  */
 #include <cuda_pipeline_primitives.h>
 
