@@ -267,6 +267,32 @@ def test_draws_depend_only_on_seed_and_position():
         assert n == int(full[1][b]) and one[0][0, :n].tolist() == full[0][b, :n].tolist()
 
 
+def test_draws_do_not_depend_on_k():
+    # The same request with only its first k' proposals: where the longer run stopped within
+    # them, the same tokens; otherwise k' accepted proposals and a bonus token from row k'.
+    g = torch.Generator().manual_seed(12)
+    batch, vocab, k = 200, 6, 4
+    target, ids, q, cu, seeds, offsets = random_case(g, batch, vocab, k, False)
+    cu = (torch.arange(batch + 1) * k).int()
+    target = _normalised(torch.rand(batch * (k + 1), vocab, generator=g).double())
+    q = _normalised(torch.rand(batch * k, vocab, generator=g).double())
+    ids = torch.multinomial(q, 1, generator=g)[:, 0].int()
+    full = reference.rejection_sample(target, ids, q, cu, seeds, offsets)
+    short = 2
+    keep_rows = torch.tensor([b * (k + 1) + j for b in range(batch) for j in range(short + 1)])
+    keep_drafts = torch.tensor([b * k + j for b in range(batch) for j in range(short)])
+    cu_short = (torch.arange(batch + 1) * short).int()
+    part = reference.rejection_sample(
+        target[keep_rows], ids[keep_drafts], q[keep_drafts], cu_short, seeds, offsets
+    )
+    stopped = full[1] <= short
+    assert 0 < int(stopped.sum()) < batch
+    assert torch.equal(part[1][stopped], full[1][stopped])
+    assert torch.equal(part[0][stopped], full[0][stopped][:, : short + 1])
+    assert (part[1][~stopped] == short + 1).all()
+    assert torch.equal(part[0][~stopped, :short], full[0][~stopped, :short])
+
+
 # ---- ops.rejection_sample: the boundary ---------------------------------------------------------
 
 
