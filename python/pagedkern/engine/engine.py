@@ -325,10 +325,10 @@ class Engine:
         return outputs
 
     def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
+        proposals = self._propose(batch)
         if self.tracer:
             self.tracer.iteration(self.iteration, batch, self.pool)
         forks = {r: self._forks[r] for r, _ in batch.entries if r in self._forks}
-        proposals = self._propose(batch)
         sampled, failures = self._forward(batch.entries, forks, proposals)
         outputs += [self._fail(request, exc) for request, exc in failures]
         failed = {request for request, _ in failures}
@@ -392,7 +392,7 @@ class Engine:
             self._spec_steps += 1
             self._spec_proposed += len(proposed)
             self._spec_accepted += len(accepted)
-        if self.tracer and proposed and hasattr(self.tracer, "speculated"):
+        if self.tracer and proposed and hasattr(self.tracer, "speculated"):  # older tracers lack it
             freed = table - len(request.block_table)
             self.tracer.speculated(
                 request, proposed, accepted, len(proposed) - len(accepted), freed
