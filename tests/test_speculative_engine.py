@@ -303,3 +303,33 @@ def test_greedy_ngram_on_the_default_model_matches_plain_decoding():
     assert stats.num_spec_accepted > 0
     tight, _, preemptions = run("ngram", num_blocks=24, max_num_batched_tokens=64)
     assert tight == plain and preemptions > 0
+
+
+def test_greedy_shortcut_equals_the_rejection_rule():
+    """verify()'s argmax path for greedy requests gives what the reference rejection rule gives
+    with one-hot targets, for point-mass and for dense draft proposals, with penalties on."""
+    import torch
+
+    from pagedkern.engine.logits_processing import LogitsState
+    from pagedkern.engine.request import Request
+    from pagedkern.engine.speculative import verify as verification
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 11
+    for trial in range(40):
+        requests, proposals = [], []
+        for b in range(3):
+            params = SamplingParams(temperature=0, repetition_penalty=1.0 + (b == 1))
+            r = Request(f"R{b}", (1, 2, 3), params, output_ids=[4, 5], seed=trial * 10 + b)
+            r.logits_state = LogitsState(params, r.prompt_ids, (), vocab)
+            k = int(torch.randint(0, 4, (1,), generator=g))
+            ids = tuple(torch.randint(0, vocab, (k,), generator=g).tolist())
+            dense = torch.softmax(torch.randn(k, vocab, generator=g), -1) if trial % 2 else None
+            requests.append(r)
+            proposals.append(Proposal(ids, dense if k else None))
+        rows = sum(len(p.token_ids) + 1 for p in proposals)
+        logits = torch.randn(rows, vocab, generator=g)
+        logits[0, 1] = logits[0].max()  # a tie: the lower id wins in both paths
+        fast = verification.verify(logits, requests, proposals)
+        rule = verification._sampled(logits, requests, proposals)
+        assert fast == rule, trial

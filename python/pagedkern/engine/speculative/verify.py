@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 
 from ... import reference
+from ...reference import logits_processing
 from ..logits_processing import LogitsState, batch_processing
 from ..request import Request
 from .proposer import Proposal
@@ -42,15 +43,7 @@ def target_probs(
 ) -> torch.Tensor:
     """float64 [sum(k_b + 1), V]: request b's k_b + 1 rows of `logits` (in order) as the
     distributions non-speculative sampling would draw those positions from."""
-    states, outputs, params = [], [], []
-    for request, proposal in zip(requests, proposals, strict=True):
-        state, out = request.logits_state, request.output_ids
-        for j in range(len(proposal.token_ids) + 1):
-            before = proposal.token_ids[:j]
-            states.append(_state_after(state, before))
-            # the whole output is copied only for rows whose processing reads it
-            outputs.append([*out, *before] if j and state.active else out)
-            params.append(request.params)
+    states, outputs, params = _states_and_outputs(requests, proposals)
     processing = batch_processing(states, outputs, [None] * len(states))
     arrays = {name: a.to(logits.device) for name, a in processing.arrays.items()}
     min_p = arrays.pop("min_p", None)
@@ -65,6 +58,42 @@ def target_probs(
     )
 
 
+def _states_and_outputs(requests: Sequence[Request], proposals: Sequence[Proposal]):
+    """Per verified row, the request's processing state and output as of that position."""
+    states, outputs, params = [], [], []
+    for request, proposal in zip(requests, proposals, strict=True):
+        state, out = request.logits_state, request.output_ids
+        for j in range(len(proposal.token_ids) + 1):
+            before = proposal.token_ids[:j]
+            states.append(_state_after(state, before))
+            # the whole output is copied only for rows whose processing reads it
+            outputs.append([*out, *before] if j and state.active else out)
+            params.append(request.params)
+    return states, outputs, params
+
+
+def _greedy(
+    logits: torch.Tensor, requests: Sequence[Request], proposals: Sequence[Proposal]
+) -> list[list[int]]:
+    """Greedy requests: the rejection rule with a one-hot target accepts exactly the proposals
+    equal to the processed argmax and then yields the argmax, whatever the draft's q (see
+    reference/rejection_sampling.py), so the argmax of each row is all it needs."""
+    states, outputs, _ = _states_and_outputs(requests, proposals)
+    processing = batch_processing(states, outputs, [None] * len(states))
+    arrays = {n: a.to(logits.device) for n, a in processing.arrays.items() if n != "min_p"}
+    best = logits_processing.process_logits(logits, **arrays).argmax(-1).tolist()
+    gains, row = [], 0
+    for proposal in proposals:
+        k = len(proposal.token_ids)
+        target = best[row : row + k + 1]
+        a = 0
+        while a < k and proposal.token_ids[a] == target[a]:
+            a += 1
+        gains.append([*proposal.token_ids[:a], target[a]])
+        row += k + 1
+    return gains
+
+
 def verify(
     logits: torch.Tensor,
     requests: Sequence[Request],
@@ -72,7 +101,42 @@ def verify(
     sampler: ModuleType | None = None,
 ) -> list[list[int]]:
     """The tokens each request gains this step: its accepted proposals, then the recovered or
-    bonus token (1 .. k_b + 1 ids). logits: [sum(k_b + 1), V], request b's rows in order."""
+    bonus token (1 .. k_b + 1 ids). logits: [sum(k_b + 1), V], request b's rows in order.
+    Greedy requests take the argmax shortcut, the others the rejection sampler."""
+    greedy = [r.params.temperature <= 0 for r in requests]
+    if any(greedy):
+        starts = [0]
+        for p in proposals:
+            starts.append(starts[-1] + len(p.token_ids) + 1)
+        pick = [i for i, g in enumerate(greedy) if g]
+        rest = [i for i, g in enumerate(greedy) if not g]
+        gains: list[list[int]] = [[] for _ in requests]
+
+        def rows(indices: list[int]) -> torch.Tensor:
+            ids = [j for i in indices for j in range(starts[i], starts[i + 1])]
+            return logits[torch.tensor(ids, device=logits.device)]
+
+        for i, g in zip(
+            pick,
+            _greedy(rows(pick), [requests[i] for i in pick], [proposals[i] for i in pick]),
+            strict=True,
+        ):
+            gains[i] = g
+        if rest:
+            sub = [requests[i] for i in rest], [proposals[i] for i in rest]
+            for i, g in zip(rest, _sampled(rows(rest), *sub, sampler), strict=True):
+                gains[i] = g
+        return gains
+    return _sampled(logits, requests, proposals, sampler)
+
+
+def _sampled(
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    proposals: Sequence[Proposal],
+    sampler: ModuleType | None = None,
+) -> list[list[int]]:
+    """The rejection rule (REJECTION_SAMPLER) on the target distributions."""
     sampler = REJECTION_SAMPLER if sampler is None else sampler
     dev = logits.device
     counts = [len(p.token_ids) for p in proposals]
