@@ -64,11 +64,38 @@ def test_incremental_history_follows_the_output():
     request.output_ids.extend(range(10, 200))
     request.output_ids.extend([1, 2, 3])
     (later,) = proposer.propose([request], [4])
-    assert later.token_ids == oracle(request.all_ids, 1, 3, 4)
+    # the first proposal's 2 tokens were accepted: the next proposes at most 2 + 1
+    assert later.token_ids == oracle(request.all_ids, 1, 3, 3) and len(later.token_ids) == 3
     proposer.forget(request)
-    assert proposer.propose([request], [4])[0].token_ids == later.token_ids  # rebuilt
+    rebuilt = proposer.propose([request], [4])[0].token_ids
+    assert rebuilt == oracle(request.all_ids, 1, 3, 4) and len(rebuilt) == 4  # window reset
+
+
+def test_the_window_shrinks_after_rejections_and_grows_back():
+    proposer = NgramProposer(1, 2)
+    request = Request("R", (1, 2, 3, 4, 5, 6, 7, 1, 2), SamplingParams())
+    assert proposer.propose([request], [4])[0].token_ids == (3, 4, 5, 6)
+    request.output_ids += [9, 1, 2]  # nothing accepted (9 came instead), then plain steps
+    assert proposer.propose([request], [4])[0].token_ids == (9,)  # window 0 + 1
+    request.output_ids += [9, 4]  # the one proposal accepted, then 4
+    assert proposer.propose([request], [4])[0].token_ids == (5, 6)  # window 1 + 1
 
 
 def test_bad_limits_are_refused():
     with pytest.raises(ValueError, match="ngram_min"):
         NgramProposer(3, 2)
+
+
+def test_rejected_lone_guesses_back_off():
+    proposer = NgramProposer(1, 1)
+    request = Request("R", (1, 2, 1), SamplingParams())
+    calls = []
+    for step in range(12):
+        (p,) = proposer.propose([request], [4])
+        calls.append(p.token_ids)
+        # a fresh token (never the one proposed), then 1 again: lookup always matches
+        request.output_ids += [100 + step, 1]
+    assert calls[0] == (2, 1)  # k = 4 capped by what follows; rejected: window 1
+    assert len(calls[1]) == 1  # a lone guess, rejected: skip 2 steps
+    assert calls[2:4] == [(), ()] and len(calls[4]) == 1  # rejected again: skip 4
+    assert calls[5:9] == [()] * 4 and len(calls[9]) == 1

@@ -170,6 +170,8 @@ class Scheduler:
         what max_tokens leaves (the step yields up to k + 1 tokens). 0: decode as usual."""
         if num_new != 1 or request.num_uncomputed != 1 or not request.may_speculate:
             return 0
+        if not request.output_ids:  # its first token comes from the prompt (and n > 1 forks)
+            return 0
         room = min(
             budget - 1,
             self.config.max_model_len - request.num_tokens,

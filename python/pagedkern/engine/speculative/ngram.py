@@ -7,6 +7,12 @@ generated since the last call (no per-step copy of the whole sequence). A lookup
 vectorised comparison against the last token over the sequence, then at most ngram_max - 1
 comparisons over the candidates it found: O(length) per request and step, in C, so refusing
 (no match) is cheap. Proposals are point masses (`draft_probs` None).
+
+Wasted verification rows cost real compute where the model is not memory-bound (the CPU, large
+batches), so each request's proposal length adapts: after a verification that accepted a of its
+proposals (read off the tokens it gained) it proposes at most a + 1 next time, up to k; a single
+guess rejected makes it skip lookups for 2, 4, ... 32 steps (reset by an acceptance). Text that
+quotes its prompt keeps k; text that does not soon costs nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from ..request import Request
 from .proposer import Proposal
 
 _NOTHING = Proposal(())
+MAX_BACKOFF = 32  # most steps a request skips lookups after a rejected lone guess
 
 
 class _History:
@@ -30,6 +37,10 @@ class _History:
         self.length = 0
         self.num_prompt = len(ids)
         self._extend(ids)
+        self.proposed: tuple[int, ...] = ()  # the last proposal, verified since
+        self.window: int | None = None  # the most it proposes next (None: k)
+        self.backoff = 0  # steps skipped after the last lone guess was rejected
+        self.skip = 0  # steps still to skip
 
     def _extend(self, ids: Sequence[int]) -> None:
         end = self.length + len(ids)
@@ -41,10 +52,25 @@ class _History:
         self.length = end
 
     def sync(self, request: Request) -> np.ndarray:
-        """The ids so far (a view), after appending the outputs generated since the last call."""
+        """The ids so far (a view), after appending the outputs generated since the last call
+        (and adapting the window to how much of the last proposal they accepted)."""
         seen = self.length - self.num_prompt
-        if seen < len(request.output_ids):
-            self._extend(request.output_ids[seen:])
+        gained = request.output_ids[seen:]
+        if gained:
+            self._extend(gained)
+        if self.proposed and gained:
+            accepted = 0
+            for want, got in zip(self.proposed, gained[:-1]):
+                if want != got:
+                    break
+                accepted += 1
+            if accepted == 0 and len(self.proposed) == 1:
+                self.backoff = min(MAX_BACKOFF, max(2, 2 * self.backoff))
+                self.skip = self.backoff
+            elif accepted:
+                self.backoff = 0
+            self.window = accepted + 1
+            self.proposed = ()
         return self.buffer[: self.length]
 
 
@@ -92,7 +118,14 @@ class NgramProposer:
             history = self._histories.get(request)
             if history is None:
                 history = self._histories[request] = _History(request)
-            found = lookup(history.sync(request), self.ngram_min, self.ngram_max, k)
+            ids = history.sync(request)
+            if history.skip:
+                history.skip -= 1
+                proposals.append(_NOTHING)
+                continue
+            window = k if history.window is None else min(k, history.window)
+            found = lookup(ids, self.ngram_min, self.ngram_max, window)
+            history.proposed = found
             proposals.append(Proposal(found) if found else _NOTHING)
         return proposals
 
