@@ -333,3 +333,22 @@ def test_greedy_shortcut_equals_the_rejection_rule():
         fast = verification.verify(logits, requests, proposals)
         rule = verification._sampled(logits, requests, proposals)
         assert fast == rule, trial
+
+
+def test_a_proposer_past_its_slots_is_cut_to_them():
+    engine = make_engine(num_speculative_tokens=2)
+
+    class Greedy:  # proposes far more than the two slots it was given
+        def propose(self, requests, max_tokens):
+            return [Proposal(tuple(r.output_ids[-1:]) * 9) for r in requests]
+
+        def forget(self, request):
+            pass
+
+    engine.proposer = Greedy()
+    ids = [5, 6, 7] * 4
+    (got,) = generate(engine, [ids], GREEDY).values()
+    (plain,) = generate(make_engine("none"), [ids], GREEDY).values()
+    assert got == plain
+    stats = engine.stats()
+    assert 0 < stats.num_spec_proposed <= 2 * stats.num_spec_steps

@@ -372,9 +372,12 @@ class Engine:
                 self.proposer.forget(request)
             made = [Proposal(())] * len(requests)
         proposals = {r: p for r, p in zip(requests, made, strict=True) if p.token_ids}
-        for r, p in proposals.items():
-            if len(p.token_ids) > batch.lookahead[r]:
-                raise RuntimeError(f"{r.request_id}: proposer exceeded {batch.lookahead[r]}")
+        for r, p in proposals.items():  # a proposer past its slots: keep what fits
+            k = batch.lookahead[r]
+            if len(p.token_ids) > k:
+                log.warning("%s: %d proposals for %d slots", r.request_id, len(p.token_ids), k)
+                q = None if p.draft_probs is None else p.draft_probs[:k]
+                proposals[r] = Proposal(p.token_ids[:k], q)
         batch.entries = [
             (r, 1 + len(proposals[r].token_ids) if r in proposals else 1)
             if r in batch.lookahead
