@@ -156,7 +156,7 @@ def _sampled(
                 rows.append(torch.nn.functional.one_hot(ids, vocab).float())
         draft_probs = torch.cat(rows) if rows else None
     out, num = sampler.rejection_sample(
-        target_probs(logits, requests, proposals),
+        target_probs(logits, requests, proposals).float(),  # float32: what the kernel takes
         torch.tensor(draft_ids, dtype=torch.int32, device=dev),
         draft_probs,
         torch.tensor(cu, dtype=torch.int32, device=dev),
