@@ -33,8 +33,14 @@ DTYPES = {
 }
 
 
-def _setting(default: Any, help: str, **kw) -> Any:  # noqa: A002 - argparse's word
-    return field(default=default, metadata={"help": help}, **kw)
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
+def _setting(default: Any, help: str, cli: dict | None = None, **kw) -> Any:  # noqa: A002
+    """A field with its help text (argparse's word) and, for fields whose flag the CLI derives
+    from the field alone, `cli`: the flag's argparse keywords (type check, choices)."""
+    metadata = {"help": help} if cli is None else {"help": help, "cli": cli}
+    return field(default=default, metadata=metadata, **kw)
 
 
 @dataclass(slots=True)
@@ -93,6 +99,29 @@ class EngineConfig:
         "ranks the model is split over (torch.distributed: gloo on the CPU, NCCL on CUDA); "
         "rank 0 is this process, ranks 1..N-1 workers it spawns (or torchrun starts)",
     )
+    # Speculative decoding (engine/speculative/): propose k tokens cheaply, verify them in one
+    # forward pass of the target model.
+    speculative: str = _setting(
+        "none",
+        "speculative decoding: none, ngram (prompt lookup) or draft (a smaller model, "
+        "--draft-model)",
+        cli={"choices": SPECULATIVE_METHODS},
+    )
+    num_speculative_tokens: int = _setting(
+        4, "tokens proposed (and verified) per speculative step", cli={"type": "positive_int"}
+    )
+    ngram_min: int = _setting(
+        2, "shortest suffix n-gram that n-gram lookup matches", cli={"type": "positive_int"}
+    )
+    ngram_max: int = _setting(
+        4, "longest suffix n-gram that n-gram lookup matches", cli={"type": "positive_int"}
+    )
+    draft_model: str | None = _setting(
+        None,
+        'the draft model of --speculative draft: a GGUF file, HF folder, "synthetic:<preset>" '
+        'or "self:N" (the target\'s first N layers with its final norm and LM head)',
+        cli={},
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -125,6 +154,19 @@ class EngineConfig:
         check_int("seed", self.seed, 0, 2**63 - 1)
         check_int("max_queue", self.max_queue, 1, INT32_MAX)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be none, ngram or draft, got {self.speculative!r}")
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 64)
+        check_int("ngram_min", self.ngram_min, 1, 64)
+        check_int("ngram_max", self.ngram_max, 1, 64)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})"
+            )
+        if self.draft_model is not None and not isinstance(self.draft_model, str):
+            raise ParameterTypeError(f"draft_model must be a string, got {self.draft_model!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative draft needs draft_model (a model path or self:N)")
 
 
 def _dtype(value) -> torch.dtype | None:
@@ -146,6 +188,7 @@ class ConfigField:
     name: str
     default: Any
     help: str
+    cli: dict | None = None  # argparse keywords where the CLI derives the flag from the field
 
     @property
     def flag(self) -> str:
@@ -155,6 +198,6 @@ class ConfigField:
 def engine_fields() -> dict[str, ConfigField]:
     """Every EngineConfig field by name, with its default and help text (for the CLI)."""
     return {
-        f.name: ConfigField(f.name, f.default, f.metadata.get("help", ""))
+        f.name: ConfigField(f.name, f.default, f.metadata.get("help", ""), f.metadata.get("cli"))
         for f in dataclasses.fields(EngineConfig)
     }

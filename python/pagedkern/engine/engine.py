@@ -4,6 +4,12 @@ One `step()` is one iteration of the reference document's loop: expire timed-out
 schedule (decodes and prompt chunks under the token budget), run the model, sample, append,
 detokenize, check every stop condition, free the KV blocks of finished requests.
 
+With speculative decoding (config.speculative) a decoding request also gets k proposals
+(engine/speculative/): its last token and the proposals run as 1 + k rows, verification keeps
+the accepted prefix plus one recovered or bonus token, the rejected tokens' KV slots are
+rewound (Scheduler.on_step_done), and the tokens gained are appended one by one with every stop
+check, so a stop inside an accepted run drops the tokens after it.
+
 Bad input is refused at admission (ValueError naming the field). Should a step still fail, the
 failure is pinned on the request(s) it can be attributed to (the scheduler isolates a request's
 own hashing and accounting; a failed forward pass is retried request by request): those finish
@@ -33,9 +39,10 @@ from .kv_budget import kv_cache_blocks
 from .logits_processing import LogitsState
 from .outputs import EngineStats, RequestOutput, TokenLogprob
 from .request import FinishReason, Request
-from .runner import ModelRunner
+from .runner import ModelRunner, StepResult
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from .speculative import Proposal, make_proposer
 from .trace import Tracer
 from .validation import ParameterTypeError, check_messages, check_number, check_token_ids
 
@@ -113,6 +120,9 @@ class Engine:
         self.scheduler = Scheduler(
             self.pool, SchedulerConfig.from_engine(config, self.max_model_len)
         )
+        with ops.use_backend(self.backend):
+            self.proposer = make_proposer(config, model, self.kv_cache)
+        self._spec_steps = self._spec_proposed = self._spec_accepted = 0
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._stop_ids: dict[str, frozenset[int]] = {}  # ids that end the request (EOS too)
@@ -273,6 +283,10 @@ class Engine:
             num_iterations=self.iteration,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
+            speculative=self.config.speculative,
+            num_spec_steps=self._spec_steps,
+            num_spec_proposed=self._spec_proposed,
+            num_spec_accepted=self._spec_accepted,
         )
 
     # --- the loop ----------------------------------------------------------------------------
@@ -295,6 +309,9 @@ class Engine:
             self._fail_all(list(self.scheduler.running), exc, outputs)
             return outputs
         outputs += [self._fail(request, exc) for request, exc in batch.failed]
+        if self.proposer is not None:
+            for victim in batch.preempted:
+                self.proposer.forget(victim)
         if not batch:
             return outputs
         self.iteration += 1
@@ -308,30 +325,81 @@ class Engine:
         return outputs
 
     def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
+        proposals = self._propose(batch)
         if self.tracer:
             self.tracer.iteration(self.iteration, batch, self.pool)
         forks = {r: self._forks[r] for r, _ in batch.entries if r in self._forks}
-        sampled, failures = self._forward(batch.entries, forks)
+        sampled, failures = self._forward(batch.entries, forks, proposals)
         outputs += [self._fail(request, exc) for request, exc in failures]
         failed = {request for request, _ in failures}
         done = ScheduledBatch([e for e in batch.entries if e[0] not in failed])
+        gains = {s[0]: s[1] for s in sampled}
+        done.accepted = {r: tuple(gains[r][:-1]) for r in batch.lookahead if r in gains}
+        tables = {r: len(r.block_table) for r in done.accepted}
         self.scheduler.on_step_done(done)  # the runner sampled exactly the requests it returns
+        for request, accepted in done.accepted.items():
+            self._count_speculation(request, proposals.get(request), accepted, tables[request])
         outputs += [self._fail(request, exc) for request, exc in done.failed]
         failed.update(request for request, _ in done.failed)
         for leader in {s[0] for s in sampled} & forks.keys():
             if leader not in failed:
                 self._fork(leader, self._forks.pop(leader))
         now = self.clock()
-        for request, token, logits, logprob in sampled:
+        for request, tokens, logits, logprob in sampled:
             if request in failed or request.request_id not in self.requests:
                 continue
             try:
-                if self.tracer:
-                    self.tracer.candidates(request, logits, token, self.tokenizer)
-                outputs.append(self._append(request, token, now, logprob))
+                if self.tracer and logits is not None:
+                    self.tracer.candidates(request, logits, tokens[0], self.tokenizer)
+                outputs.append(self._append(request, tokens, now, logprob))
             except Exception as exc:  # noqa: BLE001 - e.g. its detokenization: it fails alone
                 if request.request_id in self.requests:
                     outputs.append(self._fail(request, exc))
+
+    def _propose(self, batch: ScheduledBatch) -> dict[Request, Proposal]:
+        """Proposals for the requests that hold lookahead slots; each entry shrinks to 1 + the
+        proposal's length (the slots past it are given back after the step). A failing
+        proposer costs only the speedup: those requests decode as usual this step."""
+        if not batch.lookahead:
+            return {}
+        requests = list(batch.lookahead)
+        try:
+            with ops.use_backend(self.backend):
+                made = self.proposer.propose(requests, [batch.lookahead[r] for r in requests])
+        except Exception:  # noqa: BLE001 - speculation is an optimisation: decode instead
+            log.exception("the %s proposer failed; decoding without it", self.config.speculative)
+            for request in requests:
+                self.proposer.forget(request)
+            made = [Proposal(())] * len(requests)
+        proposals = {r: p for r, p in zip(requests, made, strict=True) if p.token_ids}
+        for r, p in proposals.items():  # a proposer past its slots: keep what fits
+            k = batch.lookahead[r]
+            if len(p.token_ids) > k:
+                log.warning("%s: %d proposals for %d slots", r.request_id, len(p.token_ids), k)
+                q = None if p.draft_probs is None else p.draft_probs[:k]
+                proposals[r] = Proposal(p.token_ids[:k], q)
+        batch.entries = [
+            (r, 1 + len(proposals[r].token_ids) if r in proposals else 1)
+            if r in batch.lookahead
+            else (r, n)
+            for r, n in batch.entries
+        ]
+        return proposals
+
+    def _count_speculation(
+        self, request: Request, proposal: Proposal | None, accepted: tuple, table: int
+    ) -> None:
+        """Stats and the trace line of one verified request."""
+        proposed = () if proposal is None else proposal.token_ids
+        if proposed:
+            self._spec_steps += 1
+            self._spec_proposed += len(proposed)
+            self._spec_accepted += len(accepted)
+        if self.tracer and proposed and hasattr(self.tracer, "speculated"):  # older tracers lack it
+            freed = table - len(request.block_table)
+            self.tracer.speculated(
+                request, proposed, accepted, len(proposed) - len(accepted), freed
+            )
 
     def _fork(self, leader: Request, samples: list[Request]) -> None:
         """n > 1: the further samples take the first's prompt KV (Scheduler.fork); the K/V of
@@ -347,14 +415,16 @@ class Engine:
         self,
         entries: list[tuple[Request, int]],
         forks: dict[Request, list[Request]] | None = None,
+        proposals: dict[Request, Proposal] | None = None,
     ) -> tuple[list[tuple], list[tuple[Request, Exception]]]:
-        """Run the batch: (request, sampled token, its logits row) for every request that
-        sampled, and (request, error) for those that failed. When the batch fails, each request
-        runs alone to find who is at fault (rewriting the same K/V slots and redrawing the same
-        seeded samples is harmless), so one bad request does not fail its neighbours."""
+        """Run the batch: (request, its new tokens, its logits row or None, its logprob) for
+        every request that sampled or verified, and (request, error) for those that failed.
+        When the batch fails, each request runs alone to find who is at fault (rewriting the
+        same K/V slots and redrawing the same seeded samples is harmless), so one bad request
+        does not fail its neighbours."""
         with ops.use_backend(self.backend):
             try:
-                return _sampled(self.runner.run(entries, forks)), []
+                return _sampled(self._run_model(entries, forks, proposals)), []
             except TensorParallelError:
                 raise  # not a request's fault, and the ranks are out of step: no retries
             except Exception as exc:  # noqa: BLE001 - isolated below
@@ -364,37 +434,61 @@ class Engine:
             sampled, failures = [], []
             for entry in entries:
                 try:
-                    sampled += _sampled(self.runner.run([entry], forks))
+                    sampled += _sampled(self._run_model([entry], forks, proposals))
                 except Exception as exc:  # noqa: BLE001 - this request's fault
                     failures.append((entry[0], exc))
             return sampled, failures
 
+    def _run_model(self, entries, forks, proposals) -> StepResult:
+        """runner.run, given `proposals` only in a speculative step (a plain step's call is the
+        two-argument one that tests substitute)."""
+        if not proposals:
+            return self.runner.run(entries, forks)
+        mine = {entry[0]: proposals[entry[0]] for entry in entries if entry[0] in proposals}
+        return self.runner.run(entries, forks, mine)
+
     def _append(
-        self, request: Request, token: int, now: float, logprob: TokenLogprob | None = None
+        self,
+        request: Request,
+        tokens: Sequence[int],
+        now: float,
+        logprob: TokenLogprob | None = None,
     ) -> RequestOutput:
+        """Append this step's tokens (one, or a verified run) with every stop check after each:
+        the tokens after a stop are dropped. One output carries them all."""
+        logprobs = None if logprob is None else (logprob,)
+        texts = []
+        for n, token in enumerate(tokens, 1):
+            reason, text = self._append_one(request, token, now)
+            texts.append(text)
+            if reason is not None:
+                return self._finish(request, reason, tuple(tokens[:n]), "".join(texts), logprobs)
+        return RequestOutput.of(request, "".join(texts), tuple(tokens), False, logprobs=logprobs)
+
+    def _append_one(
+        self, request: Request, token: int, now: float
+    ) -> tuple[FinishReason | None, str]:
+        """One token: (why the request stops, or None; the text it adds)."""
         request.output_ids.append(token)
         request.logits_state.append(token)
-        logprobs = None if logprob is None else (logprob,)
         request.token_times.append(now)
         self._num_generated_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = now
         if token in self._stop_ids[request.request_id]:
-            return self._finish(request, FinishReason.STOP, (token,), logprobs=logprobs)
+            return FinishReason.STOP, ""
         grammar_done = request.grammar is not None and request.grammar.accept(token)
         detokenizer = self._detokenizers[request.request_id]
         text = detokenizer.add(token)
         if detokenizer.stopped_by is not None or grammar_done:
-            reason = FinishReason.STOP
-        elif len(request.output_ids) >= request.params.max_tokens:
-            reason = FinishReason.LENGTH
-        elif request.num_tokens >= self.max_model_len:
-            reason = FinishReason.CONTEXT
-        else:
-            if self.tracer:
-                self.tracer.token(request, token, text)
-            return RequestOutput.of(request, text, (token,), False, logprobs=logprobs)
-        return self._finish(request, reason, (token,), text, logprobs)
+            return FinishReason.STOP, text
+        if len(request.output_ids) >= request.params.max_tokens:
+            return FinishReason.LENGTH, text
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.CONTEXT, text
+        if self.tracer:
+            self.tracer.token(request, token, text)
+        return None, text
 
     def _finish(
         self,
@@ -405,6 +499,8 @@ class Engine:
         logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> RequestOutput:
         freed = list(request.block_table)
+        if self.proposer is not None:
+            self.proposer.forget(request)
         waiting = self._forks.pop(request, ())
         if waiting:  # n > 1, finished before its prompt was done: its samples end with it
             self._undelivered += [self._finish(s, reason) for s in waiting]
@@ -482,10 +578,11 @@ class Engine:
 
 
 def _sampled(result) -> list[tuple]:
-    """(request, token, its logits row, its logprobs or None) per sampled row."""
+    """(request, its new tokens, its logits row, its logprobs or None) per sampled row, then
+    (request, its verified tokens, None, None) per speculating request."""
     logits = result.logits
     logprobs = result.logprobs or [None] * len(result.requests)
     return [
-        (request, token, None if logits is None else logits[row], logprobs[row])
+        (request, [token], None if logits is None else logits[row], logprobs[row])
         for row, (request, token) in enumerate(zip(result.requests, result.token_ids, strict=True))
-    ]
+    ] + [(request, tokens, None, None) for request, tokens in result.verified]

@@ -160,9 +160,24 @@ class EngineStats:
     num_iterations: int
     max_num_seqs: int
     max_model_len: int
+    # speculative decoding, since the engine started (all 0 without it)
+    speculative: str = "none"
+    num_spec_steps: int = 0  # request-steps that verified at least one proposal
+    num_spec_proposed: int = 0  # proposed tokens
+    num_spec_accepted: int = 0  # of those, accepted
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return (
             self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
         )
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed tokens (0 before any proposal)."""
+        return self.num_spec_accepted / self.num_spec_proposed if self.num_spec_proposed else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Accepted proposals per speculative step; a step yields this + 1 tokens."""
+        return self.num_spec_accepted / self.num_spec_steps if self.num_spec_steps else 0.0

@@ -84,6 +84,13 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def may_speculate(self) -> bool:
+        """Speculative decoding skips requests with structured output (the grammar matcher
+        would have to be advanced through proposals and rolled back) and with logprobs (each
+        accepted token's logprobs are not computed): they decode one token per step."""
+        return self.grammar is None and self.params.logprobs is None
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -1,5 +1,8 @@
 """Runs one scheduled iteration on the model: the flattened batch and its metadata from the
-requests' state, one forward pass, and sampling of the rows whose prompt is fully computed."""
+requests' state, one forward pass, and sampling of the rows whose prompt is fully computed.
+Speculating requests feed their last token and proposals as one-token decode rows
+(model/attention_metadata.verification_rows), get logits for every row, and are verified
+(engine/speculative/verify.py) instead of sampled."""
 
 from __future__ import annotations
 
@@ -10,22 +13,27 @@ import torch
 
 from .. import ops
 from ..model import KVCache, LlamaModel, SequenceChunk, layout_batch
+from ..model.attention_metadata import verification_rows
 from .cuda_graphs import DecodeGraphs
 from .logits_processing import batch_processing
 from .outputs import TokenLogprob
 from .request import Request
+from .speculative.proposer import Proposal
+from .speculative.verify import verify
 
 
 @dataclass(slots=True)
 class StepResult:
     """Sampled token per request that completed its uncomputed tokens this step (and per
     sample that forks from such a request), those rows' logits (for tracing) and, where asked
-    for, their logprobs, in the same order."""
+    for, their logprobs, in the same order. verified: per speculating request, the tokens it
+    gains (accepted proposals, then the recovered or bonus token)."""
 
     requests: list[Request]
     token_ids: list[int]
     logits: torch.Tensor | None
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    verified: list[tuple[Request, list[int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -50,11 +58,16 @@ class ModelRunner:
         self,
         entries: list[tuple[Request, int]],
         forks: Mapping[Request, Sequence[Request]] | None = None,
+        proposals: Mapping[Request, Proposal] | None = None,
     ) -> StepResult:
         """Run the batch; `forks`: for a request whose prompt completes now, the further
-        samples (n > 1) that draw their first token from the same logits row."""
-        # Prefill chunks first, then one-token rows: the layout the model's metadata expects.
-        ordered = [e for e in entries if e[1] > 1] + [e for e in entries if e[1] == 1]
+        samples (n > 1) that draw their first token from the same logits row; `proposals`:
+        the speculating requests' proposals (their entry counts 1 + the proposal's length)."""
+        proposals = proposals or {}
+        # Prefill chunks first, then one-token rows: the layout the model's metadata expects;
+        # verification rows last.
+        ordered = [e for e in entries if e[1] > 1 and e[0] not in proposals]
+        ordered += [e for e in entries if e[1] == 1 and e[0] not in proposals]
         chunks = [
             SequenceChunk(
                 r.ids_between(r.num_computed_tokens, r.num_computed_tokens + n),
@@ -64,8 +77,17 @@ class ModelRunner:
             for r, n in ordered
         ]
         rows = [i for i, (r, n) in enumerate(ordered) if r.num_computed_tokens + n == r.num_tokens]
+        speculating = [r for r, _ in entries if r in proposals]
+        for r in speculating:
+            last = r.ids_between(r.num_computed_tokens, r.num_computed_tokens + 1)
+            chunk = SequenceChunk(
+                [*last, *proposals[r].token_ids], r.num_computed_tokens, r.block_table
+            )
+            rows += range(len(chunks), len(chunks) + 1 + len(proposals[r].token_ids))
+            chunks += verification_rows(chunk)
         layout = layout_batch(chunks, self.kv_cache.block_size, logits_rows=rows)
-        if self.graphs is not None and layout.num_prefills == 0 and len(rows) == len(chunks):
+        plain = self.graphs is not None and not speculating
+        if plain and layout.num_prefills == 0 and len(rows) == len(chunks):
             logits = self.graphs.run(layout)  # every row a decode that samples: replay a graph
         else:
             tp = self.model.tp  # TP rank 0: broadcasts the step; a failure in it is fatal
@@ -75,6 +97,14 @@ class ModelRunner:
                     self.model.hidden_states(input_ids, meta, self.kv_cache)
                     return StepResult([], [], None)
                 logits = self.model(input_ids, meta, self.kv_cache)
+        verified = []
+        if speculating:
+            num_sampled = len(rows) - sum(1 + len(proposals[r].token_ids) for r in speculating)
+            gains = verify(logits[num_sampled:], speculating, [proposals[r] for r in speculating])
+            verified = list(zip(speculating, gains, strict=True))
+            logits, rows = logits[:num_sampled], rows[:num_sampled]
+            if not rows:
+                return StepResult([], [], None, verified=verified)
         requests = [ordered[i][0] for i in rows]
         if forks:
             index = list(range(len(requests)))
@@ -85,7 +115,7 @@ class ModelRunner:
             if len(index) > len(rows):
                 logits = logits[torch.tensor(index, device=logits.device)]
         ids, logprobs = self.sample(logits, requests)
-        return StepResult(requests, ids, logits, logprobs)
+        return StepResult(requests, ids, logits, logprobs, verified)
 
     def sample(
         self, logits: torch.Tensor, requests: list[Request]

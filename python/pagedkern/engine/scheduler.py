@@ -6,6 +6,13 @@ requests in arrival order (preempted ones at the front). A long prompt is cut in
 share iterations with other requests' decodes. When a running request needs a block and none is
 free, the newest running request is preempted: its blocks go back to the pool and it later
 recomputes its K/V from its ids, so every admitted request eventually finishes.
+
+Speculative decoding: a decoding request that may speculate is scheduled for 1 + k tokens (its
+last token and k proposals; the budget counts all of them) and gets KV slots for all of them
+before anyone proposes (`ScheduledBatch.lookahead`; without the blocks it falls back to a plain
+decode rather than preempting anyone). After verification `on_step_done` counts only the
+accepted tokens as computed (the rest of the slots are rewound) and frees the whole blocks past
+the sequence's new end; only blocks full of verified tokens ever enter the prefix cache.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class SchedulerConfig:
     max_num_seqs: int = _ENGINE_DEFAULTS.max_num_seqs
     max_num_batched_tokens: int = _ENGINE_DEFAULTS.max_num_batched_tokens
     enable_chunked_prefill: bool = _ENGINE_DEFAULTS.enable_chunked_prefill
+    num_lookahead_tokens: int = 0  # k of speculative decoding (0: off)
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) < 1:
@@ -45,6 +53,9 @@ class SchedulerConfig:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            num_lookahead_tokens=(
+                config.num_speculative_tokens if config.speculative != "none" else 0
+            ),
         )
 
 
@@ -52,11 +63,16 @@ class SchedulerConfig:
 class ScheduledBatch:
     """One iteration: (request, number of new tokens) in batch order, who was preempted, and
     the requests whose own scheduling or accounting failed (removed from the queues, blocks
-    given back; the engine finishes them with an error)."""
+    given back; the engine finishes them with an error). lookahead: decoding requests that may
+    speculate and the k proposals they hold slots for (their entry counts 1 + k tokens until
+    the engine shrinks it to 1 + the proposal's length). accepted: after verification, the
+    proposals each accepted (they count as computed; the engine appends them to the output)."""
 
     entries: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    lookahead: dict[Request, int] = field(default_factory=dict)
+    accepted: dict[Request, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -98,12 +114,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         slots_per_block = self.pool.block_size
         running = self.running
+        lookahead = self.config.num_lookahead_tokens
         i = 0
         while i < len(running) and budget > 0:  # the hot loop: a few hundred decodes per step
             request = running[i]
             computed = request.num_computed_tokens
             num_new = min(len(request.prompt_ids) + len(request.output_ids) - computed, budget)
-            if computed + num_new > len(request.block_table) * slots_per_block:
+            k = self._lookahead(request, num_new, budget) if lookahead else 0
+            if k and self._reserve(request, 1 + k):  # short of blocks: a plain decode instead
+                batch.lookahead[request] = k
+                num_new = 1 + k
+            elif computed + num_new > len(request.block_table) * slots_per_block:
                 while not self._reserve(request, num_new):
                     victim = running[-1]
                     self._preempt(victim)
@@ -142,6 +163,21 @@ class Scheduler:
             batch.entries.append((request, num_new))
             budget -= num_new
         return batch
+
+    def _lookahead(self, request: Request, num_new: int, budget: int) -> int:
+        """How many proposals a decoding request may verify this step: k, capped by the token
+        budget, the context (every verified position needs a KV slot below max_model_len) and
+        what max_tokens leaves (the step yields up to k + 1 tokens). 0: decode as usual."""
+        if num_new != 1 or request.num_uncomputed != 1 or not request.may_speculate:
+            return 0
+        if not request.output_ids:  # its first token comes from the prompt (and n > 1 forks)
+            return 0
+        room = min(
+            budget - 1,
+            self.config.max_model_len - request.num_tokens,
+            request.params.max_tokens - len(request.output_ids) - 1,
+        )
+        return max(0, min(self.config.num_lookahead_tokens, room))
 
     def _prefix_hits(self, request: Request) -> list[int]:
         """Acquire the cached blocks of the request's longest cached prefix (leaving at least one
@@ -188,20 +224,37 @@ class Scheduler:
         bs = self.pool.block_size
         caching = self.pool.enable_prefix_caching
         for request, num_new in batch.entries:
+            accepted = batch.accepted.get(request)
+            if accepted is not None:  # verified: the last token and the accepted proposals
+                num_new = 1 + len(accepted)
             before = request.num_computed_tokens
             after = request.num_computed_tokens = before + num_new
             if caching and after // bs > before // bs:  # blocks that just filled become findable
                 try:
-                    self._register_full_blocks(request, before // bs, after // bs)
+                    self._register_full_blocks(request, before // bs, after // bs, accepted)
                 except Exception as exc:  # noqa: BLE001 - isolated: the request fails alone
                     batch.failed.append((request, exc))
                     continue
-            if after == len(request.prompt_ids) + len(request.output_ids):
+            if accepted is not None:
+                self._roll_back(request, after + 1)
+            if after == request.num_tokens + (len(accepted) if accepted else 0):
                 ready.append(request)
         return ready
 
-    def _register_full_blocks(self, request: Request, first: int, full: int) -> None:
-        ids = request.all_ids[: full * self.pool.block_size]
+    def _roll_back(self, request: Request, end: int) -> None:
+        """Free the whole blocks past `end` tokens (slots of rejected proposals, or reserved
+        for proposals never made); slots past num_computed_tokens in the kept last block are
+        simply overwritten by the next step."""
+        keep = self.pool.blocks_for(end)
+        if len(request.block_table) > keep:
+            self.pool.free(request.block_table[keep:])
+            del request.block_table[keep:]
+
+    def _register_full_blocks(
+        self, request: Request, first: int, full: int, accepted: tuple[int, ...] | None = None
+    ) -> None:
+        ids = request.all_ids + list(accepted or ())
+        ids = ids[: full * self.pool.block_size]
         request.block_hashes = self.pool.block_hashes(ids, request.block_hashes)
         for j in range(first, full):
             self.pool.register(request.block_table[j], request.block_hashes[j])

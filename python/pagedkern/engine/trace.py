@@ -25,4 +25,13 @@ class Tracer(Protocol):
 
     def token(self, request: Request, token: int, text: str) -> None: ...
 
+    def speculated(
+        self,
+        request: Request,
+        proposed: tuple[int, ...],
+        accepted: tuple[int, ...],
+        slots_rewound: int,
+        blocks_freed: int,
+    ) -> None: ...
+
     def finished(self, request: Request, text: str, freed: list[int], pool: BlockPool) -> None: ...

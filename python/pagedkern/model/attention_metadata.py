@@ -157,6 +157,19 @@ def unpack_batch(
     return views[0], meta
 
 
+def verification_rows(chunk: SequenceChunk) -> list[SequenceChunk]:
+    """A speculative verification chunk (a sequence's last token and its k proposals) as 1 + k
+    one-token decode rows sharing its block table: row j at position num_computed + j attends
+    to seq_len = num_computed + j + 1 tokens, the K/V of rows < j included (every row's K/V
+    is written before attention runs). The decode-style path for short chunks: paged_attention
+    fills no 128-row Q tile with 1 + k rows (kernel notes in csrc/paged_attention.cu)."""
+    table = chunk.block_table
+    return [
+        SequenceChunk(chunk.token_ids[j : j + 1], chunk.num_computed + j, table)
+        for j in range(len(chunk.token_ids))
+    ]
+
+
 def layout_batch(
     chunks: Sequence[SequenceChunk],
     block_size: int,

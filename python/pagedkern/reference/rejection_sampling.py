@@ -63,11 +63,18 @@ def rejection_sample(
     target = target_probs.double().cpu()
     drafts = draft_token_ids.long().cpu()
     q_all = None if draft_probs is None else draft_probs.double().cpu()
+    # Every position's uniforms in one vectorised Philox call (row cu[b] + b + j: offset + j).
+    lengths = torch.tensor([cu[b + 1] - cu[b] + 1 for b in range(batch)], dtype=torch.int64)
+    starts = torch.cumsum(lengths, 0) - lengths
+    owner = torch.repeat_interleave(torch.arange(batch), lengths)
+    position = torch.arange(int(lengths.sum())) - starts[owner]
+    u_draw_all, u_accept_all = _words(
+        seeds.long().cpu()[owner], offsets.long().cpu()[owner] + position
+    )
     for b in range(batch):
         k = cu[b + 1] - cu[b]
-        offs = int(offsets[b]) + torch.arange(k + 1, dtype=torch.int64)
-        u_draw, u_accept = _words(torch.full_like(offs, int(seeds[b])), offs)
         row = cu[b] + b
+        u_draw, u_accept = u_draw_all[row : row + k + 1], u_accept_all[row : row + k + 1]
         token = None
         for j in range(k):
             x = int(drafts[cu[b] + j])

@@ -114,10 +114,15 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return _serve_http(engine, sock, settings)
     if single is not None:
         try:
-            return _stream_one(engine, single, _params(defaults), args.stats)
+            status = _stream_one(engine, single, _params(defaults), args.stats)
+            if args.stats and engine.config.speculative != "none":
+                _say(_speculation_stats(engine))
+            return status
         except (ValueError, TypeError) as exc:  # e.g. a prompt longer than the context
             _fail(exc)
     status = _run_many(engine, requests, args.stats)
+    if args.stats and engine.config.speculative != "none":
+        _say(_speculation_stats(engine))
     return 2 if bad_lines and status == 0 else status
 
 
@@ -236,6 +241,15 @@ def _stats(output: RequestOutput) -> str:
         parts.append(f"{m.tokens_per_s:.1f} tokens/s")
     parts.append(f"finish {output.finish_reason.value if output.finish_reason else '?'}")
     return ", ".join(parts)
+
+
+def _speculation_stats(engine: Engine) -> str:
+    s = engine.stats()
+    return (
+        f"speculative {s.speculative}: {s.num_spec_proposed} proposed, "
+        f"{s.num_spec_accepted} accepted ({s.spec_acceptance_rate:.1%}), "
+        f"{s.spec_mean_accepted_length:.2f} accepted per step over {s.num_spec_steps} steps"
+    )
 
 
 def _logprob_line(engine: Engine, lp) -> str:

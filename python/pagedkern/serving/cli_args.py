@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from .. import __version__
-from ..engine import EngineConfig
+from ..engine import EngineConfig, engine_fields
 from .settings import LOG_LEVELS, ServerSettings
 
 PROG = "pagedkern-serve"
@@ -249,6 +249,8 @@ def build_parser() -> Parser:
         ),
     )
 
+    _derived_engine_flags(p.add_argument_group("speculative decoding (defaults from EngineConfig)"))
+
     h = p.add_argument_group("http (--http; defaults from ServerSettings)")
     h.add_argument("--http", action="store_true", help="serve the OpenAI-compatible HTTP API (off)")
     h.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
@@ -284,6 +286,27 @@ def build_parser() -> Parser:
             help=_field_help(ServerSettings, name, name),
         )
     return p
+
+
+_FLAG_TYPES = {"positive_int": positive_int}
+
+
+def _derived_engine_flags(group) -> None:
+    """The EngineConfig fields whose flag comes from the field alone (metadata "cli": the
+    argparse keywords; a type by name)."""
+    for f in engine_fields().values():
+        if f.cli is None:
+            continue
+        kw = dict(f.cli)
+        if "type" in kw:
+            kw["type"] = _FLAG_TYPES[kw["type"]]
+        group.add_argument(
+            f.flag, default=f.default, help=f"{f.help} (default: {_shown(f.default)})", **kw
+        )
+
+
+def _derived_engine_values(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name, f in engine_fields().items() if f.cli is not None}
 
 
 # --- from flags to configuration ---------------------------------------------------------------
@@ -333,6 +356,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         cuda_graphs=False if args.enforce_eager else _default(EngineConfig, "cuda_graphs"),
+        **_derived_engine_values(args),
     )
 
 

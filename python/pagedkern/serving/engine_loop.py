@@ -186,7 +186,15 @@ class EngineLoop:
     def gauges(self) -> EngineGauges:
         """Engine-thread only (pass to `call`), or once the engine thread has ended."""
         s = self.engine.stats()
-        return EngineGauges(s.num_running, s.num_waiting, s.num_blocks_used, s.num_blocks_total)
+        return EngineGauges(
+            s.num_running,
+            s.num_waiting,
+            s.num_blocks_used,
+            s.num_blocks_total,
+            s.num_spec_steps,
+            s.num_spec_proposed,
+            s.num_spec_accepted,
+        )
 
     def _put(self, command: Callable[[], None] | None, quiet: bool = False) -> None:
         with self._lock:

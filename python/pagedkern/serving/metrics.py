@@ -68,6 +68,9 @@ class EngineGauges:
     waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
+    spec_steps: int = 0  # speculative decoding, since the engine started (EngineStats)
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 class ServerMetrics:
@@ -121,6 +124,30 @@ class ServerMetrics:
                 ("kv_blocks_total", gauges.kv_blocks_total, "KV cache blocks in the pool."),
             ):
                 metric(name, "gauge", help_, [f"{p}{name} {value}"])
+            for name, value, help_ in (
+                ("spec_decode_num_steps_total", gauges.spec_steps, "Speculative steps."),
+                ("spec_decode_num_draft_tokens_total", gauges.spec_proposed, "Proposed tokens."),
+                (
+                    "spec_decode_num_accepted_tokens_total",
+                    gauges.spec_accepted,
+                    "Proposed tokens accepted.",
+                ),
+            ):
+                metric(name, "counter", help_, [f"{p}{name} {value}"])
+            proposed, steps = gauges.spec_proposed, gauges.spec_steps
+            for name, value, help_ in (
+                (
+                    "spec_decode_acceptance_rate",
+                    gauges.spec_accepted / proposed if proposed else 0.0,
+                    "Accepted / proposed tokens.",
+                ),
+                (
+                    "spec_decode_mean_accepted_length",
+                    gauges.spec_accepted / steps if steps else 0.0,
+                    "Accepted tokens per speculative step.",
+                ),
+            ):
+                metric(name, "gauge", help_, [f"{p}{name} {value!r}"])
         with self.lock:
             metric(
                 "prompt_tokens_total",

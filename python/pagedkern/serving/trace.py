@@ -87,6 +87,8 @@ class TraceWriter:
             start = request.num_computed_tokens
             if n == 1 and start == request.num_tokens - 1:
                 parts.append(f"{request.request_id} decode 1 (pos {start})")
+            elif start == request.num_tokens - 1:  # the last token and n - 1 proposals
+                parts.append(f"{request.request_id} verify 1+{n - 1} (pos {start}–{start + n - 1})")
             else:
                 parts.append(f"{request.request_id} prefill {n} (pos {start}–{start + n - 1})")
         self._say(f"── iteration #{number}: {batch.num_tokens} tokens │ " + " │ ".join(parts))
@@ -118,6 +120,23 @@ class TraceWriter:
         )
         self._say(f"   {request.request_id} logits top-{self.top}: {shown}")
         self._say(f"   {request.request_id} sampled {token_label(tokenizer, token)} (id {token})")
+
+    def speculated(
+        self,
+        request: Request,
+        proposed: tuple[int, ...],
+        accepted: tuple[int, ...],
+        slots_rewound: int,
+        blocks_freed: int,
+    ) -> None:
+        shown = " ".join(token_label(self.tokenizer, t) for t in proposed)
+        self._say(
+            f"   {request.request_id} proposed {list(proposed)} ({shown}) │ accepted "
+            f"{len(accepted)}/{len(proposed)} │ KV slots rewound {slots_rewound}, "
+            f"blocks freed {blocks_freed}"
+        )
+        if blocks_freed:
+            self._tables[request.request_id] = list(request.block_table)
 
     def token(self, request: Request, token: int, text: str) -> None:
         if text:
