@@ -16,15 +16,15 @@ from types import ModuleType
 
 import torch
 
-from ... import reference
+from ... import ops, reference
 from ...reference import logits_processing
 from ..logits_processing import LogitsState, batch_processing
 from ..request import Request
 from .proposer import Proposal
 
-# Where rejection_sample comes from: the PyTorch reference until the CUDA kernel lands; then
-# this one line becomes `pagedkern.ops` (same signature).
-REJECTION_SAMPLER: ModuleType = reference
+# Where rejection_sample comes from: pagedkern.ops (csrc/rejection_sampling.cu on a GPU, the
+# reference elsewhere); tests pass `sampler=` to compare against the reference directly.
+REJECTION_SAMPLER: ModuleType = ops
 
 
 def _state_after(state: LogitsState, generated: Sequence[int]) -> LogitsState:
