@@ -188,3 +188,24 @@ def test_llm_generate_returns_every_sample_with_logprobs():
         assert len(sample.token_ids) == 4 and len(sample.logprobs) == 4
         assert [lp.token_id for lp in sample.logprobs] == list(sample.token_ids)
     assert llm.engine.pool.num_used == 0
+
+
+def test_stop_strings_are_held_back_until_min_tokens():
+    # Token 77 every step (bias); the stop string is its text, so without min_tokens the first
+    # token ends the request. With min_tokens=4 the three earlier occurrences do not count: the
+    # request ends on the 4th token, by the stop string, with the text of the first three.
+    engine = make_engine()
+    stop = engine.tokenizer.decode([77])
+    assert stop
+    for min_tokens, length in ((0, 1), (4, 4)):
+        params = SamplingParams(
+            max_tokens=8, temperature=0, logit_bias={77: 100.0}, stop=[stop], min_tokens=min_tokens
+        )
+        engine.add_request(prompt_ids=PROMPT, params=params)
+        outs = []
+        while engine.has_unfinished:
+            outs += engine.step()
+        tokens = [t for o in outs for t in o.token_ids]
+        assert tokens == [77] * length
+        assert outs[-1].finish_reason.value == "stop"
+        assert "".join(o.text for o in outs) == stop * (length - 1)
