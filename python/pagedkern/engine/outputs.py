@@ -109,6 +109,8 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] | None = None  # for token_ids, when asked for
     index: int = 0  # which of the request's n samples (request_id is the first's id + ".i")
     parent_id: str | None = None  # the request_id given at admission (n > 1)
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), once computed
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @classmethod
     def of(
@@ -135,6 +137,7 @@ class RequestOutput:
             logprobs,
             request.sample_index,
             request.parent_id,
+            _prompt_logprobs(request) if finished else None,
         )
 
     @property
@@ -166,3 +169,9 @@ class EngineStats:
         return (
             self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
         )
+
+
+def _prompt_logprobs(request: Request) -> tuple[TokenLogprob | None, ...] | None:
+    state = request.logits_state
+    table = None if state is None else state.prompt_logprobs
+    return None if table is None else tuple(table)
