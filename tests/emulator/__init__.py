@@ -42,6 +42,7 @@ KERNELS = (
     "paged_attention.cu",
     "rope_and_cache.cu",
     "sampling.cu",
+    "sampling_fused.cu",
     "quant_gemm.cu",
 )
 LAUNCH = re.compile(
