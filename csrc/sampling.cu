@@ -314,9 +314,21 @@ __global__ void __launch_bounds__(kThreads) process_kernel(const SampleParams p)
   }
   __syncthreads();  // the dense writes land before the sparse entries overwrite theirs
   if (p.token_offsets == nullptr) return;
+  const float presence = p.presence_penalty[r], frequency = p.frequency_penalty[r];
+  const float repetition = p.repetition_penalty[r];
   for (int j = p.token_offsets[r] + threadIdx.x; j < p.token_offsets[r + 1]; j += kThreads) {
     const int id = p.token_ids[j];
-    out[id] = processed_entry(p, r, j, to_float(row[id]), mask);
+    const int count = p.token_counts[j];
+    float x = to_float(row[id]);
+    if (x != x) x = -INFINITY;
+    if (count >= 0) {  // IEEE steps in the reference's order (no contraction into FMAs)
+      x = x > 0.f ? __fdiv_rn(x, repetition) : __fmul_rn(x, repetition);
+      const float penalty = __fadd_rn(__fmul_rn(frequency, float(count)),
+                                      count > 0 ? presence : __fmul_rn(presence, 0.f));
+      x = __fsub_rn(x, penalty);
+    }
+    x = __fadd_rn(x, p.token_bias[j]);
+    out[id] = x != x || !allowed(mask, id) ? -INFINITY : x;
   }
 }
 template <typename T>
