@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from kernel_check import every_variant
 from test_decode_algorithms import _expected
 
 import pagedkern
@@ -24,11 +25,7 @@ DEVICE = "cuda"
 N_DRAWS = 1 << 20
 VOCAB = 1000
 
-
-@pytest.fixture(autouse=True, params=["v3", "v2"])
-def sample_variant(request, monkeypatch):
-    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", request.param)
-    return request.param
+kernel_variant = every_variant("sample")  # v3 and v2
 
 
 def _row(kind: str, seed: int, vocab: int = VOCAB) -> torch.Tensor:
@@ -256,7 +253,7 @@ def test_processed_draws_and_logprobs_equal_the_reference(dtype, vocab):
 
 
 @pytest.mark.parametrize("dtype, vocab", [(torch.float32, 128256), (torch.bfloat16, 128256)])
-def test_top_logprobs_equal_the_reference(dtype, vocab, sample_variant):
+def test_top_logprobs_equal_the_reference(dtype, vocab):
     # v3 computes the top-20 in the kernel, v2 with torch ops: both against the reference's
     # stable sort of the processed log-softmax (values within 1e-4, ids equal but for rows
     # whose ranks differ only by rounding), greedy rows' top-1 = the sampled token.
