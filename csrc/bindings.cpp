@@ -248,8 +248,9 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t token_bias, std::uintptr_t presence_penalty,
          std::uintptr_t frequency_penalty, std::uintptr_t repetition_penalty,
          std::uintptr_t bitmask, std::uintptr_t bitmask_rows, int64_t bitmask_words,
-         std::uintptr_t min_p, std::uintptr_t logprobs, std::uintptr_t workspace,
-         int64_t workspace_stride, int device, std::uintptr_t stream) {
+         std::uintptr_t min_p, std::uintptr_t logprobs, std::uintptr_t top_ids,
+         std::uintptr_t top_logprobs, int top_n, std::uintptr_t workspace,
+         int64_t workspace_stride, int device, std::uintptr_t stream, int variant) {
         pagedkern::SampleParams p;
         p.out = as_ptr<int>(out);
         p.logits = as_ptr<const void>(logits);
@@ -274,8 +275,12 @@ PYBIND11_MODULE(_C, m) {
         p.bitmask_words = bitmask_words;
         p.min_p = as_ptr<const float>(min_p);
         p.logprobs = as_ptr<float>(logprobs);
+        p.top_ids = as_ptr<int>(top_ids);
+        p.top_logprobs = as_ptr<float>(top_logprobs);
+        p.top_n = top_n;
         p.workspace = as_ptr<float>(workspace);
         p.workspace_stride = workspace_stride;
+        p.variant = variant;
         DeviceGuard guard(device);
         pagedkern::sample(p, as_stream(stream));
       },
@@ -285,8 +290,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("token_ids"), py::arg("token_counts"), py::arg("token_bias"),
       py::arg("presence_penalty"), py::arg("frequency_penalty"), py::arg("repetition_penalty"),
       py::arg("bitmask"), py::arg("bitmask_rows"), py::arg("bitmask_words"), py::arg("min_p"),
-      py::arg("logprobs"), py::arg("workspace"), py::arg("workspace_stride"), py::arg("device"),
-      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("logprobs"), py::arg("top_ids"), py::arg("top_logprobs"), py::arg("top_n"),
+      py::arg("workspace"), py::arg("workspace_stride"), py::arg("device"), py::arg("stream"),
+      py::arg("variant"), py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "rejection_sample",

@@ -56,92 +56,10 @@
  * torch.sort-based top-p at B=128, V=128k; processing within 1.5x of plain sampling and well
  * ahead of the same chain of torch ops (bench/test_bench_sampling.py).
  */
-#include "device.cuh"
-#include "sampling.h"
+#include "sampling_common.cuh"
 
 namespace pagedkern {
 namespace {
-
-constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / 32;
-constexpr int kBins = 256;
-constexpr int kUnroll = 4;  // loads in flight per thread
-constexpr float kMassScale = 1099511627776.f;  // 2^40: fixed-point masses
-
-struct Shared {
-  unsigned count[kBins];
-  unsigned mass_lo[kBins];  // 64-bit bin masses as two words: native 32-bit shared atomics
-  unsigned mass_hi[kBins];
-  unsigned long long scan[kWarps];
-  float best_value[kWarps];
-  int best_index[kWarps];
-  int posinf[kWarps];
-  // descent state
-  unsigned prefix;
-  int bits;
-  unsigned above_count;
-  unsigned long long above_mass;
-  unsigned long long kept_mass;
-  double pz;
-  int done;
-  int found;
-};
-
-// Philox4x32-10, word 0 (as reference.sampling.philox4x32): counter (offset, 0), key seed.
-__device__ __forceinline__ unsigned philox_word0(unsigned long long seed,
-                                                 unsigned long long offset) {
-  unsigned c0 = unsigned(offset), c1 = unsigned(offset >> 32), c2 = 0, c3 = 0;
-  unsigned k0 = unsigned(seed), k1 = unsigned(seed >> 32);
-#pragma unroll
-  for (int r = 0; r < 10; ++r) {
-    if (r) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-    const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-    c0 = hi1 ^ c1 ^ k0;
-    c1 = lo1;
-    c2 = hi0 ^ c3 ^ k1;
-    c3 = lo0;
-  }
-  return c0;
-}
-
-// Per-element math shared by every pass after the first: value s, order key, fixed-point mass.
-struct RowMath {
-  float temperature;
-  float s_max;
-  bool posinf_row;
-  float s_min = -INFINITY;  // min-p: s below s_max + log(min_p) is out (as -inf)
-  __device__ __forceinline__ unsigned key(float x, float& s) const {
-    if (x != x) x = -INFINITY;
-    if (posinf_row) x = x == INFINITY ? 0.f : -INFINITY;
-    s = __fdiv_rn(x, temperature);
-    if (s == 0.f) s = 0.f;      // -0 and +0 are one value (a tie)
-    if (s != s) s = -INFINITY;  // -inf / inf (temperature = inf): never drawn
-    if (s < s_min) s = -INFINITY;
-    const unsigned bits = __float_as_uint(s);
-    return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
-  }
-  __device__ __forceinline__ unsigned long long mass(float s) const {
-    return s == -INFINITY ? 0ull : (unsigned long long)(expf(s - s_max) * kMassScale);
-  }
-};
-
-// kVec consecutive elements of a row: one 16-byte load, or kVec scalar loads.
-template <typename T, int kVec>
-struct alignas(sizeof(T) * kVec) Run {
-  T v[kVec];
-  __device__ __forceinline__ void load(const T* p) {
-    if constexpr (sizeof(T) * kVec == 16) {
-      *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] = p[e];
-    }
-  }
-};
 
 // Calls f(index, value) for every element; thread t owns the runs t, t + kThreads, ... (vocab is
 // a multiple of kVec).
@@ -162,104 +80,6 @@ __device__ __forceinline__ void for_each(const T* row, int64_t vocab, F&& f) {
         for (int e = 0; e < kVec; ++e) f(i + e, to_float(runs[u].v[e]));
       }
     }
-  }
-}
-
-// Exclusive prefix sum over the block; also returns the block total.
-__device__ __forceinline__ unsigned long long block_exclusive_scan(unsigned long long v,
-                                                                   unsigned long long& total,
-                                                                   Shared& sh) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  unsigned long long incl = v;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const unsigned long long t = __shfl_up_sync(0xffffffffu, incl, off);
-    if (lane >= off) incl += t;
-  }
-  if (lane == 31) sh.scan[warp] = incl;
-  __syncthreads();
-  unsigned long long before = 0;
-  total = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    const unsigned long long s = sh.scan[w];
-    before += w < warp ? s : 0ull;
-    total += s;
-  }
-  __syncthreads();  // sh.scan is reused by the next call
-  return before + incl - v;
-}
-
-// Warp 0: picks the bin of the current digit that holds the threshold and updates the descent.
-// Count mode (top-k): the bin holding the k-th largest key. Mass mode (top-p): the lowest
-// non-empty bin whose mass above is < pz or 0.
-__device__ __forceinline__ void select_bin(Shared& sh, bool mass_mode, unsigned k,
-                                           float top_p) {
-  const int lane = threadIdx.x;
-  unsigned c[8];
-  unsigned long long m[8];
-  unsigned lane_c = 0;
-  unsigned long long lane_m = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {  // lane 0 holds bins 255..248, lane 1 247..240, ...
-    const int bin = kBins - 1 - 8 * lane - i;
-    c[i] = sh.count[bin];
-    m[i] = (static_cast<unsigned long long>(sh.mass_hi[bin]) << 32) | sh.mass_lo[bin];
-    lane_c += c[i];
-    lane_m += m[i];
-  }
-  unsigned incl_c = lane_c;
-  unsigned long long incl_m = lane_m;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const unsigned tc = __shfl_up_sync(0xffffffffu, incl_c, off);
-    const unsigned long long tm = __shfl_up_sync(0xffffffffu, incl_m, off);
-    if (lane >= off) {
-      incl_c += tc;
-      incl_m += tm;
-    }
-  }
-  const int bits = sh.bits;
-  const double total = double(__shfl_sync(0xffffffffu, incl_m, 31));
-  const double pz = bits == 0 ? double(top_p) * total : sh.pz;  // Z_k: all candidates
-  unsigned cc = sh.above_count + incl_c - lane_c;
-  unsigned long long mm = sh.above_mass + incl_m - lane_m;
-  int chosen = -1;
-  unsigned sel_before_c = 0, sel_c = 0;
-  unsigned long long sel_before_m = 0, sel_m = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const bool take = mass_mode ? c[i] > 0 && (double(mm) < pz || mm == 0)
-                                : cc < k && k <= cc + c[i];
-    if (take) {  // mass mode: the last one taken is the lowest qualifying bin
-      chosen = i;
-      sel_before_c = cc;
-      sel_before_m = mm;
-      sel_c = c[i];
-      sel_m = m[i];
-    }
-    cc += c[i];
-    mm += m[i];
-  }
-  const unsigned lanes = __ballot_sync(0xffffffffu, chosen >= 0);
-  const int src = lanes ? 31 - __clz(int(lanes)) : 0;  // highest lane = lowest bins
-  chosen = __shfl_sync(0xffffffffu, chosen, src);
-  sel_before_c = __shfl_sync(0xffffffffu, sel_before_c, src);
-  sel_c = __shfl_sync(0xffffffffu, sel_c, src);
-  sel_before_m = __shfl_sync(0xffffffffu, sel_before_m, src);
-  sel_m = __shfl_sync(0xffffffffu, sel_m, src);
-  if (lane == 0) {
-    if (chosen < 0) {  // cannot happen (the invariant keeps the threshold in range): stop here
-      sh.done = 1;
-      return;
-    }
-    const unsigned bin = unsigned(kBins - 1 - 8 * src - chosen);
-    sh.prefix |= bin << (24 - bits);
-    sh.bits = bits + 8;
-    sh.above_count = sel_before_c;
-    sh.above_mass = sel_before_m;
-    sh.kept_mass = sel_before_m + sel_m;
-    if (bits == 0) sh.pz = pz;
-    sh.done = bits + 8 == 32 || (mass_mode ? sel_c == 1 : sel_before_c + sel_c == k);
   }
 }
 
@@ -467,10 +287,6 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(const SampleParams 
 // Processing stage (before the sampling passes): row r of the workspace = the processed logits
 // (NaN = -inf, bitmask applied; 16-byte loads and stores), then the row's sparse entries are
 // recomputed from the raw logits with penalties and bias (one thread per entry; ids distinct).
-__device__ __forceinline__ bool allowed(const int* mask, int64_t i) {
-  return mask == nullptr || (unsigned(mask[i >> 5]) >> (i & 31)) & 1u;
-}
-
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) process_kernel(const SampleParams p) {
   const int64_t r = blockIdx.x;
@@ -515,7 +331,6 @@ __global__ void __launch_bounds__(kThreads) process_kernel(const SampleParams p)
     out[id] = x != x || !allowed(mask, id) ? -INFINITY : x;
   }
 }
-
 template <typename T>
 void launch(const SampleParams& p, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
@@ -556,16 +371,29 @@ void launch_processed(const SampleParams& p, cudaStream_t stream) {
 void sample(const SampleParams& p, cudaStream_t stream) {
   require(p.vocab > 0 && p.vocab < (int64_t(1) << 23), "sample: vocab must be in [1, 2^23)");
   require(p.rows >= 0 && p.rows <= 0x7fffffff, "sample: rows out of range");
-  if (p.rows == 0) return;
-  const bool processing = p.token_offsets != nullptr || p.bitmask_rows != nullptr;
-  require(!processing || (p.workspace != nullptr && p.workspace_stride >= p.vocab),
-          "sample: logits processing needs a workspace of [rows, >= vocab] floats");
+  require(p.variant == 0 || p.variant == 1, "sample: variant must be 0 (v3) or 1 (v2)");
   require(p.token_offsets == nullptr ||
               (p.token_ids && p.token_counts && p.token_bias && p.presence_penalty &&
                p.frequency_penalty && p.repetition_penalty),
           "sample: sparse entries need ids, counts, biases and the three penalties");
   require(p.bitmask_rows == nullptr || (p.bitmask && p.bitmask_words == (p.vocab + 31) / 32),
           "sample: bitmask_rows needs a bitmask of ceil(vocab / 32) words per row");
+  require(p.top_n >= 0 && p.top_n <= 20 && p.top_n <= p.vocab &&
+              (p.top_n == 0 || (p.top_ids && p.top_logprobs)),
+          "sample: top_n must be in [0, min(20, vocab)], with top_ids and top_logprobs");
+  if (p.rows == 0) return;
+  if (p.variant == 0) {
+    require(p.token_offsets == nullptr ||
+                (p.workspace != nullptr &&
+                 p.workspace_stride >= sample_entry_bits_offset(p.vocab) + (p.vocab + 31) / 32),
+            "sample: sparse entries need a workspace of [rows, >= vocab + bitmask words] floats");
+    sample_fused(p, stream);
+    return;
+  }
+  require(p.top_n == 0, "sample: variant 1 (v2) writes no top-N logprobs");
+  const bool processing = p.token_offsets != nullptr || p.bitmask_rows != nullptr;
+  require(!processing || (p.workspace != nullptr && p.workspace_stride >= p.vocab),
+          "sample: logits processing needs a workspace of [rows, >= vocab] floats");
   if (processing) {
     dispatch_float(p.dtype, [&](auto tag) { launch_processed<decltype(tag)>(p, stream); });
   } else {

@@ -38,10 +38,26 @@ struct SampleParams {
   int64_t bitmask_words = 0;
   const float* min_p = nullptr;  // [rows]; <= 0: off
   float* logprobs = nullptr;     // [rows] out: the sampled token's log-probability
-  // [rows, workspace_stride] fp32: the processed logits (needed with sparse entries or masks)
+  // Top-N outputs (variant 0 only; N <= 20 and <= vocab): the N most likely tokens of the
+  // logprob distribution, descending, ties to the lower id.
+  int* top_ids = nullptr;         // [rows, top_n]
+  float* top_logprobs = nullptr;  // [rows, top_n]
+  int top_n = 0;
+  // [rows, workspace_stride] fp32. Variant 0 (fused, needed with sparse entries): the entries'
+  // processed values at their ids (nothing else written), then from float
+  // sample_entry_bits_offset(vocab) on ceil(vocab / 32) words marking the entries. Variant 1
+  // (needed with sparse entries or masks): the processed logits, the whole row.
   float* workspace = nullptr;
   int64_t workspace_stride = 0;
+  // 0: v3, one fused kernel (sampling_fused.cu); 1: v2, processing stage + v1 passes.
+  int variant = 0;
 };
 void sample(const SampleParams& p, cudaStream_t stream);
+
+// Variant 0's launcher (sampling_fused.cu), called by sample() once the arguments are checked.
+void sample_fused(const SampleParams& p, cudaStream_t stream);
+__host__ __device__ inline int64_t sample_entry_bits_offset(int64_t vocab) {
+  return (vocab + 3) / 4 * 4;
+}
 
 }  // namespace pagedkern

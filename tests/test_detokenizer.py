@@ -106,3 +106,22 @@ def test_held_back_text_is_exactly_the_longest_tail_that_begins_a_stop_string(te
         held = max((k for s in stop for k in range(1, len(s)) if seen.endswith(s[:k])), default=0)
         assert emitted == seen[: n - held]
     assert emitted + detok.flush() == text
+
+
+@pytest.mark.parametrize("min_tokens", [0, 2, 3, 5, 6, 9])
+def test_stop_strings_wait_for_min_tokens(min_tokens):
+    # "ab" occurs ending at the 2nd, 6th and 9th id. A stop string counts only once min_tokens
+    # ids exist and only if it ends in the text of the min_tokens-th id or later: the request
+    # ends at the first such occurrence, and no earlier one is cut out.
+    text = "abxyabzab"
+    detok = IncrementalDetokenizer(CharTokenizer(), ["ab"], min_tokens)
+    out = []
+    for ch in text:
+        out.append(detok.add(ord(ch)))
+        if detok.stopped_by is not None:
+            break
+    out.append(detok.flush())
+    end = next(e for e in (2, 6, 9, None) if e is None or e >= min_tokens)
+    assert len(detok.ids) == (end or len(text))
+    assert detok.stopped_by == ("ab" if end else None)
+    assert "".join(out) == (text[: end - 2] if end else text)

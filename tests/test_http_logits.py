@@ -12,7 +12,7 @@ import pytest
 from http_stack import openai
 from test_http_server import TINY, kv_used, tiny_engine
 
-from pagedkern.engine import Engine, EngineConfig
+from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.serving.http_server import ServerThread
 from pagedkern.serving.openai_protocol import IMPLEMENTED, UNSUPPORTED
 
@@ -88,6 +88,44 @@ def test_completions_prompts_times_n_and_logprob_shape(server):
     assert finished == {0, 1, 2, 3}
     texts = post(server, "/v1/completions", {**body, "prompt": ["one", "two"], "n": 1}).json()
     assert [c["index"] for c in texts["choices"]] == [0, 1]
+    assert kv_used(server) == 0
+
+
+def test_completions_echo_with_logprobs_gives_prompt_logprobs(server):
+    # OpenAI's shape: the prompt's tokens, then the generated ones; None for the first prompt
+    # token; values from the raw model (the engine's prompt_logprobs, checked against a full
+    # forward in test_logits_engine.py), text_offset into the echoed text.
+    prompt = [5, 60, 7, 300, 9]
+    body = {"model": TINY, "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True}
+    body |= {"logprobs": 2, "ignore_eos": True, "n": 2}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    plain = post(server, "/v1/completions", {**body, "echo": False}).json()["choices"][0]
+    engine = Engine.from_config(EngineConfig(model=TINY, backend="reference", block_size=4))
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
+    engine.add_request(prompt_ids=prompt, params=params)
+    finals = []
+    while engine.has_unfinished:
+        finals += [o for o in engine.step() if o.finished]
+    table = finals[0].prompt_logprobs
+    tokenizer = engine.tokenizer
+    echoed = tokenizer.decode(prompt)
+    for choice in choices:
+        lp = choice["logprobs"]
+        assert choice["text"] == echoed + plain["text"]
+        n = len(prompt) + 3
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n
+        assert lp["tokens"][: len(prompt)] == [tokenizer.decode([t]) for t in prompt]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for p in range(1, len(prompt)):
+            assert abs(lp["token_logprobs"][p] - table[p].logprob) < 1e-6
+            assert 1 <= len(lp["top_logprobs"][p]) <= 2  # keyed by text: byte tokens collide
+        generated = lp["token_logprobs"][len(prompt) :]
+        assert generated == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-5)
+        offsets = lp["text_offset"]
+        assert offsets[0] == 0 and offsets == sorted(offsets)
+        assert offsets[len(prompt)] == len(echoed)
     assert kv_used(server) == 0
 
 

@@ -279,7 +279,13 @@ BAD = [
     ("completions", {"model": TINY, "prompt": "x", "logprobs": 21}, 400, "logprobs", None),
     ("completions", {"model": TINY, "prompt": ""}, 400, "prompt", None),
     ("completions", {"model": TINY, "prompt": []}, 400, "prompt", None),
-    ("completions", {"model": TINY, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", None),
+    (
+        "completions",
+        {"model": TINY, "prompt": "x", "echo": True, "stream": True},
+        400,
+        "echo",
+        None,
+    ),
 ]
 
 

@@ -280,40 +280,47 @@ def _processing_case(rows, vocab, g):
     )
 
 
+@pytest.mark.parametrize("variant, launched", [("v3", 1), ("v2", 2)])
 @pytest.mark.parametrize(
     "dtype, vocab", [(torch.float32, 203), (torch.float32, 200), (torch.bfloat16, 96)]
 )
-def test_sample_with_logits_processing_runs_the_kernel_and_matches_the_reference(dtype, vocab):
-    # The processing stage + sampling passes of csrc/sampling.cu against reference.sample with
-    # the same inputs: identical ids, and the sampled token's logprob within 1e-5.
+def test_sample_with_logits_processing_runs_the_kernel_and_matches_the_reference(
+    monkeypatch, dtype, vocab, variant, launched
+):
+    # csrc/sampling_fused.cu (v3: one kernel, top-N inside) and the processing stage + sampling
+    # passes of csrc/sampling.cu (v2: top-N by torch ops) against reference.sample with the same
+    # inputs: identical ids and top-N ids, the logprobs within 1e-5.
+    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", variant)
     g = torch.Generator().manual_seed(vocab + 1)
     rows = 10
     logits = (torch.randn(rows, vocab, generator=g) * 2).to(dtype)
     logits[1, 4] = float("nan")
+    logits[3, 7:40] = 1.5  # ties inside the top-N
     processing = _processing_case(rows, vocab, g)
     temps = torch.tensor([1.0, 0.0, 0.7, 1.3, 0.0, 1.0, 2.0, 0.5, 1.0, 0.9])
     seeds = torch.arange(rows) * 7919 + 3
     with emulated():
-        for top_p, top_k in [(1.0, 0), (0.8, 0), (0.9, 7)]:
+        for top_p, top_k, n in [(1.0, 0, 5), (0.8, 0, 20), (0.9, 7, 1)]:
             ref_lp = torch.full((rows,), float("nan"))
-            ref_ids, ref_top = torch.zeros(rows, 5, dtype=torch.int32), torch.zeros(rows, 5)
+            ref_ids, ref_top = torch.zeros(rows, n, dtype=torch.int32), torch.zeros(rows, n)
             ref = reference.sample(
                 logits, temps, top_p, top_k, seeds, 5, logprobs=ref_lp, top_ids=ref_ids,
                 top_logprobs_out=ref_top, **processing,
             )  # fmt: skip
             out = torch.full((rows,), -1, dtype=torch.int32)
             lp = torch.full((rows,), float("nan"))
-            top_ids = torch.full((rows, 5), -1, dtype=torch.int32)
-            top = torch.full((rows, 5), float("nan"))
+            top_ids = torch.full((rows, n), -1, dtype=torch.int32)
+            top = torch.full((rows, n), float("nan"))
             before = launches()
             pagedkern.sample(
                 logits, temps, top_p, top_k, seeds, 5, out=out, logprobs=lp, top_ids=top_ids,
                 top_logprobs=top, **processing,
             )  # fmt: skip
-            assert launches() == before + 2, "the processing stage and the sampling kernel ran"
+            assert launches() == before + launched
             assert out.tolist() == ref.tolist(), (top_p, top_k)
             torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
-            assert torch.equal(top_ids, ref_ids) and torch.equal(top, ref_top)  # torch ops
+            assert torch.equal(top_ids, ref_ids), (top_p, top_k, n)
+            torch.testing.assert_close(top, ref_top, rtol=0, atol=1e-5)
 
 
 def test_emulated_fails_when_no_kernel_ran():
@@ -419,3 +426,37 @@ def test_sample_with_no_sparse_entries_and_min_p_only():
         pagedkern.sample(logits, 1.0, 1.0, 0, seeds, 0, out=out, **empty)
     assert launches() == before + 1 and out.tolist() == ref.tolist()
     assert ref.tolist() != reference.sample(logits, 1.0, 1.0, 0, seeds, 0).tolist()
+
+
+@pytest.mark.parametrize("dtype, vocab", [(torch.float32, 203), (torch.bfloat16, 96)])
+def test_sample_top_logprobs_in_the_kernel_on_special_rows(monkeypatch, dtype, vocab):
+    # v3's in-kernel top-N (no processing: one launch) on ties, NaN, +inf, all -inf rows and a
+    # row with fewer finite values than N: ids exactly the reference's (ties to the lower id),
+    # values within 1e-5, poisoned outputs all overwritten.
+    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", "v3")
+    g = torch.Generator().manual_seed(vocab + 5)
+    rows = _special_rows(vocab, g)
+    rows[6, : vocab - 3] = -math.inf  # 3 finite values, N = 20
+    rows = rows.to(dtype)
+    temps = torch.tensor([1.0, 0.8, 2.0, 1.0, 1.0, 0.0, 1.3, 0.0])
+    seeds = torch.arange(8) * 31 + 7
+    n = 20
+    ref_ids, ref_top = torch.zeros(8, n, dtype=torch.int32), torch.zeros(8, n)
+    ref_lp = torch.zeros(8)
+    ref = reference.sample(
+        rows, temps, 0.9, 0, seeds, 3, logprobs=ref_lp, top_ids=ref_ids, top_logprobs_out=ref_top
+    )
+    top_ids = torch.full((8, n), -1, dtype=torch.int32)
+    top = torch.full((8, n), float("nan"))
+    lp = torch.full((8,), float("nan"))
+    before = launches()
+    with emulated():
+        ids = pagedkern.sample(
+            rows, temps, 0.9, 0, seeds, 3, logprobs=lp, top_ids=top_ids, top_logprobs=top
+        )
+    assert launches() == before + 1
+    assert ids.tolist() == ref.tolist()
+    assert torch.equal(top_ids, ref_ids)
+    torch.testing.assert_close(top, ref_top, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
+    assert not top.isnan().any() and (top <= 0).all()

@@ -6,6 +6,7 @@ every block is freed exactly once."""
 from __future__ import annotations
 
 import pytest
+import torch
 from test_engine import make_engine, run_checked
 from test_logits_processing import _expected
 
@@ -188,3 +189,65 @@ def test_llm_generate_returns_every_sample_with_logprobs():
         assert len(sample.token_ids) == 4 and len(sample.logprobs) == 4
         assert [lp.token_id for lp in sample.logprobs] == list(sample.token_ids)
     assert llm.engine.pool.num_used == 0
+
+
+def test_stop_strings_are_held_back_until_min_tokens():
+    # Token 77 every step (bias); the stop string is its text, so without min_tokens the first
+    # token ends the request. With min_tokens=4 the three earlier occurrences do not count: the
+    # request ends on the 4th token, by the stop string, with the text of the first three.
+    engine = make_engine()
+    stop = engine.tokenizer.decode([77])
+    assert stop
+    for min_tokens, length in ((0, 1), (4, 4)):
+        params = SamplingParams(
+            max_tokens=8, temperature=0, logit_bias={77: 100.0}, stop=[stop], min_tokens=min_tokens
+        )
+        engine.add_request(prompt_ids=PROMPT, params=params)
+        outs = []
+        while engine.has_unfinished:
+            outs += engine.step()
+        tokens = [t for o in outs for t in o.token_ids]
+        assert tokens == [77] * length
+        assert outs[-1].finish_reason.value == "stop"
+        assert "".join(o.text for o in outs) == stop * (length - 1)
+
+
+def _full_forward_log_softmax(engine, ids):
+    """float64 log-softmax of every position's logits from one dense forward of `ids` on a
+    scratch cache (not the engine's paged one)."""
+    from pagedkern.model import SequenceChunk, build_batch
+
+    model = engine.model
+    blocks = -(-len(ids) // 4)
+    kv = model.allocate_kv_cache(blocks, 4)
+    input_ids, meta = build_batch([SequenceChunk(ids, 0, list(range(blocks)))], 4)
+    logits = model.compute_logits(model.hidden_states(input_ids, meta, kv))
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+@pytest.mark.parametrize("budget", [512, 7])  # one prefill chunk, or chunks of 7 tokens
+def test_prompt_logprobs_equal_the_float64_log_softmax_of_a_full_forward(budget):
+    engine = make_engine(max_num_batched_tokens=budget)
+    prompt = [3 + (i * 37) % 400 for i in range(23)]
+    # a request with the same prompt first: its blocks are in the prefix cache, which the
+    # prompt-logprobs request must not use (every position is computed)
+    _outputs(engine, SamplingParams(max_tokens=2, temperature=0), prompt)
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=4, ignore_eos=True)
+    engine.add_request(prompt_ids=prompt, params=params)
+    finals = []
+    while engine.has_unfinished:
+        finals += [o for o in engine.step() if o.finished]
+        engine.pool.check_invariants(engine.scheduler.block_tables())
+    (out,) = finals
+    want = _full_forward_log_softmax(engine, prompt)
+    table = out.prompt_logprobs
+    assert len(table) == len(prompt) and table[0] is None
+    for p in range(1, len(prompt)):
+        entry = table[p]
+        assert entry.token_id == prompt[p]
+        assert abs(entry.logprob - float(want[p - 1, prompt[p]])) < 1e-4
+        top_ids = [t for t, _ in entry.top]
+        assert top_ids == want[p - 1].argsort(descending=True, stable=True)[:4].tolist()
+        for t, v in entry.top:
+            assert abs(v - float(want[p - 1, t])) < 1e-4
+    assert engine.pool.num_used == 0

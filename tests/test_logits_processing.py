@@ -231,6 +231,10 @@ def test_op_validates_the_processing_arguments():
         ops.sample(
             *base, top_ids=torch.zeros(2, 21, dtype=torch.int32), top_logprobs=torch.zeros(2, 21)
         )
+    with pytest.raises(ValueError, match="vocabulary"):  # N <= V (here V = 10)
+        ops.sample(
+            *base, top_ids=torch.zeros(2, 11, dtype=torch.int32), top_logprobs=torch.zeros(2, 11)
+        )
 
 
 def test_host_state_builds_sparse_entries_incrementally():

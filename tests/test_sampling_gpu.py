@@ -4,7 +4,8 @@ over 2^20 draws per configuration against the exact renormalised top-k/top-p pro
 bf16 rows with +-inf and ties), every draw inside the kept set, greedy = argmax,
 NaN/inf/tie rows, reproducibility and independence of the batch, per-row parameter arrays,
 every logits dtype, odd vocabularies, and draw-for-draw agreement with the reference (the kernel
-uses the same u and the same inverse CDF in vocabulary order)."""
+uses the same u and the same inverse CDF in vocabulary order). Every test runs both kernel
+variants (PAGEDKERN_SAMPLE_VARIANT v3 and v2) until a GPU run has verified v3."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import math
 
 import pytest
 import torch
+from kernel_check import every_variant
 from test_decode_algorithms import _expected
 
 import pagedkern
@@ -22,6 +24,8 @@ pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 N_DRAWS = 1 << 20
 VOCAB = 1000
+
+kernel_variant = every_variant("sample")  # v3 and v2
 
 
 def _row(kind: str, seed: int, vocab: int = VOCAB) -> torch.Tensor:
@@ -246,3 +250,31 @@ def test_processed_draws_and_logprobs_equal_the_reference(dtype, vocab):
     x = reference.logits_processing.process_logits(logits, **kept)
     drawn = x.gather(1, out.long()[:, None])[:, 0]
     assert ((drawn > -math.inf) | (x == -math.inf).all(-1)).all()
+
+
+@pytest.mark.parametrize("dtype, vocab", [(torch.float32, 128256), (torch.bfloat16, 128256)])
+def test_top_logprobs_equal_the_reference(dtype, vocab):
+    # v3 computes the top-20 in the kernel, v2 with torch ops: both against the reference's
+    # stable sort of the processed log-softmax (values within 1e-4, ids equal but for rows
+    # whose ranks differ only by rounding), greedy rows' top-1 = the sampled token.
+    rows, n = 256, 20
+    logits, params = _mixed_batch(rows, vocab, dtype, seed=vocab + 11)
+    processing = _processing_inputs(rows, vocab, seed=vocab + 1)
+    out = torch.full((rows,), -1, dtype=torch.int32, device=DEVICE)
+    lp = torch.full((rows,), float("nan"), device=DEVICE)
+    top_ids = torch.full((rows, n), -1, dtype=torch.int32, device=DEVICE)
+    top = torch.full((rows, n), float("nan"), device=DEVICE)
+    pagedkern.sample(
+        logits, **params, out=out, logprobs=lp, top_ids=top_ids, top_logprobs=top, **processing
+    )
+    ref_ids = torch.zeros_like(top_ids)
+    ref_top = torch.zeros_like(top)
+    reference.sample(logits, **params, top_ids=ref_ids, top_logprobs_out=ref_top, **processing)
+    assert not top.isnan().any() and (top <= 0).all()
+    assert (top[:, 1:] <= top[:, :-1]).all(), "top-N in descending order"
+    torch.testing.assert_close(top, ref_top, rtol=0, atol=1e-4)
+    same_rows = float((top_ids == ref_ids).all(-1).double().mean())
+    assert same_rows >= 0.99, f"only {same_rows:.2%} of the rows have the reference's top ids"
+    greedy = params["temperature"] <= 0
+    assert torch.equal(top_ids[greedy, 0], out[greedy])
+    torch.testing.assert_close(top[greedy, 0], lp[greedy], rtol=0, atol=0)

@@ -24,6 +24,8 @@ VECTOR_ACCESS = {
     "rope_and_cache_kernelIfLi4": ("LDG.E.128", "STG.E.128"),
     "sample_kernelI13__nv_bfloat16Li8": ("LDG.E.128",),
     "sample_kernelIfLi4": ("LDG.E.128",),
+    "sample_fused_kernelI13__nv_bfloat16Li8": ("LDG.E.128",),
+    "sample_fused_kernelIfLi4": ("LDG.E.128",),
     # logits processing stage: 16-byte logits in, 16-byte fp32 workspace out
     "process_kernelI13__nv_bfloat16Li8": ("LDG.E.128", "STG.E.128"),
     "process_kernelIfLi4": ("LDG.E.128", "STG.E.128"),
@@ -43,6 +45,7 @@ KERNELS = (
     "paged_attention_merge_kernel",
     "rope_and_cache_kernel",
     "sample_kernel",
+    "sample_fused_kernel",
     "process_kernel",
     "rejection_sample_kernel",
     "flash_prefill_schedule_kernel",
@@ -215,3 +218,12 @@ def test_flash_sm90_v2_producer_has_no_table_load_after_its_waits(cuda_binary):
             elif re.search(r"\bLDG\.E(\.\w+)*\s", ins):
                 since_wait += 1
         assert exposed == 0, f"{name}: {exposed} global loads between a barrier wait and a TMA"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sample_v3_aggregates_histogram_updates_per_warp(cuda_binary, arch):
+    # v3 groups the lanes that hit one bin (MATCH.ANY), sums their masses (REDUX.SUM) and lets
+    # one lane per group do the shared atomics; v2 does 3 ATOMS per element (kept for A/B).
+    for name, sass in _listings(cuda_binary, arch, "sample_fused_kernel").items():
+        assert "MATCH.ANY" in sass, f"{name}: no __match_any_sync"
+        assert "REDUX.SUM" in sass, f"{name}: no __reduce_add_sync"

@@ -119,6 +119,15 @@ _VARS = (
         "run",
     ),
     EnvVar(
+        "PAGEDKERN_SAMPLE_VARIANT",
+        "v3",
+        "sample kernel: v3 (processing, sampling and top-N logprobs in one kernel, warp-aggregated "
+        "histograms) or v2 (processing stage + sampling kernel, top-N by torch ops), selectable "
+        "until a GPU run has verified v3.",
+        _choice("v3", "v2"),
+        "run",
+    ),
+    EnvVar(
         "PAGEDKERN_CHECK_INDICES",
         "0",
         "1: debug mode, the kernels trap on an out-of-range block id, slot, position or length "

@@ -43,6 +43,7 @@ KERNELS = (
     "rope_and_cache.cu",
     "sampling.cu",
     "rejection_sampling.cu",
+    "sampling_fused.cu",
     "quant_gemm.cu",
 )
 LAUNCH = re.compile(

@@ -64,6 +64,8 @@ unsigned lane_id();
 // Exchange of one 64-bit word per lane: returns the word lane `src` wrote in this round.
 uint64_t warp_exchange(uint64_t word, int src, bool check_full = true);
 uint32_t warp_ballot(bool pred);
+// One round: every lane's word (lanes past the block's end read 0).
+void warp_gather(uint64_t word, uint64_t (&words)[32]);
 std::vector<CopyOp>& open_copies();
 std::deque<std::vector<CopyOp>>& copy_groups();
 
@@ -132,6 +134,26 @@ inline unsigned __ballot_sync(unsigned, int pred) { return ::emu::warp_ballot(pr
 inline int __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0; }
 inline int __all_sync(unsigned m, int pred) { return __ballot_sync(m, !pred) == 0; }
 
+// Lanes whose value equals mine (every lane of the warp must take part, as the kernels here do).
+template <typename T>
+unsigned __match_any_sync(unsigned, T v) {
+  uint64_t words[32];
+  ::emu::warp_gather(::emu::to_word(v), words);
+  const dim3 dim = ::emu::block_dim();
+  const int first = int(::emu::thread_idx().x + dim.x * (::emu::thread_idx().y + dim.y * ::emu::thread_idx().z)) / 32 * 32;
+  const int live = std::min(32, int(dim.x * dim.y * dim.z) - first);
+  unsigned peers = 0;
+  for (int i = 0; i < live; ++i) peers |= words[i] == ::emu::to_word(v) ? 1u << i : 0u;
+  return peers;
+}
+// Sum over the lanes in mask (each lane passes its own group as mask, as labeled partitions do).
+inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
+  uint64_t words[32];
+  ::emu::warp_gather(v, words);
+  unsigned sum = 0;
+  for (int i = 0; i < 32; ++i) sum += (mask >> i) & 1u ? unsigned(words[i]) : 0u;
+  return sum;
+}
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
@@ -171,6 +193,12 @@ template <typename T>
 T atomicAdd(T* p, T v) {
   const T old = *p;
   *p = old + v;
+  return old;
+}
+template <typename T>
+T atomicOr(T* p, T v) {
+  const T old = *p;
+  *p = old | v;
   return old;
 }
 template <typename T>

@@ -157,6 +157,16 @@ uint32_t warp_ballot(bool pred) {
   return bits;
 }
 
+void warp_gather(uint64_t word, uint64_t (&words)[32]) {
+  Thread& t = cur();
+  const int warp = t.linear / 32;
+  const int parity = int(t.shuffle_round & 1);
+  warp_exchange(word, t.linear % 32);
+  const uint64_t* slots = &g_block->slots[(size_t(warp) * 2 + parity) * 32];
+  const int n = int(g_block->threads.size());
+  for (int i = 0; i < 32; ++i) words[i] = warp * 32 + i < n ? slots[i] : 0;
+}
+
 long long g_launches = 0;  // kernel launches so far: tests check that the kernel really ran
 
 void run_grid(dim3 grid, dim3 block, const std::function<void()>& body) {

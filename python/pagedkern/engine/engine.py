@@ -227,7 +227,9 @@ class Engine:
         for sample in samples:
             rid = sample.request_id
             self.requests[rid] = sample
-            self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
+            self._detokenizers[rid] = IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.min_tokens
+            )
             self._stop_ids[rid] = stop_ids
         self._num_prompt_tokens += len(prompt_ids)
         if self.tracer:

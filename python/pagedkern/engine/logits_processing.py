@@ -65,6 +65,9 @@ class LogitsState:
             if params.allowed_token_ids is None
             else allowed_bitmask(params.allowed_token_ids, vocab_size)
         )
+        # prompt_logprobs: entry p for prompt token p, filled as the prompt is computed
+        # (engine/prompt_logprobs.py); the first token has none
+        self.prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_ids)
 
     def _add(self, token: int, count: int) -> None:
         j = self.index.get(token)

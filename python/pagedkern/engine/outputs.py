@@ -109,6 +109,8 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] | None = None  # for token_ids, when asked for
     index: int = 0  # which of the request's n samples (request_id is the first's id + ".i")
     parent_id: str | None = None  # the request_id given at admission (n > 1)
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), once computed
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @classmethod
     def of(
@@ -135,6 +137,7 @@ class RequestOutput:
             logprobs,
             request.sample_index,
             request.parent_id,
+            _prompt_logprobs(request) if finished else None,
         )
 
     @property
@@ -181,3 +184,9 @@ class EngineStats:
     def spec_mean_accepted_length(self) -> float:
         """Accepted proposals per speculative step; a step yields this + 1 tokens."""
         return self.num_spec_accepted / self.num_spec_steps if self.num_spec_steps else 0.0
+
+
+def _prompt_logprobs(request: Request) -> tuple[TokenLogprob | None, ...] | None:
+    state = request.logits_state
+    table = None if state is None else state.prompt_logprobs
+    return None if table is None else tuple(table)

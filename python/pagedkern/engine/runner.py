@@ -14,6 +14,7 @@ import torch
 from .. import ops
 from ..model import KVCache, LlamaModel, SequenceChunk, layout_batch
 from ..model.attention_metadata import verification_rows
+from . import prompt_logprobs
 from .cuda_graphs import DecodeGraphs
 from .logits_processing import batch_processing
 from .outputs import TokenLogprob
@@ -93,10 +94,16 @@ class ModelRunner:
             tp = self.model.tp  # TP rank 0: broadcasts the step; a failure in it is fatal
             with tp.fatal_errors():
                 input_ids, meta = tp.upload(layout, self.device, logits=bool(rows))
-                if not rows:  # only mid-prompt chunks: fill the cache, skip the LM head
-                    self.model.hidden_states(input_ids, meta, self.kv_cache)
-                    return StepResult([], [], None)
-                logits = self.model(input_ids, meta, self.kv_cache)
+                if not rows or prompt_logprobs.wanted(ordered):
+                    # mid-prompt chunks (fill the cache, skip the LM head) or prompt logprobs
+                    hidden = self.model.hidden_states(input_ids, meta, self.kv_cache)
+                    prompt_logprobs.record(self.model, hidden, ordered, layout.cu_seqlens)
+                    if not rows:
+                        return StepResult([], [], None)
+                    lm_rows = hidden[meta.logits_indices]
+                    logits = tp.gather_logits(self.model.compute_logits(lm_rows))
+                else:
+                    logits = self.model(input_ids, meta, self.kv_cache)
         verified = []
         if speculating:
             num_sampled = len(rows) - sum(1 + len(proposals[r].token_ids) for r in speculating)

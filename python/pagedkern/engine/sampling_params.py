@@ -59,10 +59,14 @@ class SamplingParams:
     until that many tokens are generated, <= max_tokens). Token ids are checked against the
     vocabulary at admission. logprobs: None, or N in [0, 20]: the sampled token's log
     probability and the N most likely, from the processed distribution (after penalties, bias,
-    masks and temperature; before min-p / top-k / top-p). n in [1, 64] samples that share the
-    prompt's KV blocks, sample i seeded with seed + i. response_format: None, {"type":
-    "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
-    ...}} (also the bare schema): structured output (engine.structured_output).
+    masks and temperature; before min-p / top-k / top-p). prompt_logprobs: None, or N in
+    [0, 20]: each prompt token's log probability given the tokens before it and the N most
+    likely there, from the raw model logits (temperature 1, no processing, as vLLM; the
+    request's prompt is then computed whole, without prefix-cache hits). n in [1, 64]
+    samples that share the prompt's KV blocks, sample i seeded with seed + i.
+    response_format: None, {"type": "text"}, {"type": "json_object"} or {"type":
+    "json_schema", "json_schema": {"schema": ...}} (also the bare schema): structured output
+    (engine.structured_output).
     """
 
     max_tokens: int = 256
@@ -83,6 +87,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     response_format: Mapping | None = None
 
@@ -133,6 +138,8 @@ class SamplingParams:
         check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         check_int("n", self.n, 1, MAX_N)
         if self.response_format is not None:
             from .structured_output import check_response_format

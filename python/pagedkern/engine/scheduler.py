@@ -184,6 +184,8 @@ class Scheduler:
         token to compute, whose logits give the next token)."""
         request.block_hashes = self.pool.block_hashes(request.all_ids, request.block_hashes)
         max_blocks = (request.num_tokens - 1) // self.pool.block_size
+        if request.params.prompt_logprobs is not None:
+            max_blocks = 0  # every prompt position is computed (engine/prompt_logprobs.py)
         hits = self.pool.lookup_prefix(request.block_hashes, max_blocks)
         self.pool.acquire(hits)
         request.block_table = list(hits)  # right after acquire: a release frees exactly these

@@ -22,6 +22,7 @@ KERNEL_VARIANTS: dict[str, tuple[str, dict[str, int]]] = {
     "flash_prefill": ("PAGEDKERN_FLASH_VARIANT", {"v2": 0, "v1": 1}),
     "rms_norm": ("PAGEDKERN_RMS_NORM_VARIANT", {"v3": 0, "v1": 1}),
     "rope_and_cache": ("PAGEDKERN_ROPE_VARIANT", {"v2": 0, "v1": 1}),
+    "sample": ("PAGEDKERN_SAMPLE_VARIANT", {"v3": 0, "v2": 1}),
 }
 
 

@@ -17,7 +17,7 @@ from .arrays import (
     full_like,
     view,
 )
-from .launch import kernel_or_reference, launch_context, reference_on_torch
+from .launch import kernel_or_reference, kernel_variant, launch_context, reference_on_torch
 
 _PARAMS = (
     ("temperature", "float32"),
@@ -80,7 +80,9 @@ def sample(
     token_bias float32 [nnz] (all four together, with the three penalties float32 [B]);
     bitmask int32 [M, ceil(V / 32)] with bitmask_rows int32 [B]; min_p float32 [B].
     Outputs (optional): logprobs float32 [B] (the sampled token's), top_ids int32 [B, N] and
-    top_logprobs float32 [B, N], N <= 20, both or neither."""
+    top_logprobs float32 [B, N], N <= min(20, V), both or neither. The kernel variant
+    (PAGEDKERN_SAMPLE_VARIANT): v3 computes everything in one kernel, v2 runs a processing stage
+    first and the top-N as torch ops after."""
     lv = view(logits, "logits")
     check_dtype(lv, FLOAT_DTYPES)
     check_ndim(lv, 2)
@@ -112,7 +114,7 @@ def sample(
         "min_p": min_p,
     }
     processing, checked = _check_processing(given, rows, vocab, views)
-    lpv = _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows, views)
+    lpv = _check_logprob_outputs(logprobs, top_ids, top_logprobs, rows, vocab, views)
     common_device(views)
     if not kernel_or_reference("sample", views, support.sample(lv.dtype, vocab)):
         reference = reference_on_torch("sample", views)
@@ -144,10 +146,14 @@ def sample(
     if "token_ids" in checked and checked["token_ids"].numel == 0:
         for name in _SPARSE + _PENALTIES:  # no entries: nothing to apply (and no pointers)
             ptr.pop(name)
+    variant = kernel_variant("sample")
+    fused = variant == 0  # v3: top-N in the kernel, a workspace only for sparse entries
     workspace, stride = None, 0
-    if "token_offsets" in ptr or "bitmask" in ptr:  # the processed rows (fp32, 16-byte rows)
-        stride = -(-vocab // 4) * 4
+    if "token_offsets" in ptr or (not fused and "bitmask" in ptr):
+        # v3: entry values at their ids + the entry bitmap; v2: the processed rows (16-byte rows)
+        stride = _round4(vocab) + (_round4((vocab + 31) // 32) if fused else 0)
         workspace = empty_like(lv, (rows, stride), "float32", name="workspace")
+    top_n = 0 if top_ids is None or not fused else view(top_ids, "top_ids").shape[1]
     module.sample(
         out=ov.ptr,
         logits=lv.ptr,
@@ -172,18 +178,26 @@ def sample(
         bitmask_words=(vocab + 31) // 32,
         min_p=ptr.get("min_p", 0),
         logprobs=0 if lpv is None else lpv.ptr,
+        top_ids=view(top_ids, "top_ids").ptr if top_n else 0,
+        top_logprobs=view(top_logprobs, "top_logprobs").ptr if top_n else 0,
+        top_n=top_n,
         workspace=0 if workspace is None else view(workspace, "workspace").ptr,
         workspace_stride=stride,
         device=device,
         stream=handle,
+        variant=variant,
     )
-    if top_ids is not None and rows:
-        # The top-N logprobs are not in the kernel: torch ops on the processed logits.
+    if top_ids is not None and rows and not fused:
+        # v2 has no top-N in its kernels: torch ops on the processed logits.
         from ..reference.logits_processing import write_top_logprobs
 
         reference_on_torch("sample (top-N logprobs)", views)  # torch tensors only
         write_top_logprobs(logits, temperature, top_ids, top_logprobs, **processing)
     return out
+
+
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
 
 
 def _checked(value, name: str, dtype: str, shape, views: list) -> ArrayView:
@@ -223,7 +237,7 @@ def _check_processing(
 
 
 def _check_logprob_outputs(
-    logprobs, top_ids, top_logprobs, rows: int, views: list
+    logprobs, top_ids, top_logprobs, rows: int, vocab: int, views: list
 ) -> ArrayView | None:
     """Checks the optional outputs; the view of `logprobs` (None when not given)."""
     if (top_ids is None) != (top_logprobs is None):
@@ -234,8 +248,11 @@ def _check_logprob_outputs(
         check_dtype(iv, ("int32",))
         check_dtype(tv, ("float32",))
         check_ndim(iv, 2)
-        if iv.shape[0] != rows or iv.shape[1] > MAX_TOP_LOGPROBS:
-            raise ValueError(f"{iv.describe()}: must be [{rows}, N] with N <= {MAX_TOP_LOGPROBS}")
+        if iv.shape[0] != rows or iv.shape[1] > min(MAX_TOP_LOGPROBS, vocab):
+            raise ValueError(
+                f"{iv.describe()}: must be [{rows}, N] with N <= {MAX_TOP_LOGPROBS} and N <= the "
+                f"vocabulary ({vocab})"
+            )
         check_shape(tv, iv.shape)
         check_contiguous(iv)
         check_contiguous(tv)

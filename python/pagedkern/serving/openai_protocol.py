@@ -11,6 +11,7 @@ does).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Annotated, Any, Literal
 
@@ -208,10 +209,13 @@ class CompletionRequest(_SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     def num_logprobs(self) -> int | None:
-        if self.echo and self.logprobs is not None:
-            # prompt logprobs need the LM head over every prompt position: not implemented
-            raise APIError(400, "echo with logprobs is not supported", param="echo")
         return self.logprobs
+
+    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None):
+        params = super().sampling_params(default_max_tokens, defaults)
+        if self.echo and self.logprobs is not None:  # the prompt's tokens get logprobs too
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
     def engine_prompts(self) -> list[dict]:
         """add_request arguments per prompt: {"prompt": text} or {"prompt_ids": ids}."""

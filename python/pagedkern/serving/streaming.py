@@ -160,6 +160,28 @@ class CompletionFormat(_Format):
             return None
         return {key: [v for p in parts for v in p[key]] for key in parts[0]}
 
+    def with_prompt_logprobs(
+        self, out: RequestOutput, echoed: str, generated: dict | None
+    ) -> dict | None:
+        """echo + logprobs: the prompt's tokens first (the first token has no logprob: None, as
+        OpenAI), then the generated ones, their text_offset shifted past the echoed prompt."""
+        if out.prompt_logprobs is None:
+            return generated
+        body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for token_id, lp in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
+            token = self.token_text(token_id)
+            body["tokens"].append(token)
+            body["token_logprobs"].append(None if lp is None else _finite(lp.logprob))
+            top = None if lp is None else {self._entry(t, v)[0]: _finite(v) for t, v in lp.top}
+            body["top_logprobs"].append(top)
+            body["text_offset"].append(offset)
+            offset += len(token)
+        for key, values in (generated or {}).items():
+            shift = len(echoed) if key == "text_offset" else None
+            body[key] += [v + shift for v in values] if shift is not None else values
+        return body
+
 
 Format = ChatFormat | CompletionFormat
 
@@ -299,14 +321,15 @@ async def collect(
             raise engine_error(streams[0].request_id, final)
     usage = Usage.of(sum(s.prompt_tokens for s in streams), tokens)
     per_prompt = fmt.num_choices // len(streams)
-    choices = [
-        (
-            (echo[i // per_prompt] if echo else "") + "".join(texts[i]),
-            openai_finish_reason(finals[i].finish_reason),
-            fmt.merge_logprobs(logprobs[i]),
+    choices = []
+    for i in range(fmt.num_choices):
+        echoed = echo[i // per_prompt] if echo else ""
+        lp = fmt.merge_logprobs(logprobs[i])
+        if echo:  # the prompt's logprobs come with its first sample (it computed the prompt)
+            lp = fmt.with_prompt_logprobs(finals[i - i % per_prompt], echoed, lp)
+        choices.append(
+            (echoed + "".join(texts[i]), openai_finish_reason(finals[i].finish_reason), lp)
         )
-        for i in range(fmt.num_choices)
-    ]
     return fmt.whole(choices, usage)
 
 
