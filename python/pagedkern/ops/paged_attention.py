@@ -17,15 +17,22 @@ from dataclasses import dataclass
 from . import support
 from .arrays import (
     DTYPE_CODES,
+    ArrayView,
+    CheckedLayouts,
     check_contiguous,
+    check_dtype,
     check_shape,
+    common_device,
+    layout_key,
     view,
 )
 from .index_checks import check_block_table_contents
 from .launch import check_indices, kernel_or_reference, launch_context, reference_on_torch
 from .paged_kv import (
     attention_outputs,
-    check_attention_args,
+    attention_views,
+    check_attention_views,
+    check_out,
     check_rows_aligned,
     check_scale,
     workspace_view,
@@ -138,6 +145,34 @@ def _check_int(name: str, value, low: int) -> None:
         raise ValueError(f"{name} must be an int >= {low} or None, got {value!r}")
 
 
+# Layouts whose checks passed: stage 1 the argument checks, stage 2 also the kernel's layout
+# checks. Keyed by everything those checks read, so a hit skips only checks that would pass.
+_CHECKED = CheckedLayouts()
+_ARGS_CHECKED, _KERNEL_CHECKED = 1, 2
+
+
+def _check_kernel_layout(views: list[ArrayView], wv: ArrayView | None) -> None:
+    """What the kernel needs beyond the arguments' shapes: contiguous table rows and lengths,
+    16-byte aligned query rows, caches and output, a contiguous float32 workspace on the same
+    device (its size depends on the split plan: checked on every call)."""
+    bt = views[3]
+    if bt.shape[1] > 1 and bt.strides[1] != 1:
+        raise ValueError(f"{bt.describe()}: rows must be contiguous")
+    check_contiguous(views[4])
+    check_rows_aligned(views[0])
+    for cache in views[1:3]:
+        if cache.ptr % 16:
+            raise ValueError(f"{cache.describe()} must start at a 16-byte boundary")
+    if len(views) > 5:
+        check_out(views[0], views[5])
+    if wv is not None:
+        check_dtype(wv, ("float32",))
+        check_contiguous(wv)
+        common_device([*views, wv])
+        if wv.ptr % 16:
+            raise ValueError(f"{wv.describe()} must start at a 16-byte boundary")
+
+
 def paged_attention(
     q,
     k_cache,
@@ -169,9 +204,15 @@ def paged_attention(
     check_scale(scale)
     _check_int("max_seq_len", max_seq_len, 0)
     _check_int("num_splits", num_splits, 1)
-    qv, views = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, None, out)
-    check_shape(views[4], (qv.shape[0],))
-    kc, bt = views[1], views[3]
+    views = attention_views(q, k_cache, v_cache, block_tables, seq_lens, out)
+    wv = None if workspace is None else view(workspace, "workspace")
+    key = layout_key(views if wv is None else [*views, wv])
+    checked = _CHECKED.level(key)
+    qv, kc, bt = views[0], views[1], views[3]
+    if checked < _ARGS_CHECKED:
+        check_attention_views(views, None)
+        check_shape(views[4], (qv.shape[0],))
+        _CHECKED.passed(key, _ARGS_CHECKED)
     decision = kernel_support(qv.dtype, qv.shape[2], kc.shape[2])
     if not kernel_or_reference("paged_attention", views, decision):
         reference = reference_on_torch("paged_attention", views)
@@ -181,23 +222,21 @@ def paged_attention(
         )
     batch, num_heads, head_dim = qv.shape
     num_kv_heads, block_size = kc.shape[1], kc.shape[2]
-    if bt.shape[1] > 1 and bt.strides[1] != 1:
-        raise ValueError(f"{bt.describe()}: rows must be contiguous")
-    check_contiguous(views[4])
-    check_rows_aligned(qv)
-    for cache in views[1:3]:
-        if cache.ptr % 16:
-            raise ValueError(f"{cache.describe()} must start at a 16-byte boundary")
+    if checked < _KERNEL_CHECKED:
+        _check_kernel_layout(views, wv)
+        _CHECKED.passed(key, _KERNEL_CHECKED)
     module, device, handle = launch_context(views, stream)
     if max_seq_len is None:
         max_seq_len = bt.shape[1] * block_size
     num_sms = _num_sms(module, device)
     plan = plan_splits(batch, num_heads, num_kv_heads, head_dim, max_seq_len, num_sms, num_splits)
-    out, ov, lse = attention_outputs(qv, out, return_lse)
-    wv = None  # holds the workspace (maybe allocated here) alive until the launch is queued
+    out, ov, lse = attention_outputs(qv, out, return_lse, views[5] if out is not None else None)
     if plan.num_splits > 1:
         need = workspace_size(batch, num_heads, head_dim, plan.num_splits)
-        wv = workspace_view(workspace, qv, need, "float32", views)
+        if wv is None:  # allocated here; wv holds it alive until the launch is queued
+            wv = workspace_view(None, qv, need, "float32", views)
+        elif wv.numel < need:
+            raise ValueError(f"{wv.describe()}: need {need} float32 elements, 16-byte aligned")
     module.paged_attention(
         out=ov.ptr,
         lse=view(lse, "lse").ptr if lse is not None else 0,
@@ -206,7 +245,7 @@ def paged_attention(
         v_cache=views[2].ptr,
         block_tables=bt.ptr,
         seq_lens=views[4].ptr,
-        workspace=wv.ptr if wv is not None else 0,
+        workspace=wv.ptr if plan.num_splits > 1 else 0,
         q_stride=qv.strides[0],
         out_stride=ov.strides[0],
         block_table_stride=bt.strides[0],
