@@ -27,7 +27,13 @@ from .arrays import (
     view,
 )
 from .index_checks import check_block_table_contents
-from .launch import check_indices, kernel_or_reference, launch_context, reference_on_torch
+from .launch import (
+    check_indices,
+    kernel_or_reference,
+    kernel_variant,
+    launch_context,
+    reference_on_torch,
+)
 from .paged_kv import (
     attention_outputs,
     attention_views,
@@ -63,10 +69,29 @@ def _plan_for(num_splits: int, max_seq_len: int) -> SplitPlan:
     return SplitPlan(n, size) if n > 1 else SplitPlan(1, 0)
 
 
-def ctas_per_kv_head(group: int, head_dim: int) -> int:
+# The tensor-core kernel (csrc/paged_attention_mma.cuh): its head dims, the smallest GQA group
+# "auto" gives it (below, most of its 8-head n dimension would be padding), heads per CTA.
+MMA_HEAD_DIMS = (64, 128)
+MMA_MIN_GROUP = 4
+MMA_HEADS = 8
+KERNEL_CODES = {"simt": 0, "mma": 1}  # csrc/paged_attention.h kPagedAttentionSimt / Mma
+
+
+def decode_kernel(group: int, head_dim: int, variant: int | None = None) -> str:
+    """The kernel a launch runs, 'simt' or 'mma', for PAGEDKERN_PAGED_ATTENTION_VARIANT (or
+    `variant`, its code): auto takes mma for groups >= MMA_MIN_GROUP; D = 256 is simt always."""
+    code = kernel_variant("paged_attention") if variant is None else variant
+    if head_dim not in MMA_HEAD_DIMS or code == KERNEL_CODES["simt"]:
+        return "simt"
+    return "mma" if code == KERNEL_CODES["mma"] or group >= MMA_MIN_GROUP else "simt"
+
+
+def ctas_per_kv_head(group: int, head_dim: int, kernel: str = "simt") -> int:
     """CTAs serving one KV head of one sequence (per split), as csrc/paged_attention.cu cuts a
-    group of query heads: units of 2 heads for even groups, else 1; up to kRows units per CTA
-    (16 for D = 64, else 8)."""
+    group of query heads. simt: units of 2 heads for even groups, else 1; up to kRows units per
+    CTA (16 for D = 64, else 8). mma: 8 heads per CTA."""
+    if kernel == "mma":
+        return _ceil_div(group, MMA_HEADS)
     units = group // 2 if group % 2 == 0 else group
     return _ceil_div(units, 16 if head_dim == 64 else 8)
 
@@ -82,6 +107,7 @@ def plan_splits(
     max_seq_len: int,
     num_sms: int,
     num_splits: int | None = None,
+    kernel: str = "simt",
 ) -> SplitPlan:
     """Number and size of the KV splits (host-side heuristic, no device values).
 
@@ -89,11 +115,13 @@ def plan_splits(
     (num_sms x 4 resident CTAs, 3 for D = 256), no split. Otherwise pick the split count that
     minimises waves x (tokens per split + a fixed per-CTA cost), with splits of at least 256
     tokens and at most 128 splits; ties go to fewer splits (less workspace and merge traffic).
-    An explicit num_splits is honoured (rounded to whole 64-token tiles).
+    An explicit num_splits is honoured (rounded to whole 64-token tiles). kernel: 'simt' or
+    'mma' (decode_kernel), which cut the group into different CTA counts; both use 48 KB of
+    shared memory per CTA.
     """
     if num_splits is not None:
         return _plan_for(num_splits, max_seq_len)
-    ctas = batch * num_kv_heads * ctas_per_kv_head(num_heads // num_kv_heads, head_dim)
+    ctas = batch * num_kv_heads * ctas_per_kv_head(num_heads // num_kv_heads, head_dim, kernel)
     # Resident CTAs per SM: 48 KB of shared memory each (4 per H100/H200 SM); registers cap the
     # 256-thread CTAs of D = 256 at 3.
     slots = max(1, num_sms * (3 if head_dim == 256 else 4))
@@ -229,7 +257,10 @@ def paged_attention(
     if max_seq_len is None:
         max_seq_len = bt.shape[1] * block_size
     num_sms = _num_sms(module, device)
-    plan = plan_splits(batch, num_heads, num_kv_heads, head_dim, max_seq_len, num_sms, num_splits)
+    kernel = decode_kernel(num_heads // num_kv_heads, head_dim)
+    plan = plan_splits(
+        batch, num_heads, num_kv_heads, head_dim, max_seq_len, num_sms, num_splits, kernel
+    )
     out, ov, lse = attention_outputs(qv, out, return_lse, views[5] if out is not None else None)
     if plan.num_splits > 1:
         need = workspace_size(batch, num_heads, head_dim, plan.num_splits)
@@ -263,5 +294,6 @@ def paged_attention(
         check_indices=check_indices(),
         device=device,
         stream=handle,
+        variant=KERNEL_CODES[kernel],
     )
     return (out, lse) if return_lse else out
