@@ -7,8 +7,9 @@
  *
  * Why: the SIMT kernel spends ~100 warp-instructions per (token, KV head) on fp32 dot products,
  * shuffle reductions and bf16 unpacks, about the HBM time at 4 query heads per KV head. Here a
- * warp handles 16 tokens x 8 query heads with 2 * D / 16 mma.sync, one ldmatrix each, ~11
- * instructions per (token, KV head) at D = 128.
+ * warp handles 16 tokens x 8 query heads with 2 * D / 16 mma.sync, one ldmatrix each: the
+ * sm_90a main loop is 456 instructions per warp and tile at D = 128 (254 at D = 64), ~29 (16)
+ * per (token, KV head), most of it the cp.async copies and their addresses.
  *
  * Mapping: one CTA per (8 query heads of a KV head's group, sequence, split): kWarps warps
  * (4 for D = 64, 2 for D = 128), kTile = 16 * kWarps tokens per pipeline stage, warp w owning
@@ -77,6 +78,16 @@ __device__ __forceinline__ int swizzled(int token, int chunk) {
   return token * D + ((chunk ^ (token & 7)) << 3);
 }
 
+// 16 bytes by cp.async (L1 bypass), or 16 zero bytes when !valid (src-size 0: nothing is read).
+__device__ __forceinline__ void copy16_or_zero(void* dst, const void* src, bool valid) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(mma::smem_address(dst)),
+               "l"(src), "r"(valid ? 16 : 0));
+#else
+  __pipeline_memcpy_async(dst, src, 16, valid ? 0 : 16);
+#endif
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(Shape<D>::kThreads)
     paged_attention_mma_kernel(const PagedAttentionParams p, const Layout lay) {
@@ -134,6 +145,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
     for (int i = (start >> lay.block_shift) + threadIdx.x; i <= (end - 1) >> lay.block_shift;
          i += blockDim.x)
       check_index(true, table[i], p.num_blocks);
+    __syncthreads();  // no thread follows a page id before all of them are checked
   }
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
@@ -149,6 +161,10 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
       pages[i] = t < end ? table[t >> lay.block_shift] : 0;
     }
   };
+  // Page rows ([N, Hkv, bs] flattened) fit in 32 bits (the launcher checks): one wide multiply
+  // per copy instead of 64-bit index arithmetic.
+  const T* k_chunk_base = k_cache + chunk * 8;
+  const T* v_chunk_base = v_cache + chunk * 8;
   auto issue = [&](int tile) {
     if (tile >= num_tiles) return;
     const int stage = tile % kStages;
@@ -157,15 +173,12 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
       const int j = row + i * S::kCopyRows;
       const int t = start + tile * S::kTile + j;
       const bool valid = t < end;
-      const int64_t offset =
-          valid ? ((int64_t(pages[i]) * p.num_kv_heads + kv_head) * (block_mask + 1) +
-                   (t & block_mask)) * D + chunk * 8
-                : 0;
+      const uint32_t page_row =
+          (uint32_t(pages[i]) * uint32_t(p.num_kv_heads) + uint32_t(kv_head)) << lay.block_shift;
+      const int64_t offset = int64_t(page_row + uint32_t(t & block_mask)) * D;
       // Past the split: zero-filled (nothing read), so V never brings NaN into P V.
-      __pipeline_memcpy_async(&ring.k[stage][swizzled<D>(j, chunk)], k_cache + offset, 16,
-                              valid ? 0 : 16);
-      __pipeline_memcpy_async(&ring.v[stage][swizzled<D>(j, chunk)], v_cache + offset, 16,
-                              valid ? 0 : 16);
+      copy16_or_zero(&ring.k[stage][swizzled<D>(j, chunk)], k_chunk_base + offset, valid);
+      copy16_or_zero(&ring.v[stage][swizzled<D>(j, chunk)], v_chunk_base + offset, valid);
     }
   };
 
@@ -310,6 +323,8 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
 
 // The launch itself is in paged_attention.cu (the emulator rewrites launches in .cu files only).
 inline Layout layout_for(const PagedAttentionParams& p, int block_shift) {
+  require(p.num_blocks * p.num_kv_heads * p.block_size <= (int64_t(1) << 32),
+          "paged_attention (mma): the cache has more than 2^32 page rows");
   const int group = p.num_heads / p.num_kv_heads;
   return Layout{block_shift, group, ceil_div(group, kHeads)};
 }
