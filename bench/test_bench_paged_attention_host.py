@@ -1,8 +1,10 @@
 """Host cost of one paged_attention call: argument checks, split plan, the launch call, with the
 extension stubbed (its launch is a no-op) and fake CUDA arrays, so it runs on any CPU, smoke mode
 included. The kernel at B=1, L=32768 takes ~40 us on a GPU; the Python in front of it must stay
-well below that (target < 15 us per call). Timed with perf_counter over many calls (a GPU is not
-involved), median of rounds; the first call of each case (plan cache miss) is reported apart."""
+well below that (target < 15 us per call): views read each interface once, the structural checks
+run once per layout (ops/arrays.py CheckedLayouts) and the plan is cached. Timed with
+perf_counter over many calls (a GPU is not involved), median of rounds; the first call of each
+case (plan and check cache misses) is reported apart."""
 
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ def stub(monkeypatch) -> StubExtension:
     # The kernel path whatever backend an earlier benchmark left selected (e2e: "reference").
     monkeypatch.setattr(launch_module, "_backend", "auto")
     pa_module._num_sms.cache_clear()
+    monkeypatch.setattr(pa_module, "_CHECKED", pa_module.CheckedLayouts())
     return ext
 
 
@@ -89,3 +92,4 @@ def test_paged_attention_host_cost(stub, record, smoke, batch, hq, hkv, d, bs, m
     assert stub.launches == 1 + (3 if smoke else 15) * (20 if smoke else 2000)
     # Every call after the first took its plan from the cache.
     assert pa_module.plan_splits.cache_info().misses == 1
+    assert pa_module._CHECKED.misses == 2  # and its checks from the memo

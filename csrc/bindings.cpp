@@ -161,7 +161,7 @@ PYBIND11_MODULE(_C, m) {
          int64_t block_table_stride, int64_t block_table_width, int64_t num_blocks, int batch,
          int num_heads, int num_kv_heads, int head_dim, int block_size, int num_splits,
          int split_size, double scale, int dtype, bool check_indices, int device,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, int variant) {
         pagedkern::PagedAttentionParams p;
         p.out = as_ptr<void>(out);
         p.lse = as_ptr<float>(lse);
@@ -186,6 +186,7 @@ PYBIND11_MODULE(_C, m) {
         p.scale = static_cast<float>(scale);
         p.dtype = static_cast<DType>(dtype);
         p.check_indices = check_indices;
+        p.variant = variant;
         DeviceGuard guard(device);
         pagedkern::paged_attention(p, as_stream(stream));
       },
@@ -195,7 +196,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("block_table_width"), py::arg("num_blocks"), py::arg("batch"),
       py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
       py::arg("num_splits"), py::arg("split_size"), py::arg("scale"), py::arg("dtype"),
-      py::arg("check_indices"), py::arg("device"), py::arg("stream"),
+      py::arg("check_indices"), py::arg("device"), py::arg("stream"), py::arg("variant"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(

@@ -51,6 +51,7 @@
 #include "device.cuh"
 #include "index_check.cuh"
 #include "paged_attention.h"
+#include "paged_attention_mma.cuh"
 
 namespace pagedkern {
 namespace {
@@ -360,19 +361,35 @@ __global__ void __launch_bounds__(128) paged_attention_merge_kernel(const PagedA
   if (p.lse != nullptr && lane == 0) p.lse[pair] = mx + logf(total);
 }
 
+// The tensor-core variant (paged_attention_mma.cuh), D = 64 and 128.
 template <typename T, int D>
-void launch(const PagedAttentionParams& p, Layout lay, cudaStream_t stream) {
-  const int units = lay.group % 2 == 0 ? lay.group / 2 : lay.group;  // kHeads = 2 or 1 below
-  lay.head_chunks = ceil_div(units, Shape<D>::kRows);
-  lay.units_per_cta = ceil_div(units, lay.head_chunks);
+void launch_mma(const PagedAttentionParams& p, int block_shift, cudaStream_t stream) {
+  const mma_decode::Layout lay = mma_decode::layout_for(p, block_shift);
   const dim3 grid(unsigned(p.num_kv_heads * lay.head_chunks), unsigned(p.batch),
                   unsigned(p.num_splits));
-  if (lay.group % 2 == 0) {
-    paged_attention_kernel<T, D, 2><<<grid, Shape<D>::kThreads, 0, stream>>>(p, lay);
-  } else {
-    paged_attention_kernel<T, D, 1><<<grid, Shape<D>::kThreads, 0, stream>>>(p, lay);
+  mma_decode::paged_attention_mma_kernel<T, D>
+      <<<grid, mma_decode::Shape<D>::kThreads, 0, stream>>>(p, lay);
+  PK_CHECK_LAUNCH("paged_attention_mma_kernel");
+}
+
+template <typename T, int D>
+void launch(const PagedAttentionParams& p, Layout lay, cudaStream_t stream) {
+  if constexpr (D != 256) {
+    if (p.variant == kPagedAttentionMma) launch_mma<T, D>(p, lay.block_shift, stream);
   }
-  PK_CHECK_LAUNCH("paged_attention_kernel");
+  if (p.variant == kPagedAttentionSimt) {
+    const int units = lay.group % 2 == 0 ? lay.group / 2 : lay.group;  // kHeads = 2 or 1 below
+    lay.head_chunks = ceil_div(units, Shape<D>::kRows);
+    lay.units_per_cta = ceil_div(units, lay.head_chunks);
+    const dim3 grid(unsigned(p.num_kv_heads * lay.head_chunks), unsigned(p.batch),
+                    unsigned(p.num_splits));
+    if (lay.group % 2 == 0) {
+      paged_attention_kernel<T, D, 2><<<grid, Shape<D>::kThreads, 0, stream>>>(p, lay);
+    } else {
+      paged_attention_kernel<T, D, 1><<<grid, Shape<D>::kThreads, 0, stream>>>(p, lay);
+    }
+    PK_CHECK_LAUNCH("paged_attention_kernel");
+  }
   if (p.num_splits > 1) {
     const unsigned blocks = unsigned(ceil_div(int64_t(p.batch) * p.num_heads, 4));
     paged_attention_merge_kernel<T><<<blocks, 128, 0, stream>>>(p);
@@ -399,6 +416,9 @@ void paged_attention(const PagedAttentionParams& p, cudaStream_t stream) {
   require(p.block_size > 0 && (p.block_size & (p.block_size - 1)) == 0,
           "paged_attention: block_size must be a power of two");
   require(p.num_splits >= 1 && p.num_splits <= 65535, "paged_attention: num_splits out of range");
+  require(p.variant == kPagedAttentionSimt ||
+              (p.variant == kPagedAttentionMma && (p.head_dim == 64 || p.head_dim == 128)),
+          "paged_attention: variant must be simt (0) or, for D = 64 and 128, mma (1)");
   require(p.num_splits == 1 || (p.split_size > 0 && p.split_size % 64 == 0 && p.workspace),
           "paged_attention: splits need a split_size multiple of 64 and a workspace");
   require(aligned16(p.q) && aligned16(p.out) && aligned16(p.k_cache) && aligned16(p.v_cache) &&

@@ -38,7 +38,11 @@ struct PagedAttentionParams {
   float scale = 1.f;
   DType dtype = DType::kBFloat16;  // float16 or bfloat16
   bool check_indices = false;      // trap on an out-of-range block id or seq_len (debug mode)
+  int variant = 0;  // kPagedAttentionSimt or kPagedAttentionMma (PAGEDKERN_PAGED_ATTENTION_VARIANT)
 };
+// The kernel that runs (ops/paged_attention.py resolves the variant "auto" to one of them).
+constexpr int kPagedAttentionSimt = 0;  // paged_attention_kernel, fp32 SIMT math, any D
+constexpr int kPagedAttentionMma = 1;   // paged_attention_mma_kernel, mma.sync, D = 64 and 128
 void paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
 
 }  // namespace pagedkern

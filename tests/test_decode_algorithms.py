@@ -15,6 +15,7 @@ import torch
 from pagedkern.ops.paged_attention import (
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
+    MMA_HEADS,
     SPLIT_ALIGN,
     SplitPlan,
     ctas_per_kv_head,
@@ -391,3 +392,43 @@ def test_descent_passes_and_early_exit():
     keys = _keys(torch.tensor([5.0, 2.0, 2.0, 2.0, 1.0]))
     tau, z = _descend(keys, torch.ones(5, dtype=torch.int64), 0, k=2)
     assert z == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# csrc/paged_attention_mma.cuh's index math: head chunks, and ldmatrix rows in the swizzled ring
+
+
+def test_mma_kernel_computes_every_query_head_once():
+    for group in range(1, 65):
+        chunks = math.ceil(group / MMA_HEADS)  # layout_for()
+        assert chunks == ctas_per_kv_head(group, 128, "mma")
+        covered = []
+        for chunk in range(chunks):  # the kernel: first = chunk * 8, heads = min(8, group - first)
+            first = chunk * MMA_HEADS
+            heads = min(MMA_HEADS, group - first)
+            assert 1 <= heads <= MMA_HEADS
+            covered += [first + g for g in range(heads)]  # lanes g < heads hold real heads
+        assert covered == list(range(group))
+
+
+def _swizzled(token: int, chunk: int, d: int) -> int:
+    return token * d + ((chunk ^ (token & 7)) << 3)  # swizzled<D>() in elements
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_mma_ldmatrix_rows_hit_distinct_banks(d):
+    # Each 8x8 matrix of an ldmatrix reads 8 rows of 16 bytes: conflict-free when they fall in
+    # the 8 distinct 16-byte bank groups of a 128-byte line. Lane l gives row l % 8 of matrix
+    # l / 8: K as A (tokens + 8 (mat % 2), chunk mat / 2), V^T as A (tokens + 8 (mat / 2), chunk
+    # mat % 2), as the kernel computes k_token / v_token; every warp and k-step.
+    for warp in range(4096 // d // 16):
+        for step in range(d // 16):
+            for mat in range(4):
+                k_rows = [16 * warp + r + 8 * (mat % 2) for r in range(8)]
+                v_rows = [16 * warp + r + 8 * (mat // 2) for r in range(8)]
+                for tokens, chunk in ((k_rows, 2 * step + mat // 2), (v_rows, 2 * step + mat % 2)):
+                    rows = [_swizzled(t, chunk, d) * 2 for t in tokens]
+                    assert all(a % 16 == 0 for a in rows)
+                    assert len({(a // 16) % 8 for a in rows}) == 8, (warp, step, mat, rows)
+                    # the unswizzled layout would conflict 8 ways (why the XOR is there)
+                    assert len({(t * d + chunk * 8) * 2 // 16 % 8 for t in tokens}) == 1

@@ -14,6 +14,7 @@ from emulator import emulated, launches, unavailable_reason
 
 import pagedkern
 from pagedkern import reference
+from pagedkern.ops.paged_attention import decode_kernel
 from pagedkern.ops.support import KernelUnsupportedError
 from pagedkern.reference import cos_sin_cache
 
@@ -79,9 +80,12 @@ ATTENTION = [
 ]
 
 
+@pytest.mark.parametrize("variant", ["simt", "mma"])  # mma: the fragments spelled as shuffles
 @pytest.mark.parametrize("case", range(len(ATTENTION)))
-def test_paged_attention(case):
+def test_paged_attention(case, variant, monkeypatch):
     dtype, d, block_size, hq, hkv, seq_lens, num_splits, max_seq_len = ATTENTION[case]
+    monkeypatch.setenv("PAGEDKERN_PAGED_ATTENTION_VARIANT", variant)
+    assert decode_kernel(hq // hkv, d) == ("simt" if d == 256 else variant)
     g = torch.Generator().manual_seed(case)
     k_cache, v_cache, tables = _paged(seq_lens, hkv, block_size, d, dtype, g)
     batch = len(seq_lens)
@@ -360,8 +364,10 @@ def _attention_case(block_size=16, seq_lens=(40, 9)):
     return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
 
 
+@pytest.mark.parametrize("variant", ["simt", "mma"])
 @pytest.mark.parametrize("bad", ["minus_one", "past_the_cache", "seq_len_past_the_table"])
-def test_paged_attention_traps_bad_indices_in_debug_mode(bad):
+def test_paged_attention_traps_bad_indices_in_debug_mode(bad, variant, monkeypatch):
+    monkeypatch.setenv("PAGEDKERN_PAGED_ATTENTION_VARIANT", variant)
     q, k_cache, v_cache, tables, lens = _attention_case()
     if bad == "minus_one":
         tables[0, 1] = -1

@@ -2,7 +2,8 @@
 tables with NaN in every cache slot no sequence owns, lengths 1..16384, batches 1..129, split-KV
 on and off, every dispatched head dim / block size / GQA ratio, padding rows, return_lse, views
 into a fused QKV output, CUDA-graph capture with a fixed plan, the caller's stream, an error bound
-per head (not only over all heads), and the policy outside kernel support (warn or refuse)."""
+per head (not only over all heads), and the policy outside kernel support (warn or refuse); each
+on every kernel variant (PAGEDKERN_PAGED_ATTENTION_VARIANT)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,19 @@ import random
 
 import pytest
 import torch
-from kernel_check import REL_TOLERANCE, assert_close_to, poisoned
+from kernel_check import REL_TOLERANCE, assert_close_to, every_variant, poisoned
 
 import pagedkern
 from pagedkern import reference
 from pagedkern.ops import launch
-from pagedkern.ops.paged_attention import plan_splits, workspace_size
+from pagedkern.ops.paged_attention import decode_kernel, plan_splits, workspace_size
 from pagedkern.ops.support import KernelUnsupportedError
 
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
+# Every test on every variant: auto, simt, and mma (which also takes the small groups here).
+kernel_variant = every_variant("paged_attention")
 
 
 def paged_cache(seq_lens, hkv, block_size, d, dtype, seed, spare=3):
@@ -174,7 +177,7 @@ def test_cuda_graph_capture_with_a_fixed_plan():
     # Fixed max_seq_len + caller workspace: one grid for every replay, whatever the lengths.
     batch, hq, hkv, d, bs, max_len = 4, 32, 8, 128, 16, 8192
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_splits(batch, hq, hkv, d, max_len, sms)
+    plan = plan_splits(batch, hq, hkv, d, max_len, sms, kernel=decode_kernel(hq // hkv, d))
     assert plan.num_splits > 1
     workspace = torch.empty(workspace_size(batch, hq, d, plan.num_splits), device=DEVICE)
     k_cache, v_cache, tables = paged_cache([max_len] * batch, hkv, bs, d, torch.bfloat16, 7)

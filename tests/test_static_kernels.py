@@ -19,6 +19,14 @@ VECTOR_ACCESS = {
     # q in with LDG.128, K/V pages by 16-byte cp.async (L1 bypass), out with STG.128.
     "paged_attention_kernel": ("LDG.E.128", "LDGSTS.E.BYPASS.128", "STG.E.128"),
     "paged_attention_merge_kernel": ("LDG.E.128",),  # float4 partials
+    # tensor-core variant: pages by 16-byte cp.async, K and V^T fragments by ldmatrix (16-byte
+    # rows, plain and transposed), out with STG.128.
+    "paged_attention_mma_kernel": (
+        "LDGSTS.E.BYPASS.128",
+        "LDSM.16.M88.4",
+        "LDSM.16.MT88.4",
+        "STG.E.128",
+    ),
     "rope_and_cache_kernelI13__nv_bfloat16Li8": ("LDG.E.128", "STG.E.128"),
     "rope_and_cache_kernelI6__halfLi8": ("LDG.E.128", "STG.E.128"),
     "rope_and_cache_kernelIfLi4": ("LDG.E.128", "STG.E.128"),
@@ -43,6 +51,7 @@ KERNELS = (
     "silu_and_mul_scalar_kernel",
     "paged_attention_kernel",
     "paged_attention_merge_kernel",
+    "paged_attention_mma_kernel",
     "rope_and_cache_kernel",
     "sample_kernel",
     "sample_fused_kernel",
@@ -59,6 +68,8 @@ TENSOR_CORE_OPS = (
     ("flash_prefill_sm80_kernel", "sm_80", "HMMA.16816"),
     ("flash_prefill_sm80_kernel", "sm_90a", "HMMA.16816"),
     ("flash_prefill_sm90_kernel", "sm_90a", "HGMMA"),
+    ("paged_attention_mma_kernel", "sm_80", "HMMA.16816"),
+    ("paged_attention_mma_kernel", "sm_90a", "HMMA.16816"),
 )
 
 
@@ -227,3 +238,30 @@ def test_sample_v3_aggregates_histogram_updates_per_warp(cuda_binary, arch):
     for name, sass in _listings(cuda_binary, arch, "sample_fused_kernel").items():
         assert "MATCH.ANY" in sass, f"{name}: no __match_any_sync"
         assert "REDUX.SUM" in sass, f"{name}: no __reduce_add_sync"
+
+
+def _loops(sass: str) -> list[list[str]]:
+    """Instruction lists of the loops (a backward branch and everything from its target)."""
+    ins = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for address, text in ins:
+        target = re.search(r"BRA\s+(?:\S+,\s*)?0x([0-9a-f]+)", text)
+        if target and int(target[1], 16) < address:
+            loops.append([t for a, t in ins if int(target[1], 16) <= a <= address])
+    return loops
+
+
+_LOOP_OPS = ("HMMA", "LDSM", "MOVM", "STS", "FFMA")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_paged_attention_mma_loop_is_tensor_core_work(cuda_binary, arch):
+    # Per tile each warp: D/16 HMMA for K Q^T and D/16 for V^T P^T, one ldmatrix each, P to the B
+    # fragment by 2 movmatrix (no round trip through shared memory), no fp32 dot products.
+    for name, sass in _listings(cuda_binary, arch, "paged_attention_mma_kernel").items():
+        d = int(re.search(r"Li(\d+)EEEv", name)[1])
+        loop = max((body for body in _loops(sass) if any("HMMA" in t for t in body)), key=len)
+        count = {op: sum(1 for t in loop if re.search(rf"\b{op}\b", t)) for op in _LOOP_OPS}
+        assert count["HMMA"] == count["LDSM"] == 2 * d // 16, f"{name}: {count}"
+        assert count["MOVM"] == 2, f"{name}: {count}"
+        assert count["STS"] == 0 and count["FFMA"] <= 4, f"{name}: {count}"

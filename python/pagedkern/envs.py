@@ -128,6 +128,15 @@ _VARS = (
         "run",
     ),
     EnvVar(
+        "PAGEDKERN_PAGED_ATTENTION_VARIANT",
+        "auto",
+        "paged_attention kernel: auto (mma for GQA groups >= 4 at D 64 / 128, else simt), simt "
+        "(fp32 SIMT math, the first kernel) or mma (mma.sync tensor cores wherever D is 64 or "
+        "128), selectable until a GPU run has verified mma.",
+        _choice("auto", "simt", "mma"),
+        "run",
+    ),
+    EnvVar(
         "PAGEDKERN_CHECK_INDICES",
         "0",
         "1: debug mode, the kernels trap on an out-of-range block id, slot, position or length "

@@ -12,6 +12,7 @@ exist once that library is loaded.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ def _module(name: str):
     return sys.modules.get(name)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass costs ~1 us per construction (object.__setattr__ per field),
+# several per op call; views are never modified after view() builds them.
+@dataclass(slots=True)
 class ArrayView:
     name: str
     obj: object
@@ -37,6 +40,7 @@ class ArrayView:
     dtype: str
     device: str | int | None  # 'cpu', a CUDA device index, or None (CUDA, device unknown)
     library: str  # 'torch', 'cupy' or 'cai'
+    stream: object = None  # a plain interface's "stream" entry (v3: the producer's stream)
 
     @property
     def ndim(self) -> int:
@@ -66,60 +70,111 @@ class ArrayView:
         return True
 
 
+_TORCH_DTYPES: dict = {}  # torch.dtype -> name, filled on first sight of each dtype
+
+
 def _torch_view(obj, name: str) -> ArrayView:
-    dtype = str(obj.dtype).removeprefix("torch.")
-    device = "cpu" if obj.device.type == "cpu" else obj.device.index
-    if obj.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name} must be a CPU or CUDA tensor, got device {obj.device}")
+    dtype = _TORCH_DTYPES.get(obj.dtype)
+    if dtype is None:
+        dtype = _TORCH_DTYPES.setdefault(obj.dtype, str(obj.dtype).removeprefix("torch."))
+    where = obj.device
+    if where.type == "cuda":
+        device = where.index
+    elif where.type == "cpu":
+        device = "cpu"
+    else:
+        raise ValueError(f"{name} must be a CPU or CUDA tensor, got device {where}")
     return ArrayView(
-        name, obj, obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), dtype, device, "torch"
+        name, obj, obj.data_ptr(), tuple(obj.shape), obj.stride(), dtype, device, "torch"
     )
 
 
-def _cai_view(obj, name: str) -> ArrayView:
-    cai = obj.__cuda_array_interface__
-    if not isinstance(cai, dict) or "shape" not in cai or "typestr" not in cai or "data" not in cai:
-        raise TypeError(f"{name}: malformed __cuda_array_interface__ {cai!r}")
-    typestr = cai["typestr"]
-    dtype = _TYPESTR.get(typestr)
-    if typestr == "<V2" and str(getattr(obj, "dtype", "")) == "bfloat16":
-        dtype = "bfloat16"  # bfloat16 has no typestr of its own (CuPy with ml_dtypes)
-    if dtype is None:
-        raise TypeError(f"{name} has unsupported element type {typestr!r}")
-    shape = tuple(int(s) for s in cai["shape"])
-    itemsize = ITEMSIZE[dtype]
-    if cai.get("strides") is None:
+@functools.lru_cache(maxsize=4096)
+def _cai_layout(name: str, shape: tuple, byte_strides: tuple | None, itemsize: int):
+    """(shape, strides in elements) of an interface's shape and byte strides: a pure function of
+    its arguments, so each distinct layout is derived once (the per-call host cost of an op)."""
+    shape = tuple(int(s) for s in shape)
+    if byte_strides is None:
         strides, step = [], 1
         for size in reversed(shape):
             strides.append(step)
             step *= size
-        strides = tuple(reversed(strides))
-    else:
-        if any(s % itemsize for s in cai["strides"]):
-            raise ValueError(
-                f"{name} has byte strides {cai['strides']} not divisible by {itemsize}"
-            )
-        strides = tuple(int(s) // itemsize for s in cai["strides"])
-    ptr = int(cai["data"][0])
+        return shape, tuple(reversed(strides))
+    if any(s % itemsize for s in byte_strides):
+        raise ValueError(f"{name} has byte strides {byte_strides} not divisible by {itemsize}")
+    return shape, tuple(int(s) // itemsize for s in byte_strides)
+
+
+def _cai_view(obj, cai, name: str) -> ArrayView:
+    try:
+        typestr, shape, ptr = cai["typestr"], cai["shape"], cai["data"][0]
+    except (TypeError, KeyError, IndexError):
+        ptr = None
+    if ptr is None or not isinstance(cai, dict):
+        raise TypeError(f"{name}: malformed __cuda_array_interface__ {cai!r}")
+    dtype = _TYPESTR.get(typestr)
+    if dtype is None:
+        if typestr == "<V2" and str(getattr(obj, "dtype", "")) == "bfloat16":
+            dtype = "bfloat16"  # bfloat16 has no typestr of its own (CuPy with ml_dtypes)
+        else:
+            raise TypeError(f"{name} has unsupported element type {typestr!r}")
+    strides = cai.get("strides")
+    if type(shape) is not tuple:  # the cache needs hashable keys (the protocol says tuples)
+        shape = tuple(shape)
+    if strides is not None and type(strides) is not tuple:
+        strides = tuple(strides)
+    shape, strides = _cai_layout(name, shape, strides, ITEMSIZE[dtype])
+    ptr = int(ptr)
     library = "cai"
     device = None
-    cupy = _module("cupy")
+    cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(obj, cupy.ndarray):
         library, device = "cupy", obj.device.id
-    return ArrayView(name, obj, ptr, shape, strides, dtype, device, library)
+    return ArrayView(name, obj, ptr, shape, strides, dtype, device, library, cai.get("stream"))
 
 
 def view(obj, name: str) -> ArrayView:
     """View of a torch tensor, CuPy array or __cuda_array_interface__ object, else TypeError."""
-    torch = _module("torch")
+    torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         return _torch_view(obj, name)
-    if hasattr(obj, "__cuda_array_interface__"):
-        return _cai_view(obj, name)
+    # Read once: CuPy (and others) build the interface dict on every access.
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _cai_view(obj, cai, name)
     raise TypeError(
         f"{name} must be a torch tensor, a CuPy array or an object with __cuda_array_interface__, "
         f"got {type(obj).__module__}.{type(obj).__qualname__}"
     )
+
+
+def layout_key(views: Iterable[ArrayView]) -> tuple:
+    """Everything the structural checks read of these views (shape, strides, dtype, device,
+    library, 16-byte alignment of the pointer), as one hashable key: arguments with a key seen
+    to pass the checks pass them again (`CheckedLayouts`)."""
+    return tuple((a.shape, a.strides, a.dtype, a.device, a.library, a.ptr % 16 == 0) for a in views)
+
+
+class CheckedLayouts:
+    """Keys (`layout_key` plus anything else the checks read) of argument sets whose checks have
+    passed, so that an op with the same layouts as before skips them; a failing check raises
+    before its key is added, so bad arguments are checked, and rejected, on every call.
+    Bounded: cleared when full (a call site sees few distinct layouts)."""
+
+    def __init__(self, maxsize: int = 4096) -> None:
+        self._passed: dict[tuple, int] = {}
+        self._maxsize = maxsize
+        self.misses = 0  # checks run (a test bounds them, never timing)
+
+    def level(self, key: tuple) -> int:
+        """The highest stage of checks this key has passed (0: none yet)."""
+        return self._passed.get(key, 0)
+
+    def passed(self, key: tuple, level: int) -> None:
+        self.misses += 1
+        if len(self._passed) >= self._maxsize:
+            self._passed.clear()
+        self._passed[key] = level
 
 
 def check_dtype(a: ArrayView, allowed: Sequence[str]) -> None:
@@ -171,19 +226,24 @@ def rows_of(a: ArrayView) -> tuple[int, int]:
 
 def common_device(arrays: Iterable[ArrayView]) -> str | int | None:
     """The one device all arrays live on ('cpu' or a CUDA index); ValueError if they differ."""
-    arrays = list(arrays)
-    host = [a for a in arrays if a.on_host]
-    if host and len(host) != len(arrays):
-        cuda = next(a for a in arrays if not a.on_host)
-        raise ValueError(f"{host[0].describe()} and {cuda.describe()} must be on the same device")
-    if host:
+    # One pass: the first array on the host, on CUDA, on a known CUDA device, on another one.
+    host = cuda = known = other = None
+    for a in arrays:
+        if a.device == "cpu":
+            host = host or a
+        else:
+            cuda = cuda or a
+            if a.device is not None:
+                known = known or a
+                if other is None and a.device != known.device:
+                    other = a
+    if host is not None and cuda is not None:
+        raise ValueError(f"{host.describe()} and {cuda.describe()} must be on the same device")
+    if host is not None:
         return "cpu"
-    known = {a.device for a in arrays if a.device is not None}
-    if len(known) > 1:
-        first = next(a for a in arrays if a.device is not None)
-        other = next(a for a in arrays if a.device not in (None, first.device))
-        raise ValueError(f"{first.describe()} and {other.describe()} must be on the same device")
-    return known.pop() if known else None
+    if other is not None:
+        raise ValueError(f"{known.describe()} and {other.describe()} must be on the same device")
+    return known.device if known is not None else None
 
 
 def resolve_device(arrays: Sequence[ArrayView], module) -> int:
@@ -213,9 +273,8 @@ def current_stream(arrays: Sequence[ArrayView], device: int, stream=None) -> int
     if "cupy" in libraries:
         return _module("cupy").cuda.get_current_stream().ptr
     for a in arrays:  # __cuda_array_interface__ v3: the producer's stream
-        s = a.obj.__cuda_array_interface__.get("stream")
-        if isinstance(s, int):
-            return s
+        if isinstance(a.stream, int):
+            return a.stream
     return 0
 
 

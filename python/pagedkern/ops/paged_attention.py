@@ -17,15 +17,28 @@ from dataclasses import dataclass
 from . import support
 from .arrays import (
     DTYPE_CODES,
+    ArrayView,
+    CheckedLayouts,
     check_contiguous,
+    check_dtype,
     check_shape,
+    common_device,
+    layout_key,
     view,
 )
 from .index_checks import check_block_table_contents
-from .launch import check_indices, kernel_or_reference, launch_context, reference_on_torch
+from .launch import (
+    check_indices,
+    kernel_or_reference,
+    kernel_variant,
+    launch_context,
+    reference_on_torch,
+)
 from .paged_kv import (
     attention_outputs,
-    check_attention_args,
+    attention_views,
+    check_attention_views,
+    check_out,
     check_rows_aligned,
     check_scale,
     workspace_view,
@@ -56,10 +69,29 @@ def _plan_for(num_splits: int, max_seq_len: int) -> SplitPlan:
     return SplitPlan(n, size) if n > 1 else SplitPlan(1, 0)
 
 
-def ctas_per_kv_head(group: int, head_dim: int) -> int:
+# The tensor-core kernel (csrc/paged_attention_mma.cuh): its head dims, the smallest GQA group
+# "auto" gives it (below, most of its 8-head n dimension would be padding), heads per CTA.
+MMA_HEAD_DIMS = (64, 128)
+MMA_MIN_GROUP = 4
+MMA_HEADS = 8
+KERNEL_CODES = {"simt": 0, "mma": 1}  # csrc/paged_attention.h kPagedAttentionSimt / Mma
+
+
+def decode_kernel(group: int, head_dim: int, variant: int | None = None) -> str:
+    """The kernel a launch runs, 'simt' or 'mma', for PAGEDKERN_PAGED_ATTENTION_VARIANT (or
+    `variant`, its code): auto takes mma for groups >= MMA_MIN_GROUP; D = 256 is simt always."""
+    code = kernel_variant("paged_attention") if variant is None else variant
+    if head_dim not in MMA_HEAD_DIMS or code == KERNEL_CODES["simt"]:
+        return "simt"
+    return "mma" if code == KERNEL_CODES["mma"] or group >= MMA_MIN_GROUP else "simt"
+
+
+def ctas_per_kv_head(group: int, head_dim: int, kernel: str = "simt") -> int:
     """CTAs serving one KV head of one sequence (per split), as csrc/paged_attention.cu cuts a
-    group of query heads: units of 2 heads for even groups, else 1; up to kRows units per CTA
-    (16 for D = 64, else 8)."""
+    group of query heads. simt: units of 2 heads for even groups, else 1; up to kRows units per
+    CTA (16 for D = 64, else 8). mma: 8 heads per CTA."""
+    if kernel == "mma":
+        return _ceil_div(group, MMA_HEADS)
     units = group // 2 if group % 2 == 0 else group
     return _ceil_div(units, 16 if head_dim == 64 else 8)
 
@@ -75,6 +107,7 @@ def plan_splits(
     max_seq_len: int,
     num_sms: int,
     num_splits: int | None = None,
+    kernel: str = "simt",
 ) -> SplitPlan:
     """Number and size of the KV splits (host-side heuristic, no device values).
 
@@ -82,11 +115,13 @@ def plan_splits(
     (num_sms x 4 resident CTAs, 3 for D = 256), no split. Otherwise pick the split count that
     minimises waves x (tokens per split + a fixed per-CTA cost), with splits of at least 256
     tokens and at most 128 splits; ties go to fewer splits (less workspace and merge traffic).
-    An explicit num_splits is honoured (rounded to whole 64-token tiles).
+    An explicit num_splits is honoured (rounded to whole 64-token tiles). kernel: 'simt' or
+    'mma' (decode_kernel), which cut the group into different CTA counts; both use 48 KB of
+    shared memory per CTA.
     """
     if num_splits is not None:
         return _plan_for(num_splits, max_seq_len)
-    ctas = batch * num_kv_heads * ctas_per_kv_head(num_heads // num_kv_heads, head_dim)
+    ctas = batch * num_kv_heads * ctas_per_kv_head(num_heads // num_kv_heads, head_dim, kernel)
     # Resident CTAs per SM: 48 KB of shared memory each (4 per H100/H200 SM); registers cap the
     # 256-thread CTAs of D = 256 at 3.
     slots = max(1, num_sms * (3 if head_dim == 256 else 4))
@@ -138,6 +173,34 @@ def _check_int(name: str, value, low: int) -> None:
         raise ValueError(f"{name} must be an int >= {low} or None, got {value!r}")
 
 
+# Layouts whose checks passed: stage 1 the argument checks, stage 2 also the kernel's layout
+# checks. Keyed by everything those checks read, so a hit skips only checks that would pass.
+_CHECKED = CheckedLayouts()
+_ARGS_CHECKED, _KERNEL_CHECKED = 1, 2
+
+
+def _check_kernel_layout(views: list[ArrayView], wv: ArrayView | None) -> None:
+    """What the kernel needs beyond the arguments' shapes: contiguous table rows and lengths,
+    16-byte aligned query rows, caches and output, a contiguous float32 workspace on the same
+    device (its size depends on the split plan: checked on every call)."""
+    bt = views[3]
+    if bt.shape[1] > 1 and bt.strides[1] != 1:
+        raise ValueError(f"{bt.describe()}: rows must be contiguous")
+    check_contiguous(views[4])
+    check_rows_aligned(views[0])
+    for cache in views[1:3]:
+        if cache.ptr % 16:
+            raise ValueError(f"{cache.describe()} must start at a 16-byte boundary")
+    if len(views) > 5:
+        check_out(views[0], views[5])
+    if wv is not None:
+        check_dtype(wv, ("float32",))
+        check_contiguous(wv)
+        common_device([*views, wv])
+        if wv.ptr % 16:
+            raise ValueError(f"{wv.describe()} must start at a 16-byte boundary")
+
+
 def paged_attention(
     q,
     k_cache,
@@ -169,9 +232,15 @@ def paged_attention(
     check_scale(scale)
     _check_int("max_seq_len", max_seq_len, 0)
     _check_int("num_splits", num_splits, 1)
-    qv, views = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, None, out)
-    check_shape(views[4], (qv.shape[0],))
-    kc, bt = views[1], views[3]
+    views = attention_views(q, k_cache, v_cache, block_tables, seq_lens, out)
+    wv = None if workspace is None else view(workspace, "workspace")
+    key = layout_key(views if wv is None else [*views, wv])
+    checked = _CHECKED.level(key)
+    qv, kc, bt = views[0], views[1], views[3]
+    if checked < _ARGS_CHECKED:
+        check_attention_views(views, None)
+        check_shape(views[4], (qv.shape[0],))
+        _CHECKED.passed(key, _ARGS_CHECKED)
     decision = kernel_support(qv.dtype, qv.shape[2], kc.shape[2])
     if not kernel_or_reference("paged_attention", views, decision):
         reference = reference_on_torch("paged_attention", views)
@@ -181,23 +250,24 @@ def paged_attention(
         )
     batch, num_heads, head_dim = qv.shape
     num_kv_heads, block_size = kc.shape[1], kc.shape[2]
-    if bt.shape[1] > 1 and bt.strides[1] != 1:
-        raise ValueError(f"{bt.describe()}: rows must be contiguous")
-    check_contiguous(views[4])
-    check_rows_aligned(qv)
-    for cache in views[1:3]:
-        if cache.ptr % 16:
-            raise ValueError(f"{cache.describe()} must start at a 16-byte boundary")
+    if checked < _KERNEL_CHECKED:
+        _check_kernel_layout(views, wv)
+        _CHECKED.passed(key, _KERNEL_CHECKED)
     module, device, handle = launch_context(views, stream)
     if max_seq_len is None:
         max_seq_len = bt.shape[1] * block_size
     num_sms = _num_sms(module, device)
-    plan = plan_splits(batch, num_heads, num_kv_heads, head_dim, max_seq_len, num_sms, num_splits)
-    out, ov, lse = attention_outputs(qv, out, return_lse)
-    wv = None  # holds the workspace (maybe allocated here) alive until the launch is queued
+    kernel = decode_kernel(num_heads // num_kv_heads, head_dim)
+    plan = plan_splits(
+        batch, num_heads, num_kv_heads, head_dim, max_seq_len, num_sms, num_splits, kernel
+    )
+    out, ov, lse = attention_outputs(qv, out, return_lse, views[5] if out is not None else None)
     if plan.num_splits > 1:
         need = workspace_size(batch, num_heads, head_dim, plan.num_splits)
-        wv = workspace_view(workspace, qv, need, "float32", views)
+        if wv is None:  # allocated here; wv holds it alive until the launch is queued
+            wv = workspace_view(None, qv, need, "float32", views)
+        elif wv.numel < need:
+            raise ValueError(f"{wv.describe()}: need {need} float32 elements, 16-byte aligned")
     module.paged_attention(
         out=ov.ptr,
         lse=view(lse, "lse").ptr if lse is not None else 0,
@@ -206,7 +276,7 @@ def paged_attention(
         v_cache=views[2].ptr,
         block_tables=bt.ptr,
         seq_lens=views[4].ptr,
-        workspace=wv.ptr if wv is not None else 0,
+        workspace=wv.ptr if plan.num_splits > 1 else 0,
         q_stride=qv.strides[0],
         out_stride=ov.strides[0],
         block_table_stride=bt.strides[0],
@@ -224,5 +294,6 @@ def paged_attention(
         check_indices=check_indices(),
         device=device,
         stream=handle,
+        variant=KERNEL_CODES[kernel],
     )
     return (out, lse) if return_lse else out

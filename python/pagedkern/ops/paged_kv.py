@@ -37,13 +37,27 @@ def check_kv_cache(cache: ArrayView, like: ArrayView, num_kv_heads: int, head_di
     check_contiguous(cache)
 
 
-def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, batch_size, out):
-    qv = view(q, "q")
+def attention_views(q, k_cache, v_cache, block_tables, seq_lens, out) -> list[ArrayView]:
+    """One view per attention argument: [q, k_cache, v_cache, block_tables, seq_lens(, out)]."""
+    views = [
+        view(q, "q"),
+        view(k_cache, "k_cache"),
+        view(v_cache, "v_cache"),
+        view(block_tables, "block_tables"),
+        view(seq_lens, "seq_lens"),
+    ]
+    if out is not None:
+        views.append(view(out, "out"))
+    return views
+
+
+def check_attention_views(views: list[ArrayView], batch_size: int | None) -> None:
+    """The checks of check_attention_args on views made by attention_views."""
+    qv, kc, vc, bt, sl = views[:5]
     check_dtype(qv, FLOAT_DTYPES)
     check_ndim(qv, 3)
     tokens, num_heads, head_dim = qv.shape
     check_heads(qv, tokens, head_dim)
-    kc, vc = view(k_cache, "k_cache"), view(v_cache, "v_cache")
     check_ndim(kc, 4)
     check_kv_cache(kc, qv, kc.shape[1], head_dim)
     check_kv_cache(vc, qv, kc.shape[1], head_dim)
@@ -52,19 +66,21 @@ def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, batch_size
         raise ValueError(
             f"{qv.describe()}: query heads must be a multiple of the KV heads of {kc.describe()}"
         )
-    bt, sl = view(block_tables, "block_tables"), view(seq_lens, "seq_lens")
     check_dtype(bt, ("int32",))
     check_dtype(sl, ("int32",))
     batch = batch_size if batch_size is not None else sl.shape[0] if sl.ndim == 1 else -1
     check_shape(bt, (batch, None))
     check_shape(sl, (batch,))
-    views: list[ArrayView] = [qv, kc, vc, bt, sl]
-    if out is not None:
-        ov = view(out, "out")
+    if len(views) > 5:
+        ov = views[5]
         check_same_dtype(qv, ov)
         check_shape(ov, qv.shape)
-        views.append(ov)
-    return qv, views
+
+
+def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, batch_size, out):
+    views = attention_views(q, k_cache, v_cache, block_tables, seq_lens, out)
+    check_attention_views(views, batch_size)
+    return views[0], views
 
 
 def check_scale(scale):
@@ -80,15 +96,22 @@ def check_rows_aligned(a: ArrayView) -> None:
         raise ValueError(f"{a.describe()}: rows must start at 16-byte boundaries for the kernel")
 
 
-def attention_outputs(qv: ArrayView, out, return_lse: bool):
+def check_out(qv: ArrayView, ov: ArrayView) -> None:
+    """An attention output for the kernels: packed heads of q's shape, 16-byte aligned rows."""
+    check_heads(ov, qv.shape[0], qv.shape[2])
+    check_rows_aligned(ov)
+
+
+def attention_outputs(qv: ArrayView, out, return_lse: bool, ov: ArrayView | None = None):
     """(out, its view, lse or None) for an attention kernel: `out` allocated like q unless given,
-    lse [tokens, Hq] float32 when asked for."""
+    lse [tokens, Hq] float32 when asked for. `ov`: the caller's view of the given `out`, already
+    through check_out (the caller's checks were memoised)."""
     tokens, num_heads, head_dim = qv.shape
     if out is None:
         out = empty_like(qv, qv.shape)
-    ov = view(out, "out")
-    check_heads(ov, tokens, head_dim)
-    check_rows_aligned(ov)
+    if ov is None or ov.obj is not out:
+        ov = view(out, "out")
+        check_out(qv, ov)
     lse = empty_like(qv, (tokens, num_heads), "float32", "lse") if return_lse else None
     return out, ov, lse
 
