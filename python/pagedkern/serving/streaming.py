@@ -24,8 +24,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..engine import FinishReason, RequestOutput
-from .engine_loop import EngineUnavailable, RequestStream
+from ..engine import FinishReason
+from .engine_client import EngineUnavailable, RequestStream, StreamOutput
 from .errors import APIError
 from .openai_protocol import (
     AssistantMessage,
@@ -67,7 +67,7 @@ class _Format:
     def opening(self) -> str | None:
         return None
 
-    def delta(self, index: int, out: RequestOutput, finish_reason: str | None) -> str:
+    def delta(self, index: int, out: StreamOutput, finish_reason: str | None) -> str:
         choice = self._delta_choice(index, out.text, finish_reason, self.logprobs(index, out))
         chunk = self.chunk_type(**self.meta, choices=[choice])
         return chunk.model_dump_json(exclude=None if self.include_usage else {"usage"})
@@ -101,7 +101,7 @@ class ChatFormat(_Format):
         chunk = ChatCompletionChunk(**self.meta, choices=choices)
         return chunk.model_dump_json(exclude=None if self.include_usage else {"usage"})
 
-    def logprobs(self, index: int, out: RequestOutput) -> dict | None:
+    def logprobs(self, index: int, out: StreamOutput) -> dict | None:
         if out.logprobs is None:
             return None
         content = []
@@ -134,7 +134,7 @@ class ChatFormat(_Format):
 class CompletionFormat(_Format):
     chunk_type = whole_type = Completion
 
-    def logprobs(self, index: int, out: RequestOutput) -> dict | None:
+    def logprobs(self, index: int, out: StreamOutput) -> dict | None:
         if out.logprobs is None:
             return None
         body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -167,7 +167,7 @@ Format = ChatFormat | CompletionFormat
 log = logging.getLogger("pagedkern.serving")
 
 
-def engine_error(request_id: str, out: RequestOutput) -> APIError:
+def engine_error(request_id: str, out: StreamOutput) -> APIError:
     """A request that failed inside the engine: the cause goes to the log, the client gets the
     request id to quote (never the internal exception text)."""
     log.error("request %s failed in the engine: %s", request_id, out.error)
@@ -183,7 +183,7 @@ def event(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamOutput]]:
     """(choice index, output) from every stream as they come; choice = prompt x n + sample."""
     if len(streams) == 1:
         async for out in streams[0].outputs():
@@ -264,7 +264,7 @@ async def collect(
     put before each of its choices."""
     texts: list[list[str]] = [[] for _ in range(fmt.num_choices)]
     logprobs: list[list[dict]] = [[] for _ in range(fmt.num_choices)]
-    finals: dict[int, RequestOutput] = {}
+    finals: dict[int, StreamOutput] = {}
     tokens = 0
 
     async def gather() -> None:
