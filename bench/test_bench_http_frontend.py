@@ -1,8 +1,10 @@
 """The HTTP front end's delivered throughput against the offline engine's, same workload, same
 run: `pagedkern-serve --http` in its own process, bench/stream_client.py (raw asyncio sockets)
 in another, N concurrent streams of M tokens each (ignore_eos, greedy); the offline number is
-`Engine.run_until_done()` on the same prompts in this process. The ratio is issue 17's target
-(>= 85% at 256 streams of synthetic:tiny).
+`Engine.run_until_done()` on the same prompts in this process, run on the main thread and on
+a thread (as the server's core runs it: on this shared 2-core machine the two differ by up to
+10x under load); the ratio is against the better of the two. Issue 17's target: >= 85% at 256
+streams of synthetic:tiny.
 
 Smoke mode (CI): synthetic:tiny, 16 streams x 8 tokens, checked for completeness. Full size
 (PAGEDKERN_BENCH_SMOKE=0 on a CPU machine): synthetic:tiny at 256 x 64, and the default model at
@@ -15,6 +17,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,6 +79,13 @@ class Offline:
         self.streams = streams
         self.run(4, 4)  # warm-up, as the server gets the client's
 
+    def on_thread(self, streams: int, tokens: int) -> float:
+        result = []
+        thread = threading.Thread(target=lambda: result.append(self.run(streams, tokens)))
+        thread.start()
+        thread.join()
+        return result[0]
+
     def run(self, streams: int, tokens: int) -> float:
         """Output tok/s of `streams` requests of `tokens` tokens each, all added at once."""
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
@@ -94,11 +104,12 @@ def test_http_front_end_delivers_what_the_engine_makes(model, streams, tokens, n
     least disturbed by other work)."""
     engine = Offline(model, streams, num_blocks)
     proc, url, name = start_server(model, streams, num_blocks)
-    runs, offline_tok_s = [], []
+    runs, main_tok_s, thread_tok_s = [], [], []
     try:
         client(url, name, 4, 4)  # warm-up
         for _ in range(ROUNDS):
-            offline_tok_s.append(engine.run(streams, tokens))
+            main_tok_s.append(engine.run(streams, tokens))
+            thread_tok_s.append(engine.on_thread(streams, tokens))
             runs.append(client(url, name, streams, tokens))
     finally:
         proc.terminate()
@@ -107,12 +118,14 @@ def test_http_front_end_delivers_what_the_engine_makes(model, streams, tokens, n
         assert served["errors"] == [] and served["completed"] == streams, served
         assert served["output_tokens"] == streams * tokens
     best = max(runs, key=lambda r: r["tok_per_s"])
+    offline = max(main_tok_s + thread_tok_s)
     record(
         "HTTP front end vs offline engine (CPU reference ops)",
         f"{streams} streams x {tokens} tokens, best of {ROUNDS}",
         model or "SmolLM2-135M",
         best["seconds"],
         http_tok_per_s=round(best["tok_per_s"], 1),
-        offline_tok_per_s=round(max(offline_tok_s), 1),
-        ratio=round(best["tok_per_s"] / max(offline_tok_s), 3),
+        offline_main_thread_tok_per_s=round(max(main_tok_s), 1),
+        offline_thread_tok_per_s=round(max(thread_tok_s), 1),
+        ratio=round(best["tok_per_s"] / offline, 3),
     )
