@@ -22,8 +22,19 @@ import pytest
 from test_http_server import LONG, TINY, WAIT, sse_data, tiny_engine, user
 from test_tensor_parallel_lifecycle import wait_gone
 
+from pagedkern.engine import FinishReason
+from pagedkern.engine.outputs import TokenLogprob
 from pagedkern.serving import channel
+from pagedkern.serving.engine_client import StreamOutput
 from pagedkern.serving.http_server import ServerThread
+from pagedkern.serving.openai_protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChoice,
+    Delta,
+)
+from pagedkern.serving.streaming import ChatFormat, CompletionFormat
 
 CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--http", "--port", "0"]
 
@@ -163,3 +174,34 @@ def test_every_frame_on_the_wire_is_msgpack(monkeypatch):
         unpacker = msgpack.Unpacker(strict_map_key=False)
         unpacker.feed(data)
         assert len(list(unpacker)) == 1 and not data.startswith(b"\x80")  # (pickle's PROTO)
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_stream_chunks_are_the_bytes_the_response_models_make(kind, include_usage):
+    """The per-token chunk is built as plain data: the same JSON as the pydantic models'."""
+    fmt_type = ChatFormat if kind == "chat" else CompletionFormat
+    lp = (TokenLogprob(5, -0.25, ((5, -0.25), (9, -float("inf")))),)
+    cases = [
+        (StreamOutput('h\u00e9"l\\lo\n\u4e16', [5], False, None), None),
+        (StreamOutput("", [5], True, FinishReason.STOP), "stop"),
+        (StreamOutput("x", [5], False, None, logprobs=lp), None),
+    ]
+    for index, (out, finish) in enumerate(cases):
+        fmt = fmt_type("id-1", "m", include_usage, lambda t: f"<{t}>", 3)
+        want_fmt = fmt_type("id-1", "m", include_usage, lambda t: f"<{t}>", 3)
+        want_fmt.meta = fmt.meta
+        logprobs = want_fmt.logprobs(index, out)
+        if kind == "chat":
+            choice = ChatChunkChoice(
+                index=index, delta=Delta(content=out.text or None), finish_reason=finish,
+                logprobs=logprobs,
+            )  # fmt: skip
+            model = ChatCompletionChunk(**fmt.meta, choices=[choice])
+        else:
+            choice = CompletionChoice(
+                index=index, text=out.text, finish_reason=finish, logprobs=logprobs
+            )
+            model = Completion(**fmt.meta, choices=[choice])
+        want = model.model_dump_json(exclude=None if include_usage else {"usage"})
+        assert fmt.delta(index, out, finish) == want

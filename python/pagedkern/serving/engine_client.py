@@ -423,6 +423,7 @@ class EngineClient:
         self._closed = reason
         if self._loop is not None:
             self._loop.remove_reader(self.channel.fileno())
+        self.channel.close()  # (an in-process core's reader then sees EOF and ends)
         failure = EngineUnavailable(reason)
         for future, _ in self._admitting.values():
             if not future.done():
