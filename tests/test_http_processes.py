@@ -22,7 +22,7 @@ import pytest
 from test_http_server import LONG, TINY, WAIT, sse_data, tiny_engine, user
 from test_tensor_parallel_lifecycle import wait_gone
 
-from pagedkern.engine import FinishReason
+from pagedkern.engine import FinishReason, SamplingParams
 from pagedkern.engine.outputs import TokenLogprob
 from pagedkern.serving import channel
 from pagedkern.serving.engine_client import StreamOutput
@@ -205,3 +205,50 @@ def test_stream_chunks_are_the_bytes_the_response_models_make(kind, include_usag
             model = Completion(**fmt.meta, choices=[choice])
         want = model.model_dump_json(exclude=None if include_usage else {"usage"})
         assert fmt.delta(index, out, finish) == want
+
+
+def engine_samples(params: SamplingParams, prompt: str) -> tuple[list[str], list[str], int]:
+    """Texts and finish reasons per sample, and tokens made, from the engine alone (which
+    matches stop strings itself)."""
+    engine = tiny_engine()
+    engine.add_request(prompt, params)
+    texts, reasons, tokens = [""] * params.n, [""] * params.n, 0
+    for out in engine.run_until_done():
+        texts[out.index] += out.text
+        tokens += len(out.token_ids)
+        if out.finished:
+            reasons[out.index] = out.finish_reason.value
+    return texts, reasons, tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_matched_in_the_front_end_give_the_engines_answers(stream):
+    """n = 3 seeded samples: the front end's detokenization and stop strings (and the aborts
+    they send, sample 0 excepted) give exactly what the engine gives on its own."""
+    prompt, base = "Stop somewhere", dict(n=3, seed=7, temperature=1.0, max_tokens=24)
+    free, _, _ = engine_samples(SamplingParams(**base), prompt)
+    stop = free[1][4:6]  # hit by sample 1 at least; maybe by others, maybe not
+    texts, reasons, tokens = engine_samples(SamplingParams(**base, stop=[stop]), prompt)
+    assert "stop" in reasons
+    body = {"model": TINY, "prompt": prompt, **base, "stop": [stop], "stream": stream}
+    body["stream_options"] = {"include_usage": True} if stream else None
+    with ServerThread(tiny_engine()) as s:
+        got_texts, got_reasons = [""] * 3, [""] * 3
+        if stream:
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=WAIT) as r:
+                chunks = [json.loads(d) for d in sse_data(r) if d != "[DONE]"]
+            for c in chunks[:-1]:
+                (choice,) = c["choices"]
+                got_texts[choice["index"]] += choice["text"]
+                got_reasons[choice["index"]] = choice["finish_reason"] or ""
+            usage = chunks[-1]["usage"]
+        else:
+            answer = httpx.post(s.url + "/v1/completions", json=body, timeout=WAIT).json()
+            for choice in answer["choices"]:
+                got_texts[choice["index"]] = choice["text"]
+                got_reasons[choice["index"]] = choice["finish_reason"]
+            usage = answer["usage"]
+        assert s.engine_loop.wait_for(lambda: s.engine_loop.num_live == 0, WAIT)
+        assert s.engine_loop.run_in_engine(lambda e: e.pool.num_used).result(WAIT) == 0
+    assert (got_texts, got_reasons) == (texts, reasons)
+    assert usage["completion_tokens"] == tokens
