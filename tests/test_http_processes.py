@@ -25,7 +25,6 @@ from test_tensor_parallel_lifecycle import wait_gone
 from pagedkern.engine import FinishReason, SamplingParams
 from pagedkern.engine.outputs import TokenLogprob
 from pagedkern.serving import channel
-from pagedkern.serving.engine_client import StreamOutput
 from pagedkern.serving.http_server import ServerThread
 from pagedkern.serving.openai_protocol import (
     ChatChunkChoice,
@@ -34,6 +33,7 @@ from pagedkern.serving.openai_protocol import (
     CompletionChoice,
     Delta,
 )
+from pagedkern.serving.request_stream import StreamOutput
 from pagedkern.serving.streaming import ChatFormat, CompletionFormat
 
 CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--http", "--port", "0"]

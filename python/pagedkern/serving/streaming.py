@@ -25,7 +25,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..engine import FinishReason
-from .engine_client import EngineUnavailable, RequestStream, StreamOutput
+from .engine_client import EngineUnavailable
 from .errors import APIError
 from .openai_protocol import (
     AssistantMessage,
@@ -39,6 +39,7 @@ from .openai_protocol import (
     Usage,
     openai_finish_reason,
 )
+from .request_stream import RequestStream, StreamOutput
 
 
 class _Format:
