@@ -26,7 +26,7 @@ from http_stack import openai
 
 from pagedkern.engine import Engine, EngineConfig, RequestRejected, SamplingParams
 from pagedkern.serving.cli import main
-from pagedkern.serving.engine_loop import EngineUnavailable, QueueFull
+from pagedkern.serving.engine_client import EngineUnavailable, QueueFull
 from pagedkern.serving.http_server import ServerThread, admission_error
 
 TINY = "synthetic:tiny"

@@ -69,7 +69,9 @@ def start_server(tmp_path) -> tuple[subprocess.Popen, str, list[int]]:
             break
     else:
         raise AssertionError(f"the server exited with {proc.wait()}")
-    workers = children(proc.pid)
+    # the HTTP front end's children: the engine core (rank 0, the workers' parent) and
+    # multiprocessing's resource tracker
+    workers = [w for child in children(proc.pid) for w in children(child)]
     assert len(workers) == 2
     return proc, match.group(1), workers
 

@@ -109,7 +109,8 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] | None = None  # for token_ids, when asked for
     index: int = 0  # which of the request's n samples (request_id is the first's id + ".i")
     parent_id: str | None = None  # the request_id given at admission (n > 1)
-    # SamplingParams.prompt_logprobs: per prompt token (None for the first), once computed
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), on the output
+    # that carries the first token and on the finishing one
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @classmethod
@@ -137,7 +138,8 @@ class RequestOutput:
             logprobs,
             request.sample_index,
             request.parent_id,
-            _prompt_logprobs(request) if finished else None,
+            # with the first token (the prompt is computed then) and again with the last
+            _prompt_logprobs(request) if finished or len(request.output_ids) == 1 else None,
         )
 
     @property

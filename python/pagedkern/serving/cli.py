@@ -42,7 +42,9 @@ _JSON_FIELDS = (
     "ignore_eos",
     "timeout",
 )
-_HTTP_STACK = {"fastapi", "uvicorn", "pydantic", "pydantic_core", "starlette", "h11", "anyio"}
+_HTTP_STACK = {
+    "fastapi", "uvicorn", "pydantic", "pydantic_core", "starlette", "h11", "anyio", "msgpack"
+}  # fmt: skip
 
 build_parser = cli_args.build_parser
 
@@ -98,6 +100,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         _fail(exc)
 
+    if sock is not None:
+        return _serve_http(args, config, template, sock, settings)
     try:
         engine = Engine.from_config(config)
     except Exception as exc:  # noqa: BLE001 - unknown model, no GPU for --backend cuda, ...
@@ -110,8 +114,6 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from .trace import TraceWriter
 
         engine.tracer = TraceWriter(engine.tokenizer)
-    if sock is not None:
-        return _serve_http(engine, sock, settings)
     if single is not None:
         try:
             status = _stream_one(engine, single, _params(defaults), args.stats)
@@ -218,16 +220,28 @@ def _bind(args):
     return bind(args.host, args.port)
 
 
-def _serve_http(engine: Engine, sock, settings) -> int:
+def _serve_http(args, config, template: str | None, sock, settings) -> int:
+    """The front end in this process, the engine core in a child process (engine_core.py);
+    exit status 1 when the core died."""
+    from .engine_client import EngineClient, EngineStartError
     from .http_server import serve
+
+    try:
+        client = EngineClient.spawn(config, trace=args.trace, log_level=args.log_level.upper())
+    except EngineStartError as exc:
+        _fail(exc)
+    if template is not None:
+        client.tokenizer.chat_template = template
+    if args.trace or args.stats:
+        _say(f"pagedkern: {client.info.description}")
 
     def listening(model: str, url: str) -> None:
         _say(f"{PROG}: serving {model!r} at {url}/v1 (Ctrl-C stops)")
 
-    engine.model.tp.exit_on_failure = True  # a dead TP rank ends the server, non-zero
+    status = 0
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
-        serve(engine, sock, settings, on_listening=listening)
-    return 0
+        status = serve(client, sock, settings, on_listening=listening)
+    return status
 
 
 def _stats(output: RequestOutput) -> str:

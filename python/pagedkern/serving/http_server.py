@@ -1,12 +1,13 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes on uvicorn, one engine thread behind them.
+"""The OpenAI-compatible HTTP server: FastAPI routes on uvicorn, the engine core behind them.
 
     POST /v1/chat/completions, POST /v1/completions   (stream: Server-Sent Events)
     POST /tokenize, /detokenize                        (vLLM's shapes)
     GET  /v1/models, /v1/models/{id}, /health (also HEAD), /metrics (Prometheus text)
 
-Every connection's request goes into the same engine (`EngineLoop`: one thread owns it and
-batches all live requests continuously). The handlers render chat templates and tokenize in a
-worker thread and hand the engine token ids, so a big prompt never stalls the other streams.
+Every connection's request goes into the same engine core (`EngineClient`: under `serve`, a
+process of its own that batches all live requests continuously; engine_core.py). The handlers
+render chat templates and tokenize in a worker thread and hand the core token ids; its token ids
+come back per step and are detokenized here, so JSON, SSE and text never hold the core's GIL.
 Errors are OpenAI-shaped, {"error": {"message", "type", "param", "code"}}: 400 bad JSON /
 fields / token ids / prompt too long (code context_length_exceeded), 401 missing API key
 (--api-key), 404 unknown model (model_not_found) or route, 408 body too slow, 413 body too
@@ -36,7 +37,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..engine import Engine, RequestRejected, SamplingParams
 from .connection import BodyGone, RequestContext, protocol_class, read_body
-from .engine_loop import EngineLoop, EngineUnavailable, QueueFull
+from .engine_client import EngineClient, EngineUnavailable, QueueFull
 from .errors import APIError, validation_error
 from .openai_protocol import (
     IMPLEMENTED,
@@ -79,16 +80,17 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def create_app(
-    loop: EngineLoop, model_name: str | None = None, settings: ServerSettings | None = None
+    loop: EngineClient, model_name: str | None = None, settings: ServerSettings | None = None
 ) -> FastAPI:
-    """The app around a (possibly not yet started) EngineLoop; the app's lifespan starts it
-    and stops it (aborting what is still running) when the server shuts down."""
+    """The app around an EngineClient; the app's lifespan attaches it to the event loop and
+    stops the core (aborting what is still running) when the server shuts down."""
     settings = settings or ServerSettings()
-    engine = loop.engine  # only what is fixed at construction is read here
     model_name = model_name or settings.served_model_name
-    model_name = model_name or served_model_name(engine.config.model)
-    max_model_len = engine.max_model_len
-    prepare = PromptPreparer(engine.tokenizer, max_model_len, engine.model.config.vocab_size)
+    model_name = model_name or served_model_name(loop.info.model)
+    max_model_len = loop.info.max_model_len
+    vocab_size = loop.info.vocab_size
+    tokenizer = loop.tokenizer
+    prepare = PromptPreparer(tokenizer, max_model_len, vocab_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -96,7 +98,7 @@ def create_app(
         try:
             yield
         finally:
-            loop.stop()
+            await loop.aclose()
 
     app = FastAPI(title="pagedkern", lifespan=lifespan, default_response_class=ASCIIJSONResponse)
     app.state.engine_loop = loop
@@ -145,9 +147,6 @@ def create_app(
     async def parse_body(http: Request, schema: type):
         body = await read_body(http, settings.max_body_bytes, settings.body_timeout)
         return parse(schema, body)
-
-    vocab_size = engine.model.config.vocab_size
-    tokenizer = engine.tokenizer
 
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id])
@@ -360,7 +359,7 @@ class _Server(uvicorn.Server):
             limit_concurrency=settings.max_connections + 1,
         )
         super().__init__(config)
-        self.engine_loop: EngineLoop = app.state.engine_loop
+        self.engine_loop: EngineClient = app.state.engine_loop
 
     async def shutdown(self, sockets=None) -> None:
         self.engine_loop.request_stop()
@@ -368,20 +367,33 @@ class _Server(uvicorn.Server):
 
 
 def serve(
-    engine: Engine,
+    client: EngineClient,
     sock: socket.socket,
     settings: ServerSettings | None = None,
     *,
     on_listening=None,
-) -> None:
-    """Serve on a bound socket (see `bind`) until interrupted. Ctrl-C / SIGTERM: running requests
-    are aborted (open streams end with finish_reason "abort" and [DONE]), then uvicorn closes
-    the connections (at most 5 s of grace)."""
+) -> int:
+    """Serve on a bound socket (see `bind`) until interrupted or the engine core dies; the exit
+    status (0, or 1 after the core died). Ctrl-C / SIGTERM: running requests are aborted (open
+    streams end with finish_reason "abort" and [DONE]), then uvicorn closes the connections (at
+    most 5 s of grace). A dead core: open requests get their 503 / error event, then the same."""
     settings = settings or ServerSettings()
-    app = create_app(EngineLoop(engine), settings=settings)  # max_queue: engine.config
+    app = create_app(client, settings=settings)
+    server = _Server(app, settings)
+    died: list[str] = []
+
+    def dead(reason: str) -> None:
+        died.append(reason)
+        server.should_exit = True
+
+    client.on_dead = dead
     if on_listening is not None:
         on_listening(app.state.model_name, url_of(sock))
-    _Server(app, settings).run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        client.stop()  # the lifespan stopped it, unless uvicorn never started
+    return 1 if died else 0
 
 
 def url_of(sock: socket.socket) -> str:
@@ -390,7 +402,8 @@ def url_of(sock: socket.socket) -> str:
 
 
 class ServerThread:
-    """The server in a background thread of this process (tests, benchmarks, notebooks):
+    """The server in a background thread of this process, its engine core on another thread
+    (tests and notebooks: the engine stays reachable; `serve` runs the core in its own process):
 
     with ServerThread(engine, max_queue=8) as server:
         openai.OpenAI(base_url=server.url + "/v1", api_key="-")...
@@ -408,7 +421,9 @@ class ServerThread:
         settings = settings or ServerSettings()
         self.sock = bind("127.0.0.1", 0)
         self.url = url_of(self.sock)
-        self.engine_loop = EngineLoop(engine, max_queue=max_queue, after_step=after_step)
+        self.engine_loop = EngineClient.in_thread(
+            engine, max_queue=max_queue, after_step=after_step
+        )
         self.app = create_app(self.engine_loop, model_name, settings)
         self.model_name = self.app.state.model_name
         self.server = _Server(self.app, settings)

@@ -1,0 +1,398 @@
+"""The front end's handle on the engine core (engine_core.py): requests out, token deltas in.
+
+Frames arrive on the event loop itself (`loop.add_reader` on the channel's socket): each
+OUTPUTS frame is fanned out to the per-request asyncio queues in one pass, no thread hop. Text is
+made here: every sample has its own IncrementalDetokenizer with the request's stop strings; when
+one matches, the sample finishes with "stop" and the core is told to abort it (tokens it made in
+the meantime are dropped; n > 1: the first sample cannot be aborted alone, so it runs on to its
+end and what it makes is dropped). Stop token ids, EOS and max_tokens stay in the core.
+
+Two ways to have a core: `EngineClient.spawn(config)` starts the core process (the server),
+`EngineClient.in_thread(engine)` runs a core on a thread of this process over the same frames
+(tests and notebooks: `engine`, `after_step` and `run_in_engine` reach into it there).
+
+Cancellation: `RequestStream.close()` (the handler's `finally`: client gone, or the server
+shutting down) sends an abort unless the core has finished every sample; the core runs it before
+its next step and gives the KV blocks back. A stream leaves `num_live` once the core has
+answered its last sample's finish.
+
+A core that goes away (EOF, or a DEAD frame) fails every open stream with EngineUnavailable
+(-> an error event or a 503) and calls `on_dead` (the server then exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine import Engine, EngineConfig, RequestRejected, SamplingParams
+from ..model.tokenizer import Tokenizer
+from . import channel as wire
+from .engine_core import Calls, EngineCore, core_info, core_process
+from .metrics import EngineGauges, ServerMetrics
+from .request_stream import RequestStream, Sample, StreamOutput
+
+log = logging.getLogger("pagedkern.serving")
+STARTUP_TIMEOUT_S = 600.0  # loading a big model from a cold disk
+STOP_TIMEOUT_S = 30.0
+
+
+class QueueFull(Exception):
+    """Too many requests are waiting (-> HTTP 429)."""
+
+
+class EngineUnavailable(Exception):
+    """The engine core has stopped (shut down, or died) (-> 503)."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine core could not load (the message says why, e.g. an unknown model)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoreInfo:
+    model: str | None  # the engine's model spec (None: the default model)
+    max_model_len: int
+    vocab_size: int
+    max_queue: int
+    description: str  # the --trace / --stats model line
+
+
+class EngineClient:
+    def __init__(
+        self,
+        channel: wire.Channel,
+        info: CoreInfo,
+        tokenizer: Tokenizer,
+        *,
+        metrics: ServerMetrics | None = None,
+        engine: Engine | None = None,
+        start_core: Callable[[], None] | None = None,
+        join_core: Callable[[float], None] | None = None,
+        calls: Calls | None = None,
+    ):
+        self.channel = channel
+        self.info = info
+        self.tokenizer = tokenizer
+        self.metrics = metrics or ServerMetrics()
+        self.engine = engine  # in-process cores only (tests): read it once the core has ended
+        self.on_dead: Callable[[str], None] | None = None  # the server's exit, non-zero
+        self._start_core, self._join_core = start_core, join_core
+        self._calls = calls
+        self._ids = itertools.count()
+        self._streams: dict[str, RequestStream] = {}
+        self._admitting: dict[str, tuple[asyncio.Future, RequestStream]] = {}
+        self._queries: dict[int, asyncio.Future] = {}
+        self._closed: str | None = None  # why no frame will be answered any more
+        self._stop_sent = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed = threading.Condition()  # notified after every batch of frames
+        self.num_live = 0  # streams the core has not finished
+        self._last_gauges: EngineGauges | None = None
+
+    @property
+    def max_queue(self) -> int:
+        return self.info.max_queue
+
+    # --- making one -------------------------------------------------------------------------
+    @classmethod
+    def in_thread(
+        cls,
+        engine: Engine,
+        max_queue: int | None = None,  # None: engine.config.max_queue
+        after_step: Callable[[Engine], None] | None = None,
+        metrics: ServerMetrics | None = None,
+    ) -> EngineClient:
+        """A core for `engine` on a thread of this process (started by `start`)."""
+        front, back = multiprocessing.Pipe()
+        calls: Calls = {}
+        core = EngineCore(engine, wire.Channel(back), max_queue, after_step, calls)
+        thread = threading.Thread(target=core.run, name="pagedkern-engine", daemon=True)
+
+        def join(timeout: float) -> None:
+            if thread.is_alive():
+                thread.join(timeout)
+
+        info = CoreInfo(**core_info(engine, core.max_queue))
+        return cls(
+            wire.Channel(front), info, engine.tokenizer, metrics=metrics, engine=engine,
+            start_core=thread.start, join_core=join, calls=calls,
+        )  # fmt: skip
+
+    @classmethod
+    def spawn(
+        cls,
+        config: EngineConfig,
+        max_queue: int | None = None,
+        *,
+        trace: bool = False,
+        log_level: str = "WARNING",
+    ) -> EngineClient:
+        """Start the engine core process and wait until it has loaded the model. Raises
+        EngineStartError with the core's message when loading fails."""
+        context = multiprocessing.get_context("spawn")
+        front, back = context.Pipe()
+        folder = tempfile.mkdtemp(prefix="pagedkern-tokenizer-")
+        process = context.Process(
+            target=core_process,
+            args=(config, back, folder, max_queue, trace, log_level),
+            name="pagedkern-engine-core",
+        )
+        process.start()
+        back.close()  # the child holds it now: its exit is our EOF
+        channel = wire.Channel(front)
+        try:
+            if not channel.poll(STARTUP_TIMEOUT_S):
+                raise EngineStartError(f"the engine core did not start in {STARTUP_TIMEOUT_S:g} s")
+            try:
+                frame = channel.recv()
+            except EOFError:
+                process.join(5)
+                message = f"the engine core exited while loading (exit code {process.exitcode})"
+                raise EngineStartError(message) from None
+            if frame[0] == wire.FAILED:
+                raise EngineStartError(frame[1])
+            tokenizer = Tokenizer.from_folder(folder)
+        except BaseException:
+            process.kill()
+            process.join()
+            raise
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+        def join(timeout: float) -> None:
+            process.join(timeout)
+            if process.exitcode is None:
+                log.error("the engine core did not stop in %g s: killing it", timeout)
+                process.kill()
+                process.join()
+
+        return cls(channel, CoreInfo(**frame[1]), tokenizer, join_core=join)
+
+    # --- the front end's side (the event loop) ------------------------------------------------
+    def start(self) -> None:
+        """Attach to the running event loop (and start an in-process core)."""
+        self._loop = asyncio.get_running_loop()
+        if self._start_core is not None:
+            self._start_core()
+            self._start_core = None
+        if self._closed is None:
+            self._loop.add_reader(self.channel.fileno(), self._on_frames)
+
+    @property
+    def alive(self) -> bool:
+        return self._closed is None and not self._stop_sent
+
+    async def submit(self, request_id: str, request_args: dict, params: SamplingParams):
+        """Add a request (request_args: {"prompt_ids": [...]}) once the core has admitted it.
+        Raises RequestRejected (too long), QueueFull, ValueError / TypeError (the core's
+        refusal), EngineUnavailable."""
+        if not self.alive:
+            raise EngineUnavailable(self._closed or "the server is shutting down")
+        eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
+        stop_ids = frozenset(params.stop_token_ids).union(eos)
+        stream = RequestStream(request_id, self, params, stop_ids, self.tokenizer)
+        admitted = self._loop.create_future()
+        self._admitting[request_id] = (admitted, stream)
+        self._send(wire.ADD, request_id, list(request_args["prompt_ids"]), sampling_fields(params))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # sent after the add: the core frees what it took
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with contextlib.suppress(EngineUnavailable):
+            self._send(wire.ABORT, request_id)
+
+    async def current_gauges(self) -> EngineGauges | None:
+        """The core's gauges (asked for; the last reading once it has stopped)."""
+        if self.alive:
+            query = next(self._ids)
+            self._queries[query] = self._loop.create_future()
+            with contextlib.suppress(EngineUnavailable):
+                self._send(wire.STATS, query)
+                await self._queries[query]
+        return self._last_gauges
+
+    def request_stop(self) -> None:
+        """Ask the core to abort every request (their streams end with "abort") and stop."""
+        if not self._stop_sent:
+            self._stop_sent = True
+            with contextlib.suppress(EngineUnavailable):
+                self._send(wire.STOP)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """request_stop(), then wait for the core to end (from any thread but the loop's)."""
+        self.request_stop()
+        if self._join_core is not None:
+            self._join_core(timeout)
+
+    async def aclose(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """stop() from the event loop: frames (the aborts' finals) keep arriving meanwhile."""
+        self.request_stop()
+        if self._join_core is not None:
+            await asyncio.to_thread(self._join_core, timeout)
+        self._on_frames()  # what came last (the DEAD frame)
+
+    def _send(self, *frame) -> None:
+        if self._closed is not None:
+            raise EngineUnavailable(self._closed)
+        try:
+            self.channel.send(*frame)
+        except (OSError, ValueError) as exc:  # the core's end is gone
+            raise EngineUnavailable("the engine core has stopped") from exc
+
+    def _on_frames(self) -> None:
+        now = time.monotonic()
+        try:
+            while self._closed is None and self.channel.poll(0):
+                self._handle(self.channel.recv(), now)
+        except (EOFError, OSError):
+            self._dead("the engine core has stopped")
+        self._notify()
+
+    def _handle(self, frame: list, now: float) -> None:
+        kind = frame[0]
+        if kind == wire.OUTPUTS:
+            for key, index, ids, finish, error, logprobs, prompt in frame[1]:
+                stream = self._streams.get(key)
+                if stream is None:
+                    continue
+                out = stream.take(index, ids, finish, error, logprobs, now, prompt)
+                if stream.pending == 0:
+                    del self._streams[key]
+                if out is not None:
+                    stream.queue.put_nowait(out)
+        elif kind == wire.ADDED:
+            future, stream = self._admitting.pop(frame[1])
+            stream.prompt_tokens = frame[2]
+            self._streams[stream.request_id] = stream
+            self.metrics.request_added(stream.prompt_tokens)
+            if not future.done():
+                future.set_result(stream)
+        elif kind == wire.REFUSED:
+            future, _ = self._admitting.pop(frame[1])
+            code, message = frame[2], frame[3]
+            self.metrics.request_rejected(code if code != "error" else "invalid")
+            if not future.done():
+                future.set_exception(_refusal(code, message))
+        elif kind == wire.STATS:
+            self._last_gauges = EngineGauges(*frame[2])
+            future = self._queries.pop(frame[1], None)
+            if future is not None and not future.done():
+                future.set_result(None)
+        elif kind == wire.DEAD:
+            if frame[2] is not None:
+                self._last_gauges = EngineGauges(*frame[2])
+            self._dead(frame[1])
+
+    def _dead(self, reason: str) -> None:
+        if self._closed is not None:
+            return
+        failing = not self._stop_sent
+        self._closed = reason
+        if self._loop is not None:
+            self._loop.remove_reader(self.channel.fileno())
+        self.channel.close()  # (an in-process core's reader then sees EOF and ends)
+        failure = EngineUnavailable(reason)
+        for future, _ in self._admitting.values():
+            if not future.done():
+                future.set_exception(failure)
+        for future in self._queries.values():
+            if not future.done():
+                future.set_result(None)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(failure)
+        for _, future in (self._calls or {}).values():
+            future.cancel()
+        self._admitting.clear()
+        self._queries.clear()
+        self._streams.clear()
+        if failing:
+            log.error("%s; no more requests will be served", reason)
+            if self.on_dead is not None:
+                self.on_dead(reason)
+
+    def _notify(self) -> None:
+        with self._changed:
+            self.num_live = len(self._streams)
+            self._changed.notify_all()
+
+    def record(self, stream: RequestStream, sample: Sample, out: StreamOutput, now: float) -> None:
+        if out.token_ids:
+            first = sample.last_token is None
+            ttft = now - stream.arrival if first else None
+            itl = None if first else now - sample.last_token
+            self.metrics.tokens(len(out.token_ids), ttft, itl)
+        if out.finished:
+            self.metrics.request_finished(out.finish_reason.value, now - stream.arrival)
+
+    # --- any thread (tests and tools) ----------------------------------------------------------
+    def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Block until predicate() holds, re-checked after every batch of frames (e.g.
+        `lambda: client.num_live == 0`). False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+    def run_in_engine(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
+        """fn(engine) in an in-process core, between two steps, after every frame sent before
+        it; a Future of its result."""
+        if self._calls is None:
+            raise RuntimeError("run_in_engine needs an in-process core (EngineClient.in_thread)")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call = next(self._ids)
+        self._calls[call] = (fn, future)
+        self._send(wire.CALL, call)
+        return future
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        return await asyncio.wrap_future(self.run_in_engine(fn))
+
+
+def sampling_fields(params: SamplingParams) -> dict:
+    """SamplingParams' non-default fields as plain data, without `stop` (matched here)."""
+    fields = {}
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.name != "stop" and value != default:
+            fields[f.name] = _plain(value)
+    checked = fields.get("response_format")  # normalised {"type", "schema"}: as given again
+    if checked is not None and checked["type"] == "json_object":
+        fields["response_format"] = {"type": "json_object"}
+    elif checked is not None:
+        fields["response_format"] = {"type": checked["type"], "json_schema": checked}
+    return fields
+
+
+def _plain(value):
+    """Mappings (logit_bias is a read-only view) and tuples as msgpack's maps and lists."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _refusal(code: str, message: str) -> Exception:
+    if code == "queue_full":
+        return QueueFull(message)
+    if code == "context_length_exceeded":
+        return RequestRejected(message)
+    if code == "invalid":
+        return ValueError(message)
+    return RuntimeError(message)

@@ -1,0 +1,243 @@
+"""The engine core: the Engine and its step loop, behind the front end's channel (channel.py).
+
+It runs in its own process under `pagedkern-serve --http` (`core_process`, started by the
+front end with multiprocessing's spawn), so the HTTP server's JSON, SSE and detokenization never
+hold this process's GIL; in-process cores (`EngineClient.in_thread`: tests, notebooks) run the
+same loop on a thread over the same frames.
+
+One reader thread turns incoming frames into an inbox queue, so the front end's sends never wait
+for a step to end (and neither side can block the other with both socket buffers full). The
+loop drains the inbox (adds, aborts, stats queries), runs one step, and sends everything the
+iteration produced as one OUTPUTS frame: per request that advanced, its new token ids, finish
+code, error and logprobs. Text is the front end's business: requests come without stop strings,
+and the front end detokenizes, matches stop strings and aborts what one ends. With nothing to do
+the loop blocks on the inbox (no spinning).
+
+Backpressure: an add is refused (queue_full) when `max_queue` requests would already wait after
+the next schedule filled the free batch slots: waiting - (max_num_seqs - running) >= max_queue.
+
+Lifecycle: STOP or the front end's end of the channel closing (the front end exited) aborts every
+request and ends the loop; an unexpected exception ends it with a DEAD frame. The process also
+dies with its parent (PR_SET_PDEATHSIG), and its TP workers with it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import signal
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..engine import Engine, EngineConfig, RequestOutput, RequestRejected, SamplingParams
+from . import channel as wire
+
+log = logging.getLogger("pagedkern.serving")
+_EMPTY = object()
+# In-process cores only: call id -> (fn(engine), its Future), filled by the front end.
+Calls = dict[int, tuple[Callable[[Engine], Any], concurrent.futures.Future]]
+
+
+def gauges(engine: Engine) -> list[int]:
+    s = engine.stats()
+    return [
+        s.num_running,
+        s.num_waiting,
+        s.num_blocks_used,
+        s.num_blocks_total,
+        s.num_spec_steps,
+        s.num_spec_proposed,
+        s.num_spec_accepted,
+    ]
+
+
+def core_info(engine: Engine, max_queue: int) -> dict:
+    """What the front end needs to know about the engine, once (the READY frame)."""
+    return {
+        "model": engine.config.model,
+        "max_model_len": engine.max_model_len,
+        "vocab_size": engine.model.config.vocab_size,
+        "max_queue": max_queue,
+        "description": engine.describe(),
+    }
+
+
+def encode_output(out: RequestOutput) -> list:
+    """One request's step delta as plain data: [key, sample index, token ids, finish, error,
+    logprobs, prompt]; key: the id the front end admitted (an n > 1 sample's parent); prompt:
+    the prompt logprobs (echo + logprobs), once, with the finishing delta."""
+    logprobs = out.logprobs
+    if logprobs is not None:
+        logprobs = [[lp.token_id, lp.logprob, lp.top] for lp in logprobs]
+    finish = out.finish_reason.value if out.finished else None
+    prompt = None
+    if out.prompt_logprobs is not None:
+        table = [
+            None if lp is None else [lp.token_id, lp.logprob, lp.top] for lp in out.prompt_logprobs
+        ]
+        prompt = [out.prompt_token_ids, table]
+    key = out.parent_id or out.request_id
+    return [key, out.index, out.token_ids, finish, out.error, logprobs, prompt]
+
+
+class EngineCore:
+    def __init__(
+        self,
+        engine: Engine,
+        channel: wire.Channel,
+        max_queue: int | None = None,  # None: engine.config.max_queue
+        after_step: Callable[[Engine], None] | None = None,  # test hook, after every step
+        calls: Calls | None = None,
+    ):
+        self.engine = engine
+        self.channel = channel
+        self.max_queue = engine.config.max_queue if max_queue is None else max_queue
+        self.after_step = after_step
+        self.calls = calls
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outputs: list[RequestOutput] = []  # produced outside step() (aborts), sent next
+
+    def run(self) -> None:
+        """Serve frames until STOP or the front end goes away; never raises."""
+        threading.Thread(target=self._read, name="pagedkern-core-reader", daemon=True).start()
+        engine = self.engine
+        try:
+            while True:
+                frame = self._inbox.get() if not engine.has_unfinished else _get_nowait(self._inbox)
+                while frame is not _EMPTY:
+                    if frame is None or frame[0] == wire.STOP:
+                        return self._shutdown(front_end_gone=frame is None)
+                    self._handle(frame)
+                    frame = _get_nowait(self._inbox)
+                if engine.has_unfinished:
+                    self._outputs += engine.step()
+                    if self.after_step is not None:
+                        self.after_step(engine)
+                self._flush()
+        except BaseException:
+            log.exception("the engine core failed; no more requests will be served")
+            self._die("the engine stopped after an internal error")
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self._inbox.put(self.channel.recv())
+        except (EOFError, OSError):
+            self._inbox.put(None)  # the front end closed its end (or exited)
+
+    def _handle(self, frame: list) -> None:
+        kind = frame[0]
+        if kind == wire.ADD:
+            self._add(*frame[1:])
+        elif kind == wire.ABORT:
+            self._outputs += [self.engine.abort(frame[1]), *self.engine.pop_undelivered()]
+        elif kind == wire.STATS:
+            self.channel.send(wire.STATS, frame[1], gauges(self.engine))
+        elif kind == wire.CALL and self.calls is not None:
+            fn, future = self.calls.pop(frame[1])
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+        else:
+            log.error("unknown frame %r from the front end", kind)
+
+    def _add(self, request_id: str, prompt_ids: list[int], fields: dict) -> None:
+        stats = self.engine.stats()
+        free_slots = max(0, stats.max_num_seqs - stats.num_running)
+        if stats.num_waiting - free_slots >= self.max_queue:
+            message = f"{stats.num_waiting} requests are already waiting"
+            return self.channel.send(wire.REFUSED, request_id, "queue_full", message)
+        try:
+            params = SamplingParams(**fields)
+            request = self.engine.add_request(
+                params=params, request_id=request_id, prompt_ids=prompt_ids
+            )
+        except Exception as exc:  # noqa: BLE001 - the request's fault (or not): the loop lives on
+            if isinstance(exc, RequestRejected):
+                code = "context_length_exceeded"
+            elif isinstance(exc, (ValueError, TypeError)):
+                code = "invalid"
+            else:
+                log.error("admitting request %s failed", request_id, exc_info=exc)
+                code = "error"
+            return self.channel.send(wire.REFUSED, request_id, code, str(exc))
+        self.channel.send(wire.ADDED, request_id, len(request.prompt_ids))
+
+    def _flush(self) -> None:
+        outputs = [encode_output(o) for o in self._outputs if o is not None]
+        self._outputs = []
+        if outputs:
+            self.channel.send(wire.OUTPUTS, outputs)
+
+    def _shutdown(self, front_end_gone: bool) -> None:
+        for request_id in list(self.engine.requests):
+            if request_id in self.engine.requests:  # (an n > 1 abort ends its samples too)
+                self._outputs += [self.engine.abort(request_id), *self.engine.pop_undelivered()]
+        if front_end_gone:
+            log.info("the front end has gone: the engine core stops")
+            return
+        with contextlib.suppress(OSError):
+            self._flush()
+            self.channel.send(wire.DEAD, "the server is shutting down", gauges(self.engine))
+
+    def _die(self, reason: str) -> None:
+        try:
+            reading = gauges(self.engine)
+        except Exception:  # noqa: BLE001 - a broken engine: no reading
+            reading = None
+        with contextlib.suppress(OSError, ValueError):
+            self.channel.send(wire.DEAD, reason, reading)
+
+
+def _get_nowait(q: queue.SimpleQueue):
+    try:
+        return q.get_nowait()
+    except queue.Empty:
+        return _EMPTY
+
+
+def core_process(
+    config: EngineConfig,
+    conn: Connection,
+    tokenizer_dir: str,
+    max_queue: int | None = None,
+    trace: bool = False,
+    log_level: str = "WARNING",
+) -> None:
+    """The engine core process (multiprocessing spawn target): load the engine, hand the
+    front end its tokenizer (saved into tokenizer_dir) and READY, serve until told to stop."""
+    from ..parallel.group import die_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    die_with_parent()
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    channel = wire.Channel(conn)
+    try:
+        engine = Engine.from_config(config)
+        engine.tokenizer.save(tokenizer_dir)
+    except Exception as exc:  # noqa: BLE001 - unknown model, no GPU for --backend cuda, ...
+        channel.send(wire.FAILED, str(exc))
+        return
+    engine.model.tp.exit_on_failure = True  # a dead TP rank ends the core, then the server
+    if trace:
+        from .trace import TraceWriter
+
+        engine.tracer = TraceWriter(engine.tokenizer)
+    core = EngineCore(engine, channel, max_queue)
+    channel.send(wire.READY, core_info(engine, core.max_queue))
+    # The loop runs on a thread, as it did inside the server: measured on this 2-core machine
+    # under load, the same CPU engine steps ran ~10x faster on a thread than on the main
+    # thread (torch's intra-op threads contending). The main thread, which spawned the TP
+    # workers (their PR_SET_PDEATHSIG follows it), waits.
+    loop = threading.Thread(target=core.run, name="pagedkern-engine")
+    try:
+        loop.start()
+        loop.join()
+    finally:
+        engine.close()

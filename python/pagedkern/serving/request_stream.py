@@ -1,0 +1,152 @@
+"""One request as the front end holds it: its samples' incremental detokenizers and stop
+strings, turning the core's token-id deltas into the StreamOutputs a handler reads (see
+engine_client.py for the protocol around it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..engine import FinishReason, SamplingParams
+from ..engine.detokenizer import IncrementalDetokenizer
+from ..engine.outputs import TokenLogprob
+from ..model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .engine_client import EngineClient
+
+
+@dataclass(slots=True)
+class StreamOutput:
+    """One delta of one sample, as a handler reads it (the fields of RequestOutput that the
+    responses use)."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Sample:
+    detokenizer: IncrementalDetokenizer
+    done: bool = False  # finished, as the handler sees it
+    last_token: float | None = None  # front-end clock
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """The handler's end of one request: StreamOutputs arrive in `queue`."""
+
+    request_id: str
+    owner: EngineClient
+    params: SamplingParams
+    stop_ids: frozenset[int]  # the core's finishing ids: they add no text
+    tokenizer: Tokenizer
+    arrival: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    finished: bool = False  # the handler has seen every sample finish (or closed)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pending: int = 0  # samples the core has not finished
+    _open: int = 0  # samples the handler has not seen finished
+    _aborted: bool = False
+    _samples: list[Sample] = field(default_factory=list)
+    # echo + logprobs: (prompt ids, per-token logprobs), from the core's first delta
+    prompt_logprobs: tuple[tuple[int, ...], tuple[TokenLogprob | None, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        self.pending = self._open = self.samples
+        self._samples = [
+            Sample(IncrementalDetokenizer(self.tokenizer, self.params.stop))
+            for _ in range(self.samples)
+        ]
+
+    @property
+    def samples(self) -> int:
+        return self.params.n
+
+    async def outputs(self):
+        """StreamOutputs until the last sample's finished one; raises EngineUnavailable if the
+        engine core dies."""
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self._open -= item.finished
+            self.finished = self._open == 0
+            yield item
+
+    def close(self) -> None:
+        """Abort what the core still runs of this request (idempotent)."""
+        self.finished = True
+        if self.pending and not self._aborted:
+            self._aborted = True
+            self.owner.abort(self.request_id)
+
+    def take(
+        self,
+        index: int,
+        ids: list[int],
+        finish: str | None,
+        error,
+        logprobs,
+        now: float,
+        prompt: list | None = None,
+    ):
+        """The core's delta for sample `index` -> the handler's StreamOutput (None: dropped,
+        the sample already ended on a stop string)."""
+        if finish is not None:
+            self.pending -= 1
+        if prompt is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = (
+                tuple(prompt[0]),
+                tuple(
+                    None if e is None else TokenLogprob(e[0], e[1], tuple(map(tuple, e[2])))
+                    for e in prompt[1]
+                ),
+            )
+        sample = self._samples[index]
+        if sample.done:
+            return None
+        reason = None if finish is None else FinishReason(finish)
+        detokenizer = sample.detokenizer
+        texts, kept = [], len(ids)
+        stop_token = reason is FinishReason.STOP and bool(ids) and ids[-1] in self.stop_ids
+        text_ids = ids[:-1] if stop_token else ids
+        for k, token in enumerate(text_ids):
+            texts.append(detokenizer.add(token))
+            if detokenizer.stopped_by is not None:
+                kept, reason = k + 1, FinishReason.STOP
+                self._stopped(index, finish is not None)
+                break
+        else:
+            if reason is not None:
+                texts.append(detokenizer.flush())
+        if logprobs is not None:
+            logprobs = tuple(
+                TokenLogprob(t, lp, tuple(map(tuple, top))) for t, lp, top in logprobs[:kept]
+            )
+        elif self.params.logprobs is not None:
+            logprobs = ()
+        finished = reason is not None
+        out = StreamOutput("".join(texts), ids[:kept], finished, reason, index, logprobs, error)
+        sample.done = out.finished
+        self.owner.record(self, sample, out, now)
+        sample.last_token = now if out.token_ids else sample.last_token
+        return out
+
+    def _stopped(self, index: int, core_finished: bool) -> None:
+        """A stop string ended sample `index`: the core need not run it on."""
+        if core_finished or self._aborted:
+            return
+        if self.samples == 1:
+            self._aborted = True
+            self.owner.abort(self.request_id)
+        elif index > 0:  # an n > 1 sample's own id; sample 0's abort would end them all
+            self.owner.abort(f"{self.request_id}.{index}")

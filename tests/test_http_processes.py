@@ -1,0 +1,254 @@
+"""`pagedkern-serve --http` runs as two processes, the HTTP front end and the engine core it
+spawns (serving/engine_client.py, engine_core.py): killing either one is handled (503 and a
+non-zero exit; no orphan), a core that cannot load says why, and the frames between them are
+msgpack, never pickle."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing.connection
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import http_stack  # noqa: F401 - skips this module without the HTTP stack
+import httpx
+import msgpack
+import pytest
+from test_http_server import LONG, TINY, WAIT, sse_data, tiny_engine, user
+from test_tensor_parallel_lifecycle import wait_gone
+
+from pagedkern.engine import FinishReason, SamplingParams
+from pagedkern.engine.outputs import TokenLogprob
+from pagedkern.serving import channel
+from pagedkern.serving.http_server import ServerThread
+from pagedkern.serving.openai_protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChoice,
+    Delta,
+)
+from pagedkern.serving.request_stream import StreamOutput
+from pagedkern.serving.streaming import ChatFormat, CompletionFormat
+
+CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--http", "--port", "0"]
+
+
+def start_server(*args: str) -> tuple[subprocess.Popen, str, int]:
+    """The server process, its URL and its engine core's pid."""
+    proc = subprocess.Popen(
+        [*CLI, "--model", TINY, "--backend", "reference", *args], stderr=subprocess.PIPE, text=True
+    )
+    for line in proc.stderr:  # the listening line comes once the core has loaded the model
+        if match := re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line):
+            break
+    else:
+        raise AssertionError(f"the server exited with {proc.wait()}")
+    threading.Thread(target=proc.stderr.read, daemon=True).start()  # never block its writes
+    cores = [pid for pid in children(proc.pid) if b"spawn_main" in cmdline(pid)]
+    assert len(cores) == 1, children(proc.pid)
+    return proc, match.group(1), cores[0]
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(x) for x in (task / "children").read_text().split()]
+    return found
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def long_body(stream: bool) -> dict:
+    return {
+        "model": TINY,
+        "prompt": "go on",
+        "max_tokens": LONG,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+
+
+def test_a_killed_engine_core_fails_open_requests_with_503_and_the_server_exits_1():
+    proc, url, core = start_server()
+    try:
+        whole: dict = {}
+        waiting = threading.Thread(
+            target=lambda: whole.update(
+                r=httpx.post(url + "/v1/completions", json=long_body(False), timeout=WAIT)
+            )
+        )
+        with httpx.stream("POST", url + "/v1/completions", json=long_body(True), timeout=WAIT) as r:
+            data = sse_data(r)
+            next(data)  # the stream runs
+            waiting.start()
+            os.kill(core, signal.SIGKILL)
+            rest = list(data)
+        waiting.join(WAIT)
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["error"]["code"] == "engine_unavailable"
+        assert whole["r"].status_code == 503
+        assert whole["r"].json()["error"]["code"] == "engine_unavailable"
+        assert proc.wait(WAIT) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+def test_the_engine_core_ends_with_its_front_end(how):
+    proc, url, core = start_server()
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=long_body(True), timeout=WAIT) as r:
+            next(sse_data(r))  # the core is busy with a request
+            proc.send_signal(how)
+            code = proc.wait(WAIT)
+        assert code == (-signal.SIGKILL if how == signal.SIGKILL else 0)  # SIGINT: a clean stop
+        assert wait_gone([core]), f"orphan engine core {core}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_an_engine_core_that_cannot_load_says_why_and_exits_2(tmp_path):
+    missing = tmp_path / "no-such-model"
+    done = subprocess.run(
+        [*CLI, "--model", str(missing), "--backend", "reference"],
+        capture_output=True,
+        text=True,
+        timeout=WAIT * 5,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(missing) in lines[0] and "no such file" in lines[0], done.stderr
+
+
+def test_the_channel_refuses_python_objects():
+    with pytest.raises(TypeError):
+        channel.pack([channel.OUTPUTS, [["id", 0, [1, 2], None, None, object()]]])
+    frame = [channel.OUTPUTS, [["id", 0, [1, 2], "stop", None, [[1, -0.5, [[1, -0.5]]]]]]]
+    assert channel.unpack(channel.pack(frame)) == frame
+
+
+def test_every_frame_on_the_wire_is_msgpack(monkeypatch):
+    sent: list[bytes] = []
+    send_bytes = multiprocessing.connection.Connection.send_bytes
+
+    def recording(self, buf, *args):
+        sent.append(bytes(buf))
+        return send_bytes(self, buf, *args)
+
+    monkeypatch.setattr(multiprocessing.connection.Connection, "send_bytes", recording)
+    with ServerThread(tiny_engine()) as s:
+        body = {
+            "model": TINY,
+            "messages": user("hi"),
+            "max_tokens": 5,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "stop": ["zz"],
+            "logit_bias": {"7": 1.5},
+            "n": 2,
+        }
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=WAIT)
+        assert r.status_code == 200, r.text
+        httpx.get(s.url + "/metrics", timeout=WAIT)
+    frames = [msgpack.unpackb(data, strict_map_key=False) for data in sent]
+    kinds = {frame[0] for frame in frames}
+    assert {channel.ADD, channel.ADDED, channel.OUTPUTS, channel.STATS, channel.STOP} <= kinds
+    add = next(f for f in frames if f[0] == channel.ADD)
+    assert add[3]["n"] == 2 and add[3]["logit_bias"] == {7: 1.5} and "stop" not in add[3]
+    for data in sent:  # every message is one msgpack value and nothing else
+        unpacker = msgpack.Unpacker(strict_map_key=False)
+        unpacker.feed(data)
+        assert len(list(unpacker)) == 1 and not data.startswith(b"\x80")  # (pickle's PROTO)
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_stream_chunks_are_the_bytes_the_response_models_make(kind, include_usage):
+    """The per-token chunk is built as plain data: the same JSON as the pydantic models'."""
+    fmt_type = ChatFormat if kind == "chat" else CompletionFormat
+    lp = (TokenLogprob(5, -0.25, ((5, -0.25), (9, -float("inf")))),)
+    cases = [
+        (StreamOutput('h\u00e9"l\\lo\n\u4e16', [5], False, None), None),
+        (StreamOutput("", [5], True, FinishReason.STOP), "stop"),
+        (StreamOutput("x", [5], False, None, logprobs=lp), None),
+    ]
+    for index, (out, finish) in enumerate(cases):
+        fmt = fmt_type("id-1", "m", include_usage, lambda t: f"<{t}>", 3)
+        want_fmt = fmt_type("id-1", "m", include_usage, lambda t: f"<{t}>", 3)
+        want_fmt.meta = fmt.meta
+        logprobs = want_fmt.logprobs(index, out)
+        if kind == "chat":
+            choice = ChatChunkChoice(
+                index=index, delta=Delta(content=out.text or None), finish_reason=finish,
+                logprobs=logprobs,
+            )  # fmt: skip
+            model = ChatCompletionChunk(**fmt.meta, choices=[choice])
+        else:
+            choice = CompletionChoice(
+                index=index, text=out.text, finish_reason=finish, logprobs=logprobs
+            )
+            model = Completion(**fmt.meta, choices=[choice])
+        want = model.model_dump_json(exclude=None if include_usage else {"usage"})
+        assert fmt.delta(index, out, finish) == want
+
+
+def engine_samples(params: SamplingParams, prompt: str) -> tuple[list[str], list[str], int]:
+    """Texts and finish reasons per sample, and tokens made, from the engine alone (which
+    matches stop strings itself)."""
+    engine = tiny_engine()
+    engine.add_request(prompt, params)
+    texts, reasons, tokens = [""] * params.n, [""] * params.n, 0
+    for out in engine.run_until_done():
+        texts[out.index] += out.text
+        tokens += len(out.token_ids)
+        if out.finished:
+            reasons[out.index] = out.finish_reason.value
+    return texts, reasons, tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_matched_in_the_front_end_give_the_engines_answers(stream):
+    """n = 3 seeded samples: the front end's detokenization and stop strings (and the aborts
+    they send, sample 0 excepted) give exactly what the engine gives on its own."""
+    prompt, base = "Stop somewhere", dict(n=3, seed=7, temperature=1.0, max_tokens=24)
+    free, _, _ = engine_samples(SamplingParams(**base), prompt)
+    stop = free[1][4:6]  # hit by sample 1 at least; maybe by others, maybe not
+    texts, reasons, tokens = engine_samples(SamplingParams(**base, stop=[stop]), prompt)
+    assert "stop" in reasons
+    body = {"model": TINY, "prompt": prompt, **base, "stop": [stop], "stream": stream}
+    body["stream_options"] = {"include_usage": True} if stream else None
+    with ServerThread(tiny_engine()) as s:
+        got_texts, got_reasons = [""] * 3, [""] * 3
+        if stream:
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=WAIT) as r:
+                chunks = [json.loads(d) for d in sse_data(r) if d != "[DONE]"]
+            for c in chunks[:-1]:
+                (choice,) = c["choices"]
+                got_texts[choice["index"]] += choice["text"]
+                got_reasons[choice["index"]] = choice["finish_reason"] or ""
+            usage = chunks[-1]["usage"]
+        else:
+            answer = httpx.post(s.url + "/v1/completions", json=body, timeout=WAIT).json()
+            for choice in answer["choices"]:
+                got_texts[choice["index"]] = choice["text"]
+                got_reasons[choice["index"]] = choice["finish_reason"]
+            usage = answer["usage"]
+        assert s.engine_loop.wait_for(lambda: s.engine_loop.num_live == 0, WAIT)
+        assert s.engine_loop.run_in_engine(lambda e: e.pool.num_used).result(WAIT) == 0
+    assert (got_texts, got_reasons) == (texts, reasons)
+    assert usage["completion_tokens"] == tokens
