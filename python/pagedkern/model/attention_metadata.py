@@ -9,8 +9,11 @@ and paged_attention on the rest.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 
+import numpy as np
 import torch
 
 
@@ -73,19 +76,22 @@ class SequenceChunk:
 
 @dataclass(slots=True)
 class BatchLayout:
-    """The host-side (Python ints) content of a batch: what build_batch uploads. Kept separate so
-    the engine can pad it (CUDA-graph buckets) or place it in its own buffers."""
+    """The host-side content of a batch: what build_batch uploads. Kept separate so the engine
+    can pad it (CUDA-graph buckets) or place it in its own buffers. layout_batch fills it with
+    int32 numpy views of the one buffer `pack()` returns (so packing copies nothing); one built
+    by hand may hold plain int sequences instead."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    cu_seqlens: list[int]
-    block_tables: list[int]  # row-major [num_seqs, width]
+    input_ids: Sequence[int]
+    positions: Sequence[int]
+    slot_mapping: Sequence[int]
+    cu_seqlens: Sequence[int]
+    block_tables: Sequence[int]  # row-major [num_seqs, width]
     width: int
-    seq_lens: list[int]
-    logits_indices: list[int]
+    seq_lens: Sequence[int]
+    logits_indices: Sequence[int]
     num_prefills: int
     max_query_len: int
+    _packed: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def upload(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, AttentionMetadata]:
         """input_ids and metadata on `device`, from ONE int32 host buffer (pinned for CUDA) and
@@ -103,17 +109,20 @@ class BatchLayout:
 
     def pack(self) -> torch.Tensor:
         """The one int32 host buffer: input_ids, positions, slot_mapping, cu_seqlens,
-        block_tables, seq_lens, logits_indices (tensor parallelism broadcasts this buffer)."""
-        parts = (
-            self.input_ids,
-            self.positions,
-            self.slot_mapping,
-            self.cu_seqlens,
-            self.block_tables,
-            self.seq_lens,
-            self.logits_indices,
-        )
-        return torch.tensor([x for part in parts for x in part], dtype=torch.int32)
+        block_tables, seq_lens, logits_indices (tensor parallelism broadcasts this buffer).
+        It shares memory with this layout's arrays: treat both as read-only."""
+        if self._packed is None:
+            parts = (
+                self.input_ids,
+                self.positions,
+                self.slot_mapping,
+                self.cu_seqlens,
+                self.block_tables,
+                self.seq_lens,
+                self.logits_indices,
+            )
+            self._packed = np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])
+        return torch.from_numpy(self._packed)
 
     def unpack(self, flat: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata]:
         """input_ids and metadata as views of `flat` (pack()'s buffer, on any device)."""
@@ -123,9 +132,9 @@ class BatchLayout:
             len(self.seq_lens),
             self.width,
             self.num_prefills,
-            self.cu_seqlens[self.num_prefills],
+            int(self.cu_seqlens[self.num_prefills]),
             self.max_query_len,
-            max(self.seq_lens),
+            int(np.max(self.seq_lens)),
         )
 
 
@@ -166,55 +175,77 @@ def layout_batch(
     """The batch for `chunks`, kept in the given order. The trailing run of one-token chunks runs
     as decodes, everything before it as prefill, so callers list prefill chunks first.
     block_tables are padded with 0 to max_blocks (default: the longest table). Logits are
-    computed for the last token of chunks[r] for r in logits_rows (default: every chunk)."""
-    if not chunks:
-        raise ValueError("a batch needs at least one sequence")
-    num_decodes = 0
-    for chunk in reversed(chunks):
-        if len(chunk.token_ids) != 1:
-            break
-        num_decodes += 1
+    computed for the last token of chunks[r] for r in logits_rows (default: every chunk).
 
-    width = max_blocks if max_blocks is not None else max(len(c.block_table) for c in chunks)
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    cu = [0]
-    tables: list[int] = []
-    seq_lens: list[int] = []
-    for b, chunk in enumerate(chunks):
-        n, start = len(chunk.token_ids), chunk.num_computed
-        end = start + n
-        table = chunk.block_table
-        if n == 0 or start < 0:
-            raise ValueError(f"sequence {b}: needs new tokens and num_computed >= 0")
-        if len(table) * block_size < end or len(table) > width:
-            raise ValueError(
-                f"sequence {b}: block table of {len(table)} blocks cannot hold {end} tokens "
-                f"(block_size {block_size}, max_blocks {width})"
-            )
-        ids.extend(chunk.token_ids)
-        positions.extend(range(start, end))
-        slots.extend(
-            table[p // block_size] * block_size + p % block_size for p in range(start, end)
+    Cost: one C-level pass over the chunks per field and one over their token ids and block
+    tables (a Python int each, converted once); positions and slots are whole-array numpy
+    operations, written straight into the packed buffer. No per-token Python work."""
+    b = len(chunks)
+    if not b:
+        raise ValueError("a batch needs at least one sequence")
+    tokens = list(map(_token_ids, chunks))
+    tables = list(map(_block_table, chunks))
+    lens = np.fromiter(map(len, tokens), np.int64, b)
+    starts = np.fromiter(map(_num_computed, chunks), np.int64, b)
+    table_lens = np.fromiter(map(len, tables), np.int64, b)
+    ends = starts + lens
+    width = max_blocks if max_blocks is not None else int(table_lens.max())
+    empty = (lens == 0) | (starts < 0)
+    short = (table_lens * block_size < ends) | (table_lens > width)
+    if empty.any() or short.any():
+        s = int((empty | short).argmax())  # the first bad sequence, as a loop would find it
+        if empty[s]:
+            raise ValueError(f"sequence {s}: needs new tokens and num_computed >= 0")
+        raise ValueError(
+            f"sequence {s}: block table of {table_lens[s]} blocks cannot hold {ends[s]} tokens "
+            f"(block_size {block_size}, max_blocks {width})"
         )
-        cu.append(cu[-1] + n)
-        tables.extend(table)
-        tables.extend([0] * (width - len(table)))
-        seq_lens.append(end)
-    rows = range(len(chunks)) if logits_rows is None else logits_rows
+    prefill = np.flatnonzero(lens != 1)
+    num_prefills = int(prefill[-1]) + 1 if prefill.size else 0
+    rows = None if logits_rows is None else np.fromiter(logits_rows, np.int64)
+
+    t = int(lens.sum())
+    num_logits = b if rows is None else rows.size
+    sizes = [t, t, t, b + 1, b * width, b, num_logits]
+    packed = np.empty(sum(sizes), dtype=np.int32)
+    ids, positions, slots, cu, table_rows, seq_lens, logits = np.split(
+        packed, np.cumsum(sizes[:-1])
+    )
+    ids[:] = np.fromiter(chain.from_iterable(tokens), np.int32, t)
+    cu[0] = 0
+    np.cumsum(lens, out=cu[1:], dtype=np.int32)
+    table_rows = table_rows.reshape(b, width)
+    table_rows[:] = 0
+    table_rows[np.arange(width) < table_lens[:, None]] = np.fromiter(
+        chain.from_iterable(tables), np.int32, int(table_lens.sum())
+    )
+    if t == b:  # every chunk one token (a decode step): one row per sequence
+        seq, pos = np.arange(b), starts
+    else:
+        seq = np.repeat(np.arange(b), lens)
+        pos = np.arange(t) + np.repeat(starts - cu[:-1], lens)
+    positions[:] = pos
+    slots[:] = table_rows[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    seq_lens[:] = ends
+    logits[:] = cu[1:] - 1 if rows is None else cu[rows + 1] - 1
     return BatchLayout(
         input_ids=ids,
         positions=positions,
         slot_mapping=slots,
         cu_seqlens=cu,
-        block_tables=tables,
+        block_tables=table_rows.reshape(-1),
         width=width,
         seq_lens=seq_lens,
-        logits_indices=[cu[r + 1] - 1 for r in rows],
-        num_prefills=len(chunks) - num_decodes,
-        max_query_len=max(len(c.token_ids) for c in chunks),
+        logits_indices=logits,
+        num_prefills=num_prefills,
+        max_query_len=int(lens.max()),
+        _packed=packed,
     )
+
+
+_token_ids = attrgetter("token_ids")
+_num_computed = attrgetter("num_computed")
+_block_table = attrgetter("block_table")
 
 
 def build_batch(
