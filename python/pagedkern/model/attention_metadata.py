@@ -190,11 +190,10 @@ def layout_batch(
     table_lens = np.fromiter(map(len, tables), np.int64, b)
     ends = starts + lens
     width = max_blocks if max_blocks is not None else int(table_lens.max())
-    empty = (lens == 0) | (starts < 0)
-    short = (table_lens * block_size < ends) | (table_lens > width)
-    if empty.any() or short.any():
-        s = int((empty | short).argmax())  # the first bad sequence, as a loop would find it
-        if empty[s]:
+    bad = (lens == 0) | (starts < 0) | (table_lens * block_size < ends) | (table_lens > width)
+    if bad.any():
+        s = int(bad.argmax())  # the first bad sequence, as a loop over them would find it
+        if lens[s] == 0 or starts[s] < 0:
             raise ValueError(f"sequence {s}: needs new tokens and num_computed >= 0")
         raise ValueError(
             f"sequence {s}: block table of {table_lens[s]} blocks cannot hold {ends[s]} tokens "
@@ -206,16 +205,18 @@ def layout_batch(
 
     t = int(lens.sum())
     num_logits = b if rows is None else rows.size
-    sizes = [t, t, t, b + 1, b * width, b, num_logits]
-    packed = np.empty(sum(sizes), dtype=np.int32)
-    ids, positions, slots, cu, table_rows, seq_lens, logits = np.split(
-        packed, np.cumsum(sizes[:-1])
-    )
+    # The parts in pack() order: ids, positions, slots, cu_seqlens, tables, seq_lens, logits.
+    packed = np.empty(3 * t + (b + 1) + b * width + b + num_logits, dtype=np.int32)
+    ids, positions, slots = packed[:t], packed[t : 2 * t], packed[2 * t : 3 * t]
+    o = 3 * t
+    cu, o = packed[o : o + b + 1], o + b + 1
+    table_rows, o = packed[o : o + b * width].reshape(b, width), o + b * width
+    seq_lens, logits = packed[o : o + b], packed[o + b :]
+
     ids[:] = np.fromiter(chain.from_iterable(tokens), np.int32, t)
     cu[0] = 0
     np.cumsum(lens, out=cu[1:], dtype=np.int32)
-    table_rows = table_rows.reshape(b, width)
-    table_rows[:] = 0
+    table_rows.fill(0)
     table_rows[np.arange(width) < table_lens[:, None]] = np.fromiter(
         chain.from_iterable(tables), np.int32, int(table_lens.sum())
     )
@@ -225,7 +226,7 @@ def layout_batch(
         seq = np.repeat(np.arange(b), lens)
         pos = np.arange(t) + np.repeat(starts - cu[:-1], lens)
     positions[:] = pos
-    slots[:] = table_rows[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    slots[:] = table_rows[seq, pos // block_size] * np.int64(block_size) + pos % block_size
     seq_lens[:] = ends
     logits[:] = cu[1:] - 1 if rows is None else cu[rows + 1] - 1
     return BatchLayout(
