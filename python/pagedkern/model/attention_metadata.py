@@ -8,10 +8,10 @@ and paged_attention on the rest.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
-from operator import attrgetter
+from itertools import accumulate, chain, repeat
+from operator import add, attrgetter, le, mul, sub
 
 import numpy as np
 import torch
@@ -177,71 +177,101 @@ def layout_batch(
     block_tables are padded with 0 to max_blocks (default: the longest table). Logits are
     computed for the last token of chunks[r] for r in logits_rows (default: every chunk).
 
-    Cost: one C-level pass over the chunks per field and one over their token ids and block
-    tables (a Python int each, converted once); positions and slots are whole-array numpy
-    operations, written straight into the packed buffer. No per-token Python work."""
+    Cost: per-sequence values come from C-level passes (map, accumulate, min/max) over the
+    chunks, and the whole packed buffer from ONE np.fromiter over their chain, each int
+    converted once. No per-token Python work: a decode's slot is one expression per sequence,
+    prefill rows' slots are one numpy gather. Few numpy calls, on purpose: each costs
+    microseconds when the step has left the caches cold, more than a decode's whole row."""
     b = len(chunks)
     if not b:
         raise ValueError("a batch needs at least one sequence")
     tokens = list(map(_token_ids, chunks))
     tables = list(map(_block_table, chunks))
-    lens = np.fromiter(map(len, tokens), np.int64, b)
-    starts = np.fromiter(map(_num_computed, chunks), np.int64, b)
-    table_lens = np.fromiter(map(len, tables), np.int64, b)
-    ends = starts + lens
-    width = max_blocks if max_blocks is not None else int(table_lens.max())
-    bad = (lens == 0) | (starts < 0) | (table_lens * block_size < ends) | (table_lens > width)
-    if bad.any():
-        s = int(bad.argmax())  # the first bad sequence, as a loop over them would find it
-        if lens[s] == 0 or starts[s] < 0:
-            raise ValueError(f"sequence {s}: needs new tokens and num_computed >= 0")
-        raise ValueError(
-            f"sequence {s}: block table of {table_lens[s]} blocks cannot hold {ends[s]} tokens "
-            f"(block_size {block_size}, max_blocks {width})"
-        )
-    prefill = np.flatnonzero(lens != 1)
-    num_prefills = int(prefill[-1]) + 1 if prefill.size else 0
-    rows = None if logits_rows is None else np.fromiter(logits_rows, np.int64)
-
-    t = int(lens.sum())
-    num_logits = b if rows is None else rows.size
-    # The parts in pack() order: ids, positions, slots, cu_seqlens, tables, seq_lens, logits.
-    packed = np.empty(3 * t + (b + 1) + b * width + b + num_logits, dtype=np.int32)
-    ids, positions, slots = packed[:t], packed[t : 2 * t], packed[2 * t : 3 * t]
-    o = 3 * t
-    cu, o = packed[o : o + b + 1], o + b + 1
-    table_rows, o = packed[o : o + b * width].reshape(b, width), o + b * width
-    seq_lens, logits = packed[o : o + b], packed[o + b :]
-
-    ids[:] = np.fromiter(chain.from_iterable(tokens), np.int32, t)
-    cu[0] = 0
-    np.cumsum(lens, out=cu[1:], dtype=np.int32)
-    table_rows.fill(0)
-    table_rows[np.arange(width) < table_lens[:, None]] = np.fromiter(
-        chain.from_iterable(tables), np.int32, int(table_lens.sum())
-    )
-    if t == b:  # every chunk one token (a decode step): one row per sequence
-        seq, pos = np.arange(b), starts
+    starts = list(map(_num_computed, chunks))
+    lens = list(map(len, tokens))
+    table_lens = list(map(len, tables))
+    ends = list(map(add, starts, lens))
+    width = max_blocks if max_blocks is not None else max(table_lens)
+    if (
+        min(lens) < 1
+        or min(starts) < 0
+        or max(table_lens) > width
+        or not all(map(le, ends, map(mul, table_lens, repeat(block_size))))
+    ):
+        _raise_first_bad(lens, starts, table_lens, block_size, width)
+    t = sum(lens)
+    decode = t == b  # every chunk one token (lens >= 1): one row per sequence
+    num_prefills = 0 if decode else b - next(i for i, n in enumerate(reversed(lens)) if n != 1)
+    cu = list(accumulate(lens, initial=0))
+    if logits_rows is None:
+        logits = cu[1:]
     else:
+        logits = list(map(cu.__getitem__, map(add, logits_rows, repeat(1))))
+    bs = block_size
+    if decode:
+        positions: Iterable[int] = starts
+        slots: Iterable[int] = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
+    else:
+        positions = chain.from_iterable(map(range, starts, ends))
+        slots = repeat(0, t)  # filled below, vectorised
+    pads = map(mul, repeat([0]), map(sub, repeat(width), table_lens))
+    sizes = [t, t, t, b + 1, b * width, b, len(logits)]
+    packed = np.fromiter(
+        chain(
+            chain.from_iterable(tokens),
+            positions,
+            slots,
+            cu,
+            chain.from_iterable(map(add, tables, pads)),
+            ends,
+            logits,
+        ),
+        np.int32,
+        sum(sizes),
+    )
+    ids, positions, slots, cu_seqlens, table_rows, seq_lens, logits_indices = _split(packed, sizes)
+    logits_indices -= 1  # the last row of each chosen sequence: cu[r + 1] - 1
+    if not decode:
+        rows = table_rows.reshape(b, width)
         seq = np.repeat(np.arange(b), lens)
-        pos = np.arange(t) + np.repeat(starts - cu[:-1], lens)
-    positions[:] = pos
-    slots[:] = table_rows[seq, pos // block_size] * np.int64(block_size) + pos % block_size
-    seq_lens[:] = ends
-    logits[:] = cu[1:] - 1 if rows is None else cu[rows + 1] - 1
+        slots[:] = rows[seq, positions // bs] * np.int64(bs) + positions % bs
     return BatchLayout(
         input_ids=ids,
         positions=positions,
         slot_mapping=slots,
-        cu_seqlens=cu,
-        block_tables=table_rows.reshape(-1),
+        cu_seqlens=cu_seqlens,
+        block_tables=table_rows,
         width=width,
         seq_lens=seq_lens,
-        logits_indices=logits,
+        logits_indices=logits_indices,
         num_prefills=num_prefills,
-        max_query_len=int(lens.max()),
+        max_query_len=max(lens),
         _packed=packed,
     )
+
+
+def _split(packed: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """Consecutive views of `packed` of the given sizes."""
+    views, start = [], 0
+    for n in sizes:
+        views.append(packed[start : start + n])
+        start += n
+    return views
+
+
+def _raise_first_bad(
+    lens: list[int], starts: list[int], table_lens: list[int], block_size: int, width: int
+) -> None:
+    """The error for the first sequence layout_batch cannot lay out (its checks are batched)."""
+    for s, (n, start, blocks) in enumerate(zip(lens, starts, table_lens, strict=True)):
+        if n == 0 or start < 0:
+            raise ValueError(f"sequence {s}: needs new tokens and num_computed >= 0")
+        if blocks * block_size < start + n or blocks > width:
+            raise ValueError(
+                f"sequence {s}: block table of {blocks} blocks cannot hold {start + n} tokens "
+                f"(block_size {block_size}, max_blocks {width})"
+            )
+    raise AssertionError("no bad sequence")  # unreachable: the batched checks found one
 
 
 _token_ids = attrgetter("token_ids")
