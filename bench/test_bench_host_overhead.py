@@ -4,8 +4,8 @@ running sequences of `synthetic:tiny` on the CPU.
 The forward pass and the sampler are stubs (patched here, not in the engine): the stub model
 returns a preallocated logits block, the stub `ops.sample` a deterministic id per row from the
 seeds and offsets it was given. What is left is the host's own work between two GPU steps:
-scheduling, batch layout and upload, sampling-parameter packing, append / detokenize / stop
-checks, output objects, and the engine loop around them.
+scheduling, batch layout and upload, sampling-parameter packing, append and stop checks,
+detokenization, output objects, and the engine loop around them.
 
 Times are the engine thread's CPU time (time.thread_time): the dev machine's 2 cores are shared,
 and wall time there mostly measures the neighbours (the host work is single-threaded, so on an
@@ -31,6 +31,7 @@ from measure import smoke_mode
 from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.engine import runner as runner_module
+from pagedkern.engine.detokenizer import IncrementalDetokenizer
 from pagedkern.engine.outputs import RequestOutput
 from pagedkern.parallel.context import SINGLE
 
@@ -148,7 +149,9 @@ def instrument(engine: Engine, timers: Timers, monkeypatch) -> None:
     tp.upload = timers.wrap("upload", tp.upload)
     monkeypatch.setattr(runner, "sample", timers.wrap("sampling params", runner.sample))
     monkeypatch.setattr(ops, "sample", timers.wrap("sampler stub", ops.sample))
-    monkeypatch.setattr(engine, "_append", timers.wrap("append/detok/stop", engine._append))
+    monkeypatch.setattr(engine, "_append", timers.wrap("append/stop checks", engine._append))
+    add = IncrementalDetokenizer.add
+    monkeypatch.setattr(IncrementalDetokenizer, "add", timers.wrap("detokenize", add))
     of = RequestOutput.of.__func__
     monkeypatch.setattr(RequestOutput, "of", classmethod(timers.wrap("output objects", of)))
     monkeypatch.setattr(engine, "step", timers.wrap("step", engine.step))
@@ -183,7 +186,8 @@ def test_engine_step_host_cost(num_seqs, record, monkeypatch, capsys):
         "batch layout": timers.net("batch layout"),
         "upload": timers.net("upload"),
         "sampling params": timers.net("sampling params", ("sampler stub",)),
-        "append/detok/stop": timers.net("append/detok/stop", ("output objects",)),
+        "append/stop checks": timers.net("append/stop checks", ("output objects", "detokenize")),
+        "detokenize": timers.net("detokenize"),
         "output objects": timers.net("output objects"),
     }
     wrapped = sum(timers.calls[n] for n in timers.calls if n != "step") * timers.overhead

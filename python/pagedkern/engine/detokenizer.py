@@ -69,12 +69,12 @@ class IncrementalDetokenizer:
         before = self._before
         if before < 0:
             before = self._before = len(self._window(prefix, read))
-        after = self._window(prefix, len(ids))
+        after = self._decode_ids(ids[prefix:], skip_special_tokens=True)
         if len(after) > before and not after.endswith("\ufffd"):
             self.text += after[before:]
             self._prefix_offset, self._read_offset = read, len(ids)
             self._before = -1
-        return self._release()
+        return self._release() if self.stop else self._emit(len(self.text))
 
     def _window(self, start: int, end: int) -> str:
         """The text of ids[start:end] decoded on their own (special tokens skipped)."""
@@ -91,15 +91,14 @@ class IncrementalDetokenizer:
         )
 
     def _release(self) -> str:
-        if self.stop:
-            start = max(0, self.emitted - self._max_stop + 1)
-            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
-            if hits:
-                cut, self.stopped_by = min(hits)
-                self.text = self.text[:cut]
-                return self._emit(cut)
-            return self._emit(len(self.text) - self._held_back())
-        return self._emit(len(self.text))
+        """With stop strings: cut at the first one found, else emit all but the held-back tail."""
+        start = max(0, self.emitted - self._max_stop + 1)
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            cut, self.stopped_by = min(hits)
+            self.text = self.text[:cut]
+            return self._emit(cut)
+        return self._emit(len(self.text) - self._held_back())
 
     def _held_back(self) -> int:
         """Length of the longest unemitted tail of the text that begins some stop string."""
