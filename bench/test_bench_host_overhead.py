@@ -5,7 +5,8 @@ The forward pass and the sampler are stubs (patched here, not in the engine): th
 returns a preallocated logits block, the stub `ops.sample` a deterministic id per row from the
 seeds and offsets it was given. What is left is the host's own work between two GPU steps:
 scheduling, batch layout and upload, sampling-parameter packing, append and stop checks,
-detokenization, output objects, and the engine loop around them.
+detokenization, output objects, the runner's own code (its chunks and row bookkeeping) and
+the engine loop around them.
 
 Times are the engine thread's CPU time (time.thread_time): the dev machine's 2 cores are shared,
 and wall time there mostly measures the neighbours (the host work is single-threaded, so on an
@@ -148,6 +149,7 @@ def instrument(engine: Engine, timers: Timers, monkeypatch) -> None:
     tp = runner.model.tp
     tp.upload = timers.wrap("upload", tp.upload)
     monkeypatch.setattr(runner, "sample", timers.wrap("sampling params", runner.sample))
+    monkeypatch.setattr(runner, "run", timers.wrap("runner (own)", runner.run))
     monkeypatch.setattr(ops, "sample", timers.wrap("sampler stub", ops.sample))
     monkeypatch.setattr(engine, "_append", timers.wrap("append/stop checks", engine._append))
     add = IncrementalDetokenizer.add
@@ -186,6 +188,7 @@ def test_engine_step_host_cost(num_seqs, record, monkeypatch, capsys):
         "batch layout": timers.net("batch layout"),
         "upload": timers.net("upload"),
         "sampling params": timers.net("sampling params", ("sampler stub",)),
+        "runner (own)": timers.net("runner (own)", ("batch layout", "upload", "sampling params")),
         "append/stop checks": timers.net("append/stop checks", ("output objects", "detokenize")),
         "detokenize": timers.net("detokenize"),
         "output objects": timers.net("output objects"),
