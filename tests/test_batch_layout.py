@@ -140,3 +140,13 @@ def test_same_errors_as_the_reference(chunks, max_blocks):
     with pytest.raises(ValueError) as got:
         build_batch(chunks, 4, max_blocks=max_blocks)
     assert str(got.value) == str(expected.value)
+
+
+def test_a_replaced_field_is_packed_afresh():
+    """Padding a layout by replacing a field (as CUDA-graph code may) must reach the buffer."""
+    chunks = [SequenceChunk([5], 3, [2]), SequenceChunk([6], 0, [1])]
+    layout = layout_batch(chunks, 4)
+    layout.input_ids = [9, 8]
+    assert layout.pack().tolist()[:2] == [9, 8]
+    ids, _ = layout.upload()
+    assert ids.tolist() == [9, 8]

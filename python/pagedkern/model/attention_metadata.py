@@ -110,19 +110,21 @@ class BatchLayout:
     def pack(self) -> torch.Tensor:
         """The one int32 host buffer: input_ids, positions, slot_mapping, cu_seqlens,
         block_tables, seq_lens, logits_indices (tensor parallelism broadcasts this buffer).
-        It shares memory with this layout's arrays: treat both as read-only."""
-        if self._packed is None:
-            parts = (
-                self.input_ids,
-                self.positions,
-                self.slot_mapping,
-                self.cu_seqlens,
-                self.block_tables,
-                self.seq_lens,
-                self.logits_indices,
-            )
-            self._packed = np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])
-        return torch.from_numpy(self._packed)
+        From layout_batch it is the buffer its arrays view (shared memory: no copy); a field
+        since replaced by another sequence, or a layout built by hand, is packed afresh."""
+        parts = (
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.cu_seqlens,
+            self.block_tables,
+            self.seq_lens,
+            self.logits_indices,
+        )
+        packed = self._packed
+        if packed is None or any(getattr(p, "base", None) is not packed for p in parts):
+            packed = np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])
+        return torch.from_numpy(packed)
 
     def unpack(self, flat: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata]:
         """input_ids and metadata as views of `flat` (pack()'s buffer, on any device)."""
