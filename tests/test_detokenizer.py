@@ -125,3 +125,67 @@ def test_stop_strings_wait_for_min_tokens(min_tokens):
     assert len(detok.ids) == (end or len(text))
     assert detok.stopped_by == ("ab" if end else None)
     assert "".join(out) == (text[: end - 2] if end else text)
+
+
+def reference_deltas(tok, ids, stop) -> list[str]:
+    """The first implementation, kept as the reference: both windows decoded for every token,
+    the whole text kept."""
+    stop = [s for s in stop if s]
+    max_stop = max(map(len, stop), default=0)
+    seen, text, emitted, prefix, read, deltas = [], "", 0, 0, 0, []
+
+    def decode(window):
+        return tok.decode(window, skip_special_tokens=True) if window else ""
+
+    for token in ids:
+        seen.append(token)
+        before, after = decode(seen[prefix:read]), decode(seen[prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            text += after[len(before) :]
+            prefix, read = read, len(seen)
+        hits = [(i, s) for s in stop if (i := text.find(s, max(0, emitted - max_stop + 1))) >= 0]
+        if hits:
+            cut = min(hits)[0]
+            deltas.append(text[emitted:cut] if cut > emitted else "")
+            return deltas
+        held = max(
+            (
+                k
+                for s in stop
+                for k in range(1, len(s))
+                if k <= len(text) - emitted and text.endswith(s[:k])
+            ),
+            default=0,
+        )
+        end = max(emitted, len(text) - held)
+        deltas.append(text[emitted:end])
+        emitted = end
+    deltas.append(text[emitted:])
+    return deltas
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 299), max_size=60),
+    stop=st.lists(st.text(alphabet="aeirst \ufffd", min_size=1, max_size=4), max_size=3),
+)
+def test_deltas_equal_the_reference_on_any_ids(tokenizer, ids, stop):
+    # Random byte-level ids: broken UTF-8, repeated one-id windows (the cache), stop strings.
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    deltas = [detok.add(i) for i in ids]
+    expected = reference_deltas(tokenizer, ids, stop)
+    if detok.stopped_by is None:
+        deltas.append(detok.flush())
+    assert deltas[: len(expected)] == expected
+    assert all(d == "" for d in deltas[len(expected) :])  # nothing after a stop string
+
+
+def test_long_outputs_trim_the_text_and_still_find_stop_strings():
+    # Far past the trimming threshold, a stop string (and one split over the trim point) is
+    # still found and cut exactly where the plain definition says.
+    text = "".join(chr(97 + (i * 7) % 26) for i in range(9000)) + "STOP" + "tail"
+    stop = ["STOP", text[5000:5003] + "#"]  # the second never matches but is often held back
+    detok = IncrementalDetokenizer(CharTokenizer(), stop)
+    out = "".join(detok.add(ord(c)) for c in text)
+    assert detok.stopped_by == "STOP" and out == text[: text.index("STOP")]
+    assert len(detok.text) < 3000  # the emitted front was dropped

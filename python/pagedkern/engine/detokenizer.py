@@ -8,35 +8,57 @@ longer match (or when the request ends for another reason). Before min_tokens id
 generated no stop string ends the request (as vLLM: min_tokens holds back EOS, stop ids and stop
 strings alike); a stop string counts only if it ends in the text of the min_tokens-th id or later.
 
-Cost per token, bounded by SamplingParams' limits on stop strings (S strings of length <= L):
-one `find` per stop string over the new text plus L characters, and at most L - 1 binary
-searches of the sorted stop strings for the held-back tail; nothing depends on other requests.
+Cost per token: one decode of the window since the last emitted character (usually two ids);
+the decode of the window before the new id is remembered between calls, and a one-id window's
+text comes from a per-tokenizer cache, so it is decoded once per id, not once per token. With
+stop strings (S strings of length <= L, bounded by SamplingParams): one `find` per stop string
+over the new text plus L characters, and at most L - 1 binary searches of the sorted stop
+strings for the held-back tail; nothing depends on other requests.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Protocol
+
+from ..model.tokenizer import Tokenizer
 
 
 class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
+# tokenizer -> {id: text of that id alone}: a pure function of the tokenizer, shared by its
+# requests (the window before a new id is a single id whenever the last id completed text).
+_ONE_ID_TEXT: weakref.WeakKeyDictionary[object, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+_TRIM_AFTER = 2048  # characters of emitted text kept before trimming the front
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, stop: Sequence[str] = (), min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens
+        # Our Tokenizer's decode only converts the ids to int, which add() already does.
+        backend = tokenizer.backend if isinstance(tokenizer, Tokenizer) else tokenizer
+        self._decode_ids: Callable[..., str] = backend.decode
+        try:
+            self._one_id_text = _ONE_ID_TEXT.setdefault(tokenizer, {})
+        except TypeError:  # not weakly referenceable: a cache of this request's own
+            self._one_id_text = {}
         self.stop = tuple(s for s in stop if s)
         self._sorted_stop = sorted(self.stop)
         self._max_stop = max(map(len, self.stop), default=0)
         self._stop_starts = frozenset(s[0] for s in self.stop)
         self.ids: list[int] = []
-        self.text = ""  # decoded so far (whole characters)
+        self.text = ""  # decoded so far (whole characters), less a front trimmed in _emit
         self.emitted = 0  # characters of self.text already returned
         self._prefix_offset = 0  # ids[prefix_offset:read_offset] decode to the text's tail
         self._read_offset = 0
+        self._before = 0  # len(decode(ids[prefix_offset:read_offset])), or -1: not known yet
         self.stopped_by: str | None = None
         self._stop_from = 0  # a stop string counts only if it ends after this many characters
 
@@ -47,27 +69,42 @@ class IncrementalDetokenizer:
             return ""
         if len(self.ids) < self.min_tokens:
             self._stop_from = len(self.text)  # text so far is from ids before the min_tokens-th
-        self.ids.append(token_id)
-        before = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        after = self._decode(self.ids[self._prefix_offset :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before) :]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        return self._release()
+        ids = self.ids
+        ids.append(int(token_id))
+        prefix, read = self._prefix_offset, self._read_offset
+        before = self._before
+        if before < 0:
+            before = self._before = len(self._window(prefix, read))
+        after = self._decode_ids(ids[prefix:], skip_special_tokens=True)
+        if len(after) > before and not after.endswith("\ufffd"):
+            self.text += after[before:]
+            self._prefix_offset, self._read_offset = read, len(ids)
+            self._before = -1
+        return self._release() if self.stop else self._emit(len(self.text))
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+    def _window(self, start: int, end: int) -> str:
+        """The text of ids[start:end] decoded on their own (special tokens skipped)."""
+        if end - start == 1:
+            token = self.ids[start]
+            text = self._one_id_text.get(token)
+            if text is None:
+                text = self._one_id_text[token] = self._decode_ids(
+                    [token], skip_special_tokens=True
+                )
+            return text
+        return (
+            self._decode_ids(self.ids[start:end], skip_special_tokens=True) if end > start else ""
+        )
 
     def _release(self) -> str:
-        if self.stop:
-            start = max(0, self.emitted - self._max_stop + 1)
-            hits = [(i, s) for s in self.stop if (i := self._find(s, start)) >= 0]
-            if hits:
-                cut, self.stopped_by = min(hits)
-                self.text = self.text[:cut]
-                return self._emit(cut)
-            return self._emit(len(self.text) - self._held_back())
-        return self._emit(len(self.text))
+        """With stop strings: cut at the first one found, else emit all but the held-back tail."""
+        start = max(0, self.emitted - self._max_stop + 1)
+        hits = [(i, s) for s in self.stop if (i := self._find(s, start)) >= 0]
+        if hits:
+            cut, self.stopped_by = min(hits)
+            self.text = self.text[:cut]
+            return self._emit(cut)
+        return self._emit(len(self.text) - self._held_back())
 
     def _find(self, stop: str, start: int) -> int:
         """The first occurrence of `stop` at or after `start` that may end the request: -1 before
@@ -80,7 +117,10 @@ class IncrementalDetokenizer:
     def _held_back(self) -> int:
         """Length of the longest unemitted tail of the text that begins some stop string."""
         text, stops = self.text, self._sorted_stop
-        for n in range(min(self._max_stop - 1, len(text) - self.emitted), 0, -1):
+        longest = min(self._max_stop - 1, len(text) - self.emitted)
+        if longest <= 0 or self._stop_starts.isdisjoint(text[-longest:]):
+            return 0  # the usual case: no character that could begin a stop string
+        for n in range(longest, 0, -1):
             if text[-n] not in self._stop_starts:
                 continue
             tail = text[-n:]
@@ -90,8 +130,15 @@ class IncrementalDetokenizer:
         return 0
 
     def _emit(self, end: int) -> str:
-        delta = self.text[self.emitted : end] if end > self.emitted else ""
-        self.emitted = max(self.emitted, end)
+        emitted = self.emitted
+        if end <= emitted:
+            return ""
+        delta = self.text[emitted:end]
+        if end > _TRIM_AFTER:  # drop what no stop-string search reads again (bounds text +=)
+            cut = end - self._max_stop
+            self.text, end = self.text[cut:], end - cut
+            self._stop_from = max(0, self._stop_from - cut)
+        self.emitted = end
         return delta
 
     def flush(self) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
@@ -68,6 +69,11 @@ class LogitsState:
         # prompt_logprobs: entry p for prompt token p, filled as the prompt is computed
         # (engine/prompt_logprobs.py); the first token has none
         self.prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_ids)
+        # Whether this row has sparse entries at all (fixed at admission; read every step).
+        p = params
+        self.active = bool(
+            self.penalised or self.bias or self.multi_word or p.min_tokens or p.min_p > 0
+        )
 
     def _add(self, token: int, count: int) -> None:
         j = self.index.get(token)
@@ -82,11 +88,6 @@ class LogitsState:
         """Account one generated token (O(1))."""
         if self.penalised:
             self._add(token, 1)
-
-    @property
-    def active(self) -> bool:
-        p = self.params
-        return bool(self.penalised or self.bias or self.multi_word or p.min_tokens or p.min_p > 0)
 
     def entries(self, output_ids: Sequence[int]) -> tuple[list[int], list[int], list[float]]:
         """This step's sparse (ids, counts, biases): the penalty set (count >= 0) merged with
@@ -128,8 +129,8 @@ def batch_processing(
     """The processing inputs of one batch (rows in `states` order). Rows without processing
     cost nothing; a batch without any gets no processing arrays at all (the plain kernel)."""
     arrays: dict[str, torch.Tensor] = {}
-    params = [s.params for s in states]
-    if any(s.active for s in states):
+    params = list(map(_params_of, states))
+    if any(map(_active, states)):
         offsets, ids, counts, bias = [0], [], [], []
         for state, out in zip(states, outputs, strict=True):
             if state.active:
@@ -153,8 +154,11 @@ def batch_processing(
         )
         if any(p.min_p > 0 for p in params):
             arrays["min_p"] = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-    masks = [_combine(s.mask, g) for s, g in zip(states, grammar_masks, strict=True)]
-    if any(m is not None for m in masks):
+    masks = list(map(_mask_of, states))  # C-level passes: a plain batch costs ~nothing here
+    if len(masks) != len(grammar_masks):
+        raise ValueError(f"{len(states)} rows but {len(grammar_masks)} grammar masks")
+    if masks.count(None) + grammar_masks.count(None) < 2 * len(masks):
+        masks = [_combine(m, g) for m, g in zip(masks, grammar_masks, strict=True)]
         present = [m for m in masks if m is not None]
         arrays["bitmask"] = torch.stack(present)
         rows_of, k = [], 0
@@ -162,9 +166,16 @@ def batch_processing(
             rows_of.append(-1 if m is None else k)
             k += m is not None
         arrays["bitmask_rows"] = torch.tensor(rows_of, dtype=torch.int32)
-    top = max((p.logprobs or 0 for p in params), default=0)
-    want = any(p.logprobs is not None for p in params)
+    logprobs = list(map(_logprobs_of, params))
+    want = logprobs.count(None) < len(logprobs)
+    top = max((n for n in logprobs if n), default=0) if want else 0
     return BatchProcessing(arrays, top, want)
+
+
+_active = attrgetter("active")
+_params_of = attrgetter("params")
+_mask_of = attrgetter("mask")
+_logprobs_of = attrgetter("logprobs")
 
 
 def _combine(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

@@ -8,9 +8,12 @@ and paged_attention on the rest.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate, chain, repeat
+from operator import add, attrgetter, le, mul, sub
 
+import numpy as np
 import torch
 
 
@@ -73,19 +76,22 @@ class SequenceChunk:
 
 @dataclass(slots=True)
 class BatchLayout:
-    """The host-side (Python ints) content of a batch: what build_batch uploads. Kept separate so
-    the engine can pad it (CUDA-graph buckets) or place it in its own buffers."""
+    """The host-side content of a batch: what build_batch uploads. Kept separate so the engine
+    can pad it (CUDA-graph buckets) or place it in its own buffers. layout_batch fills it with
+    int32 numpy views of the one buffer `pack()` returns (so packing copies nothing); one built
+    by hand may hold plain int sequences instead."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    cu_seqlens: list[int]
-    block_tables: list[int]  # row-major [num_seqs, width]
+    input_ids: Sequence[int]
+    positions: Sequence[int]
+    slot_mapping: Sequence[int]
+    cu_seqlens: Sequence[int]
+    block_tables: Sequence[int]  # row-major [num_seqs, width]
     width: int
-    seq_lens: list[int]
-    logits_indices: list[int]
+    seq_lens: Sequence[int]
+    logits_indices: Sequence[int]
     num_prefills: int
     max_query_len: int
+    _packed: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def upload(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, AttentionMetadata]:
         """input_ids and metadata on `device`, from ONE int32 host buffer (pinned for CUDA) and
@@ -103,7 +109,9 @@ class BatchLayout:
 
     def pack(self) -> torch.Tensor:
         """The one int32 host buffer: input_ids, positions, slot_mapping, cu_seqlens,
-        block_tables, seq_lens, logits_indices (tensor parallelism broadcasts this buffer)."""
+        block_tables, seq_lens, logits_indices (tensor parallelism broadcasts this buffer).
+        From layout_batch it is the buffer its arrays view (shared memory: no copy); a field
+        since replaced by another sequence, or a layout built by hand, is packed afresh."""
         parts = (
             self.input_ids,
             self.positions,
@@ -113,7 +121,10 @@ class BatchLayout:
             self.seq_lens,
             self.logits_indices,
         )
-        return torch.tensor([x for part in parts for x in part], dtype=torch.int32)
+        packed = self._packed
+        if packed is None or any(getattr(p, "base", None) is not packed for p in parts):
+            packed = np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])
+        return torch.from_numpy(packed)
 
     def unpack(self, flat: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata]:
         """input_ids and metadata as views of `flat` (pack()'s buffer, on any device)."""
@@ -123,9 +134,9 @@ class BatchLayout:
             len(self.seq_lens),
             self.width,
             self.num_prefills,
-            self.cu_seqlens[self.num_prefills],
+            int(self.cu_seqlens[self.num_prefills]),
             self.max_query_len,
-            max(self.seq_lens),
+            int(np.max(self.seq_lens)),
         )
 
 
@@ -179,55 +190,108 @@ def layout_batch(
     """The batch for `chunks`, kept in the given order. The trailing run of one-token chunks runs
     as decodes, everything before it as prefill, so callers list prefill chunks first.
     block_tables are padded with 0 to max_blocks (default: the longest table). Logits are
-    computed for the last token of chunks[r] for r in logits_rows (default: every chunk)."""
-    if not chunks:
-        raise ValueError("a batch needs at least one sequence")
-    num_decodes = 0
-    for chunk in reversed(chunks):
-        if len(chunk.token_ids) != 1:
-            break
-        num_decodes += 1
+    computed for the last token of chunks[r] for r in logits_rows (default: every chunk).
 
-    width = max_blocks if max_blocks is not None else max(len(c.block_table) for c in chunks)
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    cu = [0]
-    tables: list[int] = []
-    seq_lens: list[int] = []
-    for b, chunk in enumerate(chunks):
-        n, start = len(chunk.token_ids), chunk.num_computed
-        end = start + n
-        table = chunk.block_table
-        if n == 0 or start < 0:
-            raise ValueError(f"sequence {b}: needs new tokens and num_computed >= 0")
-        if len(table) * block_size < end or len(table) > width:
-            raise ValueError(
-                f"sequence {b}: block table of {len(table)} blocks cannot hold {end} tokens "
-                f"(block_size {block_size}, max_blocks {width})"
-            )
-        ids.extend(chunk.token_ids)
-        positions.extend(range(start, end))
-        slots.extend(
-            table[p // block_size] * block_size + p % block_size for p in range(start, end)
-        )
-        cu.append(cu[-1] + n)
-        tables.extend(table)
-        tables.extend([0] * (width - len(table)))
-        seq_lens.append(end)
-    rows = range(len(chunks)) if logits_rows is None else logits_rows
+    Cost: per-sequence values come from C-level passes (map, accumulate, min/max) over the
+    chunks, and the whole packed buffer from ONE np.fromiter over their chain, each int
+    converted once. No per-token Python work: a decode's slot is one expression per sequence,
+    prefill rows' slots are one numpy gather. Few numpy calls, on purpose: each costs
+    microseconds when the step has left the caches cold, more than a decode's whole row."""
+    b = len(chunks)
+    if not b:
+        raise ValueError("a batch needs at least one sequence")
+    tokens = list(map(_token_ids, chunks))
+    tables = list(map(_block_table, chunks))
+    starts = list(map(_num_computed, chunks))
+    lens = list(map(len, tokens))
+    table_lens = list(map(len, tables))
+    ends = list(map(add, starts, lens))
+    width = max_blocks if max_blocks is not None else max(table_lens)
+    if (
+        min(lens) < 1
+        or min(starts) < 0
+        or max(table_lens) > width
+        or not all(map(le, ends, map(mul, table_lens, repeat(block_size))))
+    ):
+        _raise_first_bad(lens, starts, table_lens, block_size, width)
+    t = sum(lens)
+    decode = t == b  # every chunk one token (lens >= 1): one row per sequence
+    num_prefills = 0 if decode else b - next(i for i, n in enumerate(reversed(lens)) if n != 1)
+    cu = list(accumulate(lens, initial=0))
+    if logits_rows is None:
+        logits = cu[1:]
+    else:
+        logits = list(map(cu.__getitem__, map(add, logits_rows, repeat(1))))
+    bs = block_size
+    if decode:
+        positions: Iterable[int] = starts
+        slots: Iterable[int] = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
+    else:
+        positions = chain.from_iterable(map(range, starts, ends))
+        slots = repeat(0, t)  # filled below, vectorised
+    pads = map(mul, repeat([0]), map(sub, repeat(width), table_lens))
+    sizes = [t, t, t, b + 1, b * width, b, len(logits)]
+    packed = np.fromiter(
+        chain(
+            chain.from_iterable(tokens),
+            positions,
+            slots,
+            cu,
+            chain.from_iterable(map(add, tables, pads)),
+            ends,
+            logits,
+        ),
+        np.int32,
+        sum(sizes),
+    )
+    ids, positions, slots, cu_seqlens, table_rows, seq_lens, logits_indices = _split(packed, sizes)
+    logits_indices -= 1  # the last row of each chosen sequence: cu[r + 1] - 1
+    if not decode:
+        rows = table_rows.reshape(b, width)
+        seq = np.repeat(np.arange(b), lens)
+        slots[:] = rows[seq, positions // bs] * np.int64(bs) + positions % bs
     return BatchLayout(
         input_ids=ids,
         positions=positions,
         slot_mapping=slots,
-        cu_seqlens=cu,
-        block_tables=tables,
+        cu_seqlens=cu_seqlens,
+        block_tables=table_rows,
         width=width,
         seq_lens=seq_lens,
-        logits_indices=[cu[r + 1] - 1 for r in rows],
-        num_prefills=len(chunks) - num_decodes,
-        max_query_len=max(len(c.token_ids) for c in chunks),
+        logits_indices=logits_indices,
+        num_prefills=num_prefills,
+        max_query_len=max(lens),
+        _packed=packed,
     )
+
+
+def _split(packed: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """Consecutive views of `packed` of the given sizes."""
+    views, start = [], 0
+    for n in sizes:
+        views.append(packed[start : start + n])
+        start += n
+    return views
+
+
+def _raise_first_bad(
+    lens: list[int], starts: list[int], table_lens: list[int], block_size: int, width: int
+) -> None:
+    """The error for the first sequence layout_batch cannot lay out (its checks are batched)."""
+    for s, (n, start, blocks) in enumerate(zip(lens, starts, table_lens, strict=True)):
+        if n == 0 or start < 0:
+            raise ValueError(f"sequence {s}: needs new tokens and num_computed >= 0")
+        if blocks * block_size < start + n or blocks > width:
+            raise ValueError(
+                f"sequence {s}: block table of {blocks} blocks cannot hold {start + n} tokens "
+                f"(block_size {block_size}, max_blocks {width})"
+            )
+    raise AssertionError("no bad sequence")  # unreachable: the batched checks found one
+
+
+_token_ids = attrgetter("token_ids")
+_num_computed = attrgetter("num_computed")
+_block_table = attrgetter("block_table")
 
 
 def build_batch(
