@@ -39,7 +39,7 @@
  * D=128, bs=16. Shared memory: 48 KB per CTA (4 CTAs per H100/H200 SM, 3 on A100).
  * Known limit: each K/V byte is read from shared memory once per head unit of the CTA, and the
  * SIMT math (fp32 dot products, shuffles) is close to the memory time at 4 heads per KV head;
- * a tensor-core (mma) variant would lift both for large groups.
+ * so GQA groups >= 4 at D <= 128 run the tensor-core variant (paged_attention_mma.cuh) instead.
  * Speculative verification (issue 15): the 1 + k query rows of a speculating sequence run through
  * this decode kernel as 1 + k decode rows that share its block table, row j with seq_len =
  * computed + j + 1: causal by construction, no 128-row Q tile wasted on a 5-row chunk, and a
