@@ -6,7 +6,8 @@ Acceptance is measured offline, exactly as greedy verification would decide it: 
 non-speculative greedy continuation is the truth; each step the draft proposes K tokens from the
 prefix decoded so far, the longest prefix equal to the truth is accepted, and the target's next
 token follows (so a step yields accepted + 1 tokens). Full size (default model, 32 tokens, N in
-2, 4, 8) with PAGEDKERN_BENCH_SMOKE=0 on a CPU machine; smoke mode uses the tiny synthetic model."""
+2, 4, 8, 29, 30) with PAGEDKERN_BENCH_SMOKE=0 on a CPU machine; smoke mode uses the tiny
+synthetic model."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ if FULL and torch.cuda.is_available():
     pytest.skip(
         "CPU benchmark of the reference ops; this machine has a GPU", allow_module_level=True
     )
-MODEL, TOKENS, LAYERS = (None, 32, (2, 4, 8)) if FULL else ("synthetic:tiny", 8, (1,))
+# self:L (all layers) must accept every proposal: a check of the measurement itself.
+MODEL, TOKENS, LAYERS = (None, 32, (2, 4, 8, 29, 30)) if FULL else ("synthetic:tiny", 8, (1, 2))
 K = 4  # num_speculative_tokens
 BATCHES = (1, 16)
 SPECULATIVE = "speculative" in {f.name for f in dataclasses.fields(EngineConfig)}
@@ -114,6 +116,8 @@ def test_self_draft_acceptance(engine, baseline, record, layers, batch):
             proposed += len(p.token_ids)
             accepted += a
     assert [r.output_ids for r in requests] == truth
+    if layers == engine.model.config.num_layers:
+        assert accepted == proposed, "the target itself as its draft must always be accepted"
     generated = batch * (TOKENS - 1)
     record(
         "self-draft acceptance (CPU, greedy, offline verification)",
