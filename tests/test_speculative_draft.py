@@ -26,7 +26,7 @@ from pagedkern.model import (
     load_model,
     synthetic_tokenizer,
 )
-from pagedkern.reference import sample, sampling_distribution
+from pagedkern.reference import rejection_sample, sample, sampling_distribution
 
 TARGET = PRESETS["tiny"].replace(name="tiny-4", num_layers=4)
 VOCAB = TARGET.vocab_size
@@ -45,16 +45,16 @@ def target() -> LlamaModel:
     return load_model(TARGET, "cpu", seed=3)[0]
 
 
-def target_cache(target: LlamaModel, requests: int):
-    return target.allocate_kv_cache(requests * BLOCKS_EACH, BLOCK)
+def target_cache(target: LlamaModel, requests: int, blocks_each: int = BLOCKS_EACH):
+    return target.allocate_kv_cache(requests * blocks_each, BLOCK)
 
 
-def make_requests(prompts, params, seeds=None) -> list[Request]:
+def make_requests(prompts, params, seeds=None, blocks_each: int = BLOCKS_EACH) -> list[Request]:
     """Decoding requests (prompt computed by the target) with disjoint block tables."""
     requests = []
     for i, ids in enumerate(prompts):
         r = Request(f"R{i}", tuple(ids), params, seed=i if seeds is None else seeds[i])
-        r.block_table = list(range(i * BLOCKS_EACH, (i + 1) * BLOCKS_EACH))
+        r.block_table = list(range(i * blocks_each, (i + 1) * blocks_each))
         r.num_computed_tokens = len(ids) - 1
         requests.append(r)
     return requests
@@ -174,14 +174,15 @@ def test_sampled_proposals_follow_their_draft_probs(target, case):
     """Many seeds, one prompt: the first proposal's frequencies match draft_probs row 0; the
     second's match the sum of each request's own row 1 (conditionally on its first token the
     second is drawn from that row), by a chi-square bound."""
-    draws, batch, k = 8192, 2048, 2
+    draws, batch, k = 4096, 2048, 2
     prompt = [5, 77, 300, 12, 9]
-    proposer = DraftProposer.create("synthetic:tiny", target, target_cache(target, batch), CONFIG)
+    kv = target_cache(target, batch, blocks_each=2)  # 5 + 2 tokens
+    proposer = DraftProposer.create("synthetic:tiny", target, kv, CONFIG)
     firsts, seconds = [], []
     row0, row1_sum = None, torch.zeros(VOCAB, dtype=torch.float64)
     for start in range(0, draws, batch):
         seeds = [start + i * 7919 for i in range(batch)]
-        requests = make_requests([prompt] * batch, SAMPLED[case], seeds)
+        requests = make_requests([prompt] * batch, SAMPLED[case], seeds, blocks_each=2)
         for p in proposer.propose(requests, [k] * batch):
             firsts.append(p.token_ids[0])
             seconds.append(p.token_ids[1])
@@ -207,6 +208,54 @@ def assert_chi_square(observed_ids: torch.Tensor, expected: torch.Tensor) -> Non
     df = int(keep.sum()) - 1
     assert df >= 1
     assert stat < df + 6 * math.sqrt(2 * df), f"chi-square {stat:.1f} with {df} dof"
+
+
+@pytest.mark.parametrize(
+    "case, draft_model",
+    # A random draft's top 5 never meets the target's (nothing accepted): top-k runs self:3.
+    [("temperature 0.7, top-p 0.9", "synthetic:tiny"), ("temperature 0.7, top-k 5", "self:3")],
+)
+def test_verified_proposals_keep_the_target_distribution(target, case, draft_model):
+    """One speculative step by the reference rule (rejection_sample) over the draft's
+    proposals and draft_probs: the first verified token is distributed exactly as the target's
+    own sample (the draft's draws must be independent of the rule's uniforms)."""
+    draws, batch, k = 4096, 2048, 2
+    params = SAMPLED[case]
+    args = (params.temperature, params.top_p, params.top_k)
+    prompt = [5, 77, 300, 12, 9]
+    kv = target_cache(target, batch, blocks_each=2)  # 5 + 2 tokens
+    proposer = DraftProposer.create(draft_model, target, kv, CONFIG)
+    firsts, accepted = [], 0
+    for start in range(0, draws, batch):
+        seeds = list(range(start, start + batch))
+        requests = make_requests([prompt] * batch, params, seeds, blocks_each=2)
+        proposals = proposer.propose(requests, [k] * batch)
+        chunks = [
+            SequenceChunk([*prompt, *p.token_ids], 0, r.block_table)
+            for r, p in zip(requests, proposals)
+        ]
+        ids, meta = build_batch(chunks, BLOCK)
+        with torch.inference_mode():
+            hidden = target.hidden_states(ids, meta, kv)
+            ends = meta.cu_seqlens[1:].long()
+            rows = (ends[:, None] - (k + 1) + torch.arange(k + 1)).flatten()
+            target_probs = sampling_distribution(target.compute_logits(hidden[rows]), *args)
+        out, num = rejection_sample(
+            target_probs,
+            torch.tensor([t for p in proposals for t in p.token_ids], dtype=torch.int32),
+            torch.cat([p.draft_probs for p in proposals]),
+            torch.arange(0, (batch + 1) * k, k, dtype=torch.int32),
+            torch.tensor(seeds),
+            torch.zeros(batch, dtype=torch.int64),
+        )
+        firsts += out[:, 0].tolist()
+        accepted += int((num - 1).sum())
+        for r in requests:
+            proposer.forget(r)
+    ids, meta = build_batch([SequenceChunk(prompt, 0, [0, 1])], BLOCK)
+    p0 = sampling_distribution(target(ids, meta, target_cache(target, 1)), *args)[0]
+    assert 0 < accepted < draws * k  # both branches of the rule ran
+    assert_chi_square(torch.tensor(firsts), p0 * draws)
 
 
 def test_draft_draws_are_not_the_targets_stream(target):
