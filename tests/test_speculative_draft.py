@@ -364,7 +364,7 @@ TEXTS = [
     "Once upon a time",
     "1, 2, 3, 4, 5,",
     "Explain photosynthesis in one sentence.",
-    "Q: What is 12 times 7?\nA:",
+    "What is 12 times 7?",
     "The following is a list of colors: red, green,",
     "Summarize: Large language models predict the next token given the previous ones.",
     "import numpy as np\nx = np.arange(10)\n",
@@ -376,27 +376,33 @@ TEXTS = [
 ]
 E2E_SCENARIOS = {
     "batched": {},
-    "preemption (small KV pool)": {"num_blocks": 48},
+    "preemption (24-block pool)": {"num_blocks": 24},
     "chunked prefill (16-token budget)": {"max_num_batched_tokens": 16},
 }
 
 
-def run_all(config: EngineConfig, prompts, params) -> list[list[int]]:
+def run_all(config: EngineConfig, prompts, params) -> tuple[list[list[int]], int]:
+    """Token ids per chat prompt (checking the pool after every step), and the preemptions."""
     engine = Engine.from_config(config)
-    ids = [engine.add_request(p, params).request_id for p in prompts]
+    ids = [
+        engine.add_request(messages=[{"role": "user", "content": p}], params=params).request_id
+        for p in prompts
+    ]
     out: dict[str, list[int]] = {}
+    preemptions = 0
     while engine.has_unfinished:
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.token_ids)
+            preemptions += o.metrics.num_preemptions if o.finished else 0
         engine.pool.check_invariants(engine.scheduler.block_tables())
     assert engine.pool.num_used == 0, "blocks leaked"
-    return [out[i] for i in ids]
+    return [out[i] for i in ids], preemptions
 
 
 @pytest.fixture(scope="module")
 def default_greedy():
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    return params, run_all(EngineConfig(backend="reference", block_size=BLOCK), TEXTS, params)
+    return params, run_all(EngineConfig(backend="reference", kv_cache_gib=0.25), TEXTS, params)[0]
 
 
 @needs_engine
@@ -405,13 +411,16 @@ def test_greedy_with_a_self_draft_is_token_identical(default_greedy, scenario):
     params, want = default_greedy
     config = EngineConfig(
         backend="reference",
-        block_size=BLOCK,
+        kv_cache_gib=0.25,
         speculative="draft",
         draft_model="self:4",
         num_speculative_tokens=4,
         **E2E_SCENARIOS[scenario],
     )
-    assert run_all(config, TEXTS, params) == want
+    got, preemptions = run_all(config, TEXTS, params)
+    assert got == want
+    if "num_blocks" in E2E_SCENARIOS[scenario]:
+        assert preemptions > 0, "the small pool did not preempt"
 
 
 def exact_first_two(model: LlamaModel, prompt: list[int], params: SamplingParams) -> torch.Tensor:
