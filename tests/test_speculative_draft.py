@@ -446,11 +446,13 @@ def test_speculative_sampling_with_a_random_draft_keeps_the_distribution(case):
     tokens' joint frequencies under speculation match the exact non-speculative joint."""
     seeds, batch = 2**16, 4096
     prompt = [5]  # one token: the prefill runs as a (batched) decode row, the cheap path
-    params = dataclasses.replace(SAMPLED[case], max_tokens=2, ignore_eos=True)
+    # Four tokens, so that the second one is verified (the last allowed token is only ever
+    # sampled: nothing to propose for it); the first two are compared.
+    params = dataclasses.replace(SAMPLED[case], max_tokens=4, ignore_eos=True)
     config = EngineConfig(
         model="synthetic:tiny",
         backend="reference",
-        num_blocks=batch * 2,
+        num_blocks=batch * 4,  # 4 + 3 lookahead tokens: 2 blocks each, no preemption
         block_size=BLOCK,
         max_num_seqs=batch,
         max_num_batched_tokens=batch * 8,
@@ -470,6 +472,10 @@ def test_speculative_sampling_with_a_random_draft_keeps_the_distribution(case):
         for o in engine.run_until_done():
             out.setdefault(o.request_id, []).extend(o.token_ids)
         pairs += [tuple(ids[:2]) for ids in out.values()]
+    stats = engine.stats()
+    assert stats.num_spec_proposed > 0
+    if params.top_k <= 0:  # a random draft's top 5 never meets the target's: all rejected there
+        assert stats.num_spec_accepted > 0
     joint = exact_first_two(engine.model, prompt, params)
     observed = torch.tensor([a * VOCAB + b for a, b in pairs])
     assert_chi_square(observed, joint.flatten() * seeds)
