@@ -17,6 +17,7 @@ from hf_model_files import LLAMA3_TEMPLATE, SPECIALS, base_config, dense_logits,
 from hf_model_files import train_tokenizer as trained_tokenizer
 
 from pagedkern.model import ModelLoadError, SequenceChunk, build_batch, load_model
+from pagedkern.model.quantized_linear import QuantizedWeight, quantize_int8
 from pagedkern.model.weights_cache import cache_root
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -244,3 +245,43 @@ def test_gguf_tokenizer_errors():
         tokenizer_from_gguf(toy_meta("mystery"), "x.gguf")
     with pytest.raises(ModelLoadError, match="no vocabulary"):
         tokenizer_from_gguf(toy_meta("default", **{"tokenizer.ggml.tokens": []}), "x.gguf")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_q8_0_loads_straight_to_int8(tmp_path, arch, monkeypatch):
+    """int8 mode: Q8_0 matrices become per-channel int8 without being dequantized to fp32 (the
+    dequantizer sees only the norms and an untied embedding, which stays float and exact), each
+    equal to quantize_int8 of the dequantized GGUF; a tied embedding is the int8 head."""
+    import gguf.quants
+
+    tied = arch == "qwen2"
+    cfg = base_config(model_type="qwen2", tie_word_embeddings=True) if tied else base_config()
+    expected = write_gguf(tmp_path / "m.gguf", cfg, arch)
+    real = gguf.quants.dequantize
+    shapes: list[tuple[int, ...]] = []
+
+    def counting(data, qtype):
+        out = real(data, qtype)
+        shapes.append(out.shape)
+        return out
+
+    monkeypatch.setattr(gguf.quants, "dequantize", counting)
+    model, _ = load_model(tmp_path / "m.gguf", quantization="int8", use_cache=False)
+    matrices = [s for s in shapes if len(s) == 2]  # besides the norms (F32)
+    assert matrices == ([] if tied else [(cfg["vocab_size"], cfg["hidden_size"])])
+    w = model.weights
+
+    def check(qw, names):
+        want = torch.cat([expected[n] for n in names]).float()
+        assert isinstance(qw, QuantizedWeight) and qw.format == "int8"
+        ref = quantize_int8(want)
+        assert torch.equal(qw.qweight, ref.qweight) and torch.equal(qw.scales, ref.scales)
+
+    p = "model.layers.0."
+    check(w.layers[0].qkv, [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
+    check(w.layers[0].down, [p + "mlp.down_proj.weight"])
+    check(w.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"])
+    if tied:
+        assert w.embed is w.lm_head
+    else:
+        assert torch.equal(w.embed.double(), expected["model.embed_tokens.weight"])

@@ -14,6 +14,7 @@ from pagedkern.model.quantized_linear import (
     QuantizedWeight,
     cat_rows,
     gguf_to_int4,
+    gguf_to_int8,
     quantize_int4,
     quantize_int8,
 )
@@ -122,6 +123,25 @@ def test_gguf_blocks_map_exactly_onto_int4(kind):
     tol = 0.0 if kind != "Q4_K" else 2**-10 * want.abs().max().item()
     assert (got - want).abs().max().item() <= tol
     assert gguf_to_int4("Q8_0", raw, n, k) is None
+
+
+@pytest.mark.parametrize("n", [24, 1030])  # 1030: more rows than one requantization chunk
+def test_gguf_q8_0_maps_straight_onto_int8(n):
+    """Q8_0 bytes -> per-channel int8 without an fp32 copy of the tensor: exactly what
+    quantize_int8 gives for gguf's dequantization, so within half a row step of it."""
+    k = 96
+    rng = np.random.default_rng(n)
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 1, (n, 1))
+    w[3] *= np.repeat(rng.uniform(0.1, 10, k // 32), 32).astype(np.float32)  # block scales vary
+    raw = quantize(w, GGMLQuantizationType.Q8_0)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).reshape(n, k))
+    qw = gguf_to_int8("Q8_0", raw, n, k)
+    assert qw is not None and qw.format == "int8" and qw.shape == (n, k)
+    detour = quantize_int8(want)
+    assert torch.equal(qw.qweight, detour.qweight) and torch.equal(qw.scales, detour.scales)
+    err = (qw.dequantize_rows().double() - want.double()).abs()
+    assert (err <= qw.scales.double()[:, None] * (0.5 + 1e-6)).all()
+    assert gguf_to_int8("Q4_1", raw, n, k) is None
 
 
 def _q4k_blocks(rng, n: int, k: int) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Models from GGUF files (llama.cpp's format), read with the `gguf` package.
 
-Quantized tensors are dequantized with gguf.quants.dequantize to fp32, except with int4
-quantization, where Q4_0/Q4_1/Q4_K layer weights map straight onto int4 (quantized_linear).
+Quantized tensors are dequantized with gguf.quants.dequantize to fp32, except where they map
+straight onto the target format (quantized_linear): Q4_0/Q4_1/Q4_K layer weights onto int4,
+Q8_0 onto int8 (layers in int8 mode, the LM head whenever it is int8).
 llama.cpp stores the Q
 and K projections of "llama" models permuted for its interleaved RoPE (pairs 2i, 2i+1); the
 loader undoes that so every model uses rotate-half RoPE (halves i, i + D/2). The converted model
@@ -19,9 +20,9 @@ import torch
 from .config import ModelConfig, RopeScaling
 from .errors import ModelLoadError
 from .gguf_tokenizer import tokenizer_from_gguf
-from .quantized_linear import DEFAULT_INT4_GROUP, gguf_to_int4, permute_rows
+from .quantized_linear import DEFAULT_INT4_GROUP, gguf_to_int4, gguf_to_int8, permute_rows
 from .tokenizer import Tokenizer
-from .weights import LlamaWeights, assemble_weights, quantize_weights
+from .weights import LM_HEAD_MODE, LlamaWeights, assemble_weights, quantize_weights
 from .weights_cache import cached_default, file_sha256, load_entry, store_default, store_entry
 
 _ARCHITECTURES = {"llama": True, "qwen2": False}  # arch -> Q/K stored permuted
@@ -142,13 +143,25 @@ def _convert(
     config, permuted = _config(meta, tensors, path)
     tokenizer = tokenizer_from_gguf(meta, path)
 
+    # Tensors whose target format is int8 whatever the layers': the LM head (and a tied
+    # embedding, which is the head); an untied embedding stays float.
+    head_int8 = LM_HEAD_MODE[quantization] == "int8"
+    tied = "output.weight" not in tensors
+    head = "token_embd.weight" if tied else "output.weight"
+    int8_tensors = {head} if head_int8 else set()
+    float_tensors = set() if tied else {"token_embd.weight"}
+
     def read(name: str):
         t = tensors.get(name)
         if t is None:
             return None
-        if quantization == "int4" and group_size == 32 and len(t.shape) == 2:
+        if quantization != "none" and len(t.shape) == 2:  # no fp32 detour where it maps
             n, k = (int(x) for x in reversed(t.shape))
-            direct = gguf_to_int4(t.tensor_type.name, t.data, n, k)  # no fp32 detour
+            direct = None
+            if name in int8_tensors or (quantization == "int8" and name not in float_tensors):
+                direct = gguf_to_int8(t.tensor_type.name, t.data, n, k)  # Q8_0
+            elif quantization == "int4" and group_size == 32 and name not in float_tensors:
+                direct = gguf_to_int4(t.tensor_type.name, t.data, n, k)
             if direct is not None:
                 return direct
         try:

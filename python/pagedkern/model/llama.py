@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .. import ops, reference
 from ..parallel.context import SINGLE, TPContext
+from . import cpu_decode
 from .attention_metadata import AttentionMetadata
 from .config import ModelConfig
 from .kv_cache import FP8, KV_CACHE_DTYPES, KVCache, allocate_kv_cache
@@ -87,6 +88,8 @@ class LlamaModel:
             config, self.max_positions, self.device, weights.rope_freq_factors
         )
         self._lm_head_fp32: torch.Tensor | None = None  # fallback for fp32 logits, made lazily
+        self._cpu_decode: list | bool | None = None  # cpu_decode's prepared GEMMs, made lazily
+        self.fast_cpu_decode = True  # False: every step takes the plain path (tests compare)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
         """A KV cache for this model on its device, in kv_dtype (fp8: with per-layer scales)."""
@@ -168,6 +171,8 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         if kv_cache.num_layers != cfg.num_layers:
             raise ValueError(f"KV cache has {kv_cache.num_layers} layers, model {cfg.num_layers}")
+        if self.fast_cpu_decode and cpu_decode.applies(self, meta, kv_cache):
+            return cpu_decode.hidden_states(self, input_ids, meta, kv_cache)
         tokens = input_ids.shape[0]
         h = self._embed(input_ids)
         residual: torch.Tensor | None = None

@@ -10,7 +10,9 @@ which is also what the weights cache stores:
 
 GGUF Q4_0 (w = d*(q-8)), Q4_1 (w = d*q + m) and Q4_K (w = d*sc*q - dmin*m per 32 weights) map
 onto int4 with G = 32 by rearranging nibbles and scales, never through fp32 weights. Q8_0 has a
-scale per 32 weights, which per-channel int8 cannot hold: it is dequantized and requantized.
+scale per 32 weights, which per-channel int8 cannot hold: its int8 blocks are requantized to
+the row's scale block by block (gguf_to_int8), the same values quantize_int8 gives for the
+dequantized tensor, without a float copy of the whole tensor.
 Kernel-specific packed forms (torch's CPU int4pack, bf16 scales) are built once per weight by
 ops.quant_gemm and kept in `packed`.
 """
@@ -211,3 +213,28 @@ def gguf_to_int4(tensor_type: str, data: np.ndarray, n: int, k: int) -> Quantize
 
 
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+Q8_0_BLOCK_BYTES = 34  # d fp16, 32 int8: w = d * q
+ROWS_PER_CHUNK = 1024  # gguf_to_int8: rows requantized at a time (bounds the float temporaries)
+
+
+def gguf_to_int8(tensor_type: str, data: np.ndarray, n: int, k: int) -> QuantizedWeight | None:
+    """A GGUF Q8_0 tensor's raw bytes ([n, bytes per row] uint8) as per-channel int8, or None
+    for other types. Row scale = max |d * q| / 127 (d * q is exact in fp32: 11 x 8 bits), then
+    q' = round(d * q / scale), chunk of rows by chunk of rows: equal to
+    quantize_int8(dequantized tensor), with floats for ROWS_PER_CHUNK rows at a time only."""
+    if tensor_type != "Q8_0" or k % 32:
+        return None
+    blocks = np.ascontiguousarray(data).reshape(n, k // 32, Q8_0_BLOCK_BYTES)
+    q = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, dtype=torch.float32)
+    for start in range(0, n, ROWS_PER_CHUNK):
+        part = blocks[start : start + ROWS_PER_CHUNK]
+        d = torch.from_numpy(part[..., :2].copy().view(np.float16)).float()  # [rows, K/32, 1]
+        qs = torch.from_numpy(part[..., 2:].copy().view(np.int8))  # [rows, K/32, 32]
+        w = qs.float() * d
+        row = (w.abs().amax(dim=(1, 2)) / 127.0).clamp_min(1e-12)
+        scales[start : start + len(part)] = row
+        q[start : start + len(part)] = (
+            torch.round(w / row[:, None, None]).clamp_(-127, 127).view(-1, k).to(torch.int8)
+        )
+    return QuantizedWeight("int8", (n, k), q, scales)

@@ -35,7 +35,7 @@ def _check(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) 
         raise ValueError(f"bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
 
 
-def _cpu_packed(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+def cpu_packed(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed weight, bf16 scales[/zeros]) for the CPU kernels, built once per weight."""
     packed = weight.packed.get("cpu")
     if packed is None:
@@ -83,7 +83,7 @@ def _quant_linear(x, weight, bias, out):
     if not launch.use_reference([xv]):  # via the module: the emulator patches it there
         out = _cuda(x, weight, out)
     elif x.device.type == "cpu":
-        w, scales = _cpu_packed(weight)
+        w, scales = cpu_packed(weight)
         xb = x.to(torch.bfloat16).contiguous()
         if weight.format == "int8":
             out = torch.ops.aten._weight_int8pack_mm(xb, w, scales)

@@ -107,6 +107,72 @@ def _attend_padded(q, k_cache, v_cache, tables, lengths, longest: int, scale: fl
     return out.reshape(g, hq, d), lse.reshape(g, hq)
 
 
+# --- Fast CPU decode: the keys of every layer gathered once per step -----------------------
+# paged_attention above gathers each layer's pages per call (a dozen small ops per layer); the
+# CPU decode step (model/cpu_decode.py) instead gathers all layers' K/V of its sequences once,
+# writes each layer's new token into that copy, and attends with three batched GEMM-shaped ops.
+# Tested against paged_attention (tests/test_reference_attention.py).
+
+
+def gather_decode_kv(
+    kv_data: torch.Tensor, block_tables: torch.Tensor, lengths: list[int]
+) -> torch.Tensor:
+    """All layers' keys and values of G sequences, [L, 2, Hkv, G, P, D] float32 (P = the
+    longest length rounded up to whole blocks), from kv_data [L, 2, num_blocks, Hkv, bs, D].
+    Unequal lengths: slots at or past each sequence's length are zeroed (never-written slots
+    may hold NaN, and masked scores still multiply the values); equal lengths: left as read,
+    paged_attention_gathered slices them off."""
+    block_size = kv_data.shape[4]
+    nblk = -(-max(lengths) // block_size)
+    lens = torch.tensor(lengths, device=kv_data.device)
+    starts = torch.arange(nblk, device=kv_data.device) * block_size
+    pages = torch.where(starts[None, :] < lens[:, None], block_tables[:, :nblk].long(), 0)
+    kv = kv_data.permute(0, 1, 3, 2, 4, 5)[:, :, :, pages].float()  # [L, 2, Hkv, G, nblk, bs, D]
+    kv = kv.view(*kv.shape[:4], nblk * block_size, kv.shape[-1])
+    if min(lengths) != max(lengths):
+        past = torch.arange(nblk * block_size, device=kv.device)[None, :] >= lens[:, None]
+        rows, slots = past.nonzero(as_tuple=True)
+        kv[:, :, :, rows, slots] = 0.0
+    return kv
+
+
+def decode_bias(lengths: list[int], padded: int, num_kv_heads: int) -> torch.Tensor | None:
+    """[Hkv * G, 1, padded] fp32: 0 where slot < length, -inf past it (the softmax mask of
+    paged_attention_gathered), batch index kv_head * G + g; None when all lengths are equal."""
+    if min(lengths) == max(lengths):
+        return None
+    lens = torch.tensor(lengths)
+    past = torch.arange(padded)[None, :] >= lens[:, None]
+    bias = torch.zeros(past.shape).masked_fill_(past, float("-inf"))
+    return bias.repeat(num_kv_heads, 1)[:, None, :]
+
+
+def paged_attention_gathered(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: list[int],
+    bias: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention over gathered keys: q [G, Hq, D] float32, k/v [Hkv, G, P, D] float32
+    (one layer of gather_decode_kv), lengths [G] (each >= 1), bias from decode_bias (None when
+    all lengths are equal: the keys are then sliced to the length, nothing to mask).
+    Returns [Hkv, G, Hq / Hkv, D] float32: batch (kv head, sequence), its query group."""
+    g, hq, d = q.shape
+    hkv, _, padded, _ = k.shape
+    if bias is None:
+        padded = lengths[0]
+        k, v = k[:, :, :padded], v[:, :, :padded]  # views: (Hkv, G) still merge
+    q3 = q.view(g, hkv, hq // hkv, d).transpose(0, 1).reshape(hkv * g, hq // hkv, d)
+    k3, v3 = k.reshape(hkv * g, padded, d), v.reshape(hkv * g, padded, d)
+    scores = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)
+    if bias is not None:
+        scores.add_(bias)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v3)
+    return out.view(hkv, g, hq // hkv, d)
+
+
 def flash_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -1,0 +1,152 @@
+"""The CPU decode step: LlamaModel.hidden_states for a batch of one-token decode rows on the
+CPU, in as few torch ops per layer as the math allows.
+
+On the CPU the reference ops are the model's kernels, and at decode their per-op cost (argument
+checks, per-layer page gathers, dtype round trips: ~60 small ops a layer) outweighed the GEMMs.
+This path computes the same math as the plain forward (llama.py) with ~20 ops a layer:
+
+- once per step: every layer's K/V pages of the batch gathered into one float32 copy
+  (reference.attention.gather_decode_kv), the softmax mask, the RoPE rows of the positions;
+- per layer: residual add and RMSNorm (torch's fused rms_norm), the GEMMs on the prepacked
+  weights (quantized: torch's int-pack kernels with bf16 activations, as ops.quant_linear),
+  RoPE of q and k in place (rotate-half as roll + multiply-add), the new k/v written into the
+  gathered copy, attention as baddbmm / softmax / bmm, SwiGLU in fp32;
+- once per step: the new tokens' k/v written back into the paged cache (one scatter).
+
+Norm statistics, softmax and the residual stream stay fp32, as in the plain path; results agree
+with it to fp32 rounding (tests/test_cpu_decode.py). Used only where it computes exactly the
+plain path's function (see `applies`); everything else takes the plain path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import launch
+from ..ops.quant_gemm import cpu_packed
+from ..reference.attention import decode_bias, gather_decode_kv, paged_attention_gathered
+from .attention_metadata import AttentionMetadata
+from .kv_cache import KVCache
+from .quantized_linear import QuantizedWeight
+
+Gemm = Callable[[torch.Tensor], torch.Tensor]
+
+
+def applies(model, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
+    """Decode-only batch of an fp32 single-rank model on the CPU's reference ops, plain KV
+    cache, every row a real sequence (length >= 1, position = length - 1), no bias but QKV's."""
+    if (
+        meta.num_prefills
+        or meta.num_tokens == 0
+        or model.device.type != "cpu"
+        or model.dtype != torch.float32
+        or model.tp.size != 1
+        or kv_cache.is_fp8
+        or model._kv_amax is not None
+        or launch.get_backend() == "cuda"  # which never runs CPU tensors on the reference
+    ):
+        return False
+    if model._cpu_decode is None:
+        model._cpu_decode = _prepare(model)
+    if model._cpu_decode is False:
+        return False
+    lengths, positions = meta.seq_lens.tolist(), meta.positions.tolist()
+    if min(lengths) < 1 or min(meta.slot_mapping.tolist()) < 0:
+        return False
+    return all(p == n - 1 for p, n in zip(positions, lengths, strict=True))
+
+
+def _gemm(weight, bias: torch.Tensor | None = None) -> Gemm:
+    """x [M, K] fp32 -> x @ W.T (+ bias): bf16 in and out for quantized weights (the int-pack
+    kernels), fp32 for fp32 weights."""
+    if isinstance(weight, QuantizedWeight):
+        w, scales = cpu_packed(weight)
+        n = weight.shape[0]
+        if weight.format == "int8":
+            mm = lambda x: torch.ops.aten._weight_int8pack_mm(x, w, scales)  # noqa: E731
+        else:
+            group, padded = weight.group_size, w.shape[0] != n  # packing pads N to 16
+
+            def mm(x):
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, scales)
+                return out[:, :n] if padded else out
+    else:
+        mm = lambda x: F.linear(x, weight)  # noqa: E731
+    if bias is None:
+        return mm
+    return lambda x: mm(x).float().add_(bias)
+
+
+def _prepare(model):
+    """Per layer (qkv, o, gate_up, down) GEMM closures, or False where some weight has a bias
+    the fast path does not place exactly as the plain one (O, gate/up, down biases)."""
+    layers = []
+    for layer in model.weights.layers:
+        if any(b is not None for b in (layer.o_bias, layer.gate_up_bias, layer.down_bias)):
+            return False
+        layers.append(
+            (_gemm(layer.qkv, layer.qkv_bias), _gemm(layer.o), _gemm(layer.gate_up),
+             _gemm(layer.down))
+        )  # fmt: skip
+    return layers
+
+
+def _gemm_dtype(weight) -> torch.dtype:
+    return torch.bfloat16 if isinstance(weight, QuantizedWeight) else torch.float32
+
+
+def hidden_states(
+    model, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+) -> torch.Tensor:
+    """Final-normed hidden states [T, H] fp32 of T decode rows (one per sequence)."""
+    cfg, w = model.local, model.weights
+    eps, hkv, d = cfg.rms_norm_eps, cfg.num_kv_heads, cfg.head_dim
+    tokens, heads = input_ids.shape[0], cfg.num_heads + cfg.num_kv_heads
+    lengths = meta.seq_lens.tolist()
+    kv = gather_decode_kv(kv_cache.data, meta.block_tables, lengths)  # [L, 2, Hkv, G, P, D]
+    bias = decode_bias(lengths, kv.shape[4], hkv)
+    rows = torch.arange(tokens)
+    positions = meta.positions.long()  # = lengths - 1: the new token's slot in `kv`
+    # RoPE rows: x' = x * [cos, cos] + roll(x, D/2) * [-sin, sin] (roll(x) = [x2, x1]).
+    table = model.cos_sin[positions]
+    cos, sin = table[:, None, : d // 2], table[:, None, d // 2 :]
+    cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+    scale = d**-0.5
+    attn_in = torch.empty(tokens, cfg.q_size, dtype=_gemm_dtype(w.layers[0].o))
+    act = torch.empty(tokens, cfg.intermediate_size, dtype=_gemm_dtype(w.layers[0].down))
+    inter = cfg.intermediate_size
+
+    residual = model._embed(input_ids)
+    h = F.rms_norm(residual, (cfg.hidden_size,), w.layers[0].input_norm, eps)
+    for i, (layer, (qkv_mm, o_mm, gate_up_mm, down_mm)) in enumerate(
+        zip(w.layers, model._cpu_decode, strict=True)
+    ):
+        if i:
+            residual.add_(h)
+            h = F.rms_norm(residual, (cfg.hidden_size,), layer.input_norm, eps)
+        qkv = qkv_mm(h.to(_gemm_dtype(layer.qkv))).float()
+        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(tokens, heads, d)
+        torch.addcmul(qk * cos2, qk.roll(d // 2, dims=-1), sin2, out=qk)
+        new_kv = qkv[:, cfg.q_size :].view(tokens, 2, hkv, d).permute(1, 2, 0, 3)
+        kv[i][:, :, rows, positions] = new_kv
+        q = qk[:, : cfg.num_heads]
+        out = paged_attention_gathered(q, kv[i, 0], kv[i, 1], lengths, bias, scale)
+        attn_in.view(tokens, hkv, -1).copy_(out.view(hkv, tokens, -1).transpose(0, 1))
+        residual.add_(o_mm(attn_in))
+        h = F.rms_norm(residual, (cfg.hidden_size,), layer.post_norm, eps)
+        gate_up = gate_up_mm(h.to(_gemm_dtype(layer.gate_up))).float()
+        F.silu(gate_up[:, :inter], inplace=True)
+        torch.mul(gate_up[:, :inter], gate_up[:, inter:], out=act)
+        h = down_mm(act)
+    residual.add_(h)
+    # The new tokens' k/v of every layer into their cache slots, in one scatter.
+    slot_mapping = meta.slot_mapping.long()
+    block_size = kv_cache.block_size
+    data = kv_cache.data
+    data[:, :, slot_mapping // block_size, :, slot_mapping % block_size] = (
+        kv[:, :, :, rows, positions].permute(3, 0, 1, 2, 4).to(data.dtype)
+    )
+    return F.rms_norm(residual, (cfg.hidden_size,), w.norm, eps)

@@ -1,0 +1,76 @@
+"""The CPU decode fast path (model/cpu_decode.py) against the plain forward it replaces: same
+hidden states and the same KV-cache writes, for fp32, int8 and int4 weights, one sequence,
+equal and unequal lengths; and the batches it must leave to the plain path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkern.model import SequenceChunk, build_batch, cpu_decode, load_model
+from pagedkern.model.kv_cache import KVCache
+
+BLOCK = 16
+
+
+def _model(quantization: str):
+    model, _ = load_model("synthetic:tiny", quantization=quantization)
+    return model
+
+
+def _prefilled(model, lengths: list[int]):
+    """A cache holding prompts of `lengths` tokens (shuffled block ids), and the next decode
+    batch (one token per sequence)."""
+    g = torch.Generator().manual_seed(sum(lengths))
+    blocks = [-(-(n + 1) // BLOCK) for n in lengths]
+    order = (torch.randperm(sum(blocks) + 4, generator=g) + 1).tolist()  # block 0 unused
+    kv = model.allocate_kv_cache(sum(blocks) + 5, BLOCK)
+    tables = []
+    for n, b in zip(lengths, blocks, strict=True):
+        tables.append(order[:b])
+        order = order[b:]
+        ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+        batch, meta = build_batch([SequenceChunk(ids, 0, tables[-1])], BLOCK)
+        model.hidden_states(batch, meta, kv)
+    chunks = [SequenceChunk([3 + i], n, t) for i, (n, t) in enumerate(zip(lengths, tables))]
+    return kv, build_batch(chunks, BLOCK)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("lengths", [[37], [5, 40, 16, 17], [20, 20, 20]])
+def test_fast_decode_step_equals_plain(quantization, lengths):
+    model = _model(quantization)
+    kv, (ids, meta) = _prefilled(model, lengths)
+    before = kv.data.clone()
+    fast_kv = KVCache(kv.data.clone())
+    model.fast_cpu_decode = False
+    plain = model.hidden_states(ids, meta, kv)
+    model.fast_cpu_decode = True
+    assert cpu_decode.applies(model, meta, fast_kv)
+    fast = model.hidden_states(ids, meta, fast_kv)
+    assert fast.dtype == plain.dtype == torch.float32 and not fast.isnan().any()
+    # fp32 weights: fp32 rounding only. Quantized: the GEMM inputs are rounded to bf16, where an
+    # fp32-rounding difference can flip one rounding (2^-8 relative) and propagate.
+    tol = 1e-5 if quantization == "none" else 2.0**-7
+    scale = plain.abs().max().item()
+    assert (fast - plain).abs().max().item() <= tol * scale
+    # The same k/v written, into this step's slots only.
+    torch.testing.assert_close(fast_kv.data, kv.data, rtol=tol, atol=tol * kv.data.abs().max())
+    written = (fast_kv.data != before).any(-1).any(3)  # [L, 2, blocks, bs]
+    slots = meta.slot_mapping.long()
+    outside = torch.ones(written.shape[2:], dtype=torch.bool)
+    outside[slots // BLOCK, slots % BLOCK] = False
+    assert written[:, :, ~outside].all() and not written[:, :, outside].any()
+
+
+def test_plain_path_for_prefill_fp8_and_calibration():
+    model = _model("none")
+    kv, (ids, meta) = _prefilled(model, [9, 4])
+    assert cpu_decode.applies(model, meta, kv)
+    prefill_ids, prefill = build_batch([SequenceChunk([1, 2, 3], 0, [1])], BLOCK)
+    assert not cpu_decode.applies(model, prefill, kv)  # a prefill row
+    fp8 = model.allocate_kv_cache(8, BLOCK)
+    fp8 = KVCache(fp8.data.to(torch.float8_e4m3fn), [(1.0, 1.0)] * model.config.num_layers)
+    assert not cpu_decode.applies(model, meta, fp8)
+    model._kv_amax = []  # fp8 calibration collects |k|, |v| on the plain path
+    assert not cpu_decode.applies(model, meta, kv)
