@@ -1,6 +1,6 @@
 """The optional imports of the HTTP test modules: the OpenAI client and the server's stack
-(fastapi, uvicorn, pydantic, msgpack). Where one is missing (the GPU machine's image has none of them)
-importing this skips the importing module instead of failing collection."""
+(fastapi, uvicorn, pydantic, msgpack). Where one is missing (the GPU machine's image lacks most
+of them) importing this skips the importing module instead of failing collection."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedkern.model import SequenceChunk, build_batch, cpu_decode, load_model
+from pagedkern.model.attention_metadata import verification_rows
 from pagedkern.model.kv_cache import KVCache
 
 BLOCK = 16
@@ -74,3 +75,20 @@ def test_plain_path_for_prefill_fp8_and_calibration():
     assert not cpu_decode.applies(model, meta, fp8)
     model._kv_amax = []  # fp8 calibration collects |k|, |v| on the plain path
     assert not cpu_decode.applies(model, meta, kv)
+
+
+def test_verification_rows_of_one_sequence_take_the_plain_path():
+    # Speculative verification lays 1 + k tokens of one sequence out as decode rows that share
+    # its block table; row j reads rows < j's new K/V, which the fast path would write only
+    # after the last layer: the plain path runs them, and the result is the causal chunk's.
+    model = _model("none")
+    kv, (_, meta) = _prefilled(model, [21])
+    table = meta.block_tables[0].tolist()
+    chunk = SequenceChunk([5, 6, 7, 8], 21, table)
+    rows = verification_rows(chunk)
+    ids, meta = build_batch(rows, BLOCK)
+    assert meta.num_prefills == 0 and not cpu_decode.applies(model, meta, kv)
+    got = model.hidden_states(ids, meta, KVCache(kv.data.clone()))
+    chunk_ids, chunk_meta = build_batch([chunk], BLOCK)
+    want = model.hidden_states(chunk_ids, chunk_meta, KVCache(kv.data.clone()))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

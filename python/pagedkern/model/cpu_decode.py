@@ -56,7 +56,13 @@ def applies(model, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
     lengths, positions = meta.seq_lens.tolist(), meta.positions.tolist()
     if min(lengths) < 1 or min(meta.slot_mapping.tolist()) < 0:
         return False
-    return all(p == n - 1 for p, n in zip(positions, lengths, strict=True))
+    if not all(p == n - 1 for p, n in zip(positions, lengths, strict=True)):
+        return False
+    # Rows of one sequence (speculative verification: 1 + k rows sharing a block table) read
+    # each other's new K/V, which this path writes to the cache only after the last layer.
+    # Different sequences always differ in the block holding their current position.
+    tables = meta.block_tables
+    return tables.shape[0] < 2 or torch.unique(tables, dim=0).shape[0] == tables.shape[0]
 
 
 def _gemm(weight, bias: torch.Tensor | None = None) -> Gemm:
