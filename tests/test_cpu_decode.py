@@ -77,18 +77,26 @@ def test_plain_path_for_prefill_fp8_and_calibration():
     assert not cpu_decode.applies(model, meta, kv)
 
 
-def test_verification_rows_of_one_sequence_take_the_plain_path():
+@pytest.mark.parametrize("other", [False, True])
+def test_verification_rows_of_one_sequence_see_each_others_new_kv(other):
     # Speculative verification lays 1 + k tokens of one sequence out as decode rows that share
-    # its block table; row j reads rows < j's new K/V, which the fast path would write only
-    # after the last layer: the plain path runs them, and the result is the causal chunk's.
+    # its block table; row j reads rows < j's new K/V, which the fast path writes to the cache
+    # only after the last layer: it must put them into row j's gathered copy itself. The result
+    # is the causal chunk's (beside another sequence's plain decode row when `other`).
     model = _model("none")
-    kv, (_, meta) = _prefilled(model, [21])
-    table = meta.block_tables[0].tolist()
-    chunk = SequenceChunk([5, 6, 7, 8], 21, table)
+    kv, (_, meta) = _prefilled(model, [21, 9])
+    tables = [t[t > 0].tolist() for t in meta.block_tables]
+    chunk = SequenceChunk([5, 6, 7, 8], 21, tables[0])
     rows = verification_rows(chunk)
-    ids, meta = build_batch(rows, BLOCK)
-    assert meta.num_prefills == 0 and not cpu_decode.applies(model, meta, kv)
-    got = model.hidden_states(ids, meta, KVCache(kv.data.clone()))
+    extra = [SequenceChunk([4], 9, tables[1])] if other else []
+    ids, meta = build_batch(rows + extra, BLOCK)
+    assert meta.num_prefills == 0 and cpu_decode.applies(model, meta, kv)
+    got_kv = KVCache(kv.data.clone())
+    got = model.hidden_states(ids, meta, got_kv)[: len(rows)]
+    model.fast_cpu_decode = False
     chunk_ids, chunk_meta = build_batch([chunk], BLOCK)
-    want = model.hidden_states(chunk_ids, chunk_meta, KVCache(kv.data.clone()))
+    want_kv = KVCache(kv.data.clone())
+    want = model.hidden_states(chunk_ids, chunk_meta, want_kv)
+    assert not got.isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(got_kv.data[:, :, tables[0]], want_kv.data[:, :, tables[0]])

@@ -56,13 +56,27 @@ def applies(model, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
     lengths, positions = meta.seq_lens.tolist(), meta.positions.tolist()
     if min(lengths) < 1 or min(meta.slot_mapping.tolist()) < 0:
         return False
-    if not all(p == n - 1 for p, n in zip(positions, lengths, strict=True)):
-        return False
-    # Rows of one sequence (speculative verification: 1 + k rows sharing a block table) read
-    # each other's new K/V, which this path writes to the cache only after the last layer.
-    # Different sequences always differ in the block holding their current position.
-    tables = meta.block_tables
-    return tables.shape[0] < 2 or torch.unique(tables, dim=0).shape[0] == tables.shape[0]
+    return all(p == n - 1 for p, n in zip(positions, lengths, strict=True))
+
+
+def _new_kv_targets(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each layer's new K/V go in the gathered copy: (source row, destination row,
+    position). A row's own K/V go into its own copy; rows of one sequence (speculative
+    verification: 1 + k rows sharing a block table, row j at position computed + j) also read
+    the new K/V of the rows before them, which reach the paged cache only after the last layer,
+    so those go into the later rows' copies too. Different sequences always differ in the
+    block holding their current position, so equal tables mean one sequence."""
+    tables, positions = meta.block_tables, meta.positions.long()
+    rows = torch.arange(tables.shape[0])
+    if tables.shape[0] < 2:
+        return rows, rows, positions
+    _, group = torch.unique(tables, dim=0, return_inverse=True)
+    if int(group.max()) + 1 == tables.shape[0]:
+        return rows, rows, positions
+    src, dst = (
+        (group[:, None] == group[None, :]) & (positions[:, None] <= positions[None, :])
+    ).nonzero(as_tuple=True)
+    return src, dst, positions[src]
 
 
 def _gemm(weight, bias: torch.Tensor | None = None) -> Gemm:
@@ -116,6 +130,7 @@ def hidden_states(
     bias = decode_bias(lengths, kv.shape[4], hkv)
     rows = torch.arange(tokens)
     positions = meta.positions.long()  # = lengths - 1: the new token's slot in `kv`
+    src, dst, dst_positions = _new_kv_targets(meta)
     # RoPE rows: x' = x * [cos, cos] + roll(x, D/2) * [-sin, sin] (roll(x) = [x2, x1]).
     table = model.cos_sin[positions]
     cos, sin = table[:, None, : d // 2], table[:, None, d // 2 :]
@@ -137,7 +152,7 @@ def hidden_states(
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(tokens, heads, d)
         torch.addcmul(qk * cos2, qk.roll(d // 2, dims=-1), sin2, out=qk)
         new_kv = qkv[:, cfg.q_size :].view(tokens, 2, hkv, d).permute(1, 2, 0, 3)
-        kv[i][:, :, rows, positions] = new_kv
+        kv[i][:, :, dst, dst_positions] = new_kv[:, :, src]
         q = qk[:, : cfg.num_heads]
         out = paged_attention_gathered(q, kv[i, 0], kv[i, 1], lengths, bias, scale)
         attn_in.view(tokens, hkv, -1).copy_(out.view(hkv, tokens, -1).transpose(0, 1))
