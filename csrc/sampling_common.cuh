@@ -4,6 +4,7 @@
 #pragma once
 
 #include "device.cuh"
+#include "philox.cuh"
 #include "sampling.h"
 
 namespace pagedkern {
@@ -33,25 +34,10 @@ struct Shared {
   int found;
 };
 
-// Philox4x32-10, word 0 (as reference.sampling.philox4x32): counter (offset, 0), key seed.
+// Philox4x32-10 word 0: the uniform `sample` draws with (reference.sampling.uniform).
 __device__ __forceinline__ unsigned philox_word0(unsigned long long seed,
                                                  unsigned long long offset) {
-  unsigned c0 = unsigned(offset), c1 = unsigned(offset >> 32), c2 = 0, c3 = 0;
-  unsigned k0 = unsigned(seed), k1 = unsigned(seed >> 32);
-#pragma unroll
-  for (int r = 0; r < 10; ++r) {
-    if (r) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-    const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-    c0 = hi1 ^ c1 ^ k0;
-    c1 = lo1;
-    c2 = hi0 ^ c3 ^ k1;
-    c3 = lo0;
-  }
-  return c0;
+  return philox_words(seed, offset).x;
 }
 
 // Per-element math shared by every pass after the first: value s, order key, fixed-point mass.

@@ -84,6 +84,7 @@ def test_verification_rows_of_one_sequence_see_each_others_new_kv(other):
     # only after the last layer: it must put them into row j's gathered copy itself. The result
     # is the causal chunk's (beside another sequence's plain decode row when `other`).
     model = _model("none")
+    model.fast_cpu_decode = True
     kv, (_, meta) = _prefilled(model, [21, 9])
     tables = [t[t > 0].tolist() for t in meta.block_tables]
     chunk = SequenceChunk([5, 6, 7, 8], 21, tables[0])

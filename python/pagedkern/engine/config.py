@@ -94,6 +94,12 @@ class EngineConfig:
     kv_cache_dtype: str = _setting(
         "auto", "KV cache dtype: auto (the model's dtype) or fp8 (E4M3, per-layer scales)"
     )
+    cpu_fast_decode: bool = _setting(
+        False,
+        "CPU: run decode-only steps through model/cpu_decode.py (~2x faster single-stream "
+        "decode; off by default because a decode row then rounds differently when it shares a "
+        "step with a prefill chunk, so greedy outputs can depend on batch make-up)",
+    )
     tensor_parallel_size: int = _setting(
         1,
         "ranks the model is split over (torch.distributed: gloo on the CPU, NCCL on CUDA); "

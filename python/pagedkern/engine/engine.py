@@ -63,7 +63,7 @@ def pick_device(backend: str) -> torch.device:
 def load_engine_model(config: EngineConfig, device: torch.device) -> tuple[LlamaModel, Tokenizer]:
     """The whole model as `config` names it (every TP rank loads it, then keeps its shard)."""
     with ops.use_backend(config.backend):
-        return load_model(
+        model, tokenizer = load_model(
             config.model,
             device,
             config.dtype,
@@ -72,6 +72,8 @@ def load_engine_model(config: EngineConfig, device: torch.device) -> tuple[Llama
             quantization=config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
         )
+    model.fast_cpu_decode = config.cpu_fast_decode
+    return model, tokenizer
 
 
 class Engine:
