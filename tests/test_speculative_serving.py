@@ -96,3 +96,31 @@ def test_http_completion_and_metrics_with_speculation():
         assert (int(drafted.split()[1]) > 0) == (speculative == "ngram")
         assert "pagedkern_spec_decode_acceptance_rate " in metrics
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_cli_and_http_with_a_self_draft():
+    # The draft proposer through the same surfaces: the CLI's answer and the HTTP completion
+    # equal the plain ones (greedy), and /metrics counts the draft's proposals.
+    plain = cli(PROMPT)
+    spec = cli("--speculative", "draft", "--draft-model", "self:1", "--stats", "--trace", PROMPT)
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr[-2000:]
+    assert spec.stdout == plain.stdout and spec.stdout.strip()
+    assert "speculative draft:" in spec.stderr and " proposed [" in spec.stderr
+    body = {"model": TINY, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    body["ignore_eos"] = True
+    config = dict(model=TINY, backend="reference", num_blocks=256, block_size=4)
+    texts, drafted = [], []
+    for extra in ({}, {"speculative": "draft", "draft_model": "self:1"}):
+        with ServerThread(Engine.from_config(EngineConfig(**config, **extra))) as server:
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=WAIT)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+            metrics = httpx.get(server.url + "/metrics", timeout=WAIT).text
+        line = next(
+            line
+            for line in metrics.splitlines()
+            if line.startswith("pagedkern_spec_decode_num_draft_tokens_total ")
+        )
+        drafted.append(int(line.split()[1]))
+    assert texts[0] == texts[1] and texts[0]
+    assert drafted[0] == 0 < drafted[1]
