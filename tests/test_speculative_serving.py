@@ -28,6 +28,12 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def drafted_tokens(metrics: str) -> int:
+    """The proposed-token counter of a /metrics page."""
+    name = "pagedkern_spec_decode_num_draft_tokens_total "
+    return int(next(line for line in metrics.splitlines() if line.startswith(name)).split()[1])
+
+
 def test_cli_speculative_answer_stats_and_trace():
     plain = cli(PROMPT)
     spec = cli("--speculative", "ngram", "--ngram-min", "1", "--stats", "--trace", PROMPT)
@@ -88,12 +94,7 @@ def test_http_completion_and_metrics_with_speculation():
             assert r.status_code == 200, r.text
             texts.append(r.json()["choices"][0]["text"])
             metrics = httpx.get(server.url + "/metrics", timeout=WAIT).text
-        drafted = next(
-            line
-            for line in metrics.splitlines()
-            if line.startswith("pagedkern_spec_decode_num_draft_tokens_total ")
-        )
-        assert (int(drafted.split()[1]) > 0) == (speculative == "ngram")
+        assert (drafted_tokens(metrics) > 0) == (speculative == "ngram")
         assert "pagedkern_spec_decode_acceptance_rate " in metrics
     assert texts[0] == texts[1] and texts[0]
 
@@ -116,11 +117,6 @@ def test_cli_and_http_with_a_self_draft():
             assert r.status_code == 200, r.text
             texts.append(r.json()["choices"][0]["text"])
             metrics = httpx.get(server.url + "/metrics", timeout=WAIT).text
-        line = next(
-            line
-            for line in metrics.splitlines()
-            if line.startswith("pagedkern_spec_decode_num_draft_tokens_total ")
-        )
-        drafted.append(int(line.split()[1]))
+        drafted.append(drafted_tokens(metrics))
     assert texts[0] == texts[1] and texts[0]
     assert drafted[0] == 0 < drafted[1]
