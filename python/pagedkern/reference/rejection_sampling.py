@@ -30,13 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import philox4x32
-
-
-def _words(seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    zero = torch.zeros_like(offsets)
-    w = philox4x32((offsets, offsets >> 32, zero, zero), (seeds, seeds >> 32))
-    return w[0].double() / 2.0**32, w[1].double() / 2.0**32
+from .sampling import uniforms
 
 
 def _draw(probs: torch.Tensor, u: float) -> int:
@@ -68,7 +62,7 @@ def rejection_sample(
     starts = torch.cumsum(lengths, 0) - lengths
     owner = torch.repeat_interleave(torch.arange(batch), lengths)
     position = torch.arange(int(lengths.sum())) - starts[owner]
-    u_draw_all, u_accept_all = _words(
+    u_draw_all, u_accept_all = uniforms(
         seeds.long().cpu()[owner], offsets.long().cpu()[owner] + position
     )
     for b in range(batch):

@@ -52,11 +52,17 @@ def philox4x32(
     return c0, c1, c2, c3
 
 
-def uniform(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """One float64 in [0, 1) per (seed, offset) pair: the draw `sample` uses."""
+def uniforms(seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Words 0 and 1 of philox4x32_10(counter=(offset, 0), key=seed) as float64 in [0, 1), per
+    (seed, offset) pair: word 0 is `sample`'s draw, word 1 speculative acceptance's."""
     zero = torch.zeros_like(offsets)
     words = philox4x32((offsets, offsets >> 32, zero, zero), (seeds, seeds >> 32))
-    return words[0].double() / 2.0**32
+    return words[0].double() / 2.0**32, words[1].double() / 2.0**32
+
+
+def uniform(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One float64 in [0, 1) per (seed, offset) pair: the draw `sample` uses."""
+    return uniforms(seeds, offsets)[0]
 
 
 def _per_row(value, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

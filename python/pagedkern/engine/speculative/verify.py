@@ -43,9 +43,7 @@ def target_probs(
 ) -> torch.Tensor:
     """float64 [sum(k_b + 1), V]: request b's k_b + 1 rows of `logits` (in order) as the
     distributions non-speculative sampling would draw those positions from."""
-    states, outputs, params = _states_and_outputs(requests, proposals)
-    processing = batch_processing(states, outputs, [None] * len(states))
-    arrays = {name: a.to(logits.device) for name, a in processing.arrays.items()}
+    params, arrays = _row_processing(logits, requests, proposals)
     min_p = arrays.pop("min_p", None)
     dev = logits.device
     return reference.sampling_distribution(
@@ -58,8 +56,11 @@ def target_probs(
     )
 
 
-def _states_and_outputs(requests: Sequence[Request], proposals: Sequence[Proposal]):
-    """Per verified row, the request's processing state and output as of that position."""
+def _row_processing(
+    logits: torch.Tensor, requests: Sequence[Request], proposals: Sequence[Proposal]
+) -> tuple[list, dict[str, torch.Tensor]]:
+    """Per verified row, its request's SamplingParams, and the logits-processing arrays of all
+    rows on the logits' device, each row processed as of its position."""
     states, outputs, params = [], [], []
     for request, proposal in zip(requests, proposals, strict=True):
         state, out = request.logits_state, request.output_ids
@@ -69,7 +70,8 @@ def _states_and_outputs(requests: Sequence[Request], proposals: Sequence[Proposa
             # the whole output is copied only for rows whose processing reads it
             outputs.append([*out, *before] if j and state.active else out)
             params.append(request.params)
-    return states, outputs, params
+    processing = batch_processing(states, outputs, [None] * len(states))
+    return params, {name: a.to(logits.device) for name, a in processing.arrays.items()}
 
 
 def _greedy(
@@ -78,9 +80,8 @@ def _greedy(
     """Greedy requests: the rejection rule with a one-hot target accepts exactly the proposals
     equal to the processed argmax and then yields the argmax, whatever the draft's q (see
     reference/rejection_sampling.py), so the argmax of each row is all it needs."""
-    states, outputs, _ = _states_and_outputs(requests, proposals)
-    processing = batch_processing(states, outputs, [None] * len(states))
-    arrays = {n: a.to(logits.device) for n, a in processing.arrays.items() if n != "min_p"}
+    _, arrays = _row_processing(logits, requests, proposals)
+    arrays.pop("min_p", None)  # a greedy row's argmax is the processed logits' argmax
     best = logits_processing.process_logits(logits, **arrays).argmax(-1).tolist()
     gains, row = [], 0
     for proposal in proposals:
