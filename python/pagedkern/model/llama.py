@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops, reference
+from ..ops import launch
 from ..parallel.context import SINGLE, TPContext
 from . import cpu_decode
 from .attention_metadata import AttentionMetadata
@@ -41,6 +42,7 @@ def _mm_fp32_out(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias: ops.quant_linear for quantized weights, else torch's GEMM."""
+    launch.record_launch("gemm")
     if isinstance(weight, QuantizedWeight):
         return ops.quant_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -141,6 +143,7 @@ class LlamaModel:
         precision models get an fp32-output GEMM where torch has one (CUDA), else a GEMM
         against an fp32 copy of the LM head (V*H*4 bytes, made on first use)."""
         head = self.weights.lm_head
+        launch.record_launch("gemm")
         if isinstance(head, QuantizedWeight):  # bf16 logits: measured, see README
             return ops.quant_linear(hidden, head).float()
         if hidden.dtype == torch.float32:
@@ -169,39 +172,61 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Final-normed hidden states of every row, [T, H] in the model dtype."""
         cfg, w = self.local, self.weights
-        eps = cfg.rms_norm_eps
         if kv_cache.num_layers != cfg.num_layers:
             raise ValueError(f"KV cache has {kv_cache.num_layers} layers, model {cfg.num_layers}")
         if self.fast_cpu_decode and cpu_decode.applies(self, meta, kv_cache):
             return cpu_decode.hidden_states(self, input_ids, meta, kv_cache)
         tokens = input_ids.shape[0]
-        h = self._embed(input_ids)
-        residual: torch.Tensor | None = None
+        h, residual = self.embed_and_norm(input_ids, w.layers[0].input_norm)
         attn = torch.empty(
             tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device
         )
         scales = kv_cache.scales or [None] * cfg.num_layers
-        for layer, (k_cache, v_cache), kv_scale in zip(
-            w.layers, kv_cache.layers, scales, strict=True
+        for i, (layer, (k_cache, v_cache), kv_scale) in enumerate(
+            zip(w.layers, kv_cache.layers, scales, strict=True)
         ):
-            if residual is None:  # first layer: the embedding is the residual stream
-                residual = h
-                h = ops.rms_norm(h, layer.input_norm, eps)
-            else:
-                h, residual = ops.fused_add_rms_norm(h, residual, layer.input_norm, eps)
-            self._attention(h, layer, meta, k_cache, v_cache, attn, kv_scale)
-            h = linear(attn.view(tokens, cfg.q_size), layer.o, layer.o_bias)
-            h = self.tp.all_reduce(h)  # row-parallel O: sum the ranks' partial outputs
-            h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
-            gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
-            h = linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
-            h = self.tp.all_reduce(h)  # row-parallel down, likewise
-        h, _ = ops.fused_add_rms_norm(h, residual, w.norm, eps)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)
+            self._attention(qkv, layer, meta, k_cache, v_cache, attn, kv_scale)
+            h, residual = self.layer_tail(attn, residual, layer, self.next_norm(i))
         return h
+
+    # The layer loop in pieces, shared with engine/piecewise_graphs.py, which captures the work
+    # between two attentions (layer_tail, then the next QKV GEMM) as one CUDA graph.
+
+    def embed_and_norm(
+        self, input_ids: torch.Tensor, norm: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first layer's normed input, residual stream): the embedding is the residual."""
+        residual = self._embed(input_ids)
+        return ops.rms_norm(residual, norm, self.local.rms_norm_eps), residual
+
+    def next_norm(self, layer: int) -> torch.Tensor:
+        """The norm after layer `layer`: the next layer's input norm, the final norm last."""
+        layers = self.weights.layers
+        return layers[layer + 1].input_norm if layer + 1 < len(layers) else self.weights.norm
+
+    def layer_tail(
+        self,
+        attn: torch.Tensor,
+        residual: torch.Tensor,
+        layer: LayerWeights,
+        next_norm: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer after attention: O GEMM, residual add + norm, gate/up GEMM, SiLU x mul, down
+        GEMM, residual add + `next_norm`. residual is updated in place; returns (h, residual)."""
+        cfg, eps = self.local, self.local.rms_norm_eps
+        h = linear(attn.view(attn.shape[0], cfg.q_size), layer.o, layer.o_bias)
+        h = self.tp.all_reduce(h)  # row-parallel O: sum the ranks' partial outputs
+        h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
+        gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
+        h = linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+        h = self.tp.all_reduce(h)  # row-parallel down, likewise
+        return ops.fused_add_rms_norm(h, residual, next_norm, eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows; vocab-parallel: this rank's rows, zeros elsewhere, all-reduced."""
         w, tp = self.weights.embed, self.tp
+        launch.record_launch("embedding")
         ids = input_ids
         if tp.size > 1:
             ids = input_ids - tp.vocab_start
@@ -217,7 +242,7 @@ class LlamaModel:
 
     def _attention(
         self,
-        h: torch.Tensor,
+        qkv: torch.Tensor,
         layer: LayerWeights,
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
@@ -226,8 +251,7 @@ class LlamaModel:
         kv_scale: tuple[float, float] | None = None,
     ) -> None:
         cfg = self.local
-        tokens = h.shape[0]
-        qkv = linear(h, layer.qkv, layer.qkv_bias)
+        tokens = qkv.shape[0]
         # Head views into the fused output (token stride qkv_size): no copies.
         q = qkv[:, : cfg.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(tokens, cfg.num_kv_heads, -1)

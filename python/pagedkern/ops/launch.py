@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import warnings
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 
@@ -73,13 +74,42 @@ def use_reference(views: Sequence[ArrayView]) -> bool:
     return get_backend() == "reference" or common_device(views) == "cpu"
 
 
+# ---- launch counting ---------------------------------------------------------------------------
+_launches: contextvars.ContextVar[Counter[str] | None] = contextvars.ContextVar(
+    "launches", default=None
+)
+
+
+@contextlib.contextmanager
+def count_launches() -> Iterator[Counter[str]]:
+    """Host-side launches inside the block (this thread / task), by name: every pagedkern op
+    (kernel and reference alike), the model's "gemm"s and "embedding", and one "graph_replay"
+    per CUDA graph replayed (its kernels are launched by the driver, not the host). A nested
+    block counts apart: the outer one sees none of the inner one's launches."""
+    counter: Counter[str] = Counter()
+    token = _launches.set(counter)
+    try:
+        yield counter
+    finally:
+        _launches.reset(token)
+
+
+def record_launch(name: str) -> None:
+    """One launch of `name` for count_launches (one ContextVar read when nothing counts)."""
+    counter = _launches.get()
+    if counter is not None:
+        counter[name] += 1
+
+
 _warned: set[tuple[str, str]] = set()  # (op, reason) pairs already reported
 
 
 def kernel_or_reference(op: str, views: Sequence[ArrayView], support: KernelSupport) -> bool:
     """True: launch the op's CUDA kernel. False: run the reference, which is where the "reference"
     backend and CPU tensors go, and, under "auto", CUDA arrays outside kernel support (with a
-    RuntimeWarning once per (op, reason)). Under "cuda" anything but the kernel raises."""
+    RuntimeWarning once per (op, reason)). Under "cuda" anything but the kernel raises. Every
+    op passes here once per call: the launch counter's hook."""
+    record_launch(op)
     reference = use_reference(views)
     if get_backend() == "cuda" and (reference or not support.supported):
         reason = support.reason or "CPU tensors"
