@@ -6,6 +6,7 @@ and the CLI derives its engine flags (default and help) from `engine_fields()`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,12 @@ class EngineConfig:
         "replay decode steps from CUDA graphs (default: where the kernels run on a GPU; True on "
         "the CPU runs the same padded static-buffer path eagerly, for tests)",
     )
+    piecewise_cuda_graphs: bool | None = _setting(
+        None,
+        "replay mixed (prefill + decode) steps from per-layer CUDA graphs, attention eager "
+        "between them (none: wherever decode CUDA graphs are on)",
+        cli={"action": argparse.BooleanOptionalAction},
+    )
     seed: int = _setting(0, "seed of synthetic weights")
     max_queue: int = _setting(
         256, "requests that may wait for a batch slot before the HTTP server answers 429"
@@ -157,6 +164,8 @@ class EngineConfig:
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if self.cuda_graphs is not None:
             check_bool("cuda_graphs", self.cuda_graphs)
+        if self.piecewise_cuda_graphs is not None:
+            check_bool("piecewise_cuda_graphs", self.piecewise_cuda_graphs)
         check_int("seed", self.seed, 0, 2**63 - 1)
         check_int("max_queue", self.max_queue, 1, INT32_MAX)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)

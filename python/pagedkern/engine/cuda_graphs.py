@@ -17,6 +17,7 @@ import bisect
 import torch
 
 from ..model import AttentionMetadata, BatchLayout, KVCache, LlamaModel
+from ..ops import launch
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -115,6 +116,7 @@ class DecodeGraphs:
         self._fill(layout)
         if size in self._graphs:
             self._graphs[size].replay()
+            launch.record_launch("graph_replay")
             return self._logits[size][:n]
         ids, meta = self._meta(size)  # not captured (CPU, or capture skipped): same path, eager
         return self.model(ids, meta, self.kv_cache)[:n]

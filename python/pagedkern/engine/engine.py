@@ -34,7 +34,7 @@ from ..parallel import TensorParallelError
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .kernel_policy import decode_graphs
+from .kernel_policy import decode_graphs, piecewise_graphs
 from .kv_budget import kv_cache_blocks
 from .logits_processing import LogitsState
 from .outputs import EngineStats, RequestOutput, TokenLogprob
@@ -106,6 +106,7 @@ class Engine:
             kv_cache_dtype=model.kv_cache_dtype,
         )
         graphs = graphs and model.tp.size == 1  # TP steps broadcast and all-reduce: no graphs
+        piecewise = piecewise_graphs(decode_graphs=graphs, requested=config.piecewise_cuda_graphs)
         self.broken: TensorParallelError | None = None  # the TP group failed: nothing runs
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
             num_blocks = config.num_blocks or kv_cache_blocks(model, config, context)
@@ -116,7 +117,12 @@ class Engine:
                 model.tp.share_cache_shape(num_blocks, config.block_size)
             self.kv_cache = model.allocate_kv_cache(num_blocks, config.block_size)
             self.runner = ModelRunner(
-                model, self.kv_cache, config.max_num_seqs, self.max_model_len, cuda_graphs=graphs
+                model,
+                self.kv_cache,
+                config.max_num_seqs,
+                self.max_model_len,
+                cuda_graphs=graphs,
+                piecewise_tokens=config.max_num_batched_tokens if piecewise else None,
             )
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

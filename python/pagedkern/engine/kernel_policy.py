@@ -11,6 +11,9 @@ vocabulary and the cache's block size are consulted once, before any CUDA graph 
   cuda_graphs=True was asked for explicitly.
 - backend "reference", or a model on the CPU: nothing to decide (the CPU still honours an
   explicit cuda_graphs=True, which runs the static-buffer path eagerly for tests).
+
+Piecewise graphs of mixed steps (engine/piecewise_graphs.py) capture the same ops outside
+attention, so they follow the decode graphs: on wherever those are, unless turned off.
 """
 
 from __future__ import annotations
@@ -78,3 +81,14 @@ def decode_graphs(
             stacklevel=3,
         )
     return False
+
+
+def piecewise_graphs(*, decode_graphs: bool, requested: bool | None) -> bool:
+    """Whether mixed (prefill + decode) steps replay piecewise graphs: by default exactly where
+    decode graphs are on (CUDA kernels, TP = 1, or the CPU's explicit static-path test mode)."""
+    if requested and not decode_graphs:
+        raise ValueError(
+            "piecewise_cuda_graphs=True needs decode CUDA graphs (cuda_graphs on, the CUDA "
+            "kernels, tensor_parallel_size 1): the pieces capture the same ops"
+        )
+    return decode_graphs if requested is None else requested

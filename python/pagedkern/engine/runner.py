@@ -18,6 +18,7 @@ from . import prompt_logprobs
 from .cuda_graphs import DecodeGraphs
 from .logits_processing import batch_processing
 from .outputs import TokenLogprob
+from .piecewise_graphs import PiecewiseGraphs
 from .request import Request
 from .speculative.proposer import Proposal
 from .speculative.verify import verify
@@ -45,15 +46,25 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         cuda_graphs: bool = False,
+        piecewise_tokens: int | None = None,
     ):
+        """piecewise_tokens: the largest mixed step replayed from piecewise graphs (the
+        engine's max_num_batched_tokens), None: mixed steps run eagerly."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
         self.graphs = None
+        self.piecewise = None
         if cuda_graphs:
             self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_model_len)
             if self.device.type == "cuda":
                 self.graphs.capture()
+        if piecewise_tokens is not None:
+            self.piecewise = PiecewiseGraphs(
+                model, kv_cache, max_num_seqs, piecewise_tokens, max_model_len
+            )
+            if self.device.type == "cuda":
+                self.piecewise.capture()
 
     def run(
         self,
@@ -90,6 +101,13 @@ class ModelRunner:
         plain = self.graphs is not None and not speculating
         if plain and layout.num_prefills == 0 and len(rows) == len(chunks):
             logits = self.graphs.run(layout)  # every row a decode that samples: replay a graph
+        elif (
+            self.piecewise is not None
+            and not speculating
+            and self.piecewise.covers(layout)
+            and not prompt_logprobs.wanted(ordered)
+        ):
+            logits = self.piecewise.run(layout)  # a mixed step: pieces replayed, attention eager
         else:
             tp = self.model.tp  # TP rank 0: broadcasts the step; a failure in it is fatal
             with tp.fatal_errors():
