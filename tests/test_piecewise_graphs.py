@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
+from mixed_batches import mixed_batch
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.engine.kernel_policy import piecewise_graphs
@@ -40,16 +41,7 @@ def _caches(model, num_blocks: int = 256):
 
 
 def _mixed_batch(seed: int, prefill_lens: list[int], num_decodes: int) -> list[SequenceChunk]:
-    """Prefill chunks (each after a cached prefix of random length), then one-token decodes."""
-    rng = random.Random(seed)
-    chunks, next_block = [], 0
-    for length in [*prefill_lens, *[1] * num_decodes]:
-        computed = rng.randrange(0 if length > 1 else 1, 30)
-        blocks = -(-(computed + length) // BLOCK)
-        table = list(range(next_block, next_block + blocks))
-        next_block += blocks
-        chunks.append(SequenceChunk([rng.randrange(512) for _ in range(length)], computed, table))
-    return chunks
+    return mixed_batch(seed, prefill_lens, num_decodes, BLOCK, vocab=512, max_prefix=30)
 
 
 def _graphs(model, kv) -> PiecewiseGraphs:

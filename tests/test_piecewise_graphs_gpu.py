@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
+from mixed_batches import mixed_batch
 
 from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
@@ -26,20 +27,7 @@ MODEL = "synthetic:smollm2-135m"
 
 
 def _mixed_batch(seed: int, prefill_lens: list[int], num_decodes: int) -> list[SequenceChunk]:
-    rng = random.Random(seed)
-    chunks, next_block = [], 0
-    for length in [*prefill_lens, *[1] * num_decodes]:
-        computed = rng.randrange(0 if length > 1 else 1, 200)
-        blocks = -(-(computed + length) // BLOCK)
-        chunks.append(
-            SequenceChunk(
-                [rng.randrange(10, 40000) for _ in range(length)],
-                computed,
-                list(range(next_block, next_block + blocks)),
-            )
-        )
-        next_block += blocks
-    return chunks
+    return mixed_batch(seed, prefill_lens, num_decodes, BLOCK, vocab=40000, max_prefix=200)
 
 
 CASES = [([5, 3], 8), ([9, 2], 6), ([100], 15), ([40, 30, 19], 11), ([200, 150], 40), ([900], 63)]

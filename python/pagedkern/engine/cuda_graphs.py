@@ -7,7 +7,8 @@ The forward pass of a pure-decode batch is therefore captured once per batch siz
 size: padding rows have sequence length 0 (attention reads nothing, writes zeros) and slot -1 (no
 cache write). Inputs live in one static int32 device buffer at fixed offsets, filled each step
 from one pinned host buffer with one copy; block tables are padded to the widest a sequence can
-need, so the attention launch (split plan included) is the same for every replay.
+need, so the attention launch (split plan included) is the same for every replay. Steps that
+carry a prefill chunk replay piecewise graphs instead (engine/piecewise_graphs.py).
 """
 
 from __future__ import annotations
