@@ -85,8 +85,8 @@ class EngineConfig:
     )
     piecewise_cuda_graphs: bool | None = _setting(
         None,
-        "replay mixed (prefill + decode) steps from per-layer CUDA graphs, attention eager "
-        "between them (none: wherever decode CUDA graphs are on)",
+        "replay mixed (prefill + decode) steps from per-layer CUDA graphs with attention eager "
+        "between them; none: wherever decode CUDA graphs are on",
         cli={"action": argparse.BooleanOptionalAction},
     )
     seed: int = _setting(0, "seed of synthetic weights")

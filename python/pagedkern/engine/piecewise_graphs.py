@@ -169,10 +169,8 @@ class PiecewiseGraphs:
         """The L + 1 pieces of a step padded to `size` tokens, on views of the static buffers;
         the model's own methods (LlamaModel.embed_and_norm, layer_tail) do the math."""
         model, layers = self.model, self.model.weights.layers
-        ids, residual, qkv, attn = (
-            self._d[0][:size],
-            *(b[:size] for b in (self.residual, self.qkv, self.attn)),
-        )
+        ids = self._d[0][:size]
+        residual, qkv, attn = (b[:size] for b in (self.residual, self.qkv, self.attn))
         logit_rows = self._d[1][: self.logit_rows(size)]
         logits = self.logits[: self.logit_rows(size)]
 
