@@ -28,6 +28,23 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
+class StaticInputs:
+    """A step's int32 inputs at fixed offsets of one device buffer (what a graph reads),
+    written through one host buffer (pinned on CUDA) and uploaded with one copy."""
+
+    def __init__(self, lengths: list[int], device: torch.device):
+        pinned = device.type == "cuda"
+        self._host = torch.zeros(sum(lengths), dtype=torch.int32, pin_memory=pinned)
+        self._device = torch.zeros(sum(lengths), dtype=torch.int32, device=device)
+        self.host = self._host.split(lengths)
+        self.device = self._device.split(lengths)
+
+    def upload(self) -> None:
+        # The previous step's copy has completed: its sampled ids were read back (a sync)
+        # before this step began, so the host buffer is free to rewrite.
+        self._device.copy_(self._host, non_blocking=True)
+
+
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, max_num_seqs: int, max_model_len: int):
         self.model = model
@@ -37,13 +54,8 @@ class DecodeGraphs:
         self.width = -(-max_model_len // kv_cache.block_size)  # blocks of the longest sequence
         b, m = self.max_batch, self.width
         # ids, positions, slot_mapping, cu_seqlens, block_tables, seq_lens, logits_indices
-        self._lengths = [b, b, b, b + 1, b * m, b, b]
-        total = sum(self._lengths)
-        pinned = model.device.type == "cuda"
-        self._host = torch.zeros(total, dtype=torch.int32, pin_memory=pinned)
-        self._device = torch.zeros(total, dtype=torch.int32, device=model.device)
-        self._h = self._host.split(self._lengths)
-        self._d = self._device.split(self._lengths)
+        self._inputs = StaticInputs([b, b, b, b + 1, b * m, b, b], model.device)
+        self._h, self._d = self._inputs.host, self._inputs.device
         self._h[3].copy_(torch.arange(b + 1, dtype=torch.int32))  # one row per sequence
         self._h[6].copy_(torch.arange(b, dtype=torch.int32))
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -85,9 +97,7 @@ class DecodeGraphs:
         positions[n:] = 0
         slots[n:] = -1  # padding rows write nothing to the cache
         seq_lens[n:] = 0  # ... and read nothing from it
-        # The previous step's copy has completed: its sampled ids were read back (a sync) before
-        # this step began, so the host buffer is free to rewrite.
-        self._device.copy_(self._host, non_blocking=True)
+        self._inputs.upload()
 
     def capture(self) -> None:
         """Capture one graph per batch size, largest first so the smaller ones share its memory

@@ -39,6 +39,7 @@ from ..model import BatchLayout, KVCache, LlamaModel
 from ..model.attention_metadata import AttentionMetadata
 from ..model.llama import linear
 from ..ops import launch
+from .cuda_graphs import StaticInputs
 
 Piece = Callable[[], torch.Tensor | None]
 """One piece's work on the static buffers; the last returns the logits."""
@@ -103,19 +104,16 @@ class PiecewiseGraphs:
         # ids and logit rows at fixed offsets (the pieces read them); the rest only the eager
         # attention reads, laid out as the step's own metadata: one host buffer, one copy.
         # ids, logits_indices, positions, slot_mapping, cu_seqlens, block_tables, seq_lens
-        self._lengths = [t, min(t, b), t, t, b + 1, b * self.width, b]
-        pinned = device.type == "cuda"
-        self._host = torch.zeros(sum(self._lengths), dtype=torch.int32, pin_memory=pinned)
-        self._device = torch.zeros(sum(self._lengths), dtype=torch.int32, device=device)
-        self._h = [part.numpy() for part in self._host.split(self._lengths)]
-        self._d = self._device.split(self._lengths)
+        self._inputs = StaticInputs([t, min(t, b), t, t, b + 1, b * self.width, b], device)
+        self._h = [part.numpy() for part in self._inputs.host]
+        self._d = self._inputs.device
         # The activations that cross piece boundaries.
         dtype = model.dtype
         self.residual = torch.zeros(t, cfg.hidden_size, dtype=dtype, device=device)
         self.qkv = torch.zeros(t, cfg.qkv_size, dtype=dtype, device=device)
         self.attn = torch.zeros(t, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
         # One logits buffer for every size (per-size outputs would hold sizes x rows x vocab).
-        self.logits = torch.zeros(self._lengths[1], cfg.vocab_size, device=device)
+        self.logits = torch.zeros(min(t, b), cfg.vocab_size, device=device)
         self._replays: dict[int, list[Piece]] = {}
 
     def bucket(self, num_tokens: int) -> int:
@@ -147,9 +145,7 @@ class PiecewiseGraphs:
         cu[: b + 1] = layout.cu_seqlens
         tables[: b * w] = layout.block_tables
         seq_lens[:b] = layout.seq_lens
-        # The previous step's copy has completed: its sampled ids were read back (a sync)
-        # before this step began, so the host buffer is free to rewrite.
-        self._device.copy_(self._host, non_blocking=True)
+        self._inputs.upload()
         _, d_rows, d_positions, d_slots, d_cu, d_tables, d_seq_lens = self._d
         p = layout.num_prefills
         return AttentionMetadata(
