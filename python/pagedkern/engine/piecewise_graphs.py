@@ -20,11 +20,19 @@ norms, SiLU), so they never reach a real row, and nothing reads them back. The L
 min(T, max_num_seqs) rows (the most a step without speculation samples), padded with row 0.
 
 Host launches per mixed step: L + 1 replays and 2-3 attention launches per layer, instead of
-~10 per layer. Outputs: the same kernels on the same real rows, except that the GEMMs see
-M = T rows instead of n. A GEMM library may pick its algorithm by M (cuBLAS heuristics; this
-CPU's BLAS takes a small-M path below ~7-16 rows), so a row's last bits can depend on T:
-bit-identical to eager where the library's rows do not depend on M, within rounding elsewhere
-(tests/test_piecewise_graphs.py shows both).
+~10 per layer. Costs: the T - n padding rows' GEMM work (< 2x below the top of the ladder, the
+padding is at most what a doubling adds), one copy of the QKV output per piece into the static
+buffer (T x qkv_size elements, read + written), and memory: the static buffers (T x (hidden +
+qkv + q) activations, min(T, max_num_seqs) x vocab fp32 logits) plus the graph pool, which
+keeps the largest piece's temporaries (gate/up output of T rows) for the graphs' lifetime.
+
+Outputs: the same kernels on the same real rows, except that the GEMMs see M = T rows (the LM
+head its padded row count) instead of n. cuBLAS promises bit-identical results for the same
+call, not across M: its heuristics pick tiles and split-K by shape, so a row's last bits can
+depend on T; this CPU's BLAS likewise takes a small-M path below ~7-16 rows. Bit-identical to
+eager where the library's rows do not depend on M, within rounding elsewhere
+(tests/test_piecewise_graphs.py shows both; on a GPU, a replay equals the uncaptured static
+path bit for bit: tests/test_piecewise_graphs_gpu.py).
 """
 
 from __future__ import annotations
