@@ -20,8 +20,8 @@ norms, SiLU), so they never reach a real row, and nothing reads them back. The L
 min(T, max_num_seqs) rows (the most a step without speculation samples), padded with row 0.
 
 Host launches per mixed step: L + 1 replays and 2-3 attention launches per layer, instead of
-~10 per layer. Costs: the T - n padding rows' GEMM work (< 2x below the top of the ladder, the
-padding is at most what a doubling adds), one copy of the QKV output per piece into the static
+~10 per layer. Costs: the T - n padding rows' GEMM work (T < 2n from 16 tokens up; small
+steps, launch-bound anyway, pad to 16), one copy of the QKV output per piece into the static
 buffer (T x qkv_size elements, read + written), and memory: the static buffers (T x (hidden +
 qkv + q) activations, min(T, max_num_seqs) x vocab fp32 logits) plus the graph pool, which
 keeps the largest piece's temporaries (gate/up output of T rows) for the graphs' lifetime.
