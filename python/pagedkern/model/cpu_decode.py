@@ -131,6 +131,10 @@ def hidden_states(
     rows = torch.arange(tokens)
     positions = meta.positions.long()  # = lengths - 1: the new token's slot in `kv`
     src, dst, dst_positions = _new_kv_targets(meta)
+    # New k/v rows -> flat (sequence, slot) rows of a layer's copy: one index_copy_ a layer.
+    kv_rows = kv.view(*kv.shape[:3], -1, d)  # [L, 2, Hkv, G * P, D]
+    dst_rows = dst * kv.shape[4] + dst_positions
+    src = None if torch.equal(src, rows) else src
     # RoPE rows: x' = x * [cos, cos] + roll(x, D/2) * [-sin, sin] (roll(x) = [x2, x1]).
     table = model.cos_sin[positions]
     cos, sin = table[:, None, : d // 2], table[:, None, d // 2 :]
@@ -150,9 +154,10 @@ def hidden_states(
             h = F.rms_norm(residual, (cfg.hidden_size,), layer.input_norm, eps)
         qkv = qkv_mm(h.to(_gemm_dtype(layer.qkv))).float()
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(tokens, heads, d)
-        torch.addcmul(qk * cos2, qk.roll(d // 2, dims=-1), sin2, out=qk)
+        rolled = qk.roll(d // 2, dims=-1).mul_(sin2)  # not addcmul: its FMA rounds apart
+        qk.mul_(cos2).add_(rolled)
         new_kv = qkv[:, cfg.q_size :].view(tokens, 2, hkv, d).permute(1, 2, 0, 3)
-        kv[i][:, :, dst, dst_positions] = new_kv[:, :, src]
+        kv_rows[i].index_copy_(2, dst_rows, new_kv if src is None else new_kv[:, :, src])
         q = qk[:, : cfg.num_heads]
         out = paged_attention_gathered(q, kv[i, 0], kv[i, 1], lengths, bias, scale)
         attn_in.view(tokens, hkv, -1).copy_(out.view(hkv, tokens, -1).transpose(0, 1))
