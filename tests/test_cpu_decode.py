@@ -104,3 +104,16 @@ def test_verification_rows_of_one_sequence_see_each_others_new_kv(other):
     torch.testing.assert_close(got_kv.data, plain_kv.data, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     torch.testing.assert_close(got_kv.data[:, :, tables[0]], want_kv.data[:, :, tables[0]])
+
+
+def test_on_by_default_and_the_flag_turns_it_off():
+    from pagedkern.engine import Engine, EngineConfig
+    from pagedkern.serving import cli_args
+
+    def config(*flags: str) -> EngineConfig:
+        return cli_args.engine_config(cli_args.build_parser().parse_args([*flags, "hi"]))
+
+    assert config().cpu_fast_decode is True
+    assert config("--no-cpu-fast-decode").cpu_fast_decode is False
+    engine = Engine.from_config(EngineConfig(model="synthetic:tiny", backend="reference"))
+    assert engine.model.fast_cpu_decode is True
