@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..ops import launch
 from ..ops.quant_gemm import cpu_packed
-from ..reference.attention import decode_bias, gather_decode_kv, paged_attention_gathered
+from ..reference.attention import decode_bias, gather_decode_kv
 from .attention_metadata import AttentionMetadata
 from .kv_cache import KVCache
 from .quantized_linear import QuantizedWeight
@@ -123,49 +123,64 @@ def hidden_states(
 ) -> torch.Tensor:
     """Final-normed hidden states [T, H] fp32 of T decode rows (one per sequence)."""
     cfg, w = model.local, model.weights
-    eps, hkv, d = cfg.rms_norm_eps, cfg.num_kv_heads, cfg.head_dim
-    tokens, heads = input_ids.shape[0], cfg.num_heads + cfg.num_kv_heads
+    eps, hkv, d, hidden = cfg.rms_norm_eps, cfg.num_kv_heads, cfg.head_dim, (cfg.hidden_size,)
+    tokens, heads, group = (
+        input_ids.shape[0],
+        cfg.num_heads + cfg.num_kv_heads,
+        cfg.num_heads // hkv,
+    )
+    q_size, qk_size, inter = cfg.q_size, cfg.q_size + cfg.kv_size, cfg.intermediate_size
     lengths = meta.seq_lens.tolist()
     kv = gather_decode_kv(kv_cache.data, meta.block_tables, lengths)  # [L, 2, Hkv, G, P, D]
-    bias = decode_bias(lengths, kv.shape[4], hkv)
+    layers, padded = kv.shape[0], kv.shape[4]
+    bias = decode_bias(lengths, padded, hkv)
     rows = torch.arange(tokens)
     positions = meta.positions.long()  # = lengths - 1: the new token's slot in `kv`
     src, dst, dst_positions = _new_kv_targets(meta)
     # New k/v rows -> flat (sequence, slot) rows of a layer's copy: one index_copy_ a layer.
     kv_rows = kv.view(*kv.shape[:3], -1, d)  # [L, 2, Hkv, G * P, D]
-    dst_rows = dst * kv.shape[4] + dst_positions
+    dst_rows = dst * padded + dst_positions
     src = None if torch.equal(src, rows) else src
+    # Attention operands of every layer shaped as reference.paged_attention_gathered shapes
+    # them (the same bmm / softmax / bmm on the same strides: the same bits), views taken once
+    # per step instead of once per layer.
+    keys_len = padded if bias is not None else lengths[0]
+    keys = kv[:, 0, :, :, :keys_len].reshape(layers, hkv * tokens, keys_len, d).transpose(2, 3)
+    values = kv[:, 1, :, :, :keys_len].reshape(layers, hkv * tokens, keys_len, d)
     # RoPE rows: x' = x * [cos, cos] + roll(x, D/2) * [-sin, sin] (roll(x) = [x2, x1]).
     table = model.cos_sin[positions]
     cos, sin = table[:, None, : d // 2], table[:, None, d // 2 :]
     cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
     scale = d**-0.5
-    attn_in = torch.empty(tokens, cfg.q_size, dtype=_gemm_dtype(w.layers[0].o))
-    act = torch.empty(tokens, cfg.intermediate_size, dtype=_gemm_dtype(w.layers[0].down))
-    inter = cfg.intermediate_size
+    attn_in = torch.empty(tokens, q_size, dtype=_gemm_dtype(w.layers[0].o))
+    attn_heads = attn_in.view(tokens, hkv, -1)
+    act = torch.empty(tokens, inter, dtype=_gemm_dtype(w.layers[0].down))
 
     residual = model._embed(input_ids)
-    h = F.rms_norm(residual, (cfg.hidden_size,), w.layers[0].input_norm, eps)
+    h = torch.rms_norm(residual, hidden, w.layers[0].input_norm, eps)
     for i, (layer, (qkv_mm, o_mm, gate_up_mm, down_mm)) in enumerate(
         zip(w.layers, model._cpu_decode, strict=True)
     ):
         if i:
             residual.add_(h)
-            h = F.rms_norm(residual, (cfg.hidden_size,), layer.input_norm, eps)
+            h = torch.rms_norm(residual, hidden, layer.input_norm, eps)
         qkv = qkv_mm(h.to(_gemm_dtype(layer.qkv))).float()
-        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(tokens, heads, d)
+        qk = qkv[:, :qk_size].view(tokens, heads, d)
         rolled = qk.roll(d // 2, dims=-1).mul_(sin2)  # not addcmul: its FMA rounds apart
         qk.mul_(cos2).add_(rolled)
-        new_kv = qkv[:, cfg.q_size :].view(tokens, 2, hkv, d).permute(1, 2, 0, 3)
+        new_kv = qkv[:, q_size:].view(tokens, 2, hkv, d).permute(1, 2, 0, 3)
         kv_rows[i].index_copy_(2, dst_rows, new_kv if src is None else new_kv[:, :, src])
-        q = qk[:, : cfg.num_heads]
-        out = paged_attention_gathered(q, kv[i, 0], kv[i, 1], lengths, bias, scale)
-        attn_in.view(tokens, hkv, -1).copy_(out.view(hkv, tokens, -1).transpose(0, 1))
+        q = qk[:, : cfg.num_heads].view(tokens, hkv, group, d).transpose(0, 1)
+        scores = torch.bmm(q.reshape(hkv * tokens, group, d), keys[i]).mul_(scale)
+        if bias is not None:
+            scores.add_(bias)
+        out = torch.bmm(torch.softmax(scores, dim=-1), values[i])  # [Hkv * G, group, D]
+        attn_heads.copy_(out.view(hkv, tokens, -1).transpose(0, 1))
         residual.add_(o_mm(attn_in))
-        h = F.rms_norm(residual, (cfg.hidden_size,), layer.post_norm, eps)
+        h = torch.rms_norm(residual, hidden, layer.post_norm, eps)
         gate_up = gate_up_mm(h.to(_gemm_dtype(layer.gate_up))).float()
-        F.silu(gate_up[:, :inter], inplace=True)
-        torch.mul(gate_up[:, :inter], gate_up[:, inter:], out=act)
+        gate = F.silu(gate_up[:, :inter], inplace=True)
+        torch.mul(gate, gate_up[:, inter:], out=act)
         h = down_mm(act)
     residual.add_(h)
     # The new tokens' k/v of every layer into their cache slots, in one scatter.
@@ -175,4 +190,4 @@ def hidden_states(
     data[:, :, slot_mapping // block_size, :, slot_mapping % block_size] = (
         kv[:, :, :, rows, positions].permute(3, 0, 1, 2, 4).to(data.dtype)
     )
-    return F.rms_norm(residual, (cfg.hidden_size,), w.norm, eps)
+    return torch.rms_norm(residual, hidden, w.norm, eps)
