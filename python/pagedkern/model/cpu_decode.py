@@ -3,19 +3,24 @@ CPU, in as few torch ops per layer as the math allows.
 
 On the CPU the reference ops are the model's kernels, and at decode their per-op cost (argument
 checks, per-layer page gathers, dtype round trips: ~60 small ops a layer) outweighed the GEMMs.
-This path computes the same math as the plain forward (llama.py) with ~20 ops a layer:
+This path computes the plain forward's (llama.py) function with ~20 ops a layer:
 
 - once per step: every layer's K/V pages of the batch gathered into one float32 copy
-  (reference.attention.gather_decode_kv), the softmax mask, the RoPE rows of the positions;
+  (reference.attention.gather_decode_kv) and viewed as each layer's attention operands, the
+  softmax mask, the RoPE rows of the positions;
 - per layer: residual add and RMSNorm (torch's fused rms_norm), the GEMMs on the prepacked
   weights (quantized: torch's int-pack kernels with bf16 activations, as ops.quant_linear),
-  RoPE of q and k in place (rotate-half as roll + multiply-add), the new k/v written into the
-  gathered copy, attention as baddbmm / softmax / bmm, SwiGLU in fp32;
+  RoPE of q and k in place (rotate-half as roll, multiply, add), the new k/v written into the
+  gathered copy (one index_copy_), attention as bmm / softmax / bmm, SwiGLU in fp32;
 - once per step: the new tokens' k/v written back into the paged cache (one scatter).
 
-Norm statistics, softmax and the residual stream stay fp32, as in the plain path; results agree
-with it to fp32 rounding (tests/test_cpu_decode.py). Used only where it computes exactly the
-plain path's function (see `applies`); everything else takes the plain path.
+Bit for bit the plain path's result: every op rounds where the reference op does (no FMA where
+the reference multiplies and adds; the bmm operands of reference.paged_attention_gathered,
+which equals reference.paged_attention), tests/test_cpu_decode.py asserts torch.equal. So a
+decode row's logits do not depend on whether its step took this path (decode-only steps) or
+the plain one (steps with a prefill chunk), and the engine keeps greedy outputs independent of
+batch make-up with it on. Used only where it computes exactly the plain path's function (see
+`applies`); everything else takes the plain path.
 """
 
 from __future__ import annotations
