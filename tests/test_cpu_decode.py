@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkern.model import SequenceChunk, build_batch, cpu_decode, load_model
+from pagedkern.model import PRESETS, SequenceChunk, build_batch, cpu_decode, load_model
 from pagedkern.model.attention_metadata import verification_rows
 from pagedkern.model.kv_cache import KVCache
 
@@ -41,7 +41,18 @@ def _prefilled(model, lengths: list[int]):
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("lengths", [[37], [5, 40, 16, 17], [20, 20, 20]])
 def test_fast_decode_step_equals_plain(quantization, lengths):
-    model = _model(quantization)
+    _assert_fast_equals_plain(_model(quantization), lengths)
+
+
+@pytest.mark.parametrize("lengths", [[37], [5, 40, 16, 17]])
+def test_fast_decode_step_equals_plain_with_a_softmax_scale_not_a_power_of_two(lengths):
+    # head_dim 16 (tiny) and 64 (the default model) fold the scale into q's RoPE rows; 32 keeps
+    # the multiply on the scores
+    model = load_model(PRESETS["tiny"].replace(head_dim=32), "cpu", seed=1)[0]
+    _assert_fast_equals_plain(model, lengths)
+
+
+def _assert_fast_equals_plain(model, lengths: list[int]) -> None:
     kv, (ids, meta) = _prefilled(model, lengths)
     before = kv.data.clone()
     fast_kv = KVCache(kv.data.clone())

@@ -25,6 +25,7 @@ batch make-up with it on. Used only where it computes exactly the plain path's f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -156,7 +157,15 @@ def hidden_states(
     table = model.cos_sin[positions]
     cos, sin = table[:, None, : d // 2], table[:, None, d // 2 :]
     cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
-    scale = d**-0.5
+    scale: float | None = d**-0.5
+    if math.frexp(scale)[0] == 0.5:
+        # A power-of-two softmax scale (D = 64, 256) rides on q's RoPE rows: scaling by 2^-k
+        # commutes with every rounding, so the bmm yields the reference's scores * scale, bit
+        # for bit, without a multiply a layer.
+        cos2, sin2 = cos2.repeat(1, heads, 1), sin2.repeat(1, heads, 1)
+        cos2[:, : cfg.num_heads].mul_(scale)
+        sin2[:, : cfg.num_heads].mul_(scale)
+        scale = None
     attn_in = torch.empty(tokens, q_size, dtype=_gemm_dtype(w.layers[0].o))
     attn_heads = attn_in.view(tokens, hkv, -1)
     act = torch.empty(tokens, inter, dtype=_gemm_dtype(w.layers[0].down))
@@ -176,7 +185,9 @@ def hidden_states(
         new_kv = qkv[:, q_size:].view(tokens, 2, hkv, d).permute(1, 2, 0, 3)
         kv_rows[i].index_copy_(2, dst_rows, new_kv if src is None else new_kv[:, :, src])
         q = qk[:, : cfg.num_heads].view(tokens, hkv, group, d).transpose(0, 1)
-        scores = torch.bmm(q.reshape(hkv * tokens, group, d), keys[i]).mul_(scale)
+        scores = torch.bmm(q.reshape(hkv * tokens, group, d), keys[i])
+        if scale is not None:
+            scores.mul_(scale)
         if bias is not None:
             scores.add_(bias)
         out = torch.bmm(torch.softmax(scores, dim=-1), values[i])  # [Hkv * G, group, D]
