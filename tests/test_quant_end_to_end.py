@@ -20,10 +20,11 @@ from pagedkern.model.weights import quantize_weights
 
 MAX_TOKENS = 8  # CI budget: 4 modes x 32 prompts
 # mode -> (min identical answers, max mean |delta logprob| of fp32's chosen tokens), from the
-# measurement at MAX_TOKENS = 8 (torch 2.13 CPU): int8 27/32 = 0.844 and 0.037, int4 27/32 and
-# 0.024 (both again on 2026-12-01 with the CPU decode fast path on, which changes no bit), fp8 KV
-# 22/32 = 0.688 and 0.048. The bounds allow one more flipped answer (other CPUs run other kernel
-# variants) and ~1.35x the measured |dlogprob|; all above the issue's 0.60 for int4 and fp8 KV.
+# measurement at MAX_TOKENS = 8 (torch 2.13 CPU; again on 2026-12-01 with the CPU decode fast
+# path on, which changes no bit): int8 27/32 = 0.844 and 0.037, int4 27/32 and 0.024, fp8 KV
+# 22/32 = 0.688 and 0.048. The bounds allow one more flipped answer (other CPUs run other
+# kernel variants) and ~1.35x the measured |dlogprob|; all above the issue's 0.60 for int4 and
+# fp8 KV.
 BOUNDS = {
     ("int8", "auto"): (0.80, 0.05),
     ("int4", "auto"): (0.80, 0.033),
