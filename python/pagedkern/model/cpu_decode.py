@@ -149,10 +149,10 @@ def hidden_states(
     src = None if torch.equal(src, rows) else src
     # Attention operands of every layer shaped as reference.paged_attention_gathered shapes
     # them (the same bmm / softmax / bmm on the same strides: the same bits), views taken once
-    # per step instead of once per layer.
+    # per step instead of once per layer; views, never copies, so they see each layer's new k/v.
     keys_len = padded if bias is not None else lengths[0]
-    keys = kv[:, 0, :, :, :keys_len].reshape(layers, hkv * tokens, keys_len, d).transpose(2, 3)
-    values = kv[:, 1, :, :, :keys_len].reshape(layers, hkv * tokens, keys_len, d)
+    keys = kv[:, 0, :, :, :keys_len].view(layers, hkv * tokens, keys_len, d).transpose(2, 3)
+    values = kv[:, 1, :, :, :keys_len].view(layers, hkv * tokens, keys_len, d)
     # RoPE rows: x' = x * [cos, cos] + roll(x, D/2) * [-sin, sin] (roll(x) = [x2, x1]).
     table = model.cos_sin[positions]
     cos, sin = table[:, None, : d // 2], table[:, None, d // 2 :]
