@@ -115,3 +115,81 @@ def mean_nll(llm: LLM) -> float:
     """Mean negative log-likelihood (nats/token) of NLL_TEXT under the model."""
     ids = llm.engine.tokenizer.encode(NLL_TEXT)
     return -token_logprobs(llm.engine.model, [ids], [1])[0].mean().item()
+
+
+# --- Ablations: which rounding costs a mode its agreement (README Quantization) --------------
+# python tests/quant_agreement.py int8 : per variant, the agreement with fp32 when the layers'
+# GEMMs are emulated in fp32 with the kernel's roundings switched on or off one at a time (the
+# LM head keeps its kernel). Plain path only: the fast path calls the int-pack kernels itself.
+
+
+def emulated_linear(bf16_inputs: bool, bf16_outputs: bool, kernel_scales: bool):
+    """A llama.linear replacement: x @ W.T in fp32 on the float64-exact dequantized weight
+    (scales rounded to bf16 as the CPU kernels see them if kernel_scales), x and/or the output
+    rounded to bf16 as the int-pack kernels round them."""
+    import torch.nn.functional as F
+
+    from pagedkern.model.quantized_linear import QuantizedWeight
+    from pagedkern.reference.quant_gemm import dequantize
+
+    dense: dict[int, torch.Tensor] = {}
+
+    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(weight, QuantizedWeight):
+            return F.linear(x, weight, bias)
+        if id(weight) not in dense:
+            dense[id(weight)] = dequantize(
+                weight, torch.bfloat16 if kernel_scales else None
+            ).float()
+        y = F.linear(x.bfloat16().float() if bf16_inputs else x, dense[id(weight)])
+        y = y.bfloat16().float() if bf16_outputs else y
+        return y if bias is None else y + bias
+
+    return linear
+
+
+ABLATIONS = {  # name -> (bf16 inputs, bf16 outputs, bf16 scales); None: the kernels themselves
+    "kernels": None,
+    "fp32 activations, exact weights": (False, False, False),
+    "fp32 activations, bf16 scales": (False, False, True),
+    "bf16 inputs only": (True, False, False),
+    "bf16 outputs only": (False, True, False),
+}
+
+
+def main(quantization: str, max_tokens: int = 8) -> None:
+    from pagedkern.model import llama
+
+    def engine(mode: str) -> LLM:
+        return LLM(
+            quantization=mode, backend="reference", device="cpu", max_num_seqs=32,
+            kv_cache_gib=0.25, cpu_fast_decode=False,
+        )  # fmt: skip
+
+    base = engine("none")
+    ids, _ = greedy_answers(base, max_tokens)
+    prompts = prompt_ids(base)
+    logp = token_logprobs(
+        base.engine.model,
+        [p + a for p, a in zip(prompts, ids, strict=True)],
+        [len(p) for p in prompts],
+    )
+    llm, kernels = engine(quantization), llama.linear
+    try:
+        for name, flags in ABLATIONS.items():
+            llama.linear = kernels if flags is None else emulated_linear(*flags)
+            got = agreement(ids, logp, llm, max_tokens)
+            print(
+                f"{quantization} | {name}: identical {round(got.identical * len(PROMPTS))}/"
+                f"{len(PROMPTS)}, first divergence {sorted(got.first_divergence)}, "
+                f"mean |dlogprob| {got.mean_abs_dlogprob:.4f}",
+                flush=True,
+            )
+    finally:
+        llama.linear = kernels
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1] if len(sys.argv) > 1 else "int8")

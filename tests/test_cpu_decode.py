@@ -1,13 +1,14 @@
-"""The CPU decode fast path (model/cpu_decode.py) against the plain forward it replaces: same
-hidden states and the same KV-cache writes, for fp32, int8 and int4 weights, one sequence,
-equal and unequal lengths; and the batches it must leave to the plain path."""
+"""The CPU decode fast path (model/cpu_decode.py) against the plain forward it replaces: the
+same hidden states and KV-cache writes bit for bit, for fp32, int8 and int4 weights, one
+sequence, equal and unequal lengths, speculative verification rows; and the batches it must
+leave to the plain path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedkern.model import SequenceChunk, build_batch, cpu_decode, load_model
+from pagedkern.model import PRESETS, SequenceChunk, build_batch, cpu_decode, load_model
 from pagedkern.model.attention_metadata import verification_rows
 from pagedkern.model.kv_cache import KVCache
 
@@ -40,7 +41,18 @@ def _prefilled(model, lengths: list[int]):
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("lengths", [[37], [5, 40, 16, 17], [20, 20, 20]])
 def test_fast_decode_step_equals_plain(quantization, lengths):
-    model = _model(quantization)
+    _assert_fast_equals_plain(_model(quantization), lengths)
+
+
+@pytest.mark.parametrize("lengths", [[37], [5, 40, 16, 17]])
+def test_fast_decode_step_equals_plain_with_a_softmax_scale_not_a_power_of_two(lengths):
+    # head_dim 16 (tiny) and 64 (the default model) fold the scale into q's RoPE rows; 32 keeps
+    # the multiply on the scores
+    model = load_model(PRESETS["tiny"].replace(head_dim=32), "cpu", seed=1)[0]
+    _assert_fast_equals_plain(model, lengths)
+
+
+def _assert_fast_equals_plain(model, lengths: list[int]) -> None:
     kv, (ids, meta) = _prefilled(model, lengths)
     before = kv.data.clone()
     fast_kv = KVCache(kv.data.clone())
@@ -50,13 +62,11 @@ def test_fast_decode_step_equals_plain(quantization, lengths):
     assert cpu_decode.applies(model, meta, fast_kv)
     fast = model.hidden_states(ids, meta, fast_kv)
     assert fast.dtype == plain.dtype == torch.float32 and not fast.isnan().any()
-    # fp32 weights: fp32 rounding only. Quantized: the GEMM inputs are rounded to bf16, where an
-    # fp32-rounding difference can flip one rounding (2^-8 relative) and propagate.
-    tol = 1e-5 if quantization == "none" else 2.0**-7
-    scale = plain.abs().max().item()
-    assert (fast - plain).abs().max().item() <= tol * scale
-    # The same k/v written, into this step's slots only.
-    torch.testing.assert_close(fast_kv.data, kv.data, rtol=tol, atol=tol * kv.data.abs().max())
+    # Bit for bit: the same ops in the same order with the same rounding points, so a decode
+    # row's logits never depend on which path its step took (i.e. on the batch make-up).
+    assert torch.equal(fast, plain)
+    # The same k/v written, into this step's slots only (never-written slots may hold NaN).
+    torch.testing.assert_close(fast_kv.data, kv.data, rtol=0, atol=0, equal_nan=True)
     written = (fast_kv.data != before).any(-1).any(3)  # [L, 2, blocks, bs]
     slots = meta.slot_mapping.long()
     outside = torch.ones(written.shape[2:], dtype=torch.bool)
@@ -98,6 +108,23 @@ def test_verification_rows_of_one_sequence_see_each_others_new_kv(other):
     chunk_ids, chunk_meta = build_batch([chunk], BLOCK)
     want_kv = KVCache(kv.data.clone())
     want = model.hidden_states(chunk_ids, chunk_meta, want_kv)
+    plain_kv = KVCache(kv.data.clone())
+    plain = model.hidden_states(ids, meta, plain_kv)[: len(rows)]  # the same rows, plain path
     assert not got.isnan().any()
+    assert torch.equal(got, plain)
+    torch.testing.assert_close(got_kv.data, plain_kv.data, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     torch.testing.assert_close(got_kv.data[:, :, tables[0]], want_kv.data[:, :, tables[0]])
+
+
+def test_on_by_default_and_the_flag_turns_it_off():
+    from pagedkern.engine import Engine, EngineConfig
+    from pagedkern.serving import cli_args
+
+    def config(*flags: str) -> EngineConfig:
+        return cli_args.engine_config(cli_args.build_parser().parse_args([*flags, "hi"]))
+
+    assert config().cpu_fast_decode is True
+    assert config("--no-cpu-fast-decode").cpu_fast_decode is False
+    engine = Engine.from_config(EngineConfig(model="synthetic:tiny", backend="reference"))
+    assert engine.model.fast_cpu_decode is True

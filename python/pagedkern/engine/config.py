@@ -102,10 +102,10 @@ class EngineConfig:
         "auto", "KV cache dtype: auto (the model's dtype) or fp8 (E4M3, per-layer scales)"
     )
     cpu_fast_decode: bool = _setting(
-        False,
+        True,
         "CPU: run decode-only steps through model/cpu_decode.py (~2x faster single-stream "
-        "decode; off by default because a decode row then rounds differently when it shares a "
-        "step with a prefill chunk, so greedy outputs can depend on batch make-up)",
+        "decode, the plain path's logits bit for bit, so outputs never depend on which path a "
+        "step took)",
     )
     tensor_parallel_size: int = _setting(
         1,

@@ -3,23 +3,29 @@ CPU, in as few torch ops per layer as the math allows.
 
 On the CPU the reference ops are the model's kernels, and at decode their per-op cost (argument
 checks, per-layer page gathers, dtype round trips: ~60 small ops a layer) outweighed the GEMMs.
-This path computes the same math as the plain forward (llama.py) with ~20 ops a layer:
+This path computes the plain forward's (llama.py) function with ~20 ops a layer:
 
 - once per step: every layer's K/V pages of the batch gathered into one float32 copy
-  (reference.attention.gather_decode_kv), the softmax mask, the RoPE rows of the positions;
+  (reference.attention.gather_decode_kv) and viewed as each layer's attention operands, the
+  softmax mask, the RoPE rows of the positions;
 - per layer: residual add and RMSNorm (torch's fused rms_norm), the GEMMs on the prepacked
   weights (quantized: torch's int-pack kernels with bf16 activations, as ops.quant_linear),
-  RoPE of q and k in place (rotate-half as roll + multiply-add), the new k/v written into the
-  gathered copy, attention as baddbmm / softmax / bmm, SwiGLU in fp32;
+  RoPE of q and k in place (rotate-half as roll, multiply, add), the new k/v written into the
+  gathered copy (one index_copy_), attention as bmm / softmax / bmm, SwiGLU in fp32;
 - once per step: the new tokens' k/v written back into the paged cache (one scatter).
 
-Norm statistics, softmax and the residual stream stay fp32, as in the plain path; results agree
-with it to fp32 rounding (tests/test_cpu_decode.py). Used only where it computes exactly the
-plain path's function (see `applies`); everything else takes the plain path.
+Bit for bit the plain path's result: every op rounds where the reference op does (no FMA where
+the reference multiplies and adds; the bmm operands of reference.paged_attention_gathered,
+which equals reference.paged_attention), tests/test_cpu_decode.py asserts torch.equal. So a
+decode row's logits do not depend on whether its step took this path (decode-only steps) or
+the plain one (steps with a prefill chunk), and the engine keeps greedy outputs independent of
+batch make-up with it on. Used only where it computes exactly the plain path's function (see
+`applies`); everything else takes the plain path.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -27,7 +33,7 @@ import torch.nn.functional as F
 
 from ..ops import launch
 from ..ops.quant_gemm import cpu_packed
-from ..reference.attention import decode_bias, gather_decode_kv, paged_attention_gathered
+from ..reference.attention import decode_bias, gather_decode_kv
 from .attention_metadata import AttentionMetadata
 from .kv_cache import KVCache
 from .quantized_linear import QuantizedWeight
@@ -123,44 +129,74 @@ def hidden_states(
 ) -> torch.Tensor:
     """Final-normed hidden states [T, H] fp32 of T decode rows (one per sequence)."""
     cfg, w = model.local, model.weights
-    eps, hkv, d = cfg.rms_norm_eps, cfg.num_kv_heads, cfg.head_dim
-    tokens, heads = input_ids.shape[0], cfg.num_heads + cfg.num_kv_heads
+    eps, hkv, d, hidden = cfg.rms_norm_eps, cfg.num_kv_heads, cfg.head_dim, (cfg.hidden_size,)
+    tokens, heads, group = (
+        input_ids.shape[0],
+        cfg.num_heads + cfg.num_kv_heads,
+        cfg.num_heads // hkv,
+    )
+    q_size, qk_size, inter = cfg.q_size, cfg.q_size + cfg.kv_size, cfg.intermediate_size
     lengths = meta.seq_lens.tolist()
     kv = gather_decode_kv(kv_cache.data, meta.block_tables, lengths)  # [L, 2, Hkv, G, P, D]
-    bias = decode_bias(lengths, kv.shape[4], hkv)
+    layers, padded = kv.shape[0], kv.shape[4]
+    bias = decode_bias(lengths, padded, hkv)
     rows = torch.arange(tokens)
     positions = meta.positions.long()  # = lengths - 1: the new token's slot in `kv`
     src, dst, dst_positions = _new_kv_targets(meta)
+    # New k/v rows -> flat (sequence, slot) rows of a layer's copy: one index_copy_ a layer.
+    kv_rows = kv.view(*kv.shape[:3], -1, d)  # [L, 2, Hkv, G * P, D]
+    dst_rows = dst * padded + dst_positions
+    src = None if torch.equal(src, rows) else src
+    # Attention operands of every layer shaped as reference.paged_attention_gathered shapes
+    # them (the same bmm / softmax / bmm on the same strides: the same bits), views taken once
+    # per step instead of once per layer; views, never copies, so they see each layer's new k/v.
+    keys_len = padded if bias is not None else lengths[0]
+    keys = kv[:, 0, :, :, :keys_len].view(layers, hkv * tokens, keys_len, d).transpose(2, 3)
+    values = kv[:, 1, :, :, :keys_len].view(layers, hkv * tokens, keys_len, d)
     # RoPE rows: x' = x * [cos, cos] + roll(x, D/2) * [-sin, sin] (roll(x) = [x2, x1]).
     table = model.cos_sin[positions]
     cos, sin = table[:, None, : d // 2], table[:, None, d // 2 :]
     cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
-    scale = d**-0.5
-    attn_in = torch.empty(tokens, cfg.q_size, dtype=_gemm_dtype(w.layers[0].o))
-    act = torch.empty(tokens, cfg.intermediate_size, dtype=_gemm_dtype(w.layers[0].down))
-    inter = cfg.intermediate_size
+    scale: float | None = d**-0.5
+    if math.frexp(scale)[0] == 0.5:
+        # A power-of-two softmax scale (D = 64, 256) rides on q's RoPE rows: scaling by 2^-k
+        # commutes with every rounding, so the bmm yields the reference's scores * scale, bit
+        # for bit, without a multiply a layer.
+        cos2, sin2 = cos2.repeat(1, heads, 1), sin2.repeat(1, heads, 1)
+        cos2[:, : cfg.num_heads].mul_(scale)
+        sin2[:, : cfg.num_heads].mul_(scale)
+        scale = None
+    attn_in = torch.empty(tokens, q_size, dtype=_gemm_dtype(w.layers[0].o))
+    attn_heads = attn_in.view(tokens, hkv, -1)
+    act = torch.empty(tokens, inter, dtype=_gemm_dtype(w.layers[0].down))
 
     residual = model._embed(input_ids)
-    h = F.rms_norm(residual, (cfg.hidden_size,), w.layers[0].input_norm, eps)
+    h = torch.rms_norm(residual, hidden, w.layers[0].input_norm, eps)
     for i, (layer, (qkv_mm, o_mm, gate_up_mm, down_mm)) in enumerate(
         zip(w.layers, model._cpu_decode, strict=True)
     ):
         if i:
             residual.add_(h)
-            h = F.rms_norm(residual, (cfg.hidden_size,), layer.input_norm, eps)
+            h = torch.rms_norm(residual, hidden, layer.input_norm, eps)
         qkv = qkv_mm(h.to(_gemm_dtype(layer.qkv))).float()
-        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(tokens, heads, d)
-        torch.addcmul(qk * cos2, qk.roll(d // 2, dims=-1), sin2, out=qk)
-        new_kv = qkv[:, cfg.q_size :].view(tokens, 2, hkv, d).permute(1, 2, 0, 3)
-        kv[i][:, :, dst, dst_positions] = new_kv[:, :, src]
-        q = qk[:, : cfg.num_heads]
-        out = paged_attention_gathered(q, kv[i, 0], kv[i, 1], lengths, bias, scale)
-        attn_in.view(tokens, hkv, -1).copy_(out.view(hkv, tokens, -1).transpose(0, 1))
+        qk = qkv[:, :qk_size].view(tokens, heads, d)
+        rolled = qk.roll(d // 2, dims=-1).mul_(sin2)  # not addcmul: its FMA rounds apart
+        qk.mul_(cos2).add_(rolled)
+        new_kv = qkv[:, q_size:].view(tokens, 2, hkv, d).permute(1, 2, 0, 3)
+        kv_rows[i].index_copy_(2, dst_rows, new_kv if src is None else new_kv[:, :, src])
+        q = qk[:, : cfg.num_heads].view(tokens, hkv, group, d).transpose(0, 1)
+        scores = torch.bmm(q.reshape(hkv * tokens, group, d), keys[i])
+        if scale is not None:
+            scores.mul_(scale)
+        if bias is not None:
+            scores.add_(bias)
+        out = torch.bmm(torch.softmax(scores, dim=-1), values[i])  # [Hkv * G, group, D]
+        attn_heads.copy_(out.view(hkv, tokens, -1).transpose(0, 1))
         residual.add_(o_mm(attn_in))
-        h = F.rms_norm(residual, (cfg.hidden_size,), layer.post_norm, eps)
+        h = torch.rms_norm(residual, hidden, layer.post_norm, eps)
         gate_up = gate_up_mm(h.to(_gemm_dtype(layer.gate_up))).float()
-        F.silu(gate_up[:, :inter], inplace=True)
-        torch.mul(gate_up[:, :inter], gate_up[:, inter:], out=act)
+        gate = F.silu(gate_up[:, :inter], inplace=True)
+        torch.mul(gate, gate_up[:, inter:], out=act)
         h = down_mm(act)
     residual.add_(h)
     # The new tokens' k/v of every layer into their cache slots, in one scatter.
@@ -170,4 +206,4 @@ def hidden_states(
     data[:, :, slot_mapping // block_size, :, slot_mapping % block_size] = (
         kv[:, :, :, rows, positions].permute(3, 0, 1, 2, 4).to(data.dtype)
     )
-    return F.rms_norm(residual, (cfg.hidden_size,), w.norm, eps)
+    return torch.rms_norm(residual, hidden, w.norm, eps)

@@ -91,7 +91,7 @@ class LlamaModel:
         )
         self._lm_head_fp32: torch.Tensor | None = None  # fallback for fp32 logits, made lazily
         self._cpu_decode: list | bool | None = None  # cpu_decode's prepared GEMMs, made lazily
-        # decode-only CPU steps through cpu_decode (EngineConfig.cpu_fast_decode says why off)
+        # decode-only CPU steps through cpu_decode (the engine sets EngineConfig.cpu_fast_decode)
         self.fast_cpu_decode = False
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:

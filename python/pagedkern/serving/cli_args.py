@@ -239,6 +239,13 @@ def build_parser() -> Parser:
         ),
     )
     e.add_argument(
+        "--no-cpu-fast-decode",
+        action="store_true",
+        help=_field_help(
+            EngineConfig, "cpu_fast_decode", "decode steps through the plain reference-op path"
+        ),
+    )
+    e.add_argument(
         "--enforce-eager",
         action="store_true",
         help=_field_help(
@@ -351,6 +358,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        cpu_fast_decode=not args.no_cpu_fast_decode,
         max_queue=args.max_queue,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
