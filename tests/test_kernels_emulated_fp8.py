@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from emulator import emulated, unavailable_reason
-from kernel_check import REL_TOLERANCE
+from kernel_check import REL_TOLERANCE, assert_same_e4m3
 
 import pagedkern
 from pagedkern import reference
@@ -25,18 +25,6 @@ from pagedkern.reference.rope import quantize_e4m3
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
 FP8 = torch.float8_e4m3fn
-
-
-def assert_same_e4m3(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Bit-identical E4M3 bytes, except that a NaN may carry either sign (fp8.cuh)."""
-    g, w = got.view(torch.uint8), want.view(torch.uint8)
-    nan = (w & 0x7F) == 0x7F
-    assert torch.equal((g & 0x7F) == 0x7F, nan), "NaN positions differ"
-    mismatch = (g != w) & ~nan
-    assert not mismatch.any(), (
-        f"{int(mismatch.sum())} bytes differ, e.g. got {g[mismatch][:8].tolist()} "
-        f"want {w[mismatch][:8].tolist()}"
-    )
 
 
 def _qkv(tokens, hq, hkv, d, dtype, off, g, spread=1.0):
