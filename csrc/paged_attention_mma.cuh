@@ -51,6 +51,10 @@
  *   2^-14 <= |q| <= 65504 since bf16 keeps 8 significant bits; smaller values lose bits as f16
  *   subnormals, larger ones saturate at 65504), P in [0, 1] keeps 11 bits instead of bf16's 8;
  *   accumulation stays fp32. k_scale is folded into the scores' scale, v_scale into 1 / sum.
+ *   Rows of 4 chunks (D = 64) swizzle on (token / 2) % 4 (two tokens per 128-byte bank line).
+ *   sm_90a main loop: 372 instructions per warp and tile at D = 128 (242 at D = 64), of them
+ *   D / 2 F2FP and D / 16 PRMT. Bytes per (token, KV head) halve, FLOPs stay: 16 FLOP/byte at
+ *   D = 128, still far below the ridge.
  * Roofline: 4 * 8 * D tensor-core FLOPs per 4 * D bytes (D = 128: 8 FLOP/byte, padded to 8
  *   heads), far below the mma ridge: memory bound. Target >= 85% of the measured device-copy
  *   bandwidth at B=64, L=4096, Hq/Hkv=32/8, D=128, bs=16 (not yet measured: no GPU has run it).
@@ -104,28 +108,6 @@ __device__ __forceinline__ int swizzled(int token, int chunk) {
   constexpr int kChunks = Shape<D, C>::kChunks;
   const int x = kChunks >= 8 ? token & 7 : (token >> 1) & 3;
   return token * D + (chunk ^ x) * Shape<D, C>::kChunkElems;
-}
-
-// Two elements of q as f16x2 bits for the f16 mma of the fp8 cache: as is for __half; bf16
-// rounded to f16, saturating at +-65504 (see the header comment).
-template <typename T>
-__device__ __forceinline__ uint32_t q_pair_as_half2(uint32_t x);
-template <>
-__device__ __forceinline__ uint32_t q_pair_as_half2<__half>(uint32_t x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ uint32_t q_pair_as_half2<__nv_bfloat16>(uint32_t x) {
-  constexpr float kMax = 65504.f;
-  const float lo = fminf(fmaxf(__uint_as_float(x << 16), -kMax), kMax);
-  const float hi = fminf(fmaxf(__uint_as_float(x & 0xffff0000u), -kMax), kMax);
-  return mma::pack2<__half>(lo, hi);
-}
-
-// Two E4M3 bytes (the low / high half of x) as the f16x2 an A fragment register holds.
-__device__ __forceinline__ uint32_t e4m3_lo(uint32_t x) { return e4m3x2_to_half2_bits(uint16_t(x)); }
-__device__ __forceinline__ uint32_t e4m3_hi(uint32_t x) {
-  return e4m3x2_to_half2_bits(uint16_t(x >> 16));
 }
 
 // 16 bytes by cp.async (L1 bypass), or 16 zero bytes when !valid (src-size 0: nothing is read).
@@ -189,8 +171,8 @@ __global__ void __launch_bounds__(Shape<D, C>::kThreads)
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
       const uint2 w = g < heads ? *reinterpret_cast<const uint2*>(qrow + 16 * i) : make_uint2(0, 0);
-      qb[i][0] = q_pair_as_half2<T>(w.x);
-      qb[i][1] = q_pair_as_half2<T>(w.y);
+      qb[i][0] = mma::q_pair_as_half2<T>(w.x);
+      qb[i][1] = mma::q_pair_as_half2<T>(w.y);
     }
   } else {
     const T* qrow = static_cast<const T*>(p.q) + b * p.q_stride + (head0 + g) * D + 2 * c;
@@ -283,8 +265,8 @@ __global__ void __launch_bounds__(Shape<D, C>::kThreads)
         mma::ldmatrix_x4<false>(r, ks + swizzled<D, C>(k_token, 2 * i + k_chunk));
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t a[4] = {e4m3_lo(r[2 * h]), e4m3_lo(r[2 * h + 1]), e4m3_hi(r[2 * h]),
-                                 e4m3_hi(r[2 * h + 1])};
+          const uint32_t a[4] = {mma::e4m3_lo(r[2 * h]), mma::e4m3_lo(r[2 * h + 1]), mma::e4m3_hi(r[2 * h]),
+                                 mma::e4m3_hi(r[2 * h + 1])};
           mma::mma_16816<M>(s, a, qb[2 * i + h]);
         }
       }
@@ -345,7 +327,7 @@ __global__ void __launch_bounds__(Shape<D, C>::kThreads)
         for (int h = 0; h < 2; ++h) {
           const uint32_t lo = __byte_perm(r[2 * h], 0, 0x3120);
           const uint32_t hi = __byte_perm(r[2 * h + 1], 0, 0x3120);
-          const uint32_t a[4] = {e4m3_lo(lo), e4m3_hi(lo), e4m3_lo(hi), e4m3_hi(hi)};
+          const uint32_t a[4] = {mma::e4m3_lo(lo), mma::e4m3_hi(lo), mma::e4m3_lo(hi), mma::e4m3_hi(hi)};
           mma::mma_16816<M>(acc[2 * i + h], a, pb);
         }
       }
