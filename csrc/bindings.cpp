@@ -161,7 +161,7 @@ PYBIND11_MODULE(_C, m) {
          int64_t block_table_stride, int64_t block_table_width, int64_t num_blocks, int batch,
          int num_heads, int num_kv_heads, int head_dim, int block_size, int num_splits,
          int split_size, double scale, int dtype, bool check_indices, int device,
-         std::uintptr_t stream, int variant) {
+         std::uintptr_t stream, int variant, bool kv_fp8, double k_scale, double v_scale) {
         pagedkern::PagedAttentionParams p;
         p.out = as_ptr<void>(out);
         p.lse = as_ptr<float>(lse);
@@ -184,6 +184,9 @@ PYBIND11_MODULE(_C, m) {
         p.num_splits = num_splits;
         p.split_size = split_size;
         p.scale = static_cast<float>(scale);
+        p.k_scale = static_cast<float>(k_scale);
+        p.v_scale = static_cast<float>(v_scale);
+        p.kv_fp8 = kv_fp8;
         p.dtype = static_cast<DType>(dtype);
         p.check_indices = check_indices;
         p.variant = variant;
@@ -197,6 +200,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
       py::arg("num_splits"), py::arg("split_size"), py::arg("scale"), py::arg("dtype"),
       py::arg("check_indices"), py::arg("device"), py::arg("stream"), py::arg("variant"),
+      py::arg("kv_fp8"), py::arg("k_scale"), py::arg("v_scale"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -206,7 +210,8 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t slot_mapping, int64_t q_stride, int64_t k_stride, int64_t v_stride,
          int64_t tokens, int64_t max_positions, int64_t num_blocks, int num_heads,
          int num_kv_heads, int head_dim, int block_size, int dtype, bool check_indices,
-         int device, std::uintptr_t stream, int variant) {
+         int device, std::uintptr_t stream, int variant, bool kv_fp8, double k_scale,
+         double v_scale) {
         pagedkern::RopeAndCacheParams p;
         p.variant = variant;
         p.q = as_ptr<void>(q);
@@ -229,6 +234,10 @@ PYBIND11_MODULE(_C, m) {
         p.block_size = block_size;
         p.dtype = static_cast<DType>(dtype);
         p.check_indices = check_indices;
+        p.kv_fp8 = kv_fp8;
+        // fp32 of the double reciprocal: the reference's torch.tensor(1 / scale, float32)
+        p.k_scale_inv = static_cast<float>(1.0 / k_scale);
+        p.v_scale_inv = static_cast<float>(1.0 / v_scale);
         DeviceGuard guard(device);
         pagedkern::rope_and_cache(p, as_stream(stream));
       },
@@ -238,6 +247,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("max_positions"), py::arg("num_blocks"), py::arg("num_heads"),
       py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("dtype"),
       py::arg("check_indices"), py::arg("device"), py::arg("stream"), py::arg("variant"),
+      py::arg("kv_fp8"), py::arg("k_scale"), py::arg("v_scale"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(

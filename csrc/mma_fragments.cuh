@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "device.cuh"
+#include "fp8.cuh"
 
 namespace pagedkern {
 namespace mma {
@@ -145,6 +146,30 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 }
 
 #endif
+
+// ---- fp8 (E4M3) pages: fragments for the f16 mma (paged_attention_mma.cuh) ----
+
+// Two elements of q as f16x2 bits for the f16 mma of the fp8 cache: as is for __half; bf16
+// rounded to f16, saturating at +-65504 (see the header comment).
+template <typename T>
+__device__ __forceinline__ uint32_t q_pair_as_half2(uint32_t x);
+template <>
+__device__ __forceinline__ uint32_t q_pair_as_half2<__half>(uint32_t x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ uint32_t q_pair_as_half2<__nv_bfloat16>(uint32_t x) {
+  constexpr float kMax = 65504.f;
+  const float lo = fminf(fmaxf(__uint_as_float(x << 16), -kMax), kMax);
+  const float hi = fminf(fmaxf(__uint_as_float(x & 0xffff0000u), -kMax), kMax);
+  return pack2<__half>(lo, hi);
+}
+
+// Two E4M3 bytes (the low / high half of x) as the f16x2 an A fragment register holds.
+__device__ __forceinline__ uint32_t e4m3_lo(uint32_t x) { return e4m3x2_to_half2_bits(uint16_t(x)); }
+__device__ __forceinline__ uint32_t e4m3_hi(uint32_t x) {
+  return e4m3x2_to_half2_bits(uint16_t(x >> 16));
+}
 
 }  // namespace mma
 }  // namespace pagedkern

@@ -34,7 +34,15 @@
  *  paged_attention_merge_kernel<T>: one warp per (sequence, query head) merges the splits that
  *     hold keys: out = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s) (float4 reads).
  *
- * Traffic: B * L * 2 * Hkv * D * sizeof(T) bytes of K/V (q, out and the workspace are small).
+ *  fp8 cache (kv_fp8, C = Fp8; issue 14): E4M3 pages, same mapping and 48 KB ring, but a stage
+ *     holds kTile = 8192 / D tokens (the same 8 KB of K + 8 KB of V, so the same bytes in
+ *     flight): each 16-byte cp.async carries 16 elements, a thread copies chunk
+ *     threadIdx % (D / 16) of every (2 kRows)-th token. The math reads its 8 elements per lane
+ *     as 8 bytes and widens them to fp32 (4 cvt e4m3x2 -> f16x2 on sm_89+); k_scale is folded
+ *     into q's scale, v_scale into the final 1 / sum, so fp32 math and the merge are unchanged.
+ *
+ * Traffic: B * L * 2 * Hkv * D * sizeof(C) bytes of K/V (q, out and the workspace are small;
+ * sizeof(C) = 1 for the fp8 cache: half the bytes of the 16-bit kernel).
  * Memory bound; target >= 80% of the measured device-copy bandwidth at B=64, L=4096, Hq/Hkv=32/8,
  * D=128, bs=16. Shared memory: 48 KB per CTA (4 CTAs per H100/H200 SM, 3 on A100).
  * Known limit: each K/V byte is read from shared memory once per head unit of the CTA, and the
@@ -48,7 +56,10 @@
  */
 #include <cuda_pipeline_primitives.h>
 
+#include <cmath>
+
 #include "device.cuh"
+#include "fp8.cuh"
 #include "index_check.cuh"
 #include "paged_attention.h"
 #include "paged_attention_mma.cuh"
@@ -61,14 +72,18 @@ constexpr int kGroup = 4;   // tokens per online-softmax update
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <int D>
+// C: the cache element (T, or Fp8 for E4M3 pages).
+template <int D, typename C>
 struct Shape {
-  static constexpr int kLanes = D / 8;                    // one 16-byte chunk per lane
+  static constexpr int kLanes = D / 8;                    // 8 elements of the head dim per lane
   static constexpr int kRows = D == 64 ? 16 : 8;          // = max head units per CTA
   static constexpr int kThreads = kLanes * kRows;         // 128, 128, 256
-  static constexpr int kTile = 4096 / D;                  // tokens per stage
-  static constexpr int kTokensPerThread = kTile / kRows;  // copies per thread per stage (K and V)
-  static_assert(D % 64 == 0 && kLanes <= 32 && kTile % kRows == 0, "unsupported head dim");
+  static constexpr int kTile = 8192 / int(sizeof(C)) / D;  // tokens per stage (8 KB of K)
+  static constexpr int kCopyChunks = D * int(sizeof(C)) / 16;  // 16-byte chunks per token
+  static constexpr int kCopyRows = kThreads / kCopyChunks;     // tokens one pass of copies covers
+  static constexpr int kTokensPerThread = kTile / kCopyRows;   // copies per thread per stage
+  static_assert(D % 64 == 0 && kLanes <= 32 && kTile % kCopyRows == 0 && kTile % kRows == 0,
+                "unsupported head dim");
   // Token slots past a tile (< kTile + 4 * kRows) must stay inside the K + V ring.
   static_assert(3 * kTile + 4 * kRows <= 6 * kTile, "stale slot reads would leave the ring");
 };
@@ -78,7 +93,7 @@ struct Layout {
   int block_shift;    // log2(block_size)
   int group;          // query heads per KV head
   int head_chunks;    // CTAs per KV head
-  int units_per_cta;  // head units (kHeads query heads each) per CTA, <= Shape<D>::kRows
+  int units_per_cta;  // head units (kHeads query heads each) per CTA, <= Shape<D, C>::kRows
 };
 
 template <typename T>
@@ -87,16 +102,30 @@ __device__ __forceinline__ void to_floats(const Vec16<T>& v, float (&f)[8]) {
   for (int e = 0; e < 8; ++e) f[e] = to_float(v.v[e]);
 }
 
+// 8 consecutive cache elements in shared memory as fp32: one 16-byte read of a 16-bit T, or
+// one 8-byte read of E4M3 widened by 4 conversions (exact).
+template <typename T>
+__device__ __forceinline__ void cache_floats(const T* p, float (&f)[8]) {
+  to_floats(Vec16<T>::load(p), f);
+}
+__device__ __forceinline__ void cache_floats(const Fp8* p, float (&f)[8]) {
+  const uint2 w = *reinterpret_cast<const uint2*>(p);
+  e4m3x2_to_floats(uint16_t(w.x), f[0], f[1]);
+  e4m3x2_to_floats(uint16_t(w.x >> 16), f[2], f[3]);
+  e4m3x2_to_floats(uint16_t(w.y), f[4], f[5]);
+  e4m3x2_to_floats(uint16_t(w.y >> 16), f[6], f[7]);
+}
+
 // kHeads: query heads per thread (2 when the group size is even: each K/V chunk read from shared
 // memory and converted once serves both).
-template <typename T, int D, int kHeads>
-__global__ void __launch_bounds__(Shape<D>::kThreads)
+template <typename T, typename C, int D, int kHeads>
+__global__ void __launch_bounds__(Shape<D, C>::kThreads)
     paged_attention_kernel(const PagedAttentionParams p, const Layout lay) {
-  using S = Shape<D>;
+  using S = Shape<D, C>;
   using V = Vec16<T>;
   struct alignas(16) Ring {
-    T k[kStages][S::kTile * D];
-    T v[kStages][S::kTile * D];
+    C k[kStages][S::kTile * D];
+    C v[kStages][S::kTile * D];
   };
   __shared__ Ring ring;
   auto& smem_k = ring.k;
@@ -142,7 +171,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
     const V qv = V::load(static_cast<const T*>(p.q) + b * p.q_stride + (head + h) * D + lane * 8);
     to_floats(qv, qf[h]);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) qf[h][e] *= p.scale * kLog2e;
+    for (int e = 0; e < 8; ++e) qf[h][e] *= p.scale * p.k_scale * kLog2e;  // k_scale: fp8
   }
 
   const int* table = p.block_tables + b * p.block_table_stride;
@@ -152,15 +181,19 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
          i += blockDim.x)
       check_index(true, table[i], p.num_blocks);
   }
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const C* k_cache = static_cast<const C*>(p.k_cache);
+  const C* v_cache = static_cast<const C*>(p.v_cache);
   const int block_mask = (1 << lay.block_shift) - 1;
-  // This thread copies chunk `lane` of tokens row + i * kRows of every tile.
+  // This thread copies 16-byte chunk `copy_chunk` of tokens copy_row + i * kCopyRows of every
+  // tile (16-bit caches: copy_chunk = lane, copy_row = row).
+  constexpr int kChunkElems = 16 / int(sizeof(C));
+  const int copy_chunk = threadIdx.x % S::kCopyChunks;
+  const int copy_row = threadIdx.x / S::kCopyChunks;
   int pages[S::kTokensPerThread];
   auto lookup = [&](int tile) {
 #pragma unroll
     for (int i = 0; i < S::kTokensPerThread; ++i) {
-      const int t = start + tile * S::kTile + row + i * S::kRows;
+      const int t = start + tile * S::kTile + copy_row + i * S::kCopyRows;
       pages[i] = t < end ? table[t >> lay.block_shift] : 0;
     }
   };
@@ -168,14 +201,15 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
     const int stage = tile % kStages;
 #pragma unroll
     for (int i = 0; i < S::kTokensPerThread; ++i) {
-      const int j = row + i * S::kRows;
+      const int j = copy_row + i * S::kCopyRows;
       const int t = start + tile * S::kTile + j;
       if (t < end) {
         const int64_t offset =
             ((int64_t(pages[i]) * p.num_kv_heads + kv_head) * (block_mask + 1) + (t & block_mask)) *
-                D + lane * 8;
-        __pipeline_memcpy_async(&smem_k[stage][j * D + lane * 8], k_cache + offset, 16);
-        __pipeline_memcpy_async(&smem_v[stage][j * D + lane * 8], v_cache + offset, 16);
+                D + copy_chunk * kChunkElems;
+        const int dst = j * D + copy_chunk * kChunkElems;
+        __pipeline_memcpy_async(&smem_k[stage][dst], k_cache + offset, 16);
+        __pipeline_memcpy_async(&smem_v[stage][dst], v_cache + offset, 16);
       }
     }
   };
@@ -209,14 +243,14 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
       // Token slot u of this row is base + z + u * zs. Slots past the tile read stale bytes
       // that stay inside `ring` (at most 4 * kRows - 1 tokens past the last K stage, which is
       // followed by the V stages) and are masked to -inf below.
-      const T* kp = &smem_k[tile % kStages][(base + z) * D + lane * 8];
-      const T* vp = &smem_v[tile % kStages][(base + z) * D + lane * 8];
+      const C* kp = &smem_k[tile % kStages][(base + z) * D + lane * 8];
+      const C* vp = &smem_v[tile % kStages][(base + z) * D + lane * 8];
       const int limit = active ? valid - base - z : 0;  // slot u is a token iff u * zs < limit
       float s[kHeads][kGroup];
 #pragma unroll
       for (int u = 0; u < kGroup; ++u) {
         float kf[8];
-        to_floats(V::load(kp + u * zs * D), kf);
+        cache_floats(kp + u * zs * D, kf);
 #pragma unroll
         for (int h = 0; h < kHeads; ++h) {
           float dot = 0.f;
@@ -253,7 +287,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
       for (int u = 0; u < kGroup; ++u) {
         if (u * zs < limit) {
           float vf[8];
-          to_floats(V::load(vp + u * zs * D), vf);
+          cache_floats(vp + u * zs * D, vf);
 #pragma unroll
           for (int h = 0; h < kHeads; ++h) {
             const float w = fast_exp2(s[h][u] - m_ref[h]);
@@ -296,7 +330,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[e] += w * red[(r * kHeads + h) * D + lane * 8 + e];
     }
-    const float inv = 1.f / total;
+    const float inv = p.v_scale / total;  // v_scale: fp8 (the merge is linear in the parts)
     const float lse = (mx + log2f(total)) * kLn2;
     if (p.num_splits == 1) {
       V ov;
@@ -362,31 +396,31 @@ __global__ void __launch_bounds__(128) paged_attention_merge_kernel(const PagedA
 }
 
 // The tensor-core variant (paged_attention_mma.cuh), D = 64 and 128.
-template <typename T, int D>
+template <typename T, typename C, int D>
 void launch_mma(const PagedAttentionParams& p, int block_shift, cudaStream_t stream) {
   const mma_decode::Layout lay = mma_decode::layout_for(p, block_shift);
   const dim3 grid(unsigned(p.num_kv_heads * lay.head_chunks), unsigned(p.batch),
                   unsigned(p.num_splits));
-  mma_decode::paged_attention_mma_kernel<T, D>
-      <<<grid, mma_decode::Shape<D>::kThreads, 0, stream>>>(p, lay);
+  mma_decode::paged_attention_mma_kernel<T, C, D>
+      <<<grid, mma_decode::Shape<D, C>::kThreads, 0, stream>>>(p, lay);
   PK_CHECK_LAUNCH("paged_attention_mma_kernel");
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 void launch(const PagedAttentionParams& p, Layout lay, cudaStream_t stream) {
   if constexpr (D != 256) {
-    if (p.variant == kPagedAttentionMma) launch_mma<T, D>(p, lay.block_shift, stream);
+    if (p.variant == kPagedAttentionMma) launch_mma<T, C, D>(p, lay.block_shift, stream);
   }
   if (p.variant == kPagedAttentionSimt) {
     const int units = lay.group % 2 == 0 ? lay.group / 2 : lay.group;  // kHeads = 2 or 1 below
-    lay.head_chunks = ceil_div(units, Shape<D>::kRows);
+    lay.head_chunks = ceil_div(units, Shape<D, C>::kRows);
     lay.units_per_cta = ceil_div(units, lay.head_chunks);
     const dim3 grid(unsigned(p.num_kv_heads * lay.head_chunks), unsigned(p.batch),
                     unsigned(p.num_splits));
     if (lay.group % 2 == 0) {
-      paged_attention_kernel<T, D, 2><<<grid, Shape<D>::kThreads, 0, stream>>>(p, lay);
+      paged_attention_kernel<T, C, D, 2><<<grid, Shape<D, C>::kThreads, 0, stream>>>(p, lay);
     } else {
-      paged_attention_kernel<T, D, 1><<<grid, Shape<D>::kThreads, 0, stream>>>(p, lay);
+      paged_attention_kernel<T, C, D, 1><<<grid, Shape<D, C>::kThreads, 0, stream>>>(p, lay);
     }
     PK_CHECK_LAUNCH("paged_attention_kernel");
   }
@@ -397,12 +431,12 @@ void launch(const PagedAttentionParams& p, Layout lay, cudaStream_t stream) {
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_head_dim(const PagedAttentionParams& p, const Layout& lay, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: launch<T, 64>(p, lay, stream); break;
-    case 128: launch<T, 128>(p, lay, stream); break;
-    case 256: launch<T, 256>(p, lay, stream); break;
+    case 64: launch<T, C, 64>(p, lay, stream); break;
+    case 128: launch<T, C, 128>(p, lay, stream); break;
+    case 256: launch<T, C, 256>(p, lay, stream); break;
     default: throw std::invalid_argument("paged_attention: head_dim must be 64, 128 or 256");
   }
 }
@@ -419,6 +453,8 @@ void paged_attention(const PagedAttentionParams& p, cudaStream_t stream) {
   require(p.variant == kPagedAttentionSimt ||
               (p.variant == kPagedAttentionMma && (p.head_dim == 64 || p.head_dim == 128)),
           "paged_attention: variant must be simt (0) or, for D = 64 and 128, mma (1)");
+  require(std::isfinite(p.k_scale) && p.k_scale > 0 && std::isfinite(p.v_scale) && p.v_scale > 0,
+          "paged_attention: k_scale and v_scale must be finite and positive");
   require(p.num_splits == 1 || (p.split_size > 0 && p.split_size % 64 == 0 && p.workspace),
           "paged_attention: splits need a split_size multiple of 64 and a workspace");
   require(aligned16(p.q) && aligned16(p.out) && aligned16(p.k_cache) && aligned16(p.v_cache) &&
@@ -429,8 +465,14 @@ void paged_attention(const PagedAttentionParams& p, cudaStream_t stream) {
   while ((1 << lay.block_shift) < p.block_size) ++lay.block_shift;
   lay.group = p.num_heads / p.num_kv_heads;
   switch (p.dtype) {
-    case DType::kFloat16: dispatch_head_dim<__half>(p, lay, stream); break;
-    case DType::kBFloat16: dispatch_head_dim<__nv_bfloat16>(p, lay, stream); break;
+    case DType::kFloat16:
+      if (p.kv_fp8) dispatch_head_dim<__half, Fp8>(p, lay, stream);
+      else dispatch_head_dim<__half, __half>(p, lay, stream);
+      break;
+    case DType::kBFloat16:
+      if (p.kv_fp8) dispatch_head_dim<__nv_bfloat16, Fp8>(p, lay, stream);
+      else dispatch_head_dim<__nv_bfloat16, __nv_bfloat16>(p, lay, stream);
+      break;
     default: throw std::invalid_argument("paged_attention: dtype must be float16 or bfloat16");
   }
 }

@@ -13,12 +13,14 @@ namespace pagedkern {
 // through block_tables[b] from HND pages [num_blocks, Hkv, block_size, D]; query head h reads KV
 // head h / (Hq / Hkv). seq_lens[b] <= 0: zeros (lse -inf). With num_splits > 1 the keys are cut
 // into splits of split_size tokens (the last split takes the rest), each written to the fp32
-// workspace with its log-sum-exp, and a second kernel merges them.
+// workspace with its log-sum-exp, and a second kernel merges them. kv_fp8: E4M3 pages (fp8.cuh),
+// dequantized on load; scores use scale * k_scale and the output is multiplied by v_scale, i.e.
+// attention over the dequantized cache k_scale * K, v_scale * V (both scales 1 for 16-bit caches).
 struct PagedAttentionParams {
   void* out = nullptr;             // [B, Hq, D], token stride out_stride
   float* lse = nullptr;            // [B, Hq] natural-log LSE of the scaled scores, or nullptr
   const void* q = nullptr;         // [B, Hq, D], token stride q_stride
-  const void* k_cache = nullptr;   // [num_blocks, Hkv, block_size, D], contiguous
+  const void* k_cache = nullptr;   // [num_blocks, Hkv, block_size, D], contiguous, T or E4M3
   const void* v_cache = nullptr;
   const int* block_tables = nullptr;  // [B, block_table_width], row stride block_table_stride
   const int* seq_lens = nullptr;      // [B]
@@ -36,7 +38,10 @@ struct PagedAttentionParams {
   int num_splits = 1;
   int split_size = 0;    // tokens per split, a multiple of 64 (num_splits > 1)
   float scale = 1.f;
-  DType dtype = DType::kBFloat16;  // float16 or bfloat16
+  float k_scale = 1.f;             // kv_fp8: dequantization scales of the cache
+  float v_scale = 1.f;
+  DType dtype = DType::kBFloat16;  // float16 or bfloat16 (q and out)
+  bool kv_fp8 = false;             // E4M3 caches
   bool check_indices = false;      // trap on an out-of-range block id or seq_len (debug mode)
   int variant = 0;  // kPagedAttentionSimt or kPagedAttentionMma (PAGEDKERN_PAGED_ATTENTION_VARIANT)
 };

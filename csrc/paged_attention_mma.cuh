@@ -34,6 +34,27 @@
  *   0 * NaN would poison the product).
  * Traffic: as the SIMT kernel, B * L * 2 * Hkv * D * sizeof(T) bytes of K/V (read once per 8
  *   query heads; groups above 8 take several CTAs per KV head, the later reads mostly from L2).
+ * fp8 cache (C = Fp8, issue 14): E4M3 pages, f16 mma. Twice the warps (8 for D = 64, 4 for
+ *   D = 128), so a stage is still 16 KB and each 16-byte cp.async carries 16 elements. The
+ *   fragments come from ldmatrix on the bytes taken as b16 pairs, and the fp8 -> f16 widening is
+ *   cvt.rn.f16x2.e4m3x2 (exact; F2FP on sm_89+, software on sm_80) in registers:
+ *   K: ldmatrix.x4 gives lane (g, c) dims 4c..4c+3 of token g (g + 8) for two 16-dim chunks;
+ *     the dot product does not care in which order the k dimension is summed, so the mma's
+ *     logical k 2c, 2c+1 / 2c+8, 2c+9 are dims 4c, 4c+1 / 4c+2, 4c+3, and Q^T's B fragment is
+ *     loaded in that order (one 8-byte load per 16 dims). One ldmatrix per 2 mma.
+ *   V^T: ldmatrix.x4.trans of b16 pairs gives lane (g, c) tokens 2c, 2c+1 of dims 2g, 2g+1; one
+ *     byte permute (PRMT) splits them into (dim 2g: tokens 2c, 2c+1) and (dim 2g + 1: ...),
+ *     i.e. the A fragment with its m rows g / g + 8 standing for dims 2g / 2g + 1: only the
+ *     accumulators' dims change (16 i + 2g (+1)), P^T stays as it is. One ldmatrix per 2 mma.
+ *   Why f16 and not bf16: sm_89/sm_90 convert E4M3 to f16 in hardware but not to bf16, and f16
+ *   holds every E4M3 value exactly. q (bf16) is rounded to f16 once (exact for
+ *   2^-14 <= |q| <= 65504 since bf16 keeps 8 significant bits; smaller values lose bits as f16
+ *   subnormals, larger ones saturate at 65504), P in [0, 1] keeps 11 bits instead of bf16's 8;
+ *   accumulation stays fp32. k_scale is folded into the scores' scale, v_scale into 1 / sum.
+ *   Rows of 4 chunks (D = 64) swizzle on (token / 2) % 4 (two tokens per 128-byte bank line).
+ *   sm_90a main loop: 372 instructions per warp and tile at D = 128 (242 at D = 64), of them
+ *   D / 2 F2FP and D / 16 PRMT. Bytes per (token, KV head) halve, FLOPs stay: 16 FLOP/byte at
+ *   D = 128, still far below the ridge.
  * Roofline: 4 * 8 * D tensor-core FLOPs per 4 * D bytes (D = 128: 8 FLOP/byte, padded to 8
  *   heads), far below the mma ridge: memory bound. Target >= 85% of the measured device-copy
  *   bandwidth at B=64, L=4096, Hq/Hkv=32/8, D=128, bs=16 (not yet measured: no GPU has run it).
@@ -42,7 +63,10 @@
 
 #include <cuda_pipeline_primitives.h>
 
+#include <type_traits>
+
 #include "device.cuh"
+#include "fp8.cuh"
 #include "index_check.cuh"
 #include "mma_fragments.cuh"
 #include "paged_attention.h"
@@ -55,12 +79,16 @@ constexpr int kStages = 3;  // shared-memory ring of K/V tiles
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <int D>
+// C: the cache element (T, or Fp8 for E4M3 pages).
+template <int D, typename C>
 struct Shape {
-  static constexpr int kWarps = 4096 / D / 16;            // 4 (D = 64), 2 (D = 128)
+  // 4 (D = 64), 2 (D = 128); fp8: 8, 4 (a stage is 8 KB of K either way)
+  static constexpr int kWarps = 8192 / int(sizeof(C)) / D / 16;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTile = 16 * kWarps;               // tokens per stage
-  static constexpr int kChunks = D / 8;                   // 16-byte chunks per token
+  static constexpr int kChunks = D * int(sizeof(C)) / 16;  // 16-byte chunks per token
+  static constexpr int kChunkElems = 16 / int(sizeof(C));
+  static constexpr int kOutChunks = D / 8;                 // 16-byte chunks of an output head
   static constexpr int kCopyRows = kThreads / kChunks;    // tokens one pass of copies covers
   static constexpr int kTokensPerThread = kTile / kCopyRows;
   static_assert((D == 64 || D == 128) && kTile % kCopyRows == 0, "unsupported head dim");
@@ -72,10 +100,14 @@ struct Layout {
   int head_chunks;  // CTAs per KV head (ceil(group / 8))
 };
 
-// Element offset of chunk `chunk` of token `token` in a stage (XOR swizzle on token % 8).
-template <int D>
+// Element offset of chunk `chunk` of token `token` in a stage, XOR-swizzled so that 8
+// consecutive tokens' chunk lands in 8 distinct 16-byte bank groups: on token % 8 for rows of
+// >= 8 chunks, on (token / 2) % 4 for the 4-chunk rows of fp8 D = 64 (two tokens per 128 bytes).
+template <int D, typename C>
 __device__ __forceinline__ int swizzled(int token, int chunk) {
-  return token * D + ((chunk ^ (token & 7)) << 3);
+  constexpr int kChunks = Shape<D, C>::kChunks;
+  const int x = kChunks >= 8 ? token & 7 : (token >> 1) & 3;
+  return token * D + (chunk ^ x) * Shape<D, C>::kChunkElems;
 }
 
 // 16 bytes by cp.async (L1 bypass), or 16 zero bytes when !valid (src-size 0: nothing is read).
@@ -88,15 +120,19 @@ __device__ __forceinline__ void copy16_or_zero(void* dst, const void* src, bool 
 #endif
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(Shape<D>::kThreads)
+template <typename T, typename C, int D>
+__global__ void __launch_bounds__(Shape<D, C>::kThreads)
     paged_attention_mma_kernel(const PagedAttentionParams p, const Layout lay) {
-  using S = Shape<D>;
+  using S = Shape<D, C>;
+  constexpr bool kFp8 = std::is_same_v<C, Fp8>;
+  using M = std::conditional_t<kFp8, __half, T>;  // the mma's 16-bit type
   struct alignas(128) Ring {
-    T k[kStages][S::kTile * D];
-    T v[kStages][S::kTile * D];
+    C k[kStages][S::kTile * D];
+    C v[kStages][S::kTile * D];
   };
   __shared__ Ring ring;
+  static_assert(sizeof(float) * S::kWarps * kHeads * (D + 2) <= sizeof(Ring),
+                "the warps' merge must fit in the ring");
 
   const int b = blockIdx.y;
   const int split = blockIdx.z;
@@ -112,12 +148,12 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
   const int start = split * p.split_size;
   if (start >= len) {  // CTA-uniform
     if (p.num_splits == 1) {  // padding entry: zeros, lse -inf
-      for (int i = threadIdx.x; i < heads * S::kChunks; i += S::kThreads) {
+      for (int i = threadIdx.x; i < heads * S::kOutChunks; i += S::kThreads) {
         Vec16<T> zero;
 #pragma unroll
         for (int e = 0; e < 8; ++e) zero.v[e] = from_float<T>(0.f);
-        zero.store(static_cast<T*>(p.out) + b * p.out_stride + (head0 + i / S::kChunks) * D +
-                   (i % S::kChunks) * 8);
+        zero.store(static_cast<T*>(p.out) + b * p.out_stride + (head0 + i / S::kOutChunks) * D +
+                   (i % S::kOutChunks) * 8);
       }
       if (p.lse != nullptr && threadIdx.x < heads) p.lse[b * p.num_heads + head0 + threadIdx.x] =
           -INFINITY;
@@ -127,9 +163,18 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
   const int end = split == p.num_splits - 1 ? len : min(len, start + p.split_size);
   const int num_tiles = (end - start + S::kTile - 1) / S::kTile;
 
-  // B fragments of Q^T: head g of this CTA, dims 16 i + 2c (+1) and 16 i + 8 + 2c (+1).
+  // B fragments of Q^T: head g of this CTA, dims 16 i + 2c (+1) and 16 i + 8 + 2c (+1); fp8:
+  // dims 16 i + 4c (+1) and 16 i + 4c + 2 (+1), in f16 (the K fragment's order, header).
   uint32_t qb[D / 16][2];
-  {
+  if constexpr (kFp8) {
+    const T* qrow = static_cast<const T*>(p.q) + b * p.q_stride + (head0 + g) * D + 4 * c;
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      const uint2 w = g < heads ? *reinterpret_cast<const uint2*>(qrow + 16 * i) : make_uint2(0, 0);
+      qb[i][0] = mma::q_pair_as_half2<T>(w.x);
+      qb[i][1] = mma::q_pair_as_half2<T>(w.y);
+    }
+  } else {
     const T* qrow = static_cast<const T*>(p.q) + b * p.q_stride + (head0 + g) * D + 2 * c;
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
@@ -137,7 +182,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
       qb[i][1] = g < heads ? *reinterpret_cast<const uint32_t*>(qrow + 16 * i + 8) : 0u;
     }
   }
-  const float qscale = p.scale * kLog2e;  // scores in log2 units
+  const float qscale = p.scale * p.k_scale * kLog2e;  // scores in log2 units (k_scale: fp8)
 
   const int* table = p.block_tables + b * p.block_table_stride;
   if (p.check_indices) {  // debug mode: this split's page ids, before any of them is followed
@@ -147,8 +192,8 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
       check_index(true, table[i], p.num_blocks);
     __syncthreads();  // no thread follows a page id before all of them are checked
   }
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const C* k_cache = static_cast<const C*>(p.k_cache);
+  const C* v_cache = static_cast<const C*>(p.v_cache);
   const int block_mask = (1 << lay.block_shift) - 1;
   // This thread copies chunk `chunk` of tokens row + i * kCopyRows of every tile.
   const int chunk = threadIdx.x % S::kChunks;
@@ -163,8 +208,8 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
   };
   // Page rows ([N, Hkv, bs] flattened) fit in 32 bits (the launcher checks): one wide multiply
   // per copy instead of 64-bit index arithmetic.
-  const T* k_chunk_base = k_cache + chunk * 8;
-  const T* v_chunk_base = v_cache + chunk * 8;
+  const C* k_chunk_base = k_cache + chunk * S::kChunkElems;
+  const C* v_chunk_base = v_cache + chunk * S::kChunkElems;
   auto issue = [&](int tile) {
     if (tile >= num_tiles) return;
     const int stage = tile % kStages;
@@ -177,8 +222,8 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
           (uint32_t(pages[i]) * uint32_t(p.num_kv_heads) + uint32_t(kv_head)) << lay.block_shift;
       const int64_t offset = int64_t(page_row + uint32_t(t & block_mask)) * D;
       // Past the split: zero-filled (nothing read), so V never brings NaN into P V.
-      copy16_or_zero(&ring.k[stage][swizzled<D>(j, chunk)], k_chunk_base + offset, valid);
-      copy16_or_zero(&ring.v[stage][swizzled<D>(j, chunk)], v_chunk_base + offset, valid);
+      copy16_or_zero(&ring.k[stage][swizzled<D, C>(j, chunk)], k_chunk_base + offset, valid);
+      copy16_or_zero(&ring.v[stage][swizzled<D, C>(j, chunk)], v_chunk_base + offset, valid);
     }
   };
 
@@ -190,7 +235,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
   __pipeline_commit();
   lookup(2);
 
-  float acc[D / 16][4];  // O^T: dims 16 i + g (+8 for [2], [3]) x heads 2c, 2c+1
+  float acc[D / 16][4];  // O^T: dims 16 i + g (+8 for [2], [3]; fp8: 16 i + 2g (+1)) x heads 2c, 2c+1
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY};  // running max of heads 2c, 2c+1 (log2 units)
@@ -198,7 +243,9 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
   // ldmatrix row addresses: lane gives row lane % 8 of matrix lane / 8.
   const int mat = lane / 8, mrow = lane % 8;
   const int k_token = 16 * warp + mrow + 8 * (mat % 2), k_chunk = mat / 2;  // K as A (m=token)
-  const int v_token = 16 * warp + mrow + 8 * (mat / 2), v_chunk = mat % 2;  // V^T as A (k=token)
+  // V^T as A (k=token); fp8: the same tokens and chunks as K (the .trans splits b16 pairs).
+  const int v_token = kFp8 ? k_token : 16 * warp + mrow + 8 * (mat / 2);
+  const int v_chunk = kFp8 ? k_chunk : mat % 2;
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     __pipeline_wait_prior(1);  // committed: tiles 0..tile+1; this one has landed
@@ -207,14 +254,29 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
     __pipeline_commit();
     lookup(tile + 3);
 
-    const T* ks = ring.k[tile % kStages];
-    const T* vs = ring.v[tile % kStages];
+    const C* ks = ring.k[tile % kStages];
+    const C* vs = ring.v[tile % kStages];
     float s[4] = {0.f, 0.f, 0.f, 0.f};
+    if constexpr (kFp8) {
 #pragma unroll
-    for (int i = 0; i < D / 16; ++i) {
-      uint32_t a[4];
-      mma::ldmatrix_x4<false>(a, ks + swizzled<D>(k_token, 2 * i + k_chunk));
-      mma::mma_16816<T>(s, a, qb[i]);
+      for (int i = 0; i < D / 32; ++i) {
+        // r[2h], r[2h + 1]: tokens g, g + 8, dims 4c..4c+3 of chunk 2i + h.
+        uint32_t r[4];
+        mma::ldmatrix_x4<false>(r, ks + swizzled<D, C>(k_token, 2 * i + k_chunk));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t a[4] = {mma::e4m3_lo(r[2 * h]), mma::e4m3_lo(r[2 * h + 1]), mma::e4m3_hi(r[2 * h]),
+                                 mma::e4m3_hi(r[2 * h + 1])};
+          mma::mma_16816<M>(s, a, qb[2 * i + h]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {
+        uint32_t a[4];
+        mma::ldmatrix_x4<false>(a, ks + swizzled<D, C>(k_token, 2 * i + k_chunk));
+        mma::mma_16816<M>(s, a, qb[i]);
+      }
     }
     // s: tokens g (s[0], s[1]) and g + 8 (s[2], s[3]) of the warp's 16, heads 2c and 2c + 1.
     const int t0 = start + tile * S::kTile + 16 * warp + g;
@@ -245,17 +307,37 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
     l[0] = l[0] * alpha[0] + pr[0] + pr[2];
     l[1] = l[1] * alpha[1] + pr[1] + pr[3];
     // P^T as the B fragment: rows g (tokens 0..7) and g + 8 (8..15), transposed in registers.
-    const uint32_t pb[2] = {mma::movmatrix_trans(mma::pack2<T>(pr[0], pr[1])),
-                            mma::movmatrix_trans(mma::pack2<T>(pr[2], pr[3]))};
+    const uint32_t pb[2] = {mma::movmatrix_trans(mma::pack2<M>(pr[0], pr[1])),
+                            mma::movmatrix_trans(mma::pack2<M>(pr[2], pr[3]))};
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
       acc[i][0] *= alpha[0];
       acc[i][1] *= alpha[1];
       acc[i][2] *= alpha[0];
       acc[i][3] *= alpha[1];
-      uint32_t a[4];
-      mma::ldmatrix_x4<true>(a, vs + swizzled<D>(v_token, 2 * i + v_chunk));
-      mma::mma_16816<T>(acc[i], a, pb);
+    }
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) {
+        // r[2h] (tokens 0-7), r[2h + 1] (8-15) of chunk 2i + h: bytes (token 2c: dims 2g, 2g+1;
+        // token 2c+1: dims 2g, 2g+1), permuted to (dim 2g: tokens 2c, 2c+1; dim 2g+1: ...).
+        uint32_t r[4];
+        mma::ldmatrix_x4<true>(r, vs + swizzled<D, C>(v_token, 2 * i + v_chunk));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t lo = __byte_perm(r[2 * h], 0, 0x3120);
+          const uint32_t hi = __byte_perm(r[2 * h + 1], 0, 0x3120);
+          const uint32_t a[4] = {mma::e4m3_lo(lo), mma::e4m3_hi(lo), mma::e4m3_lo(hi), mma::e4m3_hi(hi)};
+          mma::mma_16816<M>(acc[2 * i + h], a, pb);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {
+        uint32_t a[4];
+        mma::ldmatrix_x4<true>(a, vs + swizzled<D, C>(v_token, 2 * i + v_chunk));
+        mma::mma_16816<M>(acc[i], a, pb);
+      }
     }
   }
 
@@ -273,7 +355,8 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
   for (int i = 0; i < D / 16; ++i) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int head = 2 * c + e % 2, dim = 16 * i + g + 8 * (e / 2);
+      const int head = 2 * c + e % 2;
+      const int dim = kFp8 ? 16 * i + 2 * g + e / 2 : 16 * i + g + 8 * (e / 2);
       red[(warp * kHeads + head) * D + dim] = acc[i][e];
     }
   }
@@ -285,8 +368,8 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < heads * S::kChunks; i += S::kThreads) {
-    const int h = i / S::kChunks, d0 = (i % S::kChunks) * 8;
+  for (int i = threadIdx.x; i < heads * S::kOutChunks; i += S::kThreads) {
+    const int h = i / S::kOutChunks, d0 = (i % S::kOutChunks) * 8;
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < S::kWarps; ++w) mx = fmaxf(mx, red_ml[2 * (w * kHeads + h)]);
@@ -299,7 +382,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads)
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[e] += wgt * red[(w * kHeads + h) * D + d0 + e];
     }
-    const float inv = 1.f / total;
+    const float inv = p.v_scale / total;  // v_scale: fp8 (the merge is linear in the parts)
     const float lse = (mx + log2f(total)) * kLn2;
     const int head = head0 + h;
     if (p.num_splits == 1) {

@@ -21,13 +21,23 @@
  *     pair of kHeads = 4 consecutive q/k heads: the cos/sin chunks (64 B per 32 B of data in v1)
  *     are loaded once for 4 heads and the 8 data loads are all issued before the math.
  *
+ *  fp8 cache (kv_fp8, kFp8; issue 14): same items; the cache receives the fp32 values (the
+ *     rotation before its rounding to T, v as read) times fp32(1 / scale), converted once to
+ *     E4M3 with saturation (fp8.cuh: one F2FP per pair on sm_89+, software on sm_80), so the
+ *     model needs no k / k_scale, v / v_scale passes. A chunk of kVec elements is kVec bytes in
+ *     the cache (8-byte stores for 16-bit T); q, k, v are still read and written with 16 bytes.
+ *
  * Traffic: T * (2 * (Hq + Hkv) + 3 * Hkv) * D * sizeof(T) bytes (q, k read and written, v read,
- * k and v written to the cache) + the cos/sin rows (L2). Memory bound; target >= 80% of copy
- * bandwidth for prefill-sized T.
+ * k and v written to the cache; fp8: the cache writes are 1 byte per element) + the cos/sin
+ * rows (L2). Memory bound; target >= 80% of copy bandwidth for prefill-sized T.
  */
 #include "device.cuh"
+#include "fp8.cuh"
 #include "index_check.cuh"
 #include "rope_and_cache.h"
+
+#include <cmath>
+#include <type_traits>
 
 namespace pagedkern {
 namespace {
@@ -75,7 +85,28 @@ __device__ __forceinline__ void load_floats(const float* p, float (&out)[kVec]) 
   }
 }
 
-template <typename T, int kVec, int kHeads>
+// kVec fp32 values times `inv` into kVec E4M3 bytes at dst (8-byte store for kVec = 8).
+template <int kVec>
+__device__ __forceinline__ void store_e4m3(uint8_t* dst, const float (&x)[kVec], float inv) {
+  if constexpr (kVec % 2 == 0) {
+    uint16_t pairs[kVec / 2];
+#pragma unroll
+    for (int e = 0; e < kVec; e += 2)
+      pairs[e / 2] = e4m3x2_from_floats(__fmul_rn(x[e], inv), __fmul_rn(x[e + 1], inv));
+    if constexpr (kVec == 8) {
+      *reinterpret_cast<uint2*>(dst) =
+          make_uint2(pairs[0] | uint32_t(pairs[1]) << 16, pairs[2] | uint32_t(pairs[3]) << 16);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec / 2; ++e) *reinterpret_cast<uint16_t*>(dst + 2 * e) = pairs[e];
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) dst[e] = e4m3_from_float(__fmul_rn(x[e], inv));
+  }
+}
+
+template <typename T, int kVec, int kHeads, bool kFp8>
 __global__ void __launch_bounds__(kThreads) rope_and_cache_kernel(const RopeAndCacheParams p) {
   using C = Chunk<T, kVec>;
   const int64_t token = blockIdx.x;
@@ -121,21 +152,30 @@ __global__ void __launch_bounds__(kThreads) rope_and_cache_kernel(const RopeAndC
       const int head = head0 + h;
       if (head >= heads) break;
       C y1, y2;
+      float f1[kVec], f2[kVec];
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const float a = to_float(x1[h].v[e]), b = to_float(x2[h].v[e]);
         // Rounded products, no FMA contraction: bit-identical to the reference's fp32 math.
-        y1.v[e] = from_float<T>(__fsub_rn(__fmul_rn(a, cosv[e]), __fmul_rn(b, sinv[e])));
-        y2.v[e] = from_float<T>(__fadd_rn(__fmul_rn(b, cosv[e]), __fmul_rn(a, sinv[e])));
+        f1[e] = __fsub_rn(__fmul_rn(a, cosv[e]), __fmul_rn(b, sinv[e]));
+        f2[e] = __fadd_rn(__fmul_rn(b, cosv[e]), __fmul_rn(a, sinv[e]));
+        y1.v[e] = from_float<T>(f1[e]);
+        y2.v[e] = from_float<T>(f2[e]);
       }
       T* x = head_ptr(head);
       y1.store(x + c);
       y2.store(x + half + c);
       if (head >= p.num_heads && slot >= 0) {
-        T* dst = static_cast<T*>(p.k_cache) +
-                 (cache_row + int64_t(head - p.num_heads) * p.block_size) * D;
-        y1.store(dst + c);
-        y2.store(dst + half + c);
+        const int64_t row = (cache_row + int64_t(head - p.num_heads) * p.block_size) * D;
+        if constexpr (kFp8) {
+          uint8_t* dst = static_cast<uint8_t*>(p.k_cache) + row;
+          store_e4m3<kVec>(dst + c, f1, p.k_scale_inv);
+          store_e4m3<kVec>(dst + half + c, f2, p.k_scale_inv);
+        } else {
+          T* dst = static_cast<T*>(p.k_cache) + row;
+          y1.store(dst + c);
+          y2.store(dst + half + c);
+        }
       }
     }
   } else {
@@ -143,13 +183,21 @@ __global__ void __launch_bounds__(kThreads) rope_and_cache_kernel(const RopeAndC
     const int head = j / copy_chunks;
     const int c = j % copy_chunks * kVec;
     const C v = C::load(static_cast<const T*>(p.v) + token * p.v_stride + head * D + c);
-    v.store(static_cast<T*>(p.v_cache) + (cache_row + int64_t(head) * p.block_size) * D + c);
+    const int64_t offset = (cache_row + int64_t(head) * p.block_size) * D + c;
+    if constexpr (kFp8) {
+      float f[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) f[e] = to_float(v.v[e]);
+      store_e4m3<kVec>(static_cast<uint8_t*>(p.v_cache) + offset, f, p.v_scale_inv);
+    } else {
+      v.store(static_cast<T*>(p.v_cache) + offset);
+    }
   }
 }
 
 // Query/key heads rotated per thread: v2 4 (each cos/sin chunk pair loaded once for 4 heads),
 // v1 1.
-template <typename T, int kHeads>
+template <typename T, int kHeads, bool kFp8>
 void launch(const RopeAndCacheParams& p, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   const bool vectorizable = (p.head_dim / 2) % kVec == 0 && aligned16(p.q) && aligned16(p.k) &&
@@ -161,9 +209,9 @@ void launch(const RopeAndCacheParams& p, cudaStream_t stream) {
                     p.num_kv_heads * (p.head_dim / vec);
   const dim3 grid(unsigned(p.tokens), unsigned(ceil_div(items, kThreads)));
   if (vectorizable) {
-    rope_and_cache_kernel<T, kVec, kHeads><<<grid, kThreads, 0, stream>>>(p);
+    rope_and_cache_kernel<T, kVec, kHeads, kFp8><<<grid, kThreads, 0, stream>>>(p);
   } else {
-    rope_and_cache_kernel<T, 1, kHeads><<<grid, kThreads, 0, stream>>>(p);
+    rope_and_cache_kernel<T, 1, kHeads, kFp8><<<grid, kThreads, 0, stream>>>(p);
   }
   PK_CHECK_LAUNCH("rope_and_cache_kernel");
 }
@@ -175,12 +223,27 @@ void rope_and_cache(const RopeAndCacheParams& p, cudaStream_t stream) {
   require(p.num_kv_heads > 0 && p.num_heads >= 0 && p.block_size > 0,
           "rope_and_cache: bad head counts or block size");
   require(p.tokens >= 0 && p.tokens <= 0x7fffffff, "rope_and_cache: tokens out of range");
+  require(!p.kv_fp8 || p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16,
+          "rope_and_cache: an fp8 cache needs float16 or bfloat16 q, k, v");
+  require(std::isfinite(p.k_scale_inv) && p.k_scale_inv > 0 && std::isfinite(p.v_scale_inv) &&
+              p.v_scale_inv > 0,
+          "rope_and_cache: k_scale and v_scale must be finite and positive");
   if (p.tokens == 0) return;
   dispatch_float(p.dtype, [&](auto tag) {
-    if (p.variant == 1) {
-      launch<decltype(tag), 1>(p, stream);
+    using T = decltype(tag);
+    auto run = [&](auto fp8) {  // std::true_type: E4M3 caches
+      if (p.variant == 1) {
+        launch<T, 1, decltype(fp8)::value>(p, stream);
+      } else {
+        launch<T, 4, decltype(fp8)::value>(p, stream);
+      }
+    };
+    if constexpr (std::is_same_v<T, float>) {
+      run(std::false_type{});  // fp8 caches: 16-bit T only (checked above)
+    } else if (p.kv_fp8) {
+      run(std::true_type{});
     } else {
-      launch<decltype(tag), 4>(p, stream);
+      run(std::false_type{});
     }
   });
 }

@@ -12,14 +12,16 @@ namespace pagedkern {
 // For every token t with (cos, sin) = cos_sin[positions[t]] split at D/2: rotate q[t] and k[t]
 // in place (rotate-half: x' = [x1 cos - x2 sin, x2 cos + x1 sin] in fp32, rounded once), and
 // when slot_mapping[t] >= 0 write the rotated k[t] and v[t] into page slot / block_size at offset
-// slot % block_size of k_cache / v_cache ([num_blocks, Hkv, block_size, D]).
+// slot % block_size of k_cache / v_cache ([num_blocks, Hkv, block_size, D]). kv_fp8: the caches
+// are E4M3 and receive e4m3(x * scale_inv) of the fp32 value x (the rotated k before its rounding
+// to T, v as read), saturating (fp8.cuh); T is then float16 or bfloat16.
 struct RopeAndCacheParams {
   void* q = nullptr;        // [T, Hq, D], heads packed, token stride q_stride
   void* k = nullptr;        // [T, Hkv, D], token stride k_stride
   const void* v = nullptr;  // [T, Hkv, D], token stride v_stride
   const int* positions = nullptr;     // [T]
   const float* cos_sin = nullptr;     // [max_positions, D]
-  void* k_cache = nullptr;            // [num_blocks, Hkv, block_size, D], contiguous
+  void* k_cache = nullptr;            // [num_blocks, Hkv, block_size, D], contiguous, T or E4M3
   void* v_cache = nullptr;
   const int* slot_mapping = nullptr;  // [T], -1 = no cache write
   int64_t q_stride = 0;  // in elements
@@ -33,6 +35,9 @@ struct RopeAndCacheParams {
   int head_dim = 0;  // even
   int block_size = 16;
   DType dtype = DType::kBFloat16;
+  bool kv_fp8 = false;        // E4M3 caches (T float16 or bfloat16)
+  float k_scale_inv = 1.f;    // kv_fp8: fp32(1 / k_scale), the stored value is k / k_scale
+  float v_scale_inv = 1.f;
   bool check_indices = false;  // trap on an out-of-range position or slot (debug mode)
   int variant = 0;  // 0: v2 (4 heads per thread), 1: v1 (PAGEDKERN_ROPE_VARIANT)
 };

@@ -24,6 +24,18 @@ def assert_close_to(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) ->
     assert err <= REL_TOLERANCE[dtype], f"relative error {err:.3g} > {REL_TOLERANCE[dtype]}"
 
 
+def assert_same_e4m3(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-identical E4M3 bytes, except that a NaN may carry either sign (fp8.cuh)."""
+    g, w = got.view(torch.uint8), want.view(torch.uint8)
+    nan = (w & 0x7F) == 0x7F
+    assert torch.equal((g & 0x7F) == 0x7F, nan), "NaN positions differ"
+    mismatch = (g != w) & ~nan
+    assert not mismatch.any(), (
+        f"{int(mismatch.sum())} bytes differ, e.g. got {g[mismatch][:8].tolist()} "
+        f"want {w[mismatch][:8].tolist()}"
+    )
+
+
 def every_variant(op: str):
     """An autouse fixture running each test of a module once per kernel variant of `op`
     (pagedkern.ops.launch.KERNEL_VARIANTS: the environment variable the op reads at launch)."""

@@ -141,6 +141,30 @@ def test_engine_policy_prefill_only_gap_keeps_graphs(monkeypatch):
     assert not any("CUDA graphs are off" in str(w.message) for w in caught)
 
 
+def test_fp8_kv_cache_decisions():
+    fp8 = support.FP8_KV_DTYPE
+    assert support.paged_attention("bfloat16", 128, 16, fp8) == (True, "")
+    assert support.rope_and_cache("float16", fp8) == (True, "")
+    assert support.rope_and_cache("float32") == (True, "")
+    supported, reason = support.rope_and_cache("float32", fp8)
+    assert not supported and "fp8 (E4M3) KV cache with float32" in reason
+    assert not support.paged_attention("float32", 128, 16, fp8).supported
+
+
+def test_engine_policy_fp8_cache_leaves_only_prefill_on_the_reference(monkeypatch):
+    # rope_and_cache and paged_attention read and write E4M3 pages: decode graphs stay on; only
+    # flash_prefill (no fp8 kernel yet) runs the reference, with a warning.
+    monkeypatch.setattr(launch, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="flash_prefill runs the PyTorch reference") as caught:
+        assert _policy(kv_cache_dtype="fp8") is True
+    messages = " ".join(str(w.message) for w in caught)
+    assert "rope_and_cache" not in messages and "paged_attention" not in messages
+    with pytest.raises(ValueError, match=r"no CUDA kernel for flash_prefill \(an fp8"):
+        _policy(kv_cache_dtype="fp8", backend="cuda")
+    with pytest.raises(ValueError, match=r"rope_and_cache \(an fp8 \(E4M3\) KV cache with float32"):
+        _policy(kv_cache_dtype="fp8", backend="cuda", dtype="float32")
+
+
 def test_engine_policy_cpu_and_reference():
     assert _policy(device_type="cpu") is False
     assert _policy(device_type="cpu", requested=True) is True  # eager static-buffer path

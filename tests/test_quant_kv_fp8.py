@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import pagedkern
 from pagedkern import reference
 from pagedkern.engine import LLM, SamplingParams
 from pagedkern.model import load_model
@@ -113,3 +114,63 @@ def test_engine_runs_with_an_fp8_cache():
     )
     assert [len(g.token_ids) for g in out] == [6, 6, 6]
     assert out[0].token_ids == out[1].token_ids  # same prompt, greedy: same answer
+
+
+def _fp8_attention_args(q_dtype=torch.bfloat16):
+    q = torch.randn(2, 4, 64).to(q_dtype)
+    k_cache = torch.randn(4, 2, 16, 64).to(FP8)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    return q, k_cache, k_cache.clone(), tables, torch.tensor([20, 7], dtype=torch.int32)
+
+
+def test_ops_with_an_fp8_cache_equal_the_reference_and_take_the_scales():
+    # The op layer (CPU tensors: the reference) passes k_scale / v_scale through unchanged.
+    q, k_cache, v_cache, tables, lens = _fp8_attention_args()
+    scales = dict(k_scale=0.3, v_scale=0.02)
+    got = pagedkern.paged_attention(q, k_cache, v_cache, tables, lens, **scales)
+    want = reference.paged_attention(q, k_cache, v_cache, tables, lens, **scales)
+    assert torch.equal(got, want)
+    k_deq, v_deq = k_cache.double() * 0.3, v_cache.double() * 0.02
+    deq = reference.paged_attention(q.double(), k_deq, v_deq, tables, lens)
+    assert float((got.double() - deq).norm() / deq.norm()) < 1e-2
+    k = torch.randn(3, 2, 64).bfloat16()
+    args = [torch.zeros(3, 4, 64).bfloat16(), k, k.clone(), torch.zeros(3, dtype=torch.int32)]
+    args += [cos_sin_cache(64, 4), k_cache, v_cache, torch.arange(3, dtype=torch.int32)]
+    pagedkern.rope_and_cache(*args, k_scale=0.5, v_scale=0.25)
+    stored = v_cache[0, :, :3].transpose(0, 1).float()  # slots 0..2 of page 0
+    assert torch.equal(stored, (k.float() * 4).clamp(-448, 448).to(FP8).float())
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        ("e5m2", TypeError, "k_cache .*float8_e5m2.*must have the dtype of q"),
+        ("mixed", TypeError, "v_cache .*bfloat16.* must have the dtype of k_cache"),
+        ("scale_on_16bit", ValueError, "k_scale applies to an fp8"),
+        ("zero_scale", ValueError, "v_scale must be a finite positive number"),
+        ("nan_scale", ValueError, "k_scale must be a finite positive number"),
+    ],
+)
+def test_fp8_cache_arguments_are_checked_by_name(change, error, words):
+    q, k_cache, v_cache, tables, lens = _fp8_attention_args()
+    scales = {}
+    if change == "e5m2":
+        k_cache = v_cache = k_cache.float().to(torch.float8_e5m2)
+    elif change == "mixed":
+        v_cache = v_cache.float().bfloat16()
+    elif change == "scale_on_16bit":
+        k_cache, v_cache, scales = k_cache.bfloat16(), v_cache.bfloat16(), {"k_scale": 2.0}
+    elif change == "zero_scale":
+        scales = {"v_scale": 0.0}
+    else:
+        scales = {"k_scale": math.nan}
+    with pytest.raises(error, match=words):
+        pagedkern.paged_attention(q, k_cache, v_cache, tables, lens, **scales)
+
+
+def test_flash_prefill_op_still_refuses_an_fp8_cache():
+    # It has no fp8 path (kernel or op); the model calls reference.flash_prefill for fp8.
+    q, k_cache, v_cache, tables, lens = _fp8_attention_args()
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(TypeError, match="k_cache .*float8_e4m3fn.* must have the dtype of q"):
+        pagedkern.flash_prefill(q, k_cache, v_cache, cu, tables, lens)

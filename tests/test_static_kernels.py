@@ -116,7 +116,7 @@ def test_tensor_core_instructions(cuda_binary, kernel, arch, opcode):
 # ---- speed guards (issue 18): SASS patterns the kernels' schedules depend on -------------------
 # Variants in the mangled names: flash_prefill_sm80_kernel<Traits, kPrefetchPages>,
 # flash_prefill_sm90_kernel<Traits, kV2>, rms_norm_vec_kernel<T, kIters, kFused, kPrefetchWeight>,
-# rope_and_cache_kernel<T, kVec, kHeads>; "Lb1EEEv" = last template argument true.
+# rope_and_cache_kernel<T, kVec, kHeads, kFp8>; "Lb1EEEv" = last template argument true.
 FLASH_KERNELS = (
     ("flash_prefill_sm80_kernel", "sm_80"),
     ("flash_prefill_sm80_kernel", "sm_90a"),
@@ -205,7 +205,7 @@ def test_rms_norm_v3_loads_weights_before_the_barrier(cuda_binary, arch):
 def test_rope_v2_loads_cos_sin_once_per_four_heads(cuda_binary, arch):
     # cos/sin come through the read-only path (LDG...CONSTANT), q/k/v through plain LDG.128:
     # v2 rotates 4 heads (8 chunk loads) per cos/sin pair, v1 one head (2 loads).
-    for name, sass in _listings(cuda_binary, arch, "rope_and_cache_kernel", "ELi4EEEv").items():
+    for name, sass in _listings(cuda_binary, arch, "rope_and_cache_kernel", "ELi4ELb").items():
         if "Li1ELi4E" in name:  # the scalar path
             continue
         table = len(re.findall(r"LDG\.E\.128\.CONSTANT", sass))
@@ -251,17 +251,65 @@ def _loops(sass: str) -> list[list[str]]:
     return loops
 
 
-_LOOP_OPS = ("HMMA", "LDSM", "MOVM", "STS", "FFMA")
+_LOOP_OPS = ("HMMA", "LDSM", "MOVM", "STS", "FFMA", "F2FP", "PRMT")
+FP8 = "13__nv_fp8_e4m3"  # the cache element of the fp8 (E4M3) instantiations (csrc/fp8.cuh)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_paged_attention_mma_loop_is_tensor_core_work(cuda_binary, arch):
     # Per tile each warp: D/16 HMMA for K Q^T and D/16 for V^T P^T, one ldmatrix each, P to the B
     # fragment by 2 movmatrix (no round trip through shared memory), no fp32 dot products.
+    # fp8 pages: one ldmatrix per 2 HMMA; on sm_90a each register pair widened by one F2FP
+    # (E4M3 -> f16x2: D/2 per tile) and V^T's bytes regrouped by D/16 PRMT.
     for name, sass in _listings(cuda_binary, arch, "paged_attention_mma_kernel").items():
         d = int(re.search(r"Li(\d+)EEEv", name)[1])
         loop = max((body for body in _loops(sass) if any("HMMA" in t for t in body)), key=len)
         count = {op: sum(1 for t in loop if re.search(rf"\b{op}\b", t)) for op in _LOOP_OPS}
-        assert count["HMMA"] == count["LDSM"] == 2 * d // 16, f"{name}: {count}"
+        fp8 = FP8 in name
+        assert count["HMMA"] == 2 * d // 16, f"{name}: {count}"
+        assert count["LDSM"] == (d // 16 if fp8 else 2 * d // 16), f"{name}: {count}"
         assert count["MOVM"] == 2, f"{name}: {count}"
         assert count["STS"] == 0 and count["FFMA"] <= 4, f"{name}: {count}"
+        if fp8 and arch == "sm_90a":
+            assert count["F2FP"] >= d // 2 and count["PRMT"] >= d // 16, f"{name}: {count}"
+
+
+# ---- fp8 (E4M3) KV cache (issue 14) -------------------------------------------------------------
+# rope_and_cache_kernel<T, kVec, kHeads, true> writes E4M3, the attention kernels' <T, Fp8, ...>
+# read it: 16-byte cp.async of the pages (16 elements each), the conversions in hardware on
+# sm_90a (F2FP ... E4M3); sm_80 has no such instruction and cuda_fp8.h converts in software there.
+FP8_KERNELS = (
+    ("paged_attention_kernel", FP8, "E4M3"),
+    ("paged_attention_mma_kernel", FP8, "E4M3"),
+    ("rope_and_cache_kernel", "Lb1EEEv", "E4M3"),
+)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kernel,marker,_", FP8_KERNELS)
+def test_fp8_cache_paths_compiled(cuda_binary, arch, kernel, marker, _):
+    found = _listings(cuda_binary, arch, kernel, marker)
+    # SIMT: D 64 / 128 / 256 x kHeads 1 / 2 x two dtypes; mma: D 64 / 128 x two dtypes; rope:
+    # vector and scalar paths x v1 / v2 x two dtypes
+    assert len(found) >= {"paged_attention_kernel": 12, "paged_attention_mma_kernel": 4}.get(
+        kernel, 8
+    ), sorted(found)
+
+
+@pytest.mark.parametrize("kernel", ["paged_attention_kernel", "paged_attention_mma_kernel"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_attention_loads_pages_with_sixteen_byte_copies(cuda_binary, arch, kernel):
+    for name, sass in _listings(cuda_binary, arch, kernel, FP8).items():
+        assert "LDGSTS.E.BYPASS.128" in sass, name
+        assert not re.search(r"LDGSTS\.E(\.BYPASS)?(\.64|\.32)?\s", sass), f"{name}: narrow copies"
+
+
+@pytest.mark.parametrize("kernel,marker,_", FP8_KERNELS)
+def test_fp8_conversions_are_hardware_on_hopper_software_on_ampere(cuda_binary, kernel, marker, _):
+    for name, sass in _listings(cuda_binary, "sm_90a", kernel, marker).items():
+        if kernel.startswith("rope"):
+            assert re.search(r"F2FP\.SATFINITE\.E4M3\.F32\.PACK_AB", sass), name
+        else:
+            assert re.search(r"F2FP\.F16\.E4M3\.UNPACK_B", sass), name
+    for name, sass in _listings(cuda_binary, "sm_80", kernel, marker).items():
+        assert "E4M3" not in sass, f"{name}: an E4M3 instruction in the sm_80 code"

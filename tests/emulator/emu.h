@@ -13,6 +13,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>  // host build: its E4M3 conversions are cuda_fp8.hpp's software paths
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -153,6 +154,13 @@ inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
   unsigned sum = 0;
   for (int i = 0; i < 32; ++i) sum += (mask >> i) & 1u ? unsigned(words[i]) : 0u;
   return sum;
+}
+// PRMT: byte i of the result is byte (s >> 4i) & 7 of the 8 bytes {y:x} (no sign replication).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t bytes = uint64_t(y) << 32 | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= unsigned((bytes >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+  return r;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }

@@ -258,21 +258,20 @@ class LlamaModel:
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
         if self._kv_amax is not None:  # fp8 calibration (kv_scales)
             self._kv_amax.append((k.abs().max().item(), v.abs().max().item()))
-        attn_ops, scale = ops, None
-        if kv_scale is not None:
-            # fp8 cache: store k / k_scale, v / v_scale (RoPE is linear, so dividing before it
-            # is the same); attention over the stored values with the softmax scale times
-            # k_scale, then the output times v_scale, is attention over the dequantized cache.
-            # The fp8 cache runs the reference ops (no fp8 in the CUDA kernels yet).
-            k.div_(kv_scale[0])
-            v.div_(kv_scale[1])
-            attn_ops, scale = reference, cfg.head_dim**-0.5 * kv_scale[0]
-        attn_ops.rope_and_cache(
-            q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping
+        # fp8 cache: rope_and_cache stores k / k_scale and v / v_scale (E4M3, saturated) and
+        # paged_attention folds k_scale into the softmax scale and v_scale into its output:
+        # attention over the dequantized cache, in the CUDA kernels on a GPU.
+        scales = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
+        ops.rope_and_cache(
+            q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping, **scales
         )
         p, rows = meta.num_prefills, meta.num_prefill_tokens
         if p:
-            attn_ops.flash_prefill(
+            # flash_prefill has no fp8 kernel yet: for an fp8 cache the reference over the
+            # stored values, the softmax scale times k_scale, the output times v_scale.
+            prefill_ops = ops if kv_scale is None else reference
+            scale = None if kv_scale is None else cfg.head_dim**-0.5 * kv_scale[0]
+            prefill_ops.flash_prefill(
                 q[:rows],
                 k_cache,
                 v_cache,
@@ -282,15 +281,15 @@ class LlamaModel:
                 scale=scale,
                 out=out[:rows],
             )
+            if kv_scale is not None:
+                out[:rows].mul_(kv_scale[1])
         if rows < tokens:
-            attn_ops.paged_attention(
+            ops.paged_attention(
                 q[rows:],
                 k_cache,
                 v_cache,
                 meta.block_tables[p:],
                 meta.seq_lens[p:],
-                scale=scale,
                 out=out[rows:],
+                **scales,
             )
-        if kv_scale is not None:
-            out.mul_(kv_scale[1])

@@ -35,9 +35,11 @@ from .launch import (
     reference_on_torch,
 )
 from .paged_kv import (
+    FP8_KV_DTYPE,
     attention_outputs,
     attention_views,
     check_attention_views,
+    check_kv_scales,
     check_out,
     check_rows_aligned,
     check_scale,
@@ -163,9 +165,11 @@ def _num_sms(module, device: int) -> int:
     return int(module.multiprocessor_count(device=device))
 
 
-def kernel_support(dtype: str, head_dim: int, block_size: int) -> support.KernelSupport:
+def kernel_support(
+    dtype: str, head_dim: int, block_size: int, kv_dtype: str | None = None
+) -> support.KernelSupport:
     """(supported, reason): whether the CUDA kernel covers these arguments (ops/support.py)."""
-    return support.paged_attention(dtype, head_dim, block_size)
+    return support.paged_attention(dtype, head_dim, block_size, kv_dtype)
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -214,6 +218,8 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     workspace=None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
     stream=None,
 ):
     """Decode attention, one query per sequence: q [B, Hq, D]; caches [N, Hkv, bs, D];
@@ -224,9 +230,13 @@ def paged_attention(
     width x block_size); a smaller bound stays correct (the last split takes the rest) but may
     be slow. num_splits: force the split count (1 = no split-KV). workspace: float32 CUDA array
     of at least workspace_size(B, Hq, D, plan.num_splits) elements, else allocated per call.
-    The CUDA kernel covers float16/bfloat16, D in {64, 128, 256} and power-of-two block sizes
-    (`kernel_support`); other CUDA torch inputs run on the reference with a warning under the
-    "auto" backend and raise KernelUnsupportedError under "cuda". The reference checks the
+    Caches of q's dtype, or both float8_e4m3fn (E4M3, as reference.rope_and_cache writes them)
+    with their dequantization scales k_scale / v_scale (default 1): attention over
+    k_scale * K, v_scale * V (reference.paged_attention defines it).
+    The CUDA kernel covers float16/bfloat16 q (with caches of q's dtype or fp8), D in
+    {64, 128, 256} and power-of-two block sizes (`kernel_support`); other CUDA torch inputs
+    run on the reference with a warning under the "auto" backend and raise
+    KernelUnsupportedError under "cuda". The reference checks the
     indices' contents (ValueError naming the entry); the kernel checks them on the device with
     PAGEDKERN_CHECK_INDICES=1."""
     check_scale(scale)
@@ -238,15 +248,16 @@ def paged_attention(
     checked = _CHECKED.level(key)
     qv, kc, bt = views[0], views[1], views[3]
     if checked < _ARGS_CHECKED:
-        check_attention_views(views, None)
+        check_attention_views(views, None, fp8=True)
         check_shape(views[4], (qv.shape[0],))
         _CHECKED.passed(key, _ARGS_CHECKED)
-    decision = kernel_support(qv.dtype, qv.shape[2], kc.shape[2])
+    check_kv_scales(kc, k_scale, v_scale)
+    decision = kernel_support(qv.dtype, qv.shape[2], kc.shape[2], kc.dtype)
     if not kernel_or_reference("paged_attention", views, decision):
         reference = reference_on_torch("paged_attention", views)
         check_block_table_contents(block_tables, seq_lens, kc.shape[0], kc.shape[2])
         return reference.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, out, return_lse
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out, return_lse, k_scale, v_scale
         )
     batch, num_heads, head_dim = qv.shape
     num_kv_heads, block_size = kc.shape[1], kc.shape[2]
@@ -295,5 +306,8 @@ def paged_attention(
         device=device,
         stream=handle,
         variant=KERNEL_CODES[kernel],
+        kv_fp8=kc.dtype == FP8_KV_DTYPE,
+        k_scale=float(1.0 if k_scale is None else k_scale),
+        v_scale=float(1.0 if v_scale is None else v_scale),
     )
     return (out, lse) if return_lse else out

@@ -29,12 +29,37 @@ def check_heads(a: ArrayView, tokens: int, head_dim: int) -> None:
         )
 
 
-def check_kv_cache(cache: ArrayView, like: ArrayView, num_kv_heads: int, head_dim: int) -> None:
-    """[num_blocks, Hkv, block_size, D] pages, contiguous, in the dtype of `like`."""
+FP8_KV_DTYPE = "float8_e4m3fn"  # = support.FP8_KV_DTYPE
+
+
+def check_kv_cache(
+    cache: ArrayView, like: ArrayView, num_kv_heads: int, head_dim: int, fp8: bool = False
+) -> None:
+    """[num_blocks, Hkv, block_size, D] pages, contiguous, in the dtype of `like`, or (fp8:
+    ops that read and write E4M3 caches) float8_e4m3fn."""
     check_ndim(cache, 4)
     check_shape(cache, (None, num_kv_heads, None, head_dim))
-    check_same_dtype(like, cache)
+    if cache.dtype != like.dtype and not (fp8 and cache.dtype == FP8_KV_DTYPE):
+        also = f" or {FP8_KV_DTYPE}" if fp8 else ""
+        raise TypeError(f"{cache.describe()} must have the dtype of {like.describe()}{also}")
     check_contiguous(cache)
+
+
+def check_kv_scales(cache: ArrayView, k_scale, v_scale) -> None:
+    """k_scale / v_scale: None, or finite positive numbers for an fp8 cache."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if cache.dtype != FP8_KV_DTYPE:
+            raise ValueError(
+                f"{name} applies to an fp8 ({FP8_KV_DTYPE}) cache, not {cache.describe()}"
+            )
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float))
+            or not 0 < scale < math.inf
+        ):
+            raise ValueError(f"{name} must be a finite positive number or None, got {scale!r}")
 
 
 def attention_views(q, k_cache, v_cache, block_tables, seq_lens, out) -> list[ArrayView]:
@@ -51,16 +76,20 @@ def attention_views(q, k_cache, v_cache, block_tables, seq_lens, out) -> list[Ar
     return views
 
 
-def check_attention_views(views: list[ArrayView], batch_size: int | None) -> None:
-    """The checks of check_attention_args on views made by attention_views."""
+def check_attention_views(
+    views: list[ArrayView], batch_size: int | None, fp8: bool = False
+) -> None:
+    """The checks of check_attention_args on views made by attention_views (fp8: the op reads
+    float8_e4m3fn caches too; both caches then share that dtype)."""
     qv, kc, vc, bt, sl = views[:5]
     check_dtype(qv, FLOAT_DTYPES)
     check_ndim(qv, 3)
     tokens, num_heads, head_dim = qv.shape
     check_heads(qv, tokens, head_dim)
     check_ndim(kc, 4)
-    check_kv_cache(kc, qv, kc.shape[1], head_dim)
-    check_kv_cache(vc, qv, kc.shape[1], head_dim)
+    check_kv_cache(kc, qv, kc.shape[1], head_dim, fp8)
+    check_kv_cache(vc, qv, kc.shape[1], head_dim, fp8)
+    check_same_dtype(kc, vc)
     check_shape(vc, kc.shape)
     if kc.shape[1] == 0 or num_heads % kc.shape[1]:
         raise ValueError(

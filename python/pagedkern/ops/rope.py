@@ -16,15 +16,31 @@ from .arrays import (
 )
 from .index_checks import check_rope_indices
 from .launch import check_indices, kernel_or_reference, kernel_variant, launch_context
-from .paged_kv import check_heads, check_kv_cache
+from .paged_kv import FP8_KV_DTYPE, check_heads, check_kv_cache, check_kv_scales
 
 
-def rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, *, stream=None):
+def rope_and_cache(
+    q,
+    k,
+    v,
+    positions,
+    cos_sin,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    stream=None,
+):
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half, cos/sin from cos_sin
     [max_positions, D] float32 at positions [T] int32) and write k, v into k_cache/v_cache
-    [num_blocks, Hkv, block_size, D] at slot_mapping [T] int32 (-1 = skip). The reference
-    checks positions and slots against the table and the cache (ValueError naming the entry);
-    the kernel checks them on the device with PAGEDKERN_CHECK_INDICES=1."""
+    [num_blocks, Hkv, block_size, D] at slot_mapping [T] int32 (-1 = skip). The caches have
+    q's dtype, or both are float8_e4m3fn: they then receive k / k_scale and v / v_scale as
+    E4M3, saturated (reference.rope_and_cache defines it; the kernel covers float16/bfloat16
+    q, k, v with fp8 caches). The reference checks positions and slots against the table and
+    the cache (ValueError naming the entry); the kernel checks them on the device with
+    PAGEDKERN_CHECK_INDICES=1."""
     qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
     check_dtype(qv, FLOAT_DTYPES)
     check_ndim(qv, 3)
@@ -51,16 +67,19 @@ def rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, 
     check_shape(cv, (None, head_dim))
     check_contiguous(cv)
     kc, vc = view(k_cache, "k_cache"), view(v_cache, "v_cache")
-    check_kv_cache(kc, kv, kv.shape[1], head_dim)
-    check_kv_cache(vc, kv, kv.shape[1], head_dim)
+    check_kv_cache(kc, kv, kv.shape[1], head_dim, fp8=True)
+    check_kv_cache(vc, kv, kv.shape[1], head_dim, fp8=True)
+    check_same_dtype(kc, vc)
     check_shape(vc, kc.shape)
+    check_kv_scales(kc, k_scale, v_scale)
     views = [qv, kv, vv, pv, cv, kc, vc, sv]
     common_device(views)
-    if not kernel_or_reference("rope_and_cache", views, support.elementwise(qv.dtype)):
+    decision = support.rope_and_cache(qv.dtype, kc.dtype)
+    if not kernel_or_reference("rope_and_cache", views, decision):
         from ..reference import rope_and_cache as reference
 
         check_rope_indices(positions, slot_mapping, cv.shape[0], kc.shape[0] * kc.shape[2])
-        reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     if tokens == 0:
         return
@@ -89,4 +108,7 @@ def rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, 
         device=device,
         stream=handle,
         variant=kernel_variant("rope_and_cache"),
+        kv_fp8=kc.dtype == FP8_KV_DTYPE,
+        k_scale=float(1.0 if k_scale is None else k_scale),
+        v_scale=float(1.0 if v_scale is None else v_scale),
     )

@@ -15,6 +15,7 @@ from typing import NamedTuple
 from .arrays import FLOAT_DTYPES
 
 HALF_DTYPES = ("float16", "bfloat16")
+FP8_KV_DTYPE = "float8_e4m3fn"  # the fp8 KV cache's element (E4M3)
 PAGED_ATTENTION_HEAD_DIMS = (64, 128, 256)
 FLASH_PREFILL_HEAD_DIMS = (64, 128)
 MAX_SAMPLE_VOCAB = (1 << 23) - 1  # fixed-point masses: 2^23 tokens x 2^40 stay below 2^63
@@ -38,15 +39,28 @@ def _dtype(dtype: str, allowed: tuple[str, ...]) -> KernelSupport | None:
     return None
 
 
-def paged_attention(dtype: str, head_dim: int, block_size: int) -> KernelSupport:
-    """Decode attention: float16/bfloat16, D in {64, 128, 256}, power-of-two block sizes."""
+def _kv_cache(dtype: str, kv_dtype: str | None) -> KernelSupport | None:
+    """An fp8 (E4M3) cache: the kernels read and write it for float16/bfloat16 activations."""
+    if kv_dtype == FP8_KV_DTYPE and dtype not in HALF_DTYPES:
+        return KernelSupport(
+            False, f"an fp8 (E4M3) KV cache with {dtype} activations (the kernel covers "
+            f"{', '.join(HALF_DTYPES)})",
+        )  # fmt: skip
+    return None
+
+
+def paged_attention(
+    dtype: str, head_dim: int, block_size: int, kv_dtype: str | None = None
+) -> KernelSupport:
+    """Decode attention: float16/bfloat16, D in {64, 128, 256}, power-of-two block sizes;
+    caches of q's dtype or fp8 (kv_dtype FP8_KV_DTYPE)."""
     if bad := _dtype(dtype, HALF_DTYPES):
         return bad
     if head_dim not in PAGED_ATTENTION_HEAD_DIMS:
         return KernelSupport(False, f"head_dim {head_dim} (the kernel covers 64, 128, 256)")
     if block_size <= 0 or block_size & (block_size - 1):
         return KernelSupport(False, f"block_size {block_size} (the kernel needs a power of two)")
-    return _YES
+    return _kv_cache(dtype, kv_dtype) or _YES
 
 
 def flash_prefill(dtype: str, head_dim: int) -> KernelSupport:
@@ -82,20 +96,26 @@ def elementwise(dtype: str) -> KernelSupport:
     return _dtype(dtype, FLOAT_DTYPES) or _YES
 
 
+def rope_and_cache(dtype: str, kv_dtype: str | None = None) -> KernelSupport:
+    """RoPE + cache write: every float dtype into a cache of that dtype; an fp8 (E4M3) cache
+    for float16/bfloat16 q, k, v."""
+    return _kv_cache(dtype, kv_dtype) or elementwise(dtype)
+
+
 # The ops of a decode step's forward pass: all of them are captured in its CUDA graphs.
 DECODE_GRAPH_OPS = ("rms_norm", "silu_and_mul", "rope_and_cache", "paged_attention")
 
 
 def model_support(
-    dtype: str, head_dim: int, block_size: int, vocab: int
+    dtype: str, head_dim: int, block_size: int, vocab: int, kv_dtype: str | None = None
 ) -> dict[str, KernelSupport]:
     """The decision of every op a Llama forward pass and its sampling launch, for one model and
-    cache configuration (dtype as a name: "bfloat16", ...)."""
+    cache configuration (dtype as a name: "bfloat16", ...; kv_dtype: the cache's, None = dtype)."""
     return {
         "rms_norm": elementwise(dtype),
         "silu_and_mul": elementwise(dtype),
-        "rope_and_cache": elementwise(dtype),
-        "paged_attention": paged_attention(dtype, head_dim, block_size),
+        "rope_and_cache": rope_and_cache(dtype, kv_dtype),
+        "paged_attention": paged_attention(dtype, head_dim, block_size, kv_dtype),
         "flash_prefill": flash_prefill(dtype, head_dim),
         "sample": sample("float32", vocab),  # the engine samples fp32 logits
     }

@@ -42,15 +42,22 @@ def paged_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ):
     """Decode attention: query b attends to keys 0..seq_lens[b]-1 of its sequence.
 
     q: [B, Hq, D]; block_tables: [B, max_blocks] int; seq_lens: [B] int (0 = padding: output
     zeros, lse -inf); scale defaults to D^-0.5. Returns out [B, Hq, D] in q.dtype, and
-    lse [B, Hq] float32 when return_lse.
+    lse [B, Hq] float32 when return_lse. Caches of any dtype are read as fp32; an fp8
+    (float8_e4m3fn) cache holds k / k_scale and v / v_scale (reference.rope_and_cache), and
+    attention is over the dequantized cache: scores q . K^T * scale * k_scale, output
+    softmax(...) V * v_scale (default 1; the lse is of those scores).
     """
     b, hq, d = q.shape
     scale = d**-0.5 if scale is None else scale
+    if k_scale is not None:
+        scale = scale * k_scale
     result = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq), float("-inf"), dtype=torch.float32, device=q.device)
     lengths = seq_lens.tolist()
@@ -66,6 +73,8 @@ def paged_attention(
             scale,
         )
         result[rows], lse[rows] = o, s
+    if v_scale is not None:
+        result *= v_scale
     out = _store(result, q.dtype, out)
     return (out, lse) if return_lse else out
 

@@ -29,11 +29,24 @@ def cos_sin_cache(
     return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_e4m3(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """The fp8 KV-cache write, the one definition the kernel (csrc/fp8.cuh) follows bit for bit:
+    fp32 x times fp32(1 / scale), then round to nearest even into float8_e4m3fn, saturating:
+    |x / scale| beyond 448 (inf included) becomes +-448 (a plain cast would give NaN), -0.0 stays
+    -0.0, subnormals (spacing 2^-9) are kept. NaN stays NaN (torch keeps its sign, 0x7F / 0xFF;
+    the CUDA conversion always writes 0x7F)."""
+    inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=x.device)
+    return (x.float() * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _rotate_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def rope_and_cache(
@@ -45,36 +58,44 @@ def rope_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> None:
     """Rotate q and k in place and write k and v into their cache pages.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D] (views into a fused QKV output are fine);
     positions: [T] int; cos_sin: [max_positions, D] float32 from `cos_sin_cache`;
     k_cache, v_cache: [num_blocks, Hkv, block_size, D] (HND pages), dtype of k or
-    float8_e4m3fn (written saturated; the attention references read any dtype as fp32);
-    slot_mapping: [T] int, slot = block * block_size + offset, -1 = do not write this token.
+    float8_e4m3fn; slot_mapping: [T] int, slot = block * block_size + offset, -1 = do not write
+    this token.
 
     Rotate-half: with x = [x1, x2] split at D/2 and (cos, sin) = cos_sin[position],
-    x' = [x1 cos - x2 sin, x2 cos + x1 sin], computed in fp32, rounded once. The cache receives
-    the rotated k.
+    x' = [x1 cos - x2 sin, x2 cos + x1 sin], computed in fp32, rounded once into q and k. A
+    16-bit cache receives the rotated k as stored in k. An fp8 (E4M3) cache receives
+    `quantize_e4m3(x', k_scale)` of the fp32 rotation (before its rounding to k's dtype) and
+    `quantize_e4m3(v, v_scale)`: the stored values are k / k_scale and v / v_scale (the cache's
+    per-layer scales, KVCache.scales; default 1), which attention dequantizes (paged_attention's
+    k_scale / v_scale).
     """
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if not fp8 and (k_scale is not None or v_scale is not None):
+        raise ValueError("k_scale and v_scale apply to an fp8 (float8_e4m3fn) cache only")
     half = q.shape[-1] // 2
     table = cos_sin[positions.long()]
     cos, sin = table[:, None, :half], table[:, None, half:]
-    q.copy_(_rotate(q, cos, sin))
-    k.copy_(_rotate(k, cos, sin))
+    q.copy_(_rotate_fp32(q, cos, sin).to(q.dtype))
+    k_rotated = _rotate_fp32(k, cos, sin)
+    k.copy_(k_rotated.to(k.dtype))
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
     # Advanced indices around a slice: the indexed result is [n, Hkv, D].
-    k_cache[blocks, :, offsets] = _to_cache(k[keep], k_cache.dtype)
-    v_cache[blocks, :, offsets] = _to_cache(v[keep], v_cache.dtype)
-
-
-def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache dtype; an fp8 (E4M3) cache saturates at +-448 (a plain cast would give NaN). The
-    caller divides k/v by the cache's per-layer scales beforehand (KVCache.scales)."""
-    if dtype == torch.float8_e4m3fn:
-        return x.float().clamp(-448.0, 448.0).to(dtype)
-    return x
+    if fp8:
+        k_cache[blocks, :, offsets] = quantize_e4m3(
+            k_rotated[keep], 1.0 if k_scale is None else k_scale
+        )
+        v_cache[blocks, :, offsets] = quantize_e4m3(v[keep], 1.0 if v_scale is None else v_scale)
+    else:
+        k_cache[blocks, :, offsets] = k[keep]
+        v_cache[blocks, :, offsets] = v[keep]
