@@ -52,7 +52,7 @@ def decode_graphs(
     decisions = support.model_support(dtype, head_dim, block_size, vocab)
     missing = {op: d.reason for op, d in decisions.items() if not d.supported}
     if kv_cache_dtype == "fp8":  # the kernels read and write 16-bit caches only, so far
-        for op in ("rope_and_cache", "paged_attention", "flash_prefill"):
+        for op in ("rope_and_cache", "paged_attention"):
             missing.setdefault(op, "an fp8 (E4M3) KV cache")
     if backend == "cuda" and missing:
         raise ValueError(

@@ -248,7 +248,7 @@ class LlamaModel:
         )
         p, rows = meta.num_prefills, meta.num_prefill_tokens
         if p:
-            attn_ops.flash_prefill(
+            ops.flash_prefill(  # fp8 too: the kernel reads E4M3 pages (scale folds k_scale)
                 q[:rows],
                 k_cache,
                 v_cache,
