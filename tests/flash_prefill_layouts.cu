@@ -166,7 +166,9 @@ void check_sm80_fp8(const char* name, uint32_t seed) {
       const int at = Tr::fp8_stage_offset(t, m);
       CHECK(row < BN && col + 16 <= D && col % 16 == 0, "%s: chunk (%d, %d)", name, row, col);
       CHECK(at % 16 == 0 && at + 16 <= KV && slots.insert(at).second, "%s: slot %d", name, at);
-      for (int j = 0; j < 16; ++j) CHECK(covered.insert(row * D + col + j).second, "%s: twice", name);
+      for (int j = 0; j < 16; ++j) {
+        CHECK(covered.insert(row * D + col + j).second, "%s: (%d, %d) twice", name, row, col + j);
+      }
       std::memcpy(&stage[at], &tile[row * D + col], 16);
     }
   }
@@ -238,10 +240,11 @@ int main() {
   check_sm80<Sm80Traits<cutlass::bfloat16_t, 64>>("sm80 D=64");
   check_sm80<Sm80Traits<cutlass::bfloat16_t, 128>>("sm80 D=128");
   check_sm80<Sm80Traits<cutlass::half_t, 128, cutlass::float_e4m3_t>>("sm80 fp8 D=128");
-  check_sm80_fp8<Sm80Traits<cutlass::bfloat16_t, 64, cutlass::float_e4m3_t>>("sm80 fp8 bf16 D=64", 1);
-  check_sm80_fp8<Sm80Traits<cutlass::bfloat16_t, 128, cutlass::float_e4m3_t>>("sm80 fp8 bf16 D=128", 2);
-  check_sm80_fp8<Sm80Traits<cutlass::half_t, 64, cutlass::float_e4m3_t>>("sm80 fp8 f16 D=64", 3);
-  check_sm80_fp8<Sm80Traits<cutlass::half_t, 128, cutlass::float_e4m3_t>>("sm80 fp8 f16 D=128", 4);
+  using cutlass::bfloat16_t, cutlass::float_e4m3_t, cutlass::half_t;
+  check_sm80_fp8<Sm80Traits<bfloat16_t, 64, float_e4m3_t>>("sm80 fp8 bf16 D=64", 1);
+  check_sm80_fp8<Sm80Traits<bfloat16_t, 128, float_e4m3_t>>("sm80 fp8 bf16 D=128", 2);
+  check_sm80_fp8<Sm80Traits<half_t, 64, float_e4m3_t>>("sm80 fp8 f16 D=64", 3);
+  check_sm80_fp8<Sm80Traits<half_t, 128, float_e4m3_t>>("sm80 fp8 f16 D=128", 4);
   check_sm90<Sm90Traits<cutlass::bfloat16_t, 64>>("sm90 D=64");
   check_sm90<Sm90Traits<cutlass::half_t, 128>>("sm90 D=128");
   if (failures) {
