@@ -4,12 +4,18 @@ SDPA reading it in contiguous form [B, H, L, D] (K/V heads repeated for GQA). Ca
 its queries), the causal count, the same for every implementation.
 
 Targets on an H200: path 1 (mma.sync) at least SDPA flash (FlashAttention-2); path 2 (wgmma +
-TMA) >= 550 TFLOP/s and ahead of SDPA cuDNN. The skewed batch (one long sequence and many short
-ones) has no SDPA counterpart (it needs a varlen interface). In smoke mode (CPU, tiny shapes)
+TMA) >= 550 TFLOP/s and ahead of SDPA cuDNN. fp8 (E4M3) cache: path 1 (the only path reading
+fp8) over the same keys stored as E4M3, against path 1 over the bf16 cache (target: within 10%:
+the conversion pass costs ALU work, the pages half the bytes) and the PyTorch reference over the
+fp8 cache (batches of sequences up to 4096 keys: its scores are materialised). The skewed
+batch (one long sequence and many short ones) has no SDPA counterpart (it needs a varlen
+interface). In smoke mode (CPU, tiny shapes)
 pagedkern runs its reference and SDPA its math backend; the numbers mean nothing.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
@@ -17,7 +23,9 @@ from measure import smoke_mode
 
 import pagedkern
 from pagedkern._extension import require
-from pagedkern.ops import flash_prefill as fp_module
+
+# The module (pagedkern.ops.flash_prefill, attribute access gives the function of that name).
+fp_module = importlib.import_module("pagedkern.ops.flash_prefill")
 
 HEAD_DIM = 64 if smoke_mode() else 128
 NUM_HEADS, NUM_KV_HEADS = (4, 2) if smoke_mode() else (32, 8)
@@ -34,13 +42,27 @@ CASES = (
         "4x4096 after 4096 cached": [(4096, 4096)] * 4,
     }
 )
-IMPLS = ["pagedkern path 1", "pagedkern path 2", "torch sdpa flash", "torch sdpa cudnn"]
-PATH_OF = {"pagedkern path 1": "sm80", "pagedkern path 2": "sm90"}
-BASELINES = {"pagedkern path 1": "torch sdpa flash", "pagedkern path 2": "torch sdpa cudnn"}
+IMPLS = [
+    "pagedkern path 1",
+    "pagedkern path 2",
+    "torch sdpa flash",
+    "torch sdpa cudnn",
+    "pagedkern path 1 fp8",
+    "pagedkern reference fp8",
+]
+PATH_OF = {"pagedkern path 1": "sm80", "pagedkern path 2": "sm90", "pagedkern path 1 fp8": "sm80"}
+BASELINES = {
+    "pagedkern path 1": "torch sdpa flash",
+    "pagedkern path 2": "torch sdpa cudnn",
+    "pagedkern path 1 fp8": "pagedkern path 1",
+    "pagedkern reference fp8": "pagedkern path 1 fp8",
+}
 TARGETS = {
     "pagedkern path 1": ">= sdpa flash",
     "pagedkern path 2": ">= 550 TFLOP/s and > sdpa cudnn",
+    "pagedkern path 1 fp8": ">= 0.9 x path 1 (bf16 cache)",
 }
+REFERENCE_MAX_KEYS = 4096  # the reference materialises [chunk, Hq, keys] fp32 scores
 _data: dict = {}
 
 
@@ -97,6 +119,14 @@ def make_data(name: str, device: str):
     return _data[name]
 
 
+def fp8_paged(paged):
+    """The batch with its caches stored as E4M3 (randn keys lie well inside +-448: scales 1);
+    in smoke mode (fp32 data on the CPU) q in bf16, as an fp8 cache requires."""
+    q, k_cache, v_cache, *rest = paged
+    q = q if q.dtype in (torch.bfloat16, torch.float16) else q.bfloat16()
+    return (q, k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn), *rest)
+
+
 def sdpa_fn(impl, contiguous, device):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -124,7 +154,17 @@ def sdpa_fn(impl, contiguous, device):
 def test_flash_prefill(measure, gemm_tflops, device, monkeypatch, case, impl):
     paged, contiguous, flops = make_data(case, device)
     extra = {}
-    if impl in PATH_OF:
+    if impl.endswith("fp8"):
+        paged = fp8_paged(paged)
+    if impl == "pagedkern reference fp8":
+        if max(n + p for n, p in CASES[case]) > REFERENCE_MAX_KEYS:
+            pytest.skip(f"the reference materialises its scores: sequences <= {REFERENCE_MAX_KEYS}")
+        from pagedkern import reference
+
+        def fn():
+            return reference.flash_prefill(*paged)
+
+    elif impl in PATH_OF:
         path = PATH_OF[impl]
         if not smoke_mode():
             if path == "sm90" and torch.cuda.get_device_capability() != (9, 0):
@@ -132,6 +172,10 @@ def test_flash_prefill(measure, gemm_tflops, device, monkeypatch, case, impl):
             monkeypatch.setenv(fp_module.PATH_ENV, path)
         out = torch.empty_like(paged[0])
         ws = None
+        if not smoke_mode() and paged[1].dtype == torch.float8_e4m3fn:
+            index = torch.cuda.current_device()
+            taken = fp_module.kernel_path(index, HEAD_DIM, BLOCK_SIZE, fp8_cache=True)
+            assert taken == path, f"an fp8 cache takes path 1 ({taken})"
         if not smoke_mode():
             need = require().flash_prefill_workspace_ints(paged[0].shape[0], len(paged[5]))
             ws = torch.empty(need, dtype=torch.int32, device=device)

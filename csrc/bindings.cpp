@@ -347,10 +347,12 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t seq_lens, std::uintptr_t workspace, int64_t q_stride, int64_t out_stride,
          int64_t block_table_stride, int64_t block_table_width, int64_t num_blocks, int total_q,
          int batch, int num_heads, int num_kv_heads, int head_dim, int block_size, double scale,
-         int dtype, int path, bool strict, bool check_indices, int device,
-         std::uintptr_t stream, int variant) {
+         double out_scale, int dtype, bool fp8_cache, int path, bool strict, bool check_indices,
+         int device, std::uintptr_t stream, int variant) {
         pagedkern::FlashPrefillParams p;
         p.variant = variant;
+        p.fp8_cache = fp8_cache;
+        p.out_scale = static_cast<float>(out_scale);
         p.out = as_ptr<void>(out);
         p.lse = as_ptr<float>(lse);
         p.q = as_ptr<const void>(q);
@@ -383,16 +385,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("workspace"), py::arg("q_stride"), py::arg("out_stride"),
       py::arg("block_table_stride"), py::arg("block_table_width"), py::arg("num_blocks"),
       py::arg("total_q"), py::arg("batch"), py::arg("num_heads"), py::arg("num_kv_heads"),
-      py::arg("head_dim"), py::arg("block_size"), py::arg("scale"), py::arg("dtype"),
-      py::arg("path"), py::arg("strict"), py::arg("check_indices"), py::arg("device"),
+      py::arg("head_dim"), py::arg("block_size"), py::arg("scale"), py::arg("out_scale"),
+      py::arg("dtype"), py::arg("fp8_cache"), py::arg("path"), py::arg("strict"),
+      py::arg("check_indices"), py::arg("device"),
       py::arg("stream"), py::arg("variant"), py::call_guard<py::gil_scoped_release>());
   m.def("flash_prefill_workspace_ints", &pagedkern::flash_prefill_workspace_ints, py::kw_only(),
         py::arg("total_q"), py::arg("batch"));
   // The path flash_prefill takes on `device` for this head dim and block size (aligned arrays).
   m.def(
       "flash_prefill_path",
-      [](int device, int head_dim, int block_size, int path) {
+      [](int device, int head_dim, int block_size, bool fp8_cache, int path) {
         pagedkern::FlashPrefillParams p;
+        p.fp8_cache = fp8_cache;
         p.head_dim = head_dim;
         p.block_size = block_size;
         p.num_blocks = 1;
@@ -401,7 +405,7 @@ PYBIND11_MODULE(_C, m) {
             p, device, static_cast<pagedkern::FlashPrefillPath>(path), false));
       },
       py::kw_only(), py::arg("device"), py::arg("head_dim"), py::arg("block_size"),
-      py::arg("path"));
+      py::arg("fp8_cache"), py::arg("path"));
   // --- quant_gemm (issue 14): weight-only int4/int8 GEMM for M <= quant_gemm_max_m ---------
   m.attr("quant_gemm_max_m") = pagedkern::kQuantGemmMaxM;
   m.def(

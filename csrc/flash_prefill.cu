@@ -13,9 +13,13 @@
  * last). Tiles within a bin come out in arbitrary order; results do not depend on it.
  *
  * Dispatch: path 2 (wgmma + TMA, flash_prefill_sm90.cu) on sm_90 when the page layout allows
- * TMA page loads, else path 1 (mma.sync + cp.async, flash_prefill_sm80.cu); a caller can force
- * path 1 (the Python layer reads PAGEDKERN_FLASH_PREFILL_PATH).
+ * TMA page loads and the cache is 16-bit, else path 1 (mma.sync + cp.async,
+ * flash_prefill_sm80.cu); a caller can force path 1 (the Python layer reads
+ * PAGEDKERN_FLASH_PREFILL_PATH). An fp8 (E4M3) cache always runs path 1, on Hopper too: path 2
+ * would need its TMA fp8 tiles converted into a 16-bit stage before wgmma (not written yet), so
+ * an fp8 cache costs Hopper the path-2 speedup.
  */
+#include <cmath>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -159,9 +163,11 @@ FlashPrefillPath flash_prefill_select_path(const FlashPrefillParams& p, int devi
   const bool ok = hopper && flash::flash_prefill_sm90_supports(p);
   if (requested == FlashPrefillPath::kSm90 && !ok && strict) {
     throw std::invalid_argument(
-        hopper ? "flash_prefill: path 2 (TMA) needs a block size that divides or is a multiple "
-                 "of 128 and a multiple of 8, 16-byte aligned caches and q rows"
-               : "flash_prefill: path 2 (wgmma + TMA) needs an sm_90 GPU");
+        !hopper ? "flash_prefill: path 2 (wgmma + TMA) needs an sm_90 GPU"
+        : p.fp8_cache
+            ? "flash_prefill: path 2 (wgmma + TMA) does not read fp8 caches (path 1 does)"
+            : "flash_prefill: path 2 (TMA) needs a block size that divides or is a multiple "
+              "of 128 and a multiple of 8, 16-byte aligned caches and q rows");
   }
   return ok ? FlashPrefillPath::kSm90 : FlashPrefillPath::kSm80;
 }
@@ -171,6 +177,9 @@ FlashPrefillPath flash_prefill(const FlashPrefillParams& p, FlashPrefillPath pat
   require(p.head_dim == 64 || p.head_dim == 128, "flash_prefill: head_dim must be 64 or 128");
   require(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16,
           "flash_prefill: dtype must be float16 or bfloat16");
+  require(p.scale > 0.f && p.out_scale > 0.f && std::isfinite(p.scale) &&
+              std::isfinite(p.out_scale),
+          "flash_prefill: scale and out_scale must be finite and positive");
   require(p.num_kv_heads > 0 && p.num_heads > 0 && p.num_heads % p.num_kv_heads == 0,
           "flash_prefill: num_heads must be a positive multiple of num_kv_heads");
   require(p.block_size > 0 && p.num_blocks > 0, "flash_prefill: empty KV cache");

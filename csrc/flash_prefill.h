@@ -20,6 +20,8 @@ struct FlashPrefillParams {
   const void* q = nullptr;          // [total_q, num_heads, head_dim], token stride q_stride
   const void* k_cache = nullptr;    // [num_blocks, num_kv_heads, block_size, head_dim]
   const void* v_cache = nullptr;    // same shape as k_cache
+  // K/V caches of float8_e4m3fn (q and out stay `dtype`; path 1 only), else of `dtype`.
+  bool fp8_cache = false;
   const int* cu_seqlens_q = nullptr;  // [batch + 1]
   const int* block_tables = nullptr;  // [batch, block_table_width], row stride block_table_stride
   const int* seq_lens = nullptr;      // [batch]
@@ -35,7 +37,8 @@ struct FlashPrefillParams {
   int num_kv_heads = 0;
   int head_dim = 0;
   int block_size = 0;
-  float scale = 0.f;  // softmax scale (the Python layer defaults it to head_dim^-0.5)
+  float scale = 0.f;  // softmax scale (the Python layer: head_dim^-0.5 by default, times k_scale)
+  float out_scale = 1.f;  // multiplies the output (the Python layer's v_scale)
   DType dtype = DType::kBFloat16;
   // Debug mode: trap on an out-of-range block id, cu_seqlens_q not rising from 0 to total_q, or
   // seq_lens[b] outside [chunk length, block_table_width * block_size].

@@ -75,12 +75,21 @@ __host__ __device__ inline void kv_tile_bounds(int q_pos0, int rows, int seq_len
   n_unmasked = q_pos0 + 1 > 0 ? min((q_pos0 + 1) / block_n, n_tiles) : 0;
 }
 
-template <int kBlockN>
+// x, as a value the compiler cannot hoist out of a loop or share between uses.
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// kRecomputeGroup: the group size from an opaque copy of num_heads, recomputed per call (path
+// 1's fp8 kernels: hoisted out of the persistent loop, that quotient stayed live through it and
+// spilled at 255 registers; the 16-bit kernels allocate without spills as they are).
+template <int kBlockN, bool kRecomputeGroup = false>
 __device__ __forceinline__ WorkTile decode_work(const FlashPrefillParams& p, int work) {
   const int entry = work / p.num_heads;
   WorkTile t;
   t.head = work - entry * p.num_heads;
-  t.kv_head = t.head / (p.num_heads / p.num_kv_heads);
+  t.kv_head = t.head / ((kRecomputeGroup ? opaque(p.num_heads) : p.num_heads) / p.num_kv_heads);
   const int2 bm = reinterpret_cast<const int2*>(p.workspace + kWorkListHeader)[entry];
   t.seq = bm.x;
   const int start = p.cu_seqlens_q[bm.x];
@@ -197,18 +206,19 @@ __device__ __forceinline__ void rescale_rows(TO& o, const float (&factor)[kRows]
   }
 }
 
-// Normalises the output rows by their softmax sums; lse[r] = natural-log log-sum-exp of the
-// scaled scores (-inf, with a zero output row, for a row that saw no key).
+// Normalises the output rows by their softmax sums and multiplies them by out_scale (v_scale);
+// lse[r] = natural-log log-sum-exp of the scaled scores (-inf, with a zero output row, for a row
+// that saw no key).
 template <int kRows, class TO>
 __device__ __forceinline__ void softmax_finalize(TO& o, const float (&row_max)[kRows],
                                                  const float (&row_sum)[kRows], float scale,
-                                                 float (&lse)[kRows]) {
+                                                 float out_scale, float (&lse)[kRows]) {
   float inv[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const float sum = quad_sum(row_sum[r]);
     const bool empty = !(sum > 0.f);  // 0 or NaN
-    inv[r] = empty ? 1.f : 1.f / sum;
+    inv[r] = empty ? 1.f : out_scale / sum;
     lse[r] = empty ? -INFINITY : row_max[r] * scale + __logf(sum);
   }
   rescale_rows(o, inv);

@@ -39,6 +39,21 @@
  *    row sums parked in shared memory between tiles and coordinates from a fresh thread index
  *    (at 255 registers ptxas otherwise spilled a few words).
  *
+ * fp8 cache, flash_prefill_sm80_kernel<Sm80Traits<T, D, float_e4m3_t>, *> (q, out, mma in T):
+ *    the same 16-byte cp.async carry 16 E4M3 elements (half the page bytes) into per-stage fp8
+ *    staging buffers; each thread then converts exactly the chunks it copied (its own cp.async
+ *    wait suffices) into one 16-bit K and one 16-bit V buffer in the swizzled layout, and the
+ *    unchanged ldmatrix/mma code reads those. The K conversion of step i runs before the
+ *    barrier that opens step i (every thread passed the barrier after Q K_{i-1}^T), the V
+ *    conversion before the middle barrier (every thread finished P V_{i-1}): no extra barrier.
+ *    E4M3 -> f16 -> T is exact (3 mantissa bits, exponents 2^-9 .. 2^8), so the fp32 math sees
+ *    the dequantized cache; cuda_fp8.h's cvt is the F2FP unpack on sm_89+ (the sm_90a build),
+ *    a short integer sequence on sm_80. Shared memory: Q + one K and one V tile in T + 2 x
+ *    stages fp8 tiles (D = 128, 2 stages: 96 KiB, as bf16; 1 stage: 80 KiB vs 64 KiB, so
+ *    A100 at D = 128 fits one CTA per SM instead of two). Rows past seq_len: zero bytes -> 0.
+ *    k_scale / v_scale: folded by the host into scale and out_scale (softmax_finalize).
+ *    Path 2 does not read fp8 (the dispatcher routes fp8 caches here, on Hopper too).
+ *
  * FLOPs: 4 * D * sum over query rows of visible keys (x heads); bytes: Q, O once, K/V once per
  * query tile and head (L2 absorbs the reuse across query tiles and GQA heads). Compute bound:
  * target >= the FlashAttention-2 rate of torch SDPA's flash backend (~330-370 TFLOP/s for causal
@@ -112,6 +127,7 @@ template <class Tr, bool kPrefetchPages>
 __global__ void __launch_bounds__(Tr::kThreads, 2)
     flash_prefill_sm80_kernel(const KernelParams p, const int stages) {
   using T = typename Tr::T;
+  using TC = typename Tr::TCache;
   constexpr int BN = Tr::kBlockN, D = Tr::kHeadDim, KV = Tr::kKVElems;
   constexpr int kSlabs = D / 64;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -121,7 +137,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   __shared__ int page_ring[kPrefetchPages ? kPageRing : 1][kPrefetchPages ? BN : 1];
   T* const q_smem = reinterpret_cast<T*>(smem);
   T* const k_smem = q_smem + Tr::kQElems;
-  T* const v_smem = k_smem + stages * KV;
+  T* const v_smem = k_smem + Tr::kBuffers16(stages) * KV;
   const int tid = threadIdx.x;
 
   typename Tr::TiledMma mma;
@@ -160,7 +176,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   __shared__ int works[2];
   if (tid == 0) {
     works[0] = atomicAdd(p.workspace, 1);
-    if (works[0] < total_work) tiles[0] = decode_work<BN>(p, works[0]);
+    if (works[0] < total_work) tiles[0] = decode_work<BN, Tr::kFp8>(p, works[0]);
   }
   __syncthreads();
   for (int parity = 0; works[parity] < total_work; parity ^= 1) {
@@ -180,33 +196,67 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
                    valid);
       }
     };
-    // Keys tile*BN .. tile*BN+BN-1 of K or V into the buffer at dst, gathered through the table
-    // (kPrefetchPages: through the ids of the ring, tile = KV tile of step i).
-    auto load_kv = [&](const void* cache, T* dst, int tile) {
+    // Keys tile*BN .. tile*BN+BN-1 of K or V into buffer `slot` of that cache (fp8: its
+    // staging buffer), gathered through the table (kPrefetchPages: through the ids of the ring,
+    // tile = KV tile of step i).
+    auto load_kv = [&](bool is_v, int slot, int tile) {
+      const void* cache = is_v ? p.v_cache : p.k_cache;
       const int tid = fresh_tid();
       const int* table = p.block_tables + int64_t(t.seq) * p.block_table_stride;
       const int seq_len = t.seq_len;
-      const T* base = static_cast<const T*>(cache) + int64_t(t.kv_head) * p.block_size * D +
-                      Tr::chunk_col(tid);
-      const int* ids = &page_ring[kPrefetchPages ? (t.n_tiles - 1 - tile) % kPageRing : 0]
-                                 [kPrefetchPages ? Tr::chunk_row(tid) : 0];
+      if constexpr (Tr::kFp8) {
+        const TC* base = static_cast<const TC*>(cache) + int64_t(t.kv_head) * p.block_size * D +
+                         Tr::fp8_chunk_col(tid);
+        const int* ids = &page_ring[kPrefetchPages ? (t.n_tiles - 1 - tile) % kPageRing : 0][0];
+        uint8_t* dst = smem + Tr::fp8_stage_bytes(is_v, slot);
 #pragma unroll
-      for (int m = 0; m < BN / 16; ++m) {
-        const int row = Tr::chunk_row(tid) + 16 * m;
-        const int key = tile * BN + row;
-        const bool valid = key < seq_len;
-        int64_t offset = 0;
-        if (valid) {
-          int page, slot;
-          page_of(p, key, page, slot);
-          const int block = kPrefetchPages ? ids[16 * m] : table[page];
-          offset = int64_t(block) * p.page_stride + slot * D;
+        for (int m = 0; m < Tr::kFp8Passes; ++m) {
+          const int row = Tr::fp8_chunk_row(tid) + Tr::kFp8RowsPerPass * m;
+          const int key = tile * BN + row;
+          const bool valid = key < seq_len;
+          int64_t offset = 0;
+          if (valid) {
+            int page, slot_in_page;
+            page_of(p, key, page, slot_in_page);
+            const int block = kPrefetchPages ? ids[row] : table[page];
+            offset = int64_t(block) * p.page_stride + slot_in_page * D;
+          }
+          cp_async_16(dst + Tr::fp8_stage_offset(tid, m), base + offset, valid);
         }
+      } else {
+        T* const dst = (is_v ? v_smem : k_smem) + slot * KV;
+        const T* base = static_cast<const T*>(cache) + int64_t(t.kv_head) * p.block_size * D +
+                        Tr::chunk_col(tid);
+        const int* ids = &page_ring[kPrefetchPages ? (t.n_tiles - 1 - tile) % kPageRing : 0]
+                                   [kPrefetchPages ? Tr::chunk_row(tid) : 0];
 #pragma unroll
-        for (int k = 0; k < kSlabs; ++k) {
-          cp_async_16(dst + Tr::chunk_offset(tid) + m * 1024 + k * BN * 64,
-                      base + offset + k * 64, valid);
+        for (int m = 0; m < BN / 16; ++m) {
+          const int row = Tr::chunk_row(tid) + 16 * m;
+          const int key = tile * BN + row;
+          const bool valid = key < seq_len;
+          int64_t offset = 0;
+          if (valid) {
+            int page, slot_in_page;
+            page_of(p, key, page, slot_in_page);
+            const int block = kPrefetchPages ? ids[16 * m] : table[page];
+            offset = int64_t(block) * p.page_stride + slot_in_page * D;
+          }
+#pragma unroll
+          for (int k = 0; k < kSlabs; ++k) {
+            cp_async_16(dst + Tr::chunk_offset(tid) + m * 1024 + k * BN * 64,
+                        base + offset + k * 64, valid);
+          }
         }
+      }
+    };
+    // fp8: this thread's staged chunks of buffer `slot` (landed: after its own cp.async wait)
+    // into the 16-bit tile. Called just before the barrier that publishes the tile; the
+    // barrier before it ordered every read of the tile's previous contents (flash_prefill_sm80.cu
+    // opening comment).
+    auto convert_kv = [&](bool is_v, int slot) {
+      if constexpr (Tr::kFp8) {
+        Tr::convert_staged(smem + Tr::fp8_stage_bytes(is_v, slot), is_v ? v_smem : k_smem,
+                           fresh_tid());
       }
     };
 
@@ -237,12 +287,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
         }
       }
     }
-    if (n_tiles > 0) load_kv(p.k_cache, k_smem, n_tiles - 1);
+    if (n_tiles > 0) load_kv(false, 0, n_tiles - 1);
     cp_async_commit();
     for (int s = 1; s < stages; ++s) {
-      if (s - 1 < n_tiles) load_kv(p.v_cache, v_smem + (s - 1) * KV, n_tiles - s);
+      if (s - 1 < n_tiles) load_kv(true, s - 1, n_tiles - s);
       cp_async_commit();
-      if (s < n_tiles) load_kv(p.k_cache, k_smem + s * KV, n_tiles - 1 - s);
+      if (s < n_tiles) load_kv(false, s, n_tiles - 1 - s);
       cp_async_commit();
     }
 
@@ -261,18 +311,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     for (int i = 0; i < t.n_tiles; ++i) {
       const int tile = t.n_tiles - 1 - i;
       const int slot = stages == 1 ? 0 : (i & 1);
+      const int slot16 = Tr::kFp8 ? 0 : slot;  // the 16-bit buffer the fragments read
       cp_async_wait_tile(stages);  // K_i (and Q) have landed
+      convert_kv(false, slot);     // fp8: everyone passed the last barrier, done with Q K_{i-1}^T
       __syncthreads();             // ... for every thread; and everyone is done with V_{i-1}
-      if (i + stages - 1 < t.n_tiles) {
-        load_kv(p.v_cache, v_smem + ((i + stages - 1) % stages) * KV, tile - (stages - 1));
-      }
+      if (i + stages - 1 < t.n_tiles) load_kv(true, (i + stages - 1) % stages, tile - (stages - 1));
       cp_async_commit();
 
       Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<BN>>{});
       clear(acc_s);
       const int ftid = fresh_tid();
       Tensor sQ_frag = copy_q.get_thread_slice(ftid).partition_S(sQ);
-      Tensor sK_frag = copy_k.get_thread_slice(ftid).partition_S(sK(slot));
+      Tensor sK_frag = copy_k.get_thread_slice(ftid).partition_S(sK(slot16));
       gemm<true>(mma, acc_s, rQ, rK, sQ_frag, sK_frag, copy_q, copy_k, rQ_view, rK_view);
 
       Tensor s_rc = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
@@ -294,12 +344,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       convert_storage(acc_s, rP);
 
       cp_async_wait_tile(stages);  // V_i has landed
+      convert_kv(true, slot);      // fp8: everyone passed the last barrier, done with P V_{i-1}
       __syncthreads();             // ... for every thread; and everyone is done with K_i
-      if (i + stages < t.n_tiles) load_kv(p.k_cache, k_smem + slot * KV, tile - stages);
+      if (i + stages < t.n_tiles) load_kv(false, slot, tile - stages);
       if constexpr (kPrefetchPages) fetch_pages(i + 2 * stages);
       cp_async_commit();
 
-      Tensor sVt_frag = copy_v.get_thread_slice(fresh_tid()).partition_S(sVt(slot));
+      Tensor sVt_frag = copy_v.get_thread_slice(fresh_tid()).partition_S(sVt(slot16));
       gemm<false>(mma, acc_o, rP, rVt, sVt_frag, sVt_frag, copy_v, copy_v, rVt_view, rVt_view);
     }
 
@@ -313,7 +364,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
 #pragma unroll
       for (int r = 0; r < kRows; ++r) row_sum[r] = row_sums[r][fresh_tid()];
     }
-    softmax_finalize(o_rc, row_max, row_sum, p.scale, lse);
+    softmax_finalize(o_rc, row_max, row_sum, p.scale, p.out_scale, lse);
     cp_async_wait<0>();  // only empty groups remain; Q's has landed (n_tiles == 0 included)
     __syncthreads();
     Tensor o_frag = make_tensor<T>(acc_o.layout());
@@ -351,7 +402,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     }
     if (tid == 0) {
       const int next = works[parity ^ 1];
-      if (next < total_work) tiles[parity ^ 1] = decode_work<BN>(p, next);
+      if (next < total_work) tiles[parity ^ 1] = decode_work<BN, Tr::kFp8>(p, next);
     }
     __syncthreads();  // Q's buffer is free again; the next tile is decoded
   }
@@ -376,21 +427,30 @@ void launch(const KernelParams& p, int device, cudaStream_t stream) {
   PK_CHECK_LAUNCH("flash_prefill_sm80_kernel");
 }
 
-template <class T, bool kPrefetchPages>
+template <class T, class TCache, bool kPrefetchPages>
 void launch_dtype(const KernelParams& p, int device, cudaStream_t stream) {
   if (p.head_dim == 64) {
-    launch<Sm80Traits<T, 64>, kPrefetchPages>(p, device, stream);
+    launch<Sm80Traits<T, 64, TCache>, kPrefetchPages>(p, device, stream);
   } else {
-    launch<Sm80Traits<T, 128>, kPrefetchPages>(p, device, stream);
+    launch<Sm80Traits<T, 128, TCache>, kPrefetchPages>(p, device, stream);
+  }
+}
+
+template <class T, bool kPrefetchPages>
+void launch_cache(const KernelParams& p, int device, cudaStream_t stream) {
+  if (p.fp8_cache) {
+    launch_dtype<T, cutlass::float_e4m3_t, kPrefetchPages>(p, device, stream);
+  } else {
+    launch_dtype<T, T, kPrefetchPages>(p, device, stream);
   }
 }
 
 template <bool kPrefetchPages>
 void launch_variant(const KernelParams& p, int device, cudaStream_t stream) {
   if (p.dtype == DType::kFloat16) {
-    launch_dtype<cutlass::half_t, kPrefetchPages>(p, device, stream);
+    launch_cache<cutlass::half_t, kPrefetchPages>(p, device, stream);
   } else {
-    launch_dtype<cutlass::bfloat16_t, kPrefetchPages>(p, device, stream);
+    launch_cache<cutlass::bfloat16_t, kPrefetchPages>(p, device, stream);
   }
 }
 

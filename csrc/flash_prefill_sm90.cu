@@ -331,7 +331,7 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
 
     // Epilogue, per warpgroup (its 64 rows of sO).
     float lse[kRows];
-    softmax_finalize(o_rc, row_max, row_sum, p.scale, lse);
+    softmax_finalize(o_rc, row_max, row_sum, p.scale, p.out_scale, lse);
     named_sync(kBarWarpgroup0 + wg, 128);  // done reading sO for the previous tile
     {
       Tensor o_frag = make_tensor<T>(acc_o.layout());
@@ -489,7 +489,7 @@ bool flash_prefill_sm90_supports(const FlashPrefillParams& p) {
   const int bs = p.block_size;
   // Whole 8-row swizzle atoms per box, and boxes that tile a 128-key tile exactly.
   const bool pages = bs % 8 == 0 && bs <= 256 && (128 % bs == 0 || bs % 128 == 0);
-  return pages && p.q_stride % 8 == 0 && aligned16(p.q) && aligned16(p.k_cache) &&
+  return !p.fp8_cache && pages && p.q_stride % 8 == 0 && aligned16(p.q) && aligned16(p.k_cache) &&
          aligned16(p.v_cache) && p.num_blocks * p.num_kv_heads < (int64_t(1) << 31);
 }
 

@@ -3,10 +3,15 @@
 // as an A operand holds the (row, key) the P V product expects, that the quads of lanes the row
 // reductions shuffle over hold whole rows, and the hand-written shared-memory addresses.
 // Built and run by tests/test_flash_prefill_schedule.py (needs nvcc); prints "ok" or the first
-// mismatch.
+// mismatch. The fp8-cache path's copy mapping and its E4M3 -> 16-bit conversion pass run here as
+// the kernel runs them (the same host-device functions), against an independent E4M3 decoder.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <random>
 #include <set>
+#include <vector>
 
 #include "flash_prefill_sm80.cuh"
 #include "flash_prefill_sm90.cuh"
@@ -115,6 +120,78 @@ void check_sm80(const char* name) {
   }
 }
 
+// E4M3 (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; S.1111.111 = NaN, no inf) decoded
+// from its definition, independently of cuda_fp8.h.
+float e4m3_value(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  if (e == 15 && m == 7) return NAN;
+  const float mag = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+  return b & 0x80 ? -mag : mag;
+}
+
+// The fp8 path of the sm80 kernel: the copy mapping covers the tile once, the staging slots are
+// distinct and in bounds, kv_offset is SmemLayoutKV, and copy + conversion of every thread
+// rebuild the tile exactly in the layout the fragments read (every byte value, NaN included).
+template <class Tr>
+void check_sm80_fp8(const char* name, uint32_t seed) {
+  using T = typename Tr::T;
+  constexpr int BN = Tr::kBlockN, D = Tr::kHeadDim, KV = Tr::kKVElems;
+  static_assert(Tr::kFp8);
+  typename Tr::SmemLayoutKV kv_layout;
+  for (int r = 0; r < BN; ++r) {
+    for (int c = 0; c < D; ++c) {
+      CHECK(Tr::kv_offset(r, c) == kv_layout(r, c), "%s: kv_offset(%d, %d)", name, r, c);
+    }
+  }
+  for (int stages = 1; stages <= 2; ++stages) {  // staging buffers: aligned, apart, in bounds
+    std::set<int> starts;
+    for (int slot = 0; slot < stages; ++slot) {
+      for (int is_v = 0; is_v < 2; ++is_v) {
+        const int at = Tr::fp8_stage_bytes(is_v, slot);
+        CHECK(at % 16 == 0 && at >= int(sizeof(T)) * (kBlockM * D + 2 * KV) &&
+                  at + KV <= int(Tr::smem_bytes(stages)) && starts.insert(at / KV).second,
+              "%s: staging buffer (%d, %d) of %d stages at %d", name, is_v, slot, stages, at);
+      }
+    }
+  }
+  std::vector<uint8_t> tile(KV);  // the fp8 rows [BN, D] as gathered from the pages
+  std::mt19937 rng(seed);
+  for (int i = 0; i < KV; ++i) tile[i] = i < 256 ? uint8_t(i) : uint8_t(rng());
+  std::shuffle(tile.begin(), tile.end(), rng);
+  std::vector<uint8_t> stage(KV, 0xA5);
+  std::set<int> covered, slots;
+  for (int t = 0; t < Tr::kThreads; ++t) {  // load_kv: 16-byte chunks into own staging slots
+    for (int m = 0; m < Tr::kFp8Passes; ++m) {
+      const int row = Tr::fp8_chunk_row(t) + Tr::kFp8RowsPerPass * m, col = Tr::fp8_chunk_col(t);
+      const int at = Tr::fp8_stage_offset(t, m);
+      CHECK(row < BN && col + 16 <= D && col % 16 == 0, "%s: chunk (%d, %d)", name, row, col);
+      CHECK(at % 16 == 0 && at + 16 <= KV && slots.insert(at).second, "%s: slot %d", name, at);
+      for (int j = 0; j < 16; ++j) {
+        CHECK(covered.insert(row * D + col + j).second, "%s: (%d, %d) twice", name, row, col + j);
+      }
+      std::memcpy(&stage[at], &tile[row * D + col], 16);
+    }
+  }
+  CHECK(int(covered.size()) == KV, "%s: %d of %d elements copied", name, int(covered.size()), KV);
+  alignas(16) static T out[KV];
+  for (int i = 0; i < KV; ++i) out[i] = T(NAN);  // poisoned
+  for (int t = 0; t < Tr::kThreads; ++t) Tr::convert_staged(stage.data(), out, t);
+  int nans = 0;
+  for (int r = 0; r < BN; ++r) {
+    for (int c = 0; c < D; ++c) {
+      const float want = e4m3_value(tile[r * D + c]), got = float(out[kv_layout(r, c)]);
+      if (std::isnan(want)) {
+        ++nans;
+        CHECK(std::isnan(got), "%s: NaN byte at (%d, %d) became %g", name, r, c, got);
+      } else {
+        CHECK(got == want && std::signbit(got) == std::signbit(want),
+              "%s: (%d, %d) byte 0x%02x: %g, want %g", name, r, c, tile[r * D + c], got, want);
+      }
+    }
+  }
+  CHECK(nans >= 2, "%s: both NaN encodings appear in the tile", name);
+}
+
 // Byte offset, from a 1024-aligned base, of element (row, col) of a [rows, D] tile stored as the
 // TMA SWIZZLE_128B boxes of the kernel write it: 64-column slabs of rows 128 B apart, each
 // 16-byte chunk xor (row % 8).
@@ -162,6 +239,12 @@ void check_sm90(const char* name) {
 int main() {
   check_sm80<Sm80Traits<cutlass::bfloat16_t, 64>>("sm80 D=64");
   check_sm80<Sm80Traits<cutlass::bfloat16_t, 128>>("sm80 D=128");
+  check_sm80<Sm80Traits<cutlass::half_t, 128, cutlass::float_e4m3_t>>("sm80 fp8 D=128");
+  using cutlass::bfloat16_t, cutlass::float_e4m3_t, cutlass::half_t;
+  check_sm80_fp8<Sm80Traits<bfloat16_t, 64, float_e4m3_t>>("sm80 fp8 bf16 D=64", 1);
+  check_sm80_fp8<Sm80Traits<bfloat16_t, 128, float_e4m3_t>>("sm80 fp8 bf16 D=128", 2);
+  check_sm80_fp8<Sm80Traits<half_t, 64, float_e4m3_t>>("sm80 fp8 f16 D=64", 3);
+  check_sm80_fp8<Sm80Traits<half_t, 128, float_e4m3_t>>("sm80 fp8 f16 D=128", 4);
   check_sm90<Sm90Traits<cutlass::bfloat16_t, 64>>("sm90 D=64");
   check_sm90<Sm90Traits<cutlass::half_t, 128>>("sm90 D=128");
   if (failures) {

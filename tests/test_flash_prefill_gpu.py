@@ -12,6 +12,7 @@ page, so any read past seq_len or past the table shows up; outputs are poisoned 
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
@@ -20,7 +21,9 @@ from kernel_check import every_variant, poisoned
 
 import pagedkern
 from pagedkern import reference
-from pagedkern.ops import flash_prefill as fp_module
+
+# The module (pagedkern.ops.flash_prefill, attribute access gives the function of that name).
+fp_module = importlib.import_module("pagedkern.ops.flash_prefill")
 
 pytestmark = pytest.mark.gpu
 kernel_variant = every_variant("flash_prefill")  # every test on every variant of the kernel

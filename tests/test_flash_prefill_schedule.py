@@ -300,6 +300,50 @@ def test_path1_row_gather_matches_reference(block_size, head_dim, block_n):
             assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("block_size", [1, 5, 16, 64])
+@pytest.mark.parametrize("head_dim,block_n", [(64, 128), (128, 64)])
+def test_path1_fp8_chunks_gather_the_tile(block_size, head_dim, block_n):
+    """load_kv's fp8 branch: thread t copies the 16-element chunk t % (D / 16) of rows
+    t / (D / 16) + (128 / (D / 16)) * m, each row's page from the page-id ring (ids[row]),
+    zero-filled past seq_len; the chunks rebuild the gathered tile (flash_prefill_sm80.cuh
+    fp8_chunk_row / fp8_chunk_col; the conversion pass is checked by flash_prefill_layouts.cu)."""
+    g = torch.Generator().manual_seed(block_size + head_dim)
+    threads, num_kv_heads, seq_len = 128, 2, 211
+    chunks_per_row = head_dim // 16
+    rows_per_pass = threads // chunks_per_row
+    pages = -(-seq_len // block_size)
+    cache = random_cache(g, pages + 3, num_kv_heads, block_size, head_dim)
+    table = torch.randperm(pages + 3, generator=g)[:pages].int()
+    flat = cache.reshape(-1)
+    page_stride = num_kv_heads * block_size * head_dim
+    for kv_head in range(num_kv_heads):
+        want = _gather(cache, table, seq_len)[kv_head]
+        for tile in range(-(-seq_len // block_n)):
+            ring = [  # fetch_pages: the page of each key row of the tile (0 past seq_len)
+                int(table[page_of(tile * block_n + r, block_size)[0]])
+                if tile * block_n + r < seq_len
+                else 0
+                for r in range(block_n)
+            ]
+            got = torch.full((block_n, head_dim), float("nan"))
+            for t in range(threads):
+                for m in range(block_n // rows_per_pass):
+                    row = t // chunks_per_row + rows_per_pass * m
+                    col = t % chunks_per_row * 16
+                    key = tile * block_n + row
+                    if key < seq_len:
+                        slot = page_of(key, block_size)[1]
+                        base = kv_head * block_size * head_dim + ring[row] * page_stride
+                        base += slot * head_dim + col
+                        got[row, col : col + 16] = flat[base : base + 16]
+                    else:
+                        got[row, col : col + 16] = 0.0  # cp.async src-size 0
+            ref = torch.zeros(block_n, head_dim)
+            keys = want[tile * block_n : (tile + 1) * block_n]
+            ref[: keys.shape[0]] = keys
+            assert torch.equal(got, ref)
+
+
 def sw128_offset(row: int, col: int, rows: int) -> int:
     """Element offset of (row, col) in a [rows, D] tile of 128-byte-swizzled 64-column slabs (the
     layout TMA SWIZZLE_128B writes and wgmma reads; checked against CuTe's by the host check)."""

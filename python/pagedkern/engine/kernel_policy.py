@@ -55,9 +55,6 @@ def decode_graphs(
     kv_dtype = support.FP8_KV_DTYPE if kv_cache_dtype == "fp8" else None
     decisions = support.model_support(dtype, head_dim, block_size, vocab, kv_dtype)
     missing = {op: d.reason for op, d in decisions.items() if not d.supported}
-    if kv_cache_dtype == "fp8":  # flash_prefill reads 16-bit caches only, so far
-        for op in ("flash_prefill",):
-            missing.setdefault(op, "an fp8 (E4M3) KV cache")
     if backend == "cuda" and missing:
         raise ValueError(
             f"backend 'cuda': no CUDA kernel for {_describe(missing)}; change the model dtype or "

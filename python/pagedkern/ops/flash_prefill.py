@@ -6,20 +6,26 @@ GPU from sm_80 on; path 2, wgmma + TMA with warp specialisation, on sm_90 when t
 allows TMA page loads (a multiple of 8 dividing 128, or a multiple of 128). The environment
 variable PAGEDKERN_FLASH_PREFILL_PATH (pagedkern/envs.py) picks one: "auto" (default), "sm80"
 (path 1 everywhere, e.g. to test it on Hopper) or "sm90" (path 2, an error where it cannot
-run). Work is scheduled on the device from cu_seqlens_q and seq_lens (never read back to the
-host), into a small int32 workspace allocated per call unless `workspace=` passes one (CUDA-graph
-capture).
+run). An fp8 (float8_e4m3fn) K/V cache with float16/bfloat16 q runs path 1 on every GPU (path 2
+does not read fp8). Work is scheduled on the device from cu_seqlens_q and seq_lens (never read
+back to the host), into a small int32 workspace allocated per call unless `workspace=` passes
+one (CUDA-graph capture).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 from .. import envs
 from . import support
 from .arrays import (
     DTYPE_CODES,
+    FLOAT_DTYPES,
     check_contiguous,
     check_dtype,
     check_ndim,
+    check_shape,
     common_device,
     view,
 )
@@ -33,7 +39,8 @@ from .launch import (
 )
 from .paged_kv import (
     attention_outputs,
-    check_attention_args,
+    attention_views,
+    check_attention_views,
     check_rows_aligned,
     check_scale,
     workspace_view,
@@ -43,6 +50,7 @@ PATH_ENV = "PAGEDKERN_FLASH_PREFILL_PATH"
 # csrc/flash_prefill.h FlashPrefillPath, exported as _C.FLASH_PREFILL_PATHS (a test compares them)
 PATHS = {"auto": 0, "sm80": 1, "sm90": 2}
 PATH_NAMES = {code: name for name, code in PATHS.items()}
+FP8_CACHE_DTYPE = "float8_e4m3fn"  # E4M3 pages (torch.float8_e4m3fn)
 
 
 def requested_path() -> str:
@@ -50,15 +58,18 @@ def requested_path() -> str:
     return envs.ENV[PATH_ENV].get()
 
 
-def kernel_path(device: int, head_dim: int, block_size: int, path: str | None = None) -> str:
-    """The path ("sm80" or "sm90") a call takes on `device` for this head dim and block size
-    (16-byte aligned arrays), given a requested path (default: the environment's)."""
+def kernel_path(
+    device: int, head_dim: int, block_size: int, path: str | None = None, fp8_cache: bool = False
+) -> str:
+    """The path ("sm80" or "sm90") a call takes on `device` for this head dim, block size and
+    cache dtype (16-byte aligned arrays), given a requested path (default: the environment's)."""
     from .._extension import require
 
     code = require().flash_prefill_path(
         device=device,
         head_dim=head_dim,
         block_size=block_size,
+        fp8_cache=fp8_cache,
         path=PATHS[path or requested_path()],
     )
     return PATH_NAMES[code]
@@ -67,6 +78,41 @@ def kernel_path(device: int, head_dim: int, block_size: int, path: str | None = 
 def kernel_support(dtype: str, head_dim: int) -> support.KernelSupport:
     """(supported, reason): whether the CUDA kernels cover these arguments (ops/support.py)."""
     return support.flash_prefill(dtype, head_dim)
+
+
+def _check_dequant_scale(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+
+
+def _check_args(q, k_cache, v_cache, block_tables, seq_lens, batch: int, out):
+    """(q's view, the argument views): the shared attention checks, plus an fp8 cache's own
+    (both caches float8_e4m3fn; q any float dtype here: the reference reads any, the kernel's
+    support covers float16/bfloat16 q). The shared checks want caches in q's dtype: an fp8
+    pair passes its own checks first (shape, layout, GQA: messages name its true dtype), then
+    the rest on views relabelled to q's dtype."""
+    views = attention_views(q, k_cache, v_cache, block_tables, seq_lens, out)
+    qv, kc, vc = views[:3]
+    if FP8_CACHE_DTYPE not in (kc.dtype, vc.dtype):
+        check_attention_views(views, batch)
+        return qv, views
+    for cache in (kc, vc):
+        if cache.dtype != FP8_CACHE_DTYPE:
+            raise TypeError(f"{cache.describe()}: both caches must be {FP8_CACHE_DTYPE}")
+    check_dtype(qv, FLOAT_DTYPES)
+    check_ndim(qv, 3)
+    for cache in (kc, vc):
+        check_ndim(cache, 4)
+        check_shape(cache, (None, kc.shape[1], None, qv.shape[2]))
+        check_contiguous(cache)
+    check_shape(vc, kc.shape)
+    if kc.shape[1] == 0 or qv.shape[1] % kc.shape[1]:
+        raise ValueError(
+            f"{qv.describe()}: query heads must be a multiple of the KV heads of {kc.describe()}"
+        )
+    relabelled = [dataclasses.replace(c, dtype=qv.dtype) for c in (kc, vc)]
+    check_attention_views([qv, *relabelled, *views[3:]], batch)
+    return qv, views
 
 
 def flash_prefill(
@@ -80,6 +126,8 @@ def flash_prefill(
     out=None,
     return_lse=False,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     workspace=None,
     stream=None,
 ):
@@ -87,7 +135,11 @@ def flash_prefill(
     delimited by cu_seqlens_q [B+1] int32; seq_lens [B] int32 counts each sequence's keys in the
     cache (prefix + chunk). Returns out [total_q, Hq, D] (and lse [total_q, Hq] float32).
 
-    The CUDA kernels cover float16/bfloat16 and D in {64, 128} (`kernel_support`); other CUDA
+    The CUDA kernels cover float16/bfloat16 q with caches of q's dtype or float8_e4m3fn (an
+    fp8 cache with float32 q: the reference, like float32 q with a float32 cache), and
+    D in {64, 128} (`kernel_support`); k_scale, v_scale: dequantization scales of the stored K
+    and V (defined in reference.flash_prefill; the kernel folds them into the softmax scale and
+    the output). Other CUDA
     torch inputs run on the reference with a warning under the "auto" backend and raise
     KernelUnsupportedError under "cuda". The reference checks the indices' contents; the kernels
     never read lengths on the host and check them (cu_seqlens_q rising from 0 to total_q,
@@ -96,14 +148,14 @@ def flash_prefill(
     workspace: int32 CUDA array of at least _C.flash_prefill_workspace_ints(total_q, B) entries,
     else allocated per call."""
     check_scale(scale)
+    _check_dequant_scale("k_scale", k_scale)
+    _check_dequant_scale("v_scale", v_scale)
     cu = view(cu_seqlens_q, "cu_seqlens_q")
     check_dtype(cu, ("int32",))
     check_ndim(cu, 1)
     if cu.shape[0] < 1:
         raise ValueError(f"{cu.describe()} must hold at least one entry")
-    qv, views = check_attention_args(
-        q, k_cache, v_cache, block_tables, seq_lens, cu.shape[0] - 1, out
-    )
+    qv, views = _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu.shape[0] - 1, out)
     views.append(cu)
     common_device(views)
     kc = views[1]
@@ -112,7 +164,17 @@ def flash_prefill(
         check_block_table_contents(block_tables, seq_lens, kc.shape[0], kc.shape[2])
         check_query_bounds(cu_seqlens_q, seq_lens, qv.shape[0])
         return reference.flash_prefill(
-            q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, scale, out, return_lse
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            block_tables,
+            seq_lens,
+            scale,
+            out,
+            return_lse,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     kc, vc, bt, sl = views[1:5]
     total, num_heads, head_dim = qv.shape
@@ -151,8 +213,10 @@ def flash_prefill(
         num_kv_heads=kc.shape[1],
         head_dim=head_dim,
         block_size=kc.shape[2],
-        scale=float(scale if scale is not None else head_dim**-0.5),
+        scale=float(scale if scale is not None else head_dim**-0.5) * k_scale,
+        out_scale=float(v_scale),
         dtype=DTYPE_CODES[qv.dtype],
+        fp8_cache=kc.dtype == FP8_CACHE_DTYPE,
         path=PATHS[path],
         strict=path != "auto",
         check_indices=check_indices(),
