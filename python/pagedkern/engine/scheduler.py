@@ -119,7 +119,10 @@ class Scheduler:
         while i < len(running) and budget > 0:  # the hot loop: a few hundred decodes per step
             request = running[i]
             computed = request.num_computed_tokens
-            num_new = min(len(request.prompt_ids) + len(request.output_ids) - computed, budget)
+            if request.num_pending and self._ends_with_pending(request):
+                i += 1  # its in-flight token ends it (max_tokens / context): nothing to run
+                continue
+            num_new = min(request.num_tokens - computed, budget)
             k = self._lookahead(request, num_new, budget) if lookahead else 0
             if k and self._reserve(request, 1 + k):  # short of blocks: a plain decode instead
                 batch.lookahead[request] = k
@@ -140,6 +143,8 @@ class Scheduler:
             return batch  # memory is short: admit nobody new this iteration
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending:  # preempted with a token in flight: next step, in order
+                break
             try:  # hashing the request's own ids: its fault if it fails, nobody else's
                 hits = self._prefix_hits(request)
             except Exception as exc:  # noqa: BLE001 - isolated: the request fails alone
@@ -163,6 +168,15 @@ class Scheduler:
             batch.entries.append((request, num_new))
             budget -= num_new
         return batch
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Asynchronous scheduling: whether the token in flight is the request's last by
+        max_tokens or the context (stops by EOS or stop strings are only known later)."""
+        generated = len(request.output_ids) + request.num_pending
+        return (
+            generated >= request.params.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        )
 
     def _lookahead(self, request: Request, num_new: int, budget: int) -> int:
         """How many proposals a decoding request may verify this step: k, capped by the token
@@ -242,6 +256,25 @@ class Scheduler:
             if after == request.num_tokens + (len(accepted) if accepted else 0):
                 ready.append(request)
         return ready
+
+    def on_step_launched(self, batch: ScheduledBatch) -> list[tuple[Request, int, int]]:
+        """Asynchronous scheduling: account the batch's tokens as computed when it is handed
+        to the worker (the next step is scheduled before this one ends; the worker runs steps
+        in order). Returns (request, computed before, after) per entry: the prefix-cache
+        hashes of blocks that fill wait for `register_computed`, once the ids are known."""
+        advanced = []
+        for request, num_new in batch.entries:
+            before = request.num_computed_tokens
+            request.num_computed_tokens = before + num_new
+            advanced.append((request, before, before + num_new))
+        return advanced
+
+    def register_computed(self, request: Request, before: int, after: int) -> None:
+        """Asynchronous scheduling, at the end of the step that computed tokens [before,
+        after) of a still running request: make the blocks that filled findable."""
+        bs = self.pool.block_size
+        if self.pool.enable_prefix_caching and after // bs > before // bs:
+            self._register_full_blocks(request, before // bs, after // bs)
 
     def _roll_back(self, request: Request, end: int) -> None:
         """Free the whole blocks past `end` tokens (slots of rejected proposals, or reserved
