@@ -124,6 +124,17 @@ def test_overlap_matches_synchronous_scheduling(scenario, params):
         assert sum(r["preemptions"] for r in overlapped.values()) > 0
 
 
+def test_padded_decode_graph_path_matches():
+    """cuda_graphs=True on the CPU: pure-decode steps run the padded static-buffer path of
+    the CUDA graphs (eagerly), placeholders filled before it copies the layout in."""
+    prompts = varied_prompts()
+    params = PARAMS["seeded"]
+    sync, _ = generate(False, prompts, params, cuda_graphs=True, max_num_seqs=18)
+    overlapped, engine = generate(True, prompts, params, cuda_graphs=True, max_num_seqs=18)
+    assert_same(overlapped, sync)
+    assert engine.runner.graphs is not None and engine.overlap.num_overlapped > 0
+
+
 def mixed_params(prompts) -> list[SamplingParams]:
     """Every stop condition, n > 1, and requests that force synchronous steps."""
     out = []

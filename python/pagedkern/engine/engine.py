@@ -344,9 +344,9 @@ class Engine:
         try:
             self.overlap.step(batch, outputs)
         except Exception as exc:  # noqa: BLE001 - not one request's fault: these steps' fail
-            in_flight, self.overlap.in_flight = self.overlap.in_flight, None
-            entries = batch.entries + (in_flight.batch.entries if in_flight else [])
-            self._fail_all([request for request, _ in entries], exc, outputs)
+            self.overlap.in_flight = None  # with any token still pending: nothing will come
+            stranded = [r for r in self.requests.values() if r.num_pending]
+            self._fail_all([request for request, _ in batch.entries] + stranded, exc, outputs)
 
     def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         proposals = self._propose(batch)
