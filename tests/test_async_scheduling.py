@@ -8,7 +8,9 @@ HTTP server through the engine core loop answers the same; combinations it refus
 from __future__ import annotations
 
 import asyncio
+import io
 import random
+import sys
 
 import pytest
 import test_http_concurrency as concurrency
@@ -17,6 +19,7 @@ from test_speculative_engine import DEFAULT_MODEL_PROMPTS
 
 from pagedkern.engine import Engine, EngineConfig, FinishReason, SamplingParams
 from pagedkern.model import default_model_path
+from pagedkern.serving.cli import main
 from pagedkern.serving.cli_args import build_parser, engine_config
 from pagedkern.serving.http_server import ServerThread
 
@@ -283,6 +286,22 @@ def test_refused_combinations_and_the_flag():
     args = build_parser().parse_args(["--model", TINY, "--async-scheduling"])
     assert engine_config(args).async_scheduling is True
     assert engine_config(build_parser().parse_args(["--model", TINY])).async_scheduling is False
+
+
+def test_cli_answers_the_same_with_the_flag_and_traces(capsys, monkeypatch):
+    """pagedkern-serve (no --http) on six stdin lines, with --trace: the same answers."""
+    lines = "".join(
+        f'{{"prompt": "line {i}", "max_tokens": {3 + i}, "seed": {i}}}\n' for i in range(6)
+    )
+    argv = ["--model", TINY, "--backend", "reference", "--temperature", "0.8", "--raw", "--trace"]
+    got = []
+    for flags in ([], ["--async-scheduling"]):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines.encode())))
+        assert main([*argv, *flags, "-"]) == 0
+        captured = capsys.readouterr()
+        got.append(captured.out)
+        assert "iteration" in captured.err
+    assert got[1] == got[0] and got[0].count("\n") == 6
 
 
 @pytest.mark.skipif(not default_model_path().is_file(), reason="the default model is missing")

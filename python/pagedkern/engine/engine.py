@@ -10,6 +10,9 @@ the accepted prefix plus one recovered or bonus token, the rejected tokens' KV s
 rewound (Scheduler.on_step_done), and the tokens gained are appended one by one with every stop
 check, so a stop inside an accepted run drops the tokens after it.
 
+With async_scheduling (engine/overlap.py) a step() launches the next batch on a worker thread
+before it completes the one in flight: its outputs are those of the step before.
+
 Bad input is refused at admission (ValueError naming the field). Should a step still fail, the
 failure is pinned on the request(s) it can be attributed to (the scheduler isolates a request's
 own hashing and accounting; a failed forward pass is retried request by request): those finish

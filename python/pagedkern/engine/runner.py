@@ -134,7 +134,7 @@ class ModelRunner:
             )
             for r, n in ordered
         ]
-        fill = []  # (chunk, row of the previous step's ids) per placeholder
+        fill = []  # (chunk index, row in the previous step's ids) per placeholder
         if pending:
             for i, (r, n) in enumerate(ordered):
                 j = pending.get(r)
@@ -157,7 +157,7 @@ class ModelRunner:
         if fill:
             step.fill_rows = [int(layout.cu_seqlens[i]) for i, _ in fill]
             step.fill_from = [j for _, j in fill]
-        if pending is not None:  # ahead of time: the requests' state moves on meanwhile
+        if pending is not None:  # read now: the engine thread moves the requests on meanwhile
             step.sampling = self.sampling_inputs(step.sample_requests()[0])
             step.want_prompt_logprobs = prompt_logprobs.wanted(ordered)
         return step
@@ -165,12 +165,8 @@ class ModelRunner:
     def execute(self, step: PreparedStep, previous: StepResult | None = None) -> StepResult:
         """The device half of `run`: fill the placeholders from `previous` (the step before,
         already run: the worker runs steps in order), upload, forward, verify, sample."""
-        layout, rows, speculating, proposals = (
-            step.layout,
-            step.rows,
-            step.speculating,
-            step.proposals,
-        )
+        layout, rows = step.layout, step.rows
+        speculating, proposals = step.speculating, step.proposals
         if step.fill_rows:
             if previous is None:
                 raise RuntimeError("placeholder rows without the step that samples them")
