@@ -13,6 +13,12 @@ before anyone proposes (`ScheduledBatch.lookahead`; without the blocks it falls 
 decode rather than preempting anyone). After verification `on_step_done` counts only the
 accepted tokens as computed (the rest of the slots are rewound) and frees the whole blocks past
 the sequence's new end; only blocks full of verified tokens ever enter the prefix cache.
+
+Asynchronous scheduling (engine/overlap.py): the next step is scheduled while one runs, with
+its sampled tokens pending (Request.num_pending, counted by num_tokens); `on_step_launched`
+counts a step's tokens as computed at launch and `register_computed` hashes the blocks they
+filled once its ids are known. A request whose pending token is its last (max_tokens, context)
+is not scheduled again, nor a preempted one readmitted while its token is still in flight.
 """
 
 from __future__ import annotations
