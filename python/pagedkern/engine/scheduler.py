@@ -128,7 +128,8 @@ class Scheduler:
             if request.num_pending and self._ends_with_pending(request):
                 i += 1  # its in-flight token ends it (max_tokens / context): nothing to run
                 continue
-            num_new = min(request.num_tokens - computed, budget)
+            total = len(request.prompt_ids) + len(request.output_ids) + request.num_pending
+            num_new = min(total - computed, budget)
             k = self._lookahead(request, num_new, budget) if lookahead else 0
             if k and self._reserve(request, 1 + k):  # short of blocks: a plain decode instead
                 batch.lookahead[request] = k
