@@ -9,7 +9,11 @@ and append / stop checks / outputs (Engine._append_sampled); execution: runner.e
 worker thread with overlap on, inline with it off). Both are timed as wall-clock intervals
 (time.perf_counter); the overlap fraction is the share of host-work time that falls inside an
 execution interval: 0 by construction with overlap off, 1 if the host never kept the device
-waiting. Throughput is output tokens over the wall time of the whole run (the 2-core dev
+waiting (with overlap off the sampling inputs are built inside execute, with it on in
+prepare: the host totals differ by that). On the CPU the worker's forward is Python op dispatch
+that holds the GIL between ops, so the engine thread's host work waits for the GIL while it
+overlaps: less of it overlaps than on a GPU, where the worker mostly waits on the device with
+the GIL released. Throughput is output tokens over the wall time of the whole run (the 2-core dev
 machine is shared: read it as indicative). Outputs with overlap on must equal those with it off.
 Smoke mode (CI): 8 sequences x 4 tokens; PAGEDKERN_BENCH_SMOKE=0: 1, 64 and 256 sequences x 64.
 """
