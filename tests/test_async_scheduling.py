@@ -3,19 +3,23 @@ CPU: token for token what synchronous scheduling gives (greedy and seeded, with 
 varied prompts, with preemption, chunked prefill, n > 1, stop strings and ids, max_tokens and
 the context limit, requests that force synchronous steps mixed in; pool invariants after every
 step and no block left at the end; aborts mid-flight; failures isolated as without overlap; the
-HTTP server through the engine core loop answers the same; combinations it refuses."""
+CLI, the HTTP server through the engine core loop (in a thread and as two processes) and the
+32-stream cancellation test answer the same; combinations it refuses."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import random
+import signal
 import sys
 
 import pytest
 import test_http_concurrency as concurrency
 from http_stack import openai
+from test_http_processes import start_server
 from test_speculative_engine import DEFAULT_MODEL_PROMPTS
+from test_tensor_parallel_lifecycle import wait_gone
 
 from pagedkern.engine import Engine, EngineConfig, FinishReason, SamplingParams
 from pagedkern.model import default_model_path
@@ -368,6 +372,21 @@ def test_http_answers_the_same_with_async_scheduling():
         assert not overlap or engine.overlap.num_overlapped > 0
     assert got[1] == got[0]
     assert any(a.endswith("stop") for a in got[0]) and any(a.endswith("length") for a in got[0])
+
+
+def test_http_server_processes_answer_the_same_with_the_flag():
+    """pagedkern-serve --http (front end and engine core processes) with and without
+    --async-scheduling: the same answers; Ctrl-C stops both cleanly (the worker joined)."""
+    got = []
+    for flags in ([], ["--async-scheduling"]):
+        proc, url, core = start_server("--max-num-seqs", "6", "--num-blocks", "60", *flags)
+        try:
+            got.append(asyncio.run(answers(url)))
+        finally:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(60) == 0
+        assert wait_gone([core])
+    assert got[1] == got[0]
 
 
 def test_32_stream_cancellation_with_async_scheduling(monkeypatch):
