@@ -111,7 +111,9 @@ class Overlap:
             try:
                 self.in_flight = self._launch(batch, previous)
             except Exception:  # noqa: BLE001 - e.g. a bad layout: the synchronous path isolates it
-                log.warning("launching an overlapped step failed; running it synchronously")
+                log.warning(
+                    "launching an overlapped step failed; running it synchronously", exc_info=True
+                )
             else:
                 self.num_overlapped += previous is not None
                 if previous is not None:
