@@ -107,6 +107,13 @@ class EngineConfig:
         "decode, the plain path's logits bit for bit, so outputs never depend on which path a "
         "step took)",
     )
+    async_scheduling: bool = _setting(
+        False,
+        "overlap scheduling with execution: while step N runs on the engine's worker thread, "
+        "schedule and lay out step N+1 with N's sampled tokens as placeholders (engine/"
+        "overlap.py; off by default: not yet verified on a GPU)",
+        cli={"action": "store_true"},
+    )
     tensor_parallel_size: int = _setting(
         1,
         "ranks the model is split over (torch.distributed: gloo on the CPU, NCCL on CUDA); "
@@ -169,6 +176,7 @@ class EngineConfig:
         check_int("seed", self.seed, 0, 2**63 - 1)
         check_int("max_queue", self.max_queue, 1, INT32_MAX)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
+        check_bool("async_scheduling", self.async_scheduling)
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be none, ngram or draft, got {self.speculative!r}")
         check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 64)
@@ -182,6 +190,13 @@ class EngineConfig:
             raise ParameterTypeError(f"draft_model must be a string, got {self.draft_model!r}")
         if self.speculative == "draft" and not self.draft_model:
             raise ValueError("speculative draft needs draft_model (a model path or self:N)")
+        if self.async_scheduling and self.speculative != "none":
+            raise ValueError(
+                "async_scheduling cannot be combined with speculative decoding (a proposal "
+                "needs the previous step's tokens on the host)"
+            )
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1")
 
 
 def _dtype(value) -> torch.dtype | None:

@@ -10,6 +10,9 @@ the accepted prefix plus one recovered or bonus token, the rejected tokens' KV s
 rewound (Scheduler.on_step_done), and the tokens gained are appended one by one with every stop
 check, so a stop inside an accepted run drops the tokens after it.
 
+With async_scheduling (engine/overlap.py) a step() launches the next batch on a worker thread
+before it completes the one in flight: its outputs are those of the step before.
+
 Bad input is refused at admission (ValueError naming the field). Should a step still fail, the
 failure is pinned on the request(s) it can be attributed to (the scheduler isolates a request's
 own hashing and accounting; a failed forward pass is retried request by request): those finish
@@ -38,6 +41,7 @@ from .kernel_policy import decode_graphs, piecewise_graphs
 from .kv_budget import kv_cache_blocks
 from .logits_processing import LogitsState
 from .outputs import EngineStats, RequestOutput, TokenLogprob
+from .overlap import Overlap, needs_sync
 from .request import FinishReason, Request
 from .runner import ModelRunner, StepResult
 from .sampling_params import SamplingParams
@@ -125,6 +129,8 @@ class Engine:
                 piecewise_tokens=config.max_num_batched_tokens if piecewise else None,
             )
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        # async_scheduling: steps run on a worker thread, the next scheduled meanwhile
+        self.overlap = Overlap(self) if config.async_scheduling else None
         self.scheduler = Scheduler(
             self.pool, SchedulerConfig.from_engine(config, self.max_model_len)
         )
@@ -227,6 +233,7 @@ class Engine:
                 grammar=grammars[i],
             )
             sample.logits_state = LogitsState(params, prompt_ids, stop_ids, self.vocab_size)
+            sample.needs_sync = needs_sync(sample)
             samples.append(sample)
         request = samples[0]
         self.scheduler.add(request)
@@ -317,11 +324,16 @@ class Engine:
             batch = self.scheduler.schedule()
         except Exception as exc:  # noqa: BLE001 - the scheduler's own fault: fail who it holds
             self._fail_all(list(self.scheduler.running), exc, outputs)
+            if self.overlap is not None:
+                self.overlap.drain(outputs)
             return outputs
         outputs += [self._fail(request, exc) for request, exc in batch.failed]
         if self.proposer is not None:
             for victim in batch.preempted:
                 self.proposer.forget(victim)
+        if self.overlap is not None:
+            self._step_overlapped(batch, outputs)
+            return outputs
         if not batch:
             return outputs
         self.iteration += 1
@@ -333,6 +345,17 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - not one request's fault: this step's fail
             self._fail_all([request for request, _ in batch.entries], exc, outputs)
         return outputs
+
+    def _step_overlapped(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
+        """async_scheduling: launch `batch`, then complete the step in flight
+        (engine/overlap.py); a failure nobody can be blamed for fails both steps' requests."""
+        self.iteration += bool(batch)
+        try:
+            self.overlap.step(batch, outputs)
+        except Exception as exc:  # noqa: BLE001 - not one request's fault: these steps' fail
+            self.overlap.in_flight = None  # with any token still pending: nothing will come
+            stranded = [r for r in self.requests.values() if r.num_pending]
+            self._fail_all([request for request, _ in batch.entries] + stranded, exc, outputs)
 
     def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         proposals = self._propose(batch)
@@ -354,9 +377,17 @@ class Engine:
         for leader in {s[0] for s in sampled} & forks.keys():
             if leader not in failed:
                 self._fork(leader, self._forks.pop(leader))
+        self._append_sampled(sampled, failed, outputs)
+
+    def _append_sampled(
+        self, sampled: list[tuple], failed: set[Request], outputs: list[RequestOutput]
+    ) -> None:
+        """Append each sampled request's tokens, except for those that failed or ended
+        meanwhile (an aborted request's, or with async_scheduling one that stopped a step
+        earlier: that token is discarded)."""
         now = self.clock()
         for request, tokens, logits, logprob in sampled:
-            if request in failed or request.request_id not in self.requests:
+            if request in failed or self.requests.get(request.request_id) is not request:
                 continue
             try:
                 if self.tracer and logits is not None:
@@ -494,8 +525,8 @@ class Engine:
             return FinishReason.STOP, text
         if len(request.output_ids) >= request.params.max_tokens:
             return FinishReason.LENGTH, text
-        if request.num_tokens >= self.max_model_len:
-            return FinishReason.CONTEXT, text
+        if len(request.prompt_ids) + len(request.output_ids) >= self.max_model_len:
+            return FinishReason.CONTEXT, text  # (num_tokens counts the tokens in flight)
         if self.tracer:
             self.tracer.token(request, token, text)
         return None, text
@@ -579,7 +610,10 @@ class Engine:
                 self.abort(rid)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do at TP = 1); idempotent."""
+        """Stop the tensor-parallel workers (nothing to do at TP = 1) and the async_scheduling
+        worker thread; idempotent."""
+        if self.overlap is not None:
+            self.overlap.close()
         self.model.tp.close()
 
     def run_until_done(self) -> Iterator[RequestOutput]:

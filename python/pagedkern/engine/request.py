@@ -43,6 +43,12 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, found in the prefix cache at admission
+    # Asynchronous scheduling (engine/overlap.py): tokens sampled by a step still in flight,
+    # not yet in output_ids (at most 2: step N's and N+1's); num_tokens counts them.
+    num_pending: int = 0
+    # Its next step needs host state from the tokens before it (penalties, bad words,
+    # min_tokens, grammar, prompt logprobs): a step holding it runs synchronously.
+    needs_sync: bool = False
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -62,7 +68,9 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Prompt + output, with the tokens a step in flight is sampling (the scheduler's
+        view: they take KV slots and budget like any other)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     @property
     def all_ids(self) -> list[int]:

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from ..model import KVCache, LlamaModel, SequenceChunk, layout_batch
+from ..model import BatchLayout, KVCache, LlamaModel, SequenceChunk, layout_batch
 from ..model.attention_metadata import verification_rows
 from . import prompt_logprobs
 from .cuda_graphs import DecodeGraphs
-from .logits_processing import batch_processing
+from .logits_processing import BatchProcessing, batch_processing
 from .outputs import TokenLogprob
 from .piecewise_graphs import PiecewiseGraphs
 from .request import Request
@@ -36,6 +36,49 @@ class StepResult:
     logits: torch.Tensor | None
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     verified: list[tuple[Request, list[int]]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SamplingInputs:
+    """A batch's sampling parameters on the host: one packed buffer of (seeds, offsets,
+    temperature, top_p, top_k) and the logits processing (ModelRunner.sampling_inputs)."""
+
+    packed: torch.Tensor
+    fields: tuple[torch.Tensor, ...]
+    processing: BatchProcessing
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step laid out on the host (ModelRunner.prepare), ready to run (execute). rows: the
+    chunks whose last row gets logits (sampled rows first, then verification rows); the first
+    num_sampled sample. sampling: the sampling inputs when built ahead (asynchronous
+    scheduling; None: built from the requests at sampling time). fill_rows / fill_from:
+    placeholder input rows and the rows of the previous step's ids that fill them."""
+
+    ordered: list[tuple[Request, int]]
+    layout: BatchLayout
+    rows: list[int]
+    num_sampled: int
+    speculating: list[Request]
+    proposals: Mapping[Request, Proposal]
+    forks: Mapping[Request, Sequence[Request]] | None
+    sampling: SamplingInputs | None = None
+    want_prompt_logprobs: bool | None = None
+    fill_rows: list[int] = field(default_factory=list)
+    fill_from: list[int] = field(default_factory=list)
+
+    def sample_requests(self) -> tuple[list[Request], list[int]]:
+        """The requests that sample, in row order (n > 1: the samples that fork from a leader
+        after them), and the logits row each draws from."""
+        requests = [self.ordered[i][0] for i in self.rows[: self.num_sampled]]
+        index = list(range(len(requests)))
+        if self.forks:
+            for row, request in enumerate(list(requests)):
+                for sample in self.forks.get(request, ()):
+                    requests.append(sample)
+                    index.append(row)
+        return requests, index
 
 
 class ModelRunner:
@@ -75,6 +118,20 @@ class ModelRunner:
         """Run the batch; `forks`: for a request whose prompt completes now, the further
         samples (n > 1) that draw their first token from the same logits row; `proposals`:
         the speculating requests' proposals (their entry counts 1 + the proposal's length)."""
+        return self.execute(self.prepare(entries, forks, proposals))
+
+    def prepare(
+        self,
+        entries: list[tuple[Request, int]],
+        forks: Mapping[Request, Sequence[Request]] | None = None,
+        proposals: Mapping[Request, Proposal] | None = None,
+        pending: Mapping[Request, int] | None = None,
+    ) -> PreparedStep:
+        """The host half of `run`: the batch layout (block tables, positions, slots read now,
+        so the scheduler may change them once this returns). `pending` (asynchronous
+        scheduling): request -> its row in the previous step's sampled ids, for the requests
+        whose input token that step is still sampling; their rows are placeholders that
+        `execute` fills, and the sampling inputs are built here too."""
         proposals = proposals or {}
         # Prefill chunks first, then one-token rows: the layout the model's metadata expects;
         # verification rows last.
@@ -88,7 +145,16 @@ class ModelRunner:
             )
             for r, n in ordered
         ]
+        fill = []  # (chunk index, row in the previous step's ids) per placeholder
+        if pending:
+            for i, (r, n) in enumerate(ordered):
+                j = pending.get(r)
+                if j is not None:
+                    assert n == 1 and not chunks[i].token_ids, "a placeholder is one decode row"
+                    chunks[i].token_ids = [0]
+                    fill.append((i, j))
         rows = [i for i, (r, n) in enumerate(ordered) if r.num_computed_tokens + n == r.num_tokens]
+        num_sampled = len(rows)
         speculating = [r for r, _ in entries if r in proposals]
         for r in speculating:
             last = r.ids_between(r.num_computed_tokens, r.num_computed_tokens + 1)
@@ -98,21 +164,43 @@ class ModelRunner:
             rows += range(len(chunks), len(chunks) + 1 + len(proposals[r].token_ids))
             chunks += verification_rows(chunk)
         layout = layout_batch(chunks, self.kv_cache.block_size, logits_rows=rows)
+        step = PreparedStep(ordered, layout, rows, num_sampled, speculating, proposals, forks)
+        if fill:
+            step.fill_rows = [int(layout.cu_seqlens[i]) for i, _ in fill]
+            step.fill_from = [j for _, j in fill]
+        if pending is not None:  # read now: the engine thread moves the requests on meanwhile
+            step.sampling = self.sampling_inputs(step.sample_requests()[0])
+            step.want_prompt_logprobs = prompt_logprobs.wanted(ordered)
+        return step
+
+    def execute(self, step: PreparedStep, previous: StepResult | None = None) -> StepResult:
+        """The device half of `run`: fill the placeholders from `previous` (the step before,
+        already run: the worker runs steps in order), upload, forward, verify, sample."""
+        layout, rows = step.layout, step.rows
+        speculating, proposals = step.speculating, step.proposals
+        if step.fill_rows:
+            if previous is None:
+                raise RuntimeError("placeholder rows without the step that samples them")
+            layout.input_ids[step.fill_rows] = [previous.token_ids[j] for j in step.fill_from]
+        ordered = step.ordered
+        wanted = step.want_prompt_logprobs  # read at prepare time under overlap
+        if wanted is None:
+            wanted = prompt_logprobs.wanted(ordered)
         plain = self.graphs is not None and not speculating
-        if plain and layout.num_prefills == 0 and len(rows) == len(chunks):
+        if plain and layout.num_prefills == 0 and len(rows) == len(layout.seq_lens):
             logits = self.graphs.run(layout)  # every row a decode that samples: replay a graph
         elif (
             self.piecewise is not None
             and not speculating
             and self.piecewise.covers(layout)
-            and not prompt_logprobs.wanted(ordered)
+            and not wanted
         ):
             logits = self.piecewise.run(layout)  # a mixed step: pieces replayed, attention eager
         else:
             tp = self.model.tp  # TP rank 0: broadcasts the step; a failure in it is fatal
             with tp.fatal_errors():
                 input_ids, meta = tp.upload(layout, self.device, logits=bool(rows))
-                if not rows or prompt_logprobs.wanted(ordered):
+                if not rows or wanted:
                     # mid-prompt chunks (fill the cache, skip the LM head) or prompt logprobs
                     hidden = self.model.hidden_states(input_ids, meta, self.kv_cache)
                     prompt_logprobs.record(self.model, hidden, ordered, layout.cu_seqlens)
@@ -124,40 +212,53 @@ class ModelRunner:
                     logits = self.model(input_ids, meta, self.kv_cache)
         verified = []
         if speculating:
-            num_sampled = len(rows) - sum(1 + len(proposals[r].token_ids) for r in speculating)
+            num_sampled = step.num_sampled
             gains = verify(logits[num_sampled:], speculating, [proposals[r] for r in speculating])
             verified = list(zip(speculating, gains, strict=True))
-            logits, rows = logits[:num_sampled], rows[:num_sampled]
-            if not rows:
+            logits = logits[:num_sampled]
+            if not num_sampled:
                 return StepResult([], [], None, verified=verified)
-        requests = [ordered[i][0] for i in rows]
-        if forks:
-            index = list(range(len(requests)))
-            for row, request in enumerate(list(requests)):
-                for sample in forks.get(request, ()):
-                    requests.append(sample)
-                    index.append(row)
-            if len(index) > len(rows):
-                logits = logits[torch.tensor(index, device=logits.device)]
-        ids, logprobs = self.sample(logits, requests)
+        requests, index = step.sample_requests()
+        if len(index) > step.num_sampled:  # n > 1: the samples draw from their leader's row
+            logits = logits[torch.tensor(index, device=logits.device)]
+        if step.sampling is None:
+            ids, logprobs = self.sample(logits, requests)
+        else:
+            ids, logprobs = self.draw(logits, requests, step.sampling)
         return StepResult(requests, ids, logits, logprobs, verified)
 
     def sample(
         self, logits: torch.Tensor, requests: list[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """One id per row, with each request's parameters; the step offset is the number of
-        tokens it has generated, so its draws do not depend on its batch neighbours. The
-        parameters go up in one copy; the ids come back in one. Logits processing and logprobs
-        where a request asks for them (engine/logits_processing.py)."""
+        tokens it has generated (in flight included), so its draws do not depend on its batch
+        neighbours. Logits processing and logprobs where a request asks for them
+        (engine/logits_processing.py)."""
+        return self.draw(logits, requests, self.sampling_inputs(requests))
+
+    def sampling_inputs(self, requests: list[Request]) -> SamplingInputs:
+        """The host side of sampling `requests`: their parameters packed into one buffer (one
+        copy up) and their logits processing."""
         params = [r.params for r in requests]
         fields = (
             torch.tensor([r.seed for r in requests], dtype=torch.int64),
-            torch.tensor([len(r.output_ids) for r in requests], dtype=torch.int64),
+            torch.tensor([len(r.output_ids) + r.num_pending for r in requests], dtype=torch.int64),
             torch.tensor([p.temperature for p in params], dtype=torch.float32),
             torch.tensor([p.top_p for p in params], dtype=torch.float32),
             torch.tensor([p.top_k for p in params], dtype=torch.int32),
         )
         packed = torch.cat([f.view(torch.uint8) for f in fields])  # int64s first: aligned views
+        masks = [r.grammar.bitmask() if r.grammar is not None else None for r in requests]
+        processing = batch_processing(
+            [r.logits_state for r in requests], [r.output_ids for r in requests], masks
+        )
+        return SamplingInputs(packed, fields, processing)
+
+    def draw(
+        self, logits: torch.Tensor, requests: list[Request], inputs: SamplingInputs
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Sample `logits` with `inputs` (sampling_inputs); the ids come back in one copy."""
+        packed, fields, processing = inputs.packed, inputs.fields, inputs.processing
         if logits.device.type == "cuda":
             packed = packed.pin_memory()
         packed = packed.to(logits.device, non_blocking=True)
@@ -167,10 +268,7 @@ class ModelRunner:
                 packed.split([f.numel() * f.element_size() for f in fields]), fields, strict=True
             )
         )
-        masks = [r.grammar.bitmask() if r.grammar is not None else None for r in requests]
-        processing = batch_processing(
-            [r.logits_state for r in requests], [r.output_ids for r in requests], masks
-        )
+        params = [r.params for r in requests]
         kwargs = {
             name: a.to(logits.device, non_blocking=True) for name, a in processing.arrays.items()
         }

@@ -13,6 +13,12 @@ before anyone proposes (`ScheduledBatch.lookahead`; without the blocks it falls 
 decode rather than preempting anyone). After verification `on_step_done` counts only the
 accepted tokens as computed (the rest of the slots are rewound) and frees the whole blocks past
 the sequence's new end; only blocks full of verified tokens ever enter the prefix cache.
+
+Asynchronous scheduling (engine/overlap.py): the next step is scheduled while one runs, with
+its sampled tokens pending (Request.num_pending, counted by num_tokens); `on_step_launched`
+counts a step's tokens as computed at launch and `register_computed` hashes the blocks they
+filled once its ids are known. A request whose pending token is its last (max_tokens, context)
+is not scheduled again, nor a preempted one readmitted while its token is still in flight.
 """
 
 from __future__ import annotations
@@ -119,7 +125,11 @@ class Scheduler:
         while i < len(running) and budget > 0:  # the hot loop: a few hundred decodes per step
             request = running[i]
             computed = request.num_computed_tokens
-            num_new = min(len(request.prompt_ids) + len(request.output_ids) - computed, budget)
+            if request.num_pending and self._ends_with_pending(request):
+                i += 1  # its in-flight token ends it (max_tokens / context): nothing to run
+                continue
+            total = len(request.prompt_ids) + len(request.output_ids) + request.num_pending
+            num_new = min(total - computed, budget)
             k = self._lookahead(request, num_new, budget) if lookahead else 0
             if k and self._reserve(request, 1 + k):  # short of blocks: a plain decode instead
                 batch.lookahead[request] = k
@@ -140,6 +150,8 @@ class Scheduler:
             return batch  # memory is short: admit nobody new this iteration
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending:  # preempted with a token in flight: next step, in order
+                break
             try:  # hashing the request's own ids: its fault if it fails, nobody else's
                 hits = self._prefix_hits(request)
             except Exception as exc:  # noqa: BLE001 - isolated: the request fails alone
@@ -163,6 +175,15 @@ class Scheduler:
             batch.entries.append((request, num_new))
             budget -= num_new
         return batch
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Asynchronous scheduling: whether the token in flight is the request's last by
+        max_tokens or the context (stops by EOS or stop strings are only known later)."""
+        generated = len(request.output_ids) + request.num_pending
+        return (
+            generated >= request.params.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        )
 
     def _lookahead(self, request: Request, num_new: int, budget: int) -> int:
         """How many proposals a decoding request may verify this step: k, capped by the token
@@ -242,6 +263,25 @@ class Scheduler:
             if after == request.num_tokens + (len(accepted) if accepted else 0):
                 ready.append(request)
         return ready
+
+    def on_step_launched(self, batch: ScheduledBatch) -> list[tuple[Request, int, int]]:
+        """Asynchronous scheduling: account the batch's tokens as computed when it is handed
+        to the worker (the next step is scheduled before this one ends; the worker runs steps
+        in order). Returns (request, computed before, after) per entry: the prefix-cache
+        hashes of blocks that fill wait for `register_computed`, once the ids are known."""
+        advanced = []
+        for request, num_new in batch.entries:
+            before = request.num_computed_tokens
+            request.num_computed_tokens = before + num_new
+            advanced.append((request, before, before + num_new))
+        return advanced
+
+    def register_computed(self, request: Request, before: int, after: int) -> None:
+        """Asynchronous scheduling, at the end of the step that computed tokens [before,
+        after) of a still running request: make the blocks that filled findable."""
+        bs = self.pool.block_size
+        if self.pool.enable_prefix_caching and after // bs > before // bs:
+            self._register_full_blocks(request, before // bs, after // bs)
 
     def _roll_back(self, request: Request, end: int) -> None:
         """Free the whole blocks past `end` tokens (slots of rejected proposals, or reserved

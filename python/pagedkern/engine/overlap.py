@@ -1,0 +1,194 @@
+"""Asynchronous (overlap) scheduling, EngineConfig.async_scheduling: while step N runs on the
+engine's one worker thread, the engine thread schedules step N+1, lays it out and builds its
+sampling inputs; then it waits for N's ids and appends them (stop checks, outputs, frees).
+
+What runs where: the engine thread owns every request, the scheduler and the pool; the worker
+(`StepWorker`, one thread, steps strictly in order) runs ModelRunner.execute: placeholder fill,
+upload, forward, sampling, ids back to the host. It reads only the PreparedStep (a snapshot
+made by ModelRunner.prepare), so the engine thread may change block tables meanwhile; every
+write to the KV cache happens on the worker in step order, so a block freed while a step that
+writes it is in flight is only reused by later steps, whose writes come after.
+
+Placeholders: a request sampled in N that runs again in N+1 has that token pending
+(Request.num_pending, counted by num_tokens: budget, slots and sampling offset are all known
+without it). Its N+1 row is a placeholder the worker fills from N's sampled ids before the
+forward (on the host side of the upload, so a CUDA-graph replay sees it too). The scheduler
+accounts a step's tokens as computed at launch (Scheduler.on_step_launched), hashes blocks that
+fill once the step is complete (register_computed), never schedules past max_tokens or the
+context, and admits no preempted request whose token is still in flight.
+
+Stops resolve one step late: a request that ends at N (EOS, stop id or string, grammar, abort,
+timeout) has its N+1 token discarded; its blocks went back when it finished. A preempted
+request's in-flight token is appended when N completes, as a synchronous step would have.
+
+Synchronous steps: a step whose batch holds a request whose next step needs host state from
+its last token (Request.needs_sync: penalties, multi-token bad words, min_tokens, grammar,
+prompt logprobs) or an n > 1 fork (its KV copy) first completes the step in flight, then runs
+as without overlap. Speculative decoding and tensor parallelism are refused with it
+(EngineConfig).
+
+Failures: a launch that fails (layout) falls back to a synchronous step. A step that fails on
+the worker (the one after it fails with it) is rolled back (computed tokens and pending counts
+of both) and the next step runs synchronously, where Engine._forward's per-request isolation
+pins the failure on whoever caused it.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .. import ops
+from .request import Request, RequestStatus
+from .runner import ModelRunner, PreparedStep, StepResult
+from .scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .outputs import RequestOutput
+
+log = logging.getLogger("pagedkern.engine")
+
+
+def needs_sync(request: Request) -> bool:
+    """Whether the request's next step needs host state from the token before it."""
+    state, params = request.logits_state, request.params
+    history = state is not None and (state.penalised or state.multi_word)
+    prompt = state is not None and state.prompt_logprobs is not None
+    return bool(request.grammar is not None or history or params.min_tokens or prompt)
+
+
+@dataclass(slots=True, eq=False)
+class InFlight:
+    """A step handed to the worker and not yet completed. advanced: (request, computed tokens
+    before, after) per entry; rows: the requests it samples -> their row in its ids (each
+    holds one pending token until the step completes or is abandoned)."""
+
+    batch: ScheduledBatch
+    future: Future[StepResult]
+    advanced: list[tuple[Request, int, int]]
+    rows: dict[Request, int]
+
+
+class StepWorker:
+    """The one thread that runs steps, in submission order."""
+
+    def __init__(self, runner: ModelRunner, backend: str):
+        self.runner = runner
+        self.backend = backend
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedkern-step")
+
+    def submit(self, step: PreparedStep, previous: InFlight | None) -> Future[StepResult]:
+        before = previous.future if previous is not None and step.fill_rows else None
+        return self._executor.submit(self._run, step, before)
+
+    def _run(self, step: PreparedStep, before: Future[StepResult] | None) -> StepResult:
+        # `before` ran first on this thread: done (its failure fails this step too)
+        previous = None if before is None else before.result()
+        with ops.use_backend(self.backend):  # a context variable: set on this thread
+            return self.runner.execute(step, previous)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+class Overlap:
+    """The engine's overlapped step: launch the new batch, then complete the one in flight."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.worker = StepWorker(engine.runner, engine.backend)
+        self.in_flight: InFlight | None = None
+        self.sync_next = False  # after a failed step: one synchronous step isolates it
+        self.num_overlapped = 0  # steps launched while another was in flight (tests, bench)
+
+    def step(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
+        """Run `batch` (maybe empty) overlapped with the step in flight, or synchronously."""
+        previous, self.in_flight = self.in_flight, None
+        if batch and not self.sync_next and self._overlappable(batch):
+            try:
+                self.in_flight = self._launch(batch, previous)
+            except Exception:  # noqa: BLE001 - e.g. a bad layout: the synchronous path isolates it
+                log.warning(
+                    "launching an overlapped step failed; running it synchronously", exc_info=True
+                )
+            else:
+                self.num_overlapped += previous is not None
+                if previous is not None:
+                    self._complete(previous, outputs)
+                return
+        self.sync_next = False
+        if previous is not None and not self._complete(previous, outputs):
+            return  # rolled back: the next step (synchronous) schedules afresh
+        batch.entries = [e for e in batch.entries if e[0].status is RequestStatus.RUNNING]
+        if batch:  # minus those that ended with the step before
+            self.engine._run(batch, outputs)
+
+    def drain(self, outputs: list[RequestOutput]) -> None:
+        """Complete the step in flight, if any."""
+        previous, self.in_flight = self.in_flight, None
+        if previous is not None:
+            self._complete(previous, outputs)
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def _overlappable(self, batch: ScheduledBatch) -> bool:
+        forks = self.engine._forks
+        return not any(r.needs_sync or (forks and r in forks) for r, _ in batch.entries)
+
+    def _launch(self, batch: ScheduledBatch, previous: InFlight | None) -> InFlight:
+        engine = self.engine
+        if engine.tracer:
+            engine.tracer.iteration(engine.iteration, batch, engine.pool)
+        pending = {} if previous is None else previous.rows
+        step = engine.runner.prepare(batch.entries, pending=pending)
+        future = self.worker.submit(step, previous)
+        advanced = engine.scheduler.on_step_launched(batch)
+        requests, _ = step.sample_requests()
+        for request in requests:
+            request.num_pending += 1
+        return InFlight(batch, future, advanced, {r: j for j, r in enumerate(requests)})
+
+    def _complete(self, step: InFlight, outputs: list[RequestOutput]) -> bool:
+        """Wait for the step's ids and append them (Engine._run's second half); False when
+        it failed and was rolled back with the step after it."""
+        engine = self.engine
+        try:
+            result = step.future.result()
+        except Exception as exc:  # noqa: BLE001 - isolated by the synchronous rerun
+            log.warning("an overlapped step failed (%r); rerunning it synchronously", exc)
+            if self.in_flight is not None:  # it needs this step's ids: it failed too
+                self._abandon(self.in_flight)
+                self.in_flight = None
+            self._abandon(step)
+            self.sync_next = True
+            return False
+        for request in step.rows:
+            request.num_pending -= 1
+        for request, before, after in step.advanced:
+            if request.status is RequestStatus.RUNNING:  # not ended or preempted meanwhile
+                try:
+                    engine.scheduler.register_computed(request, before, after)
+                except Exception as exc:  # noqa: BLE001 - its own hashing: it fails alone
+                    outputs.append(engine._fail(request, exc))
+        engine._append_sampled(_sampled(result), set(), outputs)
+        return True
+
+    @staticmethod
+    def _abandon(step: InFlight) -> None:
+        """Undo a launched step's accounting (newest step first): its tokens are not computed
+        after all, its pending tokens never come."""
+        for request in step.rows:
+            request.num_pending -= 1
+        for request, before, _ in step.advanced:
+            if request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens = before
+
+
+def _sampled(result: StepResult) -> list[tuple]:
+    from .engine import _sampled as sampled  # one definition, engine.py's
+
+    return sampled(result)
