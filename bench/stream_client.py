@@ -6,7 +6,8 @@ as little CPU as possible, since it shares the machine with the server it measur
         --streams 256 --max-tokens 64
 
 Prints one JSON line: {"streams", "completed", "output_tokens", "seconds", "tok_per_s",
-"errors"}. Every request asks for ignore_eos and stream_options.include_usage; its output
+"cpu_seconds", "errors"} (cpu_seconds: this client's own CPU time over the run). Every
+request asks for ignore_eos and stream_options.include_usage; its output
 tokens are the usage chunk's completion_tokens, checked against the number of text events.
 Time runs from the first request sent to the last [DONE] received.
 """
@@ -90,11 +91,11 @@ async def run(url: str, model: str, streams: int, max_tokens: int) -> dict:
         }
         for i in range(streams)
     ]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     raws = await asyncio.gather(
         *(one(parts.hostname, parts.port, b) for b in bodies), return_exceptions=True
     )
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens, completed, errors = 0, 0, []
     for raw in raws:
         try:
@@ -114,6 +115,7 @@ async def run(url: str, model: str, streams: int, max_tokens: int) -> dict:
         "output_tokens": tokens,
         "seconds": seconds,
         "tok_per_s": tokens / seconds,
+        "cpu_seconds": cpu,
         "errors": errors[:5],
     }
 
