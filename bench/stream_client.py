@@ -67,14 +67,33 @@ def parse_stream(raw: bytes) -> tuple[int, int]:
     return usage, texts
 
 
+class _Response(asyncio.Protocol):
+    """Collects one response's bytes (Connection: close: it ends at EOF). A bare protocol, not
+    a StreamReader: no coroutine wake-up per received segment."""
+
+    def __init__(self, request: bytes):
+        self.request, self.parts = request, []
+        self.done = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport) -> None:
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def connection_lost(self, exc) -> None:
+        if not self.done.done():
+            self.done.set_result(b"".join(self.parts))
+
+
 async def one(host: str, port: int, body: dict) -> bytes:
-    reader, writer = await asyncio.open_connection(host, port)
+    loop = asyncio.get_running_loop()
+    request = request_bytes(f"{host}:{port}", body)
+    transport, response = await loop.create_connection(lambda: _Response(request), host, port)
     try:
-        writer.write(request_bytes(f"{host}:{port}", body))
-        await writer.drain()
-        return await reader.read(-1)  # Connection: close: the response ends at EOF
+        return await response.done
     finally:
-        writer.close()
+        transport.close()
 
 
 async def run(url: str, model: str, streams: int, max_tokens: int) -> dict:
