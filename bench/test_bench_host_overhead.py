@@ -16,6 +16,10 @@ and min over the steps); the components are timed in a second pass with a wrappe
 loop (rest)" is the total minus the components: engine.py's own per-step code. Target
 (issue 17): <= 0.5 ms per step at 256. Smoke mode (CI): every size, a few steps; the numbers
 mean nothing there.
+
+Each size runs twice: detokenizing (the offline engine: `LLM`, the CLI; half the requests check
+a stop string) and not (`Engine.detokenize` off: the HTTP server's engine core, whose front
+end detokenizes and matches stop strings in its own process; no stop strings reach the core).
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ def stub_sample(logits, temperature, top_p, top_k, seeds, offsets, **kwargs) -> 
     return ((seeds + offsets * 7) % 500 + 5).to(torch.int32)
 
 
-def running_engine(num_seqs: int, monkeypatch) -> Engine:
+def running_engine(num_seqs: int, monkeypatch, detokenize: bool = True) -> Engine:
     engine = Engine.from_config(
         EngineConfig(
             model="synthetic:tiny",
@@ -119,6 +123,7 @@ def running_engine(num_seqs: int, monkeypatch) -> Engine:
         )
     )
     engine.runner.model = StubModel(engine.vocab_size, num_seqs)
+    engine.detokenize = detokenize
     monkeypatch.setattr(ops, "sample", stub_sample)
     for i in range(num_seqs):
         params = SamplingParams(
@@ -127,7 +132,8 @@ def running_engine(num_seqs: int, monkeypatch) -> Engine:
             temperature=0.8,
             top_p=0.95,
             seed=i,
-            stop=["pagedkern-stop"] if i % 2 else [],  # half the requests check a stop string
+            # half the requests check a stop string (where the engine matches them)
+            stop=["pagedkern-stop"] if i % 2 and detokenize else [],
         )
         prompt = [(i * 7 + j) % 500 + 5 for j in range(40 + i % 50)]
         engine.add_request(prompt_ids=prompt, params=params)
@@ -159,17 +165,20 @@ def instrument(engine: Engine, timers: Timers, monkeypatch) -> None:
     monkeypatch.setattr(engine, "step", timers.wrap("step", engine.step))
 
 
+@pytest.mark.parametrize("detokenize", [True, False], ids=["detokenize", "ids-only"])
 @pytest.mark.parametrize("num_seqs", SIZES)
-def test_engine_step_host_cost(num_seqs, record, monkeypatch, capsys):
-    engine = running_engine(num_seqs, monkeypatch)
+def test_engine_step_host_cost(num_seqs, detokenize, record, monkeypatch, capsys):
+    engine = running_engine(num_seqs, monkeypatch, detokenize)
     before = sum(len(r.output_ids) for r in engine.requests.values())
 
-    times = []
+    times, texts = [], False
     for _ in range(STEPS):
         start = CLOCK()
         outputs = engine.step()
         times.append(CLOCK() - start)
         assert len(outputs) == num_seqs and not any(o.finished for o in outputs)
+        texts = texts or any(o.text for o in outputs)
+    assert texts == detokenize  # (the stub's ids do decode to text)
     step = statistics.median(times)
 
     timers = Timers()
@@ -197,7 +206,7 @@ def test_engine_step_host_cost(num_seqs, record, monkeypatch, capsys):
     components["engine loop (rest)"] = (
         timers.seconds["step"] - wrapped - sum(components.values()) - timers.seconds["sampler stub"]
     )
-    case = f"{num_seqs} running"
+    case = f"{num_seqs} running" + ("" if detokenize else ", no detokenization (HTTP core)")
     record(
         OP,
         case,

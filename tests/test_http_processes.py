@@ -252,3 +252,26 @@ def test_stop_strings_matched_in_the_front_end_give_the_engines_answers(stream):
         assert s.engine_loop.run_in_engine(lambda e: e.pool.num_used).result(WAIT) == 0
     assert (got_texts, got_reasons) == (texts, reasons)
     assert usage["completion_tokens"] == tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_back_stop_strings_in_the_front_end_as_in_the_engine(stream):
+    """A stop string that shows up before min_tokens ids does not end the request, whether the
+    engine matches it (alone) or the front end does (served)."""
+    prompt, base = "Keep going", dict(seed=3, temperature=1.0, max_tokens=16, min_tokens=8)
+    free, _, _ = engine_samples(SamplingParams(**base), prompt)
+    stop = free[0][:2]  # found at once, within the first min_tokens ids
+    texts, reasons, _ = engine_samples(SamplingParams(**base, stop=[stop]), prompt)
+    assert texts[0].startswith(stop)  # the engine let it pass
+    body = {"model": TINY, "prompt": prompt, **base, "stop": [stop], "stream": stream}
+    with ServerThread(tiny_engine()) as s:
+        if stream:
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=WAIT) as r:
+                chunks = [json.loads(d) for d in sse_data(r) if d != "[DONE]"]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            reason = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            answer = httpx.post(s.url + "/v1/completions", json=body, timeout=WAIT).json()
+            text, reason = answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]
+        assert s.engine_loop.wait_for(lambda: s.engine_loop.num_live == 0, WAIT)
+    assert ([text], [reason]) == (texts, reasons)

@@ -183,6 +183,14 @@ _VARS = (
         "test",
     ),
     EnvVar(
+        "PAGEDKERN_BENCH_PROFILE",
+        None,
+        "bench/test_bench_http_frontend.py: a folder; the HTTP front end runs under a sampling "
+        "profiler, writes its counts there and the bench prints CPU µs per token per component.",
+        _text,
+        "test",
+    ),
+    EnvVar(
         "PAGEDKERN_BLOCK_IMPORTS",
         None,
         "Tests: comma-separated top-level modules that raise ImportError under "

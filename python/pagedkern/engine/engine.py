@@ -139,6 +139,9 @@ class Engine:
         self._spec_steps = self._spec_proposed = self._spec_accepted = 0
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # False: outputs carry token ids only, no text (the HTTP front end detokenizes; stop
+        # strings are then refused)
+        self.detokenize = True
         self._stop_ids: dict[str, frozenset[int]] = {}  # ids that end the request (EOS too)
         self._undelivered: list[RequestOutput] = []  # taken by stream() for other requests
         # n > 1: samples waiting for their first request's prompt (they fork from its blocks)
@@ -209,6 +212,8 @@ class Engine:
                 raise ValueError(
                     f"{name}: {token} is not a token id (vocabulary {self.vocab_size})"
                 )
+        if params.stop and not self.detokenize:
+            raise ValueError("stop: stop strings need an engine that detokenizes")
         request_id = request_id or f"R{next(self._ids)}"
         ids = [request_id] + [f"{request_id}.{i}" for i in range(1, params.n)]
         if any(i in self.requests for i in ids):
@@ -242,9 +247,10 @@ class Engine:
         for sample in samples:
             rid = sample.request_id
             self.requests[rid] = sample
-            self._detokenizers[rid] = IncrementalDetokenizer(
-                self.tokenizer, params.stop, params.min_tokens
-            )
+            if self.detokenize:
+                self._detokenizers[rid] = IncrementalDetokenizer(
+                    self.tokenizer, params.stop, params.min_tokens
+                )
             self._stop_ids[rid] = stop_ids
         self._num_prompt_tokens += len(prompt_ids)
         if self.tracer:
@@ -519,9 +525,9 @@ class Engine:
         if token in self._stop_ids[request.request_id]:
             return FinishReason.STOP, ""
         grammar_done = request.grammar is not None and request.grammar.accept(token)
-        detokenizer = self._detokenizers[request.request_id]
-        text = detokenizer.add(token)
-        if detokenizer.stopped_by is not None or grammar_done:
+        detokenizer = self._detokenizers.get(request.request_id)
+        text = "" if detokenizer is None else detokenizer.add(token)
+        if grammar_done or (detokenizer is not None and detokenizer.stopped_by is not None):
             return FinishReason.STOP, text
         if len(request.output_ids) >= request.params.max_tokens:
             return FinishReason.LENGTH, text
@@ -548,11 +554,11 @@ class Engine:
         self.scheduler.finish(request)
         request.finish_reason = reason
         request.finish_time = self.clock()
-        detokenizer = self._detokenizers.pop(request.request_id)
+        detokenizer = self._detokenizers.pop(request.request_id, None)
         self._stop_ids.pop(request.request_id)
         del self.requests[request.request_id]
         self._num_finished += 1
-        text += detokenizer.flush()
+        text += "" if detokenizer is None else detokenizer.flush()
         if self.tracer:
             self.tracer.finished(request, text, freed, self.pool)
         return RequestOutput.of(request, text, token_ids, True, reason, logprobs)

@@ -1,7 +1,7 @@
 """The front end's handle on the engine core (engine_core.py): requests out, token deltas in.
 
 Frames arrive on the event loop itself (`loop.add_reader` on the channel's socket): each
-OUTPUTS frame is fanned out to the per-request asyncio queues in one pass, no thread hop. Text is
+OUTPUTS frame is fanned out to the per-request streams in one pass, no thread hop. Text is
 made here: every sample has its own IncrementalDetokenizer with the request's stop strings; when
 one matches, the sample finishes with "stop" and the core is told to abort it (tokens it made in
 the meantime are dropped; n > 1: the first sample cannot be aborted alone, so it runs on to its
@@ -276,7 +276,7 @@ class EngineClient:
                 if stream.pending == 0:
                     del self._streams[key]
                 if out is not None:
-                    stream.queue.put_nowait(out)
+                    stream.put(out)
         elif kind == wire.ADDED:
             future, stream = self._admitting.pop(frame[1])
             stream.prompt_tokens = frame[2]
@@ -316,7 +316,7 @@ class EngineClient:
             if not future.done():
                 future.set_result(None)
         for stream in self._streams.values():
-            stream.queue.put_nowait(failure)
+            stream.put(failure)
         for _, future in (self._calls or {}).values():
             future.cancel()
         self._admitting.clear()

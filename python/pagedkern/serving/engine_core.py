@@ -9,8 +9,9 @@ One reader thread turns incoming frames into an inbox queue, so the front end's 
 for a step to end (and neither side can block the other with both socket buffers full). The
 loop drains the inbox (adds, aborts, stats queries), runs one step, and sends everything the
 iteration produced as one OUTPUTS frame: per request that advanced, its new token ids, finish
-code, error and logprobs. Text is the front end's business: requests come without stop strings,
-and the front end detokenizes, matches stop strings and aborts what one ends. With nothing to do
+code, error and logprobs. Text is the front end's business: the engine here does not detokenize
+(`Engine.detokenize` off), requests come without stop strings, and the front end detokenizes,
+matches stop strings and aborts what one ends. With nothing to do
 the loop blocks on the inbox (no spinning).
 
 Backpressure: an add is refused (queue_full) when `max_queue` requests would already wait after
@@ -94,6 +95,9 @@ class EngineCore:
         calls: Calls | None = None,
     ):
         self.engine = engine
+        # Text is the front end's: the outputs' token ids are all it reads (a --trace still
+        # shows the text it narrates)
+        engine.detokenize = engine.tracer is not None
         self.channel = channel
         self.max_queue = engine.config.max_queue if max_queue is None else max_queue
         self.after_step = after_step

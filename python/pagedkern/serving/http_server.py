@@ -181,7 +181,8 @@ def create_app(
         body = await collect(streams, fmt, http, texts)
         return ASCIIJSONResponse(body) if body is not None else Response(status_code=499)
 
-    @app.post("/v1/chat/completions")
+    # The two generation routes are plain Starlette routes: they read their own bodies and
+    # return Responses, so FastAPI's per-request dependency solving bought them nothing.
     async def chat_completions(http: Request) -> Response:
         req = await parse_body(http, ChatCompletionRequest)
         check_model(req.model)
@@ -192,7 +193,6 @@ def create_app(
         messages = [m.as_template_message() for m in req.messages]
         return await generate(http, [{"messages": messages}], params, fmt, req.stream)
 
-    @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
         req = await parse_body(http, CompletionRequest)
         check_model(req.model)
@@ -207,6 +207,9 @@ def create_app(
             params.n * len(prompts),
         )  # fmt: skip
         return await generate(http, prompts, params, fmt, req.stream, echo=req.echo)
+
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
 
     @app.post("/tokenize")
     async def tokenize(http: Request) -> dict:

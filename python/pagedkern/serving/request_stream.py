@@ -1,6 +1,12 @@
 """One request as the front end holds it: its samples' incremental detokenizers and stop
 strings, turning the core's token-id deltas into the StreamOutputs a handler reads (see
-engine_client.py for the protocol around it)."""
+engine_client.py for the protocol around it).
+
+Delivery is batched: the frame handler appends each StreamOutput to the stream's list and wakes
+its handler once; the handler takes everything that has arrived since it last looked. A handler
+that keeps up gets one output per engine step; one that has fallen behind (the front end is
+busy) gets several at once and writes them with one send, so the per-write costs (a task
+wake-up, the ASGI send chain, h11, a socket syscall) shrink as the load grows."""
 
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ class Sample:
 
 @dataclass(eq=False)
 class RequestStream:
-    """The handler's end of one request: StreamOutputs arrive in `queue`."""
+    """The handler's end of one request: StreamOutputs arrive by `put`, read by `batches`."""
 
     request_id: str
     owner: EngineClient
@@ -51,7 +57,8 @@ class RequestStream:
     arrival: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0
     finished: bool = False  # the handler has seen every sample finish (or closed)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _ready: list = field(default_factory=list)  # StreamOutputs (or the failure) not yet read
+    _wakeup: asyncio.Future | None = None  # the waiting handler's, if it waits
     pending: int = 0  # samples the core has not finished
     _open: int = 0  # samples the handler has not seen finished
     _aborted: bool = False
@@ -62,7 +69,7 @@ class RequestStream:
     def __post_init__(self) -> None:
         self.pending = self._open = self.samples
         self._samples = [
-            Sample(IncrementalDetokenizer(self.tokenizer, self.params.stop))
+            Sample(IncrementalDetokenizer(self.tokenizer, self.params.stop, self.params.min_tokens))
             for _ in range(self.samples)
         ]
 
@@ -70,17 +77,38 @@ class RequestStream:
     def samples(self) -> int:
         return self.params.n
 
-    async def outputs(self):
-        """StreamOutputs until the last sample's finished one; raises EngineUnavailable if the
-        engine core dies."""
+    def put(self, item: StreamOutput | BaseException) -> None:
+        """One more output (or the failure that ends the stream); wakes a waiting handler."""
+        self._ready.append(item)
+        wakeup = self._wakeup
+        if wakeup is not None:
+            self._wakeup = None
+            if not wakeup.done():  # (cancelled: its handler has gone)
+                wakeup.set_result(None)
+
+    async def batches(self):
+        """Lists of the StreamOutputs that arrived since the last list, until the last sample's
+        finished one; raises EngineUnavailable if the engine core dies (after the outputs that
+        came before)."""
         while not self.finished:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                self.finished = True
-                raise item
-            self._open -= item.finished
-            self.finished = self._open == 0
-            yield item
+            if not self._ready:
+                self._wakeup = asyncio.get_running_loop().create_future()
+                await self._wakeup
+                continue
+            items, self._ready = self._ready, []
+            batch = []
+            for item in items:
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    if batch:
+                        yield batch
+                    raise item
+                batch.append(item)
+                self._open -= item.finished
+                if self._open == 0:
+                    self.finished = True
+                    break
+            yield batch
 
     def close(self) -> None:
         """Abort what the core still runs of this request (idempotent)."""

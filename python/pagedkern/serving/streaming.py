@@ -65,18 +65,35 @@ class _Format:
         # one id and timestamp for every chunk of the response
         self.meta = {"id": request_id, "created": int(time.time()), "model": model}
 
+    @property
+    def meta(self) -> dict:
+        return self._meta
+
+    @meta.setter
+    def meta(self, meta: dict) -> None:
+        """Also the JSON around every chunk's choice, encoded once per response."""
+        self._meta = meta
+        head = _dumps({**meta, "object": self.chunk_object})
+        self._head = head[:-1] + ',"choices":['
+        self._tail = '],"usage":null}' if self.include_usage else "]}"
+
     def opening(self) -> str | None:
         return None
 
     def delta(self, index: int, out: StreamOutput, finish_reason: str | None) -> str:
-        """One chunk's JSON, built as plain data: the per-token hot path of a stream (a pydantic
-        model per token cost ~5x more); the same bytes as `chunk_type(...).model_dump_json`
-        (tests/test_http_processes.py checks)."""
-        choice = self._delta_dict(index, out.text, finish_reason, self.logprobs(index, out))
-        chunk = {**self.meta, "object": self.chunk_object, "choices": [choice]}
-        if self.include_usage:
-            chunk["usage"] = None
-        return json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
+        """One chunk's JSON: the per-token hot path of a stream, so the text around the choice
+        is encoded once per response and the choice is formatted from its few values (a
+        pydantic model per token cost ~5x more, json.dumps of the chunk ~3x); the same bytes as
+        `chunk_type(...).model_dump_json` (tests/test_http_processes.py checks)."""
+        logprobs = self.logprobs(index, out)
+        choice = self._choice(
+            index,
+            _string(out.text),
+            "null" if finish_reason is None else _string(finish_reason),
+            "null" if logprobs is None else _dumps(logprobs),
+            bool(out.text),
+        )
+        return f"{self._head}{choice}{self._tail}"
 
     def usage(self, usage: Usage) -> str:
         return self.chunk_type(**self.meta, choices=[], usage=usage).model_dump_json()
@@ -88,6 +105,13 @@ class _Format:
     def _entry(self, token_id: int, logprob: float) -> tuple[str, float, list[int]]:
         text = self.token_text(token_id)
         return text, _finite(logprob), list(text.encode("utf-8", "replace"))
+
+
+_string = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=False) writes for a str
+
+
+def _dumps(data) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
 def _finite(value: float) -> float:
@@ -122,14 +146,13 @@ class ChatFormat(_Format):
         return {"content": content}
 
     @staticmethod
-    def _delta_dict(index, text, finish_reason, logprobs) -> dict:
-        delta = {"content": text} if text else {}
-        return {
-            "index": index,
-            "delta": delta,
-            "finish_reason": finish_reason,
-            "logprobs": logprobs,
-        }
+    def _choice(index: int, text: str, finish_reason: str, logprobs: str, has_text: bool) -> str:
+        """ChatChunkChoice's JSON from its values' JSON (no content key without text)."""
+        delta = f'{{"content":{text}}}' if has_text else "{}"
+        return (
+            f'{{"index":{index},"delta":{delta},"finish_reason":{finish_reason},'
+            f'"logprobs":{logprobs}}}'
+        )
 
     def _whole_choice(self, index, text, finish_reason, logprobs):
         return ChatChoice(
@@ -160,8 +183,12 @@ class CompletionFormat(_Format):
         return body
 
     @staticmethod
-    def _delta_dict(index, text, finish_reason, logprobs) -> dict:
-        return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+    def _choice(index: int, text: str, finish_reason: str, logprobs: str, has_text: bool) -> str:
+        """CompletionChoice's JSON from its values' JSON."""
+        return (
+            f'{{"index":{index},"text":{text},"finish_reason":{finish_reason},'
+            f'"logprobs":{logprobs}}}'
+        )
 
     def _whole_choice(self, index, text, finish_reason, logprobs):
         return CompletionChoice(
@@ -219,18 +246,21 @@ def event(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamOutput]]:
-    """(choice index, output) from every stream as they come; choice = prompt x n + sample."""
+async def merged(
+    streams: list[RequestStream],
+) -> AsyncIterator[list[tuple[int, StreamOutput]]]:
+    """Batches of (choice index, output) from every stream as they come (a batch: what one
+    stream delivered at once, see RequestStream.batches); choice = prompt x n + sample."""
     if len(streams) == 1:
-        async for out in streams[0].outputs():
-            yield out.index, out
+        async for batch in streams[0].batches():
+            yield [(out.index, out) for out in batch]
         return
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(k: int, stream: RequestStream) -> None:
         try:
-            async for out in stream.outputs():
-                await q.put((k * stream.samples + out.index, out))
+            async for batch in stream.batches():
+                await q.put((k, [(k * stream.samples + out.index, out) for out in batch]))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             await q.put((k, exc))
         finally:
@@ -240,37 +270,49 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Strea
     try:
         remaining = len(tasks)
         while remaining:
-            index, item = await q.get()
+            _, item = await q.get()
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield index, item
+                yield item
     finally:
         for task in tasks:
             task.cancel()
 
 
 async def sse_events(streams: list[RequestStream], fmt: Format) -> AsyncIterator[str]:
+    """The response body in pieces: the events of one batch of outputs per piece (one write)."""
     opening = fmt.opening()
     if opening is not None:
         yield event(opening)
     completion_tokens, open_choices = 0, fmt.num_choices
     prompt_tokens = sum(s.prompt_tokens for s in streams)
     try:
-        async for index, out in merged(streams):
-            completion_tokens += len(out.token_ids)
-            if out.finished and out.finish_reason is FinishReason.ERROR:
-                yield event(json.dumps(engine_error(streams[0].request_id, out).body()))
+        async for batch in merged(streams):
+            events = []
+            for index, out in batch:
+                completion_tokens += len(out.token_ids)
+                if out.finished and out.finish_reason is FinishReason.ERROR:
+                    events.append(
+                        event(json.dumps(engine_error(streams[0].request_id, out).body()))
+                    )
+                    open_choices = -1  # the stream ends here
+                    break
+                if out.finished:
+                    events.append(
+                        event(fmt.delta(index, out, openai_finish_reason(out.finish_reason)))
+                    )
+                    open_choices -= 1
+                    if fmt.include_usage and open_choices == 0:
+                        events.append(event(fmt.usage(Usage.of(prompt_tokens, completion_tokens))))
+                elif out.text or out.logprobs:
+                    events.append(event(fmt.delta(index, out, None)))
+            if events:
+                yield "".join(events)
+            if open_choices < 0:
                 break
-            if out.finished:
-                yield event(fmt.delta(index, out, openai_finish_reason(out.finish_reason)))
-                open_choices -= 1
-                if fmt.include_usage and open_choices == 0:
-                    yield event(fmt.usage(Usage.of(prompt_tokens, completion_tokens)))
-            elif out.text or out.logprobs:
-                yield event(fmt.delta(index, out, None))
     except EngineUnavailable as exc:
         yield event(json.dumps(unavailable(exc).body()))
     yield "data: [DONE]\n\n"
@@ -278,7 +320,13 @@ async def sse_events(streams: list[RequestStream], fmt: Format) -> AsyncIterator
 
 class EventStreamResponse(StreamingResponse):
     """A StreamingResponse that always runs `on_close` when it ends: stream finished, client
-    disconnected (Starlette cancels the body iterator), send failed, or never started."""
+    disconnected (the body iterator is cancelled), send failed, or never started.
+
+    The body streams in one task while another waits for http.disconnect, as Starlette does
+    for servers of ASGI spec < 2.4 (uvicorn's h11 says 2.3), but with two plain asyncio tasks:
+    Starlette's anyio task group formatted the repr of the current task (its coroutine stack)
+    into a message each time it cancelled the watcher, once per response, a measurable part
+    of admitting a short request."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -286,10 +334,22 @@ class EventStreamResponse(StreamingResponse):
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = watching = None
         try:
-            await super().__call__(scope, receive, send)
+            streaming = asyncio.ensure_future(self.stream_response(send))
+            watching = asyncio.ensure_future(self.listen_for_disconnect(receive))
+            await asyncio.wait((streaming, watching), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self.on_close()
+            tasks = [t for t in (streaming, watching) if t is not None]
+            for task in tasks:
+                task.cancel()
+            try:
+                done = await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                self.on_close()
+        failure = done[0]
+        if isinstance(failure, BaseException) and not isinstance(failure, asyncio.CancelledError):
+            raise failure
 
 
 async def collect(
@@ -305,14 +365,15 @@ async def collect(
 
     async def gather() -> None:
         nonlocal tokens
-        async for index, out in merged(streams):
-            texts[index].append(out.text)
-            tokens += len(out.token_ids)
-            lp = fmt.logprobs(index, out)
-            if lp is not None:
-                logprobs[index].append(lp)
-            if out.finished:
-                finals[index] = out
+        async for batch in merged(streams):
+            for index, out in batch:
+                texts[index].append(out.text)
+                tokens += len(out.token_ids)
+                lp = fmt.logprobs(index, out)
+                if lp is not None:
+                    logprobs[index].append(lp)
+                if out.finished:
+                    finals[index] = out
 
     gathering = asyncio.ensure_future(gather())
     watcher = asyncio.ensure_future(_disconnected(http))

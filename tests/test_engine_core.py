@@ -1,0 +1,132 @@
+"""The HTTP server's engine core runs its Engine with detokenization off (`Engine.detokenize`):
+the same tokens, finish reasons and blocks as a detokenizing engine, no text, and stop strings
+(which would need text) refused; and the front end's delivery of a request's outputs in batches
+(RequestStream.put / batches, one SSE write per batch)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_http_server import tiny_engine
+
+from pagedkern.engine import FinishReason, SamplingParams
+from pagedkern.serving.engine_client import EngineUnavailable
+from pagedkern.serving.engine_core import EngineCore
+from pagedkern.serving.request_stream import RequestStream, StreamOutput
+from pagedkern.serving.streaming import CompletionFormat, sse_events
+
+PROMPTS = ["tell me", "a much longer prompt about rivers, cities and music", "x"]
+
+
+def run(detokenize: bool) -> dict:
+    engine = tiny_engine()
+    engine.detokenize = detokenize
+    for i, prompt in enumerate(PROMPTS):
+        params = SamplingParams(
+            seed=i, temperature=1.0, max_tokens=9 + i, n=2 if i == 1 else 1, min_tokens=i
+        )
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    got: dict = {}
+    for out in engine.run_until_done():
+        ids, text, reason = got.get(out.request_id, ((), "", None))
+        got[out.request_id] = (ids + out.token_ids, text + out.text, out.finish_reason)
+    assert engine.pool.num_used == 0
+    return got
+
+
+def test_without_detokenization_the_engine_makes_the_same_tokens_and_no_text():
+    with_text, ids_only = run(True), run(False)
+    assert {k: (v[0], v[2]) for k, v in ids_only.items()} == {
+        k: (v[0], v[2]) for k, v in with_text.items()
+    }
+    assert all(text for _, text, _ in with_text.values())  # (the comparison means something)
+    assert all(text == "" for _, text, _ in ids_only.values())
+
+
+def test_without_detokenization_stop_strings_are_refused():
+    engine = tiny_engine()
+    engine.detokenize = False
+    with pytest.raises(ValueError, match="stop"):
+        engine.add_request("hi", SamplingParams(stop=["zz"]))
+    assert not engine.has_unfinished
+
+
+def test_the_engine_core_turns_detokenization_off():
+    engine = tiny_engine()
+    EngineCore(engine, channel=None)
+    assert engine.detokenize is False
+
+
+class _Owner:
+    """What a RequestStream needs of its EngineClient when nothing is aborted or recorded."""
+
+    def abort(self, request_id: str) -> None:
+        raise AssertionError(f"nothing should be aborted ({request_id})")
+
+    def record(self, *args) -> None:
+        pass
+
+
+def stream(n: int = 1) -> RequestStream:
+    engine = tiny_engine()
+    return RequestStream("r", _Owner(), SamplingParams(n=n), frozenset(), engine.tokenizer)
+
+
+def outputs(texts: list[str]) -> list[StreamOutput]:
+    last = len(texts) - 1
+    return [
+        StreamOutput(t, [5], i == last, FinishReason.LENGTH if i == last else None)
+        for i, t in enumerate(texts)
+    ]
+
+
+async def read_all(s: RequestStream) -> list[list[str]]:
+    return [[out.text for out in batch] async for batch in s.batches()]
+
+
+def test_outputs_that_arrive_together_are_read_together():
+    async def scenario() -> list[list[str]]:
+        s = stream()
+        first, *rest = outputs(["a", "b", "c", "d"])
+        reader = asyncio.ensure_future(read_all(s))
+        s.put(first)
+        await asyncio.sleep(0)  # the reader takes "a" alone
+        await asyncio.sleep(0)
+        for out in rest:  # three more before the reader runs again
+            s.put(out)
+        return await reader
+
+    assert asyncio.run(scenario()) == [["a"], ["b", "c", "d"]]
+
+
+def test_a_failure_ends_the_batches_after_what_came_before_it():
+    async def scenario() -> tuple[list[str], BaseException | None]:
+        s = stream()
+        s.put(outputs(["a", "b"])[0])
+        s.put(EngineUnavailable("gone"))
+        seen, failure = [], None
+        try:
+            async for batch in s.batches():
+                seen += [out.text for out in batch]
+        except EngineUnavailable as exc:
+            failure = exc
+        return seen, failure
+
+    seen, failure = asyncio.run(scenario())
+    assert seen == ["a"] and isinstance(failure, EngineUnavailable)
+
+
+def test_one_batch_is_one_piece_of_the_event_stream_with_one_event_per_output():
+    async def scenario() -> list[str]:
+        s = stream()
+        for out in outputs(["a", "b", "c"]):
+            s.put(out)
+        fmt = CompletionFormat("cmpl-1", "m", include_usage=False)
+        return [piece async for piece in sse_events([s], fmt)]
+
+    pieces = asyncio.run(scenario())
+    assert len(pieces) == 2 and pieces[1] == "data: [DONE]\n\n"
+    events = pieces[0].split("\n\n")[:-1]
+    assert [e.split('"text":')[1].split(",")[0] for e in events] == ['"a"', '"b"', '"c"']
+    assert '"finish_reason":"length"' in events[2] and '"finish_reason":null' in events[0]
