@@ -166,11 +166,3 @@ def test_fp8_cache_arguments_are_checked_by_name(change, error, words):
         scales = {"k_scale": math.nan}
     with pytest.raises(error, match=words):
         pagedkern.paged_attention(q, k_cache, v_cache, tables, lens, **scales)
-
-
-def test_flash_prefill_op_still_refuses_an_fp8_cache():
-    # It has no fp8 path (kernel or op); the model calls reference.flash_prefill for fp8.
-    q, k_cache, v_cache, tables, lens = _fp8_attention_args()
-    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-    with pytest.raises(TypeError, match="k_cache .*float8_e4m3fn.* must have the dtype of q"):
-        pagedkern.flash_prefill(q, k_cache, v_cache, cu, tables, lens)
