@@ -52,14 +52,15 @@ MAX_SLICES = 256  # CTAs per row at most (csrc/sampling.cu accepts up to 4096)
 
 
 def split_slices(rows: int, vocab: int, itemsize: int, num_sms: int) -> int:
-    """v4's CTAs per row: enough for rows x slices >= the SM count, each slice at least one
-    16-byte load per thread (512 x 16 bytes: fewer elements would leave threads idle and add
-    only merge work), at most MAX_SLICES. 1 (v3's one CTA per row) when the rows fill the GPU
-    or the row is too short to share."""
-    if rows <= 0 or rows >= num_sms:
+    """v4's CTAs per row: as many as fit one wave (rows x slices <= the SM count: the kernels
+    are __launch_bounds__(512, 1), a second wave would double a pass), each slice at least one
+    16-byte load per thread (512 x 16 bytes: a pass over fewer elements costs the same latency
+    and adds merge work), at most MAX_SLICES. 1 (v3's one CTA per row) when the rows fill the
+    GPU or the row is too short to share."""
+    if rows <= 0:
         return 1
     min_slice = _THREADS * (16 // itemsize)
-    return max(1, min(-(-num_sms // rows), vocab // min_slice, MAX_SLICES))
+    return max(1, min(num_sms // rows, vocab // min_slice, MAX_SLICES))
 
 
 def split_state_words(slices: int) -> int:
