@@ -207,6 +207,19 @@ def test_logprob_outputs_run_the_one_cta_kernel(monkeypatch, poisoned):
 
 
 @emulator
+def test_greedy_known_on_the_host_runs_the_one_cta_kernel(monkeypatch):
+    # temperature 0 as a Python number: v3's single pass, not the 10 launches of the split.
+    _forced(monkeypatch, 4)
+    logits = torch.randn(3, 200)
+    for temperature, launched in [(0.0, 1), (-1, 1), (torch.zeros(3), SPLIT_LAUNCHES)]:
+        before = launches()
+        with emulated():
+            ids = pagedkern.sample(logits, temperature, 1.0, 0, 5, 0)
+        assert launches() == before + launched
+        assert ids.tolist() == logits.argmax(-1).tolist()
+
+
+@emulator
 def test_v3_never_splits(monkeypatch):
     _forced(monkeypatch, 4)
     monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", "v3")

@@ -178,8 +178,11 @@ def sample(
             ptr.pop(name)
     variant = kernel_variant("sample")
     fused = variant in (0, 2)  # v3 / v4: top-N in the kernel, a workspace only for sparse entries
-    slices = 1  # v4 with logprob outputs: v3's kernel (the split kernels write none)
-    if variant == 2 and lpv is None and top_ids is None:
+    # v4 with logprob outputs: v3's kernel (the split kernels write none); greedy known on the
+    # host: v3's single pass (the split costs 10 launches whatever the rows need)
+    slices = 1
+    greedy = isinstance(temperature, (int, float)) and not temperature > 0
+    if variant == 2 and lpv is None and top_ids is None and not greedy:
         slices = split_slices(rows, vocab, ITEMSIZE[lv.dtype], _num_sms(module, device))
     split_state = None
     if slices > 1:
