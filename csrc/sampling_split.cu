@@ -35,11 +35,13 @@
  * Processing: penalties, bias and bans (sparse entries), bitmasks and min-p as v3. The logprob
  *   outputs are not here: ops.sample gives S = 1 (v3's kernel) to a call that asks for them.
  * Traffic and target: v3's passes (1 + 1-4 + 1-4 + ~1.5 over V x sizeof(T)), spread over
- *   B x S SMs instead of B; per descent step per CTA <= 512 global atomics and, for the last
- *   CTA, a 4 KB histogram read. At B = 1, V = 128k fp32 (S = 62) each pass is latency-bound
- *   (~2 KB per SM): the target is launch + latency, ~3 us per kernel, ~30 us per step against
- *   v3's ~100 us. Static: grid (S, B), 512 threads, __launch_bounds__(512, 1) as v3, ~12 KB
- *   shared. Not yet verified on a GPU: v3 and v2 stay selectable.
+ *   B x S SMs instead of B (one wave: B x S <= SMs); per descent step per CTA <= 512 global
+ *   atomics and, for the last CTA, a 4 KB histogram read. At B = 1, V = 128k fp32 (S = 62,
+ *   8 KB per CTA) a pass is latency-bound: the target is launch + a few L2/HBM latencies per
+ *   kernel, ~25-40 us per call against v3's ~100 us (>= 3x at B <= 8). Greedy rows still pay
+ *   the 10 launches (ops.sample runs v3 when the host knows the batch is greedy). Static: grid
+ *   (S, B), 512 threads, __launch_bounds__(512, 1) as v3, 48-104 registers, 3.4 KB (sm_80) /
+ *   4.5 KB (sm_90a) shared, no spills. Not yet verified on a GPU: v3 and v2 stay selectable.
  */
 #include "sampling_common.cuh"
 
