@@ -31,7 +31,7 @@
  *   ops (bench/test_bench_sampling.py). Not yet verified on a GPU: v2 stays selectable.
  * Several CTAs per row at small batch: v4 (sampling_split.cu) runs these passes on slices.
  */
-#include "sampling_common.cuh"
+#include "sampling_passes.cuh"
 
 namespace pagedkern {
 namespace {

@@ -1,6 +1,6 @@
 /*
  * sample, variant v4 (PAGEDKERN_SAMPLE_VARIANT=v4, the default): v3's passes (sampling_fused.cu,
- * the same functions of sampling_common.cuh) with each row split over S CTAs when the batch is
+ * the same functions of sampling_passes.cuh) with each row split over S CTAs when the batch is
  * too small to fill the GPU (issue 18: at B <= 8 one CTA per row leaves <= 6% of the SMs busy).
  * ops/sampling.py picks S (split_slices: about SMs / B, each slice >= 512 x 16 bytes); S = 1, or
  * a call asking for logprobs / top-N, runs v3's kernel instead.
@@ -43,7 +43,7 @@
  *   (S, B), 512 threads, __launch_bounds__(512, 1) as v3, 48-104 registers, 3.4 KB (sm_80) /
  *   4.5 KB (sm_90a) shared, no spills. Not yet verified on a GPU: v3 and v2 stay selectable.
  */
-#include "sampling_common.cuh"
+#include "sampling_passes.cuh"
 
 namespace pagedkern {
 namespace {
