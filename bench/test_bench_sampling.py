@@ -3,7 +3,9 @@ cumsum, mask, multinomial: the usual PyTorch recipe) and the PyTorch reference (
 B = 128 rows of V = 128256 fp32 logits (Llama 3's vocabulary), temperature 0.8.
 Cases: top-p 0.9; top-k 50 + top-p 0.95 (both radix descents); greedy (one pass).
 Bytes: B * V * 4, one read of the logits (the kernel makes several passes, mostly from L2, so
-GB/s here is the single-pass equivalent). Target: >= 5x faster than the sort-based top-p."""
+GB/s here is the single-pass equivalent). Target: >= 5x faster than the sort-based top-p.
+Small batch (issue 18): v4 (a row split over several CTAs below the SM count) beside v3 / v2 (one
+CTA per row) and the sort-based top-p at B = 1, 4, 8, 128."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from measure import compile_reference, smoke_mode, with_compile
 
 import pagedkern
 from pagedkern import reference
+from pagedkern.ops.sampling import split_slices
 
 ROWS, VOCAB = (4, 1000) if smoke_mode() else (128, 128256)
 CASES = {"top-p 0.9": (0.9, 0), "top-k 50 + top-p 0.95": (0.95, 50), "greedy": (1.0, 0)}
@@ -89,6 +92,55 @@ def test_sample(measure, device, case, impl):
         fn,
         bytes=ROWS * VOCAB * 4,
         baseline=BASELINE if case != "greedy" else "torch eager",
+        **notes,
+    )
+    assert result.seconds > 0
+
+
+# --- small batch (issue 18): v4 splits a row over several CTAs when B < the SM count ----------
+SMALL_ROWS = (1, 4) if smoke_mode() else (1, 4, 8, 128)
+SMALL_IMPLS = ["pagedkern v4", "pagedkern v3", "pagedkern v2", "torch sort top-p"]
+SMALL_CASES = {"top-p 0.9": (0.9, 0)}  # one case: 16 rows in the GPU check's bench budget
+
+
+@pytest.mark.parametrize("impl", SMALL_IMPLS)
+@pytest.mark.parametrize("case", list(SMALL_CASES))
+@pytest.mark.parametrize("rows", SMALL_ROWS)
+def test_sample_small_batch(measure, device, rows, case, impl, monkeypatch):
+    logits, seeds, offsets = (t[:rows] for t in make_data(device))
+    top_p, top_k = SMALL_CASES[case]
+    notes = {}
+    if impl.startswith("pagedkern"):
+        variant = impl.split()[-1]
+        monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", variant)
+        out = torch.empty(rows, dtype=torch.int32, device=device)
+        params = (
+            torch.full((rows,), TEMPERATURE, device=device),
+            torch.full((rows,), top_p, device=device),
+            torch.full((rows,), top_k, dtype=torch.int32, device=device),
+            seeds,
+            offsets,
+        )
+
+        def fn():
+            return pagedkern.sample(logits, *params, out=out)
+
+        if variant == "v4" and device != "cpu":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            notes["slices"] = split_slices(rows, VOCAB, 4, sms)
+            notes["target"] = "v4 >= 3x v3 at B <= 8, = v3 at B = 128"
+    else:
+
+        def fn():
+            return sort_top_p(logits, TEMPERATURE, top_p, top_k)
+
+    result = measure(
+        "sample small batch",
+        f"B={rows} V={VOCAB} {case}",
+        impl,
+        fn,
+        bytes=rows * VOCAB * 4,
+        baseline=BASELINE,
         **notes,
     )
     assert result.seconds > 0

@@ -261,7 +261,8 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t bitmask, std::uintptr_t bitmask_rows, int64_t bitmask_words,
          std::uintptr_t min_p, std::uintptr_t logprobs, std::uintptr_t top_ids,
          std::uintptr_t top_logprobs, int top_n, std::uintptr_t workspace,
-         int64_t workspace_stride, int device, std::uintptr_t stream, int variant) {
+         int64_t workspace_stride, int slices, std::uintptr_t split_state,
+         int64_t split_state_stride, int device, std::uintptr_t stream, int variant) {
         pagedkern::SampleParams p;
         p.out = as_ptr<int>(out);
         p.logits = as_ptr<const void>(logits);
@@ -291,6 +292,9 @@ PYBIND11_MODULE(_C, m) {
         p.top_n = top_n;
         p.workspace = as_ptr<float>(workspace);
         p.workspace_stride = workspace_stride;
+        p.slices = slices;
+        p.split_state = as_ptr<unsigned long long>(split_state);
+        p.split_state_stride = split_state_stride;
         p.variant = variant;
         DeviceGuard guard(device);
         pagedkern::sample(p, as_stream(stream));
@@ -302,8 +306,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("presence_penalty"), py::arg("frequency_penalty"), py::arg("repetition_penalty"),
       py::arg("bitmask"), py::arg("bitmask_rows"), py::arg("bitmask_words"), py::arg("min_p"),
       py::arg("logprobs"), py::arg("top_ids"), py::arg("top_logprobs"), py::arg("top_n"),
-      py::arg("workspace"), py::arg("workspace_stride"), py::arg("device"), py::arg("stream"),
-      py::arg("variant"), py::call_guard<py::gil_scoped_release>());
+      py::arg("workspace"), py::arg("workspace_stride"), py::arg("slices"),
+      py::arg("split_state"), py::arg("split_state_stride"), py::arg("device"),
+      py::arg("stream"), py::arg("variant"), py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "rejection_sample",

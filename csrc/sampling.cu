@@ -371,7 +371,7 @@ void launch_processed(const SampleParams& p, cudaStream_t stream) {
 void sample(const SampleParams& p, cudaStream_t stream) {
   require(p.vocab > 0 && p.vocab < (int64_t(1) << 23), "sample: vocab must be in [1, 2^23)");
   require(p.rows >= 0 && p.rows <= 0x7fffffff, "sample: rows out of range");
-  require(p.variant == 0 || p.variant == 1, "sample: variant must be 0 (v3) or 1 (v2)");
+  require(p.variant >= 0 && p.variant <= 2, "sample: variant must be 0 (v3), 1 (v2) or 2 (v4)");
   require(p.token_offsets == nullptr ||
               (p.token_ids && p.token_counts && p.token_bias && p.presence_penalty &&
                p.frequency_penalty && p.repetition_penalty),
@@ -381,13 +381,27 @@ void sample(const SampleParams& p, cudaStream_t stream) {
   require(p.top_n >= 0 && p.top_n <= 20 && p.top_n <= p.vocab &&
               (p.top_n == 0 || (p.top_ids && p.top_logprobs)),
           "sample: top_n must be in [0, min(20, vocab)], with top_ids and top_logprobs");
+  require(p.slices >= 1 && p.slices <= 4096, "sample: slices must be in [1, 4096]");
+  require(p.slices == 1 || p.variant == 2, "sample: slices > 1 needs variant 2 (v4)");
   if (p.rows == 0) return;
-  if (p.variant == 0) {
+  if (p.variant == 2 && p.slices > 1) {
+    require(p.rows <= 65535, "sample: v4 with slices > 1 takes at most 65535 rows");
+    require(p.logprobs == nullptr && p.top_n == 0,
+            "sample: v4 with slices > 1 writes no logprobs (run it with slices = 1)");
+    require(p.split_state != nullptr &&
+                p.split_state_stride >= sample_split_state_words(p.slices),
+            "sample: v4 with slices > 1 needs split_state of [rows, >= 1040 + 3 x slices] words");
+  }
+  if (p.variant == 0 || p.variant == 2) {
     require(p.token_offsets == nullptr ||
                 (p.workspace != nullptr &&
                  p.workspace_stride >= sample_entry_bits_offset(p.vocab) + (p.vocab + 31) / 32),
             "sample: sparse entries need a workspace of [rows, >= vocab + bitmask words] floats");
-    sample_fused(p, stream);
+    if (p.slices > 1) {
+      sample_split(p, stream);
+    } else {
+      sample_fused(p, stream);
+    }
     return;
   }
   require(p.top_n == 0, "sample: variant 1 (v2) writes no top-N logprobs");

@@ -49,8 +49,14 @@ struct SampleParams {
   // (needed with sparse entries or masks): the processed logits, the whole row.
   float* workspace = nullptr;
   int64_t workspace_stride = 0;
-  // 0: v3, one fused kernel (sampling_fused.cu); 1: v2, processing stage + v1 passes.
+  // 0: v3, one fused kernel (sampling_fused.cu); 1: v2, processing stage + v1 passes; 2: v4,
+  // the row split over `slices` CTAs (sampling_split.cu; slices = 1: v3's kernel).
   int variant = 0;
+  // Variant 2 with slices > 1 (no logprob outputs): CTAs per row, and the rows' merge state,
+  // [rows, split_state_stride >= sample_split_state_words(slices)] 64-bit words (any contents).
+  int slices = 1;
+  unsigned long long* split_state = nullptr;
+  int64_t split_state_stride = 0;
 };
 void sample(const SampleParams& p, cudaStream_t stream);
 
@@ -58,6 +64,18 @@ void sample(const SampleParams& p, cudaStream_t stream);
 void sample_fused(const SampleParams& p, cudaStream_t stream);
 __host__ __device__ inline int64_t sample_entry_bits_offset(int64_t vocab) {
   return (vocab + 3) / 4 * 4;
+}
+
+// Variant 2's launcher (sampling_split.cu) for slices > 1.
+void sample_split(const SampleParams& p, cudaStream_t stream);
+// Elements per slice: ceil(vocab / slices) rounded up to 32 (one word of the mask and entry
+// bitmaps, a multiple of every kVec); the grid has ceil(vocab / slice) CTAs per row.
+__host__ __device__ inline int64_t sample_split_slice(int64_t vocab, int64_t slices) {
+  return ((vocab + slices - 1) / slices + 31) / 32 * 32;
+}
+// Per row: 16 control words, two histograms of 256 (count, mass) pairs, 3 words per slice.
+__host__ __device__ inline int64_t sample_split_state_words(int64_t slices) {
+  return 16 + 4 * 256 + 3 * slices;
 }
 
 }  // namespace pagedkern

@@ -1,6 +1,7 @@
-// Device code shared by the sampling kernels (sampling.cu: v1/v2, sampling_fused.cu: v3): launch
-// shape, the descent's shared state, Philox, the per-element order key and fixed-point mass, the
-// 16-byte runs, the block scan, the radix-select bin choice, and one sparse entry's processing.
+// Device code shared by the sampling kernels (sampling.cu: v1/v2, sampling_fused.cu: v3,
+// sampling_split.cu: v4): launch shape, the descent's shared state, Philox, the per-element order
+// key and fixed-point mass, the 16-byte runs, the block scan, the radix-select bin choice, and one
+// sparse entry's processing. The v3 / v4 passes over a range of a row: sampling_passes.cuh.
 #pragma once
 
 #include "device.cuh"

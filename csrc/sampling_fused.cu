@@ -29,70 +29,14 @@
  *   each, draw ~0.5, logprobs +1, top-N +1-4 (count-only digits, mostly skipped warps).
  * Target: within 1.2x of plain sampling with all processing on, >= 5x the same chain of torch
  *   ops (bench/test_bench_sampling.py). Not yet verified on a GPU: v2 stays selectable.
- * Not here yet: several CTAs per row at small batch (issue 18); rows still map 1:1 to CTAs.
+ * Several CTAs per row at small batch: v4 (sampling_split.cu) runs these passes on slices.
  */
-#include "sampling_common.cuh"
+#include "sampling_passes.cuh"
 
 namespace pagedkern {
 namespace {
 
 constexpr int kMaxTop = 20;
-
-// The processed logits of one row (reference.logits_processing steps 1-2), element by element.
-template <typename T, int kVec>
-struct Source {
-  const T* row;
-  const int* mask;                       // null: every token allowed
-  const float* entry_values = nullptr;   // null: no sparse entries
-  const unsigned* entry_bits = nullptr;  // written by this CTA: plain (coherent) loads
-
-  // The kVec values at i (a multiple of kVec: the run's bits lie in one word).
-  __device__ __forceinline__ void load(int64_t i, float (&x)[kVec]) const {
-    Run<T, kVec> run;
-    run.load(row + i);
-    const unsigned shift = unsigned(i & 31);
-    const unsigned entries = entry_bits ? entry_bits[i >> 5] >> shift : 0u;
-    const unsigned ok = mask ? unsigned(__ldg(mask + (i >> 5))) >> shift : ~0u;
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      float v = to_float(run.v[e]);
-      if (v != v) v = -INFINITY;
-      if ((entries >> e) & 1u) v = entry_values[i + e];
-      x[e] = (ok >> e) & 1u ? v : -INFINITY;
-    }
-  }
-  __device__ __forceinline__ float at(int64_t i) const {
-    float v = to_float(row[i]);
-    if (v != v) v = -INFINITY;
-    if (entry_bits && (entry_bits[i >> 5] >> (i & 31)) & 1u) v = entry_values[i];
-    return allowed(mask, i) ? v : -INFINITY;
-  }
-};
-
-// Calls f(index, value, valid) for every element slot; block-uniform trip count (see the top).
-template <typename T, int kVec, typename F>
-__device__ __forceinline__ void visit(const Source<T, kVec>& src, int64_t vocab, F&& f) {
-  constexpr int64_t kStep = int64_t(kThreads) * kVec;
-  for (int64_t base = 0; base < vocab; base += kStep * kUnroll) {
-    float x[kUnroll][kVec];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kStep + int64_t(threadIdx.x) * kVec;
-      if (i < vocab) {
-        src.load(i, x[u]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) x[u][e] = -INFINITY;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kStep + int64_t(threadIdx.x) * kVec;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) f(i + e, x[u][e], i < vocab);
-    }
-  }
-}
 
 struct Descent {
   unsigned threshold;   // keys >= threshold: the selected set (with the bin below)
@@ -100,7 +44,7 @@ struct Descent {
   unsigned above;       // keys at or above the end of that bin
 };
 
-// Radix descent as sampling.cu's, with warp-aggregated histogram updates.
+// Radix descent as sampling.cu's, with warp-aggregated histogram updates (histogram_pass).
 template <typename T, int kVec>
 __device__ __forceinline__ Descent descend(const Source<T, kVec>& src, int64_t vocab,
                                            const RowMath& rm, Shared& sh, bool mass_mode,
@@ -113,40 +57,8 @@ __device__ __forceinline__ Descent descend(const Source<T, kVec>& src, int64_t v
     sh.above_mass = 0;
     sh.done = 0;
   }
-  const int lane = threadIdx.x % 32;
   for (;;) {
-    for (int b = threadIdx.x; b < kBins; b += kThreads) {
-      sh.count[b] = 0;
-      sh.mass_lo[b] = 0;
-      sh.mass_hi[b] = 0;
-    }
-    __syncthreads();
-    const int bits = sh.bits;
-    const unsigned prefix = sh.prefix;
-    visit<T, kVec>(src, vocab, [&](int64_t, float x, bool valid) {
-      float s;
-      const unsigned key = rm.key(x, s);
-      const bool counted =
-          valid && key >= floor_key && !(bits > 0 && (key ^ prefix) >> (32 - bits));
-      if (!__any_sync(0xffffffffu, counted)) return;  // warp-uniform
-      const unsigned bin = counted ? (key >> (24 - bits)) & (kBins - 1) : unsigned(kBins);
-      const unsigned peers = __match_any_sync(0xffffffffu, bin);
-      unsigned long long mass = 0;
-      if (with_mass) {  // block-uniform; halves of <= 2^40: sums of 32 fit in 32 bits
-        const unsigned long long m = counted ? rm.mass(s) : 0ull;
-        const unsigned lo = __reduce_add_sync(peers, unsigned(m) & 0xFFFFFu);
-        const unsigned hi = __reduce_add_sync(peers, unsigned(m >> 20));
-        mass = (static_cast<unsigned long long>(hi) << 20) + lo;
-      }
-      if (!counted || lane != __ffs(int(peers)) - 1) return;
-      atomicAdd(&sh.count[bin], unsigned(__popc(peers)));
-      if (mass) {  // (hi, lo) += mass, the carry of the low word going to the high word
-        const unsigned lo = unsigned(mass);
-        const unsigned old = atomicAdd(&sh.mass_lo[bin], lo);
-        atomicAdd(&sh.mass_hi[bin], unsigned(mass >> 32) + (old + lo < old ? 1u : 0u));
-      }
-    });
-    __syncthreads();
+    histogram_pass<T, kVec>(src, 0, vocab, rm, sh, with_mass, floor_key);
     if (threadIdx.x < 32) select_bin(sh, mass_mode, k, top_p);
     __syncthreads();
     const Descent d{sh.prefix, sh.bits, sh.above_count};
@@ -272,7 +184,6 @@ __global__ void __launch_bounds__(kThreads, 1) sample_fused_kernel(const SampleP
   __shared__ TopShared top;
   const int64_t r = blockIdx.x;
   const int64_t vocab = p.vocab;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int mask_row = p.bitmask_rows ? p.bitmask_rows[r] : -1;
   Source<T, kVec> src{static_cast<const T*>(p.logits) + r * p.logits_stride,
                       mask_row >= 0 ? p.bitmask + int64_t(mask_row) * p.bitmask_words : nullptr};
@@ -296,70 +207,30 @@ __global__ void __launch_bounds__(kThreads, 1) sample_fused_kernel(const SampleP
   }
 
   // Pass 1: argmax (ties to the lowest id, NaN = -inf) and +inf count.
-  float best = -INFINITY;
-  int best_i = 0x7fffffff;
-  int posinf = 0;
-  visit<T, kVec>(src, vocab, [&](int64_t i, float x, bool valid) {
-    if (!valid) return;
-    if (x > best || (x == best && int(i) < best_i)) {
-      best = x;
-      best_i = int(i);
-    }
-    posinf += x == INFINITY;
-  });
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, off);
-    const int oi = __shfl_xor_sync(0xffffffffu, best_i, off);
-    if (ob > best || (ob == best && oi < best_i)) {
-      best = ob;
-      best_i = oi;
-    }
-    posinf += __shfl_xor_sync(0xffffffffu, posinf, off);
-  }
-  if (lane == 0) {
-    sh.best_value[warp] = best;
-    sh.best_index[warp] = best_i;
-    sh.posinf[warp] = posinf;
-  }
-  __syncthreads();
-  best = sh.best_value[0];
-  best_i = sh.best_index[0];
-  posinf = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    const float b = sh.best_value[w];
-    const int i = sh.best_index[w];
-    if (b > best || (b == best && i < best_i)) {
-      best = b;
-      best_i = i;
-    }
-    posinf += sh.posinf[w];
-  }
+  const Argmax am = block_argmax<T, kVec>(src, 0, vocab, sh);
+  const float best = am.best;
+  const int best_i = am.index;
   const bool outputs = p.logprobs || p.top_n > 0;
 
-  const float temperature = p.temperature[r];
-  const bool posinf_row = posinf > 0;
-  const float s_max = posinf_row ? 0.f : __fdiv_rn(best, temperature);
+  RowPlan plan = plan_row(p, r, am);
+  RowMath& rm = plan.rm;
   // Greedy: asked for, nothing finite to sample from, or s overflowed (reference: total NaN).
-  if (!(temperature > 0.f) || best == -INFINITY || s_max == INFINITY) {
+  if (plan.greedy) {
     if (threadIdx.x == 0) p.out[r] = best_i;
     if (outputs) {  // greedy rows: log softmax at temperature 1 (s overflowing: -inf)
+      const float temperature = rm.temperature;
+      const bool posinf_row = rm.posinf_row;
       const bool t1 = !(temperature > 0.f);
-      const RowMath unit{t1 ? 1.f : temperature, t1 ? (posinf_row ? 0.f : best) : s_max,
+      const RowMath unit{t1 ? 1.f : temperature, t1 ? (posinf_row ? 0.f : best) : rm.s_max,
                          posinf_row};
       const bool finite = best != -INFINITY && unit.s_max != INFINITY;
       write_outputs<T, kVec>(src, vocab, unit, finite, best_i, p, r, sh, top);
     }
     return;
   }
-  RowMath rm{temperature, s_max, posinf_row};
-  const float min_p = p.min_p ? p.min_p[r] : 0.f;
-  if (min_p > 0.f) rm.s_min = s_max + logf(min_p);
-  const int top_k = p.top_k[r];
-  const float top_p = p.top_p[r];
-  const bool use_p = top_p < 1.f;  // NaN: off
-  const unsigned k = top_k > 0 && top_k < vocab ? unsigned(top_k) : unsigned(vocab);
-
+  const unsigned k = plan.k;
+  const bool use_p = plan.use_p;
+  const float top_p = plan.top_p;
   unsigned tau = 0;  // top-k (masses only needed for Z without top-p), then top-p
   if (k < unsigned(vocab) || !use_p)
     tau = descend<T, kVec>(src, vocab, rm, sh, false, !use_p, 0, k, 0.f).threshold;
@@ -369,45 +240,10 @@ __global__ void __launch_bounds__(kThreads, 1) sample_fused_kernel(const SampleP
   const unsigned long long target =
       __umul64hi(z, (unsigned long long)philox_word0(p.seeds[r], p.offsets[r]) << 32);
 
-  // Draw: the first id whose cumulative kept mass exceeds target (spans in vocabulary order,
-  // one block scan per chunk; the thread whose range holds target walks its span).
+  // Draw: the first id whose cumulative kept mass exceeds target (draw_in_range).
   if (threadIdx.x == 0) sh.found = best_i;  // unreachable fallback: the argmax
   __syncthreads();
-  constexpr int kOwn = kUnroll * kVec;
-  constexpr int64_t kChunk = int64_t(kThreads) * kOwn;
-  auto kept_mass = [&](float x) {
-    float s;
-    return rm.key(x, s) >= tau ? rm.mass(s) : 0ull;
-  };
-  unsigned long long running = 0;
-  for (int64_t base = 0; base < vocab; base += kChunk) {
-    const int64_t i0 = base + int64_t(threadIdx.x) * kOwn;
-    float x[kUnroll][kVec];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (i0 + u * kVec < vocab) src.load(i0 + u * kVec, x[u]);
-    }
-    unsigned long long local = 0;
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (i0 + u * kVec < vocab) {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) local += kept_mass(x[u][e]);
-      }
-    }
-    unsigned long long total;
-    const unsigned long long before = running + block_exclusive_scan(local, total, sh);
-    if (target >= before && target < before + local) {
-      unsigned long long acc = before;
-      for (int64_t i = i0; i < i0 + kOwn && i < vocab; ++i) {
-        const unsigned long long m = kept_mass(src.at(i));
-        acc += m;
-        if (acc > target && acc - m <= target) sh.found = int(i);
-      }
-    }
-    running += total;
-    if (running > target) break;  // uniform: every thread has the same running
-  }
+  draw_in_range<T, kVec>(src, 0, vocab, rm, tau, target, 0, sh);
   __syncthreads();
   const int token = sh.found;
   if (threadIdx.x == 0) p.out[r] = token;

@@ -4,8 +4,9 @@ over 2^20 draws per configuration against the exact renormalised top-k/top-p pro
 bf16 rows with +-inf and ties), every draw inside the kept set, greedy = argmax,
 NaN/inf/tie rows, reproducibility and independence of the batch, per-row parameter arrays,
 every logits dtype, odd vocabularies, and draw-for-draw agreement with the reference (the kernel
-uses the same u and the same inverse CDF in vocabulary order). Every test runs both kernel
-variants (PAGEDKERN_SAMPLE_VARIANT v3 and v2) until a GPU run has verified v3."""
+uses the same u and the same inverse CDF in vocabulary order), and at small batch (v4 splits a
+row over several CTAs) the ids of one CTA per row exactly. Every test runs every kernel variant
+(PAGEDKERN_SAMPLE_VARIANT v4, v3 and v2) until a GPU run has verified v4 and v3."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ DEVICE = "cuda"
 N_DRAWS = 1 << 20
 VOCAB = 1000
 
-kernel_variant = every_variant("sample")  # v3 and v2
+kernel_variant = every_variant("sample")  # v4, v3 and v2
 
 
 def _row(kind: str, seed: int, vocab: int = VOCAB) -> torch.Tensor:
@@ -278,3 +279,26 @@ def test_top_logprobs_equal_the_reference(dtype, vocab):
     greedy = params["temperature"] <= 0
     assert torch.equal(top_ids[greedy, 0], out[greedy])
     torch.testing.assert_close(top[greedy, 0], lp[greedy], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "dtype, vocab", [(torch.float32, 128256), (torch.bfloat16, 50257), (torch.float16, 4097)]
+)
+@pytest.mark.parametrize("rows", [1, 4, 8, 131])
+def test_small_batches_draw_exactly_what_one_cta_per_row_draws(
+    dtype, vocab, rows, monkeypatch, kernel_variant
+):
+    # v4 splits these rows over several CTAs (ops.sampling.split_slices; 131 rows: one CTA per
+    # row on a 132-SM H200): integer merges, so its ids are v3's bit for bit, with and without
+    # processing, and the reference's but for draws within rounding of u.
+    logits, params = _mixed_batch(rows, vocab, dtype, seed=vocab + rows)
+    processing = _processing_inputs(rows, vocab, seed=rows)
+    for extra in ({}, processing):
+        out = torch.full((rows,), -1, dtype=torch.int32, device=DEVICE)
+        pagedkern.sample(logits, **params, out=out, **extra)
+        monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", "v3")
+        one_cta = pagedkern.sample(logits, **params, **extra)
+        monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", kernel_variant)
+        assert torch.equal(out, one_cta)
+        ref = reference.sample(logits, **params, **extra)
+        assert int((out != ref).sum()) <= max(1, rows // 50)

@@ -120,11 +120,12 @@ _VARS = (
     ),
     EnvVar(
         "PAGEDKERN_SAMPLE_VARIANT",
-        "v3",
-        "sample kernel: v3 (processing, sampling and top-N logprobs in one kernel, warp-aggregated "
+        "v4",
+        "sample kernel: v4 (v3 with a row split over several CTAs when the batch is below the SM "
+        "count), v3 (processing, sampling and top-N logprobs in one kernel, warp-aggregated "
         "histograms) or v2 (processing stage + sampling kernel, top-N by torch ops), selectable "
-        "until a GPU run has verified v3.",
-        _choice("v3", "v2"),
+        "until a GPU run has verified v4 and v3.",
+        _choice("v4", "v3", "v2"),
         "run",
     ),
     EnvVar(

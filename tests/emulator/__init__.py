@@ -44,6 +44,7 @@ KERNELS = (
     "sampling.cu",
     "rejection_sampling.cu",
     "sampling_fused.cu",
+    "sampling_split.cu",
     "quant_gemm.cu",
 )
 LAUNCH = re.compile(

@@ -198,6 +198,14 @@ void __stcs(T* p, T v) {
   *p = v;
 }
 template <typename T>
+T __ldcg(const T* p) {
+  return *p;
+}
+// Blocks run one after another: every write is visible to later blocks without a fence.
+inline void __threadfence() {}
+inline double __longlong_as_double(long long v) { return ::emu::from_word<double>(uint64_t(v)); }
+inline long long __double_as_longlong(double v) { return (long long)::emu::to_word(v); }
+template <typename T>
 T atomicAdd(T* p, T v) {
   const T old = *p;
   *p = old + v;

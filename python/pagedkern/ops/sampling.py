@@ -1,12 +1,15 @@
 """sample: validation, per-row parameters as device arrays, then csrc/sampling.cu or the
-reference."""
+reference; v4's split plan (how many CTAs share a row)."""
 
 from __future__ import annotations
+
+import functools
 
 from . import support
 from .arrays import (
     DTYPE_CODES,
     FLOAT_DTYPES,
+    ITEMSIZE,
     ArrayView,
     check_contiguous,
     check_dtype,
@@ -44,6 +47,31 @@ _SPARSE = ("token_offsets", "token_ids", "token_counts", "token_bias")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 MAX_TOP_LOGPROBS = 20
 _INT32 = (-(2**31), 2**31 - 1)
+_THREADS = 512  # threads per CTA of the sampling kernels (csrc/sampling_common.cuh kThreads)
+MAX_SLICES = 256  # CTAs per row at most (csrc/sampling.cu accepts up to 4096)
+
+
+def split_slices(rows: int, vocab: int, itemsize: int, num_sms: int) -> int:
+    """v4's CTAs per row: as many as fit one wave (rows x slices <= the SM count: the kernels
+    are __launch_bounds__(512, 1), a second wave would double a pass), each slice at least one
+    16-byte load per thread (512 x 16 bytes: a pass over fewer elements costs the same latency
+    and adds merge work), at most MAX_SLICES. 1 (v3's one CTA per row) when the rows fill the
+    GPU or the row is too short to share."""
+    if rows <= 0:
+        return 1
+    min_slice = _THREADS * (16 // itemsize)
+    return max(1, min(num_sms // rows, vocab // min_slice, MAX_SLICES))
+
+
+def split_state_words(slices: int) -> int:
+    """int64 words of v4's merge state per row (csrc/sampling.h sample_split_state_words; the
+    kernel refuses a smaller stride)."""
+    return 16 + 4 * 256 + 3 * slices
+
+
+@functools.cache
+def _num_sms(module, device: int) -> int:
+    return int(module.multiprocessor_count(device=device))
 
 
 def sample(
@@ -81,8 +109,10 @@ def sample(
     bitmask int32 [M, ceil(V / 32)] with bitmask_rows int32 [B]; min_p float32 [B].
     Outputs (optional): logprobs float32 [B] (the sampled token's), top_ids int32 [B, N] and
     top_logprobs float32 [B, N], N <= min(20, V), both or neither. The kernel variant
-    (PAGEDKERN_SAMPLE_VARIANT): v3 computes everything in one kernel, v2 runs a processing stage
-    first and the top-N as torch ops after."""
+    (PAGEDKERN_SAMPLE_VARIANT): v3 computes everything in one kernel, v4 (the default) is v3
+    with a row split over several CTAs when the rows are fewer than the SMs (split_slices; a
+    call asking for logprobs runs v3's kernel), v2 runs a processing stage first and the top-N
+    as torch ops after."""
     lv = view(logits, "logits")
     check_dtype(lv, FLOAT_DTYPES)
     check_ndim(lv, 2)
@@ -147,7 +177,16 @@ def sample(
         for name in _SPARSE + _PENALTIES:  # no entries: nothing to apply (and no pointers)
             ptr.pop(name)
     variant = kernel_variant("sample")
-    fused = variant == 0  # v3: top-N in the kernel, a workspace only for sparse entries
+    fused = variant in (0, 2)  # v3 / v4: top-N in the kernel, a workspace only for sparse entries
+    # v4 with logprob outputs: v3's kernel (the split kernels write none); greedy known on the
+    # host: v3's single pass (the split costs 10 launches whatever the rows need)
+    slices = 1
+    greedy = isinstance(temperature, (int, float)) and not temperature > 0
+    if variant == 2 and lpv is None and top_ids is None and not greedy:
+        slices = split_slices(rows, vocab, ITEMSIZE[lv.dtype], _num_sms(module, device))
+    split_state = None
+    if slices > 1:
+        split_state = empty_like(lv, (rows, split_state_words(slices)), "int64", "split_state")
     workspace, stride = None, 0
     if "token_offsets" in ptr or (not fused and "bitmask" in ptr):
         # v3: entry values at their ids + the entry bitmap; v2: the processed rows (16-byte rows)
@@ -183,6 +222,9 @@ def sample(
         top_n=top_n,
         workspace=0 if workspace is None else view(workspace, "workspace").ptr,
         workspace_stride=stride,
+        slices=slices,
+        split_state=0 if split_state is None else view(split_state, "split_state").ptr,
+        split_state_stride=0 if split_state is None else split_state_words(slices),
         device=device,
         stream=handle,
         variant=variant,
