@@ -80,6 +80,16 @@ struct Argmax {
     }
     posinf += inf;
   }
+  // Every lane of the warp ends with the warp's argmax (all 32 lanes must call it).
+  __device__ __forceinline__ void warp_reduce() {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float b = __shfl_xor_sync(0xffffffffu, best, off);
+      const int i = __shfl_xor_sync(0xffffffffu, index, off);
+      const int inf = __shfl_xor_sync(0xffffffffu, posinf, off);
+      add(b, i, inf);
+    }
+  }
 };
 
 // The argmax of [begin, end), the same in every thread. Called by every thread of the block.
@@ -91,13 +101,7 @@ __device__ __forceinline__ Argmax block_argmax(const Source<T, kVec>& src, int64
   visit<T, kVec>(src, begin, end, [&](int64_t i, float x, bool valid) {
     if (valid) a.add(x, int(i), x == INFINITY);
   });
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, a.best, off);
-    const int oi = __shfl_xor_sync(0xffffffffu, a.index, off);
-    const int op = __shfl_xor_sync(0xffffffffu, a.posinf, off);
-    a.add(ob, oi, op);
-  }
+  a.warp_reduce();
   if (lane == 0) {
     sh.best_value[warp] = a.best;
     sh.best_index[warp] = a.index;

@@ -100,13 +100,7 @@ __device__ __forceinline__ Argmax merged_argmax(const unsigned long long* st, Sh
       a.add(__uint_as_float(unsigned(w >> 32)), int(unsigned(w)),
             int(st[kPartials + slices + s]));
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, a.best, off);
-      const int oi = __shfl_xor_sync(0xffffffffu, a.index, off);
-      const int op = __shfl_xor_sync(0xffffffffu, a.posinf, off);
-      a.add(ob, oi, op);
-    }
+    a.warp_reduce();
     if (threadIdx.x == 0) {
       sh.best_value[0] = a.best;
       sh.best_index[0] = a.index;
