@@ -50,7 +50,7 @@ def stub(monkeypatch) -> StubExtension:
     monkeypatch.setattr(launch_module, "require", lambda: ext)
     # The kernel path whatever backend an earlier benchmark left selected (e2e: "reference").
     monkeypatch.setattr(launch_module, "_backend", "auto")
-    pa_module._num_sms.cache_clear()
+    launch_module.sm_count.cache_clear()
     monkeypatch.setattr(pa_module, "_CHECKED", pa_module.CheckedLayouts())
     return ext
 

@@ -50,7 +50,7 @@ def stub(monkeypatch) -> StubExtension:
     monkeypatch.setattr(launch_module, "require", lambda: ext)
     monkeypatch.setattr(launch_module, "_backend", "auto")
     monkeypatch.setattr(pa_module, "_CHECKED", pa_module.CheckedLayouts())
-    pa_module._num_sms.cache_clear()
+    launch_module.sm_count.cache_clear()
     return ext
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -142,6 +143,12 @@ def warn_fallback(op: str, reason: str, stacklevel: int = 2) -> None:
 def check_indices() -> bool:
     """Whether kernels run with their debug-mode index checks (PAGEDKERN_CHECK_INDICES=1)."""
     return envs.check_indices()
+
+
+@functools.cache
+def sm_count(module, device: int) -> int:
+    """The device's SM count (split plans size their grids by it); asked once per device."""
+    return int(module.multiprocessor_count(device=device))
 
 
 def launch_context(views: Sequence[ArrayView], stream=None) -> tuple[ModuleType, int, int]:

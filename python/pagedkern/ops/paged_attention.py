@@ -33,6 +33,7 @@ from .launch import (
     kernel_variant,
     launch_context,
     reference_on_torch,
+    sm_count,
 )
 from .paged_kv import (
     FP8_KV_DTYPE,
@@ -160,11 +161,6 @@ def workspace_size(batch: int, num_heads: int, head_dim: int, num_splits: int) -
     return 0 if num_splits <= 1 else batch * num_heads * num_splits * (head_dim + 1)
 
 
-@functools.cache
-def _num_sms(module, device: int) -> int:
-    return int(module.multiprocessor_count(device=device))
-
-
 def kernel_support(
     dtype: str, head_dim: int, block_size: int, kv_dtype: str | None = None
 ) -> support.KernelSupport:
@@ -267,7 +263,7 @@ def paged_attention(
     module, device, handle = launch_context(views, stream)
     if max_seq_len is None:
         max_seq_len = bt.shape[1] * block_size
-    num_sms = _num_sms(module, device)
+    num_sms = sm_count(module, device)
     kernel = decode_kernel(num_heads // num_kv_heads, head_dim)
     plan = plan_splits(
         batch, num_heads, num_kv_heads, head_dim, max_seq_len, num_sms, num_splits, kernel

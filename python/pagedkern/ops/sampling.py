@@ -3,8 +3,6 @@ reference; v4's split plan (how many CTAs share a row)."""
 
 from __future__ import annotations
 
-import functools
-
 from . import support
 from .arrays import (
     DTYPE_CODES,
@@ -20,7 +18,13 @@ from .arrays import (
     full_like,
     view,
 )
-from .launch import kernel_or_reference, kernel_variant, launch_context, reference_on_torch
+from .launch import (
+    kernel_or_reference,
+    kernel_variant,
+    launch_context,
+    reference_on_torch,
+    sm_count,
+)
 
 _PARAMS = (
     ("temperature", "float32"),
@@ -67,11 +71,6 @@ def split_state_words(slices: int) -> int:
     """int64 words of v4's merge state per row (csrc/sampling.h sample_split_state_words; the
     kernel refuses a smaller stride)."""
     return 16 + 4 * 256 + 3 * slices
-
-
-@functools.cache
-def _num_sms(module, device: int) -> int:
-    return int(module.multiprocessor_count(device=device))
 
 
 def sample(
@@ -183,7 +182,7 @@ def sample(
     slices = 1
     greedy = isinstance(temperature, (int, float)) and not temperature > 0
     if variant == 2 and lpv is None and top_ids is None and not greedy:
-        slices = split_slices(rows, vocab, ITEMSIZE[lv.dtype], _num_sms(module, device))
+        slices = split_slices(rows, vocab, ITEMSIZE[lv.dtype], sm_count(module, device))
     split_state = None
     if slices > 1:
         split_state = empty_like(lv, (rows, split_state_words(slices)), "int64", "split_state")
