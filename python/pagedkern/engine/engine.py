@@ -471,7 +471,7 @@ class Engine:
         does not fail its neighbours."""
         with ops.use_backend(self.backend):
             try:
-                return _sampled(self._run_model(entries, forks, proposals)), []
+                return self._run_model(entries, forks, proposals).gains(), []
             except TensorParallelError:
                 raise  # not a request's fault, and the ranks are out of step: no retries
             except Exception as exc:  # noqa: BLE001 - isolated below
@@ -481,7 +481,7 @@ class Engine:
             sampled, failures = [], []
             for entry in entries:
                 try:
-                    sampled += _sampled(self._run_model([entry], forks, proposals))
+                    sampled += self._run_model([entry], forks, proposals).gains()
                 except Exception as exc:  # noqa: BLE001 - this request's fault
                     failures.append((entry[0], exc))
             return sampled, failures
@@ -625,14 +625,3 @@ class Engine:
     def run_until_done(self) -> Iterator[RequestOutput]:
         while self.has_unfinished or self._undelivered:
             yield from self.step()
-
-
-def _sampled(result) -> list[tuple]:
-    """(request, its new tokens, its logits row, its logprobs or None) per sampled row, then
-    (request, its verified tokens, None, None) per speculating request."""
-    logits = result.logits
-    logprobs = result.logprobs or [None] * len(result.requests)
-    return [
-        (request, [token], None if logits is None else logits[row], logprobs[row])
-        for row, (request, token) in enumerate(zip(result.requests, result.token_ids, strict=True))
-    ] + [(request, tokens, None, None) for request, tokens in result.verified]

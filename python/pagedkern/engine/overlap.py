@@ -174,7 +174,7 @@ class Overlap:
                     engine.scheduler.register_computed(request, before, after)
                 except Exception as exc:  # noqa: BLE001 - its own hashing: it fails alone
                     outputs.append(engine._fail(request, exc))
-        engine._append_sampled(_sampled(result), set(), outputs)
+        engine._append_sampled(result.gains(), set(), outputs)
         return True
 
     @staticmethod
@@ -186,9 +186,3 @@ class Overlap:
         for request, before, _ in step.advanced:
             if request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens = before
-
-
-def _sampled(result: StepResult) -> list[tuple]:
-    from .engine import _sampled as sampled  # one definition, engine.py's
-
-    return sampled(result)

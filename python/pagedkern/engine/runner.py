@@ -37,6 +37,16 @@ class StepResult:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     verified: list[tuple[Request, list[int]]] = field(default_factory=list)
 
+    def gains(self) -> list[tuple]:
+        """(request, its new tokens, its logits row, its logprobs or None) per sampled row, then
+        (request, its verified tokens, None, None) per speculating request."""
+        logits = self.logits
+        logprobs = self.logprobs or [None] * len(self.requests)
+        return [
+            (request, [token], None if logits is None else logits[row], logprobs[row])
+            for row, (request, token) in enumerate(zip(self.requests, self.token_ids, strict=True))
+        ] + [(request, tokens, None, None) for request, tokens in self.verified]
+
 
 @dataclass(slots=True)
 class SamplingInputs:
