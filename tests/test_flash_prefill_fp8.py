@@ -139,6 +139,18 @@ def test_bad_dequantization_scales_are_rejected(name, bad):
         pagedkern.flash_prefill(*_args(), **{name: bad})
 
 
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+def test_scales_on_a_16bit_cache_are_rejected(name):
+    """One convention for every attention op (paged_attention, rope_and_cache): scales are an
+    fp8 cache's, None meaning 1; given with a bfloat16 cache they are an error, not ignored."""
+    q, k8, v8, cu, table, seq = _args()
+    k, v = k8.bfloat16(), v8.bfloat16()
+    with pytest.raises(ValueError, match=f"{name} applies to an fp8"):
+        pagedkern.flash_prefill(q, k, v, cu, table, seq, **{name: 0.5})
+    out = pagedkern.flash_prefill(q, k, v, cu, table, seq, **{name: None})
+    assert torch.equal(out, pagedkern.flash_prefill(q, k, v, cu, table, seq))
+
+
 def test_engine_policy_keeps_flash_prefill_on_its_kernel_with_an_fp8_cache(monkeypatch):
     """engine/kernel_policy.py: an fp8 cache no longer sends flash_prefill to the reference."""
     import warnings

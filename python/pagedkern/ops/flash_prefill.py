@@ -15,7 +15,6 @@ one (CUDA-graph capture).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from .. import envs
 from . import support
@@ -41,6 +40,7 @@ from .paged_kv import (
     attention_outputs,
     attention_views,
     check_attention_views,
+    check_kv_scales,
     check_rows_aligned,
     check_scale,
     workspace_view,
@@ -78,11 +78,6 @@ def kernel_path(
 def kernel_support(dtype: str, head_dim: int) -> support.KernelSupport:
     """(supported, reason): whether the CUDA kernels cover these arguments (ops/support.py)."""
     return support.flash_prefill(dtype, head_dim)
-
-
-def _check_dequant_scale(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
 
 
 def _check_args(q, k_cache, v_cache, block_tables, seq_lens, batch: int, out):
@@ -126,8 +121,8 @@ def flash_prefill(
     out=None,
     return_lse=False,
     *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
     workspace=None,
     stream=None,
 ):
@@ -137,10 +132,10 @@ def flash_prefill(
 
     The CUDA kernels cover float16/bfloat16 q with caches of q's dtype or float8_e4m3fn (an
     fp8 cache with float32 q: the reference, like float32 q with a float32 cache), and
-    D in {64, 128} (`kernel_support`); k_scale, v_scale: dequantization scales of the stored K
-    and V (defined in reference.flash_prefill; the kernel folds them into the softmax scale and
-    the output). Other CUDA
-    torch inputs run on the reference with a warning under the "auto" backend and raise
+    D in {64, 128} (`kernel_support`); k_scale, v_scale: dequantization scales of an fp8 cache's
+    stored K and V, None meaning 1 (as in paged_attention and rope_and_cache; defined in
+    reference.flash_prefill; the kernel folds them into the softmax scale and the output).
+    Other CUDA torch inputs run on the reference with a warning under the "auto" backend and raise
     KernelUnsupportedError under "cuda". The reference checks the indices' contents; the kernels
     never read lengths on the host and check them (cu_seqlens_q rising from 0 to total_q,
     chunk length <= seq_lens[b] <= table capacity, block ids in the cache) only in the
@@ -148,8 +143,6 @@ def flash_prefill(
     workspace: int32 CUDA array of at least _C.flash_prefill_workspace_ints(total_q, B) entries,
     else allocated per call."""
     check_scale(scale)
-    _check_dequant_scale("k_scale", k_scale)
-    _check_dequant_scale("v_scale", v_scale)
     cu = view(cu_seqlens_q, "cu_seqlens_q")
     check_dtype(cu, ("int32",))
     check_ndim(cu, 1)
@@ -159,6 +152,7 @@ def flash_prefill(
     views.append(cu)
     common_device(views)
     kc = views[1]
+    check_kv_scales(kc, k_scale, v_scale)
     if not kernel_or_reference("flash_prefill", views, kernel_support(qv.dtype, qv.shape[2])):
         reference = reference_on_torch("flash_prefill", views)
         check_block_table_contents(block_tables, seq_lens, kc.shape[0], kc.shape[2])
@@ -213,8 +207,9 @@ def flash_prefill(
         num_kv_heads=kc.shape[1],
         head_dim=head_dim,
         block_size=kc.shape[2],
-        scale=float(scale if scale is not None else head_dim**-0.5) * k_scale,
-        out_scale=float(v_scale),
+        scale=float(scale if scale is not None else head_dim**-0.5)
+        * (1.0 if k_scale is None else k_scale),
+        out_scale=float(1.0 if v_scale is None else v_scale),
         dtype=DTYPE_CODES[qv.dtype],
         fp8_cache=kc.dtype == FP8_CACHE_DTYPE,
         path=PATHS[path],

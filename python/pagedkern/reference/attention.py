@@ -193,8 +193,8 @@ def flash_prefill(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ):
     """Causal varlen prefill over the paged cache (fresh prompts, chunks, prefix-cache hits).
 
@@ -207,12 +207,12 @@ def flash_prefill(
     The caches may be any float dtype, float8_e4m3fn included (read as fp32). Dequantization
     scales (the one definition, for every attention op that takes them): the keys attended to
     are k_scale * k_cache and the values v_scale * v_cache, each scale a finite positive number
-    (default 1.0), so an fp8 cache that stores k / k_scale, v / v_scale gives attention over
+    or None (= 1), so an fp8 cache that stores k / k_scale, v / v_scale gives attention over
     the dequantized cache. Equivalently: softmax scale times k_scale, output times v_scale (lse
     is that of the scores scale * q . (k_scale * k)).
     """
     total, hq, d = q.shape
-    scale = (d**-0.5 if scale is None else scale) * k_scale
+    scale = (d**-0.5 if scale is None else scale) * (1.0 if k_scale is None else k_scale)
     result = torch.zeros(total, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((total, hq), float("-inf"), dtype=torch.float32, device=q.device)
     bounds = cu_seqlens_q.tolist()
@@ -228,7 +228,7 @@ def flash_prefill(
         query_pos = torch.arange(length - n, length, device=q.device)
         mask = torch.arange(length, device=q.device)[None, :] <= query_pos[:, None]
         result[start:end], lse[start:end] = _attend(q[start:end], k, v, scale, mask)
-    if v_scale != 1.0:
+    if v_scale is not None and v_scale != 1.0:
         result.mul_(v_scale)
     out = _store(result, q.dtype, out)
     return (out, lse) if return_lse else out
