@@ -98,6 +98,8 @@ class BatchLayout:
         one non-blocking copy: per-step host-to-device traffic is a single transfer."""
         device = torch.device(device)
         host = self.pack()
+        if device.type == "cpu":
+            return self.unpack(host)
         if device.type == "cuda":
             host = host.pin_memory()
         return self.unpack(host.to(device, non_blocking=True))
@@ -244,7 +246,9 @@ def layout_batch(
         np.int32,
         sum(sizes),
     )
-    ids, positions, slots, cu_seqlens, table_rows, seq_lens, logits_indices = _split(packed, sizes)
+    ids, positions, slots, cu_seqlens, table_rows, seq_lens, logits_indices = split_packed(
+        packed, sizes
+    )
     logits_indices -= 1  # the last row of each chosen sequence: cu[r + 1] - 1
     if not decode:
         rows = table_rows.reshape(b, width)
@@ -265,7 +269,7 @@ def layout_batch(
     )
 
 
-def _split(packed: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+def split_packed(packed: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     """Consecutive views of `packed` of the given sizes."""
     views, start = [], 0
     for n in sizes:
