@@ -55,6 +55,7 @@ class InputBatch:
         self.requests: list[Request] = []  # row order of the last decode step
         self._row_of: dict[Request, int] = {}
         self._tables: list[list[int] | None] = []  # each row's block table as last written
+        self._num_plain = 0  # rows of `requests` whose sampling is plain
         self._rows = 0
         self._width = 0
         self.table = np.zeros((0, 0), np.int32)  # [rows, width] block ids, 0-padded
@@ -127,14 +128,14 @@ class InputBatch:
                 )
             computed, offsets, ids = state[:b], state[b : 2 * b], state[2 * b :]
         # every row samples: its one token is the last of prompt + output (+ in flight)
-        if not np.array_equal(computed - offsets, self.last_prompt[:b]):
+        if np.count_nonzero(computed - offsets - self.last_prompt[:b]):
             return None  # a one-token chunk mid-prompt
         tables = list(map(_block_table, requests))
         changed = list(compress(range(b), map(ne, tables, self._tables)))
         if changed:
             self._write_tables(changed, tables)
         capacity = self.capacity[:b]
-        if not (computed < capacity).all():
+        if np.count_nonzero(computed >= capacity):
             return None  # the general path names the bad sequence
         bs = self.block_size
         width = -(-int(capacity.max()) // bs)
@@ -162,7 +163,7 @@ class InputBatch:
             _packed=packed,
         )
         sampling = None
-        if self.plain[:b].all():
+        if self._num_plain == b:
             sampling = (
                 self.seed[:b],
                 offsets,
@@ -188,6 +189,7 @@ class InputBatch:
             self._admit(i, requests[i])
         self.requests = requests
         self._row_of = dict(zip(requests, range(b)))
+        self._num_plain = int(np.count_nonzero(self.plain[:b]))
 
     def _admit(self, row: int, request: Request) -> None:
         """Write a request's fixed columns (read once: they do not change while it lives)."""
@@ -206,20 +208,30 @@ class InputBatch:
         )
 
     def _write_tables(self, changed: list[int], tables: list[list[int]]) -> None:
-        """Rewrite the rows whose block table differs from the copy last written (a block
-        appended, a table rolled back, a new row): one numpy assignment for all of them."""
-        fresh = list(map(tables.__getitem__, changed))
-        lens = list(map(len, fresh))
+        """Rewrite the rows whose block table differs from the copy last written: the new
+        entries of a table that grew (blocks appended, the common change), the whole row of
+        any other (a new row, a table rolled back and regrown)."""
+        stored = self._tables
+        lens = list(map(len, map(tables.__getitem__, changed)))
         if max(lens) > self._width:
             self._reserve(self._rows, max(lens))
-        width = self._width
-        self.table[changed] = [
-            list(t) + [0] * (width - n) for t, n in zip(fresh, lens, strict=True)
-        ]
-        self.capacity[changed] = [n * self.block_size for n in lens]
-        stored = self._tables
-        for i, t in zip(changed, fresh, strict=True):
-            stored[i] = list(t)
+        matrix, width, capacity, bs = self.table, self._width, self.capacity, self.block_size
+        whole = []
+        for i, n in zip(changed, lens, strict=True):
+            capacity[i] = n * bs
+            table, old = tables[i], stored[i]
+            k = 0 if old is None else len(old)
+            if 0 < k < n and table[:k] == old:
+                if n == k + 1:
+                    matrix[i, k] = table[k]
+                else:
+                    matrix[i, k:n] = table[k:]
+                old += table[k:]
+            else:
+                whole.append(i)
+                stored[i] = list(table)
+        if whole:
+            matrix[whole] = [stored[i] + [0] * (width - len(stored[i])) for i in whole]
 
     def _reserve(self, rows: int, width: int) -> None:
         """Grow the columns to hold `rows` rows and tables of `width` blocks (doubling)."""
