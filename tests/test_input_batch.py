@@ -5,7 +5,8 @@ decode step's layout and sampling inputs from the persistent batch equal, array 
 what the runner's general path builds from per-request chunks (model.layout_batch), with and
 without placeholder rows (asynchronous scheduling); steps that are not steady decodes take the
 general path. Engine outputs are token-for-token those of the general path alone (greedy,
-seeded, logprobs, penalties, n > 1, preemption, chunked prefill, overlap on and off)."""
+seeded, logprobs, penalties, n > 1, preemption, chunked prefill, the CUDA-graph path's static
+buffers run eagerly, overlap on and off)."""
 
 from __future__ import annotations
 
@@ -275,8 +276,8 @@ def generate(prompts, params, persistent: bool, overlap: bool, **overrides):
 @pytest.mark.parametrize("params", PARAMS)
 @pytest.mark.parametrize(
     "scenario",
-    [{}, {"num_blocks": 70}, {"max_num_batched_tokens": 16}],
-    ids=["roomy", "preemption", "chunked"],
+    [{}, {"num_blocks": 70}, {"max_num_batched_tokens": 16}, {"cuda_graphs": True}],
+    ids=["roomy", "preemption", "chunked", "decode-graph buffers"],
 )
 def test_engine_outputs_equal_the_general_path(scenario, params, overlap):
     prompts = varied_prompts()
