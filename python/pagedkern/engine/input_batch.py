@@ -50,6 +50,9 @@ class DecodeStep:
 
 
 class InputBatch:
+    """The persistent rows (see the module docstring); `decode_step` lays out a step. Columns
+    grow by doubling from `rows` x `width` blocks."""
+
     def __init__(self, block_size: int, rows: int = 16, width: int = 8):
         self.block_size = block_size
         self.requests: list[Request] = []  # row order of the last decode step
@@ -187,7 +190,7 @@ class InputBatch:
         self._tables = list(map(previous.__getitem__, old.tolist()))
         for i in np.flatnonzero(old < 0).tolist():
             self._admit(i, requests[i])
-        self.requests = requests
+        self.requests = requests.copy()  # (the step's own list goes to its caller)
         self._row_of = dict(zip(requests, range(b)))
         self._num_plain = int(np.count_nonzero(self.plain[:b]))
 

@@ -55,7 +55,7 @@ class StepResult:
 @dataclass(slots=True)
 class SamplingInputs:
     """A batch's sampling parameters on the host, (seeds, offsets, temperature, top_p, top_k)
-    as numpy arrays the step owns (SAMPLING_DTYPES), and its logits processing
+    as int64, int64, float32, float32, int32 numpy arrays, and its logits processing
     (ModelRunner.sampling_inputs)."""
 
     fields: tuple[np.ndarray, ...]
@@ -74,7 +74,6 @@ class SamplingInputs:
         return [p.view(t) for p, t in zip(parts, TORCH_SAMPLING_DTYPES, strict=True)]
 
 
-SAMPLING_DTYPES = (np.int64, np.int64, np.float32, np.float32, np.int32)
 TORCH_SAMPLING_DTYPES = (torch.int64, torch.int64, torch.float32, torch.float32, torch.int32)
 
 
