@@ -227,6 +227,11 @@ def test_other_steps_take_the_general_path(runner):
     del short.block_table[short.num_computed_tokens // BLOCK_SIZE :]
     with pytest.raises(ValueError, match="block table"):
         runner.prepare([(a, 1), (short, 1)])
+    # an empty sequence has no token to feed: the general path's error
+    empty = Request("E", [], SamplingParams())
+    empty.block_table = sim.blocks(1)
+    with pytest.raises(ValueError, match="needs new tokens"):
+        runner.prepare([(a, 1), (empty, 1)])
     # forks (n > 1) and proposals take the general path
     assert runner.prepare([(a, 1)], forks={a: [b]}).sampled is None
 

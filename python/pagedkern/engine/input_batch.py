@@ -257,8 +257,10 @@ class InputBatch:
 
 
 def _last_token(request: Request) -> int:
-    """The last token of prompt + output (a decode row's input without a token in flight)."""
-    return request.output_ids[-1] if request.output_ids else request.prompt_ids[-1]
+    """The last token of prompt + output (a decode row's input without a token in flight);
+    -1 for an empty sequence (its row fails the sampling check: the general path refuses it)."""
+    ids = request.output_ids or request.prompt_ids
+    return ids[-1] if ids else -1
 
 
 _I64 = np.int64
