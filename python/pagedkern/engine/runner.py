@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -44,12 +45,16 @@ class StepResult:
     def gains(self) -> list[tuple]:
         """(request, its new tokens, its logits row, its logprobs or None) per sampled row, then
         (request, its verified tokens, None, None) per speculating request."""
-        logits = self.logits
-        logprobs = self.logprobs or [None] * len(self.requests)
-        return [
-            (request, [token], None if logits is None else logits[row], logprobs[row])
-            for row, (request, token) in enumerate(zip(self.requests, self.token_ids, strict=True))
-        ] + [(request, tokens, None, None) for request, tokens in self.verified]
+        n = len(self.requests)
+        # the rows' views in one call (indexing row by row costs more per row)
+        rows = repeat(None, n) if self.logits is None else self.logits[:n].unbind(0)
+        logprobs = self.logprobs or repeat(None, n)
+        sampled = zip(self.requests, map(_one, self.token_ids), rows, logprobs, strict=True)
+        return list(sampled) + [(request, tokens, None, None) for request, tokens in self.verified]
+
+
+def _one(token: int) -> list[int]:
+    return [token]
 
 
 @dataclass(slots=True)
