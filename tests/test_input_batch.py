@@ -21,7 +21,6 @@ from pagedkern.engine.logits_processing import LogitsState
 from pagedkern.engine.request import Request, RequestStatus
 from pagedkern.engine.runner import ModelRunner, PreparedStep
 
-BLOCK_SIZE = 4
 VOCAB = 512
 LAYOUT_FIELDS = (
     "input_ids",
@@ -34,9 +33,10 @@ LAYOUT_FIELDS = (
 )
 
 
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
-    engine = make_engine(False, block_size=BLOCK_SIZE)
+@pytest.fixture(scope="module", params=[4, 3], ids=["block 4", "block 3"])
+def runner(request) -> ModelRunner:
+    """A power-of-two block size (the shift path) and another (divmod)."""
+    engine = make_engine(False, block_size=request.param)
     yield engine.runner
     engine.close()
 
@@ -44,8 +44,9 @@ def runner() -> ModelRunner:
 class Simulation:
     """Running requests as the scheduler leaves them between decode steps, changed at random."""
 
-    def __init__(self, rng: random.Random):
+    def __init__(self, rng: random.Random, block_size: int):
         self.rng = rng
+        self.block_size = block_size
         self.free = list(range(1, 100_000))
         rng.shuffle(self.free)
         self.running: list[Request] = []
@@ -56,7 +57,7 @@ class Simulation:
 
     def cover(self, r: Request, spare: int = 0) -> None:
         """Grow r's table to hold its next token's slot (and `spare` more blocks)."""
-        need = r.num_computed_tokens // BLOCK_SIZE + 1 + spare - len(r.block_table)
+        need = r.num_computed_tokens // self.block_size + 1 + spare - len(r.block_table)
         if need > 0:
             r.block_table.extend(self.blocks(need))
 
@@ -111,7 +112,7 @@ class Simulation:
                 rng.choice(running).block_table.extend(self.blocks(1))
             elif op == "regrow":  # lookahead slots given back, then taken again: same length
                 r = rng.choice(running)
-                keep = r.num_computed_tokens // BLOCK_SIZE + 1
+                keep = r.num_computed_tokens // self.block_size + 1
                 n = len(r.block_table)
                 del r.block_table[keep:]
                 r.block_table.extend(self.blocks(n - keep + 1))
@@ -126,7 +127,7 @@ class Simulation:
                     seed=leader.seed + 1,
                 )
                 sample.logits_state = leader.logits_state
-                full = leader.num_computed_tokens // BLOCK_SIZE
+                full = leader.num_computed_tokens // self.block_size
                 sample.block_table = leader.block_table[:full] + self.blocks(1)
                 sample.num_computed_tokens = leader.num_computed_tokens
                 self.count += 1
@@ -163,8 +164,8 @@ def assert_same_sampling(runner: ModelRunner, fast: PreparedStep, requests: list
 @pytest.mark.parametrize("seed", range(6))
 def test_persistent_batch_equals_a_fresh_build(runner, seed):
     rng = random.Random(seed)
-    sim = Simulation(rng)
-    runner.batch.__init__(BLOCK_SIZE)  # a fresh persistent batch per case
+    sim = Simulation(rng, runner.kv_cache.block_size)
+    runner.batch.__init__(runner.kv_cache.block_size)  # a fresh persistent batch per case
     sim.running = [sim.new_request() for _ in range(rng.randint(1, 12))]
     for _ in range(120):
         sim.change()
@@ -183,8 +184,8 @@ def test_placeholder_rows_equal_a_fresh_build(runner, seed):
     """Asynchronous scheduling: rows whose token the step in flight samples are placeholders
     filled from its ids; the rest read their last token."""
     rng = random.Random(100 + seed)
-    sim = Simulation(rng)
-    runner.batch.__init__(BLOCK_SIZE)
+    sim = Simulation(rng, runner.kv_cache.block_size)
+    runner.batch.__init__(runner.kv_cache.block_size)
     sim.running = [sim.new_request() for _ in range(rng.randint(1, 12))]
     for _ in range(60):
         sim.change()
@@ -210,8 +211,8 @@ def test_placeholder_rows_equal_a_fresh_build(runner, seed):
 
 def test_other_steps_take_the_general_path(runner):
     rng = random.Random(3)
-    sim = Simulation(rng)
-    runner.batch.__init__(BLOCK_SIZE)
+    sim = Simulation(rng, runner.kv_cache.block_size)
+    runner.batch.__init__(runner.kv_cache.block_size)
     a, b = sim.new_request(), sim.new_request()
     assert runner.prepare([(a, 1), (b, 1)]).sampled is not None
     # a prefill chunk in the step
@@ -224,7 +225,7 @@ def test_other_steps_take_the_general_path(runner):
     assert step.sampled is None and step.num_sampled == 1
     # a block table too short for the token's slot: the general path's error
     short = sim.new_request()
-    del short.block_table[short.num_computed_tokens // BLOCK_SIZE :]
+    del short.block_table[short.num_computed_tokens // sim.block_size :]
     with pytest.raises(ValueError, match="block table"):
         runner.prepare([(a, 1), (short, 1)])
     # an empty sequence has no token to feed: the general path's error

@@ -55,6 +55,7 @@ class InputBatch:
 
     def __init__(self, block_size: int, rows: int = 16, width: int = 8):
         self.block_size = block_size
+        self._shift = block_size.bit_length() - 1  # log2(block_size) when a power of two
         self.requests: list[Request] = []  # row order of the last decode step
         self._row_of: dict[Request, int] = {}
         self._tables: list[list[int] | None] = []  # each row's block table as last written
@@ -142,7 +143,10 @@ class InputBatch:
             return None  # the general path names the bad sequence
         bs = self.block_size
         width = -(-int(capacity.max()) // bs)
-        block, offset = np.divmod(computed, bs)
+        if bs & (bs - 1):
+            block, offset = np.divmod(computed, bs)
+        else:  # a power of two (the usual block size): a shift and a mask, cheaper than divmod
+            block, offset = computed >> self._shift, computed & (bs - 1)
         block += self._row_start[:b]
         slots = self.table.take(block)  # table[row, position // bs] of the flattened table
         slots *= bs
