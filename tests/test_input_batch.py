@@ -187,10 +187,13 @@ def test_placeholder_rows_equal_a_fresh_build(runner, seed):
     sim = Simulation(rng, runner.kv_cache.block_size)
     runner.batch.__init__(runner.kv_cache.block_size)
     sim.running = [sim.new_request() for _ in range(rng.randint(1, 12))]
+    every = 0
     for _ in range(60):
         sim.change()
         entries = [(r, 1) for r in sim.running]
-        flight = [r for r in sim.running if r.output_ids and rng.random() < 0.7]
+        share = rng.choice([0.7, 1.0])  # 1.0: as a rule every row is in flight
+        flight = [r for r in sim.running if r.output_ids and rng.random() < share]
+        every += len(flight) == len(entries)
         pending = {r: j for j, r in enumerate(reversed(flight))}
         for r in flight:  # its token is sampled by the step in flight, not yet appended
             r.output_ids.pop()
@@ -207,6 +210,7 @@ def test_placeholder_rows_equal_a_fresh_build(runner, seed):
             r.num_pending = 0
             r.output_ids.append(rng.randrange(5, VOCAB))
         sim.decode()
+    assert every, "never a step with every row in flight"
 
 
 def test_other_steps_take_the_general_path(runner):

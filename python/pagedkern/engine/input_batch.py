@@ -99,20 +99,36 @@ class InputBatch:
         fill_rows: list[int] = []
         fill_from: list[int] = []
         if pending or any(map(_num_pending, requests)):
-            # computed tokens, then output lengths + tokens in flight (the sampling offsets)
-            state = np.fromiter(chain(map(_num_computed, requests), map(len, outputs)), _I64, 2 * b)
-            computed, offsets = state[:b], state[b:]
-            in_flight = np.fromiter(map(_num_pending, requests), _I64, b)
+            # computed tokens, tokens in flight, output lengths (+ in flight: the sampling
+            # offsets), the row of the step in flight's ids that fills each placeholder
+            state = np.fromiter(
+                chain(
+                    map(_num_computed, requests),
+                    map(_num_pending, requests),
+                    map(len, outputs),
+                    map((pending or {}).get, requests, repeat(-1)),
+                ),
+                _I64,
+                4 * b,
+            )
+            computed, in_flight, offsets, source = (
+                state[:b],
+                state[b : 2 * b],
+                state[2 * b : 3 * b],
+                state[3 * b :],
+            )
             offsets += in_flight
-            source = np.fromiter(map((pending or {}).get, requests, repeat(-1)), _I64, b)
             placeholder = source >= 0
-            if not np.array_equal(placeholder, in_flight > 0):
+            if np.count_nonzero(placeholder != (in_flight > 0)):
                 return None  # a token in flight that no row fills, ...: the general path raises
             ids = np.zeros(b, np.int32)
-            known = np.flatnonzero(~placeholder).tolist()
-            ids[known] = [_last_token(requests[i]) for i in known]
-            fill_rows = np.flatnonzero(placeholder).tolist()
-            fill_from = source[placeholder].tolist()
+            if np.count_nonzero(placeholder) == b:  # the steady state: every row in flight
+                fill_rows, fill_from = self._arange[:b].tolist(), source.tolist()
+            else:
+                known = np.flatnonzero(~placeholder).tolist()
+                ids[known] = [_last_token(requests[i]) for i in known]
+                fill_rows = np.flatnonzero(placeholder).tolist()
+                fill_from = source[placeholder].tolist()
         else:
             try:  # computed tokens, output lengths (the sampling offsets), input tokens
                 state = np.fromiter(
