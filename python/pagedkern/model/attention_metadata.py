@@ -95,7 +95,8 @@ class BatchLayout:
 
     def upload(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, AttentionMetadata]:
         """input_ids and metadata on `device`, from ONE int32 host buffer (pinned for CUDA) and
-        one non-blocking copy: per-step host-to-device traffic is a single transfer."""
+        one non-blocking copy: per-step host-to-device traffic is a single transfer. On the
+        CPU the tensors share the layout's own arrays."""
         device = torch.device(device)
         if device.type == "cpu":  # the host arrays serve as they are
             return self._host_tensors()
