@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
 import torch
 
 from ..model import AttentionMetadata, BatchLayout, KVCache, LlamaModel
@@ -58,6 +59,7 @@ class DecodeGraphs:
         self._h, self._d = self._inputs.host, self._inputs.device
         self._h[3].copy_(torch.arange(b + 1, dtype=torch.int32))  # one row per sequence
         self._h[6].copy_(torch.arange(b, dtype=torch.int32))
+        self._np = [h.numpy() for h in self._h]  # numpy views: a step writes no torch op
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
 
@@ -82,17 +84,15 @@ class DecodeGraphs:
 
     def _fill(self, layout: BatchLayout | None) -> None:
         """Write a decode batch (or, with None, all padding) into the host buffer and upload it."""
-        ids, positions, slots, _, tables, seq_lens, _ = self._h
+        ids, positions, slots, _, tables, seq_lens, _ = self._np
         n = 0 if layout is None else len(layout.seq_lens)
         if n:
-            ids[:n] = torch.tensor(layout.input_ids, dtype=torch.int32)
-            positions[:n] = torch.tensor(layout.positions, dtype=torch.int32)
-            slots[:n] = torch.tensor(layout.slot_mapping, dtype=torch.int32)
-            seq_lens[:n] = torch.tensor(layout.seq_lens, dtype=torch.int32)
-            rows = tables.view(self.max_batch, self.width)
-            rows[:n, : layout.width] = torch.tensor(layout.block_tables, dtype=torch.int32).view(
-                n, layout.width
-            )
+            ids[:n] = layout.input_ids
+            positions[:n] = layout.positions
+            slots[:n] = layout.slot_mapping
+            seq_lens[:n] = layout.seq_lens
+            rows = tables.reshape(self.max_batch, self.width)
+            rows[:n, : layout.width] = np.reshape(layout.block_tables, (n, layout.width))
         ids[n:] = 0
         positions[n:] = 0
         slots[n:] = -1  # padding rows write nothing to the cache

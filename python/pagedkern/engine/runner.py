@@ -1,14 +1,18 @@
 """Runs one scheduled iteration on the model: the flattened batch and its metadata from the
 requests' state, one forward pass, and sampling of the rows whose prompt is fully computed.
-Speculating requests feed their last token and proposals as one-token decode rows
-(model/attention_metadata.verification_rows), get logits for every row, and are verified
-(engine/speculative/verify.py) instead of sampled."""
+A steady decode step (every entry one token that samples) is laid out from the persistent
+batch (engine/input_batch.py: only what changed since the last step is read per request);
+any other step from per-request chunks (model.layout_batch). Speculating requests feed their
+last token and proposals as one-token decode rows (model/attention_metadata.verification_rows),
+get logits for every row, and are verified (engine/speculative/verify.py) instead of sampled."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
+import numpy as np
 import torch
 
 from .. import ops
@@ -16,6 +20,7 @@ from ..model import BatchLayout, KVCache, LlamaModel, SequenceChunk, layout_batc
 from ..model.attention_metadata import verification_rows
 from . import prompt_logprobs
 from .cuda_graphs import DecodeGraphs
+from .input_batch import DecodeStep, InputBatch
 from .logits_processing import BatchProcessing, batch_processing
 from .outputs import TokenLogprob
 from .piecewise_graphs import PiecewiseGraphs
@@ -40,22 +45,41 @@ class StepResult:
     def gains(self) -> list[tuple]:
         """(request, its new tokens, its logits row, its logprobs or None) per sampled row, then
         (request, its verified tokens, None, None) per speculating request."""
-        logits = self.logits
-        logprobs = self.logprobs or [None] * len(self.requests)
-        return [
-            (request, [token], None if logits is None else logits[row], logprobs[row])
-            for row, (request, token) in enumerate(zip(self.requests, self.token_ids, strict=True))
-        ] + [(request, tokens, None, None) for request, tokens in self.verified]
+        n = len(self.requests)
+        # the rows' views in one call (indexing row by row costs more per row)
+        rows = repeat(None, n) if self.logits is None else self.logits[:n].unbind(0)
+        logprobs = self.logprobs or repeat(None, n)
+        sampled = zip(self.requests, map(_one, self.token_ids), rows, logprobs, strict=True)
+        return list(sampled) + [(request, tokens, None, None) for request, tokens in self.verified]
+
+
+def _one(token: int) -> list[int]:
+    return [token]
 
 
 @dataclass(slots=True)
 class SamplingInputs:
-    """A batch's sampling parameters on the host: one packed buffer of (seeds, offsets,
-    temperature, top_p, top_k) and the logits processing (ModelRunner.sampling_inputs)."""
+    """A batch's sampling parameters on the host, (seeds, offsets, temperature, top_p, top_k)
+    as int64, int64, float32, float32, int32 numpy arrays, and its logits processing
+    (ModelRunner.sampling_inputs)."""
 
-    packed: torch.Tensor
-    fields: tuple[torch.Tensor, ...]
+    fields: tuple[np.ndarray, ...]
     processing: BatchProcessing
+
+    def on(self, device: torch.device) -> list[torch.Tensor]:
+        """The five as tensors on `device`: on the CPU views of the host arrays, elsewhere
+        from one packed buffer (int64s first: every part's view is aligned) and one copy."""
+        if device.type == "cpu":
+            return [torch.from_numpy(f) for f in self.fields]
+        packed = torch.from_numpy(np.concatenate([f.view(np.uint8) for f in self.fields]))
+        if device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(device, non_blocking=True)
+        parts = packed.split([f.nbytes for f in self.fields])
+        return [p.view(t) for p, t in zip(parts, TORCH_SAMPLING_DTYPES, strict=True)]
+
+
+TORCH_SAMPLING_DTYPES = (torch.int64, torch.int64, torch.float32, torch.float32, torch.int32)
 
 
 @dataclass(slots=True)
@@ -66,9 +90,9 @@ class PreparedStep:
     scheduling; None: built from the requests at sampling time). fill_rows / fill_from:
     placeholder input rows and the rows of the previous step's ids that fill them."""
 
-    ordered: list[tuple[Request, int]]
+    ordered: Sequence[tuple[Request, int]]
     layout: BatchLayout
-    rows: list[int]
+    rows: Sequence[int]
     num_sampled: int
     speculating: list[Request]
     proposals: Mapping[Request, Proposal]
@@ -77,10 +101,13 @@ class PreparedStep:
     want_prompt_logprobs: bool | None = None
     fill_rows: list[int] = field(default_factory=list)
     fill_from: list[int] = field(default_factory=list)
+    sampled: list[Request] | None = None  # a decode step's requests, row order (no forks)
 
-    def sample_requests(self) -> tuple[list[Request], list[int]]:
+    def sample_requests(self) -> tuple[list[Request], Sequence[int]]:
         """The requests that sample, in row order (n > 1: the samples that fork from a leader
         after them), and the logits row each draws from."""
+        if self.sampled is not None:
+            return self.sampled, range(len(self.sampled))
         requests = [self.ordered[i][0] for i in self.rows[: self.num_sampled]]
         index = list(range(len(requests)))
         if self.forks:
@@ -108,6 +135,7 @@ class ModelRunner:
         self.device = model.device
         self.graphs = None
         self.piecewise = None
+        self.batch = InputBatch(kv_cache.block_size, max_num_seqs)
         if cuda_graphs:
             self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_model_len)
             if self.device.type == "cuda":
@@ -142,6 +170,36 @@ class ModelRunner:
         scheduling): request -> its row in the previous step's sampled ids, for the requests
         whose input token that step is still sampling; their rows are placeholders that
         `execute` fills, and the sampling inputs are built here too."""
+        if not proposals and not forks:
+            decode = self.batch.decode_step(entries, pending)
+            if decode is not None:
+                return self._decode_step(entries, decode, pending is not None)
+        return self.prepare_chunks(entries, forks, proposals, pending)
+
+    def _decode_step(self, entries, decode: DecodeStep, overlapped: bool) -> PreparedStep:
+        """A steady decode step from the persistent batch: every row samples, none forks."""
+        requests, b = decode.requests, len(decode.requests)
+        step = PreparedStep(entries, decode.layout, range(b), b, [], {}, None)
+        step.sampled = requests
+        step.want_prompt_logprobs = False
+        step.fill_rows, step.fill_from = decode.fill_rows, decode.fill_from
+        if decode.sampling is not None:
+            fields = decode.sampling
+            if overlapped:  # the persistent batch's columns change before this step runs
+                fields = tuple(f.copy() for f in fields)
+            step.sampling = SamplingInputs(fields, BatchProcessing({}, 0, False))
+        elif overlapped:  # read now: the engine thread moves the requests on meanwhile
+            step.sampling = self.sampling_inputs(requests)
+        return step
+
+    def prepare_chunks(
+        self,
+        entries: list[tuple[Request, int]],
+        forks: Mapping[Request, Sequence[Request]] | None = None,
+        proposals: Mapping[Request, Proposal] | None = None,
+        pending: Mapping[Request, int] | None = None,
+    ) -> PreparedStep:
+        """`prepare` for any step (the general path): one SequenceChunk per request."""
         proposals = proposals or {}
         # Prefill chunks first, then one-token rows: the layout the model's metadata expects;
         # verification rows last.
@@ -251,34 +309,24 @@ class ModelRunner:
         copy up) and their logits processing."""
         params = [r.params for r in requests]
         fields = (
-            torch.tensor([r.seed for r in requests], dtype=torch.int64),
-            torch.tensor([len(r.output_ids) + r.num_pending for r in requests], dtype=torch.int64),
-            torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            torch.tensor([p.top_k for p in params], dtype=torch.int32),
+            np.array([r.seed for r in requests], dtype=np.int64),
+            np.array([len(r.output_ids) + r.num_pending for r in requests], dtype=np.int64),
+            np.array([p.temperature for p in params], dtype=np.float32),
+            np.array([p.top_p for p in params], dtype=np.float32),
+            np.array([p.top_k for p in params], dtype=np.int32),
         )
-        packed = torch.cat([f.view(torch.uint8) for f in fields])  # int64s first: aligned views
         masks = [r.grammar.bitmask() if r.grammar is not None else None for r in requests]
         processing = batch_processing(
             [r.logits_state for r in requests], [r.output_ids for r in requests], masks
         )
-        return SamplingInputs(packed, fields, processing)
+        return SamplingInputs(fields, processing)
 
     def draw(
         self, logits: torch.Tensor, requests: list[Request], inputs: SamplingInputs
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample `logits` with `inputs` (sampling_inputs); the ids come back in one copy."""
-        packed, fields, processing = inputs.packed, inputs.fields, inputs.processing
-        if logits.device.type == "cuda":
-            packed = packed.pin_memory()
-        packed = packed.to(logits.device, non_blocking=True)
-        seeds, offsets, temperature, top_p, top_k = (
-            part.view(f.dtype)
-            for part, f in zip(
-                packed.split([f.numel() * f.element_size() for f in fields]), fields, strict=True
-            )
-        )
-        params = [r.params for r in requests]
+        processing = inputs.processing
+        seeds, offsets, temperature, top_p, top_k = inputs.on(logits.device)
         kwargs = {
             name: a.to(logits.device, non_blocking=True) for name, a in processing.arrays.items()
         }
@@ -295,7 +343,7 @@ class ModelRunner:
         top_ids = kwargs["top_ids"].tolist() if n else [[]] * rows
         top_values = kwargs["top_logprobs"].tolist() if n else [[]] * rows
         logprobs: list[TokenLogprob | None] = []
-        for r, p in enumerate(params):
+        for r, p in enumerate(request.params for request in requests):
             if p.logprobs is None:
                 logprobs.append(None)
                 continue

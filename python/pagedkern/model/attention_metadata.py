@@ -95,12 +95,46 @@ class BatchLayout:
 
     def upload(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, AttentionMetadata]:
         """input_ids and metadata on `device`, from ONE int32 host buffer (pinned for CUDA) and
-        one non-blocking copy: per-step host-to-device traffic is a single transfer."""
+        one non-blocking copy: per-step host-to-device traffic is a single transfer. On the
+        CPU the tensors share the layout's own arrays."""
         device = torch.device(device)
+        if device.type == "cpu":  # the host arrays serve as they are
+            return self._host_tensors()
         host = self.pack()
         if device.type == "cuda":
             host = host.pin_memory()
         return self.unpack(host.to(device, non_blocking=True))
+
+    def _host_tensors(self) -> tuple[torch.Tensor, AttentionMetadata]:
+        """input_ids and metadata as CPU tensors sharing the host arrays (those of
+        layout_batch are int32 views already: nothing is copied, no packed tensor is split)."""
+        parts = [
+            np.asarray(p, dtype=np.int32)
+            for p in (
+                self.input_ids,
+                self.positions,
+                self.slot_mapping,
+                self.cu_seqlens,
+                self.block_tables,
+                self.seq_lens,
+                self.logits_indices,
+            )
+        ]
+        parts[4] = parts[4].reshape(len(parts[5]), self.width)
+        ids, positions, slots, cu, tables, seq_lens, logits = map(torch.from_numpy, parts)
+        meta = AttentionMetadata(
+            positions=positions,
+            slot_mapping=slots,
+            cu_seqlens=cu,
+            block_tables=tables,
+            seq_lens=seq_lens,
+            logits_indices=logits,
+            num_prefills=self.num_prefills,
+            num_prefill_tokens=int(parts[3][self.num_prefills]),
+            max_query_len=self.max_query_len,
+            max_seq_len=int(parts[5].max()),
+        )
+        return ids, meta
 
     def sizes(self) -> list[int]:
         """Lengths of the packed buffer's parts, in pack() order."""
@@ -244,7 +278,9 @@ def layout_batch(
         np.int32,
         sum(sizes),
     )
-    ids, positions, slots, cu_seqlens, table_rows, seq_lens, logits_indices = _split(packed, sizes)
+    ids, positions, slots, cu_seqlens, table_rows, seq_lens, logits_indices = split_packed(
+        packed, sizes
+    )
     logits_indices -= 1  # the last row of each chosen sequence: cu[r + 1] - 1
     if not decode:
         rows = table_rows.reshape(b, width)
@@ -265,7 +301,7 @@ def layout_batch(
     )
 
 
-def _split(packed: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+def split_packed(packed: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     """Consecutive views of `packed` of the given sizes."""
     views, start = [], 0
     for n in sizes:
