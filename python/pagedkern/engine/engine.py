@@ -34,13 +34,14 @@ from .. import ops
 from .._extension import cuda_available, cuda_unavailable_reason
 from ..model import LlamaModel, Tokenizer, load_model
 from ..parallel import TensorParallelError
+from .appending import Appending
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kernel_policy import decode_graphs, piecewise_graphs
 from .kv_budget import kv_cache_blocks
 from .logits_processing import LogitsState
-from .outputs import EngineStats, RequestOutput, TokenLogprob
+from .outputs import EngineStats, RequestOutput
 from .overlap import Overlap, needs_sync
 from .request import FinishReason, Request
 from .runner import ModelRunner, StepResult
@@ -80,7 +81,7 @@ def load_engine_model(config: EngineConfig, device: torch.device) -> tuple[Llama
     return model, tokenizer
 
 
-class Engine:
+class Engine(Appending):
     def __init__(
         self,
         model: LlamaModel,
@@ -143,6 +144,7 @@ class Engine:
         # strings are then refused)
         self.detokenize = True
         self._stop_ids: dict[str, frozenset[int]] = {}  # ids that end the request (EOS too)
+        self._timed: dict[str, Request] = {}  # those with a timeout: the only ones step() scans
         self._undelivered: list[RequestOutput] = []  # taken by stream() for other requests
         # n > 1: samples waiting for their first request's prompt (they fork from its blocks)
         self._forks: dict[Request, list[Request]] = {}
@@ -252,6 +254,8 @@ class Engine:
                     self.tokenizer, params.stop, params.min_tokens
                 )
             self._stop_ids[rid] = stop_ids
+            if params.timeout is not None:
+                self._timed[rid] = sample
         self._num_prompt_tokens += len(prompt_ids)
         if self.tracer:
             self.tracer.request_added(request)
@@ -320,12 +324,13 @@ class Engine:
         if self.broken is not None:
             raise self.broken
         outputs, self._undelivered = self._undelivered, []
-        now = self.clock()
-        outputs += [
-            self._finish(r, FinishReason.TIMEOUT)
-            for r in list(self.requests.values())
-            if r.params.timeout is not None and now - r.arrival_time > r.params.timeout
-        ]
+        if self._timed:
+            now = self.clock()
+            outputs += [
+                self._finish(r, FinishReason.TIMEOUT)
+                for r in list(self._timed.values())
+                if now - r.arrival_time > r.params.timeout
+            ]
         try:
             batch = self.scheduler.schedule()
         except Exception as exc:  # noqa: BLE001 - the scheduler's own fault: fail who it holds
@@ -367,41 +372,28 @@ class Engine:
         proposals = self._propose(batch)
         if self.tracer:
             self.tracer.iteration(self.iteration, batch, self.pool)
-        forks = {r: self._forks[r] for r, _ in batch.entries if r in self._forks}
-        sampled, failures = self._forward(batch.entries, forks, proposals)
-        outputs += [self._fail(request, exc) for request, exc in failures]
-        failed = {request for request, _ in failures}
-        done = ScheduledBatch([e for e in batch.entries if e[0] not in failed])
-        gains = {s[0]: s[1] for s in sampled}
-        done.accepted = {r: tuple(gains[r][:-1]) for r in batch.lookahead if r in gains}
+        forks = self._forks and {r: self._forks[r] for r, _ in batch.entries if r in self._forks}
+        results, failures = self._forward(batch.entries, forks, proposals)
+        if failures:
+            outputs += [self._fail(request, exc) for request, exc in failures]
+            failed = {request for request, _ in failures}
+            done = ScheduledBatch([e for e in batch.entries if e[0] not in failed])
+        else:
+            done = ScheduledBatch(batch.entries)
+        if batch.lookahead:
+            gains = {g[0]: g[1] for result in results for g in result.gains()}
+            done.accepted = {r: tuple(gains[r][:-1]) for r in batch.lookahead if r in gains}
         tables = {r: len(r.block_table) for r in done.accepted}
         self.scheduler.on_step_done(done)  # the runner sampled exactly the requests it returns
         for request, accepted in done.accepted.items():
             self._count_speculation(request, proposals.get(request), accepted, tables[request])
         outputs += [self._fail(request, exc) for request, exc in done.failed]
-        failed.update(request for request, _ in done.failed)
-        for leader in {s[0] for s in sampled} & forks.keys():
-            if leader not in failed:
-                self._fork(leader, self._forks.pop(leader))
-        self._append_sampled(sampled, failed, outputs)
-
-    def _append_sampled(
-        self, sampled: list[tuple], failed: set[Request], outputs: list[RequestOutput]
-    ) -> None:
-        """Append each sampled request's tokens, except for those that failed or ended
-        meanwhile (an aborted request's, or with async_scheduling one that stopped a step
-        earlier: that token is discarded)."""
-        now = self.clock()
-        for request, tokens, logits, logprob in sampled:
-            if request in failed or self.requests.get(request.request_id) is not request:
-                continue
-            try:
-                if self.tracer and logits is not None:
-                    self.tracer.candidates(request, logits, tokens[0], self.tokenizer)
-                outputs.append(self._append(request, tokens, now, logprob))
-            except Exception as exc:  # noqa: BLE001 - e.g. its detokenization: it fails alone
-                if request.request_id in self.requests:
-                    outputs.append(self._fail(request, exc))
+        if forks:  # n > 1: prompts that completed now give their blocks to the other samples
+            sampled = {g[0] for result in results for g in result.gains()}
+            for leader in sampled & forks.keys():
+                if leader.request_id in self.requests:  # not failed meanwhile
+                    self._fork(leader, self._forks.pop(leader))
+        self._append_sampled(results, outputs)
 
     def _propose(self, batch: ScheduledBatch) -> dict[Request, Proposal]:
         """Proposals for the requests that hold lookahead slots; each entry shrinks to 1 + the
@@ -463,28 +455,27 @@ class Engine:
         entries: list[tuple[Request, int]],
         forks: dict[Request, list[Request]] | None = None,
         proposals: dict[Request, Proposal] | None = None,
-    ) -> tuple[list[tuple], list[tuple[Request, Exception]]]:
-        """Run the batch: (request, its new tokens, its logits row or None, its logprob) for
-        every request that sampled or verified, and (request, error) for those that failed.
-        When the batch fails, each request runs alone to find who is at fault (rewriting the
-        same K/V slots and redrawing the same seeded samples is harmless), so one bad request
-        does not fail its neighbours."""
+    ) -> tuple[list[StepResult], list[tuple[Request, Exception]]]:
+        """Run the batch: its StepResult (one per request run alone after a failure), and
+        (request, error) for those that failed. When the batch fails, each request runs alone
+        to find who is at fault (rewriting the same K/V slots and redrawing the same seeded
+        samples is harmless), so one bad request does not fail its neighbours."""
         with ops.use_backend(self.backend):
             try:
-                return self._run_model(entries, forks, proposals).gains(), []
+                return [self._run_model(entries, forks, proposals)], []
             except TensorParallelError:
                 raise  # not a request's fault, and the ranks are out of step: no retries
             except Exception as exc:  # noqa: BLE001 - isolated below
                 if len(entries) == 1:
                     return [], [(entries[0][0], exc)]
                 log.warning("a batch of %d failed (%r); retrying each alone", len(entries), exc)
-            sampled, failures = [], []
+            results, failures = [], []
             for entry in entries:
                 try:
-                    sampled += self._run_model([entry], forks, proposals).gains()
+                    results.append(self._run_model([entry], forks, proposals))
                 except Exception as exc:  # noqa: BLE001 - this request's fault
                     failures.append((entry[0], exc))
-            return sampled, failures
+            return results, failures
 
     def _run_model(self, entries, forks, proposals) -> StepResult:
         """runner.run, given `proposals` only in a speculative step (a plain step's call is the
@@ -493,95 +484,6 @@ class Engine:
             return self.runner.run(entries, forks)
         mine = {entry[0]: proposals[entry[0]] for entry in entries if entry[0] in proposals}
         return self.runner.run(entries, forks, mine)
-
-    def _append(
-        self,
-        request: Request,
-        tokens: Sequence[int],
-        now: float,
-        logprob: TokenLogprob | None = None,
-    ) -> RequestOutput:
-        """Append this step's tokens (one, or a verified run) with every stop check after each:
-        the tokens after a stop are dropped. One output carries them all."""
-        logprobs = None if logprob is None else (logprob,)
-        texts = []
-        for n, token in enumerate(tokens, 1):
-            reason, text = self._append_one(request, token, now)
-            texts.append(text)
-            if reason is not None:
-                return self._finish(request, reason, tuple(tokens[:n]), "".join(texts), logprobs)
-        return RequestOutput.of(request, "".join(texts), tuple(tokens), False, logprobs=logprobs)
-
-    def _append_one(
-        self, request: Request, token: int, now: float
-    ) -> tuple[FinishReason | None, str]:
-        """One token: (why the request stops, or None; the text it adds)."""
-        request.output_ids.append(token)
-        request.logits_state.append(token)
-        request.token_times.append(now)
-        self._num_generated_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = now
-        if token in self._stop_ids[request.request_id]:
-            return FinishReason.STOP, ""
-        grammar_done = request.grammar is not None and request.grammar.accept(token)
-        detokenizer = self._detokenizers.get(request.request_id)
-        text = "" if detokenizer is None else detokenizer.add(token)
-        if grammar_done or (detokenizer is not None and detokenizer.stopped_by is not None):
-            return FinishReason.STOP, text
-        if len(request.output_ids) >= request.params.max_tokens:
-            return FinishReason.LENGTH, text
-        if len(request.prompt_ids) + len(request.output_ids) >= self.max_model_len:
-            return FinishReason.CONTEXT, text  # (num_tokens counts the tokens in flight)
-        if self.tracer:
-            self.tracer.token(request, token, text)
-        return None, text
-
-    def _finish(
-        self,
-        request: Request,
-        reason: FinishReason,
-        token_ids: tuple[int, ...] = (),
-        text: str = "",
-        logprobs: tuple[TokenLogprob, ...] | None = None,
-    ) -> RequestOutput:
-        freed = list(request.block_table)
-        if self.proposer is not None:
-            self.proposer.forget(request)
-        waiting = self._forks.pop(request, ())
-        if waiting:  # n > 1, finished before its prompt was done: its samples end with it
-            self._undelivered += [self._finish(s, reason) for s in waiting]
-        self.scheduler.finish(request)
-        request.finish_reason = reason
-        request.finish_time = self.clock()
-        detokenizer = self._detokenizers.pop(request.request_id, None)
-        self._stop_ids.pop(request.request_id)
-        del self.requests[request.request_id]
-        self._num_finished += 1
-        text += "" if detokenizer is None else detokenizer.flush()
-        if self.tracer:
-            self.tracer.finished(request, text, freed, self.pool)
-        return RequestOutput.of(request, text, token_ids, True, reason, logprobs)
-
-    def _fail(self, request: Request, exc: BaseException) -> RequestOutput:
-        """Finish a request with FinishReason.ERROR; `error` (and the log) say why."""
-        request.error = f"{type(exc).__name__}: {exc}"
-        log.warning("request %s failed: %s", request.request_id, request.error, exc_info=exc)
-        try:
-            return self._finish(request, FinishReason.ERROR)
-        except Exception:  # noqa: BLE001 - broken state: drop the request without its blocks
-            log.exception("finishing request %s failed", request.request_id)
-            for table in (self.requests, self._detokenizers, self._stop_ids):
-                table.pop(request.request_id, None)
-            request.finish_reason = FinishReason.ERROR
-            return RequestOutput.of(request, "", (), True, FinishReason.ERROR)
-
-    def _fail_all(
-        self, requests: list[Request], exc: BaseException, outputs: list[RequestOutput]
-    ) -> None:
-        for request in requests:
-            if request.request_id in self.requests:  # not already finished this step
-                outputs.append(self._fail(request, exc))
 
     # --- convenience -------------------------------------------------------------------------
     def stream(
