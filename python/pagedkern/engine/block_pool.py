@@ -77,6 +77,16 @@ class BlockPool:
             )
         return hashes
 
+    def extend_hashes(self, hashes: list[bytes], token_ids: Sequence[int]) -> None:
+        """Append to `hashes` the chained hashes of the full blocks of `token_ids`, the ids
+        that follow the blocks `hashes` already covers (a decode step hashes the one block it
+        filled, not the whole sequence)."""
+        bs = self.block_size
+        for j in range(len(token_ids) // bs):
+            hashes.append(
+                chain_hash(hashes[-1] if hashes else None, token_ids[j * bs : (j + 1) * bs])
+            )
+
     def lookup_prefix(self, hashes: Sequence[bytes], max_blocks: int) -> list[int]:
         """Blocks holding the longest cached prefix (at most max_blocks), not yet acquired."""
         found = []
