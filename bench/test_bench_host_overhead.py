@@ -12,8 +12,11 @@ Times are the engine thread's CPU time (time.thread_time): the dev machine's 2 c
 and wall time there mostly measures the neighbours (the host work is single-threaded, so on an
 idle machine the two agree). Two passes per size: the step total is timed unwrapped (median
 and min over the steps); the components are timed in a second pass with a wrapper around each
-(the wrapper's own cost, measured here, is subtracted per call), as means per step. "engine
-loop (rest)" is the total minus the components: engine.py's own per-step code. Target
+(the wrapper's own cost, measured here, is subtracted per call: what it adds to its caller
+and the ~0.5 us clock read it reports even for an empty call), as means per step. "append/stop
+checks" is Engine._append_sampled, a step's whole append (the fast lane calls no per-request
+method but the detokenizer's and the output's); "engine loop (rest)" is the total minus the
+components: the engine's own per-step code. Target
 (issue 17): <= 0.5 ms per step at 256. Smoke mode (CI): every size, a few steps; the numbers
 mean nothing there.
 
