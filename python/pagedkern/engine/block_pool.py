@@ -24,12 +24,13 @@ class Block:
     block_hash: bytes | None = None
 
 
+_blake2b = hashlib.blake2b
+
+
 def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """Hash of a full block given its parent's hash: equal hashes mean equal whole prefixes.
     BLAKE2b (128 bit) so that a collision, which would silently reuse wrong K/V, is negligible."""
-    h = hashlib.blake2b(parent or b"root", digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
+    return _blake2b((parent or b"root") + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockPool:

@@ -318,16 +318,17 @@ class Scheduler:
     ) -> None:
         """Make blocks [first, full) findable, hashing only the ids of the blocks not hashed
         yet (a verified run's accepted ids follow the request's own)."""
-        bs = self.pool.block_size
+        pool = self.pool
         hashes = request.block_hashes
-        start, end = len(hashes) * bs, full * bs
+        start, end = len(hashes) * pool.block_size, full * pool.block_size
         if start < end:
             ids = request.ids_between(start, end)
             if accepted and len(ids) < end - start:
                 ids = [*ids, *accepted][: end - start]
-            self.pool.extend_hashes(hashes, ids)
+            pool.extend_hashes(hashes, ids)
+        table = request.block_table
         for j in range(first, full):
-            self.pool.register(request.block_table[j], hashes[j])
+            pool.register(table[j], hashes[j])
 
     def fork(self, leader: Request, sample: Request) -> tuple[int, int] | None:
         """n > 1: `sample` starts running from `leader`'s computed prompt: the full prompt blocks
