@@ -94,12 +94,17 @@ class Appending:
                     emit(self._finish(request, FinishReason.STOP, (token,)))
                     continue
                 detokenizer = detokenizers.get(rid)
-                text = "" if detokenizer is None else detokenizer.add(token)
-                if detokenizer is not None and detokenizer.stopped_by is not None:
-                    emit(self._finish(request, FinishReason.STOP, (token,), text))
-                elif len(ids) >= request.params.max_tokens:
+                if detokenizer is None:
+                    text = ""
+                else:
+                    text = detokenizer.add(token)
+                    if detokenizer.stopped_by is not None:
+                        emit(self._finish(request, FinishReason.STOP, (token,), text))
+                        continue
+                n = len(ids)
+                if n >= request.params.max_tokens:
                     emit(self._finish(request, FinishReason.LENGTH, (token,), text))
-                elif len(request.prompt_ids) + len(ids) >= max_model_len:
+                elif len(request.prompt_ids) + n >= max_model_len:
                     emit(self._finish(request, FinishReason.CONTEXT, (token,), text))
                 else:
                     emit(of(request, text, (token,), False))

@@ -179,15 +179,16 @@ class Scheduler:
 
     def _plain_decodes(self, entries: list[tuple[Request, int]], budget: int) -> int:
         """The hot loop, a few hundred decodes per step: schedule the leading running requests
-        that decode one token (one new block for one that starts a block; no one preempted)
-        until the first that is not such a decode; returns how many. The general loop in
-        `schedule` carries on from there with the same policy."""
+        that decode one token (one new block for one that starts a block; no one preempted;
+        with asynchronous scheduling its input may be the token in flight) until the first that
+        is not such a decode; returns how many. The general loop in `schedule` carries on from
+        there with the same policy."""
         slots_per_block = self.pool.block_size
         append = entries.append
         for request in self.running[:budget]:
-            computed = request.num_computed_tokens
-            decoding = len(request.prompt_ids) + len(request.output_ids) == computed + 1
-            if request.num_pending or not decoding:
+            computed, pending = request.num_computed_tokens, request.num_pending
+            total = len(request.prompt_ids) + len(request.output_ids) + pending  # num_tokens
+            if total != computed + 1 or (pending and self._ends_with_pending(request)):
                 break
             starts_block = computed >= len(request.block_table) * slots_per_block
             if starts_block and not self._reserve(request, 1):
