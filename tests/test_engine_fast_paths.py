@@ -62,7 +62,8 @@ def test_plain_decode_loop_schedules_what_the_general_loop_does(
         batches = fast.schedule(), general.schedule()
         assert described(batches[0]) == described(batches[1]), step
         for scheduler, batch in zip((fast, general), batches, strict=True):
-            for request in scheduler.on_step_done(batch):
+            scheduler.on_step_done(batch)
+            for request in scheduler.ready(batch):
                 request.output_ids.append(len(request.output_ids) % 3 + 3)
                 if len(request.output_ids) >= request.params.max_tokens:
                     scheduler.finish(request)

@@ -259,11 +259,10 @@ class Scheduler:
         request.block_table = []
         request.num_computed_tokens = 0
 
-    def on_step_done(self, batch: ScheduledBatch) -> list[Request]:
-        """Account the tokens just computed (and cache newly full blocks); returns the requests
-        whose every token is now computed, i.e. those that sample a next token. A request whose
-        own accounting fails is appended to batch.failed and left for the engine to finish."""
-        ready = []
+    def on_step_done(self, batch: ScheduledBatch) -> None:
+        """Account the tokens just computed (and cache newly full blocks). A request whose own
+        accounting fails is appended to batch.failed and left for the engine to finish. Who
+        samples is the runner's to say (StepResult); `ready` says it without one."""
         bs = self.pool.block_size
         caching = self.pool.enable_prefix_caching
         verified = batch.accepted
@@ -281,10 +280,19 @@ class Scheduler:
                     continue
             if accepted is not None:
                 self._roll_back(request, after + 1)
-            total = len(request.prompt_ids) + len(request.output_ids) + request.num_pending
-            if after == total + (len(accepted) if accepted else 0):  # (num_tokens, inlined)
-                ready.append(request)
-        return ready
+
+    @staticmethod
+    def ready(batch: ScheduledBatch) -> list[Request]:
+        """After on_step_done: the batch's requests whose every token is now computed, i.e.
+        those that sample a next token (a verified one counts its accepted proposals)."""
+        failed = {request for request, _ in batch.failed}
+        return [
+            request
+            for request, _ in batch.entries
+            if request not in failed
+            and request.num_computed_tokens
+            == request.num_tokens + len(batch.accepted.get(request, ()))
+        ]
 
     def on_step_launched(self, batch: ScheduledBatch) -> list[tuple[Request, int, int]]:
         """Asynchronous scheduling: account the batch's tokens as computed when it is handed
