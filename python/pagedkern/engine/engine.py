@@ -256,7 +256,8 @@ class Engine(Admission, Appending):
         proposals = self._propose(batch)
         if self.tracer:
             self.tracer.iteration(self.iteration, batch, self.pool)
-        forks = self._forks and {r: self._forks[r] for r, _ in batch.entries if r in self._forks}
+        waiting = self._forks
+        forks = {r: waiting[r] for r, _ in batch.entries if r in waiting} if waiting else {}
         results, failures = self._forward(batch.entries, forks, proposals)
         if failures:
             outputs += [self._fail(request, exc) for request, exc in failures]
