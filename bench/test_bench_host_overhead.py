@@ -12,8 +12,11 @@ Times are the engine thread's CPU time (time.thread_time): the dev machine's 2 c
 and wall time there mostly measures the neighbours (the host work is single-threaded, so on an
 idle machine the two agree). Two passes per size: the step total is timed unwrapped (median
 and min over the steps); the components are timed in a second pass with a wrapper around each
-(the wrapper's own cost, measured here, is subtracted per call), as means per step. "engine
-loop (rest)" is the total minus the components: engine.py's own per-step code. Target
+(the wrapper's own cost, measured here, is subtracted per call: what it adds to its caller
+and the ~0.5 us clock read it reports even for an empty call), as means per step. "append/stop
+checks" is Engine._append_sampled, a step's whole append (the fast lane calls no per-request
+method but the detokenizer's and the output's); "engine loop (rest)" is the total minus the
+components: the engine's own per-step code. Target
 (issue 17): <= 0.5 ms per step at 256. Smoke mode (CI): every size, a few steps; the numbers
 mean nothing there.
 
@@ -75,7 +78,8 @@ class Timers:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        self.overhead = 0.0  # seconds a wrapper adds per call (measured in calibrate)
+        self.overhead = 0.0  # seconds a wrapper adds to its caller per call (calibrate)
+        self.floor = 0.0  # seconds a wrapper reports for an empty call (its clock's own cost)
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         clock, seconds, calls = CLOCK, self.seconds, self.calls
@@ -96,13 +100,17 @@ class Timers:
         outer = probe.wrap("outer", inner)
         for _ in range(20000):
             outer()
-        # What a nested wrapper adds to its caller's measured time, per call.
+        # What a nested wrapper adds to its caller's measured time, per call, and what it
+        # reports for a call that does nothing (~one clock read: 0.5 us, the size of a small
+        # component's whole call, e.g. one output object).
         self.overhead = max(0.0, (probe.seconds["outer"] - probe.seconds["probe"]) / 20000)
+        self.floor = probe.seconds["probe"] / 20000
 
     def net(self, name: str, inside: tuple[str, ...] = ()) -> float:
-        """Seconds of `name` less the components timed inside it and their wrappers' cost."""
+        """Seconds of `name` less its wrapper's floor per call, the components timed inside it
+        and their wrappers' cost."""
         inner = sum(self.seconds[i] + self.calls[i] * self.overhead for i in inside)
-        return self.seconds[name] - inner
+        return self.seconds[name] - self.calls[name] * self.floor - inner
 
 
 def stub_sample(logits, temperature, top_p, top_k, seeds, offsets, **kwargs) -> torch.Tensor:
@@ -157,7 +165,8 @@ def instrument(engine: Engine, timers: Timers, monkeypatch) -> None:
     monkeypatch.setattr(runner, "sample", timers.wrap("sampling params", runner.sample))
     monkeypatch.setattr(runner, "run", timers.wrap("runner (own)", runner.run))
     monkeypatch.setattr(ops, "sample", timers.wrap("sampler stub", ops.sample))
-    monkeypatch.setattr(engine, "_append", timers.wrap("append/stop checks", engine._append))
+    append = timers.wrap("append/stop checks", engine._append_sampled)  # a step's whole append
+    monkeypatch.setattr(engine, "_append_sampled", append)
     add = IncrementalDetokenizer.add
     monkeypatch.setattr(IncrementalDetokenizer, "add", timers.wrap("detokenize", add))
     of = RequestOutput.of.__func__
@@ -202,9 +211,12 @@ def test_engine_step_host_cost(num_seqs, detokenize, record, monkeypatch, capsys
         "detokenize": timers.net("detokenize"),
         "output objects": timers.net("output objects"),
     }
-    wrapped = sum(timers.calls[n] for n in timers.calls if n != "step") * timers.overhead
+    wrapped = sum(timers.calls[n] for n in timers.calls if n != "step")
     components["engine loop (rest)"] = (
-        timers.seconds["step"] - wrapped - sum(components.values()) - timers.seconds["sampler stub"]
+        timers.seconds["step"]
+        - wrapped * (timers.overhead + timers.floor)
+        - sum(components.values())
+        - timers.net("sampler stub")
     )
     case = f"{num_seqs} running" + ("" if detokenize else ", no detokenization (HTTP core)")
     record(

@@ -18,12 +18,15 @@ def test_decode_iteration_with_256_running(benchmark):
         prompt = [(i * 7 + j) % 1000 for j in range(100 + i)]
         scheduler.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=10**6)))
     while len(scheduler.running) < 256 or any(r.num_uncomputed > 1 for r in scheduler.running):
-        for r in scheduler.on_step_done(scheduler.schedule()):
+        batch = scheduler.schedule()
+        scheduler.on_step_done(batch)
+        for r in scheduler.ready(batch):
             r.output_ids.append(1)
 
     def iteration():
         batch = scheduler.schedule()
-        for r in scheduler.on_step_done(batch):
+        scheduler.on_step_done(batch)
+        for r in scheduler.ready(batch):
             r.output_ids.append(1)
         return batch
 

@@ -31,6 +31,16 @@ def test_chained_hashes_identify_whole_prefixes():
     assert chain_hash(None, [1, 2]) == h1[0]
 
 
+def test_extending_hashes_block_by_block_equals_hashing_the_whole_sequence():
+    pool = BlockPool(4, 3)
+    tokens = [(7 * i) % 11 for i in range(20)]
+    hashes: list[bytes] = []
+    pool.extend_hashes(hashes, tokens[:4])  # one full block, one id left over
+    pool.extend_hashes(hashes, tokens[3:9])  # the next two blocks
+    pool.extend_hashes(hashes, tokens[9:20])  # three more, two ids left over
+    assert hashes == pool.block_hashes(tokens) and len(hashes) == 6
+
+
 def test_prefix_hits_survive_release_until_evicted():
     pool = BlockPool(4, 2)
     tokens = [5, 6, 7, 8]

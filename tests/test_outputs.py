@@ -1,10 +1,11 @@
-"""Output snapshots: RequestOutput.of / RequestMetrics.of build them without the frozen
-dataclass __init__ (engine/outputs.py, _builder); they must be exactly what the constructor
-makes, of the same class, and as frozen."""
+"""Output snapshots: RequestOutput.of builds one with a single tuple.__new__ and its metrics
+only when read (engine/outputs.py); it must be exactly what the constructor makes, of the same
+class, and as frozen as the RequestMetrics dataclass."""
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 
@@ -34,15 +35,37 @@ def test_snapshots_equal_the_constructors_and_are_frozen():
     assert type(out) is RequestOutput and type(out.metrics) is RequestMetrics
     assert out == expected and out.metrics == metrics
     assert out.output_token_ids == (5, 6) and out.metrics.itl == (0.5,)
-    for obj in (out, out.metrics):
-        for f in dataclasses.fields(obj):
-            assert getattr(obj, f.name) == getattr(expected if obj is out else metrics, f.name), (
-                f.name
-            )
+    names = [
+        (out, RequestOutput.FIELDS),
+        (out.metrics, [f.name for f in dataclasses.fields(metrics)]),
+    ]
+    for obj, fields in names:
+        for name in fields:
+            assert getattr(obj, name) == getattr(expected if obj is out else metrics, name), name
             with pytest.raises(dataclasses.FrozenInstanceError):
-                setattr(obj, f.name, None)
+                setattr(obj, name, None)
     request.output_ids.append(7)  # a snapshot does not see later tokens
     assert out.output_token_ids == (5, 6) and out.metrics.num_output_tokens == 2
+
+
+def test_metrics_are_a_snapshot_though_built_on_read():
+    request = running_request()
+    out = RequestOutput.of(request, "", (6,), False)
+    request.num_preemptions, request.num_cached_tokens = 2, 0  # preempted after this output
+    request.token_times.append(3.0)
+    request.output_ids.append(7)
+    request.finish_time = 4.0
+    m = out.metrics
+    assert (m.num_preemptions, m.num_cached_tokens, m.finish_time) == (1, 16, None)
+    assert m.token_times == (2.0, 2.5) and m.tpot == 0.5 and m.num_prompt_tokens == 3
+    assert "R7" in repr(out) and "_output_ids" not in repr(out)
+
+
+def test_outputs_pickle_and_compare_by_value():
+    out = RequestOutput.of(running_request(), "ab", (6,), True, FinishReason.LENGTH)
+    again = pickle.loads(pickle.dumps(out))
+    assert type(again) is RequestOutput and again == out and again.metrics == out.metrics
+    assert out != RequestOutput.of(running_request(), "ab", (6,), False)
 
 
 def test_logprobs_default_to_empty_when_asked_for():

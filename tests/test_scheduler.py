@@ -28,7 +28,8 @@ def step(scheduler: Scheduler, pool: BlockPool, budget: int) -> list[Request]:
     for request, n in batch.entries:  # every scheduled token has a cache slot
         assert len(request.block_table) * pool.block_size >= request.num_computed_tokens + n
     finished = []
-    for request in scheduler.on_step_done(batch):
+    scheduler.on_step_done(batch)
+    for request in scheduler.ready(batch):
         request.output_ids.append(len(request.output_ids) % 50)
         if (
             len(request.output_ids) >= request.params.max_tokens

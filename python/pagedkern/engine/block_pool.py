@@ -24,12 +24,13 @@ class Block:
     block_hash: bytes | None = None
 
 
+_blake2b = hashlib.blake2b
+
+
 def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """Hash of a full block given its parent's hash: equal hashes mean equal whole prefixes.
     BLAKE2b (128 bit) so that a collision, which would silently reuse wrong K/V, is negligible."""
-    h = hashlib.blake2b(parent or b"root", digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
+    return _blake2b((parent or b"root") + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockPool:
@@ -76,6 +77,16 @@ class BlockPool:
                 chain_hash(hashes[-1] if hashes else None, token_ids[j * bs : (j + 1) * bs])
             )
         return hashes
+
+    def extend_hashes(self, hashes: list[bytes], token_ids: Sequence[int]) -> None:
+        """Append to `hashes` the chained hashes of the full blocks of `token_ids`, the ids
+        that follow the blocks `hashes` already covers (a decode step hashes the one block it
+        filled, not the whole sequence)."""
+        bs = self.block_size
+        for j in range(len(token_ids) // bs):
+            hashes.append(
+                chain_hash(hashes[-1] if hashes else None, token_ids[j * bs : (j + 1) * bs])
+            )
 
     def lookup_prefix(self, hashes: Sequence[bytes], max_blocks: int) -> list[int]:
         """Blocks holding the longest cached prefix (at most max_blocks), not yet acquired."""

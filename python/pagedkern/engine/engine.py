@@ -18,6 +18,10 @@ failure is pinned on the request(s) it can be attributed to (the scheduler isola
 own hashing and accounting; a failed forward pass is retried request by request): those finish
 with FinishReason.ERROR and their blocks go back; a failure nobody can be blamed for finishes
 that step's requests. Either way the engine stays usable.
+
+Engine is three files: this one (construction, the step loop, the forward pass and its
+isolation), admission.py (add_request, abort, stream) and appending.py (append, stop checks,
+finishing; the fast lane of plain decodes).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 
 import torch
 
@@ -34,21 +38,20 @@ from .. import ops
 from .._extension import cuda_available, cuda_unavailable_reason
 from ..model import LlamaModel, Tokenizer, load_model
 from ..parallel import TensorParallelError
+from .admission import Admission
+from .appending import Appending
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kernel_policy import decode_graphs, piecewise_graphs
 from .kv_budget import kv_cache_blocks
-from .logits_processing import LogitsState
-from .outputs import EngineStats, RequestOutput, TokenLogprob
-from .overlap import Overlap, needs_sync
+from .outputs import EngineStats, RequestOutput
+from .overlap import Overlap
 from .request import FinishReason, Request
 from .runner import ModelRunner, StepResult
-from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .speculative import Proposal, make_proposer
 from .trace import Tracer
-from .validation import ParameterTypeError, check_messages, check_number, check_token_ids
 
 log = logging.getLogger("pagedkern.engine")
 
@@ -80,7 +83,7 @@ def load_engine_model(config: EngineConfig, device: torch.device) -> tuple[Llama
     return model, tokenizer
 
 
-class Engine:
+class Engine(Admission, Appending):
     def __init__(
         self,
         model: LlamaModel,
@@ -143,6 +146,7 @@ class Engine:
         # strings are then refused)
         self.detokenize = True
         self._stop_ids: dict[str, frozenset[int]] = {}  # ids that end the request (EOS too)
+        self._timed: dict[str, Request] = {}  # those with a timeout: the only ones step() scans
         self._undelivered: list[RequestOutput] = []  # taken by stream() for other requests
         # n > 1: samples waiting for their first request's prompt (they fork from its blocks)
         self._forks: dict[Request, list[Request]] = {}
@@ -166,122 +170,6 @@ class Engine:
         """The model line of --trace / --stats, with the KV cache's size."""
         kv = self.kv_cache.data
         return f"{self.model.describe()}, {kv.numel() * kv.element_size() / 2**20:.0f} MiB KV"
-
-    # --- requests ----------------------------------------------------------------------------
-    def add_request(
-        self,
-        prompt: str | None = None,
-        params: SamplingParams | None = None,
-        *,
-        messages: Sequence[Mapping] | None = None,
-        prompt_ids: Sequence[int] | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-    ) -> Request:
-        """Admit one request: raw prompt text, chat `messages` (rendered with the model's chat
-        template) or token ids (ints in [0, vocab size)). Raises ValueError naming the field
-        for bad input (ParameterTypeError, also a TypeError, for a wrong type) and
-        RequestRejected (a ValueError) for one that can never fit the context or the KV cache.
-        arrival_time (on `clock`'s scale): when the request really arrived, e.g. at an HTTP
-        server, for TTFT."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ParameterTypeError(f"params must be a SamplingParams, got {params!r}")
-        if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
-            raise ValueError("give exactly one of prompt, messages, prompt_ids")
-        if request_id is not None and (not isinstance(request_id, str) or not request_id):
-            raise ParameterTypeError(f"request_id must be a non-empty string, got {request_id!r}")
-        if arrival_time is not None:
-            check_number("arrival_time", arrival_time)
-        if messages is not None:
-            messages = check_messages(messages)
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        if prompt_ids is None:
-            if not isinstance(prompt, str):
-                raise ParameterTypeError(f"prompt must be a string, got {prompt!r}")
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            # Raw text gets what the tokenizer's config adds around it (e.g. BOS, as HF and
-            # vLLM do); a rendered chat template already carries its own.
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=messages is None)
-        prompt_ids = check_token_ids("prompt_ids", prompt_ids, self.vocab_size)
-        if not prompt_ids:
-            raise ValueError("the prompt has no tokens")
-        for name, token in params.token_ids_used():
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(
-                    f"{name}: {token} is not a token id (vocabulary {self.vocab_size})"
-                )
-        if params.stop and not self.detokenize:
-            raise ValueError("stop: stop strings need an engine that detokenizes")
-        request_id = request_id or f"R{next(self._ids)}"
-        ids = [request_id] + [f"{request_id}.{i}" for i in range(1, params.n)]
-        if any(i in self.requests for i in ids):
-            raise ValueError(f"request id {request_id!r} is already in use")
-        grammars = self._grammars(params)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        arrival = self.clock() if arrival_time is None else arrival_time
-        eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
-        stop_ids = frozenset(params.stop_token_ids).union(eos)
-        samples = []
-        for i, rid in enumerate(ids):
-            sample = Request(
-                rid,
-                prompt_ids,
-                params,
-                messages=messages,
-                prompt_text=prompt,
-                seed=(seed + i + 2**63) % 2**64 - 2**63,  # sample i: its own seed stream
-                arrival_time=arrival,
-                sample_index=i,
-                parent_id=request_id if params.n > 1 else None,
-                grammar=grammars[i],
-            )
-            sample.logits_state = LogitsState(params, prompt_ids, stop_ids, self.vocab_size)
-            sample.needs_sync = needs_sync(sample)
-            samples.append(sample)
-        request = samples[0]
-        self.scheduler.add(request)
-        if len(samples) > 1:
-            self._forks[request] = samples[1:]
-        for sample in samples:
-            rid = sample.request_id
-            self.requests[rid] = sample
-            if self.detokenize:
-                self._detokenizers[rid] = IncrementalDetokenizer(
-                    self.tokenizer, params.stop, params.min_tokens
-                )
-            self._stop_ids[rid] = stop_ids
-        self._num_prompt_tokens += len(prompt_ids)
-        if self.tracer:
-            self.tracer.request_added(request)
-        return request
-
-    def _grammars(self, params: SamplingParams) -> list:
-        """One structured-output matcher per sample (None without response_format)."""
-        if params.response_format is None:
-            return [None] * params.n
-        from .structured_output import grammar_compiler
-
-        compiler = grammar_compiler(self.tokenizer, self.vocab_size)
-        grammar = compiler.compile(params.response_format)
-        return [compiler.matcher(grammar) for _ in range(params.n)]
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request (caller gone); its blocks return to the pool at once."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        samples = [r for r in self.requests.values() if r.parent_id == request_id]
-        outputs = [self._finish(r, FinishReason.ABORT) for r in samples if r is not request]
-        self._undelivered += outputs
-        return self._finish(request, FinishReason.ABORT)
-
-    def pop_undelivered(self) -> list[RequestOutput]:
-        """Outputs produced outside step() (an aborted n > 1 request's other samples) that the
-        next step() would return: for a caller that may not step again."""
-        outputs, self._undelivered = self._undelivered, []
-        return outputs
 
     @property
     def has_unfinished(self) -> bool:
@@ -320,12 +208,13 @@ class Engine:
         if self.broken is not None:
             raise self.broken
         outputs, self._undelivered = self._undelivered, []
-        now = self.clock()
-        outputs += [
-            self._finish(r, FinishReason.TIMEOUT)
-            for r in list(self.requests.values())
-            if r.params.timeout is not None and now - r.arrival_time > r.params.timeout
-        ]
+        if self._timed:
+            now = self.clock()
+            outputs += [
+                self._finish(r, FinishReason.TIMEOUT)
+                for r in list(self._timed.values())
+                if now - r.arrival_time > r.params.timeout
+            ]
         try:
             batch = self.scheduler.schedule()
         except Exception as exc:  # noqa: BLE001 - the scheduler's own fault: fail who it holds
@@ -367,41 +256,29 @@ class Engine:
         proposals = self._propose(batch)
         if self.tracer:
             self.tracer.iteration(self.iteration, batch, self.pool)
-        forks = {r: self._forks[r] for r, _ in batch.entries if r in self._forks}
-        sampled, failures = self._forward(batch.entries, forks, proposals)
-        outputs += [self._fail(request, exc) for request, exc in failures]
-        failed = {request for request, _ in failures}
-        done = ScheduledBatch([e for e in batch.entries if e[0] not in failed])
-        gains = {s[0]: s[1] for s in sampled}
-        done.accepted = {r: tuple(gains[r][:-1]) for r in batch.lookahead if r in gains}
+        waiting = self._forks
+        forks = {r: waiting[r] for r, _ in batch.entries if r in waiting} if waiting else {}
+        results, failures = self._forward(batch.entries, forks, proposals)
+        if failures:
+            outputs += [self._fail(request, exc) for request, exc in failures]
+            failed = {request for request, _ in failures}
+            done = ScheduledBatch([e for e in batch.entries if e[0] not in failed])
+        else:
+            done = ScheduledBatch(batch.entries)
+        if batch.lookahead:
+            gains = {g[0]: g[1] for result in results for g in result.gains()}
+            done.accepted = {r: tuple(gains[r][:-1]) for r in batch.lookahead if r in gains}
         tables = {r: len(r.block_table) for r in done.accepted}
         self.scheduler.on_step_done(done)  # the runner sampled exactly the requests it returns
         for request, accepted in done.accepted.items():
             self._count_speculation(request, proposals.get(request), accepted, tables[request])
         outputs += [self._fail(request, exc) for request, exc in done.failed]
-        failed.update(request for request, _ in done.failed)
-        for leader in {s[0] for s in sampled} & forks.keys():
-            if leader not in failed:
-                self._fork(leader, self._forks.pop(leader))
-        self._append_sampled(sampled, failed, outputs)
-
-    def _append_sampled(
-        self, sampled: list[tuple], failed: set[Request], outputs: list[RequestOutput]
-    ) -> None:
-        """Append each sampled request's tokens, except for those that failed or ended
-        meanwhile (an aborted request's, or with async_scheduling one that stopped a step
-        earlier: that token is discarded)."""
-        now = self.clock()
-        for request, tokens, logits, logprob in sampled:
-            if request in failed or self.requests.get(request.request_id) is not request:
-                continue
-            try:
-                if self.tracer and logits is not None:
-                    self.tracer.candidates(request, logits, tokens[0], self.tokenizer)
-                outputs.append(self._append(request, tokens, now, logprob))
-            except Exception as exc:  # noqa: BLE001 - e.g. its detokenization: it fails alone
-                if request.request_id in self.requests:
-                    outputs.append(self._fail(request, exc))
+        if forks:  # n > 1: prompts that completed now give their blocks to the other samples
+            sampled = {g[0] for result in results for g in result.gains()}
+            for leader in sampled & forks.keys():
+                if leader.request_id in self.requests:  # not failed meanwhile
+                    self._fork(leader, self._forks.pop(leader))
+        self._append_sampled(results, outputs)
 
     def _propose(self, batch: ScheduledBatch) -> dict[Request, Proposal]:
         """Proposals for the requests that hold lookahead slots; each entry shrinks to 1 + the
@@ -463,28 +340,27 @@ class Engine:
         entries: list[tuple[Request, int]],
         forks: dict[Request, list[Request]] | None = None,
         proposals: dict[Request, Proposal] | None = None,
-    ) -> tuple[list[tuple], list[tuple[Request, Exception]]]:
-        """Run the batch: (request, its new tokens, its logits row or None, its logprob) for
-        every request that sampled or verified, and (request, error) for those that failed.
-        When the batch fails, each request runs alone to find who is at fault (rewriting the
-        same K/V slots and redrawing the same seeded samples is harmless), so one bad request
-        does not fail its neighbours."""
+    ) -> tuple[list[StepResult], list[tuple[Request, Exception]]]:
+        """Run the batch: its StepResult (one per request run alone after a failure), and
+        (request, error) for those that failed. When the batch fails, each request runs alone
+        to find who is at fault (rewriting the same K/V slots and redrawing the same seeded
+        samples is harmless), so one bad request does not fail its neighbours."""
         with ops.use_backend(self.backend):
             try:
-                return self._run_model(entries, forks, proposals).gains(), []
+                return [self._run_model(entries, forks, proposals)], []
             except TensorParallelError:
                 raise  # not a request's fault, and the ranks are out of step: no retries
             except Exception as exc:  # noqa: BLE001 - isolated below
                 if len(entries) == 1:
                     return [], [(entries[0][0], exc)]
                 log.warning("a batch of %d failed (%r); retrying each alone", len(entries), exc)
-            sampled, failures = [], []
+            results, failures = [], []
             for entry in entries:
                 try:
-                    sampled += self._run_model([entry], forks, proposals).gains()
+                    results.append(self._run_model([entry], forks, proposals))
                 except Exception as exc:  # noqa: BLE001 - this request's fault
                     failures.append((entry[0], exc))
-            return sampled, failures
+            return results, failures
 
     def _run_model(self, entries, forks, proposals) -> StepResult:
         """runner.run, given `proposals` only in a speculative step (a plain step's call is the
@@ -493,127 +369,6 @@ class Engine:
             return self.runner.run(entries, forks)
         mine = {entry[0]: proposals[entry[0]] for entry in entries if entry[0] in proposals}
         return self.runner.run(entries, forks, mine)
-
-    def _append(
-        self,
-        request: Request,
-        tokens: Sequence[int],
-        now: float,
-        logprob: TokenLogprob | None = None,
-    ) -> RequestOutput:
-        """Append this step's tokens (one, or a verified run) with every stop check after each:
-        the tokens after a stop are dropped. One output carries them all."""
-        logprobs = None if logprob is None else (logprob,)
-        texts = []
-        for n, token in enumerate(tokens, 1):
-            reason, text = self._append_one(request, token, now)
-            texts.append(text)
-            if reason is not None:
-                return self._finish(request, reason, tuple(tokens[:n]), "".join(texts), logprobs)
-        return RequestOutput.of(request, "".join(texts), tuple(tokens), False, logprobs=logprobs)
-
-    def _append_one(
-        self, request: Request, token: int, now: float
-    ) -> tuple[FinishReason | None, str]:
-        """One token: (why the request stops, or None; the text it adds)."""
-        request.output_ids.append(token)
-        request.logits_state.append(token)
-        request.token_times.append(now)
-        self._num_generated_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = now
-        if token in self._stop_ids[request.request_id]:
-            return FinishReason.STOP, ""
-        grammar_done = request.grammar is not None and request.grammar.accept(token)
-        detokenizer = self._detokenizers.get(request.request_id)
-        text = "" if detokenizer is None else detokenizer.add(token)
-        if grammar_done or (detokenizer is not None and detokenizer.stopped_by is not None):
-            return FinishReason.STOP, text
-        if len(request.output_ids) >= request.params.max_tokens:
-            return FinishReason.LENGTH, text
-        if len(request.prompt_ids) + len(request.output_ids) >= self.max_model_len:
-            return FinishReason.CONTEXT, text  # (num_tokens counts the tokens in flight)
-        if self.tracer:
-            self.tracer.token(request, token, text)
-        return None, text
-
-    def _finish(
-        self,
-        request: Request,
-        reason: FinishReason,
-        token_ids: tuple[int, ...] = (),
-        text: str = "",
-        logprobs: tuple[TokenLogprob, ...] | None = None,
-    ) -> RequestOutput:
-        freed = list(request.block_table)
-        if self.proposer is not None:
-            self.proposer.forget(request)
-        waiting = self._forks.pop(request, ())
-        if waiting:  # n > 1, finished before its prompt was done: its samples end with it
-            self._undelivered += [self._finish(s, reason) for s in waiting]
-        self.scheduler.finish(request)
-        request.finish_reason = reason
-        request.finish_time = self.clock()
-        detokenizer = self._detokenizers.pop(request.request_id, None)
-        self._stop_ids.pop(request.request_id)
-        del self.requests[request.request_id]
-        self._num_finished += 1
-        text += "" if detokenizer is None else detokenizer.flush()
-        if self.tracer:
-            self.tracer.finished(request, text, freed, self.pool)
-        return RequestOutput.of(request, text, token_ids, True, reason, logprobs)
-
-    def _fail(self, request: Request, exc: BaseException) -> RequestOutput:
-        """Finish a request with FinishReason.ERROR; `error` (and the log) say why."""
-        request.error = f"{type(exc).__name__}: {exc}"
-        log.warning("request %s failed: %s", request.request_id, request.error, exc_info=exc)
-        try:
-            return self._finish(request, FinishReason.ERROR)
-        except Exception:  # noqa: BLE001 - broken state: drop the request without its blocks
-            log.exception("finishing request %s failed", request.request_id)
-            for table in (self.requests, self._detokenizers, self._stop_ids):
-                table.pop(request.request_id, None)
-            request.finish_reason = FinishReason.ERROR
-            return RequestOutput.of(request, "", (), True, FinishReason.ERROR)
-
-    def _fail_all(
-        self, requests: list[Request], exc: BaseException, outputs: list[RequestOutput]
-    ) -> None:
-        for request in requests:
-            if request.request_id in self.requests:  # not already finished this step
-                outputs.append(self._fail(request, exc))
-
-    # --- convenience -------------------------------------------------------------------------
-    def stream(
-        self,
-        prompt: str | None = None,
-        params: SamplingParams | None = None,
-        *,
-        messages: Sequence[Mapping] | None = None,
-        prompt_ids: Sequence[int] | None = None,
-        request_id: str | None = None,
-    ) -> Iterator[RequestOutput]:
-        """Yield this request's outputs as they are produced. Other requests keep running in
-        the same steps; their outputs are kept for the next `step()` (or another stream), not
-        dropped. Closing the generator early cancels the request."""
-        request = self.add_request(
-            prompt, params, messages=messages, prompt_ids=prompt_ids, request_id=request_id
-        )
-        rid = request.request_id
-        try:
-            while True:
-                outputs = self.step()
-                mine = [o for o in outputs if o.request_id == rid]
-                self._undelivered += [o for o in outputs if o.request_id != rid]
-                if not mine and rid not in self.requests:
-                    return  # finished elsewhere (aborted by another caller)
-                for output in mine:
-                    yield output
-                    if output.finished:
-                        return
-        finally:
-            if rid in self.requests:
-                self.abort(rid)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at TP = 1) and the async_scheduling

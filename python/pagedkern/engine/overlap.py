@@ -174,7 +174,7 @@ class Overlap:
                     engine.scheduler.register_computed(request, before, after)
                 except Exception as exc:  # noqa: BLE001 - its own hashing: it fails alone
                     outputs.append(engine._fail(request, exc))
-        engine._append_sampled(result.gains(), set(), outputs)
+        engine._append_sampled([result], outputs)
         return True
 
     @staticmethod

@@ -121,8 +121,9 @@ class Scheduler:
         slots_per_block = self.pool.block_size
         running = self.running
         lookahead = self.config.num_lookahead_tokens
-        i = 0
-        while i < len(running) and budget > 0:  # the hot loop: a few hundred decodes per step
+        i = 0 if lookahead else self._plain_decodes(batch.entries, budget)
+        budget -= i
+        while i < len(running) and budget > 0:  # the rest: prompt chunks, new blocks, lookahead
             request = running[i]
             computed = request.num_computed_tokens
             if request.num_pending and self._ends_with_pending(request):
@@ -175,6 +176,25 @@ class Scheduler:
             batch.entries.append((request, num_new))
             budget -= num_new
         return batch
+
+    def _plain_decodes(self, entries: list[tuple[Request, int]], budget: int) -> int:
+        """The hot loop, a few hundred decodes per step: schedule the leading running requests
+        that decode one token (one new block for one that starts a block; no one preempted;
+        with asynchronous scheduling its input may be the token in flight) until the first that
+        is not such a decode; returns how many. The general loop in `schedule` carries on from
+        there with the same policy."""
+        slots_per_block = self.pool.block_size
+        append = entries.append
+        for request in self.running[:budget]:
+            computed, pending = request.num_computed_tokens, request.num_pending
+            total = len(request.prompt_ids) + len(request.output_ids) + pending  # num_tokens
+            if total != computed + 1 or (pending and self._ends_with_pending(request)):
+                break
+            starts_block = computed >= len(request.block_table) * slots_per_block
+            if starts_block and not self._reserve(request, 1):
+                break  # no free block: the general loop preempts
+            append((request, 1))
+        return len(entries)
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Asynchronous scheduling: whether the token in flight is the request's last by
@@ -239,15 +259,15 @@ class Scheduler:
         request.block_table = []
         request.num_computed_tokens = 0
 
-    def on_step_done(self, batch: ScheduledBatch) -> list[Request]:
-        """Account the tokens just computed (and cache newly full blocks); returns the requests
-        whose every token is now computed, i.e. those that sample a next token. A request whose
-        own accounting fails is appended to batch.failed and left for the engine to finish."""
-        ready = []
+    def on_step_done(self, batch: ScheduledBatch) -> None:
+        """Account the tokens just computed (and cache newly full blocks). A request whose own
+        accounting fails is appended to batch.failed and left for the engine to finish. Who
+        samples is the runner's to say (StepResult); `ready` says it without one."""
         bs = self.pool.block_size
         caching = self.pool.enable_prefix_caching
+        verified = batch.accepted
         for request, num_new in batch.entries:
-            accepted = batch.accepted.get(request)
+            accepted = verified.get(request) if verified else None
             if accepted is not None:  # verified: the last token and the accepted proposals
                 num_new = 1 + len(accepted)
             before = request.num_computed_tokens
@@ -260,9 +280,19 @@ class Scheduler:
                     continue
             if accepted is not None:
                 self._roll_back(request, after + 1)
-            if after == request.num_tokens + (len(accepted) if accepted else 0):
-                ready.append(request)
-        return ready
+
+    @staticmethod
+    def ready(batch: ScheduledBatch) -> list[Request]:
+        """After on_step_done: the batch's requests whose every token is now computed, i.e.
+        those that sample a next token (a verified one counts its accepted proposals)."""
+        failed = {request for request, _ in batch.failed}
+        return [
+            request
+            for request, _ in batch.entries
+            if request not in failed
+            and request.num_computed_tokens
+            == request.num_tokens + len(batch.accepted.get(request, ()))
+        ]
 
     def on_step_launched(self, batch: ScheduledBatch) -> list[tuple[Request, int, int]]:
         """Asynchronous scheduling: account the batch's tokens as computed when it is handed
@@ -295,11 +325,19 @@ class Scheduler:
     def _register_full_blocks(
         self, request: Request, first: int, full: int, accepted: tuple[int, ...] | None = None
     ) -> None:
-        ids = request.all_ids + list(accepted or ())
-        ids = ids[: full * self.pool.block_size]
-        request.block_hashes = self.pool.block_hashes(ids, request.block_hashes)
+        """Make blocks [first, full) findable, hashing only the ids of the blocks not hashed
+        yet (a verified run's accepted ids follow the request's own)."""
+        pool = self.pool
+        hashes = request.block_hashes
+        start, end = len(hashes) * pool.block_size, full * pool.block_size
+        if start < end:
+            ids = request.ids_between(start, end)
+            if accepted and len(ids) < end - start:
+                ids = [*ids, *accepted][: end - start]
+            pool.extend_hashes(hashes, ids)
+        table = request.block_table
         for j in range(first, full):
-            self.pool.register(request.block_table[j], request.block_hashes[j])
+            pool.register(table[j], hashes[j])
 
     def fork(self, leader: Request, sample: Request) -> tuple[int, int] | None:
         """n > 1: `sample` starts running from `leader`'s computed prompt: the full prompt blocks
