@@ -12,11 +12,14 @@ Times are the engine thread's CPU time (time.thread_time): the dev machine's 2 c
 and wall time there mostly measures the neighbours (the host work is single-threaded, so on an
 idle machine the two agree). Two passes per size: the step total is timed unwrapped (median
 and min over the steps); the components are timed in a second pass with a wrapper around each
-(the wrapper's own cost, measured here, is subtracted per call: what it adds to its caller
-and the ~0.5 us clock read it reports even for an empty call), as means per step. "append/stop
+(each component's self time: a wrapped call inside another is charged to the callee, and the
+wrapper's own cost, measured here, is subtracted per call: what it adds to its caller and the
+~0.5 us clock read it reports even for an empty call), as means per step. "sampling params"
+is runner.sample, the general path's packing (the persistent decode batch packs its rows in
+"runner (own)"). "append/stop
 checks" is Engine._append_sampled, a step's whole append (the fast lane calls no per-request
-method but the detokenizer's and the output's); "engine loop (rest)" is the total minus the
-components: the engine's own per-step code. Target
+method but the detokenizer's and the output's); "engine loop (rest)" is Engine.step's self
+time: the engine's own per-step code. Target
 (issue 17): <= 0.5 ms per step at 256. Smoke mode (CI): every size, a few steps; the numbers
 mean nothing there.
 
@@ -73,24 +76,33 @@ class TimedTP:
 
 
 class Timers:
-    """Accumulated seconds and calls per component; `wrap` times one callable."""
+    """Self time and calls per component: `wrap` times one callable and charges a wrapped call
+    made inside it to that callee, not to the caller (a stack of open calls), so every
+    component is its own code's time whichever path calls what (the persistent decode batch
+    calls the sampler straight from the runner, the general path through runner.sample)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.overhead = 0.0  # seconds a wrapper adds to its caller per call (calibrate)
         self.floor = 0.0  # seconds a wrapper reports for an empty call (its clock's own cost)
+        self._inner: list[float] = []  # per open call: seconds its wrapped callees took
 
     def wrap(self, name: str, fn: Callable) -> Callable:
-        clock, seconds, calls = CLOCK, self.seconds, self.calls
+        clock, seconds, calls, inner = CLOCK, self.seconds, self.calls, self._inner
 
         def timed(*args, **kwargs):
+            inner.append(0.0)
             start = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                seconds[name] += clock() - start
+                took = clock() - start
+                callees = inner.pop()
+                seconds[name] += took - callees - self.floor
                 calls[name] += 1
+                if inner:
+                    inner[-1] += took + self.overhead
 
         return timed
 
@@ -100,17 +112,12 @@ class Timers:
         outer = probe.wrap("outer", inner)
         for _ in range(20000):
             outer()
-        # What a nested wrapper adds to its caller's measured time, per call, and what it
-        # reports for a call that does nothing (~one clock read: 0.5 us, the size of a small
-        # component's whole call, e.g. one output object).
-        self.overhead = max(0.0, (probe.seconds["outer"] - probe.seconds["probe"]) / 20000)
+        # What a nested wrapper adds to its caller's time beyond what it reports, per call,
+        # and what it reports for a call that does nothing (~one clock read: 0.5 us, the size
+        # of a small component's whole call, e.g. one output object).
+        # (the probe's timers have neither: "outer" is its own time, less "probe"'s raw one)
         self.floor = probe.seconds["probe"] / 20000
-
-    def net(self, name: str, inside: tuple[str, ...] = ()) -> float:
-        """Seconds of `name` less its wrapper's floor per call, the components timed inside it
-        and their wrappers' cost."""
-        inner = sum(self.seconds[i] + self.calls[i] * self.overhead for i in inside)
-        return self.seconds[name] - self.calls[name] * self.floor - inner
+        self.overhead = max(0.0, probe.seconds["outer"] / 20000)
 
 
 def stub_sample(logits, temperature, top_p, top_k, seeds, offsets, **kwargs) -> torch.Tensor:
@@ -201,23 +208,10 @@ def test_engine_step_host_cost(num_seqs, detokenize, record, monkeypatch, capsys
         seed, n = request.seed, len(request.output_ids)
         assert request.output_ids[-1] == (seed + (n - 1) * 7) % 500 + 5
 
-    components = {
-        "scheduler": timers.net("scheduler"),
-        "batch layout": timers.net("batch layout"),
-        "upload": timers.net("upload"),
-        "sampling params": timers.net("sampling params", ("sampler stub",)),
-        "runner (own)": timers.net("runner (own)", ("batch layout", "upload", "sampling params")),
-        "append/stop checks": timers.net("append/stop checks", ("output objects", "detokenize")),
-        "detokenize": timers.net("detokenize"),
-        "output objects": timers.net("output objects"),
-    }
-    wrapped = sum(timers.calls[n] for n in timers.calls if n != "step")
-    components["engine loop (rest)"] = (
-        timers.seconds["step"]
-        - wrapped * (timers.overhead + timers.floor)
-        - sum(components.values())
-        - timers.net("sampler stub")
-    )
+    names = ["scheduler", "batch layout", "upload", "sampling params", "runner (own)"]
+    names += ["append/stop checks", "detokenize", "output objects"]
+    components = {name: timers.seconds[name] for name in names}
+    components["engine loop (rest)"] = timers.seconds["step"]  # the sampler stub: its own
     case = f"{num_seqs} running" + ("" if detokenize else ", no detokenization (HTTP core)")
     record(
         OP,
