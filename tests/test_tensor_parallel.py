@@ -20,7 +20,7 @@ from tensor_parallel_cases import (
     sampled,
 )
 
-from pagedkern.engine import LLM
+from pagedkern.engine import LLM, SamplingParams
 from pagedkern.model import PRESETS, load_model
 from pagedkern.model.quantized_linear import quantize
 from pagedkern.model.weights import quantize_weights
@@ -81,6 +81,29 @@ def test_seeded_sampling_matches_tp1(engines):
     got, _ = _run(parallel, ids, sampled(len(ids)))
     assert [g.token_ids for g in got] == [g.token_ids for g in want]
     assert len({g.token_ids for g in got}) > 1
+
+
+def _prompt_logprobs(engine, ids: list[list[int]]) -> list[tuple]:
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    wanted = [engine.add_request(prompt_ids=p, params=params).request_id for p in ids]
+    finals = {o.request_id: o for o in engine.run_until_done() if o.finished}
+    return [finals[request_id].prompt_logprobs for request_id in wanted]
+
+
+def test_prompt_logprobs_match_tp1(engines):
+    """The prompt rows' LM head runs with the sampled rows' (one gather under TP): TP = 1's
+    prompt logprobs, chunked prefills included (the budget cuts the long prompts)."""
+    reference, parallel, _ = engines
+    ids = prompts(reference.engine.vocab_size)[:4]
+    want = _prompt_logprobs(reference.engine, ids)
+    got = _prompt_logprobs(parallel.engine, ids)
+    assert max(map(len, ids)) > SETTINGS["max_num_batched_tokens"]
+    for table, other, prompt in zip(got, want, ids, strict=True):
+        assert len(table) == len(prompt) and table[0] is None and all(table[1:])
+        for entry, expected, token in zip(table[1:], other[1:], prompt[1:], strict=True):
+            assert entry.token_id == expected.token_id == token
+            assert abs(entry.logprob - expected.logprob) <= LOGITS_ATOL
+            assert [t for t, _ in entry.top] == [t for t, _ in expected.top]
 
 
 # --- without processes ---------------------------------------------------------------------------

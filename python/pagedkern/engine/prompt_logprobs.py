@@ -3,13 +3,13 @@ log-probability of each prompt token given the tokens before it, and the N most 
 there, from the raw model logits (temperature 1, no processing, as vLLM's prompt_logprobs).
 
 The runner computes the hidden states of every row of a step anyway; for a step holding a prompt
-chunk of a request that asked, it keeps them and `record` puts the LM head over that chunk's rows
-(row at position p predicts prompt token p + 1) and fills the request's
-`logits_state.prompt_logprobs` by position, so a recomputed chunk (preemption) rewrites the same
-entries. Such a request never takes prefix-cache hits (scheduler), so every position is computed.
+chunk of a request that asked, `rows` names that chunk's rows (row at position p predicts prompt
+token p + 1), the runner puts the LM head over them together with the rows it samples (one head,
+so under tensor parallelism one gather of every rank's vocabulary shard: the workers run the
+same head over the same rows), and `record` fills the request's `logits_state.prompt_logprobs`
+by position from their logits, so a recomputed chunk (preemption) rewrites the same entries.
+Such a request never takes prefix-cache hits (scheduler), so every position is computed.
 Cost: one LM head row and one log-softmax over V per prompt token of such requests only.
-Under tensor parallelism the extra LM head would need its own collective: not recorded there
-(the entries stay None).
 """
 
 from __future__ import annotations
@@ -35,21 +35,36 @@ def wanted(entries: Sequence[tuple[Request, int]]) -> bool:
     )
 
 
-def record(
-    model, hidden: torch.Tensor, entries: Sequence[tuple[Request, int]], cu_seqlens: Sequence[int]
-) -> None:
-    """Fill the prompt logprobs of the entries' prompt chunks from the step's hidden states
-    [T, H] (rows of entry b: cu_seqlens[b] .. cu_seqlens[b + 1])."""
-    if model.tp.size > 1:
-        return
+def _span(request: Request, n: int) -> tuple[int, int]:
+    """(first, end) prompt positions of a chunk of n tokens whose rows predict a prompt token."""
+    start = request.num_computed_tokens
+    return start, min(start + n, len(request.prompt_ids) - 1)
+
+
+def rows(entries: Sequence[tuple[Request, int]], cu_seqlens: Sequence[int]) -> list[int]:
+    """The step's rows (entry b: cu_seqlens[b] .. cu_seqlens[b + 1]) whose logits give prompt
+    logprobs, entry by entry."""
+    found: list[int] = []
     for b, (request, n) in enumerate(entries):
+        start, last = _span(request, n)
+        if _table(request) is not None and last > start:
+            first = int(cu_seqlens[b])
+            found += range(first, first + last - start)
+    return found
+
+
+def record(logits: torch.Tensor, entries: Sequence[tuple[Request, int]]) -> None:
+    """Fill the entries' prompt logprobs from the full-vocabulary logits [len(rows), V] of the
+    rows `rows(entries, ...)` named, in that order."""
+    lp_all = torch.log_softmax(logits.float(), dim=-1)
+    at = 0
+    for request, n in entries:
         table = _table(request)
-        start = request.num_computed_tokens
-        last = min(start + n, len(request.prompt_ids) - 1)  # rows predicting a prompt token
+        start, last = _span(request, n)
         if table is None or last <= start:
             continue
-        rows = hidden[cu_seqlens[b] : cu_seqlens[b] + last - start]
-        lp = torch.log_softmax(model.compute_logits(rows).float(), dim=-1)
+        lp = lp_all[at : at + last - start]
+        at += last - start
         targets = list(request.prompt_ids[start + 1 : last + 1])
         index = torch.tensor(targets, device=lp.device)[:, None]
         chosen = lp.gather(1, index)[:, 0].tolist()

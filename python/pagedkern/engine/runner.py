@@ -9,7 +9,7 @@ get logits for every row, and are verified (engine/speculative/verify.py) instea
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 
 import numpy as np
@@ -266,18 +266,20 @@ class ModelRunner:
             logits = self.piecewise.run(layout)  # a mixed step: pieces replayed, attention eager
         else:
             tp = self.model.tp  # TP rank 0: broadcasts the step; a failure in it is fatal
+            extra = prompt_logprobs.rows(ordered, layout.cu_seqlens) if wanted else []
+            if extra:  # one LM head (under TP one gather) over the prompt rows and the sampled
+                layout = replace(layout, logits_indices=[*extra, *layout.logits_indices])
             with tp.fatal_errors():
-                input_ids, meta = tp.upload(layout, self.device, logits=bool(rows))
-                if not rows or wanted:
-                    # mid-prompt chunks (fill the cache, skip the LM head) or prompt logprobs
-                    hidden = self.model.hidden_states(input_ids, meta, self.kv_cache)
-                    prompt_logprobs.record(self.model, hidden, ordered, layout.cu_seqlens)
+                input_ids, meta = tp.upload(layout, self.device, logits=bool(rows or extra))
+                if not rows and not extra:  # mid-prompt chunks: fill the cache, no LM head
+                    self.model.hidden_states(input_ids, meta, self.kv_cache)
+                    return StepResult([], [], None)
+                logits = self.model(input_ids, meta, self.kv_cache)
+                if extra:
+                    prompt_logprobs.record(logits[: len(extra)], ordered)
                     if not rows:
                         return StepResult([], [], None)
-                    lm_rows = hidden[meta.logits_indices]
-                    logits = tp.gather_logits(self.model.compute_logits(lm_rows))
-                else:
-                    logits = self.model(input_ids, meta, self.kv_cache)
+                    logits = logits[len(extra) :]
         verified = []
         if speculating:
             num_sampled = step.num_sampled
