@@ -86,10 +86,10 @@ class RequestStream:
             if not wakeup.done():  # (cancelled: its handler has gone)
                 wakeup.set_result(None)
 
-    async def batches(self):
-        """Lists of the StreamOutputs that arrived since the last list, until the last sample's
-        finished one; raises EngineUnavailable if the engine core dies (after the outputs that
-        came before)."""
+    async def next_batch(self) -> list[StreamOutput]:
+        """The StreamOutputs that arrived since the last call (waiting for one if none has);
+        [] once the last sample's finished output has been taken. Raises EngineUnavailable if
+        the engine core dies (on the call after the outputs that came before it)."""
         while not self.finished:
             if not self._ready:
                 self._wakeup = asyncio.get_running_loop().create_future()
@@ -99,15 +99,22 @@ class RequestStream:
             batch = []
             for item in items:
                 if isinstance(item, BaseException):
-                    self.finished = True
                     if batch:
-                        yield batch
+                        self._ready = [item]  # raised by the next call
+                        return batch
+                    self.finished = True
                     raise item
                 batch.append(item)
                 self._open -= item.finished
                 if self._open == 0:
                     self.finished = True
                     break
+            return batch
+        return []
+
+    async def batches(self):
+        """next_batch() until the stream ends, as an async iterator."""
+        while batch := await self.next_batch():
             yield batch
 
     def close(self) -> None:

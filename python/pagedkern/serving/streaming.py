@@ -251,7 +251,7 @@ async def merged(
 ) -> AsyncIterator[list[tuple[int, StreamOutput]]]:
     """Batches of (choice index, output) from every stream as they come (a batch: what one
     stream delivered at once, see RequestStream.batches); choice = prompt x n + sample."""
-    if len(streams) == 1:
+    if len(streams) == 1:  # (sse_events reads one stream without this layer)
         async for batch in streams[0].batches():
             yield [(out.index, out) for out in batch]
         return
@@ -283,39 +283,63 @@ async def merged(
 
 
 async def sse_events(streams: list[RequestStream], fmt: Format) -> AsyncIterator[str]:
-    """The response body in pieces: the events of one batch of outputs per piece (one write)."""
+    """The response body in pieces: the events of one batch of outputs per piece (one write).
+    The per-step hot path of a stream: one stream (n = 1, one prompt: the common request) is
+    read with next_batch directly, without merged()'s generators in between."""
     opening = fmt.opening()
     if opening is not None:
         yield event(opening)
-    completion_tokens, open_choices = 0, fmt.num_choices
-    prompt_tokens = sum(s.prompt_tokens for s in streams)
+    events = _EventWriter(streams, fmt)
     try:
-        async for batch in merged(streams):
-            events = []
-            for index, out in batch:
-                completion_tokens += len(out.token_ids)
-                if out.finished and out.finish_reason is FinishReason.ERROR:
-                    events.append(
-                        event(json.dumps(engine_error(streams[0].request_id, out).body()))
-                    )
-                    open_choices = -1  # the stream ends here
+        if len(streams) == 1:
+            next_batch = streams[0].next_batch
+            while batch := await next_batch():
+                piece = events.of([(out.index, out) for out in batch])
+                if piece:
+                    yield piece
+                if events.ended:
                     break
-                if out.finished:
-                    events.append(
-                        event(fmt.delta(index, out, openai_finish_reason(out.finish_reason)))
-                    )
-                    open_choices -= 1
-                    if fmt.include_usage and open_choices == 0:
-                        events.append(event(fmt.usage(Usage.of(prompt_tokens, completion_tokens))))
-                elif out.text or out.logprobs:
-                    events.append(event(fmt.delta(index, out, None)))
-            if events:
-                yield "".join(events)
-            if open_choices < 0:
-                break
+        else:
+            async for batch in merged(streams):
+                piece = events.of(batch)
+                if piece:
+                    yield piece
+                if events.ended:
+                    break
     except EngineUnavailable as exc:
         yield event(json.dumps(unavailable(exc).body()))
     yield "data: [DONE]\n\n"
+
+
+class _EventWriter:
+    """The SSE events of batches of (choice index, output); `ended` after an error event."""
+
+    def __init__(self, streams: list[RequestStream], fmt: Format):
+        self.streams, self.fmt = streams, fmt
+        self.completion_tokens, self.open_choices = 0, fmt.num_choices
+        self.prompt_tokens = sum(s.prompt_tokens for s in streams)
+        self.ended = False
+
+    def of(self, batch: list[tuple[int, StreamOutput]]) -> str:
+        fmt, events = self.fmt, []
+        for index, out in batch:
+            self.completion_tokens += len(out.token_ids)
+            if not out.finished:
+                if out.text or out.logprobs:
+                    events.append(event(fmt.delta(index, out, None)))
+                continue
+            if out.finish_reason is FinishReason.ERROR:
+                events.append(
+                    event(json.dumps(engine_error(self.streams[0].request_id, out).body()))
+                )
+                self.ended = True  # the stream ends here
+                break
+            events.append(event(fmt.delta(index, out, openai_finish_reason(out.finish_reason))))
+            self.open_choices -= 1
+            if fmt.include_usage and self.open_choices == 0:
+                usage = Usage.of(self.prompt_tokens, self.completion_tokens)
+                events.append(event(fmt.usage(usage)))
+        return "".join(events)
 
 
 class EventStreamResponse(StreamingResponse):
