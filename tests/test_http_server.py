@@ -27,6 +27,7 @@ from http_stack import openai
 
 from pagedkern.engine import Engine, EngineConfig, RequestRejected, SamplingParams
 from pagedkern.serving.cli import main
+from pagedkern.serving.connection import ChunkedBodyCycle
 from pagedkern.serving.engine_client import EngineUnavailable, QueueFull
 from pagedkern.serving.http_server import ServerThread, admission_error
 from pagedkern.serving.prompts import INLINE_PROMPT_CHARS, PromptPreparer
@@ -414,6 +415,36 @@ def test_streamed_body_chunks_bypass_h11_with_its_framing(server, monkeypatch):
     assert chunks[-1]["usage"]["completion_tokens"] == 5
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert data_events == []  # (uvicorn's own path sends every chunk as h11 Data)
+
+
+def test_streamed_tokens_are_written_by_the_frame_handler_not_the_asgi_send(
+    server, client, monkeypatch
+):
+    """One stream's unfinished outputs go from the frame handler straight to its connection
+    (streaming.py's direct path): the response's ASGI send carries only the end."""
+    body_sends = []
+    send = ChunkedBodyCycle.send
+
+    async def counting(cycle, message):
+        if message["type"] == "http.response.body":
+            body_sends.append(message.get("body", b""))
+        await send(cycle, message)
+
+    monkeypatch.setattr(ChunkedBodyCycle, "send", counting)
+    chunks = list(
+        client.completions.create(
+            model=TINY,
+            prompt="a story",
+            max_tokens=24,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 24
+    texts = [c for c in chunks if c.choices and c.choices[0].text]
+    assert len(texts) >= 12  # (most tokens have text: the count below means something)
+    assert len(body_sends) <= 4  # finish + usage, [DONE], the end; (before: one per token)
 
 
 def test_disconnect_while_waiting_for_a_whole_answer_aborts(server):

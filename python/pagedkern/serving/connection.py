@@ -44,6 +44,7 @@ class BoundedH11Protocol(H11Protocol):
         super().handle_events()
         if self.cycle is not cycle and type(self.cycle) is RequestResponseCycle:
             self.cycle.__class__ = ChunkedBodyCycle  # (its task has not run yet)
+            self.cycle.scope.setdefault("extensions", {})[CHUNK_WRITER] = self.cycle
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -77,6 +78,9 @@ class BoundedH11Protocol(H11Protocol):
             self.transport.close()
 
 
+CHUNK_WRITER = "pagedkern.chunk_writer"  # scope["extensions"] key: the request's ChunkedBodyCycle
+
+
 class ChunkedBodyCycle(RequestResponseCycle):
     """uvicorn's request/response cycle, but a part of a chunked body (a streamed response's
     events: one send per stream per engine step) is framed here and written to the transport
@@ -84,23 +88,37 @@ class ChunkedBodyCycle(RequestResponseCycle):
     per-token front end at 256 streams. The same bytes as h11's ChunkedWriter (`size in hex
     CRLF data CRLF`); h11 keeps no state per chunk, so the first and last messages (head, end
     of message) still go through it. Anything else (a paused or closed transport, HEAD, a
-    Content-Length body) takes uvicorn's path."""
+    Content-Length body) takes uvicorn's path.
 
-    async def send(self, message) -> None:
-        if (
-            message["type"] == "http.response.body"
-            and message.get("more_body", False)
-            and self.response_started
+    The cycle is also in the scope (extensions[CHUNK_WRITER]): a streamed response whose head
+    has gone out may hand it body parts with `write_chunk` from outside its task (the engine
+    client's frame handler; streaming.py), when `chunk_ready()`."""
+
+    def chunk_ready(self) -> bool:
+        """Whether a body part can be written now, without waiting (started, not finished,
+        connected, not paused for flow control, chunked, not HEAD)."""
+        return (
+            self.response_started
             and not self.response_complete
             and not self.disconnected
             and not self.flow.write_paused
             and self.scope["method"] != "HEAD"
             and type(getattr(self.conn, "_writer", None)) is ChunkedWriter
+        )
+
+    def write_chunk(self, body: bytes) -> None:
+        """One part of the body (when chunk_ready()); an empty one writes nothing (it would
+        end the body: h11 writes nothing for it either)."""
+        if body:
+            self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+    async def send(self, message) -> None:
+        if (
+            message["type"] == "http.response.body"
+            and message.get("more_body", False)
+            and self.chunk_ready()
         ):
-            body = message.get("body", b"")
-            if body:  # (an empty chunk would end the body: h11 writes nothing for it)
-                self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
-            return
+            return self.write_chunk(message.get("body", b""))
         await super().send(message)
 
 

@@ -178,7 +178,8 @@ def create_app(
             raise admission_error(exc, param, rid) from exc
         if streaming:
             return EventStreamResponse(
-                sse_events(streams, fmt), on_close=lambda: [s.close() for s in streams]
+                lambda writer: sse_events(streams, fmt, writer),
+                on_close=lambda: [s.close() for s in streams],
             )
         texts = None
         if echo:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,9 @@ class RequestStream:
     prompt_tokens: int = 0
     finished: bool = False  # the handler has seen every sample finish (or closed)
     _ready: list = field(default_factory=list)  # StreamOutputs (or the failure) not yet read
+    # the response's direct writer, while it streams (streaming.py): put() offers it each
+    # output first; True: it delivered it (nothing for the handler to read)
+    sink: Callable[[StreamOutput | BaseException], bool] | None = None
     _wakeup: asyncio.Future | None = None  # the waiting handler's, if it waits
     pending: int = 0  # samples the core has not finished
     _open: int = 0  # samples the handler has not seen finished
@@ -78,7 +82,11 @@ class RequestStream:
         return self.params.n
 
     def put(self, item: StreamOutput | BaseException) -> None:
-        """One more output (or the failure that ends the stream); wakes a waiting handler."""
+        """One more output (or the failure that ends the stream): to the sink if it takes it
+        (never ahead of outputs still waiting for the handler), else for the handler to read,
+        waking it."""
+        if self.sink is not None and not self._ready and self.sink(item):
+            return
         self._ready.append(item)
         wakeup = self._wakeup
         if wakeup is not None:
