@@ -190,3 +190,23 @@ def test_outputs_go_straight_to_the_connection_in_order_with_the_handler_after_a
     assert texts_of(chunks) == ["a", "d"]  # (written when nothing was queued or on its way)
     assert texts_of(pieces) == ["b", "c", "e"]
     assert pieces[-1] == "data: [DONE]\n\n" and '"finish_reason":"length"' in pieces[-2]
+
+
+def test_a_failing_direct_write_leaves_the_output_to_the_handler():
+    """A sink that raises is dropped (logged); the output is queued for the handler, so the
+    frame handler, which writes for every stream, never sees the exception."""
+
+    def broken(item) -> bool:
+        raise RuntimeError("write failed")
+
+    s = stream()
+    s.sink = broken
+    a, b = outputs(["a", "b"])
+    s.put(a)
+    s.put(b)
+    assert s.sink is None
+
+    async def read() -> list[str]:
+        return [out.text for out in await s.next_batch()]
+
+    assert asyncio.run(read()) == ["a", "b"]

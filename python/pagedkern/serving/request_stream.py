@@ -11,6 +11,7 @@ wake-up, the ASGI send chain, h11, a socket syscall) shrink as the load grows.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from ..model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from .engine_client import EngineClient
+
+log = logging.getLogger("pagedkern.serving")
 
 
 @dataclass(slots=True)
@@ -85,8 +88,13 @@ class RequestStream:
         """One more output (or the failure that ends the stream): to the sink if it takes it
         (never ahead of outputs still waiting for the handler), else for the handler to read,
         waking it."""
-        if self.sink is not None and not self._ready and self.sink(item):
-            return
+        if self.sink is not None and not self._ready:
+            try:
+                if self.sink(item):
+                    return
+            except Exception:  # noqa: BLE001 - never the frame handler's (the other streams')
+                log.exception("request %s: writing an event failed", self.request_id)
+                self.sink = None  # the handler meets the output in its own task
         self._ready.append(item)
         wakeup = self._wakeup
         if wakeup is not None:
