@@ -1,10 +1,10 @@
 """The HTTP front end's delivered throughput against the offline engine's, same workload, same
-run: `pagedkern-serve --http` in its own process, bench/stream_client.py (raw asyncio sockets)
-in another, N concurrent streams of M tokens each (ignore_eos, greedy); the offline number is
-`Engine.run_until_done()` on the same prompts in this process, run on the main thread and on
-a thread (as the server's core runs it: on this shared 2-core machine the two differ by up to
-10x under load); the ratio is against the better of the two. Issue 17's target: >= 85% at 256
-streams of synthetic:tiny.
+run: `pagedkern-serve --http` in its own process, bench/stream_client.py (raw sockets on one
+epoll loop) in another, N concurrent streams of M tokens each (ignore_eos, greedy); the offline
+number is `Engine.run_until_done()` on the same prompts in this process, run on the main thread
+and on a thread (as the server's core runs it: on this shared 2-core machine the two differ by
+up to 10x under load); the ratio is against the better of the two. Issue 17's target: >= 85% at
+256 streams of synthetic:tiny.
 
 Beside the rates, each process's CPU time per delivered token in the best run (from
 /proc/<pid>/stat: the front end, the engine core, the client; the offline engine's thread
@@ -13,8 +13,9 @@ a shared 2-core machine the three processes of the HTTP run compete with everyon
 for the cores, while the offline run needs one.
 
 PAGEDKERN_BENCH_PROFILE=<folder>: the front end runs under a sampling profiler (PROFILED) and
-writes <folder>/front_end-<model>.json; a per-component table (admission, channel decode,
-detokenize, JSON/SSE chunks, the ASGI send path), CPU µs per delivered token, is printed.
+writes <folder>/front_end-<model>.json; a per-component table (request parsing, admission,
+channel decode, detokenize, the direct event writes, JSON/SSE chunks, the ASGI send path, socket
+writes), CPU µs per delivered token, is printed (components overlap where a function is in both).
 
 Smoke mode (CI): synthetic:tiny, 16 streams x 8 tokens, checked for completeness. Full size
 (PAGEDKERN_BENCH_SMOKE=0 on a CPU machine): synthetic:tiny at 256 x 64, and the default model at
@@ -83,14 +84,18 @@ finally:
 """
 # Front-end components: (name, functions any of which on the stack puts a sample in it).
 COMPONENTS = (
-    ("admission (parse, template, submit)", ("http_server.py:generate",)),
+    ("request heads parsed (h11)", ("h11_impl.py:data_received",)),
+    ("request handlers (middleware, routes)", ("h11_impl.py:run_asgi",)),
+    ("  admission (parse, template, submit)", ("http_server.py:generate",)),
     ("frame handler", ("engine_client.py:_on_frames",)),
     ("  channel recv + msgpack decode", ("channel.py:recv",)),
     ("  deltas -> outputs (take)", ("request_stream.py:take",)),
     ("    of which detokenize + stop strings", ("detokenizer.py:add", "detokenizer.py:flush")),
+    ("  events written straight to the socket", ("streaming.py:deliver",)),
     ("handlers' SSE body iterators", ("streaming.py:sse_events",)),
-    ("  JSON chunks + SSE framing", ("streaming.py:delta", "streaming.py:event")),
+    ("JSON chunks + SSE framing (both paths)", ("streaming.py:delta", "streaming.py:event")),
     ("ASGI send path (Starlette, h11, transport)", ("h11_impl.py:send",)),
+    ("socket writes (both paths)", ("selector_events.py:write",)),
     ("idle main thread (another thread's CPU)", ("selectors.py:select",)),
 )
 

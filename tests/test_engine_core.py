@@ -6,6 +6,7 @@ the same tokens, finish reasons and blocks as a detokenizing engine, no text, an
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from test_http_server import tiny_engine
@@ -130,3 +131,82 @@ def test_one_batch_is_one_piece_of_the_event_stream_with_one_event_per_output():
     events = pieces[0].split("\n\n")[:-1]
     assert [e.split('"text":')[1].split(",")[0] for e in events] == ['"a"', '"b"', '"c"']
     assert '"finish_reason":"length"' in events[2] and '"finish_reason":null' in events[0]
+
+
+class FakeChunkWriter:
+    """A connection's ChunkedBodyCycle as the direct path sees it."""
+
+    def __init__(self):
+        self.ready, self.chunks = True, []
+
+    def chunk_ready(self) -> bool:
+        return self.ready
+
+    def write_chunk(self, body: bytes) -> None:
+        self.chunks.append(body.decode())
+
+
+def texts_of(pieces: list[str]) -> list[str]:
+    """The texts of the chunk events in pieces of an event stream."""
+    events = [e[len("data: ") :] for e in "".join(pieces).split("\n\n") if e]
+    return [json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]"]
+
+
+def test_outputs_go_straight_to_the_connection_in_order_with_the_handler_after_a_stall():
+    """With a chunk writer, an unfinished output is written by put() itself; while the writer
+    cannot take it (flow control) or the handler still has a piece on its way, outputs queue
+    for the handler, and nothing overtakes what is queued; the end always goes through the
+    handler."""
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        s, writer = stream(), FakeChunkWriter()
+        fmt = CompletionFormat("cmpl-1", "m", include_usage=False)
+        body = sse_events([s], fmt, writer)
+        pieces, resume = [], asyncio.Event()
+
+        async def respond() -> None:  # the response's send loop, stalled after its 1st piece
+            async for piece in body:
+                pieces.append(piece)
+                if len(pieces) == 1:
+                    await resume.wait()
+
+        responding = asyncio.ensure_future(respond())
+        await asyncio.sleep(0)  # the body runs up to its first wait: the sink is set
+        a, b, c, d, e = outputs(["a", "b", "c", "d", "e"])
+        s.put(a)  # written at once
+        writer.ready = False
+        s.put(b)  # the connection is paused: for the handler
+        await asyncio.sleep(0)  # the handler takes b, its send stalls
+        writer.ready = True
+        s.put(c)  # b is still on its way: c must wait behind it
+        resume.set()
+        await asyncio.sleep(0)
+        s.put(d)
+        s.put(e)  # the last one: through the handler
+        await responding
+        return writer.chunks, pieces
+
+    chunks, pieces = asyncio.run(scenario())
+    assert texts_of(chunks) == ["a", "d"]  # (written when nothing was queued or on its way)
+    assert texts_of(pieces) == ["b", "c", "e"]
+    assert pieces[-1] == "data: [DONE]\n\n" and '"finish_reason":"length"' in pieces[-2]
+
+
+def test_a_failing_direct_write_leaves_the_output_to_the_handler():
+    """A sink that raises is dropped (logged); the output is queued for the handler, so the
+    frame handler, which writes for every stream, never sees the exception."""
+
+    def broken(item) -> bool:
+        raise RuntimeError("write failed")
+
+    s = stream()
+    s.sink = broken
+    a, b = outputs(["a", "b"])
+    s.put(a)
+    s.put(b)
+    assert s.sink is None
+
+    async def read() -> list[str]:
+        return [out.text for out in await s.next_batch()]
+
+    assert asyncio.run(read()) == ["a", "b"]

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from pagedkern.engine import Engine, EngineConfig
+from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.serving import cli_args
 from pagedkern.serving.http_server import ServerThread
 from pagedkern.serving.settings import ServerSettings
@@ -160,6 +160,31 @@ def test_help_shows_a_default_for_every_flag():
             continue
         body = " ".join(option.split())
         assert "default" in body or "(off)" in body, flag
+
+
+def help_group_of(flag: str) -> str:
+    """The title of the --help group that lists `flag`."""
+    for group in cli_args.build_parser()._action_groups:
+        if any(flag in action.option_strings for action in group._group_actions):
+            return group.title
+    raise AssertionError(f"{flag} is in no help group")
+
+
+def test_derived_engine_flags_are_grouped_by_what_they_configure():
+    for flag in ("--async-scheduling", "--piecewise-cuda-graphs"):
+        assert help_group_of(flag).startswith("engine"), flag
+    for flag in ("--speculative", "--num-speculative-tokens", "--ngram-min", "--draft-model"):
+        assert help_group_of(flag).startswith("speculative decoding"), flag
+
+
+def test_trace_writes_to_stderr_as_it_is_when_writing(capsys):
+    """The default `out` is sys.stderr at each write, not the one of import time (this module
+    imported trace.py before capsys replaced sys.stderr)."""
+    engine = tiny_engine()
+    engine.tracer = TraceWriter(engine.tokenizer)
+    engine.add_request("hi", SamplingParams(max_tokens=1), request_id="traced-1")
+    list(engine.run_until_done())
+    assert "── traced-1 arrives" in capsys.readouterr().err
 
 
 def test_cli_chat_template_changes_the_rendered_prompt(tmp_path):

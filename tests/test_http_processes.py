@@ -5,6 +5,7 @@ msgpack, never pickle."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing.connection
 import os
@@ -25,6 +26,7 @@ from test_tensor_parallel_lifecycle import wait_gone
 from pagedkern.engine import FinishReason, SamplingParams
 from pagedkern.engine.outputs import TokenLogprob
 from pagedkern.serving import channel
+from pagedkern.serving.engine_client import EngineClient
 from pagedkern.serving.http_server import ServerThread
 from pagedkern.serving.openai_protocol import (
     ChatChunkChoice,
@@ -168,12 +170,45 @@ def test_every_frame_on_the_wire_is_msgpack(monkeypatch):
     frames = [msgpack.unpackb(data, strict_map_key=False) for data in sent]
     kinds = {frame[0] for frame in frames}
     assert {channel.ADD, channel.ADDED, channel.OUTPUTS, channel.STATS, channel.STOP} <= kinds
-    add = next(f for f in frames if f[0] == channel.ADD)
-    assert add[3]["n"] == 2 and add[3]["logit_bias"] == {7: 1.5} and "stop" not in add[3]
+    (add,) = next(f for f in frames if f[0] == channel.ADD)[1]  # [[id, prompt ids, fields]]
+    assert add[2]["n"] == 2 and add[2]["logit_bias"] == {7: 1.5} and "stop" not in add[2]
     for data in sent:  # every message is one msgpack value and nothing else
         unpacker = msgpack.Unpacker(strict_map_key=False)
         unpacker.feed(data)
         assert len(list(unpacker)) == 1 and not data.startswith(b"\x80")  # (pickle's PROTO)
+
+
+def test_requests_submitted_together_reach_the_core_in_one_frame_before_one_step():
+    """A burst submitted in one event-loop iteration is one ADD frame (then an abort after
+    it): the core admits all of it before stepping, as the offline engine gets its batch."""
+    running_at_steps: list[int] = []
+    engine = tiny_engine()
+    client = EngineClient.in_thread(
+        engine, after_step=lambda e: running_at_steps.append(e.stats().num_running)
+    )
+    frames: list[list] = []
+    send = client.channel.send
+
+    def recording(*frame) -> None:
+        frames.append(list(frame))
+        send(*frame)
+
+    client.channel.send = recording
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def scenario() -> None:
+        client.start()
+        prompt = {"prompt_ids": [1, 2, 3]}
+        streams = await asyncio.gather(*(client.submit(f"r{i}", prompt, params) for i in range(6)))
+        for s in streams:
+            while await s.next_batch():
+                pass
+        await client.aclose()
+
+    asyncio.run(scenario())
+    adds = [f for f in frames if f[0] == channel.ADD]
+    assert len(adds) == 1 and [a[0] for a in adds[0][1]] == [f"r{i}" for i in range(6)]
+    assert running_at_steps[0] == 6
 
 
 @pytest.mark.parametrize("include_usage", [False, True])

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 
+import h11
 import httpx
 import jinja2
 import pytest
@@ -26,8 +27,10 @@ from http_stack import openai
 
 from pagedkern.engine import Engine, EngineConfig, RequestRejected, SamplingParams
 from pagedkern.serving.cli import main
+from pagedkern.serving.connection import ChunkedBodyCycle
 from pagedkern.serving.engine_client import EngineUnavailable, QueueFull
 from pagedkern.serving.http_server import ServerThread, admission_error
+from pagedkern.serving.prompts import INLINE_PROMPT_CHARS, PromptPreparer
 
 TINY = "synthetic:tiny"
 WAIT = 60  # safety-net timeout (seconds) for every wait
@@ -320,6 +323,17 @@ def test_admission_failures_map_to_statuses():
     assert "secret" not in error.message and "req-7" in error.message  # 5xx: the id, no internals
 
 
+def test_only_small_prompts_are_prepared_on_the_event_loop():
+    small, big = "w" * INLINE_PROMPT_CHARS, "w" * (INLINE_PROMPT_CHARS + 1)
+    assert PromptPreparer.is_small([{"prompt": small}, {"prompt_ids": []}])
+    assert not PromptPreparer.is_small([{"prompt": big}])
+    assert not PromptPreparer.is_small([{"prompt": small}, {"prompt_ids": [1]}])  # in all
+    assert not PromptPreparer.is_small([{"prompt_ids": [1] * (INLINE_PROMPT_CHARS + 1)}])
+    messages = [{"role": "user", "content": "hi"}] * (INLINE_PROMPT_CHARS // 64)
+    assert not PromptPreparer.is_small([{"messages": messages}])  # a template per message
+    assert PromptPreparer.is_small([{"messages": messages[:4]}])
+
+
 def test_routes_and_methods_errors_and_still_serving(server, client):
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
@@ -353,6 +367,84 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
         lambda: finished(server, "abort") == aborted + 1 and loop.num_live == 0, WAIT
     )
     assert kv_used(server) == 0
+
+
+def test_streamed_body_chunks_bypass_h11_with_its_framing(server, monkeypatch):
+    """ChunkedBodyCycle writes a stream's event chunks itself: h11 sees no non-empty Data
+    event, and an h11 client parses the raw response into the whole event stream."""
+    data_events = []
+    send = h11.Connection.send
+
+    def counting(conn, event):
+        if isinstance(event, h11.Data) and event.data:
+            data_events.append(event)
+        return send(conn, event)
+
+    monkeypatch.setattr(h11.Connection, "send", counting)
+    body = json.dumps(
+        {
+            "model": TINY,
+            "prompt": "hi",
+            "max_tokens": 5,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(body), body)
+        )
+        raw = b"".join(iter(lambda: sock.recv(65536), b""))
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="POST", target="/", headers=[("Host", "x")]))
+    conn.receive_data(raw)
+    events = []
+    while (event := conn.next_event()) not in (h11.NEED_DATA, h11.PAUSED):
+        events.append(event)
+        if isinstance(event, h11.EndOfMessage):
+            break
+    assert isinstance(events[0], h11.Response) and events[0].status_code == 200
+    assert isinstance(events[-1], h11.EndOfMessage)
+    text = b"".join(e.data for e in events if isinstance(e, h11.Data)).decode()
+    payloads = [e[len("data: ") :] for e in text.split("\n\n") if e]
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert data_events == []  # (uvicorn's own path sends every chunk as h11 Data)
+
+
+def test_streamed_tokens_are_written_by_the_frame_handler_not_the_asgi_send(
+    server, client, monkeypatch
+):
+    """One stream's unfinished outputs go from the frame handler straight to its connection
+    (streaming.py's direct path): the response's ASGI send carries only the end."""
+    body_sends = []
+    send = ChunkedBodyCycle.send
+
+    async def counting(cycle, message):
+        if message["type"] == "http.response.body":
+            body_sends.append(message.get("body", b""))
+        await send(cycle, message)
+
+    monkeypatch.setattr(ChunkedBodyCycle, "send", counting)
+    chunks = list(
+        client.completions.create(
+            model=TINY,
+            prompt="a story",
+            max_tokens=24,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 24
+    texts = [c for c in chunks if c.choices and c.choices[0].text]
+    assert len(texts) >= 12  # (most tokens have text: the count below means something)
+    assert len(body_sends) <= 4  # finish + usage, [DONE], the end; (before: one per token)
 
 
 def test_disconnect_while_waiting_for_a_whole_answer_aborts(server):

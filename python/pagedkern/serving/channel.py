@@ -4,8 +4,9 @@ floats, strings, None, lists and maps; `pack` refuses anything else (msgpack rai
 for a Python object: there is no `default` hook and no pickle anywhere on this path).
 
 Front end -> core (`FrontFrame`):
-    [ADD, request_id, prompt_ids, sampling_fields]   sampling fields: SamplingParams' non-default
-                                                     fields as plain values, `stop` left out
+    [ADD, [[request_id, prompt_ids, sampling_fields], ...]]   the requests submitted in one
+                                      event-loop iteration; sampling fields: SamplingParams'
+                                      non-default fields as plain values, `stop` left out
     [ABORT, request_id]                              an engine request id (a sample's: "id.i")
     [STATS, query_id]                                -> [STATS, query_id, gauges]
     [CALL, call_id]                                  in-process cores only: a test's function

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from .. import __version__
@@ -256,7 +257,8 @@ def build_parser() -> Parser:
         ),
     )
 
-    _derived_engine_flags(p.add_argument_group("speculative decoding (defaults from EngineConfig)"))
+    speculative = p.add_argument_group("speculative decoding (defaults from EngineConfig)")
+    _derived_engine_flags(lambda name: speculative if name in SPECULATIVE_FIELDS else e)
 
     h = p.add_argument_group("http (--http; defaults from ServerSettings)")
     h.add_argument("--http", action="store_true", help="serve the OpenAI-compatible HTTP API (off)")
@@ -296,18 +298,22 @@ def build_parser() -> Parser:
 
 
 _FLAG_TYPES = {"positive_int": positive_int}
+# The derived flags shown under "speculative decoding"; every other derived flag is an engine one.
+SPECULATIVE_FIELDS = frozenset(
+    ("speculative", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_model")
+)
 
 
-def _derived_engine_flags(group) -> None:
+def _derived_engine_flags(group_of: Callable[[str], argparse._ArgumentGroup]) -> None:
     """The EngineConfig fields whose flag comes from the field alone (metadata "cli": the
-    argparse keywords; a type by name)."""
+    argparse keywords; a type by name), each in the help group `group_of(field name)`."""
     for f in engine_fields().values():
         if f.cli is None:
             continue
         kw = dict(f.cli)
         if "type" in kw:
             kw["type"] = _FLAG_TYPES[kw["type"]]
-        group.add_argument(
+        group_of(f.name).add_argument(
             f.flag, default=f.default, help=f"{f.help} (default: {_shown(f.default)})", **kw
         )
 

@@ -4,7 +4,9 @@ request id, the API key.
 - `BoundedH11Protocol`: uvicorn's h11 protocol plus a deadline for a request's head (a client
   that trickles its headers is disconnected after `header_timeout` seconds; uvicorn's own
   keep-alive timer restarts on every byte). The head's size is bounded by uvicorn's
-  `h11_max_incomplete_event_size`, the number of connections by `limit_concurrency`.
+  `h11_max_incomplete_event_size`, the number of connections by `limit_concurrency`. Its
+  requests' cycles write the parts of a chunked body straight to the socket
+  (`ChunkedBodyCycle`).
 - `read_body`: the request body, at most `max_bytes` (413) within `timeout` seconds (408).
 - `RequestContext`: an ASGI middleware that bounds the head's size (431), reads `X-Request-Id`
   (or makes one), echoes it on the response and checks `Authorization: Bearer <api key>` on the
@@ -19,9 +21,10 @@ import json
 import re
 import uuid
 
+from h11._writers import ChunkedWriter
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from .errors import APIError
 
@@ -35,6 +38,13 @@ class BoundedH11Protocol(H11Protocol):
         super().connection_made(transport)
         self._head_deadline = None
         self._arm_head_deadline()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle and type(self.cycle) is RequestResponseCycle:
+            self.cycle.__class__ = ChunkedBodyCycle  # (its task has not run yet)
+            self.cycle.scope.setdefault("extensions", {})[CHUNK_WRITER] = self.cycle
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -66,6 +76,50 @@ class BoundedH11Protocol(H11Protocol):
         self._head_deadline = None
         if self._waiting_for_head() and not self.transport.is_closing():
             self.transport.close()
+
+
+CHUNK_WRITER = "pagedkern.chunk_writer"  # scope["extensions"] key: the request's ChunkedBodyCycle
+
+
+class ChunkedBodyCycle(RequestResponseCycle):
+    """uvicorn's request/response cycle, but a part of a chunked body (a streamed response's
+    events: one send per stream per engine step) is framed here and written to the transport
+    at once: h11's Data event, state machine and writer cost ~6 µs a send, a third of the
+    per-token front end at 256 streams. The same bytes as h11's ChunkedWriter (`size in hex
+    CRLF data CRLF`); h11 keeps no state per chunk, so the first and last messages (head, end
+    of message) still go through it. Anything else (a paused or closed transport, HEAD, a
+    Content-Length body) takes uvicorn's path.
+
+    The cycle is also in the scope (extensions[CHUNK_WRITER]): a streamed response whose head
+    has gone out may hand it body parts with `write_chunk` from outside its task (the engine
+    client's frame handler; streaming.py), when `chunk_ready()`."""
+
+    def chunk_ready(self) -> bool:
+        """Whether a body part can be written now, without waiting (started, not finished,
+        connected, not paused for flow control, chunked, not HEAD)."""
+        return (
+            self.response_started
+            and not self.response_complete
+            and not self.disconnected
+            and not self.flow.write_paused
+            and self.scope["method"] != "HEAD"
+            and type(getattr(self.conn, "_writer", None)) is ChunkedWriter
+        )
+
+    def write_chunk(self, body: bytes) -> None:
+        """One part of the body (when chunk_ready()); an empty one writes nothing (it would
+        end the body: h11 writes nothing for it either)."""
+        if body:
+            self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+    async def send(self, message) -> None:
+        if (
+            message["type"] == "http.response.body"
+            and message.get("more_body", False)
+            and self.chunk_ready()
+        ):
+            return self.write_chunk(message.get("body", b""))
+        await super().send(message)
 
 
 def protocol_class(header_timeout: float) -> type[BoundedH11Protocol]:

@@ -94,6 +94,8 @@ class EngineClient:
         self._ids = itertools.count()
         self._streams: dict[str, RequestStream] = {}
         self._admitting: dict[str, tuple[asyncio.Future, RequestStream]] = {}
+        self._adds: list[list] = []  # ADD entries not yet sent (see _queue_add)
+        self._loop_thread: int | None = None
         self._queries: dict[int, asyncio.Future] = {}
         self._closed: str | None = None  # why no frame will be answered any more
         self._stop_sent = False
@@ -185,6 +187,7 @@ class EngineClient:
     def start(self) -> None:
         """Attach to the running event loop (and start an in-process core)."""
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         if self._start_core is not None:
             self._start_core()
             self._start_core = None
@@ -206,7 +209,7 @@ class EngineClient:
         stream = RequestStream(request_id, self, params, stop_ids, self.tokenizer)
         admitted = self._loop.create_future()
         self._admitting[request_id] = (admitted, stream)
-        self._send(wire.ADD, request_id, list(request_args["prompt_ids"]), sampling_fields(params))
+        self._queue_add([request_id, list(request_args["prompt_ids"]), sampling_fields(params)])
         try:
             await admitted
         except asyncio.CancelledError:
@@ -248,7 +251,31 @@ class EngineClient:
             await asyncio.to_thread(self._join_core, timeout)
         self._on_frames()  # what came last (the DEAD frame)
 
+    def _queue_add(self, add: list) -> None:
+        """Adds go out as one ADD frame per event-loop iteration: a burst of requests parsed in
+        the same iteration reaches the core together, to be admitted before one step (the
+        offline engine gets its whole batch at once; one frame per request let the core step
+        the first ones alone while the rest were still on their way)."""
+        if self._closed is not None:
+            raise EngineUnavailable(self._closed)
+        self._adds.append(add)
+        if len(self._adds) == 1:
+            self._loop.call_soon(self._flush_adds)
+
+    def _flush_adds(self) -> None:
+        adds, self._adds = self._adds, []
+        if adds and self._closed is None:
+            with contextlib.suppress(EngineUnavailable):  # (_dead fails their futures)
+                self._send_now(wire.ADD, adds)
+
     def _send(self, *frame) -> None:
+        """Send a frame, after the adds queued before it (on the loop's thread: an abort never
+        overtakes its request's add)."""
+        if self._adds and threading.get_ident() == self._loop_thread:
+            self._flush_adds()
+        self._send_now(*frame)
+
+    def _send_now(self, *frame) -> None:
         if self._closed is not None:
             raise EngineUnavailable(self._closed)
         try:
@@ -320,6 +347,7 @@ class EngineClient:
         for _, future in (self._calls or {}).values():
             future.cancel()
         self._admitting.clear()
+        self._adds.clear()
         self._queries.clear()
         self._streams.clear()
         if failing:

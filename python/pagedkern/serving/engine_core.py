@@ -136,7 +136,8 @@ class EngineCore:
     def _handle(self, frame: list) -> None:
         kind = frame[0]
         if kind == wire.ADD:
-            self._add(*frame[1:])
+            for add in frame[1]:
+                self._add(*add)
         elif kind == wire.ABORT:
             self._outputs += [self.engine.abort(frame[1]), *self.engine.pop_undelivered()]
         elif kind == wire.STATS:

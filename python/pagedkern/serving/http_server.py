@@ -8,6 +8,8 @@ Every connection's request goes into the same engine core (`EngineClient`: under
 process of its own that batches all live requests continuously; engine_core.py). The handlers
 render chat templates and tokenize in a worker thread and hand the core token ids; its token ids
 come back per step and are detokenized here, so JSON, SSE and text never hold the core's GIL.
+A small prompt is prepared on the event loop (a worker thread's hop cost more than its
+tokenizing), a big one in a worker thread (prompts.py, INLINE_PROMPT_CHARS).
 Errors are OpenAI-shaped, {"error": {"message", "type", "param", "code"}}: 400 bad JSON /
 fields / token ids / prompt too long (code context_length_exceeded), 401 missing API key
 (--api-key), 404 unknown model (model_not_found) or route, 408 body too slow, 413 body too
@@ -156,8 +158,11 @@ def create_app(
     ) -> Response:
         rid = request_id(http)
         param = "messages" if "messages" in prompts[0] else "prompt"
-        try:  # template + tokens, off the engine
-            prepared = [await asyncio.to_thread(prepare, args) for args in prompts]
+        try:  # template + tokens, off the engine; a big one off the event loop too
+            if prepare.is_small(prompts):
+                prepared = [prepare(args) for args in prompts]
+            else:
+                prepared = [await asyncio.to_thread(prepare, args) for args in prompts]
         except Exception as exc:  # noqa: BLE001 - every refusal gets its status
             error = admission_error(exc, param, rid)
             loop.metrics.request_rejected(error.code or "invalid")
@@ -173,7 +178,8 @@ def create_app(
             raise admission_error(exc, param, rid) from exc
         if streaming:
             return EventStreamResponse(
-                sse_events(streams, fmt), on_close=lambda: [s.close() for s in streams]
+                lambda writer: sse_events(streams, fmt, writer),
+                on_close=lambda: [s.close() for s in streams],
             )
         texts = None
         if echo:

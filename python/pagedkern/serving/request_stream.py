@@ -11,7 +11,9 @@ wake-up, the ASGI send chain, h11, a socket syscall) shrink as the load grows.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,8 @@ from ..model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from .engine_client import EngineClient
+
+log = logging.getLogger("pagedkern.serving")
 
 
 @dataclass(slots=True)
@@ -58,6 +62,9 @@ class RequestStream:
     prompt_tokens: int = 0
     finished: bool = False  # the handler has seen every sample finish (or closed)
     _ready: list = field(default_factory=list)  # StreamOutputs (or the failure) not yet read
+    # the response's direct writer, while it streams (streaming.py): put() offers it each
+    # output first; True: it delivered it (nothing for the handler to read)
+    sink: Callable[[StreamOutput | BaseException], bool] | None = None
     _wakeup: asyncio.Future | None = None  # the waiting handler's, if it waits
     pending: int = 0  # samples the core has not finished
     _open: int = 0  # samples the handler has not seen finished
@@ -78,7 +85,16 @@ class RequestStream:
         return self.params.n
 
     def put(self, item: StreamOutput | BaseException) -> None:
-        """One more output (or the failure that ends the stream); wakes a waiting handler."""
+        """One more output (or the failure that ends the stream): to the sink if it takes it
+        (never ahead of outputs still waiting for the handler), else for the handler to read,
+        waking it."""
+        if self.sink is not None and not self._ready:
+            try:
+                if self.sink(item):
+                    return
+            except Exception:  # noqa: BLE001 - never the frame handler's (the other streams')
+                log.exception("request %s: writing an event failed", self.request_id)
+                self.sink = None  # the handler meets the output in its own task
         self._ready.append(item)
         wakeup = self._wakeup
         if wakeup is not None:
@@ -86,10 +102,10 @@ class RequestStream:
             if not wakeup.done():  # (cancelled: its handler has gone)
                 wakeup.set_result(None)
 
-    async def batches(self):
-        """Lists of the StreamOutputs that arrived since the last list, until the last sample's
-        finished one; raises EngineUnavailable if the engine core dies (after the outputs that
-        came before)."""
+    async def next_batch(self) -> list[StreamOutput]:
+        """The StreamOutputs that arrived since the last call (waiting for one if none has);
+        [] once the last sample's finished output has been taken. Raises EngineUnavailable if
+        the engine core dies (on the call after the outputs that came before it)."""
         while not self.finished:
             if not self._ready:
                 self._wakeup = asyncio.get_running_loop().create_future()
@@ -99,15 +115,22 @@ class RequestStream:
             batch = []
             for item in items:
                 if isinstance(item, BaseException):
-                    self.finished = True
                     if batch:
-                        yield batch
+                        self._ready = [item]  # raised by the next call
+                        return batch
+                    self.finished = True
                     raise item
                 batch.append(item)
                 self._open -= item.finished
                 if self._open == 0:
                     self.finished = True
                     break
+            return batch
+        return []
+
+    async def batches(self):
+        """next_batch() until the stream ends, as an async iterator."""
+        while batch := await self.next_batch():
             yield batch
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..engine import FinishReason
+from .connection import CHUNK_WRITER, ChunkedBodyCycle
 from .engine_client import EngineUnavailable
 from .errors import APIError
 from .openai_protocol import (
@@ -251,7 +252,7 @@ async def merged(
 ) -> AsyncIterator[list[tuple[int, StreamOutput]]]:
     """Batches of (choice index, output) from every stream as they come (a batch: what one
     stream delivered at once, see RequestStream.batches); choice = prompt x n + sample."""
-    if len(streams) == 1:
+    if len(streams) == 1:  # (sse_events reads one stream without this layer)
         async for batch in streams[0].batches():
             yield [(out.index, out) for out in batch]
         return
@@ -282,40 +283,97 @@ async def merged(
             task.cancel()
 
 
-async def sse_events(streams: list[RequestStream], fmt: Format) -> AsyncIterator[str]:
-    """The response body in pieces: the events of one batch of outputs per piece (one write)."""
+async def sse_events(
+    streams: list[RequestStream], fmt: Format, writer: ChunkedBodyCycle | None = None
+) -> AsyncIterator[str]:
+    """The response body in pieces: the events of one batch of outputs per piece (one write).
+
+    The per-step hot path of a stream. One stream (n = 1, one prompt: the common request) is
+    read with next_batch directly, without merged()'s generators in between; and given the
+    connection's `writer` (connection.py's ChunkedBodyCycle, once the head has gone out), its
+    unfinished outputs are written by the frame handler as they arrive (RequestStream.sink):
+    no task wake-up, generator step or ASGI send chain per token. Only what that cannot write
+    at once (flow control paused, client gone) and the end (finish, usage, [DONE], an error)
+    come through here, in order."""
     opening = fmt.opening()
     if opening is not None:
         yield event(opening)
-    completion_tokens, open_choices = 0, fmt.num_choices
-    prompt_tokens = sum(s.prompt_tokens for s in streams)
+    events = _EventWriter(streams, fmt)
     try:
-        async for batch in merged(streams):
-            events = []
-            for index, out in batch:
-                completion_tokens += len(out.token_ids)
-                if out.finished and out.finish_reason is FinishReason.ERROR:
-                    events.append(
-                        event(json.dumps(engine_error(streams[0].request_id, out).body()))
-                    )
-                    open_choices = -1  # the stream ends here
+        if len(streams) == 1:
+            stream = streams[0]
+            if writer is not None:
+                stream.sink = events.direct(writer)
+            try:
+                while batch := await stream.next_batch():
+                    piece = events.of([(out.index, out) for out in batch])
+                    if piece:
+                        events.sending = True  # the sink waits until it is written
+                        yield piece
+                        events.sending = False
+                    if events.ended:
+                        break
+            finally:
+                stream.sink = None
+        else:
+            async for batch in merged(streams):
+                piece = events.of(batch)
+                if piece:
+                    yield piece
+                if events.ended:
                     break
-                if out.finished:
-                    events.append(
-                        event(fmt.delta(index, out, openai_finish_reason(out.finish_reason)))
-                    )
-                    open_choices -= 1
-                    if fmt.include_usage and open_choices == 0:
-                        events.append(event(fmt.usage(Usage.of(prompt_tokens, completion_tokens))))
-                elif out.text or out.logprobs:
-                    events.append(event(fmt.delta(index, out, None)))
-            if events:
-                yield "".join(events)
-            if open_choices < 0:
-                break
     except EngineUnavailable as exc:
         yield event(json.dumps(unavailable(exc).body()))
     yield "data: [DONE]\n\n"
+
+
+class _EventWriter:
+    """The SSE events of batches of (choice index, output); `ended` after an error event."""
+
+    def __init__(self, streams: list[RequestStream], fmt: Format):
+        self.streams, self.fmt = streams, fmt
+        self.completion_tokens, self.open_choices = 0, fmt.num_choices
+        self.prompt_tokens = sum(s.prompt_tokens for s in streams)
+        self.ended = False
+        self.sending = False  # a piece is on its way through the response's send
+
+    def direct(self, writer: ChunkedBodyCycle) -> Callable[[object], bool]:
+        """A RequestStream sink writing an unfinished output's event itself when the
+        connection can take it now."""
+
+        def deliver(item) -> bool:
+            if (
+                self.sending  # (a piece waiting for flow control to resume goes first)
+                or not isinstance(item, StreamOutput)
+                or item.finished
+                or not writer.chunk_ready()
+            ):
+                return False
+            writer.write_chunk(self.of([(item.index, item)]).encode())
+            return True
+
+        return deliver
+
+    def of(self, batch: list[tuple[int, StreamOutput]]) -> str:
+        fmt, events = self.fmt, []
+        for index, out in batch:
+            self.completion_tokens += len(out.token_ids)
+            if not out.finished:
+                if out.text or out.logprobs:
+                    events.append(event(fmt.delta(index, out, None)))
+                continue
+            if out.finish_reason is FinishReason.ERROR:
+                events.append(
+                    event(json.dumps(engine_error(self.streams[0].request_id, out).body()))
+                )
+                self.ended = True  # the stream ends here
+                break
+            events.append(event(fmt.delta(index, out, openai_finish_reason(out.finish_reason))))
+            self.open_choices -= 1
+            if fmt.include_usage and self.open_choices == 0:
+                usage = Usage.of(self.prompt_tokens, self.completion_tokens)
+                events.append(event(fmt.usage(usage)))
+        return "".join(events)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -328,12 +386,19 @@ class EventStreamResponse(StreamingResponse):
     into a message each time it cancelled the watcher, once per response, a measurable part
     of admitting a short request."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+    def __init__(
+        self,
+        body: Callable[[ChunkedBodyCycle | None], AsyncIterator[str]],
+        on_close: Callable[[], None],
+    ):
+        """body(writer): the body's pieces, given the connection's ChunkedBodyCycle if it has
+        one (see sse_events)."""
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self.on_close = on_close
+        super().__init__(_nothing(), media_type="text/event-stream", headers=headers)
+        self.body, self.on_close = body, on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.body_iterator = self.body(scope.get("extensions", {}).get(CHUNK_WRITER))
         streaming = watching = None
         try:
             streaming = asyncio.ensure_future(self.stream_response(send))
@@ -350,6 +415,11 @@ class EventStreamResponse(StreamingResponse):
         failure = done[0]
         if isinstance(failure, BaseException) and not isinstance(failure, asyncio.CancelledError):
             raise failure
+
+
+async def _nothing() -> AsyncIterator[str]:
+    return
+    yield  # (an async generator)
 
 
 async def collect(

@@ -57,14 +57,14 @@ def _ids(ids: list[int], limit: int = 24) -> str:
 
 
 class TraceWriter:
-    def __init__(self, tokenizer: Tokenizer, out: TextIO = sys.stderr, top: int = 5):
+    def __init__(self, tokenizer: Tokenizer, out: TextIO | None = None, top: int = 5):
         self.tokenizer = tokenizer
-        self.out = out
+        self.out = out  # None: sys.stderr as it is at each write (redirections, capsys see it)
         self.top = top
         self._tables: dict[str, list[int]] = {}
 
     def _say(self, line: str = "") -> None:
-        print(line, file=self.out, flush=True)
+        print(line, file=self.out or sys.stderr, flush=True)
 
     def request_added(self, request: Request) -> None:
         p = request.params
