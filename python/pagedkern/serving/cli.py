@@ -224,6 +224,7 @@ def _serve_http(args, config, template: str | None, sock, settings) -> int:
     """The front end in this process, the engine core in a child process (engine_core.py);
     exit status 1 when the core died."""
     from .engine_client import EngineClient, EngineStartError
+    from .engine_core import freeze_startup_objects
     from .http_server import serve
 
     try:
@@ -238,6 +239,7 @@ def _serve_http(args, config, template: str | None, sock, settings) -> int:
     def listening(model: str, url: str) -> None:
         _say(f"{PROG}: serving {model!r} at {url}/v1 (Ctrl-C stops)")
 
+    freeze_startup_objects()
     status = 0
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
         status = serve(client, sock, settings, on_listening=listening)
