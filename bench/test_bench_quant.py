@@ -121,3 +121,46 @@ def test_cpu_decode_step_fast_vs_plain(record, quantization, streams):
             cpu_ms=round(best[fast][1] * 1e3, 2),
             speedup_cpu=round(best[False][1] / best[fast][1], 2),
         )
+
+
+def test_lm_head_forms(record):
+    """The LM head GEMM of one decode row in the forms README's int8 paragraph weighs: int8 on
+    torch's kernel (bf16 logits; the form kept), the GGUF's exact Q8_0 values in fp32 (the fp32
+    model's head), those rounded to bf16 (torch's CPU GEMM then returns bf16 logits). Rounds
+    interleaved, best kept; bytes are the head's weight bytes."""
+    import torch.nn.functional as F
+
+    from pagedkern.model import load_model
+    from pagedkern.ops import quant_linear
+
+    head = load_model(MODEL, quantization="int8")[0].weights.lm_head
+    exact = load_model(MODEL, quantization="none")[0].weights.lm_head
+    bf16 = exact.bfloat16()
+    x = torch.randn(1, exact.shape[1])
+    forms = {
+        "int8, torch's int8 kernel (bf16 logits)": (lambda: quant_linear(x, head), head.nbytes),
+        "Q8_0 values in fp32": (lambda: F.linear(x, exact), exact.numel() * 4),
+        "rounded to bf16 (bf16 logits)": (lambda: F.linear(x.bfloat16(), bf16), bf16.numel() * 2),
+    }
+    want = F.linear(x.double(), exact.double())
+    best = dict.fromkeys(forms, float("inf"))
+    calls = 20 if FULL else 2
+    for _ in range(3 if FULL else 1):
+        for name, (gemm, _) in forms.items():
+            got = gemm().double()
+            assert torch.isfinite(got).all()
+            assert (got - want).norm() / want.norm() < 0.02, name
+            start = time.perf_counter()
+            for _ in range(calls):
+                gemm()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    v, h = exact.shape
+    for name, (_, nbytes) in forms.items():
+        record(
+            "LM head GEMM (CPU, one row)" + ("" if FULL else " (smoke)"),
+            f"[1, {h}] x [{v}, {h}]",
+            name,
+            best[name],
+            bytes=nbytes,
+            weights_mb=round(nbytes / 1e6, 1),
+        )
