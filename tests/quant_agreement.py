@@ -161,9 +161,11 @@ def main(quantization: str, max_tokens: int = 8) -> None:
     from pagedkern.model import llama
 
     def engine(mode: str) -> LLM:
+        # no prefix caching: each ablation reuses this engine, and must not read prompt KV
+        # that an earlier one computed with other GEMMs
         return LLM(
             quantization=mode, backend="reference", device="cpu", max_num_seqs=32,
-            kv_cache_gib=0.25, cpu_fast_decode=False,
+            kv_cache_gib=0.25, cpu_fast_decode=False, enable_prefix_caching=False,
         )  # fmt: skip
 
     base = engine("none")
