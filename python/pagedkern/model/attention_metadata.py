@@ -108,18 +108,7 @@ class BatchLayout:
     def _host_tensors(self) -> tuple[torch.Tensor, AttentionMetadata]:
         """input_ids and metadata as CPU tensors sharing the host arrays (those of
         layout_batch are int32 views already: nothing is copied, no packed tensor is split)."""
-        parts = [
-            np.asarray(p, dtype=np.int32)
-            for p in (
-                self.input_ids,
-                self.positions,
-                self.slot_mapping,
-                self.cu_seqlens,
-                self.block_tables,
-                self.seq_lens,
-                self.logits_indices,
-            )
-        ]
+        parts = [np.asarray(p, dtype=np.int32) for p in self._parts()]
         parts[4] = parts[4].reshape(len(parts[5]), self.width)
         ids, positions, slots, cu, tables, seq_lens, logits = map(torch.from_numpy, parts)
         meta = AttentionMetadata(
@@ -136,6 +125,18 @@ class BatchLayout:
         )
         return ids, meta
 
+    def _parts(self) -> tuple[Sequence[int], ...]:
+        """The fields in pack() order."""
+        return (
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.cu_seqlens,
+            self.block_tables,
+            self.seq_lens,
+            self.logits_indices,
+        )
+
     def sizes(self) -> list[int]:
         """Lengths of the packed buffer's parts, in pack() order."""
         t, b = len(self.input_ids), len(self.seq_lens)
@@ -146,15 +147,7 @@ class BatchLayout:
         block_tables, seq_lens, logits_indices (tensor parallelism broadcasts this buffer).
         From layout_batch it is the buffer its arrays view (shared memory: no copy); a field
         since replaced by another sequence, or a layout built by hand, is packed afresh."""
-        parts = (
-            self.input_ids,
-            self.positions,
-            self.slot_mapping,
-            self.cu_seqlens,
-            self.block_tables,
-            self.seq_lens,
-            self.logits_indices,
-        )
+        parts = self._parts()
         packed = self._packed
         if packed is None or any(getattr(p, "base", None) is not packed for p in parts):
             packed = np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])
