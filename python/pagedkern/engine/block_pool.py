@@ -71,11 +71,7 @@ class BlockPool:
     ) -> list[bytes]:
         """Chained hashes of every full block of token_ids, extending `known` (a prefix)."""
         hashes = list(known or [])
-        bs = self.block_size
-        for j in range(len(hashes), len(token_ids) // bs):
-            hashes.append(
-                chain_hash(hashes[-1] if hashes else None, token_ids[j * bs : (j + 1) * bs])
-            )
+        self.extend_hashes(hashes, token_ids[len(hashes) * self.block_size :])
         return hashes
 
     def extend_hashes(self, hashes: list[bytes], token_ids: Sequence[int]) -> None:
