@@ -51,8 +51,8 @@ def process_logits(
 ) -> torch.Tensor:
     """Steps 1 and 2 of the module docstring: fp32 [B, V], a new tensor."""
     rows, vocab = logits.shape
-    x = logits.float().clone()
-    x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
+    inf = float("inf")
+    x = torch.nan_to_num(logits.float(), nan=-inf, posinf=inf, neginf=-inf)  # a new tensor
     if token_offsets is not None and token_ids is not None and token_ids.numel():
         offsets = token_offsets.long()
         row_of = torch.repeat_interleave(
