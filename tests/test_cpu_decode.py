@@ -74,6 +74,63 @@ def _assert_fast_equals_plain(model, lengths: list[int]) -> None:
     assert written[:, :, ~outside].all() and not written[:, :, outside].any()
 
 
+@pytest.mark.parametrize("lengths", [[37], [5, 40, 17], [20, 20, 20]])
+def test_the_next_step_reuses_the_gathered_copy_bit_for_bit(lengths, monkeypatch):
+    # Step 2 appends one token to each of step 1's sequences (same rows, same padded length):
+    # it must reuse step 1's gathered copy (one gather for two steps) and still equal the plain
+    # path, hidden states and cache writes; after a plain step in between (the sequences moved on
+    # without the copy) a fresh gather.
+    model = _model("none")
+    gathers = []
+    gather = cpu_decode.gather_decode_kv
+    monkeypatch.setattr(cpu_decode, "gather_decode_kv", lambda *a: gathers.append(1) or gather(*a))
+    kv, (ids, meta) = _prefilled(model, lengths)
+    tables = [t[t > 0].tolist() for t in meta.block_tables]
+    fast_kv = KVCache(kv.data.clone())
+    step2 = [SequenceChunk([9 + i], n + 1, t) for i, (n, t) in enumerate(zip(lengths, tables))]
+    ids2, meta2 = build_batch(step2, BLOCK)
+    steps = ((ids, meta), (ids2, meta2))
+    model.fast_cpu_decode = True
+    fast = [model.hidden_states(*step, fast_kv) for step in steps]
+    assert len(gathers) == 1
+    model.fast_cpu_decode = False
+    plain = [model.hidden_states(*step, kv) for step in steps]
+    for got, want in zip(fast, plain, strict=True):
+        assert not got.isnan().any() and torch.equal(got, want)
+    torch.testing.assert_close(fast_kv.data, kv.data, rtol=0, atol=0, equal_nan=True)
+    step3, step4 = (
+        build_batch([SequenceChunk([2], n + k, t) for n, t in zip(lengths, tables)], BLOCK)
+        for k in (2, 3)
+    )
+    model.hidden_states(*step3, fast_kv)  # a plain step
+    model.hidden_states(*step3, kv)
+    model.fast_cpu_decode = True
+    fast = model.hidden_states(*step4, fast_kv)
+    assert len(gathers) == 2
+    model.fast_cpu_decode = False
+    assert torch.equal(fast, model.hidden_states(*step4, kv))
+
+
+def test_rows_in_another_order_are_gathered_afresh(monkeypatch):
+    # Each sequence one token on, but row i now holds another sequence (same lengths): the
+    # last copy's rows are other sequences' K/V.
+    model = _model("none")
+    model.fast_cpu_decode = True
+    gathers = []
+    gather = cpu_decode.gather_decode_kv
+    monkeypatch.setattr(cpu_decode, "gather_decode_kv", lambda *a: gathers.append(1) or gather(*a))
+    kv, step1 = _prefilled(model, [20, 20, 20])
+    tables = [t[t > 0].tolist() for t in step1[1].block_tables]
+    step2 = build_batch([SequenceChunk([7], 21, t) for t in tables[1:] + tables[:1]], BLOCK)
+    plain_kv = KVCache(kv.data.clone())
+    model.hidden_states(*step1, kv)
+    fast = model.hidden_states(*step2, kv)
+    assert len(gathers) == 2
+    model.fast_cpu_decode = False
+    model.hidden_states(*step1, plain_kv)
+    assert torch.equal(fast, model.hidden_states(*step2, plain_kv))
+
+
 def test_plain_path_for_prefill_fp8_and_calibration():
     model = _model("none")
     kv, (ids, meta) = _prefilled(model, [9, 4])

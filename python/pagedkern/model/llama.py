@@ -91,6 +91,7 @@ class LlamaModel:
         )
         self._lm_head_fp32: torch.Tensor | None = None  # fallback for fp32 logits, made lazily
         self._cpu_decode: list | bool | None = None  # cpu_decode's prepared GEMMs, made lazily
+        self._cpu_decode_kv = None  # cpu_decode.GatheredKV: the last fast step's K/V copy
         # decode-only CPU steps through cpu_decode (the engine sets EngineConfig.cpu_fast_decode)
         self.fast_cpu_decode = False
 
