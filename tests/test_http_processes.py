@@ -1,7 +1,8 @@
 """`pagedkern-serve --http` runs as two processes, the HTTP front end and the engine core it
 spawns (serving/engine_client.py, engine_core.py): killing either one is handled (503 and a
-non-zero exit; no orphan), a core that cannot load says why, and the frames between them are
-msgpack, never pickle."""
+non-zero exit; no orphan), a core that cannot load says why, the frames between them are
+msgpack, never pickle, and a CPU core runs its steps on the intra-op threads it chose (or was
+given)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,19 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import http_stack  # noqa: F401 - skips this module without the HTTP stack
 import httpx
 import msgpack
 import pytest
+import torch
 from test_http_server import LONG, TINY, WAIT, sse_data, tiny_engine, user
 from test_tensor_parallel_lifecycle import wait_gone
 
-from pagedkern.engine import FinishReason, SamplingParams
+from pagedkern.engine import EngineConfig, FinishReason, SamplingParams
 from pagedkern.engine.outputs import TokenLogprob
-from pagedkern.serving import channel
+from pagedkern.serving import channel, cli_args, engine_core
 from pagedkern.serving.engine_client import EngineClient
 from pagedkern.serving.http_server import ServerThread
 from pagedkern.serving.openai_protocol import (
@@ -36,6 +39,7 @@ from pagedkern.serving.openai_protocol import (
     Delta,
 )
 from pagedkern.serving.request_stream import StreamOutput
+from pagedkern.serving.settings import ServerSettings
 from pagedkern.serving.streaming import ChatFormat, CompletionFormat
 
 CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--http", "--port", "0"]
@@ -135,6 +139,50 @@ def test_an_engine_core_that_cannot_load_says_why_and_exits_2(tmp_path):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and str(missing) in lines[0] and "no such file" in lines[0], done.stderr
+
+
+def _engine(parameters: int, device: str = "cpu", tp: int = 1):
+    config = SimpleNamespace(num_parameters=lambda: parameters)
+    model = SimpleNamespace(config=config, device=torch.device(device), tp=SimpleNamespace(size=tp))
+    return SimpleNamespace(model=model)
+
+
+@pytest.mark.parametrize("cores", [1, 2, 16])
+def test_the_front_end_gets_a_core_when_the_model_costs_less_per_token_than_it(cores, monkeypatch):
+    # synthetic:tiny's forward (~150 k parameters) costs less CPU per token than the front end's
+    # work: it leaves a core to the front end; SmolLM2-135M keeps every core, as offline.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
+    tiny, default = _engine(151_872), _engine(134_515_008)
+    assert engine_core.core_threads(tiny) == max(1, cores - 1)
+    assert engine_core.core_threads(default) == cores
+    assert engine_core.core_threads(default, requested=3) == 3  # --core-threads
+    # the threshold scales with the cores the front end would leave idle: f * (cores - 1)
+    edge = engine_core.FRONT_END_S_PER_TOKEN * 15 * engine_core.CORE_FLOPS_PER_S / 2
+    assert engine_core.core_threads(_engine(int(edge))) == (15 if cores == 16 else cores)
+    assert engine_core.core_threads(_engine(151_872, "cuda")) is None  # no CPU forward
+    assert engine_core.core_threads(_engine(151_872, tp=2)) is None  # TP ranks split cores
+
+
+def test_the_core_steps_on_the_threads_it_chose_or_was_given():
+    config = EngineConfig(model=TINY, backend="reference", device="cpu")
+    cores = len(os.sched_getaffinity(0))
+    for asked, threads in ((None, max(1, cores - 1)), (2, 2)):
+        client = EngineClient.spawn(config, core_threads=asked)
+        try:
+            plural = "s" if threads > 1 else ""
+            assert client.info.description.endswith(f", {threads} CPU thread{plural}")
+        finally:
+            client.stop()
+
+
+def test_core_threads_must_be_a_positive_integer():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="core_threads"):
+            ServerSettings(core_threads=bad)
+    assert ServerSettings(core_threads=4).core_threads == 4
+    parser = cli_args.build_parser()
+    assert parser.parse_args(["--http", "--core-threads", "3"]).core_threads == 3
+    assert parser.parse_args(["--http"]).core_threads is None
 
 
 def test_the_channel_refuses_python_objects():

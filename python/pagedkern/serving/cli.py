@@ -228,7 +228,12 @@ def _serve_http(args, config, template: str | None, sock, settings) -> int:
     from .http_server import serve
 
     try:
-        client = EngineClient.spawn(config, trace=args.trace, log_level=args.log_level.upper())
+        client = EngineClient.spawn(
+            config,
+            trace=args.trace,
+            log_level=args.log_level.upper(),
+            core_threads=settings.core_threads,
+        )
     except EngineStartError as exc:
         _fail(exc)
     if template is not None:

@@ -294,6 +294,11 @@ def build_parser() -> Parser:
             default=_default(ServerSettings, name),
             help=_field_help(ServerSettings, name, name),
         )
+    h.add_argument(
+        "--core-threads",
+        type=positive_int,
+        help=_field_help(ServerSettings, "core_threads", "core threads", shown="auto"),
+    )
     return p
 
 
@@ -383,6 +388,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         keep_alive_timeout=args.keep_alive_timeout,
         max_header_bytes=args.max_header_bytes,
         max_connections=args.max_connections,
+        core_threads=args.core_threads,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         allowed_origins=origins,

@@ -141,6 +141,7 @@ class EngineClient:
         *,
         trace: bool = False,
         log_level: str = "WARNING",
+        core_threads: int | None = None,  # None: engine_core.core_threads decides
     ) -> EngineClient:
         """Start the engine core process and wait until it has loaded the model. Raises
         EngineStartError with the core's message when loading fails."""
@@ -149,7 +150,7 @@ class EngineClient:
         folder = tempfile.mkdtemp(prefix="pagedkern-tokenizer-")
         process = context.Process(
             target=core_process,
-            args=(config, back, folder, max_queue, trace, log_level),
+            args=(config, back, folder, max_queue, trace, log_level, core_threads),
             name="pagedkern-engine-core",
         )
         process.start()

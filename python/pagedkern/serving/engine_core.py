@@ -28,12 +28,15 @@ import concurrent.futures
 import contextlib
 import gc
 import logging
+import os
 import queue
 import signal
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
+
+import torch
 
 from ..engine import Engine, EngineConfig, RequestOutput, RequestRejected, SamplingParams
 from . import channel as wire
@@ -64,8 +67,16 @@ def core_info(engine: Engine, max_queue: int) -> dict:
         "max_model_len": engine.max_model_len,
         "vocab_size": engine.model.config.vocab_size,
         "max_queue": max_queue,
-        "description": engine.describe(),
+        "description": describe(engine),
     }
+
+
+def describe(engine: Engine) -> str:
+    """The engine's --stats line, with the intra-op threads of a CPU engine's steps."""
+    if engine.model.device.type != "cpu":
+        return engine.describe()
+    threads = torch.get_num_threads()
+    return f"{engine.describe()}, {threads} CPU thread{'s' if threads > 1 else ''}"
 
 
 def encode_output(out: RequestOutput) -> list:
@@ -208,6 +219,36 @@ def _get_nowait(q: queue.SimpleQueue):
         return _EMPTY
 
 
+# What core_threads weighs, measured on the 2-core CI machine: the front end's CPU per delivered
+# token (bench/test_bench_http_frontend.py: 20-26 µs) and one core's fp32 GEMM rate (~68
+# GFLOP/s for [16, 576] @ [576, 3072]; 50 to leave the forward's other work a margin).
+FRONT_END_S_PER_TOKEN = 25e-6
+CORE_FLOPS_PER_S = 50e9
+
+
+def core_threads(engine: Engine, requested: int | None = None) -> int | None:
+    """The engine core's torch intra-op threads, or None to leave them alone (a CUDA engine,
+    whose forward does not run on them; TP ranks, which split the cores among themselves).
+
+    The front end shares the machine's cores with the core's threads, and an OpenMP team whose
+    worker thread the front end preempts stalls every parallel region on it (measured here at
+    256 streams of synthetic:tiny: 2 threads made the core 1.2-2x costlier per token than 1).
+    So when the front end's share of the CPU per token, f / (e + f), is at least one core's
+    share, 1 / cores, it gets a core of its own: e <= f * (cores - 1), e estimated as the
+    forward's 2 * parameters FLOPs on one core. synthetic:tiny (150 k parameters, e ~ 6 µs)
+    leaves a core to the front end; SmolLM2-135M (e ~ 5 ms) keeps both, as offline."""
+    if requested is not None:
+        return requested
+    if engine.model.device.type != "cpu" or engine.model.tp.size > 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    model_s_per_token = 2 * engine.model.config.num_parameters() / CORE_FLOPS_PER_S
+    if cores > 1 and model_s_per_token <= FRONT_END_S_PER_TOKEN * (cores - 1):
+        return cores - 1
+    return cores
+
+
 def freeze_startup_objects() -> None:
     """Move every object alive now (modules, the model, tokenizer, app) out of the garbage
     collector's reach, as vLLM's processes do once started: a full collection otherwise
@@ -225,6 +266,7 @@ def core_process(
     max_queue: int | None = None,
     trace: bool = False,
     log_level: str = "WARNING",
+    threads: int | None = None,  # None: core_threads decides
 ) -> None:
     """The engine core process (multiprocessing spawn target): load the engine, hand the
     front end its tokenizer (saved into tokenizer_dir) and READY, serve until told to stop."""
@@ -245,16 +287,19 @@ def core_process(
         from .trace import TraceWriter
 
         engine.tracer = TraceWriter(engine.tokenizer)
+    threads = core_threads(engine, threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     core = EngineCore(engine, channel, max_queue)
     freeze_startup_objects()
     channel.send(wire.READY, core_info(engine, core.max_queue))
-    # The loop runs on a thread, as it did inside the server: measured on this 2-core machine
-    # under load, the same CPU engine steps ran ~10x faster on a thread than on the main
-    # thread (torch's intra-op threads contending). The main thread, which spawned the TP
-    # workers (their PR_SET_PDEATHSIG follows it), waits.
-    loop = threading.Thread(target=core.run, name="pagedkern-engine")
+    # The loop runs on the main thread, which loaded the model, so the steps use the OpenMP
+    # team that did. A loop on another thread gets a second team, and its parallel regions
+    # ran slower (likely: libgomp stops spinning between regions once it manages more threads
+    # than cores): SmolLM2-135M over HTTP served 139 tok/s with the loop on a thread, 205 on
+    # the main thread (the offline engine: 203). The main thread also spawned the TP workers
+    # (their PR_SET_PDEATHSIG follows it) and lives as long as the loop.
     try:
-        loop.start()
-        loop.join()
+        core.run()
     finally:
         engine.close()

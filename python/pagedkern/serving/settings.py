@@ -25,6 +25,12 @@ class ServerSettings:
         None, "sampling fields used when a request leaves them out (CLI sampling flags)"
     )
     log_level: str = _opt("warning", "server log level (debug also logs every request)")
+    core_threads: int | None = _opt(
+        None,
+        "torch intra-op threads of a CPU engine core; auto: every core this process may use, "
+        "less one left to the front end when the model costs less CPU per token than the "
+        "front end does (engine_core.core_threads)",
+    )
 
     def __post_init__(self) -> None:
         self.allowed_origins = list(self.allowed_origins or [])
@@ -42,6 +48,12 @@ class ServerSettings:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
             if value == float("inf"):
                 raise ValueError(f"{name} must be finite, got {value!r}")
+        if self.core_threads is not None and (
+            isinstance(self.core_threads, bool)
+            or not isinstance(self.core_threads, int)
+            or self.core_threads < 1
+        ):
+            raise ValueError(f"core_threads must be a positive integer, got {self.core_threads!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         if self.log_level not in LOG_LEVELS:
