@@ -1,10 +1,12 @@
 """The HTTP front end's delivered throughput against the offline engine's, same workload, same
 run: `pagedkern-serve --http` in its own process, bench/stream_client.py (raw sockets on one
 epoll loop) in another, N concurrent streams of M tokens each (ignore_eos, greedy); the offline
-number is `Engine.run_until_done()` on the same prompts in this process, run on the main thread
-and on a thread (as the server's core runs it: on this shared 2-core machine the two differ by
-up to 10x under load); the ratio is against the better of the two. Issue 17's target: >= 85% at
-256 streams of synthetic:tiny.
+number is `Engine.run_until_done()` on the same prompts in this process, with the default torch
+threads, run on the main thread (as the server's core runs its loop) and on a thread (on this
+shared 2-core machine the two differ by up to 10x under load); the ratio is against the better
+of the two. The server's core picks its own intra-op threads (serving/engine_core.py
+core_threads: for synthetic:tiny one core is left to the front end). Issue 17's target: >= 85%
+at 256 streams of synthetic:tiny.
 
 Beside the rates, each process's CPU time per delivered token in the best run (from
 /proc/<pid>/stat: the front end, the engine core, the client; the offline engine's thread
