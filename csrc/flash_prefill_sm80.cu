@@ -204,6 +204,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       const int tid = fresh_tid();
       const int* table = p.block_tables + int64_t(t.seq) * p.block_table_stride;
       const int seq_len = t.seq_len;
+      // Key `key`'s row in the cache, its block from the prefetched ring (entry i of `ids`) or
+      // the table (both copies below: fp8 staging and 16-bit tiles).
+      auto row_offset = [&](int key, const int* ids, int i) -> int64_t {
+        int page, slot_in_page;
+        page_of(p, key, page, slot_in_page);
+        const int block = kPrefetchPages ? ids[i] : table[page];
+        return int64_t(block) * p.page_stride + slot_in_page * D;
+      };
       if constexpr (Tr::kFp8) {
         const TC* base = static_cast<const TC*>(cache) + int64_t(t.kv_head) * p.block_size * D +
                          Tr::fp8_chunk_col(tid);
@@ -214,13 +222,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
           const int row = Tr::fp8_chunk_row(tid) + Tr::kFp8RowsPerPass * m;
           const int key = tile * BN + row;
           const bool valid = key < seq_len;
-          int64_t offset = 0;
-          if (valid) {
-            int page, slot_in_page;
-            page_of(p, key, page, slot_in_page);
-            const int block = kPrefetchPages ? ids[row] : table[page];
-            offset = int64_t(block) * p.page_stride + slot_in_page * D;
-          }
+          const int64_t offset = valid ? row_offset(key, ids, row) : 0;
           cp_async_16(dst + Tr::fp8_stage_offset(tid, m), base + offset, valid);
         }
       } else {
@@ -234,13 +236,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
           const int row = Tr::chunk_row(tid) + 16 * m;
           const int key = tile * BN + row;
           const bool valid = key < seq_len;
-          int64_t offset = 0;
-          if (valid) {
-            int page, slot_in_page;
-            page_of(p, key, page, slot_in_page);
-            const int block = kPrefetchPages ? ids[16 * m] : table[page];
-            offset = int64_t(block) * p.page_stride + slot_in_page * D;
-          }
+          const int64_t offset = valid ? row_offset(key, ids, 16 * m) : 0;
 #pragma unroll
           for (int k = 0; k < kSlabs; ++k) {
             cp_async_16(dst + Tr::chunk_offset(tid) + m * 1024 + k * BN * 64,

@@ -97,11 +97,7 @@ __device__ __forceinline__ unsigned descend(const T* row, int64_t vocab, const R
     sh.done = 0;
   }
   for (;;) {
-    for (int b = threadIdx.x; b < kBins; b += kThreads) {
-      sh.count[b] = 0;
-      sh.mass_lo[b] = 0;
-      sh.mass_hi[b] = 0;
-    }
+    clear_bins(sh);
     __syncthreads();
     const int bits = sh.bits;
     const unsigned prefix = sh.prefix;

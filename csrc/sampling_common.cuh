@@ -35,6 +35,16 @@ struct Shared {
   int found;
 };
 
+// A histogram pass's start: every bin's count and mass zeroed (block-strided; the caller's
+// barrier follows).
+__device__ __forceinline__ void clear_bins(Shared& sh) {
+  for (int b = threadIdx.x; b < kBins; b += kThreads) {
+    sh.count[b] = 0;
+    sh.mass_lo[b] = 0;
+    sh.mass_hi[b] = 0;
+  }
+}
+
 // Philox4x32-10 word 0: the uniform `sample` draws with (reference.sampling.uniform).
 __device__ __forceinline__ unsigned philox_word0(unsigned long long seed,
                                                  unsigned long long offset) {

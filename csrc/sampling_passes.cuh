@@ -149,11 +149,7 @@ __device__ __forceinline__ void histogram_pass(const Source<T, kVec>& src, int64
                                                int64_t end, const RowMath& rm, Shared& sh,
                                                bool with_mass, unsigned floor_key) {
   const int lane = threadIdx.x % 32;
-  for (int b = threadIdx.x; b < kBins; b += kThreads) {
-    sh.count[b] = 0;
-    sh.mass_lo[b] = 0;
-    sh.mass_hi[b] = 0;
-  }
+  clear_bins(sh);
   __syncthreads();
   const int bits = sh.bits;
   const unsigned prefix = sh.prefix;
