@@ -103,6 +103,7 @@ def test_the_next_step_reuses_the_gathered_copy_bit_for_bit(lengths, monkeypatch
         for k in (2, 3)
     )
     model.hidden_states(*step3, fast_kv)  # a plain step
+    assert model._cpu_decode_kv is None  # (the copy's memory given back)
     model.hidden_states(*step3, kv)
     model.fast_cpu_decode = True
     fast = model.hidden_states(*step4, fast_kv)

@@ -28,6 +28,7 @@ from test_tensor_parallel_lifecycle import wait_gone
 
 from pagedkern.engine import EngineConfig, FinishReason, SamplingParams
 from pagedkern.engine.outputs import TokenLogprob
+from pagedkern.parallel.group import available_cores
 from pagedkern.serving import channel, cli_args, engine_core
 from pagedkern.serving.engine_client import EngineClient
 from pagedkern.serving.http_server import ServerThread
@@ -165,7 +166,7 @@ def test_the_front_end_gets_a_core_when_the_model_costs_less_per_token_than_it(c
 
 def test_the_core_steps_on_the_threads_it_chose_or_was_given():
     config = EngineConfig(model=TINY, backend="reference", device="cpu")
-    cores = len(os.sched_getaffinity(0))
+    cores = available_cores()
     for asked, threads in ((None, max(1, cores - 1)), (2, 2)):
         client = EngineClient.spawn(config, core_threads=asked)
         try:

@@ -177,6 +177,7 @@ class LlamaModel:
             raise ValueError(f"KV cache has {kv_cache.num_layers} layers, model {cfg.num_layers}")
         if self.fast_cpu_decode and cpu_decode.applies(self, meta, kv_cache):
             return cpu_decode.hidden_states(self, input_ids, meta, kv_cache)
+        self._cpu_decode_kv = None  # its K/V go to the cache only; the copy's memory goes back
         tokens = input_ids.shape[0]
         h, residual = self.embed_and_norm(input_ids, w.layers[0].input_norm)
         attn = torch.empty(

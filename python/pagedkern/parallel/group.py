@@ -61,10 +61,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, where the OS has one)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
 def split_cpu_threads(size: int) -> None:
     """N processes on one host share its cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, (cores or 1) // size))
+    torch.set_num_threads(max(1, available_cores() // size))
 
 
 class TPGroup(TPContext):

@@ -28,7 +28,6 @@ import concurrent.futures
 import contextlib
 import gc
 import logging
-import os
 import queue
 import signal
 import threading
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine, EngineConfig, RequestOutput, RequestRejected, SamplingParams
+from ..parallel.group import available_cores
 from . import channel as wire
 
 log = logging.getLogger("pagedkern.serving")
@@ -241,8 +241,7 @@ def core_threads(engine: Engine, requested: int | None = None) -> int | None:
         return requested
     if engine.model.device.type != "cpu" or engine.model.tp.size > 1:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = cores or 1
+    cores = available_cores()
     model_s_per_token = 2 * engine.model.config.num_parameters() / CORE_FLOPS_PER_S
     if cores > 1 and model_s_per_token <= FRONT_END_S_PER_TOKEN * (cores - 1):
         return cores - 1
