@@ -112,6 +112,41 @@ def test_the_next_step_reuses_the_gathered_copy_bit_for_bit(lengths, monkeypatch
     assert torch.equal(fast, model.hidden_states(*step4, kv))
 
 
+def test_a_sequence_that_starts_a_block_keeps_the_copy(monkeypatch):
+    # Staggered lengths (the common batch): at step 2 the second sequence's token is the first
+    # of a block its table gains only now; the longest stays within its last block, so the
+    # padded length is the same and step 1's copy is reused, bit for bit the plain path. A block
+    # id changed where the copy had read (a table rewritten) is gathered afresh.
+    model = _model("none")
+    gathers = []
+    gather = cpu_decode.gather_decode_kv
+    monkeypatch.setattr(cpu_decode, "gather_decode_kv", lambda *a: gathers.append(1) or gather(*a))
+    lengths = [5, 31, 40]
+    kv, (ids, meta) = _prefilled(model, lengths)
+    tables = [t[t > 0].tolist() for t in meta.block_tables]
+    assert len(tables[1]) == 2  # position 31: the last slot of its second block
+    spare = sorted(set(range(1, kv.data.shape[2])) - {b for t in tables for b in t})
+    grown = [tables[0], tables[1] + [spare[0]], tables[2]]
+    step2 = build_batch(
+        [SequenceChunk([9 + i], n + 1, t) for i, (n, t) in enumerate(zip(lengths, grown))], BLOCK
+    )
+    moved = [tables[0], [spare[1], *grown[1][1:]], tables[2]]  # its first block replaced
+    step2_moved = build_batch(
+        [SequenceChunk([9 + i], n + 1, t) for i, (n, t) in enumerate(zip(lengths, moved))], BLOCK
+    )
+    for second, want_gathers in ((step2, 1), (step2_moved, 2)):
+        gathers.clear()
+        fast_kv, plain_kv = KVCache(kv.data.clone()), KVCache(kv.data.clone())
+        model.fast_cpu_decode = True
+        fast = [model.hidden_states(*step, fast_kv) for step in ((ids, meta), second)]
+        assert len(gathers) == want_gathers
+        model.fast_cpu_decode = False
+        plain = [model.hidden_states(*step, plain_kv) for step in ((ids, meta), second)]
+        for got, want in zip(fast, plain, strict=True):
+            assert not got.isnan().any() and torch.equal(got, want)
+        torch.testing.assert_close(fast_kv.data, plain_kv.data, rtol=0, atol=0, equal_nan=True)
+
+
 def test_rows_in_another_order_are_gathered_afresh(monkeypatch):
     # Each sequence one token on, but row i now holds another sequence (same lengths): the
     # last copy's rows are other sequences' K/V.

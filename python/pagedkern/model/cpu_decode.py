@@ -9,8 +9,9 @@ This path computes the plain forward's (llama.py) function with ~20 ops a layer:
   (reference.attention.gather_decode_kv) and viewed as each layer's attention operands, the
   softmax mask, the RoPE rows of the positions. The copy is kept to the next step, which
   reuses it when it only appends a token to each of the same sequences in the same rows and
-  the same padded length (15 of 16 steps of a steady batch): this step's new K/V go into the
-  copy as well as the cache, so the copy is then what a fresh gather would read;
+  the same padded length (15 of 16 steps of a steady batch, staggered lengths too): this
+  step's new K/V go into the copy as well as the cache, so the copy is then what a fresh
+  gather would read;
 - per layer: residual add and RMSNorm (torch's fused rms_norm), the GEMMs on the prepacked
   weights (quantized: torch's int-pack kernels with bf16 activations, as ops.quant_linear),
   RoPE of q and k in place (rotate-half as roll, multiply, add), the new k/v written into the
@@ -28,6 +29,7 @@ batch make-up with it on. Used only where it computes exactly the plain path's f
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -73,33 +75,40 @@ class GatheredKV(NamedTuple):
     """A step's gathered K/V copy and what it was gathered for (LlamaModel._cpu_decode_kv)."""
 
     cache: torch.Tensor  # the paged cache's data it copies
-    tables: torch.Tensor  # [G, blocks] the block tables it covers
+    used: torch.Tensor  # [G, blocks] bool: the blocks its sequences' lengths reach
+    pages: torch.Tensor  # [G, blocks] the block ids it read there (0 elsewhere)
     lengths: list[int]  # the sequences' lengths, this step's token included
     kv: torch.Tensor  # [L, 2, Hkv, G, P, D]
 
 
 def _gathered_kv(model, kv_cache: KVCache, block_tables: torch.Tensor, lengths: list[int]):
     """This step's gathered K/V: the last step's copy when each row is the same sequence one
-    token on (same tables, lengths + 1, same padded length; one sequence per row, so no row's
-    copy holds another row's K/V), else a fresh gather (slots past a length zeroed, as the
-    reference's). The last copy's slots below its lengths are the cache's, the new one's
-    included (written into both); slots at or past them are what this step's gather would
-    leave there: zero (unequal lengths, still unequal) or sliced off (equal, still equal)."""
+    token on (lengths + 1, the same padded length, the same block ids wherever the last
+    lengths reached; one sequence per row, so no row's copy holds another row's K/V), else a
+    fresh gather (slots past a length zeroed, as the reference's). The last copy's slots below
+    its lengths are the cache's, the new one's included (written into both); slots at or past
+    them are what this step's gather would leave there: zero (unequal lengths, still unequal;
+    a block a sequence enters now, whose one slot in reach is this step's token, included) or
+    sliced off (equal, still equal). So a batch of staggered lengths, where every step some
+    sequence starts a block, keeps its copy until the longest one starts a block."""
     last, model._cpu_decode_kv = model._cpu_decode_kv, None
-    nblk = -(-max(lengths) // kv_cache.block_size)
+    block_size = kv_cache.block_size
+    nblk = -(-max(lengths) // block_size)
     tables = block_tables[:, :nblk]
+    starts = torch.arange(0, nblk * block_size, block_size)
+    used = starts[None, :] < torch.tensor(lengths)[:, None]
     if not (
         last is not None
         and last.cache is kv_cache.data
-        and last.tables.shape == tables.shape
+        and last.used.shape == used.shape
         and all(n == m + 1 for n, m in zip(lengths, last.lengths, strict=True))
-        and torch.equal(last.tables, tables)
+        and torch.equal(tables.masked_fill(~last.used, 0), last.pages)
     ):
         last = None  # (dropped before the new gather: never two copies alive)
         kv = gather_decode_kv(kv_cache.data, block_tables, lengths)
     else:
         kv = last.kv
-    return kv, GatheredKV(kv_cache.data, tables.clone(), lengths, kv)
+    return kv, GatheredKV(kv_cache.data, used, tables.masked_fill(~used, 0), lengths, kv)
 
 
 def _new_kv_targets(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,7 +124,9 @@ def _new_kv_targets(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor
         return rows, rows, positions
     # Equal tables have equal weighted sums, so distinct sums prove one sequence a row (a 1-D
     # unique: ~20x cheaper than unique(dim=0)'s row sort at 256 rows); a tie is rechecked.
-    sums = (tables.long() * torch.arange(1, tables.shape[1] + 1)).sum(1)
+    # Random 64-bit weights (the sum wraps): with weights 1, 2, 3, ... the engine's tables of
+    # consecutive block ids tied in 22 of 30 steps at 256 rows.
+    sums = (tables.long() * _table_weights(tables.shape[1])).sum(1)
     if sums.unique().numel() == tables.shape[0]:
         return rows, rows, positions
     _, group = torch.unique(tables, dim=0, return_inverse=True)
@@ -125,6 +136,12 @@ def _new_kv_targets(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor
         (group[:, None] == group[None, :]) & (positions[:, None] <= positions[None, :])
     ).nonzero(as_tuple=True)
     return src, dst, positions[src]
+
+
+@functools.cache
+def _table_weights(width: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(width)
+    return torch.randint(-(2**62), 2**62, (width,), dtype=torch.int64, generator=generator)
 
 
 def _gemm(weight, bias: torch.Tensor | None = None) -> Gemm:
