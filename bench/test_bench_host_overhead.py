@@ -25,7 +25,8 @@ mean nothing there.
 
 Each size runs twice: detokenizing (the offline engine: `LLM`, the CLI; half the requests check
 a stop string) and not (`Engine.detokenize` off: the HTTP server's engine core, whose front
-end detokenizes and matches stop strings in its own process; no stop strings reach the core).
+end detokenizes and matches stop strings in its own process; no stop strings reach the core;
+its decode tokens come out as two columns, `Engine.token_deltas`, not as output objects).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.engine import runner as runner_module
 from pagedkern.engine.detokenizer import IncrementalDetokenizer
-from pagedkern.engine.outputs import RequestOutput
+from pagedkern.engine.outputs import RequestOutput, TokenDeltas
 from pagedkern.parallel.context import SINGLE
 
 SIZES = [1, 64, 256, 1024]
@@ -139,6 +140,8 @@ def running_engine(num_seqs: int, monkeypatch, detokenize: bool = True) -> Engin
     )
     engine.runner.model = StubModel(engine.vocab_size, num_seqs)
     engine.detokenize = detokenize
+    if not detokenize:  # as the HTTP core: plain decode tokens as two columns, no outputs
+        engine.token_deltas = TokenDeltas()
     monkeypatch.setattr(ops, "sample", stub_sample)
     for i in range(num_seqs):
         params = SamplingParams(
@@ -157,6 +160,8 @@ def running_engine(num_seqs: int, monkeypatch, detokenize: bool = True) -> Engin
         engine.step()  # the prompts' prefill
     for _ in range(3):
         engine.step()
+    if engine.token_deltas is not None:
+        engine.token_deltas.take()  # (the warm-up's)
     return engine
 
 
@@ -192,7 +197,9 @@ def test_engine_step_host_cost(num_seqs, detokenize, record, monkeypatch, capsys
         start = CLOCK()
         outputs = engine.step()
         times.append(CLOCK() - start)
-        assert len(outputs) == num_seqs and not any(o.finished for o in outputs)
+        columns = engine.token_deltas.take()[0] if engine.token_deltas is not None else []
+        assert len(outputs) + len(columns) == num_seqs and not any(o.finished for o in outputs)
+        assert detokenize or not outputs  # the HTTP core's steady decode: columns only
         texts = texts or any(o.text for o in outputs)
     assert texts == detokenize  # (the stub's ids do decode to text)
     step = statistics.median(times)
@@ -202,6 +209,8 @@ def test_engine_step_host_cost(num_seqs, detokenize, record, monkeypatch, capsys
     instrument(engine, timers, monkeypatch)
     for _ in range(STEPS):
         engine.step()
+        if engine.token_deltas is not None:
+            engine.token_deltas.take()
     after = sum(len(r.output_ids) for r in engine.requests.values())
     assert after - before == 2 * STEPS * num_seqs  # every step decoded every sequence once
     for request in engine.requests.values():  # the stub sampler's ids really were appended

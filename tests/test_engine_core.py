@@ -1,6 +1,7 @@
 """The HTTP server's engine core runs its Engine with detokenization off (`Engine.detokenize`):
 the same tokens, finish reasons and blocks as a detokenizing engine, no text, and stop strings
-(which would need text) refused; and the front end's delivery of a request's outputs in batches
+(which would need text) refused; its plain decode tokens as two columns (`Engine.token_deltas`)
+that say what the outputs would have; and the front end's delivery of a request's outputs in batches
 (RequestStream.put / batches, one SSE write per batch)."""
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import pytest
 from test_http_server import tiny_engine
 
 from pagedkern.engine import FinishReason, SamplingParams
+from pagedkern.engine.outputs import TokenDeltas
 from pagedkern.serving.engine_client import EngineUnavailable
-from pagedkern.serving.engine_core import EngineCore
+from pagedkern.serving.engine_core import EngineCore, encode_output
 from pagedkern.serving.request_stream import RequestStream, StreamOutput
 from pagedkern.serving.streaming import CompletionFormat, sse_events
 
@@ -57,6 +59,56 @@ def test_the_engine_core_turns_detokenization_off():
     engine = tiny_engine()
     EngineCore(engine, channel=None)
     assert engine.detokenize is False
+    assert engine.token_deltas is not None
+
+
+CORE_PARAMS = [
+    SamplingParams(seed=1, temperature=1.0, max_tokens=14),
+    SamplingParams(seed=2, temperature=1.0, max_tokens=9, n=2),
+    SamplingParams(seed=3, temperature=1.0, max_tokens=8, logprobs=2),
+    SamplingParams(seed=4, temperature=1.0, max_tokens=11, repetition_penalty=1.3),
+    SamplingParams(seed=5, temperature=0.0, max_tokens=6, prompt_logprobs=1),
+    SamplingParams(seed=6, temperature=1.0, max_tokens=1),
+]
+
+
+def core_deltas(columns: bool) -> tuple[dict, int]:
+    """What the core would send per (key, sample index), step by step, as [token ids, finish,
+    error, logprobs, prompt]; with `columns`, the two-column tokens are folded back in."""
+    engine = tiny_engine(max_num_seqs=4)  # (some wait, so steps mix prefill and decode)
+    engine.detokenize = False
+    if columns:
+        engine.token_deltas = TokenDeltas()
+    for i, params in enumerate(CORE_PARAMS * 2):
+        engine.add_request(PROMPTS[i % 3], params, request_id=f"r{i}")
+    got: dict = {}
+    num_columns = 0
+    while engine.has_unfinished:
+        rows = [encode_output(out) for out in engine.step()]
+        keys, tokens = engine.token_deltas.take() if columns else ([], [])
+        assert not set(keys) & {row[0] for row in rows}  # one part per request and step
+        num_columns += len(keys)
+        for key, token in zip(keys, tokens, strict=True):
+            got.setdefault((key, 0), []).append([[token], None, None, None, None])
+        for key, index, ids, finish, error, logprobs, prompt in rows:
+            got.setdefault((key, index), []).append([list(ids), finish, error, logprobs, prompt])
+    assert engine.pool.num_used == 0
+    return got, num_columns
+
+
+def test_token_columns_carry_what_the_outputs_would_have():
+    """The core's two columns (Engine.token_deltas) hold exactly the deltas that would have
+    been plain outputs: folded back in, every request's deltas are the same, step by step;
+    logprobs, prompt logprobs, n > 1 samples, first tokens and finishes stay outputs."""
+    with_columns, num_columns = core_deltas(True)
+    assert with_columns == core_deltas(False)[0]
+    assert num_columns > 40  # most decode tokens went through the columns
+    for (key, _), deltas in with_columns.items():
+        i = int(key[1:])
+        params = CORE_PARAMS[i % len(CORE_PARAMS)]
+        assert deltas[-1][1] is not None  # every sample's last delta finishes it
+        if params.logprobs is not None:
+            assert all(d[3] for d in deltas)
 
 
 class _Owner:

@@ -8,7 +8,8 @@ appended token by token with every check, and the tokens after a stop are droppe
 The hot path is a plain decode: one token, no logprobs, no grammar, no tracer. Those take the
 fast lane of `_append_sampled`, one loop with the checks inlined (no per-token method calls);
 everything else goes through `_append`. Both make the same outputs: tests/test_engine*.py run
-both lanes.
+both lanes. With `token_deltas` set (the HTTP core), the fast lane's tokens that end nothing
+become two list appends instead of a RequestOutput each (outputs.TokenDeltas).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .outputs import RequestOutput, TokenLogprob
+from .outputs import RequestOutput, TokenDeltas, TokenLogprob
 from .request import FinishReason, Request
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class Appending:
     _timed: dict[str, Request]
     _forks: dict[Request, list[Request]]
     _undelivered: list[RequestOutput]
+    token_deltas: TokenDeltas | None
     _num_generated_tokens: int
     _num_finished: int
 
@@ -72,6 +74,9 @@ class Appending:
         requests, detokenizers, stop_ids = self.requests, self._detokenizers, self._stop_ids
         max_model_len, of, emit = self.max_model_len, RequestOutput.of, outputs.append
         logprobs = result.logprobs or [None] * len(result.requests)
+        deltas = self.token_deltas  # (the HTTP core's columns: see outputs.TokenDeltas)
+        if deltas is not None:
+            delta_id, delta_token = deltas.request_ids.append, deltas.token_ids.append
         appended = 0
         for request, token, logprob in zip(result.requests, result.token_ids, logprobs):
             rid = request.request_id
@@ -106,6 +111,9 @@ class Appending:
                     emit(self._finish(request, FinishReason.LENGTH, (token,), text))
                 elif len(request.prompt_ids) + n >= max_model_len:
                     emit(self._finish(request, FinishReason.CONTEXT, (token,), text))
+                elif deltas is not None and n > 1 and not text and request.parent_id is None:
+                    delta_id(rid)
+                    delta_token(token)
                 else:
                     emit(of(request, text, (token,), False))
             except Exception as exc:  # noqa: BLE001 - e.g. its detokenization: it fails alone

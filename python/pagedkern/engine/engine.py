@@ -45,7 +45,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kernel_policy import decode_graphs, piecewise_graphs
 from .kv_budget import kv_cache_blocks
-from .outputs import EngineStats, RequestOutput
+from .outputs import EngineStats, RequestOutput, TokenDeltas
 from .overlap import Overlap
 from .request import FinishReason, Request
 from .runner import ModelRunner, StepResult
@@ -145,6 +145,8 @@ class Engine(Admission, Appending):
         # False: outputs carry token ids only, no text (the HTTP front end detokenizes; stop
         # strings are then refused)
         self.detokenize = True
+        # the HTTP core: plain decode tokens as two columns instead of RequestOutputs
+        self.token_deltas: TokenDeltas | None = None
         self._stop_ids: dict[str, frozenset[int]] = {}  # ids that end the request (EOS too)
         self._timed: dict[str, Request] = {}  # those with a timeout: the only ones step() scans
         self._undelivered: list[RequestOutput] = []  # taken by stream() for other requests

@@ -264,6 +264,24 @@ for _i, _name in enumerate(_PUBLIC):
 del _i, _name
 
 
+@dataclass(slots=True)
+class TokenDeltas:
+    """A step's plainest deltas as two columns, for a consumer that wants no RequestOutput for
+    them: the HTTP engine core sends them as they are (serving/channel.py). With
+    Engine.token_deltas set, a decoding request's token that ends nothing and carries nothing
+    else (no text, logprobs or prompt logprobs; not its first token; not an n > 1 sample) is
+    recorded here instead of as an output; every other output is made as usual. Whoever sets
+    it takes the columns after every step (step() no longer returns those tokens)."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def take(self) -> tuple[list[str], list[int]]:
+        taken = self.request_ids, self.token_ids
+        self.request_ids, self.token_ids = [], []
+        return taken
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """The engine's state at one moment (`Engine.stats()`; call it where the engine runs)."""

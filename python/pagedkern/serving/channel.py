@@ -15,7 +15,10 @@ Core -> front end (`CoreFrame`):
     [READY, info]                                    once, after loading (info: a map)
     [FAILED, message]                                loading failed; the core exits
     [ADDED, request_id, prompt_tokens] / [REFUSED, request_id, code, message]
-    [OUTPUTS, [[key, index, token_ids, finish, error, logprobs, prompt], ...]]   one per step
+    [OUTPUTS, [[key, index, token_ids, finish, error, logprobs, prompt], ...],
+     [request_id, ...], [token_id, ...]]            one per step; the two columns: the plain
+                                      decodes' tokens that end nothing (sample 0, nothing else
+                                      to say); a request is in one of the two parts at most
     [STATS, query_id, gauges] / [CALLED, call_id]
     [DEAD, reason, gauges]                           the core stopped (gauges: its last reading)
 finish: None or a FinishReason value; logprobs: None or [[token, logprob, [[id, lp], ...]], ...];

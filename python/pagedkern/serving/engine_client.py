@@ -296,8 +296,15 @@ class EngineClient:
     def _handle(self, frame: list, now: float) -> None:
         kind = frame[0]
         if kind == wire.OUTPUTS:
+            streams = self._streams
+            for key, token in zip(frame[2], frame[3], strict=True):  # plain decode tokens
+                stream = streams.get(key)
+                if stream is not None:
+                    out = stream.take(0, [token], None, None, None, now)
+                    if out is not None:
+                        stream.put(out)
             for key, index, ids, finish, error, logprobs, prompt in frame[1]:
-                stream = self._streams.get(key)
+                stream = streams.get(key)
                 if stream is None:
                     continue
                 out = stream.take(index, ids, finish, error, logprobs, now, prompt)

@@ -9,7 +9,9 @@ One reader thread turns incoming frames into an inbox queue, so the front end's 
 for a step to end (and neither side can block the other with both socket buffers full). The
 loop drains the inbox (adds, aborts, stats queries), runs one step, and sends everything the
 iteration produced as one OUTPUTS frame: per request that advanced, its new token ids, finish
-code, error and logprobs. Text is the front end's business: the engine here does not detokenize
+code, error and logprobs, except that a plain decode's token that ends nothing travels as a
+(request id, token) pair in two columns (the engine makes no output object for it:
+engine/outputs.TokenDeltas). Text is the front end's business: the engine here does not detokenize
 (`Engine.detokenize` off), requests come without stop strings, and the front end detokenizes,
 matches stop strings and aborts what one ends. With nothing to do
 the loop blocks on the inbox (no spinning).
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine, EngineConfig, RequestOutput, RequestRejected, SamplingParams
+from ..engine.outputs import TokenDeltas
 from ..parallel.group import available_cores
 from . import channel as wire
 
@@ -110,6 +113,7 @@ class EngineCore:
         # Text is the front end's: the outputs' token ids are all it reads (a --trace still
         # shows the text it narrates)
         engine.detokenize = engine.tracer is not None
+        engine.token_deltas = TokenDeltas()  # a plain decode's token: two columns, no object
         self.channel = channel
         self.max_queue = engine.config.max_queue if max_queue is None else max_queue
         self.after_step = after_step
@@ -189,8 +193,9 @@ class EngineCore:
     def _flush(self) -> None:
         outputs = [encode_output(o) for o in self._outputs if o is not None]
         self._outputs = []
-        if outputs:
-            self.channel.send(wire.OUTPUTS, outputs)
+        keys, tokens = self.engine.token_deltas.take()
+        if outputs or keys:
+            self.channel.send(wire.OUTPUTS, outputs, keys, tokens)
 
     def _shutdown(self, front_end_gone: bool) -> None:
         for request_id in list(self.engine.requests):
