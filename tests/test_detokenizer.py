@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pagedkern.engine.detokenizer import IncrementalDetokenizer
+from pagedkern.engine.detokenizer import IncrementalDetokenizer, _concatenates
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -178,6 +178,21 @@ def test_deltas_equal_the_reference_on_any_ids(tokenizer, ids, stop):
         deltas.append(detok.flush())
     assert deltas[: len(expected)] == expected
     assert all(d == "" for d in deltas[len(expected) :])  # nothing after a stop string
+
+
+def test_the_byte_level_fast_path_is_on_only_for_decoders_that_concatenate(tokenizer):
+    # The fixture's ByteLevel decoder concatenates: add() skips the decode for most ids (the
+    # reference test above then runs the fast path); decoders that strip or replace do not.
+    assert _concatenates(tokenizer)
+    for decoder in (
+        decoders.Metaspace(),
+        decoders.Sequence([decoders.ByteFallback(), decoders.Strip(" ", 1, 0)]),
+        decoders.WordPiece(),
+    ):
+        other = Tokenizer.from_str(tokenizer.to_str())
+        other.decoder = decoder
+        assert not _concatenates(other)
+    assert not _concatenates(CharTokenizer())  # no description of itself: the general path
 
 
 def test_long_outputs_trim_the_text_and_still_find_stop_strings():

@@ -10,7 +10,9 @@ strings alike); a stop string counts only if it ends in the text of the min_toke
 
 Cost per token: one decode of the window since the last emitted character (usually two ids);
 the decode of the window before the new id is remembered between calls, and a one-id window's
-text comes from a per-tokenizer cache, so it is decoded once per id, not once per token. With
+text comes from a per-tokenizer cache, so it is decoded once per id, not once per token. For a
+byte-level BPE (`_concatenates`) an id whose own text is whole characters, after text that
+ended on one, is its cached text and no decode at all (the usual token). With
 stop strings (S strings of length <= L, bounded by SamplingParams): one `find` per stop string
 over the new text plus L characters, and at most L - 1 binary searches of the sorted stop
 strings for the held-back tail; nothing depends on other requests.
@@ -19,6 +21,8 @@ strings for the held-back tail; nothing depends on other requests.
 from __future__ import annotations
 
 import bisect
+import json
+import random
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -38,6 +42,41 @@ _ONE_ID_TEXT: weakref.WeakKeyDictionary[object, dict[int, str]] = weakref.WeakKe
 _TRIM_AFTER = 2048  # characters of emitted text kept before trimming the front
 
 
+# tokenizer -> whether its decode is byte concatenation (see _concatenates)
+_CONCATENATES: weakref.WeakKeyDictionary[object, bool] = weakref.WeakKeyDictionary()
+
+
+def _concatenates(tokenizer: Decoder) -> bool:
+    """Whether decode(ids) is the lossy UTF-8 decode of the ids' bytes joined (special ids: no
+    bytes): a byte-level BPE's ByteLevel decoder (GPT-2, Llama 3, Qwen, SmolLM), nothing that
+    strips, replaces or cleans up. Then an id whose text alone is whole characters, appended
+    after text that ended on a whole character, adds exactly that text, and add() needs no
+    decode. Decided from the tokenizer's own description, and checked on sample pairs."""
+    backend = tokenizer.backend if isinstance(tokenizer, Tokenizer) else tokenizer
+    if not hasattr(backend, "to_str"):  # not a `tokenizers` tokenizer: no description
+        return False
+    try:
+        return _CONCATENATES[tokenizer]
+    except KeyError:
+        pass
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    result = bool(parts) and all(part.get("type") == "ByteLevel" for part in parts)
+    if result:
+        decode = backend.decode
+        vocab = backend.get_vocab_size()
+        rng = random.Random(0)
+        pairs = [(rng.randrange(vocab), rng.randrange(vocab)) for _ in range(64)]
+        result = all(
+            decode([a, b], skip_special_tokens=True)
+            == decode([a], skip_special_tokens=True) + decode([b], skip_special_tokens=True)
+            for a, b in pairs
+            if "\ufffd" not in decode([a], skip_special_tokens=True)
+        )
+    _CONCATENATES[tokenizer] = result
+    return result
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, stop: Sequence[str] = (), min_tokens: int = 0):
         self.tokenizer = tokenizer
@@ -49,6 +88,10 @@ class IncrementalDetokenizer:
             self._one_id_text = _ONE_ID_TEXT.setdefault(tokenizer, {})
         except TypeError:  # not weakly referenceable: a cache of this request's own
             self._one_id_text = {}
+        try:
+            self._concat = _concatenates(tokenizer)
+        except TypeError:  # not weakly referenceable
+            self._concat = False
         self.stop = tuple(s for s in stop if s)
         self._sorted_stop = sorted(self.stop)
         self._max_stop = max(map(len, self.stop), default=0)
@@ -70,8 +113,18 @@ class IncrementalDetokenizer:
         if len(self.ids) < self.min_tokens:
             self._stop_from = len(self.text)  # text so far is from ids before the min_tokens-th
         ids = self.ids
-        ids.append(int(token_id))
+        token = int(token_id)
+        ids.append(token)
         prefix, read = self._prefix_offset, self._read_offset
+        if self._concat and read == len(ids) - 1:  # the text so far ends on a whole character
+            piece = self._one_id_text.get(token)
+            if piece is None:
+                piece = self._window(read, read + 1)  # (decoded once per id, then cached)
+            # so does this id's text ("" is a skipped special id): that text is the delta
+            if piece and "\ufffd" not in piece:
+                self.text += piece
+                self._prefix_offset, self._read_offset, self._before = read, read + 1, len(piece)
+                return self._release() if self.stop else self._emit(len(self.text))
         before = self._before
         if before < 0:
             before = self._before = len(self._window(prefix, read))
