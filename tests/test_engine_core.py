@@ -14,8 +14,9 @@ from test_http_server import tiny_engine
 
 from pagedkern.engine import FinishReason, SamplingParams
 from pagedkern.engine.outputs import TokenDeltas
-from pagedkern.serving.engine_client import EngineUnavailable
+from pagedkern.serving.engine_client import EngineClient, EngineUnavailable
 from pagedkern.serving.engine_core import EngineCore, encode_output
+from pagedkern.serving.metrics import ServerMetrics
 from pagedkern.serving.request_stream import RequestStream, StreamOutput
 from pagedkern.serving.streaming import CompletionFormat, sse_events
 
@@ -109,6 +110,46 @@ def test_token_columns_carry_what_the_outputs_would_have():
         assert deltas[-1][1] is not None  # every sample's last delta finishes it
         if params.logprobs is not None:
             assert all(d[3] for d in deltas)
+
+
+class _Recorder:
+    """An EngineClient's side of a RequestStream: real metrics (EngineClient.record), aborts
+    noted."""
+
+    record = EngineClient.record
+
+    def __init__(self) -> None:
+        self.metrics, self.aborts = ServerMetrics(), []
+
+    def abort(self, request_id: str) -> None:
+        self.aborts.append(request_id)
+
+
+def test_a_column_token_makes_what_take_makes():
+    """RequestStream.take_token (a frame's column lane) against take() on the same tokens: the
+    same StreamOutputs up to and including a stop string's cut, the same abort, the same
+    metrics (tokens, inter-token latencies) once the frame's latencies are recorded."""
+    tokenizer = tiny_engine().tokenizer
+    ids = tokenizer.encode("a much longer prompt about rivers, cities and music")
+    params = SamplingParams(stop=["cities"])
+    runs = []
+    for columns in (False, True):
+        owner = _Recorder()
+        s = RequestStream("r", owner, params, frozenset(), tokenizer)
+        outs = [s.take(0, [ids[0]], None, None, None, 0.0)]  # a first token is a row
+        for i, token in enumerate(ids[1:], 1):
+            if columns:
+                itls: list[float] = []
+                outs.append(s.take_token(token, 0.5 * i, itls))
+                owner.metrics.later_tokens(itls)
+            else:
+                outs.append(s.take(0, [token], None, None, None, 0.5 * i))
+        m = owner.metrics
+        runs.append((outs, owner.aborts, m.generation_tokens, m.itl.counts, m.itl.sum, m.finished))
+    assert runs[0] == runs[1]
+    outs = runs[0][0]
+    assert any(o is None for o in outs) and outs[outs.index(None) - 1].finished  # cut, then none
+    assert runs[0][1] == ["r"] and runs[0][5] == {"stop": 1}
 
 
 class _Owner:

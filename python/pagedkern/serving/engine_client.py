@@ -296,13 +296,15 @@ class EngineClient:
     def _handle(self, frame: list, now: float) -> None:
         kind = frame[0]
         if kind == wire.OUTPUTS:
-            streams = self._streams
+            streams, itls = self._streams, []
             for key, token in zip(frame[2], frame[3], strict=True):  # plain decode tokens
                 stream = streams.get(key)
                 if stream is not None:
-                    out = stream.take(0, [token], None, None, None, now)
+                    out = stream.take_token(token, now, itls)
                     if out is not None:
                         stream.put(out)
+            if itls:
+                self.metrics.later_tokens(itls)
             for key, index, ids, finish, error, logprobs, prompt in frame[1]:
                 stream = streams.get(key)
                 if stream is None:

@@ -101,6 +101,15 @@ class ServerMetrics:
             if itl is not None:
                 self.itl.observe(itl)
 
+    def later_tokens(self, itls: list[float]) -> None:
+        """Tokens that each follow their sample's last one by these latencies (a frame's
+        worth, under one lock)."""
+        with self.lock:
+            self.generation_tokens += len(itls)
+            observe = self.itl.observe
+            for itl in itls:
+                observe(itl)
+
     def request_finished(self, reason: str, latency: float) -> None:
         with self.lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1

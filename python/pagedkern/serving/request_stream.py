@@ -192,6 +192,30 @@ class RequestStream:
         sample.last_token = now if out.token_ids else sample.last_token
         return out
 
+    def take_token(self, token: int, now: float, itls: list[float]) -> StreamOutput | None:
+        """take() of a column token (channel.py: sample 0's one token, which ends nothing in
+        the core and carries nothing else) on its own lane: one detokenizer step, and its
+        inter-token latency appended to `itls` for the caller to record with the frame's
+        others (EngineClient.record: one call a frame); the same StreamOutput take() makes."""
+        sample = self._samples[0]
+        if sample.done:
+            return None
+        detokenizer = sample.detokenizer
+        text = detokenizer.add(token)
+        logprobs = None if self.params.logprobs is None else ()
+        if detokenizer.stopped_by is None:
+            out = StreamOutput(text, [token], False, None, 0, logprobs)
+        else:
+            self._stopped(0, False)
+            out = StreamOutput(text, [token], True, FinishReason.STOP, 0, logprobs)
+            sample.done = True
+        if out.finished or sample.last_token is None:
+            self.owner.record(self, sample, out, now)
+        else:
+            itls.append(now - sample.last_token)
+        sample.last_token = now
+        return out
+
     def _stopped(self, index: int, core_finished: bool) -> None:
         """A stop string ended sample `index`: the core need not run it on."""
         if core_finished or self._aborted:
