@@ -11,10 +11,10 @@ loop drains the inbox (adds, aborts, stats queries), runs one step, and sends ev
 iteration produced as one OUTPUTS frame: per request that advanced, its new token ids, finish
 code, error and logprobs, except that a plain decode's token that ends nothing travels as a
 (request id, token) pair in two columns (the engine makes no output object for it:
-engine/outputs.TokenDeltas). Text is the front end's business: the engine here does not detokenize
-(`Engine.detokenize` off), requests come without stop strings, and the front end detokenizes,
-matches stop strings and aborts what one ends. With nothing to do
-the loop blocks on the inbox (no spinning).
+engine/outputs.TokenDeltas). Text is the front end's business: the engine here does not
+detokenize (`Engine.detokenize` off), requests come without stop strings, and the front end
+detokenizes, matches stop strings and aborts what one ends. With nothing to do the loop blocks
+on the inbox (no spinning).
 
 Backpressure: an add is refused (queue_full) when `max_queue` requests would already wait after
 the next schedule filled the free batch slots: waiting - (max_num_seqs - running) >= max_queue.
