@@ -269,3 +269,25 @@ def test_mixed_batch_matches_separate_runs(model, tokenizer):
         alone = run_all_logits(model, [prompt], block_size, tables[b])[-1]
         assert int(batched[b].argmax()) == int(alone.argmax())
         assert (batched[b] - alone).abs().max().item() < 5e-4
+
+
+def test_its_byte_level_tokenizer_takes_the_detokenizers_no_decode_lane(tokenizer):
+    # SmolLM2's ByteLevel BPE concatenates bytes, so most tokens skip the decode
+    # (engine/detokenizer.py); deltas equal the general path's on real text (Chinese, emoji,
+    # code), with a stop string, and on random ids (broken UTF-8, special tokens).
+    from pagedkern.engine.detokenizer import IncrementalDetokenizer, _concatenates
+
+    assert _concatenates(tokenizer)
+    text = "法国的首都是巴黎。 Emoji 🎉🚀 👩‍👩‍👧!\ndef f(x):\n    return x ** 2  # done"
+    rng = random.Random(0)
+    streams = [tokenizer.encode(text), [rng.randrange(tokenizer.vocab_size) for _ in range(3000)]]
+    for ids in streams:
+        for stop in ([], ["巴黎", "x **"]):
+            runs = []
+            for fast in (True, False):
+                detok = IncrementalDetokenizer(tokenizer, stop)
+                detok._concat = fast
+                runs.append([detok.add(i) for i in ids] + [detok.flush()])
+            assert runs[0] == runs[1]
+            if not stop:
+                assert "".join(runs[0]) == tokenizer.decode(ids, skip_special_tokens=True)
