@@ -104,20 +104,20 @@ def _attend_padded(q, k_cache, v_cache, tables, lengths, longest: int, scale: fl
     visible = positions[None, :] < lengths[:, None]  # [G, L]
     pages = torch.where(visible[:, ::block_size], tables[:, :nblk].long(), 0)  # unused -> page 0
 
-    hidden = ~visible[:, None, :, None]
-
-    def gather(cache):  # [G, nblk, Hkv, bs, D] -> [G, Hkv, L, D], zero past each length
+    def gather(cache):  # [G, nblk, Hkv, bs, D] -> [G, Hkv, L, D], a fresh tensor
         # index_select copies whole [Hkv, bs, D] pages (cache[pages] walks them element by
-        # element), so the result is always a fresh tensor and is masked in place
+        # element)
         keys = cache.index_select(0, pages.view(-1)).view(g, nblk, hkv, block_size, d)
-        keys = keys.permute(0, 2, 1, 3, 4).reshape(g, hkv, -1, d).float()
-        return keys.masked_fill_(hidden, 0.0)  # never-written slots may be NaN
+        return keys.permute(0, 2, 1, 3, 4).reshape(g, hkv, -1, d).float()
 
+    # Slots past a length may never have been written (NaN): their scores are masked to -inf
+    # whatever the keys there, and their values zeroed (a zero weight times NaN is NaN).
     qg = q.float().reshape(g, hkv, hq // hkv, d)
     scores = torch.einsum("bhgd,bhld->bhgl", qg, gather(k_cache)) * scale
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("bhgl,bhld->bhgd", torch.softmax(scores, dim=-1), gather(v_cache))
+    values = gather(v_cache).masked_fill_(~visible[:, None, :, None], 0.0)
+    out = torch.einsum("bhgl,bhld->bhgd", torch.softmax(scores, dim=-1), values)
     return out.reshape(g, hq, d), lse.reshape(g, hq)
 
 
