@@ -44,6 +44,16 @@ def test_fast_decode_step_equals_plain(quantization, lengths):
     _assert_fast_equals_plain(_model(quantization), lengths)
 
 
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("lengths", [[37], [5, 40, 16, 17], [20, 20, 20]])
+def test_fast_decode_step_equals_plain_over_an_fp8_cache(quantization, lengths):
+    # E4M3 pages with the model's calibrated per-layer scales (not 1: k_scale and v_scale
+    # enter the scores and the output where paged_attention applies them)
+    model, _ = load_model("synthetic:tiny", quantization=quantization, kv_cache_dtype="fp8")
+    assert all(k != 1.0 and v != 1.0 for k, v in model.kv_scales())
+    _assert_fast_equals_plain(model, lengths)
+
+
 @pytest.mark.parametrize("lengths", [[37], [5, 40, 16, 17]])
 def test_fast_decode_step_equals_plain_with_a_softmax_scale_not_a_power_of_two(lengths):
     # head_dim 16 (tiny) and 64 (the default model) fold the scale into q's RoPE rows; 32 keeps
@@ -55,7 +65,7 @@ def test_fast_decode_step_equals_plain_with_a_softmax_scale_not_a_power_of_two(l
 def _assert_fast_equals_plain(model, lengths: list[int]) -> None:
     kv, (ids, meta) = _prefilled(model, lengths)
     before = kv.data.clone()
-    fast_kv = KVCache(kv.data.clone())
+    fast_kv = KVCache(kv.data.clone(), kv.scales)
     model.fast_cpu_decode = False
     plain = model.hidden_states(ids, meta, kv)
     model.fast_cpu_decode = True
@@ -74,19 +84,20 @@ def _assert_fast_equals_plain(model, lengths: list[int]) -> None:
     assert written[:, :, ~outside].all() and not written[:, :, outside].any()
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("lengths", [[37], [5, 40, 17], [20, 20, 20]])
-def test_the_next_step_reuses_the_gathered_copy_bit_for_bit(lengths, monkeypatch):
+def test_the_next_step_reuses_the_gathered_copy_bit_for_bit(lengths, kv_dtype, monkeypatch):
     # Step 2 appends one token to each of step 1's sequences (same rows, same padded length):
     # it must reuse step 1's gathered copy (one gather for two steps) and still equal the plain
     # path, hidden states and cache writes; after a plain step in between (the sequences moved on
-    # without the copy) a fresh gather.
-    model = _model("none")
+    # without the copy) a fresh gather. (fp8: the copy holds what the E4M3 pages read back.)
+    model, _ = load_model("synthetic:tiny", kv_cache_dtype=kv_dtype)
     gathers = []
     gather = cpu_decode.gather_decode_kv
     monkeypatch.setattr(cpu_decode, "gather_decode_kv", lambda *a: gathers.append(1) or gather(*a))
     kv, (ids, meta) = _prefilled(model, lengths)
     tables = [t[t > 0].tolist() for t in meta.block_tables]
-    fast_kv = KVCache(kv.data.clone())
+    fast_kv = KVCache(kv.data.clone(), kv.scales)
     step2 = [SequenceChunk([9 + i], n + 1, t) for i, (n, t) in enumerate(zip(lengths, tables))]
     ids2, meta2 = build_batch(step2, BLOCK)
     steps = ((ids, meta), (ids2, meta2))
@@ -167,15 +178,12 @@ def test_rows_in_another_order_are_gathered_afresh(monkeypatch):
     assert torch.equal(fast, model.hidden_states(*step2, plain_kv))
 
 
-def test_plain_path_for_prefill_fp8_and_calibration():
+def test_plain_path_for_prefill_and_calibration():
     model = _model("none")
     kv, (ids, meta) = _prefilled(model, [9, 4])
     assert cpu_decode.applies(model, meta, kv)
     prefill_ids, prefill = build_batch([SequenceChunk([1, 2, 3], 0, [1])], BLOCK)
     assert not cpu_decode.applies(model, prefill, kv)  # a prefill row
-    fp8 = model.allocate_kv_cache(8, BLOCK)
-    fp8 = KVCache(fp8.data.to(torch.float8_e4m3fn), [(1.0, 1.0)] * model.config.num_layers)
-    assert not cpu_decode.applies(model, meta, fp8)
     model._kv_amax = []  # fp8 calibration collects |k|, |v| on the plain path
     assert not cpu_decode.applies(model, meta, kv)
 

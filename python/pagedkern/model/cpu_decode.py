@@ -15,7 +15,10 @@ This path computes the plain forward's (llama.py) function with ~20 ops a layer:
 - per layer: residual add and RMSNorm (torch's fused rms_norm), the GEMMs on the prepacked
   weights (quantized: torch's int-pack kernels with bf16 activations, as ops.quant_linear),
   RoPE of q and k in place (rotate-half as roll, multiply, add), the new k/v written into the
-  gathered copy (one index_copy_), attention as bmm / softmax / bmm, SwiGLU in fp32;
+  gathered copy (one index_copy_; an fp8 cache: as the cache stores them, k / k_scale and
+  v / v_scale in E4M3, read back), attention as bmm / softmax / bmm (fp8: the scores times
+  k_scale, the output times v_scale, where reference.paged_attention applies them), SwiGLU in
+  fp32;
 - once per step: the new tokens' k/v written back into the paged cache (one scatter).
 
 Bit for bit the plain path's result: every op rounds where the reference op does (no FMA where
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 from ..ops import launch
 from ..ops.quant_gemm import cpu_packed
 from ..reference.attention import decode_bias, gather_decode_kv
+from ..reference.rope import quantize_e4m3
 from .attention_metadata import AttentionMetadata
 from .kv_cache import KVCache
 from .quantized_linear import QuantizedWeight
@@ -48,15 +52,15 @@ Gemm = Callable[[torch.Tensor], torch.Tensor]
 
 
 def applies(model, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
-    """Decode-only batch of an fp32 single-rank model on the CPU's reference ops, plain KV
-    cache, every row a real sequence (length >= 1, position = length - 1), no bias but QKV's."""
+    """Decode-only batch of an fp32 single-rank model on the CPU's reference ops (its KV cache
+    fp32 or fp8, not calibrating fp8 scales), every row a real sequence (length >= 1,
+    position = length - 1), no bias but QKV's."""
     if (
         meta.num_prefills
         or meta.num_tokens == 0
         or model.device.type != "cpu"
         or model.dtype != torch.float32
         or model.tp.size != 1
-        or kv_cache.is_fp8
         or model._kv_amax is not None
         or launch.get_backend() == "cuda"  # which never runs CPU tensors on the reference
     ):
@@ -217,7 +221,8 @@ def hidden_states(
     cos, sin = table[:, None, : d // 2], table[:, None, d // 2 :]
     cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
     scale: float | None = d**-0.5
-    if math.frexp(scale)[0] == 0.5:
+    fp8_scales = kv_cache.scales if kv_cache.is_fp8 else None  # per layer (k, v)
+    if math.frexp(scale)[0] == 0.5 and fp8_scales is None:
         # A power-of-two softmax scale (D = 64, 256) rides on q's RoPE rows: scaling by 2^-k
         # commutes with every rounding, so the bmm yields the reference's scores * scale, bit
         # for bit, without a multiply a layer.
@@ -242,14 +247,23 @@ def hidden_states(
         rolled = qk.roll(d // 2, dims=-1).mul_(sin2)  # not addcmul: its FMA rounds apart
         qk.mul_(cos2).add_(rolled)
         new_kv = qkv[:, q_size:].view(tokens, 2, hkv, d).permute(1, 2, 0, 3)
+        if fp8_scales is not None:  # what the cache stores, as attention reads it back
+            k_scale, v_scale = fp8_scales[i]
+            new_kv = torch.stack(
+                (quantize_e4m3(new_kv[0], k_scale), quantize_e4m3(new_kv[1], v_scale))
+            ).float()
         kv_rows[i].index_copy_(2, dst_rows, new_kv if src is None else new_kv[:, :, src])
         q = qk[:, : cfg.num_heads].view(tokens, hkv, group, d).transpose(0, 1)
         scores = torch.bmm(q.reshape(hkv * tokens, group, d), keys[i])
-        if scale is not None:
+        if fp8_scales is not None:
+            scores.mul_(scale * k_scale)  # (reference.paged_attention's scale * k_scale)
+        elif scale is not None:
             scores.mul_(scale)
         if bias is not None:
             scores.add_(bias)
         out = torch.bmm(torch.softmax(scores, dim=-1), values[i])  # [Hkv * G, group, D]
+        if fp8_scales is not None:
+            out.mul_(v_scale)
         attn_heads.copy_(out.view(hkv, tokens, -1).transpose(0, 1))
         residual.add_(o_mm(attn_in))
         h = torch.rms_norm(residual, hidden, layer.post_norm, eps)
