@@ -73,10 +73,11 @@ CORE_PARAMS = [
 ]
 
 
-def core_deltas(columns: bool) -> tuple[dict, int]:
+def core_deltas(columns: bool, async_scheduling: bool = False) -> tuple[dict, int]:
     """What the core would send per (key, sample index), step by step, as [token ids, finish,
     error, logprobs, prompt]; with `columns`, the two-column tokens are folded back in."""
-    engine = tiny_engine(max_num_seqs=4)  # (some wait, so steps mix prefill and decode)
+    # (max_num_seqs 4: some wait, so steps mix prefill and decode)
+    engine = tiny_engine(max_num_seqs=4, async_scheduling=async_scheduling)
     engine.detokenize = False
     if columns:
         engine.token_deltas = TokenDeltas()
@@ -97,12 +98,14 @@ def core_deltas(columns: bool) -> tuple[dict, int]:
     return got, num_columns
 
 
-def test_token_columns_carry_what_the_outputs_would_have():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlap"])
+def test_token_columns_carry_what_the_outputs_would_have(async_scheduling):
     """The core's two columns (Engine.token_deltas) hold exactly the deltas that would have
     been plain outputs: folded back in, every request's deltas are the same, step by step;
-    logprobs, prompt logprobs, n > 1 samples, first tokens and finishes stay outputs."""
-    with_columns, num_columns = core_deltas(True)
-    assert with_columns == core_deltas(False)[0]
+    logprobs, prompt logprobs, n > 1 samples, first tokens and finishes stay outputs. With
+    asynchronous scheduling too (a step's tokens are appended one step later)."""
+    with_columns, num_columns = core_deltas(True, async_scheduling)
+    assert with_columns == core_deltas(False, async_scheduling)[0]
     assert num_columns > 40  # most decode tokens went through the columns
     for (key, _), deltas in with_columns.items():
         i = int(key[1:])
