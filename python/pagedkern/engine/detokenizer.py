@@ -13,9 +13,10 @@ the decode of the window before the new id is remembered between calls, and a on
 text comes from a per-tokenizer cache, so it is decoded once per id, not once per token. For a
 byte-level BPE (`_concatenates`) an id whose own text is whole characters, after text that
 ended on one, is its cached text and no decode at all (the usual token). With
-stop strings (S strings of length <= L, bounded by SamplingParams): one `find` per stop string
-over the new text plus L characters, and at most L - 1 binary searches of the sorted stop
-strings for the held-back tail; nothing depends on other requests.
+stop strings (S strings of length <= L, bounded by SamplingParams): one set check of the new
+text plus L characters against the stop strings' first characters, and only when one is there
+one `find` per stop string over that window and at most L - 1 binary searches of the sorted
+stop strings for the held-back tail; nothing depends on other requests.
 """
 
 from __future__ import annotations
@@ -152,6 +153,10 @@ class IncrementalDetokenizer:
     def _release(self) -> str:
         """With stop strings: cut at the first one found, else emit all but the held-back tail."""
         start = max(0, self.emitted - self._max_stop + 1)
+        if self._stop_starts.isdisjoint(self.text[start:]):
+            # the usual token: nothing from `start` on begins a stop string, so none is found
+            # there and no tail is held back (it would begin in the unemitted text, past start)
+            return self._emit(len(self.text))
         hits = [(i, s) for s in self.stop if (i := self._find(s, start)) >= 0]
         if hits:
             cut, self.stopped_by = min(hits)
