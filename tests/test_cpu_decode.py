@@ -38,6 +38,21 @@ def _prefilled(model, lengths: list[int]):
     return kv, build_batch(chunks, BLOCK)
 
 
+def _next_step(lengths: list[int], tables: list[list[int]], k: int):
+    """The decode batch k tokens after _prefilled's (one new token per sequence)."""
+    chunks = [SequenceChunk([9 + i], n + k, t) for i, (n, t) in enumerate(zip(lengths, tables))]
+    return build_batch(chunks, BLOCK)
+
+
+@pytest.fixture
+def gathers(monkeypatch) -> list[int]:
+    """One entry per fresh gather of the fast path's K/V copy."""
+    counted: list[int] = []
+    gather = cpu_decode.gather_decode_kv
+    monkeypatch.setattr(cpu_decode, "gather_decode_kv", lambda *a: counted.append(1) or gather(*a))
+    return counted
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("lengths", [[37], [5, 40, 16, 17], [20, 20, 20]])
 def test_fast_decode_step_equals_plain(quantization, lengths):
@@ -86,21 +101,16 @@ def _assert_fast_equals_plain(model, lengths: list[int]) -> None:
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("lengths", [[37], [5, 40, 17], [20, 20, 20]])
-def test_the_next_step_reuses_the_gathered_copy_bit_for_bit(lengths, kv_dtype, monkeypatch):
+def test_the_next_step_reuses_the_gathered_copy_bit_for_bit(lengths, kv_dtype, gathers):
     # Step 2 appends one token to each of step 1's sequences (same rows, same padded length):
     # it must reuse step 1's gathered copy (one gather for two steps) and still equal the plain
     # path, hidden states and cache writes; after a plain step in between (the sequences moved on
     # without the copy) a fresh gather. (fp8: the copy holds what the E4M3 pages read back.)
     model, _ = load_model("synthetic:tiny", kv_cache_dtype=kv_dtype)
-    gathers = []
-    gather = cpu_decode.gather_decode_kv
-    monkeypatch.setattr(cpu_decode, "gather_decode_kv", lambda *a: gathers.append(1) or gather(*a))
     kv, (ids, meta) = _prefilled(model, lengths)
     tables = [t[t > 0].tolist() for t in meta.block_tables]
     fast_kv = KVCache(kv.data.clone(), kv.scales)
-    step2 = [SequenceChunk([9 + i], n + 1, t) for i, (n, t) in enumerate(zip(lengths, tables))]
-    ids2, meta2 = build_batch(step2, BLOCK)
-    steps = ((ids, meta), (ids2, meta2))
+    steps = ((ids, meta), _next_step(lengths, tables, 1))
     model.fast_cpu_decode = True
     fast = [model.hidden_states(*step, fast_kv) for step in steps]
     assert len(gathers) == 1
@@ -109,10 +119,7 @@ def test_the_next_step_reuses_the_gathered_copy_bit_for_bit(lengths, kv_dtype, m
     for got, want in zip(fast, plain, strict=True):
         assert not got.isnan().any() and torch.equal(got, want)
     torch.testing.assert_close(fast_kv.data, kv.data, rtol=0, atol=0, equal_nan=True)
-    step3, step4 = (
-        build_batch([SequenceChunk([2], n + k, t) for n, t in zip(lengths, tables)], BLOCK)
-        for k in (2, 3)
-    )
+    step3, step4 = (_next_step(lengths, tables, k) for k in (2, 3))
     model.hidden_states(*step3, fast_kv)  # a plain step
     assert model._cpu_decode_kv is None  # (the copy's memory given back)
     model.hidden_states(*step3, kv)
@@ -123,28 +130,21 @@ def test_the_next_step_reuses_the_gathered_copy_bit_for_bit(lengths, kv_dtype, m
     assert torch.equal(fast, model.hidden_states(*step4, kv))
 
 
-def test_a_sequence_that_starts_a_block_keeps_the_copy(monkeypatch):
+def test_a_sequence_that_starts_a_block_keeps_the_copy(gathers):
     # Staggered lengths (the common batch): at step 2 the second sequence's token is the first
     # of a block its table gains only now; the longest stays within its last block, so the
     # padded length is the same and step 1's copy is reused, bit for bit the plain path. A block
     # id changed where the copy had read (a table rewritten) is gathered afresh.
     model = _model("none")
-    gathers = []
-    gather = cpu_decode.gather_decode_kv
-    monkeypatch.setattr(cpu_decode, "gather_decode_kv", lambda *a: gathers.append(1) or gather(*a))
     lengths = [5, 31, 40]
     kv, (ids, meta) = _prefilled(model, lengths)
     tables = [t[t > 0].tolist() for t in meta.block_tables]
     assert len(tables[1]) == 2  # position 31: the last slot of its second block
     spare = sorted(set(range(1, kv.data.shape[2])) - {b for t in tables for b in t})
     grown = [tables[0], tables[1] + [spare[0]], tables[2]]
-    step2 = build_batch(
-        [SequenceChunk([9 + i], n + 1, t) for i, (n, t) in enumerate(zip(lengths, grown))], BLOCK
-    )
+    step2 = _next_step(lengths, grown, 1)
     moved = [tables[0], [spare[1], *grown[1][1:]], tables[2]]  # its first block replaced
-    step2_moved = build_batch(
-        [SequenceChunk([9 + i], n + 1, t) for i, (n, t) in enumerate(zip(lengths, moved))], BLOCK
-    )
+    step2_moved = _next_step(lengths, moved, 1)
     for second, want_gathers in ((step2, 1), (step2_moved, 2)):
         gathers.clear()
         fast_kv, plain_kv = KVCache(kv.data.clone()), KVCache(kv.data.clone())
@@ -158,14 +158,11 @@ def test_a_sequence_that_starts_a_block_keeps_the_copy(monkeypatch):
         torch.testing.assert_close(fast_kv.data, plain_kv.data, rtol=0, atol=0, equal_nan=True)
 
 
-def test_rows_in_another_order_are_gathered_afresh(monkeypatch):
+def test_rows_in_another_order_are_gathered_afresh(gathers):
     # Each sequence one token on, but row i now holds another sequence (same lengths): the
     # last copy's rows are other sequences' K/V.
     model = _model("none")
     model.fast_cpu_decode = True
-    gathers = []
-    gather = cpu_decode.gather_decode_kv
-    monkeypatch.setattr(cpu_decode, "gather_decode_kv", lambda *a: gathers.append(1) or gather(*a))
     kv, step1 = _prefilled(model, [20, 20, 20])
     tables = [t[t > 0].tolist() for t in step1[1].block_tables]
     step2 = build_batch([SequenceChunk([7], 21, t) for t in tables[1:] + tables[:1]], BLOCK)
