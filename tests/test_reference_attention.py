@@ -178,6 +178,32 @@ def test_flash_prefill_matches_dense_causal(dtype, hq, hkv, block_size):
         _check(out[rows], lse[rows], out64, lse64, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2), (8, 1)])
+def test_flash_prefill_sequence_alone_equals_it_in_a_batch(dtype, hq, hkv):
+    # The reference batches sequences of as many key blocks into padded GEMMs; a sequence's
+    # rows must come out bit for bit as when it is prefilled alone, so greedy outputs do not
+    # depend on what else a step carries (one-token MHA chunks included: a one-row GEMM
+    # rounds apart).
+    g = torch.Generator().manual_seed(hq * 10 + hkv + 7)
+    pairs = [(p, c) for p in [0, 3, 15, 16, 40] for c in [1, 2, 5, 12, 33]] + [(20, 0)]
+    perm = torch.randperm(len(pairs), generator=g).tolist()
+    pairs = [pairs[i] for i in perm]
+    seq_lens = torch.tensor([p + c for p, c in pairs], dtype=torch.int32)
+    _, _, k_cache, v_cache, tables = _paged_cache(seq_lens.tolist(), hkv, 16, dtype, g)
+    cu = torch.tensor([0] + [c for _, c in pairs]).cumsum(0).int()
+    q = _randn((int(cu[-1]), hq, D), dtype, g)
+    out, lse = flash_prefill(q, k_cache, v_cache, cu, tables, seq_lens, return_lse=True)
+    assert not out.isnan().any() and not lse[lse != float("-inf")].isnan().any()
+    for b, (_, chunk) in enumerate(pairs):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        alone, alone_lse = flash_prefill(
+            q[rows], k_cache, v_cache, torch.tensor([0, chunk]).int(), tables[b : b + 1],
+            seq_lens[b : b + 1], return_lse=True,
+        )  # fmt: skip
+        assert torch.equal(alone, out[rows]) and torch.equal(alone_lse, lse[rows]), (b, pairs[b])
+
+
 def test_flash_prefill_rejects_chunk_longer_than_sequence():
     g = torch.Generator().manual_seed(2)
     _, _, k_cache, v_cache, tables = _paged_cache([5], 1, 16, torch.float32, g)

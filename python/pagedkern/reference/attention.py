@@ -18,21 +18,6 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tens
     return pages.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])[:, :length].float()
 
 
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [Tq, Hq, D], k/v [Hkv, L, D] -> (out [Tq, Hq, D] fp32, lse [Tq, Hq] fp32)."""
-    tq, hq, d = q.shape
-    hkv = k.shape[0]
-    qg = q.float().reshape(tq, hkv, hq // hkv, d)
-    scores = torch.einsum("thgd,hld->thgl", qg, k) * scale
-    if mask is not None:  # [Tq, L], True = visible
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("thgl,hld->thgd", torch.softmax(scores, dim=-1), v)
-    return out.reshape(tq, hq, d), lse.reshape(tq, hq)
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -60,6 +45,7 @@ def paged_attention(
         scale = scale * k_scale
     result = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = lse if return_lse else None
     lengths = seq_lens.tolist()
     for group in _groups(lengths, k_cache.shape[1] * d):
         rows = torch.tensor(group, device=q.device)
@@ -71,8 +57,11 @@ def paged_attention(
             seq_lens[rows].long(),
             max(lengths[i] for i in group),
             scale,
+            return_lse,
         )
-        result[rows], lse[rows] = o, s
+        result[rows] = o
+        if lse is not None:
+            lse[rows] = s
     if v_scale is not None:
         result *= v_scale
     out = _store(result, q.dtype, out)
@@ -94,9 +83,11 @@ def _groups(lengths: list[int], elements_per_token: int, budget: int = 1 << 24) 
     return groups + [group] if group else groups
 
 
-def _attend_padded(q, k_cache, v_cache, tables, lengths, longest: int, scale: float):
+def _attend_padded(
+    q, k_cache, v_cache, tables, lengths, longest: int, scale: float, need_lse: bool
+):
     """Decode attention for a group of sequences at once, keys padded to the longest and masked.
-    q [G, Hq, D] -> (out [G, Hq, D], lse [G, Hq]) in fp32."""
+    q [G, Hq, D] -> (out [G, Hq, D], lse [G, Hq] or None unless need_lse) in fp32."""
     g, hq, d = q.shape
     hkv, block_size = k_cache.shape[1], k_cache.shape[2]
     nblk = -(-longest // block_size)
@@ -115,10 +106,10 @@ def _attend_padded(q, k_cache, v_cache, tables, lengths, longest: int, scale: fl
     qg = q.float().reshape(g, hkv, hq // hkv, d)
     scores = torch.einsum("bhgd,bhld->bhgl", qg, gather(k_cache)) * scale
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
+    lse = torch.logsumexp(scores, dim=-1).reshape(g, hq) if need_lse else None
     values = gather(v_cache).masked_fill_(~visible[:, None, :, None], 0.0)
     out = torch.einsum("bhgl,bhld->bhgd", torch.softmax(scores, dim=-1), values)
-    return out.reshape(g, hq, d), lse.reshape(g, hq)
+    return out.reshape(g, hq, d), lse
 
 
 # --- Fast CPU decode: the keys of every layer gathered once per step -----------------------
@@ -221,23 +212,104 @@ def flash_prefill(
     scale = (d**-0.5 if scale is None else scale) * (1.0 if k_scale is None else k_scale)
     result = torch.zeros(total, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((total, hq), float("-inf"), dtype=torch.float32, device=q.device)
-    bounds = cu_seqlens_q.tolist()
-    for i, length in enumerate(seq_lens.tolist()):
-        start, end = bounds[i], bounds[i + 1]
-        n = end - start
-        if n == 0:
-            continue
+    lse = lse if return_lse else None
+    bounds, lengths = cu_seqlens_q.tolist(), seq_lens.tolist()
+    chunks = [bounds[i + 1] - bounds[i] for i in range(len(lengths))]
+    for i, (n, length) in enumerate(zip(chunks, lengths, strict=True)):
         if length < n:
             raise ValueError(f"seq_lens[{i}]={length} is shorter than its query chunk ({n})")
-        k = _gather(k_cache, block_tables[i], length)
-        v = _gather(v_cache, block_tables[i], length)
-        query_pos = torch.arange(length - n, length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= query_pos[:, None]
-        result[start:end], lse[start:end] = _attend(q[start:end], k, v, scale, mask)
+    for group in _prefill_groups(chunks, lengths, k_cache.shape[2], hq):
+        starts = [bounds[i] for i in group]
+        o, s = _prefill_padded(
+            q, k_cache, v_cache, block_tables[group], starts, [chunks[i] for i in group],
+            [lengths[i] for i in group], scale, return_lse,
+        )  # fmt: skip
+        rows = torch.cat([torch.arange(a, a + chunks[i]) for a, i in zip(starts, group)])
+        result[rows] = o
+        if lse is not None:
+            lse[rows] = s
     if v_scale is not None and v_scale != 1.0:
         result.mul_(v_scale)
     out = _store(result, q.dtype, out)
     return (out, lse) if return_lse else out
+
+
+def _prefill_groups(
+    chunks: list[int], lengths: list[int], block_size: int, hq: int, budget: int = 1 << 24
+) -> list[list[int]]:
+    """Sequences with a query chunk in groups computed as one padded batch: the same number
+    of key blocks (every sequence's keys padded to its own whole blocks, so its softmax and
+    sums never depend on its neighbours: torch's CPU softmax rounds differently at another
+    width), chunks padded to the group's longest, the group's scores (rows x longest chunk x
+    heads x width) within `budget` elements and its padded rows at most twice its real ones."""
+    by_blocks: dict[int, list[int]] = {}
+    for i in sorted((i for i, n in enumerate(chunks) if n > 0), key=chunks.__getitem__):
+        by_blocks.setdefault(-(-lengths[i] // block_size), []).append(i)
+    groups: list[list[int]] = []
+    for nblk, members in by_blocks.items():
+        group: list[int] = []
+        rows = 0
+        for i in members:  # by chunk length: the last one added is the longest
+            padded = (len(group) + 1) * chunks[i]
+            if group and (
+                padded * nblk * block_size * hq > budget or padded > 2 * (rows + chunks[i])
+            ):
+                groups.append(group)
+                group, rows = [], 0
+            group.append(i)
+            rows += chunks[i]
+        groups.append(group)
+    return groups
+
+
+def _prefill_padded(
+    q, k_cache, v_cache, tables, starts, chunks, lengths, scale: float, need_lse: bool
+):
+    """Causal prefill attention of a group of S sequences of as many key blocks at once: chunks
+    padded to the longest (T), keys to the whole blocks (W), masked. Per query row the same
+    products, softmax and sums as attending alone (rows are independent; padded rows are
+    dropped), so a sequence's output does not depend on its group. -> (out, lse or None), the
+    chunks' rows back to back: [sum(chunks), Hq, D] and [sum(chunks), Hq] fp32."""
+    hq, d = q.shape[1:]
+    hkv, block_size = k_cache.shape[1], k_cache.shape[2]
+    # At least two query rows a GEMM: torch's CPU bmm rounds a one-row product differently
+    group, t_max = len(chunks), max(max(chunks), 2 if hq == hkv else 1)
+    nblk = -(-max(lengths) // block_size)
+    width = nblk * block_size
+    n, lens, first = (torch.tensor(x, device=q.device) for x in (chunks, lengths, starts))
+    step = torch.arange(t_max, device=q.device)
+    real = step[None, :] < n[:, None]  # [S, T]: rows that are queries, not padding
+    rows = torch.where(real, first[:, None] + step[None, :], first[:, None])
+    positions = (lens - n)[:, None] + step[None, :]  # [S, T], each query's position
+    slots = torch.arange(width, device=q.device)
+    hidden = slots[None, None, :] > positions[:, :, None]  # [S, T, W]: causal (so < length)
+    pages = torch.where(slots[None, ::block_size] < lens[:, None], tables[:, :nblk].long(), 0)
+
+    def gather(cache, dims):  # the group's pages as [S, Hkv, *dims] fp32, a fresh tensor
+        pages_of = cache.index_select(0, pages.view(-1)).view(group, nblk, hkv, block_size, d)
+        dense = pages_of.permute(0, 2, *dims)
+        return torch.empty(dense.shape, device=q.device).copy_(dense)
+
+    qg = q.index_select(0, rows.view(-1)).float().view(group, t_max, hkv, hq // hkv, d)
+    qg = qg.permute(0, 2, 1, 3, 4).reshape(group * hkv, -1, d)  # [S * Hkv, T * G, D]
+    # Keys as [D, W] rows: with the transposed view torch's CPU bmm rounds few-row products
+    # (T * G < 6) differently from many-row ones, so a chunk's scores hung on its group's T
+    keys = gather(k_cache, (4, 1, 3)).view(group * hkv, d, width)  # [D, nblk, bs] a head
+    scores = torch.bmm(qg, keys).mul_(scale)
+    scores = scores.view(group, hkv, t_max, -1, width)
+    scores.masked_fill_(hidden[:, None, :, None, :], float("-inf"))
+    lse = None
+    if need_lse:  # max + log(sum(exp)): -log_softmax at the max, a row op like the softmax
+        # (torch.logsumexp's elementwise exp rounds by where a row falls in the tensor)
+        lse = scores.amax(-1) - torch.log_softmax(scores, dim=-1).amax(-1)
+        lse = lse.permute(0, 2, 1, 3)
+    # Slots past a length may never have been written (NaN): zero weights times NaN is NaN
+    values = gather(v_cache, (1, 3, 4)).view(group, hkv, width, d)
+    values.masked_fill_((slots[None, :] >= lens[:, None])[:, None, :, None], 0.0)
+    weights = torch.softmax(scores, dim=-1).view(group * hkv, -1, width)
+    out = torch.bmm(weights, values.view(group * hkv, width, d))
+    out = out.view(group, hkv, t_max, -1, d).permute(0, 2, 1, 3, 4)[real].reshape(-1, hq, d)
+    return out, None if lse is None else lse[real].reshape(-1, hq)
 
 
 def merge_attention_states(
