@@ -220,11 +220,10 @@ def flash_prefill(
             raise ValueError(f"seq_lens[{i}]={length} is shorter than its query chunk ({n})")
     for group in _prefill_groups(chunks, lengths, k_cache.shape[2], hq):
         starts = [bounds[i] for i in group]
-        o, s = _prefill_padded(
+        rows, o, s = _prefill_padded(
             q, k_cache, v_cache, block_tables[group], starts, [chunks[i] for i in group],
             [lengths[i] for i in group], scale, return_lse,
         )  # fmt: skip
-        rows = torch.cat([torch.arange(a, a + chunks[i]) for a, i in zip(starts, group)])
         result[rows] = o
         if lse is not None:
             lse[rows] = s
@@ -268,8 +267,9 @@ def _prefill_padded(
     """Causal prefill attention of a group of S sequences of as many key blocks at once: chunks
     padded to the longest (T), keys to the whole blocks (W), masked. Per query row the same
     products, softmax and sums as attending alone (rows are independent; padded rows are
-    dropped), so a sequence's output does not depend on its group. -> (out, lse or None), the
-    chunks' rows back to back: [sum(chunks), Hq, D] and [sum(chunks), Hq] fp32."""
+    dropped), so a sequence's output does not depend on its group. -> (rows of q, out, lse or
+    None) for the chunks' rows back to back: [sum(chunks)], [sum(chunks), Hq, D] and
+    [sum(chunks), Hq] fp32."""
     hq, d = q.shape[1:]
     hkv, block_size = k_cache.shape[1], k_cache.shape[2]
     # At least two query rows a GEMM: torch's CPU bmm rounds a one-row product differently
@@ -309,7 +309,7 @@ def _prefill_padded(
     weights = torch.softmax(scores, dim=-1).view(group * hkv, -1, width)
     out = torch.bmm(weights, values.view(group * hkv, width, d))
     out = out.view(group, hkv, t_max, -1, d).permute(0, 2, 1, 3, 4)[real].reshape(-1, hq, d)
-    return out, None if lse is None else lse[real].reshape(-1, hq)
+    return rows[real], out, None if lse is None else lse[real].reshape(-1, hq)
 
 
 def merge_attention_states(
