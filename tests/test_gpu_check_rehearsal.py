@@ -75,6 +75,20 @@ def test_the_plan_runs_every_gpu_test_file_as_an_explicit_file():
     ]
 
 
+def test_every_gpu_marked_test_is_in_a_test_stage():
+    """A GPU test in a file the plan does not name never runs on a lent GPU (quant_gemm's sat
+    in tests/test_quant_gemm_kernel.py beside its emulated tests, outside every stage)."""
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run(
+        [*cmd, "-m", "gpu", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    marked = {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
+    planned = {f for s in FULL_PLAN if s["kind"] == "test" for f in s["args"].split()}
+    assert marked, proc.stdout[-2000:]
+    assert marked <= planned, f"GPU tests outside the plan: {sorted(marked - planned)}"
+
+
 @pytest.mark.parametrize("stage", FULL_PLAN, ids=[s["name"] for s in FULL_PLAN])
 def test_stage_collects_as_on_the_gpu_machine(stage):
     args = stage["args"].split()
