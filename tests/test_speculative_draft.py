@@ -480,3 +480,23 @@ def test_speculative_sampling_with_a_random_draft_keeps_the_distribution(case):
     observed = torch.tensor([a * VOCAB + b for a, b in pairs])
     assert_chi_square(observed, joint.flatten() * seeds)
     assert_chi_square(observed // VOCAB, joint.sum(1) * seeds)  # the first token alone
+
+
+@pytest.mark.parametrize("draft_model", ["self:1", "synthetic:tiny"])
+def test_the_kv_budget_holds_the_draft_cache_too(draft_model):
+    # The draft's cache has as many blocks as the target's; sized from kv_cache_gib (on a GPU
+    # from the memory left after the profiling pass), the two together must fit it, where the
+    # target's alone once took all of it and the draft's came on top.
+    gib = 2**-10
+    config = EngineConfig(
+        model="synthetic:tiny", backend="reference", device="cpu", kv_cache_gib=gib,
+        speculative="draft", draft_model=draft_model,
+    )  # fmt: skip
+    engine = Engine.from_config(config)
+    caches = [engine.kv_cache.data, engine.proposer.kv_cache.data]
+    used = sum(c.numel() * c.element_size() for c in caches)
+    per_block = used // engine.kv_cache.num_blocks
+    assert engine.proposer.kv_cache.num_blocks == engine.kv_cache.num_blocks
+    assert gib * 2**30 - per_block < used <= gib * 2**30
+    engine.add_request(prompt_ids=[1, 2, 3], params=GREEDY)
+    assert sum(len(o.token_ids) for o in engine.run_until_done()) == GREEDY.max_tokens

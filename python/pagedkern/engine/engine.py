@@ -50,7 +50,7 @@ from .overlap import Overlap
 from .request import FinishReason, Request
 from .runner import ModelRunner, StepResult
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from .speculative import Proposal, make_proposer
+from .speculative import Proposal, load_draft, make_proposer
 from .trace import Tracer
 
 log = logging.getLogger("pagedkern.engine")
@@ -116,7 +116,10 @@ class Engine(Admission, Appending):
         piecewise = piecewise_graphs(decode_graphs=graphs, requested=config.piecewise_cuda_graphs)
         self.broken: TensorParallelError | None = None  # the TP group failed: nothing runs
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
-            num_blocks = config.num_blocks or kv_cache_blocks(model, config, context)
+            draft = load_draft(config, model)  # its weights and KV cache count in the budget
+            num_blocks = config.num_blocks or kv_cache_blocks(
+                model, config, context, None if draft is None else draft[0]
+            )
             # A sequence can never outgrow the whole cache: one that did would be preempted
             # forever.
             self.max_model_len = min(context, num_blocks * config.block_size)
@@ -138,7 +141,7 @@ class Engine(Admission, Appending):
             self.pool, SchedulerConfig.from_engine(config, self.max_model_len)
         )
         with ops.use_backend(self.backend):
-            self.proposer = make_proposer(config, model, self.kv_cache)
+            self.proposer = make_proposer(config, model, self.kv_cache, draft)
         self._spec_steps = self._spec_proposed = self._spec_accepted = 0
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model import LlamaModel, SequenceChunk, build_batch, kv_block_bytes, num_blocks_for_bytes
+from ..model import LlamaModel, SequenceChunk, build_batch, kv_block_bytes
 from .config import EngineConfig
 
 
@@ -36,8 +36,15 @@ def profile_peak_bytes(
     return peak + max_num_seqs * model.config.vocab_size * 4
 
 
-def kv_cache_blocks(model: LlamaModel, config: EngineConfig, max_model_len: int) -> int:
+def kv_cache_blocks(
+    model: LlamaModel, config: EngineConfig, max_model_len: int, draft: LlamaModel | None = None
+) -> int:
+    """Blocks of the target's cache, and of the draft model's beside it (as many blocks, over
+    the same block tables), that the budget holds together."""
     cfg, bs, dtype = model.config, config.block_size, model.kv_dtype
+    block_bytes = kv_block_bytes(cfg, bs, dtype)
+    if draft is not None:
+        block_bytes += kv_block_bytes(draft.config, bs, draft.kv_dtype)
     if model.device.type == "cuda":
         _, total = torch.cuda.mem_get_info(model.device)
         tokens = min(config.max_num_batched_tokens, max_model_len)
@@ -45,8 +52,9 @@ def kv_cache_blocks(model: LlamaModel, config: EngineConfig, max_model_len: int)
         budget = int(total * config.gpu_memory_fraction) - peak
     else:
         budget = int(config.kv_cache_gib * 2**30)
-    blocks = num_blocks_for_bytes(cfg, max(budget, 0), bs, dtype)
+    blocks = max(budget, 0) // block_bytes
     if blocks < 1:
-        need = kv_block_bytes(cfg, bs, dtype)
-        raise RuntimeError(f"no memory for even one KV block ({need} bytes, budget {budget})")
+        raise RuntimeError(
+            f"no memory for even one KV block ({block_bytes} bytes, budget {budget})"
+        )
     return blocks

@@ -11,14 +11,26 @@ if TYPE_CHECKING:
     from ...model import KVCache, LlamaModel
     from ..config import EngineConfig
 
-__all__ = ["Proposal", "Proposer", "make_proposer"]
+__all__ = ["Proposal", "Proposer", "load_draft", "make_proposer"]
+Draft = tuple["LlamaModel", "LlamaModel | None"]  # DraftProposer.load: (model, its head's owner)
+
+
+def load_draft(config: EngineConfig, target: LlamaModel) -> Draft | None:
+    """The draft model `config` asks for (speculative "draft"), else None; loaded before the KV
+    cache is sized, so the budget holds its cache too. The draft-model proposer is imported
+    only when asked for."""
+    if config.speculative != "draft":
+        return None
+    from .draft import DraftProposer
+
+    return DraftProposer.load(config.draft_model, target, config)
 
 
 def make_proposer(
-    config: EngineConfig, target: LlamaModel, target_kv_cache: KVCache
+    config: EngineConfig, target: LlamaModel, target_kv_cache: KVCache, draft: Draft | None = None
 ) -> Proposer | None:
-    """The proposer `config.speculative` names (None for "none"). The draft-model proposer is
-    imported only when asked for (it loads a second model)."""
+    """The proposer `config.speculative` names (None for "none"); "draft" with `draft` from
+    load_draft (loaded here when None)."""
     if config.speculative == "ngram":
         from .ngram import NgramProposer
 
@@ -26,5 +38,6 @@ def make_proposer(
     if config.speculative == "draft":
         from .draft import DraftProposer
 
-        return DraftProposer.create(config.draft_model, target, target_kv_cache, config)
+        draft = draft or DraftProposer.load(config.draft_model, target, config)
+        return DraftProposer.over_cache(*draft, target_kv_cache, config)
     return None

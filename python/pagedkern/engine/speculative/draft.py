@@ -125,10 +125,20 @@ class DraftProposer:
         target_kv_cache: KVCache,
         config: EngineConfig,
     ) -> DraftProposer:
-        """The proposer for `draft_model`: "self:N", or a model path / "synthetic:<preset>"
-        loaded like the engine's own model (a synthetic draft from seed config.seed + 1, so a
-        draft of the target's preset is a different random model). Raises ValueError naming
-        draft_model when it cannot serve this target (vocabulary size, N out of range)."""
+        """The proposer for `draft_model` (see `load`), its cache as many blocks as the
+        target's."""
+        return cls.over_cache(*cls.load(draft_model, target, config), target_kv_cache, config)
+
+    @staticmethod
+    def load(
+        draft_model: str, target: LlamaModel, config: EngineConfig
+    ) -> tuple[LlamaModel, LlamaModel | None]:
+        """(the draft model, whose head it uses: None for its own) for `draft_model`: "self:N",
+        or a model path / "synthetic:<preset>" loaded like the engine's own model (a synthetic
+        draft from seed config.seed + 1, so a draft of the target's preset is a different random
+        model). Raises ValueError naming draft_model when it cannot serve this target
+        (vocabulary size, N out of range). The engine loads it before sizing the KV cache,
+        whose budget then holds both caches."""
         if not isinstance(draft_model, str) or not draft_model:
             raise ValueError(f"draft_model must be a non-empty string, got {draft_model!r}")
         head = None
@@ -151,6 +161,17 @@ class DraftProposer:
                     f"{draft.config.vocab_size} tokens, the target's tokenizer "
                     f"{target.config.vocab_size}; a draft must share the target's tokenizer"
                 )
+        return draft, head
+
+    @classmethod
+    def over_cache(
+        cls,
+        draft: LlamaModel,
+        head: LlamaModel | None,
+        target_kv_cache: KVCache,
+        config: EngineConfig,
+    ) -> DraftProposer:
+        """The proposer of a loaded draft, with its own cache of the target cache's blocks."""
         with ops.use_backend(config.backend):
             kv = draft.allocate_kv_cache(target_kv_cache.num_blocks, target_kv_cache.block_size)
         return cls(draft, kv, head, config.backend)
