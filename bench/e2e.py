@@ -61,14 +61,20 @@ def warm_up(engine: Engine) -> None:
 
 
 def run_offline(engine: Engine, jobs: Sequence[Job]) -> dict:
-    """All jobs submitted at once; seconds until the last finishes."""
+    """All jobs submitted at once; seconds until the last finishes; "token_ids": each job's
+    output, in job order."""
     _sync(engine)
     start = time.perf_counter()
-    for job in jobs:
-        engine.add_request(prompt_ids=job.prompt_ids, params=_params(job))
-    output_tokens = sum(len(o.token_ids) for o in engine.run_until_done())
+    ids = [
+        engine.add_request(prompt_ids=job.prompt_ids, params=_params(job)).request_id
+        for job in jobs
+    ]
+    outputs: dict[str, list[int]] = {i: [] for i in ids}
+    for o in engine.run_until_done():
+        outputs[o.request_id] += o.token_ids
     _sync(engine)
     seconds = time.perf_counter() - start
+    output_tokens = sum(len(t) for t in outputs.values())
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
     return {
         "requests": len(jobs),
@@ -76,6 +82,7 @@ def run_offline(engine: Engine, jobs: Sequence[Job]) -> dict:
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / seconds,
         "total_tokens_per_s": (output_tokens + prompt_tokens) / seconds,
+        "token_ids": [outputs[i] for i in ids],
     }
 
 
@@ -232,6 +239,7 @@ def main() -> None:
         engine.model.config.vocab_size,
     )
     result = run_online(engine, jobs, args.rate) if args.rate else run_offline(engine, jobs)
+    result.pop("token_ids", None)
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

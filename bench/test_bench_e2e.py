@@ -1,6 +1,7 @@
 """End-to-end serving benchmarks (bench/e2e.py) for the default model and the reference
 document's 8B shape (synthetic weights): offline throughput, online latency, batch-1 decode vs
-the weight-bandwidth roofline, the reference backend and HF transformers on the same workload.
+the weight-bandwidth roofline, the reference backend and HF transformers on the same workload,
+asynchronous scheduling off and on (issue 17's record).
 Targets on an H200: batch-1 decode of the 8B shape >= 80% of the roofline; offline throughput
 of the 8B shape >= 10x HF transformers; the CUDA backend >= 3x the reference backend.
 Smoke mode: the tiny synthetic model on the CPU reference ops, a handful of short requests."""
@@ -13,6 +14,7 @@ from e2e import decode_roofline, make_workload, run_hf, run_offline, run_online,
 from measure import smoke_mode
 
 from pagedkern.engine import Engine, EngineConfig
+from pagedkern.engine.overlap import Overlap
 from pagedkern.model import ModelLoadError, default_model_path
 
 SMOKE = smoke_mode()
@@ -139,6 +141,50 @@ def test_cuda_backend_vs_reference_backend(engine, record):
         out_tok_s=fast["output_tokens_per_s"],
         speedup=slow["seconds"] / fast["seconds"],
     )
+
+
+def test_async_scheduling_off_vs_on(engine, record):
+    """Offline throughput with the engine's steps synchronous, then overlapped (the host
+    schedules and lays out step N+1 while step N runs), same engine and jobs: the fixture's
+    engine gets an Overlap for the second run (what EngineConfig.async_scheduling builds), as
+    a second engine of the 8B shape would not fit beside the first. Greedy: the outputs must
+    be token for token the same."""
+    n, tokens = (8, 8) if SMOKE else (64, 128)
+    jobs = make_workload(
+        n,
+        (100, 512) if not SMOKE else (4, 16),
+        (tokens, tokens),
+        engine.model.config.vocab_size,
+        seed=4,
+    )
+    off = run_offline(engine, jobs)
+    engine.overlap = Overlap(engine)
+    try:
+        on = run_offline(engine, jobs)
+        overlapped = engine.overlap.num_overlapped
+    finally:
+        engine.overlap.close()
+        engine.overlap = None
+    assert on["token_ids"] == off["token_ids"]
+    assert overlapped > 0
+    case = f"{_case(engine)}, {n} req x {tokens}"
+    record(
+        "e2e async scheduling",
+        case,
+        "overlap off",
+        off["seconds"],
+        out_tok_s=off["output_tokens_per_s"],
+    )
+    record(
+        "e2e async scheduling",
+        case,
+        "overlap on",
+        on["seconds"],
+        out_tok_s=on["output_tokens_per_s"],
+        speedup=off["seconds"] / on["seconds"],
+        overlapped_steps=overlapped,
+    )
+    assert engine.pool.num_used == 0
 
 
 def test_hf_transformers_generate(engine, record):
