@@ -44,8 +44,9 @@ def paged_attention(
     if k_scale is not None:
         scale = scale * k_scale
     result = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, hq), float("-inf"), dtype=torch.float32, device=q.device)
-    lse = lse if return_lse else None
+    lse = None
+    if return_lse:
+        lse = torch.full((b, hq), float("-inf"), dtype=torch.float32, device=q.device)
     lengths = seq_lens.tolist()
     for group in _groups(lengths, k_cache.shape[1] * d):
         rows = torch.tensor(group, device=q.device)
@@ -83,6 +84,16 @@ def _groups(lengths: list[int], elements_per_token: int, budget: int = 1 << 24) 
     return groups + [group] if group else groups
 
 
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, dims: tuple[int, ...]):
+    """Pages [S, n] of a cache [blocks, Hkv, bs, D] as a fresh float32 [S, Hkv, ...] tensor,
+    the rest in `dims` order (1: page, 3: slot, 4: D). index_select copies whole [Hkv, bs, D]
+    pages (cache[pages] walks them element by element)."""
+    group, n = pages.shape
+    pages_of = cache.index_select(0, pages.reshape(-1)).view(group, n, *cache.shape[1:])
+    dense = pages_of.permute(0, 2, *dims)
+    return torch.empty(dense.shape, device=cache.device).copy_(dense)
+
+
 def _attend_padded(
     q, k_cache, v_cache, tables, lengths, longest: int, scale: float, need_lse: bool
 ):
@@ -95,19 +106,15 @@ def _attend_padded(
     visible = positions[None, :] < lengths[:, None]  # [G, L]
     pages = torch.where(visible[:, ::block_size], tables[:, :nblk].long(), 0)  # unused -> page 0
 
-    def gather(cache):  # [G, nblk, Hkv, bs, D] -> [G, Hkv, L, D], a fresh tensor
-        # index_select copies whole [Hkv, bs, D] pages (cache[pages] walks them element by
-        # element)
-        keys = cache.index_select(0, pages.view(-1)).view(g, nblk, hkv, block_size, d)
-        return keys.permute(0, 2, 1, 3, 4).reshape(g, hkv, -1, d).float()
-
     # Slots past a length may never have been written (NaN): their scores are masked to -inf
     # whatever the keys there, and their values zeroed (a zero weight times NaN is NaN).
     qg = q.float().reshape(g, hkv, hq // hkv, d)
-    scores = torch.einsum("bhgd,bhld->bhgl", qg, gather(k_cache)) * scale
+    keys = _gather_pages(k_cache, pages, (1, 3, 4)).view(g, hkv, -1, d)
+    scores = torch.einsum("bhgd,bhld->bhgl", qg, keys) * scale
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1).reshape(g, hq) if need_lse else None
-    values = gather(v_cache).masked_fill_(~visible[:, None, :, None], 0.0)
+    values = _gather_pages(v_cache, pages, (1, 3, 4)).view(g, hkv, -1, d)
+    values.masked_fill_(~visible[:, None, :, None], 0.0)
     out = torch.einsum("bhgl,bhld->bhgd", torch.softmax(scores, dim=-1), values)
     return out.reshape(g, hq, d), lse
 
@@ -211,8 +218,9 @@ def flash_prefill(
     total, hq, d = q.shape
     scale = (d**-0.5 if scale is None else scale) * (1.0 if k_scale is None else k_scale)
     result = torch.zeros(total, hq, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((total, hq), float("-inf"), dtype=torch.float32, device=q.device)
-    lse = lse if return_lse else None
+    lse = None
+    if return_lse:
+        lse = torch.full((total, hq), float("-inf"), dtype=torch.float32, device=q.device)
     bounds, lengths = cu_seqlens_q.tolist(), seq_lens.tolist()
     chunks = [bounds[i + 1] - bounds[i] for i in range(len(lengths))]
     for i, (n, length) in enumerate(zip(chunks, lengths, strict=True)):
@@ -285,16 +293,11 @@ def _prefill_padded(
     hidden = slots[None, None, :] > positions[:, :, None]  # [S, T, W]: causal (so < length)
     pages = torch.where(slots[None, ::block_size] < lens[:, None], tables[:, :nblk].long(), 0)
 
-    def gather(cache, dims):  # the group's pages as [S, Hkv, *dims] fp32, a fresh tensor
-        pages_of = cache.index_select(0, pages.view(-1)).view(group, nblk, hkv, block_size, d)
-        dense = pages_of.permute(0, 2, *dims)
-        return torch.empty(dense.shape, device=q.device).copy_(dense)
-
     qg = q.index_select(0, rows.view(-1)).float().view(group, t_max, hkv, hq // hkv, d)
     qg = qg.permute(0, 2, 1, 3, 4).reshape(group * hkv, -1, d)  # [S * Hkv, T * G, D]
     # Keys as [D, W] rows: with the transposed view torch's CPU bmm rounds few-row products
     # (T * G < 6) differently from many-row ones, so a chunk's scores hung on its group's T
-    keys = gather(k_cache, (4, 1, 3)).view(group * hkv, d, width)  # [D, nblk, bs] a head
+    keys = _gather_pages(k_cache, pages, (4, 1, 3)).view(group * hkv, d, width)  # [D, W] a head
     scores = torch.bmm(qg, keys).mul_(scale)
     scores = scores.view(group, hkv, t_max, -1, width)
     scores.masked_fill_(hidden[:, None, :, None, :], float("-inf"))
@@ -304,7 +307,7 @@ def _prefill_padded(
         lse = scores.amax(-1) - torch.log_softmax(scores, dim=-1).amax(-1)
         lse = lse.permute(0, 2, 1, 3)
     # Slots past a length may never have been written (NaN): zero weights times NaN is NaN
-    values = gather(v_cache, (1, 3, 4)).view(group, hkv, width, d)
+    values = _gather_pages(v_cache, pages, (1, 3, 4)).view(group, hkv, width, d)
     values.masked_fill_((slots[None, :] >= lens[:, None])[:, None, :, None], 0.0)
     weights = torch.softmax(scores, dim=-1).view(group * hkv, -1, width)
     out = torch.bmm(weights, values.view(group * hkv, width, d))
