@@ -141,7 +141,7 @@ class Engine(Admission, Appending):
             self.pool, SchedulerConfig.from_engine(config, self.max_model_len)
         )
         with ops.use_backend(self.backend):
-            self.proposer = make_proposer(config, model, self.kv_cache, draft)
+            self.proposer = make_proposer(config, self.kv_cache, draft)
         self._spec_steps = self._spec_proposed = self._spec_accepted = 0
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

@@ -27,10 +27,10 @@ def load_draft(config: EngineConfig, target: LlamaModel) -> Draft | None:
 
 
 def make_proposer(
-    config: EngineConfig, target: LlamaModel, target_kv_cache: KVCache, draft: Draft | None = None
+    config: EngineConfig, target_kv_cache: KVCache, draft: Draft | None
 ) -> Proposer | None:
-    """The proposer `config.speculative` names (None for "none"); "draft" with `draft` from
-    load_draft (loaded here when None)."""
+    """The proposer `config.speculative` names (None for "none"); "draft" over `draft`, what
+    load_draft returned."""
     if config.speculative == "ngram":
         from .ngram import NgramProposer
 
@@ -38,6 +38,5 @@ def make_proposer(
     if config.speculative == "draft":
         from .draft import DraftProposer
 
-        draft = draft or DraftProposer.load(config.draft_model, target, config)
         return DraftProposer.over_cache(*draft, target_kv_cache, config)
     return None
