@@ -52,6 +52,12 @@ def default_model_installed() -> bool:
         return False
 
 
+def fixed_length_jobs(engine: Engine, n: int, tokens: int, seed: int):
+    """n requests of prompts 100-512 tokens long (4-16 in smoke mode), `tokens` out each."""
+    prompts = (4, 16) if SMOKE else (100, 512)
+    return make_workload(n, prompts, (tokens, tokens), engine.model.config.vocab_size, seed=seed)
+
+
 def _case(engine: Engine) -> str:
     return f"{engine.model.config.name} {str(engine.model.dtype).removeprefix('torch.')}"
 
@@ -112,13 +118,7 @@ def test_batch1_decode_vs_roofline(engine, record, request):
 
 def test_cuda_backend_vs_reference_backend(engine, record):
     n, tokens = SUBSET
-    jobs = make_workload(
-        n,
-        (100, 512) if not SMOKE else (4, 16),
-        (tokens, tokens),
-        engine.model.config.vocab_size,
-        seed=2,
-    )
+    jobs = fixed_length_jobs(engine, n, tokens, seed=2)
     fast = run_offline(engine, jobs)
     graphs, engine.runner.graphs = engine.runner.graphs, None  # graphs hold captured kernels
     backend, engine.backend = engine.backend, "reference"  # the engine's own op backend
@@ -150,13 +150,7 @@ def test_async_scheduling_off_vs_on(engine, record):
     a second engine of the 8B shape would not fit beside the first. Greedy: the outputs must
     be token for token the same."""
     n, tokens = (8, 8) if SMOKE else (64, 128)
-    jobs = make_workload(
-        n,
-        (100, 512) if not SMOKE else (4, 16),
-        (tokens, tokens),
-        engine.model.config.vocab_size,
-        seed=4,
-    )
+    jobs = fixed_length_jobs(engine, n, tokens, seed=4)
     off = run_offline(engine, jobs)
     engine.overlap = Overlap(engine)
     try:
@@ -191,7 +185,7 @@ def test_hf_transformers_generate(engine, record):
     if SMOKE:
         pytest.skip("smoke mode: HF transformers is compared on the GPU only")
     n, tokens = SUBSET
-    jobs = make_workload(n, (100, 512), (tokens, tokens), engine.model.config.vocab_size, seed=3)
+    jobs = fixed_length_jobs(engine, n, tokens, seed=3)
     hf = run_hf(engine.model.config, jobs, "cuda", engine.model.dtype)
     if hf is None:
         pytest.skip("transformers is not installed")
