@@ -8,6 +8,12 @@ of the two. The server's core picks its own intra-op threads (serving/engine_cor
 core_threads: for synthetic:tiny one core is left to the front end). Issue 17's target: >= 85%
 at 256 streams of synthetic:tiny.
 
+The same run also measures the server's core alone: the offline engine with the core's
+threads and without text (the core leaves detokenization to the front end), i.e. what the
+server would deliver with a front end and a client that cost no CPU. core_alone / offline is
+then the best ratio this machine allows the server (`ceiling`), and HTTP / core_alone how much
+of it the front end and the client leave (`of_ceiling`): ratio = ceiling x of_ceiling.
+
 Beside the rates, each process's CPU time per delivered token in the best run (from
 /proc/<pid>/stat: the front end, the engine core, the client; the offline engine's thread
 time), which does not depend on what the neighbours do, and the load average at the end: on
@@ -50,6 +56,7 @@ for _name in ("fastapi", "uvicorn", "pydantic"):
     pytest.importorskip(_name)
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from pagedkern.serving.engine_core import core_threads  # noqa: E402
 
 ROUNDS = 3 if FULL else 1
 CLIENT = str(Path(__file__).with_name("stream_client.py"))
@@ -184,6 +191,17 @@ class Offline:
         assert made == streams * tokens
         return made / seconds, cpu * 1e6 / made
 
+    def as_core(self, streams: int, tokens: int) -> tuple[float, float]:
+        """run() as the server's engine core runs: its intra-op threads, no text."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(core_threads(self.engine) or threads)
+        self.engine.detokenize = False
+        try:
+            return self.run(streams, tokens)
+        finally:
+            self.engine.detokenize = True
+            torch.set_num_threads(threads)
+
 
 @pytest.mark.parametrize(("model", "streams", "tokens", "num_blocks"), CASES)
 def test_http_front_end_delivers_what_the_engine_makes(model, streams, tokens, num_blocks, record):
@@ -194,7 +212,7 @@ def test_http_front_end_delivers_what_the_engine_makes(model, streams, tokens, n
     if PROFILE:
         profile = str(Path(PROFILE, f"front_end-{(model or 'default').replace(':', '_')}.json"))
     proc, url, name, core = start_server(model, streams, num_blocks, profile)
-    runs, main_runs, thread_runs = [], [], []
+    runs, main_runs, thread_runs, core_runs = [], [], [], []
     try:
         client(url, name, 4, 4)  # warm-up
         if profile:
@@ -202,6 +220,7 @@ def test_http_front_end_delivers_what_the_engine_makes(model, streams, tokens, n
         for _ in range(ROUNDS):
             main_runs.append(engine.run(streams, tokens))
             thread_runs.append(engine.on_thread(streams, tokens))
+            core_runs.append(engine.as_core(streams, tokens))
             before = cpu_seconds(proc.pid), cpu_seconds(core)
             served = client(url, name, streams, tokens)
             served["front_end_cpu"] = cpu_seconds(proc.pid) - before[0]
@@ -215,6 +234,7 @@ def test_http_front_end_delivers_what_the_engine_makes(model, streams, tokens, n
         assert served["output_tokens"] == streams * tokens
     best = max(runs, key=lambda r: r["tok_per_s"])
     offline = max(main_runs + thread_runs)
+    core_alone = max(core_runs)[0]
     made = streams * tokens
     record(
         "HTTP front end vs offline engine (CPU reference ops)",
@@ -225,6 +245,9 @@ def test_http_front_end_delivers_what_the_engine_makes(model, streams, tokens, n
         offline_main_thread_tok_per_s=round(max(main_runs)[0], 1),
         offline_thread_tok_per_s=round(max(thread_runs)[0], 1),
         ratio=round(best["tok_per_s"] / offline[0], 3),
+        core_alone_tok_per_s=round(core_alone, 1),
+        ceiling=round(core_alone / offline[0], 3),
+        of_ceiling=round(best["tok_per_s"] / core_alone, 3),
         cpu_us_per_tok_front_end=round(best["front_end_cpu"] * 1e6 / made, 1),
         cpu_us_per_tok_core=round(best["core_cpu"] * 1e6 / made, 1),
         cpu_us_per_tok_client=round(best["cpu_seconds"] * 1e6 / made, 1),
