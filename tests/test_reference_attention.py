@@ -124,8 +124,9 @@ def test_paged_attention_scale_and_out():
 @pytest.mark.parametrize("seq_lens", [[1, 15, 16, 17, 100, 33], [37], [20, 20, 20]])
 def test_gathered_decode_attention_matches_paged_attention(hq, hkv, seq_lens):
     """The CPU decode fast path (all layers' pages gathered once, then three batched ops) equals
-    the plain reference and dense float64, on a NaN-poisoned cache: unequal lengths (masked,
-    slots past each length zeroed), one sequence and equal lengths (sliced, nothing masked)."""
+    the plain reference and dense float64, on a NaN-poisoned cache: unequal lengths, one
+    sequence and equal lengths, all attended over whole blocks as paged_attention pads them
+    (masked, slots past each length zeroed)."""
     g = torch.Generator().manual_seed(hq * 7 + hkv + len(seq_lens))
     block_size = 16
     keys, values, k_cache, v_cache, tables = _paged_cache(
@@ -138,7 +139,7 @@ def test_gathered_decode_attention_matches_paged_attention(hq, hkv, seq_lens):
     assert kv.shape == (2, 2, hkv, len(seq_lens), padded, D)
     q = _randn((len(seq_lens), hq, D), torch.float32, g)
     bias = decode_bias(seq_lens, padded, hkv)
-    assert (bias is None) == (len(set(seq_lens)) == 1)
+    assert (bias is None) == (min(seq_lens) == padded)
     out = paged_attention_gathered(q, kv[1, 0], kv[1, 1], seq_lens, bias, 0.3)
     out = out.transpose(0, 1).reshape(len(seq_lens), hq, D)  # [Hkv, G, Hq/Hkv, D] -> [G, Hq, D]
     assert not out.isnan().any()
@@ -212,9 +213,11 @@ def test_flash_prefill_rejects_chunk_longer_than_sequence():
         flash_prefill(q, k_cache, v_cache, torch.tensor([0, 6]), tables, torch.tensor([5]))
 
 
-@pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2), (9, 3)])
 def test_flash_prefill_single_token_chunks_equal_decode(hq, hkv):
-    # A chunk of one token at position seq_len - 1 is exactly a decode step.
+    # A chunk of one token at position seq_len - 1 is exactly a decode step, bit for bit (a
+    # prompt's last token chunked alone, or a generated token recomputed after preemption,
+    # must not change the logits: see MIN_GEMM_ROWS), and so is the last row of a longer chunk.
     g = torch.Generator().manual_seed(3)
     seq_lens = torch.tensor([1, 15, 16, 17, 100], dtype=torch.int32)
     _, _, k_cache, v_cache, tables = _paged_cache(seq_lens.tolist(), hkv, 16, torch.float32, g)
@@ -223,8 +226,14 @@ def test_flash_prefill_single_token_chunks_equal_decode(hq, hkv):
     out_p, lse_p = flash_prefill(q, k_cache, v_cache, cu, tables, seq_lens, return_lse=True)
     out_d, lse_d = paged_attention(q, k_cache, v_cache, tables, seq_lens, return_lse=True)
     assert not out_p.isnan().any()
-    torch.testing.assert_close(out_p, out_d, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out_p, out_d)
     torch.testing.assert_close(lse_p, lse_d, rtol=1e-6, atol=1e-6)
+    for b, n in enumerate(seq_lens.tolist()):  # the whole sequence as one chunk: its last row
+        rows = _randn((n, hq, D), torch.float32, g)
+        rows[-1] = q[b]
+        whole = flash_prefill(rows, k_cache, v_cache, torch.tensor([0, n]).int(), tables[b : b + 1],
+                              seq_lens[b : b + 1])  # fmt: skip
+        assert torch.equal(whole[-1], out_d[b]), b
 
 
 def _split_points(length, n_splits, g, multiple=1):

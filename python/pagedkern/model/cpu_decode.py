@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from ..ops import launch
 from ..ops.quant_gemm import cpu_packed
-from ..reference.attention import decode_bias, gather_decode_kv
+from ..reference.attention import MIN_GEMM_ROWS, decode_bias, gather_decode_kv
 from ..reference.rope import quantize_e4m3
 from .attention_metadata import AttentionMetadata
 from .kv_cache import KVCache
@@ -91,10 +91,10 @@ def _gathered_kv(model, kv_cache: KVCache, block_tables: torch.Tensor, lengths: 
     lengths reached; one sequence per row, so no row's copy holds another row's K/V), else a
     fresh gather (slots past a length zeroed, as the reference's). The last copy's slots below
     its lengths are the cache's, the new one's included (written into both); slots at or past
-    them are what this step's gather would leave there: zero (unequal lengths, still unequal;
-    a block a sequence enters now, whose one slot in reach is this step's token, included) or
-    sliced off (equal, still equal). So a batch of staggered lengths, where every step some
-    sequence starts a block, keeps its copy until the longest one starts a block."""
+    them are what this step's gather would leave there: zero (a block a sequence enters now,
+    whose one slot in reach is this step's token, included). So a batch of staggered lengths,
+    where every step some sequence starts a block, keeps its copy until the longest one starts
+    a block."""
     last, model._cpu_decode_kv = model._cpu_decode_kv, None
     block_size = kv_cache.block_size
     nblk = -(-max(lengths) // block_size)
@@ -213,9 +213,8 @@ def hidden_states(
     # Attention operands of every layer shaped as reference.paged_attention_gathered shapes
     # them (the same bmm / softmax / bmm on the same strides: the same bits), views taken once
     # per step instead of once per layer; views, never copies, so they see each layer's new k/v.
-    keys_len = padded if bias is not None else lengths[0]
-    keys = kv[:, 0, :, :, :keys_len].view(layers, hkv * tokens, keys_len, d).transpose(2, 3)
-    values = kv[:, 1, :, :, :keys_len].view(layers, hkv * tokens, keys_len, d)
+    keys = kv[:, 0].view(layers, hkv * tokens, padded, d).transpose(2, 3)
+    values = kv[:, 1].view(layers, hkv * tokens, padded, d)
     # RoPE rows: x' = x * [cos, cos] + roll(x, D/2) * [-sin, sin] (roll(x) = [x2, x1]).
     table = model.cos_sin[positions]
     cos, sin = table[:, None, : d // 2], table[:, None, d // 2 :]
@@ -231,7 +230,12 @@ def hidden_states(
         sin2[:, : cfg.num_heads].mul_(scale)
         scale = None
     attn_in = torch.empty(tokens, q_size, dtype=_gemm_dtype(w.layers[0].o))
-    attn_heads = attn_in.view(tokens, hkv, -1)
+    attn_heads = attn_in.view(tokens, hkv, group, d)
+    # Query rows per (kv head, sequence) GEMM, zero-padded as reference.paged_attention pads
+    # them (MIN_GEMM_ROWS): the pad rows stay zero, each layer writes the real ones.
+    q_rows = max(group, MIN_GEMM_ROWS)
+    q_padded = torch.zeros(hkv, tokens, q_rows, d)
+    q_real = q_padded[:, :, :group]
     act = torch.empty(tokens, inter, dtype=_gemm_dtype(w.layers[0].down))
 
     residual = model._embed(input_ids)
@@ -253,18 +257,19 @@ def hidden_states(
                 (quantize_e4m3(new_kv[0], k_scale), quantize_e4m3(new_kv[1], v_scale))
             ).float()
         kv_rows[i].index_copy_(2, dst_rows, new_kv if src is None else new_kv[:, :, src])
-        q = qk[:, : cfg.num_heads].view(tokens, hkv, group, d).transpose(0, 1)
-        scores = torch.bmm(q.reshape(hkv * tokens, group, d), keys[i])
+        q_real.copy_(qk[:, : cfg.num_heads].view(tokens, hkv, group, d).transpose(0, 1))
+        scores = torch.bmm(q_padded.view(hkv * tokens, q_rows, d), keys[i])
         if fp8_scales is not None:
             scores.mul_(scale * k_scale)  # (reference.paged_attention's scale * k_scale)
         elif scale is not None:
             scores.mul_(scale)
         if bias is not None:
             scores.add_(bias)
-        out = torch.bmm(torch.softmax(scores, dim=-1), values[i])  # [Hkv * G, group, D]
+        out = torch.bmm(torch.softmax(scores, dim=-1), values[i])  # [Hkv * G, q_rows, D]
+        out = out.view(hkv, tokens, q_rows, d)[:, :, :group]
         if fp8_scales is not None:
             out.mul_(v_scale)
-        attn_heads.copy_(out.view(hkv, tokens, -1).transpose(0, 1))
+        attn_heads.copy_(out.transpose(0, 1))
         residual.add_(o_mm(attn_in))
         h = torch.rms_norm(residual, hidden, layer.post_norm, eps)
         gate_up = gate_up_mm(h.to(_gemm_dtype(layer.gate_up))).float()

@@ -10,6 +10,25 @@ from __future__ import annotations
 
 import torch
 
+# Bit-identical results wherever a query is computed (batch invariance: greedy outputs must not
+# depend on what else a step carries, nor on decode vs prefill rows, chunking or preemption):
+# every GEMM of a (sequence, kv head) gets at least MIN_GEMM_ROWS query rows, zero-padded, and
+# its keys are padded to whole blocks. CPU BLASes round a product of few rows apart from the
+# same rows among many (a Xeon's MKL: 1 row; an AMD EPYC's: 1-3 rows, measured from 4 to 160
+# alike), and a score, softmax row or weighted sum apart at another width, except across
+# whole-block widths (both measured on the EPYC up to ~200 keys).
+MIN_GEMM_ROWS = 4
+
+
+def _with_min_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x zero-padded along `dim` to MIN_GEMM_ROWS rows (x itself when it has as many)."""
+    missing = MIN_GEMM_ROWS - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
     """Keys or values 0..length-1 of one sequence as [Hkv, length, D] float32."""
@@ -108,15 +127,16 @@ def _attend_padded(
 
     # Slots past a length may never have been written (NaN): their scores are masked to -inf
     # whatever the keys there, and their values zeroed (a zero weight times NaN is NaN).
-    qg = q.float().reshape(g, hkv, hq // hkv, d)
+    group = hq // hkv
+    qg = _with_min_rows(q.float().reshape(g, hkv, group, d), 2)  # (see MIN_GEMM_ROWS)
     keys = _gather_pages(k_cache, pages, (1, 3, 4)).view(g, hkv, -1, d)
     scores = torch.einsum("bhgd,bhld->bhgl", qg, keys) * scale
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1).reshape(g, hq) if need_lse else None
+    lse = torch.logsumexp(scores[:, :, :group], dim=-1).reshape(g, hq) if need_lse else None
     values = _gather_pages(v_cache, pages, (1, 3, 4)).view(g, hkv, -1, d)
     values.masked_fill_(~visible[:, None, :, None], 0.0)
     out = torch.einsum("bhgl,bhld->bhgd", torch.softmax(scores, dim=-1), values)
-    return out.reshape(g, hq, d), lse
+    return out[:, :, :group].reshape(g, hq, d), lse
 
 
 # --- Fast CPU decode: the keys of every layer gathered once per step -----------------------
@@ -131,9 +151,8 @@ def gather_decode_kv(
 ) -> torch.Tensor:
     """All layers' keys and values of G sequences, [L, 2, Hkv, G, P, D] float32 (P = the
     longest length rounded up to whole blocks), from kv_data [L, 2, num_blocks, Hkv, bs, D].
-    Unequal lengths: slots at or past each sequence's length are zeroed (never-written slots
-    may hold NaN, and masked scores still multiply the values); equal lengths: left as read,
-    paged_attention_gathered slices them off."""
+    Slots at or past each sequence's length are zeroed (never-written slots may hold NaN, and
+    masked scores still multiply the values)."""
     block_size = kv_data.shape[4]
     nblk = -(-max(lengths) // block_size)
     lens = torch.tensor(lengths, device=kv_data.device)
@@ -143,7 +162,7 @@ def gather_decode_kv(
     # advanced index kv[:, :, :, pages] walks them element by element: ~2x slower here)
     kv = kv_data.permute(0, 1, 3, 2, 4, 5).index_select(3, pages.view(-1)).float()
     *lead, _, _, d = kv.shape  # [L, 2, Hkv, G * nblk, bs, D]
-    if min(lengths) != max(lengths):
+    if min(lengths) < nblk * block_size:
         past = torch.arange(nblk * block_size, device=kv.device)[None, :] >= lens[:, None]
         kv.view(*lead, -1, d).index_fill_(3, past.view(-1).nonzero().squeeze(1), 0.0)
     return kv.view(*lead, len(lengths), nblk * block_size, d)
@@ -151,8 +170,9 @@ def gather_decode_kv(
 
 def decode_bias(lengths: list[int], padded: int, num_kv_heads: int) -> torch.Tensor | None:
     """[Hkv * G, 1, padded] fp32: 0 where slot < length, -inf past it (the softmax mask of
-    paged_attention_gathered), batch index kv_head * G + g; None when all lengths are equal."""
-    if min(lengths) == max(lengths):
+    paged_attention_gathered), batch index kv_head * G + g; None when every length fills the
+    padded width (nothing to mask)."""
+    if min(lengths) == padded:
         return None
     lens = torch.tensor(lengths)
     past = torch.arange(padded)[None, :] >= lens[:, None]
@@ -170,20 +190,22 @@ def paged_attention_gathered(
 ) -> torch.Tensor:
     """Decode attention over gathered keys: q [G, Hq, D] float32, k/v [Hkv, G, P, D] float32
     (one layer of gather_decode_kv), lengths [G] (each >= 1), bias from decode_bias (None when
-    all lengths are equal: the keys are then sliced to the length, nothing to mask).
+    every length is P). The keys are attended over all P slots, masked past each length, as
+    paged_attention pads them (whole blocks): on some CPUs (an AMD EPYC's MKL and softmax, for
+    one) a score, a softmax row and a sum round differently at another width, so the width,
+    not only the math, must be the reference's for the same bits.
     Returns [Hkv, G, Hq / Hkv, D] float32: batch (kv head, sequence), its query group."""
     g, hq, d = q.shape
     hkv, _, padded, _ = k.shape
-    if bias is None:
-        padded = lengths[0]
-        k, v = k[:, :, :padded], v[:, :, :padded]  # views: (Hkv, G) still merge
-    q3 = q.view(g, hkv, hq // hkv, d).transpose(0, 1).reshape(hkv * g, hq // hkv, d)
+    group = hq // hkv
+    q3 = q.view(g, hkv, group, d).transpose(0, 1).reshape(hkv * g, group, d)
+    q3 = _with_min_rows(q3, 1)  # (see MIN_GEMM_ROWS)
     k3, v3 = k.reshape(hkv * g, padded, d), v.reshape(hkv * g, padded, d)
     scores = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)
     if bias is not None:
         scores.add_(bias)
     out = torch.bmm(torch.softmax(scores, dim=-1), v3)
-    return out.view(hkv, g, hq // hkv, d)
+    return out[:, :group].reshape(hkv, g, group, d)
 
 
 def flash_prefill(
@@ -280,8 +302,10 @@ def _prefill_padded(
     [sum(chunks), Hq] fp32."""
     hq, d = q.shape[1:]
     hkv, block_size = k_cache.shape[1], k_cache.shape[2]
-    # At least two query rows a GEMM: torch's CPU bmm rounds a one-row product differently
-    group, t_max = len(chunks), max(max(chunks), 2 if hq == hkv else 1)
+    # At least MIN_GEMM_ROWS query rows a GEMM (T x G), or a short chunk's rows would hang on
+    # its group's longest chunk (and a one-token chunk differ from the same token's decode)
+    group = len(chunks)
+    t_max = max(max(chunks), -(-MIN_GEMM_ROWS // (hq // hkv)))
     nblk = -(-max(lengths) // block_size)
     width = nblk * block_size
     n, lens, first = (torch.tensor(x, device=q.device) for x in (chunks, lengths, starts))
