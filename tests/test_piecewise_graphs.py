@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from mixed_batches import mixed_batch
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
@@ -78,11 +79,17 @@ def test_padded_static_piecewise_path_equals_eager_bitwise(model, case):
     assert graphs.covers(layout) and graphs.bucket(n) >= n >= 16
     got = graphs.run(layout)
     assert not got.isnan().any()
-    # This BLAS computes a GEMM row independently of the row count M from M >= 7 (measured on
-    # the tiny model's shapes; the layers' GEMMs see M = 16.. tokens, the LM head M >= 7 logit
-    # rows): here every GEMM row, and so every logit, is the same bits.
-    assert torch.equal(got, eager)
-    assert torch.equal(piecewise_kv.data, eager_kv.data)  # the same k/v written, no padding row
+    # The layers' GEMMs see n tokens eagerly and T padded ones here, the LM head its logit rows
+    # and min(T, MAX_SEQS): the same bits wherever this BLAS gives a row the same bits at both
+    # row counts (a Xeon's MKL from 7 rows on; an AMD EPYC's at 2 threads not at 7, 10 or 11),
+    # else the few-row rounding of the next test.
+    logit_rows = len(got)
+    pairs = [(n, graphs.bucket(n)), (logit_rows, min(graphs.bucket(n), MAX_SEQS))]
+    if gemm_rows_round_alike(model, pairs):
+        assert torch.equal(got, eager)
+        assert torch.equal(piecewise_kv.data, eager_kv.data)  # the same k/v, no padding row
+    else:
+        _assert_within_rounding(got, eager, piecewise_kv, eager_kv)
 
 
 @pytest.mark.parametrize("prefill_lens, decodes", [([3], 2), ([23, 24], 0)])
@@ -94,9 +101,28 @@ def test_few_rows_round_as_the_blas_does_for_few_rows(model, prefill_lens, decod
     eager_kv, piecewise_kv = _caches(model)
     eager = model(*layout.upload(), eager_kv)
     got = _graphs(model, piecewise_kv).run(layout)
+    _assert_within_rounding(got, eager, piecewise_kv, eager_kv)
+
+
+def _assert_within_rounding(got, eager, piecewise_kv, eager_kv) -> None:
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), eager.argmax(-1))
     torch.testing.assert_close(piecewise_kv.data, eager_kv.data, rtol=1e-5, atol=1e-5)
+
+
+def gemm_rows_round_alike(model, pairs: list[tuple[int, int]]) -> bool:
+    """Whether this machine's BLAS gives a row of each of the model's GEMMs (layer 0's four and
+    the LM head) the same bits in a product of m rows as in one of M rows, for each (m, M):
+    measured on random rows, as the padded path needs it."""
+    w = model.weights
+    weights = [w.layers[0].qkv, w.layers[0].o, w.layers[0].gate_up, w.layers[0].down, w.lm_head]
+    g = torch.Generator().manual_seed(0)
+    for m, rows in pairs:
+        for weight in weights:
+            x = torch.randn(rows, weight.shape[1], generator=g)
+            if not torch.equal(F.linear(x[:m], weight), F.linear(x, weight)[:m]):
+                return False
+    return True
 
 
 def _record_as_python_calls(piece: Piece) -> Piece:
@@ -120,7 +146,10 @@ def test_a_mixed_step_launches_attention_and_one_replay_per_piece(model):
     assert sorted(graphs._replays) == graphs.sizes == [16, 32, 64, 128]
     with launch.count_launches() as piecewise:
         got = graphs.run(layout)
-    assert torch.equal(got, expected)
+    if gemm_rows_round_alike(model, [(20, 32), (len(got), 16)]):
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     layers = model.config.num_layers
     attention = Counter({"rope_and_cache": layers, "flash_prefill": layers})
     attention["paged_attention"] = layers

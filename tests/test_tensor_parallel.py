@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU (gloo, loopback): TP = N gives TP = 1's tokens, logits (within
-LOGITS_ATOL) and, per rank, exactly its heads' slice of TP = 1's KV cache.
+LOGITS_ATOL) and, per rank, its heads' slice of TP = 1's KV cache (the same block ids and
+slots; values within LOGITS_ATOL + KV_RTOL relative).
 
 One TP group per model (module-scoped): tiny at TP = 2 (KV heads split 2 -> 1 per rank), an HF
 folder with 6 query heads and 1 KV head at TP = 3 (KV replicated, biases, uneven vocabulary
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tensor_parallel_cases import (
+    KV_RTOL,
     LOGITS_ATOL,
     SETTINGS,
     greedy,
@@ -71,7 +73,7 @@ def test_greedy_logits_and_kv_shards_match_tp1(engines):
         heads = list(kv_heads_of_rank(config, rank, size))
         assert cache.shape[3] == len(heads)
         assert cache.abs().sum() > 0
-        torch.testing.assert_close(cache, full[:, :, :, heads], atol=LOGITS_ATOL, rtol=0)
+        torch.testing.assert_close(cache, full[:, :, :, heads], atol=LOGITS_ATOL, rtol=KV_RTOL)
 
 
 def test_seeded_sampling_matches_tp1(engines):
