@@ -140,7 +140,7 @@ def test_gathered_decode_attention_matches_paged_attention(hq, hkv, seq_lens):
     q = _randn((len(seq_lens), hq, D), torch.float32, g)
     bias = decode_bias(seq_lens, padded, hkv)
     assert (bias is None) == (min(seq_lens) == padded)
-    out = paged_attention_gathered(q, kv[1, 0], kv[1, 1], seq_lens, bias, 0.3)
+    out = paged_attention_gathered(q, kv[1, 0], kv[1, 1], bias, 0.3)
     out = out.transpose(0, 1).reshape(len(seq_lens), hq, D)  # [Hkv, G, Hq/Hkv, D] -> [G, Hq, D]
     assert not out.isnan().any()
     plain = paged_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens), scale=0.3)

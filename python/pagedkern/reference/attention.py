@@ -184,16 +184,15 @@ def paged_attention_gathered(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    lengths: list[int],
     bias: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     """Decode attention over gathered keys: q [G, Hq, D] float32, k/v [Hkv, G, P, D] float32
-    (one layer of gather_decode_kv), lengths [G] (each >= 1), bias from decode_bias (None when
-    every length is P). The keys are attended over all P slots, masked past each length, as
-    paged_attention pads them (whole blocks): on some CPUs (an AMD EPYC's MKL and softmax, for
-    one) a score, a softmax row and a sum round differently at another width, so the width,
-    not only the math, must be the reference's for the same bits.
+    (one layer of gather_decode_kv), bias from decode_bias of the G lengths (None when every
+    length is P: nothing to mask). The keys are attended over all P slots, masked past each
+    length, as paged_attention pads them (whole blocks): on some CPUs (an AMD EPYC's MKL and
+    softmax, for one) a score, a softmax row and a sum round differently at another width, so
+    the width, not only the math, must be the reference's for the same bits.
     Returns [Hkv, G, Hq / Hkv, D] float32: batch (kv head, sequence), its query group."""
     g, hq, d = q.shape
     hkv, _, padded, _ = k.shape
