@@ -147,14 +147,16 @@ class Admission:
         return [compiler.matcher(grammar) for _ in range(params.n)]
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request (caller gone); its blocks return to the pool at once."""
+        """Cancel a request (caller gone); its blocks return to the pool at once. An n > 1
+        request's id ends every sample still running, also once its first sample has ended
+        (their outputs go to the next step(), or pop_undelivered()); a sample's own id
+        (`<id>.<i>`) ends that sample alone. None: nothing of that id was running."""
         request = self.requests.get(request_id)
-        if request is None:
-            return None
-        samples = [r for r in self.requests.values() if r.parent_id == request_id]
-        outputs = [self._finish(r, FinishReason.ABORT) for r in samples if r is not request]
-        self._undelivered += outputs
-        return self._finish(request, FinishReason.ABORT)
+        samples = [
+            r for r in self.requests.values() if r.parent_id == request_id and r is not request
+        ]
+        self._undelivered += [self._finish(r, FinishReason.ABORT) for r in samples]
+        return None if request is None else self._finish(request, FinishReason.ABORT)
 
     def pop_undelivered(self) -> list[RequestOutput]:
         """Outputs produced outside step() (an aborted n > 1 request's other samples) that the

@@ -193,8 +193,10 @@ class Appending:
         freed = list(request.block_table)
         if self.proposer is not None:
             self.proposer.forget(request)
-        waiting = self._forks.pop(request, ())
-        if waiting:  # n > 1, finished before its prompt was done: its samples end with it
+        # n > 1, finished before its prompt was done: its samples end with it (those not
+        # ended already, e.g. by the abort of the whole request)
+        waiting = [s for s in self._forks.pop(request, ()) if s.request_id in self.requests]
+        if waiting:
             self._undelivered += [self._finish(s, reason) for s in waiting]
         self.scheduler.finish(request)
         request.finish_reason = reason

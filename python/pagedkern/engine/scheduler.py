@@ -3,9 +3,17 @@ under a token budget and a sequence limit, with chunked prefill and preemption b
 
 Order: running requests first (decodes and unfinished prompt chunks), oldest first; then waiting
 requests in arrival order (preempted ones at the front). A long prompt is cut into chunks that
-share iterations with other requests' decodes. When a running request needs a block and none is
-free, the newest running request is preempted: its blocks go back to the pool and it later
-recomputes its K/V from its ids, so every admitted request eventually finishes.
+share iterations with other requests' decodes; while a request waits with a seat free, a running
+prompt's chunk takes at most half the token budget, so a short prompt is admitted at the next
+step instead of after the long one's whole prefill. Every running sequence, each sample of an
+n > 1 request too, holds one of max_num_seqs seats.
+
+When a running request needs a block and none is free, one is preempted: its blocks go back to
+the pool and it later recomputes its K/V from its ids, so every admitted request eventually
+finishes. Fairness rule: the victim is the newest sample of the request running the most
+samples (a fan-out pays for its own growth, and re-queues behind those already waiting), else
+the newest running request (back to the front of the queue). So short requests beside a large
+n > 1 request keep moving instead of being the ones preempted over and over.
 
 Speculative decoding: a decoding request that may speculate is scheduled for 1 + k tokens (its
 last token and k proposals; the budget counts all of them) and gets KV slots for all of them
@@ -23,7 +31,7 @@ is not scheduled again, nor a preempted one readmitted while its token is still 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
@@ -123,6 +131,10 @@ class Scheduler:
         lookahead = self.config.num_lookahead_tokens
         i = 0 if lookahead else self._plain_decodes(batch.entries, budget)
         budget -= i
+        # A running prompt's chunk leaves half the budget to the waiting requests that have a
+        # seat, so a short prompt never waits behind a long one's whole prefill.
+        admitting = self.waiting and len(running) < self.config.max_num_seqs
+        chunk_cap = max(1, self.config.max_num_batched_tokens // 2) if admitting else budget
         while i < len(running) and budget > 0:  # the rest: prompt chunks, new blocks, lookahead
             request = running[i]
             computed = request.num_computed_tokens
@@ -130,20 +142,23 @@ class Scheduler:
                 i += 1  # its in-flight token ends it (max_tokens / context): nothing to run
                 continue
             total = len(request.prompt_ids) + len(request.output_ids) + request.num_pending
-            num_new = min(total - computed, budget)
+            num_new = min(total - computed, budget, chunk_cap)
             k = self._lookahead(request, num_new, budget) if lookahead else 0
             if k and self._reserve(request, 1 + k):  # short of blocks: a plain decode instead
                 batch.lookahead[request] = k
                 num_new = 1 + k
             elif computed + num_new > len(request.block_table) * slots_per_block:
                 while not self._reserve(request, num_new):
-                    victim = running[-1]
+                    victim = self._victim()
+                    if running.index(victim) < i:  # scheduled already: take its entry back
+                        i -= 1
+                        budget += self._unschedule(batch, victim)
                     self._preempt(victim)
                     batch.preempted.append(victim)
                     if victim is request:
                         break
                 if request.status is not RequestStatus.RUNNING:
-                    break
+                    continue  # running[i] is now the request after it
             batch.entries.append((request, num_new))
             budget -= num_new
             i += 1
@@ -247,12 +262,39 @@ class Scheduler:
         request.block_table.extend(blocks)
         return True
 
+    def _victim(self) -> Request:
+        """Who gives its blocks back when memory is short: the newest running sample of the
+        request that runs the most samples (an n > 1 request pays for its own fan-out), else
+        the newest running request."""
+        running = self.running
+        counts = Counter(r.parent_id for r in running if r.parent_id is not None)
+        if counts:
+            parent, count = counts.most_common(1)[0]
+            if count > 1:
+                return next(r for r in reversed(running) if r.parent_id == parent)
+        return running[-1]
+
+    @staticmethod
+    def _unschedule(batch: ScheduledBatch, request: Request) -> int:
+        """Take `request`'s entry out of `batch`; the tokens it had."""
+        for j, (r, num_new) in enumerate(batch.entries):
+            if r is request:
+                del batch.entries[j]
+                batch.lookahead.pop(request, None)
+                return num_new
+        return 0
+
     def _preempt(self, request: Request) -> None:
+        """Back to waiting, its blocks freed: a single request at the front (next to be
+        readmitted), a sample of a fan-out behind the requests already waiting."""
         self.running.remove(request)
         self._release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if request.parent_id is None:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def _release(self, request: Request) -> None:
         self.pool.free(request.block_table)
@@ -342,13 +384,17 @@ class Scheduler:
     def fork(self, leader: Request, sample: Request) -> tuple[int, int] | None:
         """n > 1: `sample` starts running from `leader`'s computed prompt: the full prompt blocks
         shared (one more reference each), the partial last block, if any, a fresh block whose
-        K/V the caller copies: (source, destination) is returned. Without a free block the
-        sample waits and recomputes its prompt (prefix-cache hits make that cheap)."""
+        K/V the caller copies: (source, destination) is returned. Without a free block or a
+        free seat (every running sample counts against max_num_seqs) the sample waits and
+        recomputes its prompt (prefix-cache hits make that cheap)."""
         bs = self.pool.block_size
         prompt_len = len(leader.prompt_ids)
         full = prompt_len // bs
         copy = None
         table = list(leader.block_table[:full])
+        if len(self.running) >= self.config.max_num_seqs:
+            self.add(sample)
+            return None
         if prompt_len % bs:
             fresh = self.pool.allocate(1)
             if fresh is None:
