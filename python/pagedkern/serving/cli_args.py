@@ -287,6 +287,7 @@ def build_parser() -> Parser:
         ("keep_alive_timeout", positive_int),
         ("max_header_bytes", positive_int),
         ("max_connections", positive_int),
+        ("max_seqs_per_request", positive_int),
     ):
         h.add_argument(
             "--" + name.replace("_", "-"),
@@ -388,6 +389,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         keep_alive_timeout=args.keep_alive_timeout,
         max_header_bytes=args.max_header_bytes,
         max_connections=args.max_connections,
+        max_seqs_per_request=args.max_seqs_per_request,
         core_threads=args.core_threads,
         served_model_name=args.served_model_name,
         api_key=args.api_key,

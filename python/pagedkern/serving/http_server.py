@@ -158,6 +158,13 @@ def create_app(
     ) -> Response:
         rid = request_id(http)
         param = "messages" if "messages" in prompts[0] else "prompt"
+        if params.n * len(prompts) > settings.max_seqs_per_request:
+            raise APIError(
+                400,
+                f"n x prompts = {params.n} x {len(prompts)} sequences; this server runs at most "
+                f"{settings.max_seqs_per_request} for one request",
+                param="n",
+            )
         try:  # template + tokens, off the engine; a big one off the event loop too
             if prepare.is_small(prompts):
                 prepared = [prepare(args) for args in prompts]
@@ -320,7 +327,7 @@ def sampling(
     try:
         params = req.sampling_params(default_max_tokens, defaults or {})
         if tokenizer is not None and req.bad_word_strings():
-            words = [tokenizer.encode(w) for w in req.bad_word_strings()]
+            words = [ids for w in req.bad_word_strings() for ids in bad_word_ids(tokenizer, w)]
             params = dataclasses.replace(params, bad_words=[*params.bad_words, *words])
     except (ValueError, TypeError) as exc:  # SamplingParams' own checks
         raise APIError(400, str(exc), param=_field_named(str(exc))) from exc
@@ -331,6 +338,17 @@ def sampling(
                     400, f"{name}: {token} is not a token id (vocabulary {vocab_size})", param=name
                 )
     return params
+
+
+def bad_word_ids(tokenizer, word: str) -> list[list[int]]:
+    """The token sequences that ban `word` (vLLM's rule): the word at the start of the text and
+    the word after a space, which a BPE tokenizer spells with other ids (" lazy" is not
+    "lazy"). An empty or all-space word bans nothing."""
+    word = word.lstrip()
+    if not word:
+        return []
+    bare, spaced = tokenizer.encode(word), tokenizer.encode(" " + word)
+    return [bare] if spaced == bare else [bare, spaced]
 
 
 def _field_named(message: str) -> str | None:

@@ -18,6 +18,9 @@ class ServerSettings:
     keep_alive_timeout: int = _opt(5, "seconds an idle keep-alive connection stays open")
     max_header_bytes: int = _opt(64 * 1024, "largest request head (request line and headers)")
     max_connections: int = _opt(1024, "open connections (and running handlers) before a 503")
+    max_seqs_per_request: int = _opt(
+        256, "sequences one request may ask for (n x prompts) before a 400"
+    )
     served_model_name: str | None = _opt(None, "the model name clients pass (default: derived)")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer <key>' on /v1 routes")
     allowed_origins: list[str] = _opt(None, "CORS origins allowed ('*': any; default: none)")
@@ -42,6 +45,7 @@ class ServerSettings:
             "keep_alive_timeout": self.keep_alive_timeout,
             "max_header_bytes": self.max_header_bytes,
             "max_connections": self.max_connections,
+            "max_seqs_per_request": self.max_seqs_per_request,
         }
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
