@@ -22,11 +22,11 @@ def _g(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _randn(shape, dtype, g):
-    return torch.randn(shape, generator=g).to(dtype)
+def _randn(shape, dtype, g, device="cpu"):
+    return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
 
 
-def _paged_kv(seq_lens, hkv, d, block_size, dtype, g):
+def _paged_kv(seq_lens, hkv, d, block_size, dtype, g, device="cpu"):
     """Caches [N, Hkv, bs, D] with each sequence's blocks in a shuffled order, and its table."""
     blocks = [-(-n // block_size) for n in seq_lens]
     total = sum(blocks) + 2
@@ -38,7 +38,7 @@ def _paged_kv(seq_lens, hkv, d, block_size, dtype, g):
         table[b, :n] = torch.tensor(order[k : k + n], dtype=torch.int32)
         k += n
     shape = (total, hkv, block_size, d)
-    return _randn(shape, dtype, g), _randn(shape, dtype, g), table
+    return _randn(shape, dtype, g, device), _randn(shape, dtype, g, device), table.to(device)
 
 
 def _check(op, args, kwargs=None):
@@ -46,32 +46,32 @@ def _check(op, args, kwargs=None):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norms_and_activation(dtype):
+def test_norms_and_activation(dtype, device="cpu"):
     g = _g(1)
-    x, w = _randn((5, 48), dtype, g), _randn((48,), dtype, g)
+    x, w = _randn((5, 48), dtype, g, device), _randn((48,), dtype, g, device)
     _check(ops.rms_norm.default, (x, w, 1e-5))
     assert torch.equal(ops.rms_norm(x, w, 1e-5), direct.rms_norm(x, w, 1e-5))
-    residual = _randn((5, 48), dtype, g)
+    residual = _randn((5, 48), dtype, g, device)
     _check(ops.fused_add_rms_norm.default, (x.clone(), residual.clone(), w, 1e-5))
     x1, r1, x2, r2 = x.clone(), residual.clone(), x.clone(), residual.clone()
     ops.fused_add_rms_norm(x1, r1, w, 1e-5)
     direct.fused_add_rms_norm(x2, r2, w, 1e-5)
     assert torch.equal(x1, x2) and torch.equal(r1, r2) and not torch.equal(x1, x)
-    gate_up = _randn((7, 2 * 33), dtype, g)
+    gate_up = _randn((7, 2 * 32), dtype, g, device)
     _check(ops.silu_and_mul.default, (gate_up,))
     assert torch.equal(ops.silu_and_mul(gate_up), direct.silu_and_mul(gate_up))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_cache(dtype):
+def test_rope_and_cache(dtype, device="cpu"):
     g = _g(2)
-    tokens, hq, hkv, d, bs, blocks = 6, 4, 2, 16, 4, 5
-    q, k, v = (_randn((tokens, h, d), dtype, g) for h in (hq, hkv, hkv))
-    positions = torch.tensor([0, 3, 1, 9, 4, 2], dtype=torch.int32)
-    table = cos_sin_cache(d, 32)
-    k_cache = _randn((blocks, hkv, bs, d), dtype, g)
-    v_cache = _randn((blocks, hkv, bs, d), dtype, g)
-    slots = torch.tensor([0, 5, -1, 17, 3, 8], dtype=torch.int32)
+    tokens, hq, hkv, d, bs, blocks = 6, 4, 2, 64, 4, 5
+    q, k, v = (_randn((tokens, h, d), dtype, g, device) for h in (hq, hkv, hkv))
+    positions = torch.tensor([0, 3, 1, 9, 4, 2], dtype=torch.int32, device=device)
+    table = cos_sin_cache(d, 32).to(device)
+    k_cache = _randn((blocks, hkv, bs, d), dtype, g, device)
+    v_cache = _randn((blocks, hkv, bs, d), dtype, g, device)
+    slots = torch.tensor([0, 5, -1, 17, 3, 8], dtype=torch.int32, device=device)
     args = (q, k, v, positions, table, k_cache, v_cache, slots)
     _check(ops.rope_and_cache.default, tuple(a.clone() for a in args))
     mine = [a.clone() for a in args]
@@ -84,13 +84,13 @@ def test_rope_and_cache(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention(dtype):
+def test_attention(dtype, device="cpu"):
     g = _g(3)
-    hq, hkv, d, bs = 4, 2, 16, 4
-    seq_lens = [5, 1, 11]
-    k_cache, v_cache, table = _paged_kv(seq_lens, hkv, d, bs, dtype, g)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    q = _randn((3, hq, d), dtype, g)
+    hq, hkv, d, bs = 4, 2, 64, 16
+    seq_lens = [5, 1, 41]
+    k_cache, v_cache, table = _paged_kv(seq_lens, hkv, d, bs, dtype, g, device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = _randn((3, hq, d), dtype, g, device)
     args = (q, k_cache, v_cache, table, lens)
     _check(ops.paged_attention.default, args)
     _check(ops.paged_attention_with_lse.default, args, {"scale": 0.3})
@@ -99,27 +99,30 @@ def test_attention(dtype):
     want_out, want_lse = direct.paged_attention(*args, return_lse=True)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     chunks = [3, 1, 4]  # the last query rows of each sequence
-    cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
-    qp = _randn((sum(chunks), hq, d), dtype, g)
+    cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32, device=device)
+    qp = _randn((sum(chunks), hq, d), dtype, g, device)
     pargs = (qp, k_cache, v_cache, cu, table, lens)
     _check(ops.flash_prefill.default, pargs)
     _check(ops.flash_prefill_with_lse.default, pargs)
     assert torch.equal(ops.flash_prefill(*pargs), direct.flash_prefill(*pargs))
+    out, lse = ops.flash_prefill_with_lse(*pargs)
+    want_out, want_lse = direct.flash_prefill(*pargs, return_lse=True)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sampling(dtype):
+def test_sampling(dtype, device="cpu"):
     g = _g(4)
     rows, vocab = 5, 97
-    logits = _randn((rows, vocab), dtype, g) * 3
-    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.0], dtype=torch.float32)
-    top_p = torch.tensor([1.0, 0.9, 0.5, 1.0, 0.8], dtype=torch.float32)
-    top_k = torch.tensor([0, 5, 0, 40, 3], dtype=torch.int32)
-    seeds = torch.arange(rows, dtype=torch.int64) * 7919
-    offsets = torch.arange(rows, dtype=torch.int64)
+    logits = _randn((rows, vocab), dtype, g, device) * 3
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.0], device=device)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 1.0, 0.8], device=device)
+    top_k = torch.tensor([0, 5, 0, 40, 3], dtype=torch.int32, device=device)
+    seeds = torch.arange(rows, dtype=torch.int64, device=device) * 7919
+    offsets = torch.arange(rows, dtype=torch.int64, device=device)
     args = (logits, temperature, top_p, top_k, seeds, offsets)
     _check(ops.sample.default, args)
-    _check(ops.sample.default, args, {"min_p": torch.full((rows,), 0.05)})
+    _check(ops.sample.default, args, {"min_p": torch.full((rows,), 0.05, device=device)})
     _check(ops.sample_with_logprobs.default, (*args, 3))
     ids = ops.sample(*args)
     assert torch.equal(ids, direct.sample(*args))
@@ -180,7 +183,7 @@ class TinyBlock(torch.nn.Module):
         self.norm2 = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden, generator=g))
         self.qkv, self.o = p((hq + 2 * hkv) * d, hidden), p(hidden, hq * d)
         self.gate_up, self.down = p(2 * inter, hidden), p(hidden, inter)
-        self.register_buffer("cos_sin", cos_sin_cache(d, 64))
+        self.register_buffer("cos_sin", cos_sin_cache(d, 64), persistent=False)
 
     def forward(self, x, positions, slots, k_cache, v_cache, cu, table, lens):
         t = x.shape[0]
@@ -199,26 +202,30 @@ class TinyBlock(torch.nn.Module):
         return mlp + residual
 
 
-def test_a_llama_block_compiles_fullgraph_to_the_eager_result():
+def test_a_llama_block_compiles_fullgraph_to_the_eager_result(
+    device="cpu", dtype=torch.float32, backend="aot_eager"
+):
     torch._dynamo.reset()
     g = _g(7)
-    block = TinyBlock(g=g)
+    block = TinyBlock(hidden=256, hq=4, hkv=2, inter=96, g=g).to(device=device, dtype=dtype)
+    block.cos_sin = block.cos_sin.float()  # the RoPE table stays float32 whatever the model's
     lens = [5, 3]
     t = sum(lens)
-    x = torch.randn((t, 32), generator=g)
-    positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2], dtype=torch.int32)
-    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    slots = torch.tensor([0, 1, 2, 3, 4, 8, 9, 10], dtype=torch.int32)
-    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    x = torch.randn((t, 256), generator=g).to(device=device, dtype=dtype)
+    i32 = {"dtype": torch.int32, "device": device}
+    positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2], **i32)
+    table = torch.tensor([[0], [1]], **i32)
+    slots = torch.tensor([0, 1, 2, 3, 4, 16, 17, 18], **i32)
+    cu = torch.tensor([0, 5, 8], **i32)
+    seq_lens = torch.tensor(lens, **i32)
 
     def cache():
-        return torch.zeros((4, 2, 4, 8)), torch.zeros((4, 2, 4, 8))
+        return tuple(torch.zeros((2, 2, 16, 64), device=device, dtype=dtype) for _ in range(2))
 
     eager_k, eager_v = cache()
     with torch.no_grad():
         want = block(x, positions, slots, eager_k, eager_v, cu, table, seq_lens)
-        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+        compiled = torch.compile(block, fullgraph=True, backend=backend)
         got_k, got_v = cache()
         got = compiled(x, positions, slots, got_k, got_v, cu, table, seq_lens)
     assert torch.equal(got, want)
