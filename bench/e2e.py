@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
+from pagedkern.ops.launch import count_launches
 
 
 @dataclass(slots=True)
@@ -150,15 +151,22 @@ def decode_roofline(engine: Engine, context: int, copy_gbps: float) -> dict:
         prompt_ids=[11] * context,
         params=SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
     )
-    outputs = list(engine.run_until_done())
+    with count_launches() as launches:
+        outputs = list(engine.run_until_done())
     itl = outputs[-1].metrics.itl
     per_token = statistics.median(itl)
+    steps = len(itl) + 1  # the prefill step, then one decode step per further token
     return {
         "context": context,
         "seconds_per_token": per_token,
         "roofline_seconds": bound,
         "fraction_of_roofline": bound / per_token,
         "weight_bytes": weight_bytes(engine),
+        # what the host launched per step (a replayed CUDA graph counts once: its kernels are
+        # the driver's), and how many decode steps were graph replays
+        "host_launches_per_step": round(sum(launches.values()) / steps, 1),
+        "graph_replays": launches["graph_replay"],
+        "decode_steps": len(itl),
     }
 
 

@@ -113,7 +113,10 @@ def test_batch1_decode_vs_roofline(engine, record, request):
         r["seconds_per_token"],
         bytes=r["weight_bytes"],
         roofline_fraction=r["fraction_of_roofline"],
+        host_launches_per_step=r["host_launches_per_step"],
+        graph_replays=f"{r['graph_replays']}/{r['decode_steps']}",
     )
+    assert r["graph_replays"] <= r["decode_steps"]
 
 
 def test_cuda_backend_vs_reference_backend(engine, record):
