@@ -29,6 +29,13 @@ def _text(name: str, raw: str) -> str | None:
     return raw.strip() or None
 
 
+def _shadow_mode(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value in ("on", "strict", "off"):
+        return value
+    return "on" if parse_bool(name, raw) else "off"
+
+
 def _choice(*choices: str) -> Callable[[str, str], str]:
     def parse(name: str, raw: str) -> str:
         value = raw.strip().lower() or choices[0]
@@ -135,6 +142,15 @@ _VARS = (
         "(fp32 SIMT math, the first kernel) or mma (mma.sync tensor cores wherever D is 64 or "
         "128), selectable until a GPU run has verified mma.",
         _choice("auto", "simt", "mma"),
+        "run",
+    ),
+    EnvVar(
+        "PAGEDKERN_SHADOW",
+        "off",
+        "run: shadow mode for engines that do not set it (on: every op also runs its PyTorch "
+        "reference and is compared, per op and layer; strict: stop at the first divergence; "
+        "1 means on, 0 off)",
+        _shadow_mode,
         "run",
     ),
     EnvVar(

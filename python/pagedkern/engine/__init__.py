@@ -8,6 +8,7 @@ runner, sampling, incremental detokenization and stop conditions.
     LLM().generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
 """
 
+from ..ops.shadow import ShadowDivergence, ShadowReport
 from .block_pool import BlockPool
 from .config import ConfigField, EngineConfig, engine_fields
 from .engine import Engine
@@ -19,6 +20,8 @@ from .scheduler import RequestRejected, Scheduler, SchedulerConfig
 from .validation import ParameterTypeError
 
 __all__ = [
+    "ShadowDivergence",
+    "ShadowReport",
     "LLM",
     "BlockPool",
     "ConfigField",

@@ -114,6 +114,13 @@ class EngineConfig:
         "overlap.py; off by default: not yet verified on a GPU)",
         cli={"action": "store_true"},
     )
+    shadow: str | bool | None = _setting(
+        None,
+        "shadow mode: on runs every op's PyTorch reference beside it and reports the worst "
+        "error per op and layer (--stats, /metrics); strict stops at the first divergence; "
+        "slow, for verification (default: PAGEDKERN_SHADOW, else off)",
+        cli={"nargs": "?", "const": "on", "choices": ("off", "on", "strict")},
+    )
     tensor_parallel_size: int = _setting(
         1,
         "ranks the model is split over (torch.distributed: gloo on the CPU, NCCL on CUDA); "
@@ -177,6 +184,7 @@ class EngineConfig:
         check_int("max_queue", self.max_queue, 1, INT32_MAX)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
         check_bool("async_scheduling", self.async_scheduling)
+        self.shadow = _shadow(self.shadow)
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be none, ngram or draft, got {self.speculative!r}")
         check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 64)
@@ -197,6 +205,17 @@ class EngineConfig:
             )
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1")
+
+
+def _shadow(value) -> str | None:
+    """off / on / strict; True and False as on and off; None (PAGEDKERN_SHADOW) stays None."""
+    if value is None:
+        return None
+    if value is True or value is False:
+        return "on" if value else "off"
+    if value not in ("off", "on", "strict"):
+        raise ValueError(f"shadow must be off, on or strict, got {value!r}")
+    return value
 
 
 def _dtype(value) -> torch.dtype | None:

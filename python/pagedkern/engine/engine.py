@@ -26,6 +26,7 @@ finishing; the fast lane of plain decodes).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
@@ -34,9 +35,10 @@ from collections.abc import Iterator
 
 import torch
 
-from .. import ops
+from .. import envs, ops
 from .._extension import cuda_available, cuda_unavailable_reason
 from ..model import LlamaModel, Tokenizer, load_model
+from ..ops.shadow import ShadowDivergence, ShadowReport
 from ..parallel import TensorParallelError
 from .admission import Admission
 from .appending import Appending
@@ -113,6 +115,12 @@ class Engine(Admission, Appending):
             kv_cache_dtype=model.kv_cache_dtype,
         )
         graphs = graphs and model.tp.size == 1  # TP steps broadcast and all-reduce: no graphs
+        # shadow mode checks each op call on the host: every step runs eagerly, through ops
+        shadow = config.shadow or envs.get("PAGEDKERN_SHADOW")
+        self.shadow = None if shadow == "off" else ShadowReport(shadow == "strict")
+        if self.shadow is not None:
+            graphs = False
+            model.fast_cpu_decode = False
         piecewise = piecewise_graphs(decode_graphs=graphs, requested=config.piecewise_cuda_graphs)
         self.broken: TensorParallelError | None = None  # the TP group failed: nothing runs
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
@@ -242,6 +250,9 @@ class Engine(Admission, Appending):
         except TensorParallelError as exc:  # a rank is gone: nobody can be served any more
             self.broken = exc
             self._fail_all(list(self.requests.values()), exc, outputs)
+        except ShadowDivergence as exc:  # strict shadow mode: stop with the report
+            self._fail_all([request for request, _ in batch.entries], exc, outputs)
+            raise
         except Exception as exc:  # noqa: BLE001 - not one request's fault: this step's fail
             self._fail_all([request for request, _ in batch.entries], exc, outputs)
         return outputs
@@ -350,11 +361,11 @@ class Engine(Admission, Appending):
         (request, error) for those that failed. When the batch fails, each request runs alone
         to find who is at fault (rewriting the same K/V slots and redrawing the same seeded
         samples is harmless), so one bad request does not fail its neighbours."""
-        with ops.use_backend(self.backend):
+        with ops.use_backend(self.backend), self._shadowed():
             try:
                 return [self._run_model(entries, forks, proposals)], []
-            except TensorParallelError:
-                raise  # not a request's fault, and the ranks are out of step: no retries
+            except (TensorParallelError, ShadowDivergence):
+                raise  # not a request's fault (ranks out of step; strict shadow): no retries
             except Exception as exc:  # noqa: BLE001 - isolated below
                 if len(entries) == 1:
                     return [], [(entries[0][0], exc)]
@@ -366,6 +377,12 @@ class Engine(Admission, Appending):
                 except Exception as exc:  # noqa: BLE001 - this request's fault
                     failures.append((entry[0], exc))
             return results, failures
+
+    def _shadowed(self):
+        """Shadow mode: this step's op calls are checked against their references."""
+        if self.shadow is None:
+            return contextlib.nullcontext()
+        return self.shadow.active(self.iteration)
 
     def _run_model(self, entries, forks, proposals) -> StepResult:
         """runner.run, given `proposals` only in a speculative step (a plain step's call is the

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..ops import launch
+from ..ops import launch, shadow
 from ..parallel.context import SINGLE, TPContext
 from . import cpu_decode
 from .attention_metadata import AttentionMetadata
@@ -179,6 +179,7 @@ class LlamaModel:
             return cpu_decode.hidden_states(self, input_ids, meta, kv_cache)
         self._cpu_decode_kv = None  # its K/V go to the cache only; the copy's memory goes back
         tokens = input_ids.shape[0]
+        shadow.enter_layer(0)  # (shadow mode: which layer the op calls that follow belong to)
         h, residual = self.embed_and_norm(input_ids, w.layers[0].input_norm)
         attn = torch.empty(
             tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device
@@ -187,9 +188,11 @@ class LlamaModel:
         for i, (layer, (k_cache, v_cache), kv_scale) in enumerate(
             zip(w.layers, kv_cache.layers, scales, strict=True)
         ):
+            shadow.enter_layer(i)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             self._attention(qkv, layer, meta, k_cache, v_cache, attn, kv_scale)
             h, residual = self.layer_tail(attn, residual, layer, self.next_norm(i))
+        shadow.enter_layer(None)  # the LM head belongs to no layer
         return h
 
     # The layer loop in pieces, shared with engine/piecewise_graphs.py, which captures the work

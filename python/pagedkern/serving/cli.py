@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ..engine import Engine, FinishReason, RequestOutput, SamplingParams
+from ..engine import Engine, FinishReason, RequestOutput, SamplingParams, ShadowDivergence
 from ..parallel.group import launcher_rank
 from . import cli_args
 from .cli_args import INT32, INT64, PROG
@@ -114,18 +114,28 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from .trace import TraceWriter
 
         engine.tracer = TraceWriter(engine.tokenizer)
+    try:
+        status = _answer(engine, single, requests, defaults, args.stats)
+    except ShadowDivergence as exc:  # --shadow=strict: the report says where, exit 1
+        _say(str(exc))
+        return 1
+    if engine.shadow is not None:
+        _say(engine.shadow.summary())
+    return 2 if bad_lines and status == 0 else status
+
+
+def _answer(engine: Engine, single, requests, defaults: dict, stats: bool) -> int:
+    """Stream the one prompt of the command line, or answer the requests read from stdin."""
     if single is not None:
         try:
-            status = _stream_one(engine, single, _params(defaults), args.stats)
-            if args.stats and engine.config.speculative != "none":
-                _say(_speculation_stats(engine))
-            return status
+            status = _stream_one(engine, single, _params(defaults), stats)
         except (ValueError, TypeError) as exc:  # e.g. a prompt longer than the context
             _fail(exc)
-    status = _run_many(engine, requests, args.stats)
-    if args.stats and engine.config.speculative != "none":
+    else:
+        status = _run_many(engine, requests, stats)
+    if stats and engine.config.speculative != "none":
         _say(_speculation_stats(engine))
-    return 2 if bad_lines and status == 0 else status
+    return status
 
 
 def _params(fields: dict) -> SamplingParams:
