@@ -14,7 +14,7 @@ import torch
 from test_engine import TINY, make_engine
 
 import pagedkern.ops as ops
-from pagedkern.engine import LLM, SamplingParams, ShadowDivergence
+from pagedkern.engine import LLM, Engine, EngineConfig, SamplingParams, ShadowDivergence
 from pagedkern.ops import shadow
 
 PROMPT = list(range(3, 30))
@@ -159,3 +159,47 @@ def test_the_cli_prints_the_report():
     assert proc.returncode == 0, proc.stderr
     assert "shadow mode" in proc.stderr and "no divergence" in proc.stderr
     assert "paged_attention:" in proc.stderr
+
+
+SHARED = list(range(100, 140))  # a 40-token prefix the later prompts share
+
+
+def serve_strict(model: str, backend: str, dtype: str, kv_cache_dtype: str):
+    """A few requests (chunked prefill, prefix-cache hits, decode) on an engine in strict
+    shadow mode; its report, after checking that every request finished without error and the
+    main ops were all compared (the GPU stage runs this on the kernels)."""
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        backend=backend,
+        num_blocks=512,
+        max_num_batched_tokens=96,  # a 200-token prompt prefills in chunks
+        kv_cache_dtype=kv_cache_dtype,
+        shadow="strict",
+    )
+    engine = Engine.from_config(config)
+    try:
+        prompts = [SHARED + [7] * 160, SHARED + [9, 10, 11], [5] * 37, SHARED + [12]]
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        for ids in prompts:
+            engine.add_request(prompt_ids=ids, params=params)
+        outputs = [o for o in engine.run_until_done() if o.finished]
+        assert len(outputs) == len(prompts)
+        assert all(o.error is None for o in outputs)
+        assert engine.pool.num_used == 0
+    finally:
+        engine.close()
+    report = engine.shadow
+    assert report.first is None
+    seen = {op for op, _ in report.stats}
+    assert {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rope_and_cache"} <= seen
+    assert {"flash_prefill", "paged_attention"} <= seen
+    return report
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_gpu_stage_runs_here_on_the_reference(kv_cache_dtype):
+    """The shadow stage's own code path on the CPU: a failure a CPU can show never waits for
+    a GPU."""
+    report = serve_strict(TINY, "reference", "float32", kv_cache_dtype)
+    assert "no divergence" in report.summary()
