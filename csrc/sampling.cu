@@ -314,6 +314,7 @@ __global__ void __launch_bounds__(kThreads) process_kernel(const SampleParams p)
   const float repetition = p.repetition_penalty[r];
   for (int j = p.token_offsets[r] + threadIdx.x; j < p.token_offsets[r + 1]; j += kThreads) {
     const int id = p.token_ids[j];
+    if (id < 0 || id >= p.vocab) continue;  // a bad id never reads or writes outside its row
     const int count = p.token_counts[j];
     float x = to_float(row[id]);
     if (x != x) x = -INFINITY;

@@ -12,7 +12,8 @@
  * Processing without a workspace pass over V: before the first pass the row's sparse entries
  *   (one thread each) write their processed value (penalties, bias, mask) to entry_values[id] of
  *   the workspace row and set bit id of the row's entry bitmap (ceil(V / 32) words, zeroed by the
- *   CTA). Every pass then reads per 16-byte run of logits one bitmap word and one grammar-mask
+ *   CTA); an id outside [0, V) is skipped, so bad input never writes outside its row. Every
+ *   pass then reads per 16-byte run of logits one bitmap word and one grammar-mask
  *   word (both L1/L2-resident, V / 8 bytes) and takes the entry value where the bit is set:
  *   traffic O(nnz + V / 8) bytes instead of v2's extra V x (sizeof(T) + 4) pass and fp32 re-reads.
  * Histograms (issue 18): the lanes of a warp that hit the same bin are grouped with
@@ -198,6 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1) sample_fused_kernel(const SampleP
     __syncthreads();
     for (int j = first + int(threadIdx.x); j < last; j += kThreads) {
       const int id = p.token_ids[j];
+      if (id < 0 || id >= vocab) continue;  // a bad id never reads or writes outside its row
       values[id] = processed_entry(p, r, j, to_float(src.row[id]), src.mask);
       atomicOr(&bits[id >> 5], 1u << (id & 31));
     }

@@ -6,6 +6,7 @@ ground truth on real hardware. Skipped where g++, the CUDA headers or pybind11 a
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -466,3 +467,59 @@ def test_sample_top_logprobs_in_the_kernel_on_special_rows(monkeypatch, dtype, v
     torch.testing.assert_close(top, ref_top, rtol=0, atol=1e-5)
     torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
     assert not top.isnan().any() and (top <= 0).all()
+
+
+@pytest.mark.parametrize("variant", ["v2", "v3", "v4"])
+def test_sample_skips_sparse_ids_outside_the_vocabulary(monkeypatch, variant):
+    """A bad sparse id (negative, or past the vocabulary) never writes outside its row: the
+    workspace lies between canaries that must come back untouched, and every row samples what
+    the reference samples with the bad entries left out."""
+    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", variant)
+    sampling_module = importlib.import_module("pagedkern.ops.sampling")
+    real_empty_like = sampling_module.empty_like
+    guarded = []
+
+    def with_canaries(a, shape, dtype=None, name="out"):
+        if name != "workspace":
+            return real_empty_like(a, shape, dtype, name)
+        rows, stride = shape
+        pad = 4 * stride  # room for any id within a few rows' reach on either side
+        whole = torch.full((rows * stride + 2 * pad,), 12345.0)
+        guarded.append((whole, pad, rows * stride))
+        return whole[pad : pad + rows * stride].view(rows, stride)
+
+    monkeypatch.setattr(sampling_module, "empty_like", with_canaries)
+    g = torch.Generator().manual_seed(17)
+    rows, vocab = 3, 203
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    good = _processing_case(rows, vocab, g)
+    good.pop("bitmask"), good.pop("bitmask_rows"), good.pop("min_p")
+    offsets = good["token_offsets"].tolist()
+    ids, counts = good["token_ids"].tolist(), good["token_counts"].tolist()
+    bias = good["token_bias"].tolist()
+    bad_ids = {0: [-3, vocab + 5], 2: [vocab, 3 * vocab]}  # row -> ids to slip in
+    new_offsets, new_ids, new_counts, new_bias = [0], [], [], []
+    for r in range(rows):
+        span = range(offsets[r], offsets[r + 1])
+        extra = bad_ids.get(r, [])
+        new_ids += [ids[j] for j in span] + extra
+        new_counts += [counts[j] for j in span] + [2] * len(extra)
+        new_bias += [bias[j] for j in span] + [50.0] * len(extra)
+        new_offsets.append(len(new_ids))
+    bad = dict(
+        good,
+        token_offsets=torch.tensor(new_offsets, dtype=torch.int32),
+        token_ids=torch.tensor(new_ids, dtype=torch.int32),
+        token_counts=torch.tensor(new_counts, dtype=torch.int32),
+        token_bias=torch.tensor(new_bias, dtype=torch.float32),
+    )
+    temps = torch.tensor([1.0, 0.0, 0.8])
+    seeds = torch.tensor([3, 4, 5])
+    want = reference.sample(logits, temps, 0.9, 0, seeds, 0, **good)
+    out = torch.full((rows,), -1, dtype=torch.int32)
+    with emulated():
+        pagedkern.sample(logits, temps, 0.9, 0, seeds, 0, out=out, **bad)
+    assert guarded, "the kernel used a workspace"
+    for whole, pad, size in guarded:
+        assert torch.all(whole[:pad] == 12345.0) and torch.all(whole[pad + size :] == 12345.0)
+    assert out.tolist() == want.tolist()
