@@ -93,3 +93,46 @@ def test_paged_attention_host_cost(stub, record, smoke, batch, hq, hkv, d, bs, m
     # Every call after the first took its plan from the cache.
     assert pa_module.plan_splits.cache_info().misses == 1
     assert pa_module._CHECKED.misses == 2  # and its checks from the memo
+
+
+class StubLaunch:
+    runs = 0
+
+    def __init__(self, **kwargs) -> None:
+        pass
+
+    def run(self, q, out, k_cache, v_cache, lse, stream) -> None:
+        StubLaunch.runs += 1
+
+
+@pytest.mark.parametrize("batch,hq,hkv,d,bs,max_len", CASES)
+def test_plan_run_host_cost(stub, record, smoke, monkeypatch, batch, hq, hkv, d, bs, max_len):
+    """DecodeAttention.run: the per-layer call of a plan (target < 5 us): layout check, four
+    pointers, the launch. torch tensors (on the CPU here, the kernel path forced, the
+    extension stubbed) since the fast path reads torch's own attributes."""
+    import torch
+
+    from pagedkern.ops.attention_plan import DecodeAttention
+
+    stub.PagedAttentionLaunch = StubLaunch
+    monkeypatch.setattr(launch_module, "use_reference", lambda views: False)
+    monkeypatch.setattr(launch_module, "current_stream", lambda views, device, stream=None: 0)
+    blocks = max_len // bs
+    q = torch.empty(batch, hq, d, dtype=torch.float16)
+    out = torch.empty_like(q)
+    cache = torch.empty(batch * blocks + 1, hkv, bs, d, dtype=torch.float16)
+    tables = torch.zeros(batch, blocks, dtype=torch.int32)
+    lens = torch.full((batch,), max_len, dtype=torch.int32)
+    plan = DecodeAttention()
+    t0 = time.perf_counter()
+    plan.plan(q, cache, cache, tables, lens, out, max_seq_len=max_len)
+    planning = time.perf_counter() - t0
+    StubLaunch.runs = 0
+    seconds = _per_call_seconds(
+        lambda: plan.run(q, cache, cache, out, stream=0),
+        calls=20 if smoke else 2000,
+        rounds=3 if smoke else 15,
+    )
+    case = f"B={batch} L={max_len} Hq/Hkv={hq}/{hkv} D={d}"
+    record("paged_attention host", case, "plan/run per run", seconds, plan_us=planning * 1e6)
+    assert StubLaunch.runs == (3 if smoke else 15) * (20 if smoke else 2000)

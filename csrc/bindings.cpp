@@ -76,6 +76,129 @@ py::dict build_info() {
   return info;
 }
 
+
+// A paged_attention launch with everything but the per-layer pointers and the stream fixed: the
+// one-shot binding builds one per call, plan/run keeps one per batch.
+struct PagedAttentionLaunch {
+  pagedkern::PagedAttentionParams p;
+  int device = 0;
+  void run(std::uintptr_t q, std::uintptr_t out, std::uintptr_t k_cache, std::uintptr_t v_cache,
+           std::uintptr_t lse, std::uintptr_t stream) const {
+    pagedkern::PagedAttentionParams params = p;
+    params.q = as_ptr<const void>(q);
+    params.out = as_ptr<void>(out);
+    params.k_cache = as_ptr<const void>(k_cache);
+    params.v_cache = as_ptr<const void>(v_cache);
+    params.lse = as_ptr<float>(lse);
+    DeviceGuard guard(device);
+    pagedkern::paged_attention(params, as_stream(stream));
+  }
+};
+
+PagedAttentionLaunch paged_attention_launch(
+    std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t workspace,
+    int64_t q_stride, int64_t out_stride, int64_t block_table_stride, int64_t block_table_width,
+    int64_t num_blocks, int batch, int num_heads, int num_kv_heads, int head_dim, int block_size,
+    int num_splits, int split_size, double scale, int dtype, bool check_indices, int device,
+    int variant, bool kv_fp8, double k_scale, double v_scale) {
+  PagedAttentionLaunch launch;
+  pagedkern::PagedAttentionParams& p = launch.p;
+  p.block_tables = as_ptr<const int>(block_tables);
+  p.seq_lens = as_ptr<const int>(seq_lens);
+  p.workspace = as_ptr<float>(workspace);
+  p.q_stride = q_stride;
+  p.out_stride = out_stride;
+  p.block_table_stride = block_table_stride;
+  p.block_table_width = block_table_width;
+  p.num_blocks = num_blocks;
+  p.batch = batch;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.block_size = block_size;
+  p.num_splits = num_splits;
+  p.split_size = split_size;
+  p.scale = static_cast<float>(scale);
+  p.k_scale = static_cast<float>(k_scale);
+  p.v_scale = static_cast<float>(v_scale);
+  p.kv_fp8 = kv_fp8;
+  p.dtype = static_cast<DType>(dtype);
+  p.check_indices = check_indices;
+  p.variant = variant;
+  launch.device = device;
+  return launch;
+}
+
+#define PAGED_ATTENTION_PLAN_ARGS                                                              \
+  py::arg("block_tables"), py::arg("seq_lens"), py::arg("workspace"), py::arg("q_stride"),     \
+      py::arg("out_stride"), py::arg("block_table_stride"), py::arg("block_table_width"),      \
+      py::arg("num_blocks"), py::arg("batch"), py::arg("num_heads"), py::arg("num_kv_heads"),  \
+      py::arg("head_dim"), py::arg("block_size"), py::arg("num_splits"), py::arg("split_size"), \
+      py::arg("scale"), py::arg("dtype"), py::arg("check_indices"), py::arg("device"),         \
+      py::arg("variant"), py::arg("kv_fp8"), py::arg("k_scale"), py::arg("v_scale")
+
+// flash_prefill likewise: run() returns the path it took.
+struct FlashPrefillLaunch {
+  pagedkern::FlashPrefillParams p;
+  pagedkern::FlashPrefillPath path = pagedkern::FlashPrefillPath::kAuto;
+  bool strict = false;
+  int device = 0;
+  int run(std::uintptr_t q, std::uintptr_t out, std::uintptr_t k_cache, std::uintptr_t v_cache,
+          std::uintptr_t lse, std::uintptr_t stream) const {
+    pagedkern::FlashPrefillParams params = p;
+    params.q = as_ptr<const void>(q);
+    params.out = as_ptr<void>(out);
+    params.k_cache = as_ptr<const void>(k_cache);
+    params.v_cache = as_ptr<const void>(v_cache);
+    params.lse = as_ptr<float>(lse);
+    DeviceGuard guard(device);
+    return static_cast<int>(pagedkern::flash_prefill(params, path, strict, as_stream(stream)));
+  }
+};
+
+FlashPrefillLaunch flash_prefill_launch(
+    std::uintptr_t cu_seqlens_q, std::uintptr_t block_tables, std::uintptr_t seq_lens,
+    std::uintptr_t workspace, int64_t q_stride, int64_t out_stride, int64_t block_table_stride,
+    int64_t block_table_width, int64_t num_blocks, int total_q, int batch, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, double scale, double out_scale, int dtype,
+    bool fp8_cache, int path, bool strict, bool check_indices, int device, int variant) {
+  FlashPrefillLaunch launch;
+  pagedkern::FlashPrefillParams& p = launch.p;
+  p.variant = variant;
+  p.fp8_cache = fp8_cache;
+  p.out_scale = static_cast<float>(out_scale);
+  p.cu_seqlens_q = as_ptr<const int>(cu_seqlens_q);
+  p.block_tables = as_ptr<const int>(block_tables);
+  p.seq_lens = as_ptr<const int>(seq_lens);
+  p.workspace = as_ptr<int>(workspace);
+  p.q_stride = q_stride;
+  p.out_stride = out_stride;
+  p.block_table_stride = block_table_stride;
+  p.block_table_width = block_table_width;
+  p.num_blocks = num_blocks;
+  p.total_q = total_q;
+  p.batch = batch;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.block_size = block_size;
+  p.scale = static_cast<float>(scale);
+  p.dtype = static_cast<DType>(dtype);
+  p.check_indices = check_indices;
+  launch.path = static_cast<pagedkern::FlashPrefillPath>(path);
+  launch.strict = strict;
+  launch.device = device;
+  return launch;
+}
+
+#define FLASH_PREFILL_PLAN_ARGS                                                                 \
+  py::arg("cu_seqlens_q"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("workspace"), \
+      py::arg("q_stride"), py::arg("out_stride"), py::arg("block_table_stride"),                \
+      py::arg("block_table_width"), py::arg("num_blocks"), py::arg("total_q"), py::arg("batch"), \
+      py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),                       \
+      py::arg("block_size"), py::arg("scale"), py::arg("out_scale"), py::arg("dtype"),          \
+      py::arg("fp8_cache"), py::arg("path"), py::arg("strict"), py::arg("check_indices"),       \
+      py::arg("device"), py::arg("variant")
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -160,48 +283,26 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t workspace, int64_t q_stride, int64_t out_stride,
          int64_t block_table_stride, int64_t block_table_width, int64_t num_blocks, int batch,
          int num_heads, int num_kv_heads, int head_dim, int block_size, int num_splits,
-         int split_size, double scale, int dtype, bool check_indices, int device,
-         std::uintptr_t stream, int variant, bool kv_fp8, double k_scale, double v_scale) {
-        pagedkern::PagedAttentionParams p;
-        p.out = as_ptr<void>(out);
-        p.lse = as_ptr<float>(lse);
-        p.q = as_ptr<const void>(q);
-        p.k_cache = as_ptr<const void>(k_cache);
-        p.v_cache = as_ptr<const void>(v_cache);
-        p.block_tables = as_ptr<const int>(block_tables);
-        p.seq_lens = as_ptr<const int>(seq_lens);
-        p.workspace = as_ptr<float>(workspace);
-        p.q_stride = q_stride;
-        p.out_stride = out_stride;
-        p.block_table_stride = block_table_stride;
-        p.block_table_width = block_table_width;
-        p.num_blocks = num_blocks;
-        p.batch = batch;
-        p.num_heads = num_heads;
-        p.num_kv_heads = num_kv_heads;
-        p.head_dim = head_dim;
-        p.block_size = block_size;
-        p.num_splits = num_splits;
-        p.split_size = split_size;
-        p.scale = static_cast<float>(scale);
-        p.k_scale = static_cast<float>(k_scale);
-        p.v_scale = static_cast<float>(v_scale);
-        p.kv_fp8 = kv_fp8;
-        p.dtype = static_cast<DType>(dtype);
-        p.check_indices = check_indices;
-        p.variant = variant;
-        DeviceGuard guard(device);
-        pagedkern::paged_attention(p, as_stream(stream));
+         int split_size, double scale, int dtype, bool check_indices, int device, int variant,
+         bool kv_fp8, double k_scale, double v_scale, std::uintptr_t stream) {
+        // (the parameters in the order of the py::args below: PAGED_ATTENTION_PLAN_ARGS, then
+        // the stream)
+        const PagedAttentionLaunch launch = paged_attention_launch(
+            block_tables, seq_lens, workspace, q_stride, out_stride, block_table_stride,
+            block_table_width, num_blocks, batch, num_heads, num_kv_heads, head_dim, block_size,
+            num_splits, split_size, scale, dtype, check_indices, device, variant, kv_fp8,
+            k_scale, v_scale);
+        launch.run(q, out, k_cache, v_cache, lse, stream);
       },
       py::kw_only(), py::arg("out"), py::arg("lse"), py::arg("q"), py::arg("k_cache"),
-      py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("workspace"),
-      py::arg("q_stride"), py::arg("out_stride"), py::arg("block_table_stride"),
-      py::arg("block_table_width"), py::arg("num_blocks"), py::arg("batch"),
-      py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
-      py::arg("num_splits"), py::arg("split_size"), py::arg("scale"), py::arg("dtype"),
-      py::arg("check_indices"), py::arg("device"), py::arg("stream"), py::arg("variant"),
-      py::arg("kv_fp8"), py::arg("k_scale"), py::arg("v_scale"),
+      py::arg("v_cache"), PAGED_ATTENTION_PLAN_ARGS, py::arg("stream"),
       py::call_guard<py::gil_scoped_release>());
+  // Plan/run (ops/attention_plan.py): every parameter but the per-layer pointers fixed once.
+  py::class_<PagedAttentionLaunch>(m, "PagedAttentionLaunch")
+      .def(py::init(&paged_attention_launch), py::kw_only(), PAGED_ATTENTION_PLAN_ARGS)
+      .def("run", &PagedAttentionLaunch::run, py::arg("q"), py::arg("out"), py::arg("k_cache"),
+           py::arg("v_cache"), py::arg("lse"), py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "rope_and_cache",
@@ -353,47 +454,24 @@ PYBIND11_MODULE(_C, m) {
          int64_t block_table_stride, int64_t block_table_width, int64_t num_blocks, int total_q,
          int batch, int num_heads, int num_kv_heads, int head_dim, int block_size, double scale,
          double out_scale, int dtype, bool fp8_cache, int path, bool strict, bool check_indices,
-         int device, std::uintptr_t stream, int variant) {
-        pagedkern::FlashPrefillParams p;
-        p.variant = variant;
-        p.fp8_cache = fp8_cache;
-        p.out_scale = static_cast<float>(out_scale);
-        p.out = as_ptr<void>(out);
-        p.lse = as_ptr<float>(lse);
-        p.q = as_ptr<const void>(q);
-        p.k_cache = as_ptr<const void>(k_cache);
-        p.v_cache = as_ptr<const void>(v_cache);
-        p.cu_seqlens_q = as_ptr<const int>(cu_seqlens_q);
-        p.block_tables = as_ptr<const int>(block_tables);
-        p.seq_lens = as_ptr<const int>(seq_lens);
-        p.workspace = as_ptr<int>(workspace);
-        p.q_stride = q_stride;
-        p.out_stride = out_stride;
-        p.block_table_stride = block_table_stride;
-        p.block_table_width = block_table_width;
-        p.num_blocks = num_blocks;
-        p.total_q = total_q;
-        p.batch = batch;
-        p.num_heads = num_heads;
-        p.num_kv_heads = num_kv_heads;
-        p.head_dim = head_dim;
-        p.block_size = block_size;
-        p.scale = static_cast<float>(scale);
-        p.dtype = static_cast<DType>(dtype);
-        p.check_indices = check_indices;
-        DeviceGuard guard(device);
-        return static_cast<int>(pagedkern::flash_prefill(
-            p, static_cast<pagedkern::FlashPrefillPath>(path), strict, as_stream(stream)));
+         int device, int variant, std::uintptr_t stream) {
+        // (the parameters in the order of the py::args below: FLASH_PREFILL_PLAN_ARGS, then
+        // the stream)
+        const FlashPrefillLaunch launch = flash_prefill_launch(
+            cu_seqlens_q, block_tables, seq_lens, workspace, q_stride, out_stride,
+            block_table_stride, block_table_width, num_blocks, total_q, batch, num_heads,
+            num_kv_heads, head_dim, block_size, scale, out_scale, dtype, fp8_cache, path, strict,
+            check_indices, device, variant);
+        return launch.run(q, out, k_cache, v_cache, lse, stream);
       },
       py::kw_only(), py::arg("out"), py::arg("lse"), py::arg("q"), py::arg("k_cache"),
-      py::arg("v_cache"), py::arg("cu_seqlens_q"), py::arg("block_tables"), py::arg("seq_lens"),
-      py::arg("workspace"), py::arg("q_stride"), py::arg("out_stride"),
-      py::arg("block_table_stride"), py::arg("block_table_width"), py::arg("num_blocks"),
-      py::arg("total_q"), py::arg("batch"), py::arg("num_heads"), py::arg("num_kv_heads"),
-      py::arg("head_dim"), py::arg("block_size"), py::arg("scale"), py::arg("out_scale"),
-      py::arg("dtype"), py::arg("fp8_cache"), py::arg("path"), py::arg("strict"),
-      py::arg("check_indices"), py::arg("device"),
-      py::arg("stream"), py::arg("variant"), py::call_guard<py::gil_scoped_release>());
+      py::arg("v_cache"), FLASH_PREFILL_PLAN_ARGS, py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
+  py::class_<FlashPrefillLaunch>(m, "FlashPrefillLaunch")
+      .def(py::init(&flash_prefill_launch), py::kw_only(), FLASH_PREFILL_PLAN_ARGS)
+      .def("run", &FlashPrefillLaunch::run, py::arg("q"), py::arg("out"), py::arg("k_cache"),
+           py::arg("v_cache"), py::arg("lse"), py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>());
   m.def("flash_prefill_workspace_ints", &pagedkern::flash_prefill_workspace_ints, py::kw_only(),
         py::arg("total_q"), py::arg("batch"));
   // The path flash_prefill takes on `device` for this head dim and block size (aligned arrays).
