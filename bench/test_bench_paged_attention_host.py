@@ -101,7 +101,7 @@ class StubLaunch:
     def __init__(self, **kwargs) -> None:
         pass
 
-    def run(self, q, out, k_cache, v_cache, lse, stream) -> None:
+    def run(self, *, q, out, k_cache, v_cache, lse, stream) -> None:
         StubLaunch.runs += 1
 
 

@@ -300,8 +300,8 @@ PYBIND11_MODULE(_C, m) {
   // Plan/run (ops/attention_plan.py): every parameter but the per-layer pointers fixed once.
   py::class_<PagedAttentionLaunch>(m, "PagedAttentionLaunch")
       .def(py::init(&paged_attention_launch), py::kw_only(), PAGED_ATTENTION_PLAN_ARGS)
-      .def("run", &PagedAttentionLaunch::run, py::arg("q"), py::arg("out"), py::arg("k_cache"),
-           py::arg("v_cache"), py::arg("lse"), py::arg("stream"),
+      .def("run", &PagedAttentionLaunch::run, py::kw_only(), py::arg("q"), py::arg("out"),
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("lse"), py::arg("stream"),
            py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -469,8 +469,8 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
   py::class_<FlashPrefillLaunch>(m, "FlashPrefillLaunch")
       .def(py::init(&flash_prefill_launch), py::kw_only(), FLASH_PREFILL_PLAN_ARGS)
-      .def("run", &FlashPrefillLaunch::run, py::arg("q"), py::arg("out"), py::arg("k_cache"),
-           py::arg("v_cache"), py::arg("lse"), py::arg("stream"),
+      .def("run", &FlashPrefillLaunch::run, py::kw_only(), py::arg("q"), py::arg("out"),
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("lse"), py::arg("stream"),
            py::call_guard<py::gil_scoped_release>());
   m.def("flash_prefill_workspace_ints", &pagedkern::flash_prefill_workspace_ints, py::kw_only(),
         py::arg("total_q"), py::arg("batch"));

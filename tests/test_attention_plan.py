@@ -134,7 +134,7 @@ class RecordingExtension:
             def __init__(self, **kwargs) -> None:
                 self.kwargs = kwargs
 
-            def run(self, q, out, k_cache, v_cache, lse, stream):
+            def run(self, *, q, out, k_cache, v_cache, lse, stream):
                 names = {"q": q, "out": out, "k_cache": k_cache, "v_cache": v_cache}
                 ext.calls.append(("run", {**self.kwargs, **names, "lse": lse, "stream": stream}))
                 return 1

@@ -211,8 +211,8 @@ class DecodeAttention(_Plan):
                 stream=stream,
             )  # fmt: skip
         self._launch.run(
-            q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), 0,
-            self._current_stream(q, stream),
+            q=q.data_ptr(), out=out.data_ptr(), k_cache=k_cache.data_ptr(),
+            v_cache=v_cache.data_ptr(), lse=0, stream=self._current_stream(q, stream),
         )  # fmt: skip
         return out
 
@@ -312,8 +312,8 @@ class PrefillAttention(_Plan):
                 a["scale"], out, k_scale=a["k_scale"], v_scale=a["v_scale"], stream=stream,
             )  # fmt: skip
         taken = self._launch.run(
-            q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), 0,
-            self._current_stream(q, stream),
+            q=q.data_ptr(), out=out.data_ptr(), k_cache=k_cache.data_ptr(),
+            v_cache=v_cache.data_ptr(), lse=0, stream=self._current_stream(q, stream),
         )  # fmt: skip
         self.path = PATH_NAMES.get(taken)
         return out
