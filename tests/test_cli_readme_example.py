@@ -48,3 +48,14 @@ def test_readme_has_a_two_command_recipe_for_each_machine():
 def test_user_docs_do_not_talk_about_development_machines():
     for word in ("offline GPU", "carry", "lent GPU", "sessions that wrote"):
         assert word not in README, word
+
+
+def test_readme_kernel_library_example_runs_on_the_cpu():
+    """ "Using the kernels in your own model": plan/run decode and a compiled registered op."""
+    section = README.split("### Using the kernels in your own model\n", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "torch.Size([4, 512])"
