@@ -149,6 +149,23 @@ def test_ruff_clean():
     assert fmt.returncode == 0, fmt.stdout
 
 
+LINT_IMPORTS = "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())"
+
+
+def test_imports_follow_the_layer_rules():
+    """.importlinter: each layer imports only from those below it, and engine and model reach
+    kernels and references only through ops (the listed exceptions aside)."""
+    pytest.importorskip("importlinter")
+    lint = subprocess.run(
+        [sys.executable, "-c", LINT_IMPORTS, str(ROOT / ".importlinter")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT / "python",
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    assert "0 broken" in lint.stdout
+
+
 def _readme_block(heading: str) -> list[str]:
     text = (ROOT / "README.md").read_text()
     section = text.split(f"## {heading}\n", 1)[1]
