@@ -141,11 +141,6 @@ class BlockPool:
             block.block_hash = block_hash
             self._cached.setdefault(block_hash, block_id)
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            block.block_hash = None
-        self._cached.clear()
-
     def check_invariants(self, block_tables: Iterable[Sequence[int]]) -> None:
         """blocks in use + free == total; ref counts equal the uses in the live block tables;
         the prefix cache points at blocks that hold the hash. AssertionError otherwise."""

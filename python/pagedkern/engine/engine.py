@@ -335,7 +335,7 @@ class Engine(Admission, Appending):
             self._spec_steps += 1
             self._spec_proposed += len(proposed)
             self._spec_accepted += len(accepted)
-        if self.tracer and proposed and hasattr(self.tracer, "speculated"):  # older tracers lack it
+        if self.tracer and proposed:
             freed = table - len(request.block_table)
             self.tracer.speculated(
                 request, proposed, accepted, len(proposed) - len(accepted), freed

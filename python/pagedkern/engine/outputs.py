@@ -69,12 +69,6 @@ class RequestMetrics:
         return tuple(b - a for a, b in zip(times, times[1:]))
 
     @property
-    def last_itl(self) -> float | None:
-        """Time between the last two tokens (None before the second)."""
-        n = self.num_output_tokens
-        return self._token_times[n - 1] - self._token_times[n - 2] if n >= 2 else None
-
-    @property
     def tpot(self) -> float | None:
         """Mean time per output token after the first (= the mean of `itl`)."""
         n = self.num_output_tokens
