@@ -53,8 +53,9 @@ def default_model_installed() -> bool:
 
 
 def fixed_length_jobs(engine: Engine, n: int, tokens: int, seed: int):
-    """n requests of prompts 100-512 tokens long (4-16 in smoke mode), `tokens` out each."""
-    prompts = (4, 16) if SMOKE else (100, 512)
+    """n requests of prompts 100-512 tokens long (20-48 in smoke mode: a full block or more,
+    which a prefix cache could hold), `tokens` out each."""
+    prompts = (20, 48) if SMOKE else (100, 512)
     return make_workload(n, prompts, (tokens, tokens), engine.model.config.vocab_size, seed=seed)
 
 
@@ -151,17 +152,31 @@ def test_async_scheduling_off_vs_on(engine, record):
     schedules and lays out step N+1 while step N runs), same engine and jobs: the fixture's
     engine gets an Overlap for the second run (what EngineConfig.async_scheduling builds), as
     a second engine of the 8B shape would not fit beside the first. Greedy: the outputs must
-    be token for token the same."""
+    be token for token the same. Both runs start from the same cache state (prefix caching off
+    for the two): the second run would otherwise find every prompt cached and run other
+    steps, and the GPU kernels' rounding depends on the batch (cuBLAS by M, the attention
+    split plan by batch size), which flipped near-ties in the first GPU run. The two runs
+    must execute the same steps; then any token that differs is the overlap's fault."""
     n, tokens = (8, 8) if SMOKE else (64, 128)
     jobs = fixed_length_jobs(engine, n, tokens, seed=4)
-    off = run_offline(engine, jobs)
-    engine.overlap = Overlap(engine)
+    pool, execute = engine.pool, engine.runner.execute
+    steps: list[list[tuple]] = [[], []]
+    caching, pool.enable_prefix_caching = pool.enable_prefix_caching, False
     try:
-        on = run_offline(engine, jobs)
-        overlapped = engine.overlap.num_overlapped
+        engine.runner.execute = _recording(execute, steps[0])
+        off = run_offline(engine, jobs)
+        engine.runner.execute = _recording(execute, steps[1])
+        engine.overlap = Overlap(engine)
+        try:
+            on = run_offline(engine, jobs)
+            overlapped = engine.overlap.num_overlapped
+        finally:
+            engine.overlap.close()
+            engine.overlap = None
     finally:
-        engine.overlap.close()
-        engine.overlap = None
+        pool.enable_prefix_caching = caching
+        engine.runner.execute = execute
+    assert steps[1] == steps[0], "the runs executed different steps"
     assert on["token_ids"] == off["token_ids"]
     assert overlapped > 0
     case = f"{_case(engine)}, {n} req x {tokens}"
@@ -182,6 +197,18 @@ def test_async_scheduling_off_vs_on(engine, record):
         overlapped_steps=overlapped,
     )
     assert engine.pool.num_used == 0
+
+
+def _recording(execute, into: list[tuple]):
+    """runner.execute, noting each step's (tokens, sequences, prefills, logit rows)."""
+
+    def recorded(step, previous=None):
+        layout = step.layout
+        shape = (len(layout.input_ids), len(layout.seq_lens), layout.num_prefills)
+        into.append((*shape, len(layout.logits_indices)))
+        return execute(step, previous)
+
+    return recorded
 
 
 def test_hf_transformers_generate(engine, record):

@@ -21,6 +21,11 @@ Stops resolve one step late: a request that ends at N (EOS, stop id or string, g
 timeout) has its N+1 token discarded; its blocks went back when it finished. A preempted
 request's in-flight token is appended when N completes, as a synchronous step would have.
 
+Buffers: a step's host inputs are its own (the layout's packed array, copied sampling
+columns; the static graph buffers are rewritten only by the next step on the worker, after
+this one's ids were read back), and the logits a tracer reads are a copy: a graph replay
+returns its static output, which the next step overwrites before the engine thread traces.
+
 Synchronous steps: a step whose batch holds a request whose next step needs host state from
 its last token (Request.needs_sync: penalties, multi-token bad words, min_tokens, grammar,
 prompt logprobs) or an n > 1 fork (its KV copy) first completes the step in flight, then runs
@@ -145,6 +150,7 @@ class Overlap:
             engine.tracer.iteration(engine.iteration, batch, engine.pool)
         pending = {} if previous is None else previous.rows
         step = engine.runner.prepare(batch.entries, pending=pending)
+        step.own_logits = engine.tracer is not None  # traced after the next step has run
         future = self.worker.submit(step, previous)
         advanced = engine.scheduler.on_step_launched(batch)
         requests, _ = step.sample_requests()

@@ -102,6 +102,9 @@ class PreparedStep:
     fill_rows: list[int] = field(default_factory=list)
     fill_from: list[int] = field(default_factory=list)
     sampled: list[Request] | None = None  # a decode step's requests, row order (no forks)
+    # The result's logits are read after the next step ran (asynchronous scheduling with a
+    # tracer): a copy, as a graph replay returns its static output, which the next overwrites.
+    own_logits: bool = False
 
     def sample_requests(self) -> tuple[list[Request], Sequence[int]]:
         """The requests that sample, in row order (n > 1: the samples that fork from a leader
@@ -295,6 +298,8 @@ class ModelRunner:
             ids, logprobs = self.sample(logits, requests)
         else:
             ids, logprobs = self.draw(logits, requests, step.sampling)
+        if step.own_logits:
+            logits = logits.clone()
         return StepResult(requests, ids, logits, logprobs, verified)
 
     def sample(
