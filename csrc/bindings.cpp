@@ -215,6 +215,10 @@ PYBIND11_MODULE(_C, m) {
   paths["sm80"] = int(pagedkern::FlashPrefillPath::kSm80);
   paths["sm90"] = int(pagedkern::FlashPrefillPath::kSm90);
   m.attr("FLASH_PREFILL_PATHS") = paths;
+  py::dict activations;  // silu_and_mul's `activation` (GatedActivation)
+  activations["silu"] = int(pagedkern::GatedActivation::kSilu);
+  activations["gelu_tanh"] = int(pagedkern::GatedActivation::kGeluTanh);
+  m.attr("GATED_ACTIVATIONS") = activations;
 
   m.def("device_count", &device_count);
   m.def("pointer_device", &pointer_device, py::kw_only(), py::arg("address"));
@@ -251,8 +255,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "silu_and_mul",
       [](std::uintptr_t out, std::uintptr_t x, int64_t rows, int64_t d, int64_t out_stride,
-         int64_t x_stride, int dtype, int device, std::uintptr_t stream) {
+         int64_t x_stride, int dtype, int activation, int device, std::uintptr_t stream) {
         pagedkern::SiluAndMulParams p;
+        p.activation = static_cast<pagedkern::GatedActivation>(activation);
         p.out = as_ptr<void>(out);
         p.x = as_ptr<const void>(x);
         p.rows = rows;
@@ -264,8 +269,8 @@ PYBIND11_MODULE(_C, m) {
         pagedkern::silu_and_mul(p, as_stream(stream));
       },
       py::kw_only(), py::arg("out"), py::arg("x"), py::arg("rows"), py::arg("d"),
-      py::arg("out_stride"), py::arg("x_stride"), py::arg("dtype"), py::arg("device"),
-      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("out_stride"), py::arg("x_stride"), py::arg("dtype"), py::arg("activation"),
+      py::arg("device"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "multiprocessor_count",

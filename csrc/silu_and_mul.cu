@@ -1,6 +1,9 @@
 /*
- * silu_and_mul (SwiGLU activation): out[r, i] = silu(x[r, i]) * x[r, d + i], i < d,
- * with silu(g) = g / (1 + exp(-g)); computed in fp32, rounded once to T.
+ * The gated activations: out[r, i] = act(x[r, i]) * x[r, d + i], i < d, computed in fp32 and
+ * rounded once to T, with act one of
+ *   silu_and_mul (SwiGLU, Llama):       silu(g) = g / (1 + exp(-g))
+ *   gelu_tanh_and_mul (GeGLU, Gemma):   gelu(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+ * One kernel pair serves both (the activation is a template parameter).
  *
  * Versions:
  *  v1 silu_and_mul_vec_kernel<T>: grid (rows, column chunks); each thread loads one 16-byte vector
@@ -19,10 +22,21 @@
 namespace pagedkern {
 namespace {
 
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
+struct Silu {
+  __device__ __forceinline__ float operator()(float g) const { return g / (1.f + __expf(-g)); }
+};
 
-template <typename T>
+// tanhf, not a fast approximation: the result matches torch's gelu(approximate="tanh") in fp32.
+struct GeluTanh {
+  __device__ __forceinline__ float operator()(float g) const {
+    constexpr float kSqrt2OverPi = 0.7978845608028654f;
+    return 0.5f * g * (1.f + tanhf(kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+  }
+};
+
+template <typename T, typename Act>
 __global__ void __launch_bounds__(256) silu_and_mul_vec_kernel(const SiluAndMulParams p) {
+  const Act act;
   using V = Vec16<T>;
   constexpr int kVec = V::kSize;
   const int64_t i = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * kVec;
@@ -33,22 +47,22 @@ __global__ void __launch_bounds__(256) silu_and_mul_vec_kernel(const SiluAndMulP
   V o;
 #pragma unroll
   for (int j = 0; j < kVec; ++j)
-    o.v[j] = from_float<T>(silu(to_float(gate.v[j])) * to_float(up.v[j]));
+    o.v[j] = from_float<T>(act(to_float(gate.v[j])) * to_float(up.v[j]));
   o.store(static_cast<T*>(p.out) + int64_t(blockIdx.x) * p.out_stride + i);
 }
 
-template <typename T>
+template <typename T, typename Act>
 __global__ void __launch_bounds__(256) silu_and_mul_scalar_kernel(const SiluAndMulParams p) {
+  const Act act;
   const int64_t i = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   if (i >= p.d) return;
   const T* x = static_cast<const T*>(p.x) + int64_t(blockIdx.x) * p.x_stride;
   T* out = static_cast<T*>(p.out) + int64_t(blockIdx.x) * p.out_stride;
-  out[i] = from_float<T>(silu(to_float(x[i])) * to_float(x[p.d + i]));
+  out[i] = from_float<T>(act(to_float(x[i])) * to_float(x[p.d + i]));
 }
 
-}  // namespace
-
-void silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
+template <typename Act>
+void launch(const SiluAndMulParams& p, cudaStream_t stream) {
   require(p.d > 0, "silu_and_mul: d must be positive");
   require(p.rows >= 0 && p.rows <= 0x7fffffff, "silu_and_mul: rows out of range");
   if (p.rows == 0) return;
@@ -63,13 +77,23 @@ void silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
     require(chunks <= 65535, "silu_and_mul: d too large");
     const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>(chunks));
     if (vectorizable) {
-      silu_and_mul_vec_kernel<T><<<grid, threads, 0, stream>>>(p);
+      silu_and_mul_vec_kernel<T, Act><<<grid, threads, 0, stream>>>(p);
       PK_CHECK_LAUNCH("silu_and_mul_vec_kernel");
     } else {
-      silu_and_mul_scalar_kernel<T><<<grid, threads, 0, stream>>>(p);
+      silu_and_mul_scalar_kernel<T, Act><<<grid, threads, 0, stream>>>(p);
       PK_CHECK_LAUNCH("silu_and_mul_scalar_kernel");
     }
   });
+}
+
+}  // namespace
+
+void silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
+  if (p.activation == GatedActivation::kGeluTanh) {
+    launch<GeluTanh>(p, stream);
+  } else {
+    launch<Silu>(p, stream);
+  }
 }
 
 }  // namespace pagedkern

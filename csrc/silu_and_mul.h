@@ -1,4 +1,5 @@
-// silu_and_mul: parameters and launcher (kernel in silu_and_mul.cu).
+// The gated activations silu_and_mul and gelu_tanh_and_mul: parameters and launcher (kernels in
+// silu_and_mul.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,7 +10,9 @@
 
 namespace pagedkern {
 
-// out[r, :] = silu(x[r, :d]) * x[r, d:2d]
+enum class GatedActivation : int { kSilu = 0, kGeluTanh = 1 };
+
+// out[r, :] = act(x[r, :d]) * x[r, d:2d], act = silu or gelu with the tanh approximation
 struct SiluAndMulParams {
   void* out = nullptr;
   const void* x = nullptr;
@@ -18,6 +21,7 @@ struct SiluAndMulParams {
   int64_t out_stride = 0;
   int64_t x_stride = 0;
   DType dtype = DType::kBFloat16;
+  GatedActivation activation = GatedActivation::kSilu;
 };
 void silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream);
 

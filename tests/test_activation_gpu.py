@@ -1,5 +1,5 @@
-"""silu_and_mul kernel vs float64 math on the GPU: dtypes, odd and large shapes, strided and
-misaligned rows (scalar path), CuPy."""
+"""The gated activation kernels (silu_and_mul, gelu_tanh_and_mul) vs float64 math on the GPU:
+dtypes, odd and large shapes, strided and misaligned rows (scalar path), CuPy."""
 
 from __future__ import annotations
 
@@ -22,27 +22,43 @@ def silu_and_mul64(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
 
+def gelu_tanh_and_mul64(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    x = x.double()
+    return torch.nn.functional.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+GATED = {
+    "silu_and_mul": (pagedkern.silu_and_mul, silu_and_mul64),
+    "gelu_tanh_and_mul": (pagedkern.gelu_tanh_and_mul, gelu_tanh_and_mul64),
+}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,d", SHAPES)
-def test_silu_and_mul(rows, d, dtype):
+@pytest.mark.parametrize("op", GATED)
+def test_gated_activation(rows, d, dtype, op):
+    kernel, exact = GATED[op]
     g = torch.Generator(device="cuda").manual_seed(rows * d)
     x = (torch.randn(rows, 2 * d, generator=g, device="cuda") * 4).to(dtype)
     out = poisoned((rows, d), dtype, "cuda")
-    pagedkern.silu_and_mul(x, out=out)
-    assert_close_to(out, silu_and_mul64(x), dtype)
-    assert_close_to(pagedkern.silu_and_mul(x), silu_and_mul64(x), dtype)
+    kernel(x, out=out)
+    assert_close_to(out, exact(x), dtype)
+    assert_close_to(kernel(x), exact(x), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_strided_and_misaligned_rows(dtype):
+@pytest.mark.parametrize("op", GATED)
+def test_strided_and_misaligned_rows(dtype, op):
+    kernel, exact = GATED[op]
     d = 2048
     base = torch.randn(33, 2 * d + 9, device="cuda").to(dtype)
     for x in (base[:, : 2 * d], base[:, 1 : 2 * d + 1]):  # odd stride; 2-byte offset
-        assert_close_to(pagedkern.silu_and_mul(x), silu_and_mul64(x), dtype)
+        assert_close_to(kernel(x), exact(x), dtype)
     x3 = torch.randn(2, 3, 2 * d, device="cuda").to(dtype)
-    out = pagedkern.silu_and_mul(x3)
+    out = kernel(x3)
     assert out.shape == (2, 3, d)
-    assert_close_to(out, silu_and_mul64(x3), dtype)
+    assert_close_to(out, exact(x3), dtype)
 
 
 def test_cupy_arrays_without_torch_tensors():

@@ -80,6 +80,8 @@ def test_python_tables_mirror_the_cpp_enums():
     prefill = sys.modules["pagedkern.ops.flash_prefill"]
     assert dict(module.DTYPE_CODES) == arrays.DTYPE_CODES
     assert dict(module.FLASH_PREFILL_PATHS) == prefill.PATHS
+    activation = sys.modules["pagedkern.ops.activation"]
+    assert dict(module.GATED_ACTIVATIONS) == activation.ACTIVATIONS
 
 
 def _kernel_entry_points(module) -> list[str]:

@@ -50,6 +50,24 @@ def test_emulator_runs_silu_and_mul():
         torch.testing.assert_close(out, expected, rtol=2e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("d", [1024, 111, 3])  # vector and scalar paths
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_emulator_runs_gelu_tanh_and_mul(d, dtype):
+    g = torch.Generator().manual_seed(d)
+    x = (4 * torch.randn(7, 2 * d, generator=g)).to(dtype)
+    x[0, :3] = torch.tensor([0.0, -12.0, 12.0])  # gelu's flat and linear ends
+    out = torch.full((7, d), float("nan"), dtype=dtype)
+    with emulated():
+        pagedkern.gelu_tanh_and_mul(x, out=out)
+    x64 = x.double()
+    exact = torch.nn.functional.gelu(x64[:, :d], approximate="tanh") * x64[:, d:]
+    error = ((out.double() - exact).norm() / exact.norm()).item()
+    assert error <= {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert not torch.isnan(out).any()
+    # the same rounding as the reference where torch's tanh and the kernel's tanhf agree
+    torch.testing.assert_close(out, reference.gelu_tanh_and_mul(x), rtol=2e-3, atol=1e-3)
+
+
 def _paged(seq_lens, hkv, block_size, d, dtype, g):
     """Caches with shuffled pages and NaN in every slot no sequence owns."""
     needed = [math.ceil(n / block_size) for n in seq_lens]

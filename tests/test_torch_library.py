@@ -60,6 +60,8 @@ def test_norms_and_activation(dtype, device="cpu"):
     gate_up = _randn((7, 2 * 32), dtype, g, device)
     _check(ops.silu_and_mul.default, (gate_up,))
     assert torch.equal(ops.silu_and_mul(gate_up), direct.silu_and_mul(gate_up))
+    _check(ops.gelu_tanh_and_mul.default, (gate_up,))
+    assert torch.equal(ops.gelu_tanh_and_mul(gate_up), direct.gelu_tanh_and_mul(gate_up))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -4,7 +4,7 @@ current stream) or the PyTorch reference on CPU tensors; what each kernel covers
 support.py (outside it: the reference with a warning, or KernelUnsupportedError under the strict
 "cuda" backend)."""
 
-from .activation import silu_and_mul
+from .activation import gelu_tanh_and_mul, silu_and_mul
 from .flash_prefill import flash_prefill
 from .launch import get_backend, set_backend, use_backend
 from .norm import fused_add_rms_norm, rms_norm
@@ -17,6 +17,7 @@ from .support import KernelSupport, KernelUnsupportedError
 __all__ = [
     "flash_prefill",
     "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
     "KernelSupport",
     "KernelUnsupportedError",
     "get_backend",

@@ -1,4 +1,5 @@
-"""silu_and_mul: validation, then csrc/silu_and_mul.cu or the reference."""
+"""The gated activations silu_and_mul (SwiGLU) and gelu_tanh_and_mul (GeGLU): validation, then
+csrc/silu_and_mul.cu (one kernel pair, the activation a template parameter) or the reference."""
 
 from __future__ import annotations
 
@@ -15,9 +16,22 @@ from .arrays import (
 )
 from .launch import kernel_or_reference, launch_context
 
+# csrc/silu_and_mul.h GatedActivation, exported as _C.GATED_ACTIVATIONS (a test compares them)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
 
 def silu_and_mul(x, out=None, *, stream=None):
     """out = silu(x[..., :d]) * x[..., d:] for x [..., 2d] float32/float16/bfloat16."""
+    return _gated("silu_and_mul", "silu", x, out, stream)
+
+
+def gelu_tanh_and_mul(x, out=None, *, stream=None):
+    """out = gelu(x[..., :d], approximate="tanh") * x[..., d:] for x [..., 2d]
+    float32/float16/bfloat16 (Gemma's GeGLU)."""
+    return _gated("gelu_tanh_and_mul", "gelu_tanh", x, out, stream)
+
+
+def _gated(op: str, activation: str, x, out, stream):
     xv = view(x, "x")
     check_dtype(xv, FLOAT_DTYPES)
     if xv.ndim == 0 or xv.shape[-1] % 2:
@@ -31,10 +45,10 @@ def silu_and_mul(x, out=None, *, stream=None):
         check_shape(ov, shape)
         rows_of(ov)
         views.append(ov)
-    if not kernel_or_reference("silu_and_mul", views, support.elementwise(xv.dtype)):
-        from ..reference import silu_and_mul as reference
+    if not kernel_or_reference(op, views, support.elementwise(xv.dtype)):
+        from .. import reference
 
-        return reference(x, out=out)
+        return getattr(reference, op)(x, out=out)
     module, device, handle = launch_context(views, stream)
     if out is None:
         out = empty_like(xv, shape)
@@ -47,6 +61,7 @@ def silu_and_mul(x, out=None, *, stream=None):
         out_stride=rows_of(ov)[1],
         x_stride=x_stride,
         dtype=DTYPE_CODES[xv.dtype],
+        activation=ACTIVATIONS[activation],
         device=device,
         stream=handle,
     )

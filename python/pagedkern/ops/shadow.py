@@ -10,7 +10,7 @@ its thread is inside `ShadowReport.active()`. The model tags each layer with `en
 What is compared (the op's output against reference(copies of its inputs)), with the relative
 tolerance ||out - ref|| / ||ref|| of the kernels' tests: float32 1e-4, float16 2e-3,
 bfloat16 1e-2 (fp8 KV caches: 6e-2, the E4M3 step; quant_linear at least 1e-2: its kernels
-multiply bf16 activations). Outputs: rms_norm, silu_and_mul,
+multiply bf16 activations). Outputs: rms_norm, silu_and_mul, gelu_tanh_and_mul,
 quant_linear, paged_attention, flash_prefill; fused_add_rms_norm's x and residual;
 rope_and_cache's q, k and the K/V rows it wrote (the reference writes into a small cache of its
 own, so the real cache is never copied whole). `sample` and `rejection_sample` draw from a
@@ -36,6 +36,7 @@ COMPARED = (
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "rope_and_cache",
     "paged_attention",
     "flash_prefill",

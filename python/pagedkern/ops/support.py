@@ -91,8 +91,8 @@ def rejection_sample(dtype: str, vocab: int) -> KernelSupport:
 
 
 def elementwise(dtype: str) -> KernelSupport:
-    """rms_norm, fused_add_rms_norm, silu_and_mul, rope_and_cache: every float dtype, any shape
-    their validation accepts."""
+    """rms_norm, fused_add_rms_norm, the gated activations, rope_and_cache: every float dtype,
+    any shape their validation accepts."""
     return _dtype(dtype, FLOAT_DTYPES) or _YES
 
 

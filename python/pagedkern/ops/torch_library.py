@@ -31,6 +31,9 @@ from . import (
     fused_add_rms_norm as _fused_add_rms_norm,
 )
 from . import (
+    gelu_tanh_and_mul as _gelu_tanh_and_mul,
+)
+from . import (
     paged_attention as _paged_attention,
 )
 from . import (
@@ -79,6 +82,16 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 
 @silu_and_mul.register_fake
+def _(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@custom_op("pagedkern::gelu_tanh_and_mul", mutates_args=())
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    return _gelu_tanh_and_mul(x)
+
+
+@gelu_tanh_and_mul.register_fake
 def _(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
@@ -327,6 +340,7 @@ OPS = (
     rms_norm,
     fused_add_rms_norm,
     silu_and_mul,
+    gelu_tanh_and_mul,
     rope_and_cache,
     paged_attention,
     paged_attention_with_lse,

@@ -4,7 +4,7 @@ Device-agnostic (CPU or CUDA tensors), same signatures as `pagedkern.ops`, seman
 docstrings. Written for clarity, not speed; the CPU serving path runs on them.
 """
 
-from .activation import silu_and_mul
+from .activation import gelu_tanh_and_mul, silu_and_mul
 from .attention import flash_prefill, merge_attention_states, paged_attention
 from .norm import fused_add_rms_norm, rms_norm
 from .rejection_sampling import rejection_sample
@@ -15,6 +15,7 @@ __all__ = [
     "cos_sin_cache",
     "flash_prefill",
     "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
     "merge_attention_states",
     "paged_attention",
     "philox4x32",
