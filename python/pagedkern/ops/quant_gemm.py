@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model.quantized_linear import QuantizedWeight
+from ..reference.quantized_weight import QuantizedWeight
 from . import launch
 from .arrays import DTYPE_CODES, view
 from .launch import launch_context

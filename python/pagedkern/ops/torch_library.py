@@ -322,7 +322,7 @@ def quant_linear(
 ) -> Tensor:
     """x [M, K] @ the quantized weight [out_features, K]^T (+ bias); weight_format int8 or int4,
     the tensors as model.quantized_linear.QuantizedWeight holds them."""
-    from ..model.quantized_linear import QuantizedWeight
+    from ..reference.quantized_weight import QuantizedWeight
     from .quant_gemm import quant_linear as direct
 
     weight = QuantizedWeight(

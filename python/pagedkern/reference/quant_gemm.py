@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.quantized_linear import QuantizedWeight
+from .quantized_weight import QuantizedWeight
 
 
 def dequantize(weight: QuantizedWeight, kernel_scales: torch.dtype | None = None) -> torch.Tensor:

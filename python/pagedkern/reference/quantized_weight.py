@@ -1,0 +1,93 @@
+"""QuantizedWeight: the operand format of the weight-only quantized GEMM (ops.quant_linear, its
+reference and kernels). One [N, K] weight (N output channels) in a device-neutral canonical form,
+which is also what the weights cache stores:
+
+  int8: qweight int8 [N, K], scales fp32 [N]             w[n, k] = scales[n] * q[n, k]
+  int4: qweight uint8 [N, K/2], byte j = q[2j] | q[2j+1] << 4, q in 0..15;
+        scales, mins fp16 [N, K/G] (G = group_size, 32 or 128)
+                                                          w[n, k] = scales[n, g] * q + mins[n, g]
+
+Kernel-specific packed forms (torch's CPU int4pack, bf16 scales) are built once per weight by
+ops.quant_gemm and kept in `packed`. How weights get into this form (quantize-at-load, GGUF
+blocks) is the model's business: model/quantized_linear.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True, eq=False)
+class QuantizedWeight:
+    format: str  # "int8" | "int4"
+    shape: tuple[int, int]  # [N, K] of the weight it stands for
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+    group_size: int = 0  # int4 only
+    packed: dict = field(default_factory=dict)  # kernel key -> packed tensors, made lazily
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.qweight, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        if self.qweight.device == torch.device(device):
+            return self
+        mins = None if self.mins is None else self.mins.to(device)
+        return QuantizedWeight(
+            self.format,
+            self.shape,
+            self.qweight.to(device),
+            self.scales.to(device),
+            mins,
+            self.group_size,
+        )
+
+    def unpacked_int4(self) -> torch.Tensor:
+        """int4: q values as uint8 [N, K] (0..15)."""
+        lo, hi = self.qweight & 15, self.qweight >> 4
+        return torch.stack([lo, hi], dim=-1).view(self.shape)
+
+    def dequantize_rows(
+        self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The float weight (or only `rows` of it: an embedding lookup), in `dtype`."""
+        sel = slice(None) if rows is None else rows.long()
+        if self.format == "int8":
+            q = self.qweight[sel].to(torch.float32)
+            return (q * self.scales[sel, None].float()).to(dtype)
+        n, k = self.shape
+        q = (
+            self.unpacked_int4()[sel]
+            .to(torch.float32)
+            .view(-1, k // self.group_size, self.group_size)
+        )
+        w = q * self.scales[sel].float()[..., None] + self.mins[sel].float()[..., None]
+        return w.reshape(-1, k).to(dtype)
+
+    def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        bits = 8 if self.format == "int8" else 4  # qmeta: bits, group size, N, K
+        meta = torch.tensor([bits, self.group_size, *self.shape])
+        out = {f"{prefix}.qweight": self.qweight, f"{prefix}.scales": self.scales}
+        out[f"{prefix}.qmeta"] = meta
+        if self.mins is not None:
+            out[f"{prefix}.mins"] = self.mins
+        return out
+
+    @classmethod
+    def from_state_dict(cls, prefix: str, sd: dict[str, torch.Tensor]) -> QuantizedWeight | None:
+        meta = sd.get(f"{prefix}.qmeta")
+        if meta is None:
+            return None
+        bits, group, n, k = (int(x) for x in meta.tolist())
+        fmt = {8: "int8", 4: "int4"}[bits]
+        parts = (sd[f"{prefix}.qweight"], sd[f"{prefix}.scales"], sd.get(f"{prefix}.mins"))
+        return cls(fmt, (n, k), *parts, group)
