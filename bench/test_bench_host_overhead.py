@@ -45,7 +45,7 @@ from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.engine import runner as runner_module
 from pagedkern.engine.detokenizer import IncrementalDetokenizer
 from pagedkern.engine.outputs import RequestOutput, TokenDeltas
-from pagedkern.parallel.context import SINGLE
+from pagedkern.model.collectives import SINGLE
 
 SIZES = [1, 64, 256, 1024]
 STEPS = 3 if smoke_mode() else 200

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..ops import launch, shadow
-from ..parallel.context import SINGLE, TPContext
 from . import cpu_decode
 from .attention_metadata import AttentionMetadata
+from .collectives import SINGLE, Collectives
 from .config import ModelConfig
 from .kv_cache import FP8, KV_CACHE_DTYPES, KVCache, allocate_kv_cache
 from .quantized_linear import QuantizedWeight
@@ -64,7 +64,7 @@ class LlamaModel:
         weights: LlamaWeights,
         max_positions: int | None = None,
         kv_cache_dtype: str = "auto",
-        tp: TPContext = SINGLE,
+        tp: Collectives = SINGLE,
         local: ModelConfig | None = None,
     ):
         if kv_cache_dtype not in KV_CACHE_DTYPES:

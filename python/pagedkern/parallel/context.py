@@ -1,31 +1,24 @@
-"""What the model's forward needs to know about tensor parallelism: this rank, the group size,
-the two collectives (all-reduce of a row-parallel output, gather of the LM head's vocab shards to
-rank 0) and this rank's vocabulary rows. `SINGLE` (size 1) makes every hook an identity, so
-model/llama.py has one forward for TP = 1 and TP = N."""
+"""The model's tensor-parallel hook (model/collectives.py) over torch.distributed: the sum of a
+row-parallel output and the gather of the LM head's vocabulary shards to rank 0. The process
+group itself (joining, workers, broadcasting steps, failures) is TPGroup in group.py."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
+from ..model.collectives import SINGLE, Collectives
 
-@dataclass(slots=True)
-class TPContext:
+__all__ = ["SINGLE", "TPContext"]
+
+
+@dataclass
+class TPContext(Collectives):
     rank: int = 0
     size: int = 1
     vocab_size: int = 0  # the full vocabulary (0 at size 1: unused)
     exit_on_failure: bool = False  # TPGroup: exit the process once a rank's failure is answered
-
-    @property
-    def vocab_shard(self) -> int:
-        """Rows of the embedding / LM head per rank (the last rank may hold fewer)."""
-        return -(-self.vocab_size // self.size)
-
-    @property
-    def vocab_start(self) -> int:
-        return self.rank * self.vocab_shard
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the ranks, in place (identity at size 1)."""
@@ -51,17 +44,3 @@ class TPContext:
         if self.rank != 0:
             return None
         return torch.cat(parts, dim=1)[:, : self.vocab_size]
-
-    def upload(self, layout, device: torch.device, logits: bool):
-        """The step's input_ids and metadata on `device` (TP rank 0 also broadcasts them)."""
-        return layout.upload(device)
-
-    def fatal_errors(self) -> contextlib.AbstractContextManager:
-        """Around a step's forward: at size 1 errors stay the request's (see TPGroup)."""
-        return contextlib.nullcontext()
-
-    def close(self) -> None:
-        """Stop the group's workers (nothing at size 1)."""
-
-
-SINGLE = TPContext()
