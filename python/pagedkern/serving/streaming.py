@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -235,8 +236,26 @@ def engine_error(request_id: str, out: StreamOutput) -> APIError:
     """A request that failed inside the engine: the cause goes to the log, the client gets the
     request id to quote (never the internal exception text)."""
     log.error("request %s failed in the engine: %s", request_id, out.error)
-    message = f"generation failed (request id {request_id}); the server log has the details"
+    cause = tensor_parallel_cause(out.error)
+    cause = f": {cause}" if cause else ""
+    message = f"generation failed (request id {request_id}){cause}; the server log has the details"
     return APIError(500, message, type="server_error", code="engine_error")
+
+
+_WORKER_EXITED = re.compile(r"tensor-parallel worker rank (\d+) \(pid \d+\) exited with (\w+ \d+)")
+_RANK = re.compile(r"\brank (\d+)")
+
+
+def tensor_parallel_cause(error: str | None) -> str | None:
+    """The rank a broken tensor-parallel group names (its failure is the whole server's, not
+    the request's, so the client may know it): "tensor-parallel worker rank 2 exited with
+    signal 9", or "tensor-parallel rank 0 failed"; None for any other error."""
+    if not error or not error.startswith("TensorParallelError"):
+        return None
+    if exited := _WORKER_EXITED.search(error):
+        return f"tensor-parallel worker rank {exited[1]} exited with {exited[2]}"
+    rank = _RANK.search(error)
+    return f"tensor-parallel rank {rank[1]} failed" if rank else "the tensor-parallel group failed"
 
 
 def unavailable(exc: EngineUnavailable) -> APIError:
