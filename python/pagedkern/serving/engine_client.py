@@ -175,12 +175,19 @@ class EngineClient:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+        reported = []
+
         def join(timeout: float) -> None:
             process.join(timeout)
             if process.exitcode is None:
                 log.error("the engine core did not stop in %g s: killing it", timeout)
                 process.kill()
                 process.join()
+            elif process.exitcode != 0 and not reported:  # (join runs twice at shutdown)
+                reported.append(process.exitcode)
+                code = process.exitcode
+                how = f"signal {-code}" if code < 0 else f"status {code}"
+                log.error("the engine core exited with %s", how)
 
         return cls(channel, CoreInfo(**frame[1]), tokenizer, join_core=join)
 

@@ -30,8 +30,10 @@ import concurrent.futures
 import contextlib
 import gc
 import logging
+import os
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -120,6 +122,7 @@ class EngineCore:
         self.calls = calls
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: list[RequestOutput] = []  # produced outside step() (aborts), sent next
+        self.failed = False  # the loop ended on an internal error (the process exits 1)
 
     def run(self) -> None:
         """Serve frames until STOP or the front end goes away; never raises."""
@@ -139,6 +142,7 @@ class EngineCore:
                         self.after_step(engine)
                 self._flush()
         except BaseException:
+            self.failed = True
             log.exception("the engine core failed; no more requests will be served")
             self._die("the engine stopped after an internal error")
 
@@ -306,4 +310,22 @@ def core_process(
     try:
         core.run()
     finally:
-        engine.close()
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - still exit deliberately
+            log.exception("closing the engine failed")
+            core.failed = True
+    exit_now(1 if core.failed else 0)
+
+
+def exit_now(status: int) -> None:
+    """End the core process here, once the engine is closed (TP workers stopped, the step
+    thread joined): flush the logs and std streams, then os._exit. The interpreter's own
+    shutdown would run with daemon threads still alive (the channel's reader, blocked in recv;
+    the parent-pid watch) and C++ static destructors after it, and sometimes ended in SIGABRT
+    ("terminate called without an active exception") after every stream had ended cleanly."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -391,6 +392,13 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         self.engine_loop.request_stop()
         await super().shutdown(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:  # a requested stop: once it is done, exit with our status
+            captured = getattr(self, "_captured_signals", [])  # (uvicorn re-raises them after
+            while sig in captured:  # run(), and SIGTERM's default action kills the process)
+                captured.remove(sig)
 
 
 def serve(
