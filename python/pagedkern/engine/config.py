@@ -206,6 +206,25 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1")
 
+    def model_spec(self):
+        """The model.ModelSpec these settings load (what TP workers and drafts load too)."""
+        return _model_spec(self)
+
+
+def _model_spec(config: EngineConfig):
+    from ..model.spec import ModelSpec
+
+    return ModelSpec(
+        model=config.model,
+        dtype=config.dtype,
+        seed=config.seed,
+        max_positions=config.max_model_len,
+        quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
+        backend=config.backend,
+        cpu_fast_decode=config.cpu_fast_decode,
+    )
+
 
 def _shadow(value) -> str | None:
     """off / on / strict; True and False as on and off; None (PAGEDKERN_SHADOW) stays None."""

@@ -37,7 +37,7 @@ import torch
 
 from .. import envs, ops
 from .._extension import cuda_available, cuda_unavailable_reason
-from ..model import LlamaModel, Tokenizer, load_model
+from ..model import LlamaModel, Tokenizer
 from ..ops.shadow import ShadowDivergence, ShadowReport
 from ..parallel import TensorParallelError
 from .admission import Admission
@@ -67,22 +67,6 @@ def pick_device(backend: str) -> torch.device:
     if backend == "auto" and gpu and not cuda_available():
         return torch.device("cpu")  # a GPU without our kernels: stay on the CPU reference
     return torch.device("cuda" if gpu else "cpu")
-
-
-def load_engine_model(config: EngineConfig, device: torch.device) -> tuple[LlamaModel, Tokenizer]:
-    """The whole model as `config` names it (every TP rank loads it, then keeps its shard)."""
-    with ops.use_backend(config.backend):
-        model, tokenizer = load_model(
-            config.model,
-            device,
-            config.dtype,
-            seed=config.seed,
-            max_positions=config.max_model_len,
-            quantization=config.quantization,
-            kv_cache_dtype=config.kv_cache_dtype,
-        )
-    model.fast_cpu_decode = config.cpu_fast_decode
-    return model, tokenizer
 
 
 class Engine(Admission, Appending):
@@ -172,7 +156,7 @@ class Engine(Admission, Appending):
     @classmethod
     def from_config(cls, config: EngineConfig, tracer: Tracer | None = None) -> Engine:
         device = torch.device(config.device) if config.device else pick_device(config.backend)
-        model, tokenizer = load_engine_model(config, device)
+        model, tokenizer = config.model_spec().load(device)
         if config.tensor_parallel_size > 1:
             from ..parallel.engine_group import start_tensor_parallel
 

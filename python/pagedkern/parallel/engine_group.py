@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import sys
 
 from .group import TPGroup, launched_by_launcher
@@ -11,7 +10,7 @@ from .shard import TensorParallelConfigError, check_tp_size
 
 
 def start_tensor_parallel(model, config):
-    """Check the split, start (or join) the group, hand the workers the engine settings, and
+    """Check the split, start (or join) the group, hand the workers the model's spec, and
     return rank 0's shard of `model`. A process a launcher started as rank > 0 runs the worker
     loop here instead and exits when rank 0 stops it."""
     from . import shard_model
@@ -28,7 +27,7 @@ def start_tensor_parallel(model, config):
         )
     group = TPGroup.start(size, model.device)
     atexit.register(group.close)
-    group.share_settings({f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+    group.share_settings(config.model_spec().settings())  # what the workers load
     sharded = shard_model(model, group)
     if group.rank != 0:
         assert launched_by_launcher()

@@ -47,14 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     if not launched_by_launcher():
         print("pagedkern.parallel.worker: RANK/WORLD_SIZE/MASTER_* are not set", file=sys.stderr)
         return 2
-    from ..engine.config import EngineConfig
-    from ..engine.engine import load_engine_model
+    from ..model.spec import ModelSpec
     from . import shard_model
 
     group = TPGroup.start(int(os.environ["WORLD_SIZE"]), torch.device(args.device))
-    config = EngineConfig(**group.share_settings(None))
-    model, _ = load_engine_model(config, group.device)
-    serve(shard_model(model, group), group, config.backend)
+    spec = ModelSpec(**group.share_settings(None))
+    model, _ = spec.load(group.device)
+    serve(shard_model(model, group), group, spec.backend)
     return 0
 
 

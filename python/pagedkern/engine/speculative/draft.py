@@ -146,15 +146,16 @@ class DraftProposer:
             draft = self_draft(target, _self_layers(draft_model, target))
             head = target  # same norm and LM head: share its fp32 head copy too
         else:
-            from ..engine import load_engine_model  # engine.py imports the speculative package
-
             seed = config.seed
             if draft_model.startswith(SYNTHETIC_PREFIX):
                 seed = (seed + 1) % 2**63
-            draft_config = dataclasses.replace(
-                config, model=draft_model, seed=seed, max_model_len=target.max_positions
+            spec = dataclasses.replace(
+                config.model_spec(),
+                model=draft_model,
+                seed=seed,
+                max_positions=target.max_positions,
             )
-            draft, _ = load_engine_model(draft_config, target.device)
+            draft, _ = spec.load(target.device)
             if draft.config.vocab_size != target.config.vocab_size:
                 raise ValueError(
                     f"draft_model {draft_model!r}: its vocabulary has "
