@@ -147,3 +147,22 @@ def test_bad_indices_stay_inside_their_request_when_checks_are_off(monkeypatch):
         ops.rejection_sample(*case, out_token_ids=out, out_num_tokens=num)
     assert int(num[1]) == 0 and (out[1] == -1).all()
     assert int(num[0]) >= 1 and out[0].tolist()[: int(num[0])] == ref[0][0].tolist()[: int(num[0])]
+
+
+def test_under_graph_capture_the_outputs_must_be_given(monkeypatch):
+    """Without outputs the op reads cu_draft back to size them: a device sync, illegal (or stale)
+    inside a CUDA graph capture, so it is a clear error there; with outputs it runs as usual."""
+    g = torch.Generator().manual_seed(5)
+    target, ids, q, cu, seeds, offsets = random_case(g, 4, 200, 3, False)
+    case = (target.float(), ids, q.float(), cu, seeds, offsets)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with emulated():
+        before = launches()
+        with pytest.raises(ValueError, match="CUDA graph capture"):
+            ops.rejection_sample(*case)
+        assert launches() == before
+        out, num = _poisoned(4, 4)
+        ops.rejection_sample(*case, out_token_ids=out, out_num_tokens=num)
+    want_tokens, want_num = reference.rejection_sample(*case)
+    assert torch.equal(num, want_num)

@@ -3,6 +3,8 @@ the reference (pagedkern.reference.rejection_sampling: layout, Philox words and 
 
 from __future__ import annotations
 
+import sys
+
 from . import support
 from .arrays import (
     ArrayView,
@@ -182,6 +184,11 @@ def _row_stride(a: ArrayView) -> int:
 
 
 def _host_list(a: ArrayView) -> list[int]:
+    if _capturing(a):  # a read-back would fail the capture, or capture a stale value
+        raise ValueError(
+            f"{a.describe()} cannot be read back during CUDA graph capture: pass "
+            "out_token_ids= and out_num_tokens= (sized max k + 1) to capture rejection_sample"
+        )
     if a.library == "torch":
         return [int(c) for c in a.obj.tolist()]
     if a.library == "cupy":
@@ -190,3 +197,14 @@ def _host_list(a: ArrayView) -> list[int]:
         f"{a.describe()} is a plain __cuda_array_interface__ object: pass out_token_ids= and "
         "out_num_tokens= (the output width max k + 1 cannot be read from it)"
     )
+
+
+def _capturing(a: ArrayView) -> bool:
+    """Whether the stream the caller's library launches on is capturing a CUDA graph."""
+    library = sys.modules.get(a.library)
+    if a.library == "torch" and library is not None:
+        cuda = library.cuda
+        return cuda.is_available() and bool(cuda.is_current_stream_capturing())
+    if a.library == "cupy" and library is not None:
+        return bool(library.cuda.get_current_stream().is_capturing())
+    return False
