@@ -10,16 +10,21 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import http_stack  # noqa: F401 - skips this module without the HTTP stack
 import httpx
 import pytest
-from test_http_server import TINY, WAIT, sse_data
+from test_http_server import LONG, TINY, WAIT, sse_data, tiny_engine
 
-from pagedkern.serving.request_stream import StreamOutput
+from pagedkern.engine import SamplingParams
+from pagedkern.serving.http_server import ServerThread
+from pagedkern.serving.request_stream import Backlog, RequestStream, StreamOutput, event_bytes
+from pagedkern.serving.settings import ServerSettings
 from pagedkern.serving.streaming import engine_error
 
 CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--http", "--port", "0"]
@@ -121,3 +126,91 @@ def test_a_tensor_parallel_failure_names_the_rank_and_nothing_else_does():
     other = "RuntimeError: secret rank 3"
     message = engine_error("r3", StreamOutput("", [], True, None, error=other)).message
     assert "secret" not in message and "rank" not in message
+
+
+# --- a client that stops reading -------------------------------------------------------------
+
+
+def non_reader(url: str, body: dict) -> socket.socket:
+    """A client that sends a request and never reads a byte of the answer (a small receive
+    buffer, so the server's side fills up soon)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    data = json.dumps(body).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+    sock.sendall(head.encode() + b"content-length: %d\r\n\r\n%b" % (len(data), data))
+    return sock
+
+
+def flood(**extra) -> dict:
+    """A stream of many big events: 4 samples, 20 logprobs a token (~1.5 KB an event)."""
+    return {
+        "model": TINY, "prompt": "go on", "max_tokens": LONG, "stream": True, "ignore_eos": True,
+        "n": 4, "logprobs": 20, **extra,
+    }  # fmt: skip
+
+
+def blocks_used(server: ServerThread) -> int:
+    return server.engine_loop.run_in_engine(lambda e: e.stats().num_blocks_used).result(WAIT)
+
+
+def assert_cut_off(sock: socket.socket) -> None:
+    """The server dropped the connection before the stream's end (reading what is left)."""
+    sock.settimeout(WAIT)
+    received = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    assert b"data: [DONE]" not in received[-64:]
+
+
+@pytest.mark.parametrize("limit", ["write_buffer", "write_timeout"])
+def test_a_client_that_stops_reading_is_aborted_and_its_kv_freed(limit):
+    """The stream's client reads nothing: once its untaken events pass the write buffer (or its
+    socket has taken nothing for the write timeout), its samples are aborted, their KV blocks
+    freed and the connection dropped, while other clients are served. Before, the samples ran
+    to max_tokens (finish "length") with every event kept in the front end's memory, and the
+    connection stayed open."""
+    if limit == "write_buffer":
+        settings = ServerSettings(write_buffer_bytes=256 * 1024, write_timeout=600)
+    else:  # the buffer bound out of reach: the write timeout acts
+        settings = ServerSettings(write_buffer_bytes=2**30, write_timeout=0.5)
+    with ServerThread(tiny_engine(max_num_seqs=8), settings=settings) as server:
+        client = server.engine_loop
+        sock = non_reader(server.url, flood())
+        try:
+            assert client.wait_for(lambda: client.metrics.finished, WAIT)
+            assert client.wait_for(lambda: client.num_live == 0, WAIT)
+            assert client.metrics.finished == {"abort": 4}
+            assert blocks_used(server) == 0
+            r = httpx.post(
+                server.url + "/v1/completions",
+                json={"model": TINY, "prompt": "still there?", "max_tokens": 2},
+                timeout=WAIT,
+            )
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            assert_cut_off(sock)
+        finally:
+            sock.close()
+
+
+def test_a_closed_stream_drops_what_it_held_for_its_handler():
+    """Closing (client gone, buffer full) frees the outputs a stream held: nothing is left to
+    format on the event loop (before: 19 s of formatting 4 x 64-sample backlogs), and what
+    arrives later is dropped."""
+    backlog = Backlog(10**9, lambda: None)
+    owner, tokenizer = SimpleNamespace(abort=lambda _: None), SimpleNamespace(decode=str)
+    stream = RequestStream("r", owner, SamplingParams(), frozenset(), tokenizer)
+    backlog.watch(stream)
+    outs = [StreamOutput("x" * 100, [1], False, None) for _ in range(10)]
+    for out in outs:
+        stream.put(out)
+    assert backlog.size == sum(map(event_bytes, outs)) > 0
+    stream.close()
+    assert stream._ready == [] and backlog.size == 0
+    stream.put(outs[0])
+    assert stream._ready == [] and backlog.size == 0

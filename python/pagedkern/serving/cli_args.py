@@ -288,6 +288,10 @@ def build_parser() -> Parser:
         ("max_header_bytes", positive_int),
         ("max_connections", positive_int),
         ("max_seqs_per_request", positive_int),
+        ("write_buffer_bytes", positive_int),
+        ("write_timeout", positive_float),
+        ("step_timeout", positive_float),
+        ("stalled_request_timeout", positive_float),
     ):
         h.add_argument(
             "--" + name.replace("_", "-"),
@@ -390,6 +394,10 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_header_bytes=args.max_header_bytes,
         max_connections=args.max_connections,
         max_seqs_per_request=args.max_seqs_per_request,
+        write_buffer_bytes=args.write_buffer_bytes,
+        write_timeout=args.write_timeout,
+        step_timeout=args.step_timeout,
+        stalled_request_timeout=args.stalled_request_timeout,
         core_threads=args.core_threads,
         served_model_name=args.served_model_name,
         api_key=args.api_key,

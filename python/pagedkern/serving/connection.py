@@ -6,7 +6,9 @@ request id, the API key.
   keep-alive timer restarts on every byte). The head's size is bounded by uvicorn's
   `h11_max_incomplete_event_size`, the number of connections by `limit_concurrency`. Its
   requests' cycles write the parts of a chunked body straight to the socket
-  (`ChunkedBodyCycle`).
+  (`ChunkedBodyCycle`). A connection whose writes stay paused (its client takes nothing while
+  the response waits in its buffer) for `write_timeout` seconds is aborted: its handler sees a
+  disconnect and aborts the request.
 - `read_body`: the request body, at most `max_bytes` (413) within `timeout` seconds (408).
 - `RequestContext`: an ASGI middleware that bounds the head's size (431), reads `X-Request-Id`
   (or makes one), echoes it on the response and checks `Authorization: Bearer <api key>` on the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import re
 import uuid
 
@@ -28,16 +31,42 @@ from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from .errors import APIError
 
+log = logging.getLogger("pagedkern.serving")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
 class BoundedH11Protocol(H11Protocol):
     header_timeout: float = 10.0  # set per server by a subclass (see `protocol_class`)
+    write_timeout: float = 30.0
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_deadline = None
+        self._write_deadline = None
         self._arm_head_deadline()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self.write_timeout, self._write_too_slow)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_deadline()
+        super().resume_writing()
+
+    def _cancel_write_deadline(self) -> None:
+        if getattr(self, "_write_deadline", None) is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def _write_too_slow(self) -> None:
+        self._write_deadline = None
+        if self.flow.write_paused:
+            log.warning(
+                "a client took no data for %g s while its response waited: closing it",
+                self.write_timeout,
+            )
+            self.transport.abort()  # (close() would wait for the buffer to drain)
 
     def handle_events(self) -> None:
         cycle = self.cycle
@@ -57,6 +86,7 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._cancel_head_deadline()
+        self._cancel_write_deadline()
         super().connection_lost(exc)
 
     def _waiting_for_head(self) -> bool:
@@ -112,6 +142,10 @@ class ChunkedBodyCycle(RequestResponseCycle):
         if body:
             self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
+    def abort_connection(self) -> None:
+        """Drop the connection and what waits in its buffer (its client stopped reading)."""
+        self.transport.abort()
+
     async def send(self, message) -> None:
         if (
             message["type"] == "http.response.body"
@@ -122,8 +156,9 @@ class ChunkedBodyCycle(RequestResponseCycle):
         await super().send(message)
 
 
-def protocol_class(header_timeout: float) -> type[BoundedH11Protocol]:
-    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"header_timeout": header_timeout})
+def protocol_class(header_timeout: float, write_timeout: float = 30.0) -> type[BoundedH11Protocol]:
+    fields = {"header_timeout": header_timeout, "write_timeout": write_timeout}
+    return type("BoundedH11Protocol", (BoundedH11Protocol,), fields)
 
 
 class BodyGone(Exception):

@@ -186,7 +186,7 @@ def create_app(
             raise admission_error(exc, param, rid) from exc
         if streaming:
             return EventStreamResponse(
-                lambda writer: sse_events(streams, fmt, writer),
+                lambda writer: sse_events(streams, fmt, writer, settings.write_buffer_bytes),
                 on_close=lambda: [s.close() for s in streams],
             )
         texts = None
@@ -380,7 +380,7 @@ class _Server(uvicorn.Server):
             log_level=settings.log_level,
             access_log=settings.log_level == "debug",
             timeout_graceful_shutdown=5,
-            http=protocol_class(settings.header_timeout),
+            http=protocol_class(settings.header_timeout, settings.write_timeout),
             timeout_keep_alive=settings.keep_alive_timeout,
             h11_max_incomplete_event_size=settings.max_header_bytes,
             # uvicorn refuses a request once connections (its own included) reach the limit

@@ -42,6 +42,42 @@ class StreamOutput:
     error: str | None = None
 
 
+def event_bytes(out: StreamOutput) -> int:
+    """About the size of `out`'s SSE event (and of what holding it costs): the chunk's JSON
+    around the text, the text, ~64 bytes per logprob entry (the token's and each top one's)."""
+    size = 200 + 2 * len(out.text)
+    if out.logprobs:
+        size += sum(64 * (1 + len(lp.top)) for lp in out.logprobs)
+    return size
+
+
+class Backlog:
+    """What one streamed response holds for a client that has not taken it yet: the outputs
+    its streams keep for the handler and the events on their way to the socket (event_bytes
+    each), bounded. Past `limit` bytes, `on_full` runs once (the response's connection is
+    dropped and its requests aborted): a client that stops reading costs bounded memory."""
+
+    def __init__(self, limit: int, on_full: Callable[[], None]):
+        self.limit, self.on_full = limit, on_full
+        self.size = 0
+        self.full = False
+
+    def add(self, size: int) -> None:
+        self.size += size
+        if self.size > self.limit and not self.full:
+            self.full = True
+            self.on_full()
+
+    def sent(self, outputs) -> None:
+        """These outputs' events have been written (or dropped)."""
+        self.size -= sum(event_bytes(out) for out in outputs)
+
+    def watch(self, stream: RequestStream) -> None:
+        """Count `stream`'s outputs from now on (those it holds already included)."""
+        stream.backlog = self
+        self.add(sum(event_bytes(x) for x in stream._ready if isinstance(x, StreamOutput)))
+
+
 @dataclass(slots=True)
 class Sample:
     detokenizer: IncrementalDetokenizer
@@ -65,6 +101,8 @@ class RequestStream:
     # the response's direct writer, while it streams (streaming.py): put() offers it each
     # output first; True: it delivered it (nothing for the handler to read)
     sink: Callable[[StreamOutput | BaseException], bool] | None = None
+    backlog: Backlog | None = None  # the response's bound on what its client has not taken
+    _closed: bool = False
     _wakeup: asyncio.Future | None = None  # the waiting handler's, if it waits
     pending: int = 0  # samples the core has not finished
     _open: int = 0  # samples the handler has not seen finished
@@ -87,7 +125,9 @@ class RequestStream:
     def put(self, item: StreamOutput | BaseException) -> None:
         """One more output (or the failure that ends the stream): to the sink if it takes it
         (never ahead of outputs still waiting for the handler), else for the handler to read,
-        waking it."""
+        waking it; nothing once the stream is closed)."""
+        if self._closed:
+            return  # nobody reads it
         if self.sink is not None and not self._ready:
             try:
                 if self.sink(item):
@@ -96,6 +136,8 @@ class RequestStream:
                 log.exception("request %s: writing an event failed", self.request_id)
                 self.sink = None  # the handler meets the output in its own task
         self._ready.append(item)
+        if self.backlog is not None and isinstance(item, StreamOutput):
+            self.backlog.add(event_bytes(item))
         wakeup = self._wakeup
         if wakeup is not None:
             self._wakeup = None
@@ -134,8 +176,16 @@ class RequestStream:
             yield batch
 
     def close(self) -> None:
-        """Abort what the core still runs of this request (idempotent)."""
+        """Abort what the core still runs of this request and drop what it holds for the
+        handler (idempotent)."""
         self.finished = True
+        self._closed = True
+        if self.backlog is not None:
+            self.backlog.sent(x for x in self._ready if isinstance(x, StreamOutput))
+        self._ready = []
+        wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)  # (a waiting handler finds the stream finished)
         if self.pending and not self._aborted:
             self._aborted = True
             self.owner.abort(self.request_id)

@@ -21,6 +21,20 @@ class ServerSettings:
     max_seqs_per_request: int = _opt(
         256, "sequences one request may ask for (n x prompts) before a 400"
     )
+    write_buffer_bytes: int = _opt(
+        16 * 2**20,
+        "bytes of a streamed response's events its client may leave untaken before the "
+        "stream is aborted and the connection closed",
+    )
+    write_timeout: float = _opt(
+        30.0, "seconds a connection may take no data while a response waits before it is closed"
+    )
+    step_timeout: float = _opt(
+        60.0, "seconds without a completed engine step, while requests wait, before /health is 503"
+    )
+    stalled_request_timeout: float = _opt(
+        120.0, "seconds without a completed engine step before the open requests fail (503)"
+    )
     served_model_name: str | None = _opt(None, "the model name clients pass (default: derived)")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer <key>' on /v1 routes")
     allowed_origins: list[str] = _opt(None, "CORS origins allowed ('*': any; default: none)")
@@ -46,6 +60,10 @@ class ServerSettings:
             "max_header_bytes": self.max_header_bytes,
             "max_connections": self.max_connections,
             "max_seqs_per_request": self.max_seqs_per_request,
+            "write_buffer_bytes": self.write_buffer_bytes,
+            "write_timeout": self.write_timeout,
+            "step_timeout": self.step_timeout,
+            "stalled_request_timeout": self.stalled_request_timeout,
         }
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

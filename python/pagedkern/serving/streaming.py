@@ -41,7 +41,7 @@ from .openai_protocol import (
     Usage,
     openai_finish_reason,
 )
-from .request_stream import RequestStream, StreamOutput
+from .request_stream import Backlog, RequestStream, StreamOutput
 
 
 class _Format:
@@ -303,7 +303,10 @@ async def merged(
 
 
 async def sse_events(
-    streams: list[RequestStream], fmt: Format, writer: ChunkedBodyCycle | None = None
+    streams: list[RequestStream],
+    fmt: Format,
+    writer: ChunkedBodyCycle | None = None,
+    write_buffer_bytes: int | None = None,
 ) -> AsyncIterator[str]:
     """The response body in pieces: the events of one batch of outputs per piece (one write).
 
@@ -313,7 +316,15 @@ async def sse_events(
     unfinished outputs are written by the frame handler as they arrive (RequestStream.sink):
     no task wake-up, generator step or ASGI send chain per token. Only what that cannot write
     at once (flow control paused, client gone) and the end (finish, usage, [DONE], an error)
-    come through here, in order."""
+    come through here, in order.
+
+    write_buffer_bytes bounds what the client has not taken (Backlog): past it, the requests
+    are aborted and the connection dropped."""
+    backlog = None
+    if write_buffer_bytes is not None:
+        backlog = Backlog(write_buffer_bytes, lambda: _client_not_reading(streams, writer))
+        for stream in streams:
+            backlog.watch(stream)
     opening = fmt.opening()
     if opening is not None:
         yield event(opening)
@@ -330,6 +341,8 @@ async def sse_events(
                         events.sending = True  # the sink waits until it is written
                         yield piece
                         events.sending = False
+                    if backlog is not None:
+                        backlog.sent(batch)
                     if events.ended:
                         break
             finally:
@@ -339,11 +352,27 @@ async def sse_events(
                 piece = events.of(batch)
                 if piece:
                     yield piece
+                if backlog is not None:
+                    backlog.sent(out for _, out in batch)
                 if events.ended:
                     break
     except EngineUnavailable as exc:
         yield event(json.dumps(unavailable(exc).body()))
     yield "data: [DONE]\n\n"
+
+
+def _client_not_reading(streams: list[RequestStream], writer: ChunkedBodyCycle | None) -> None:
+    """A response's client has left more than the write buffer untaken: abort its requests
+    (their KV is freed before the next step), drop what they hold and the connection."""
+    log.warning(
+        "request %s: the client has not taken %d bytes of events: aborting it",
+        streams[0].request_id,
+        streams[0].backlog.limit,
+    )
+    for stream in streams:
+        stream.close()
+    if writer is not None:
+        writer.abort_connection()
 
 
 class _EventWriter:
