@@ -85,6 +85,13 @@ def write_folder(folder, cfg: dict, shards: int = 1, dtype=torch.float32, seed: 
             weight_map.update(dict.fromkeys(part, file))
         index = {"metadata": {}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    write_tokenizer(folder)
+    return {k: t.double() for k, t in tensors.items()}
+
+
+def write_tokenizer(folder) -> None:
+    """tokenizer.json (a small byte-level BPE), tokenizer_config.json with a chat template, and
+    generation_config.json naming the end of turn."""
     tok = train_tokenizer()
     tok.save(str(folder / "tokenizer.json"))
     tok_config = {
@@ -95,7 +102,6 @@ def write_folder(folder, cfg: dict, shards: int = 1, dtype=torch.float32, seed: 
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
     eot = tok.token_to_id("<|eot_id|>")
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot]}))
-    return {k: t.double() for k, t in tensors.items()}
 
 
 def base_config(**changes) -> dict:

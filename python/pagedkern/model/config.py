@@ -25,7 +25,8 @@ class RopeScaling:
 class ModelConfig:
     """Llama-family decoder: RMSNorm, GQA attention with rotate-half RoPE, SwiGLU MLP.
 
-    Covers Llama 2/3, Qwen2-style (q/k/v bias) and SmolLM2 (tied embeddings).
+    Covers Llama 2/3, Qwen2-style (q/k/v bias), Qwen3 (QK-norm: an RMSNorm over each query
+    and key head before RoPE) and SmolLM2 (tied embeddings).
     """
 
     name: str
@@ -44,6 +45,7 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2; Llama's attention_bias sets qkv_bias and o_bias
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k (weights [head_dim]) before RoPE
 
     def __post_init__(self):
         sizes = (self.vocab_size, self.hidden_size, self.intermediate_size, self.num_layers)
@@ -134,8 +136,13 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 # model_type values whose checkpoints are plain Llama-family decoders.
-_HF_MODEL_TYPES = {"llama", "qwen2", "mistral"}
-_HF_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+_HF_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+_HF_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+}
 
 
 def _rope_scaling_from_hf(raw: dict | None, source: str) -> RopeScaling | None:
@@ -165,10 +172,12 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         what = model_type or ", ".join(archs) or "no model_type"
         raise ModelLoadError(
             source,
-            f"unsupported architecture {what!r} (supported: Llama, Qwen2, Mistral-style decoders)",
+            f"unsupported architecture {what!r} (supported: Llama, Qwen2, Qwen3, Mistral-style "
+            "decoders)",
         )
-    # Qwen2 configs carry a sliding_window that only applies with use_sliding_window.
-    sliding = raw.get("use_sliding_window") if model_type == "qwen2" else raw.get("sliding_window")
+    # Qwen configs carry a sliding_window that only applies with use_sliding_window.
+    qwen = model_type in ("qwen2", "qwen3")
+    sliding = raw.get("use_sliding_window") if qwen else raw.get("sliding_window")
     if sliding:
         raise ModelLoadError(source, "unsupported: sliding-window attention")
     if raw.get("hidden_act", "silu") != "silu":
@@ -195,6 +204,7 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3" or "Qwen3ForCausalLM" in archs,
         )
     except KeyError as exc:
         raise ModelLoadError(source, f"config.json lacks {exc.args[0]!r}") from None

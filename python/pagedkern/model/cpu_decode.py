@@ -171,10 +171,13 @@ def _gemm(weight, bias: torch.Tensor | None = None) -> Gemm:
 
 def _prepare(model):
     """Per layer (qkv, o, gate_up, down) GEMM closures, or False where some weight has a bias
-    the fast path does not place exactly as the plain one (O, gate/up, down biases)."""
+    the fast path does not place exactly as the plain one (O, gate/up, down biases) or the model
+    normalises q and k (QK-norm)."""
     layers = []
     for layer in model.weights.layers:
         if any(b is not None for b in (layer.o_bias, layer.gate_up_bias, layer.down_bias)):
+            return False
+        if layer.q_norm is not None:  # QK-norm (Qwen3): the plain forward's
             return False
         layers.append(
             (_gemm(layer.qkv, layer.qkv_bias), _gemm(layer.o), _gemm(layer.gate_up),

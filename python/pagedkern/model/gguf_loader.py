@@ -25,7 +25,8 @@ from .tokenizer import Tokenizer
 from .weights import LM_HEAD_MODE, LlamaWeights, assemble_weights, quantize_weights
 from .weights_cache import cached_default, file_sha256, load_entry, store_default, store_entry
 
-_ARCHITECTURES = {"llama": True, "qwen2": False}  # arch -> Q/K stored permuted
+# arch -> Q/K stored permuted (llama.cpp's converter permutes only its LlamaModel's)
+_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -34,6 +35,8 @@ _LAYER_NAMES = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
@@ -127,6 +130,7 @@ def _config(meta: dict[str, Any], tensors: dict, path: str) -> tuple[ModelConfig
             qkv_bias="blk.0.attn_q.bias" in tensors,
             o_bias="blk.0.attn_output.bias" in tensors,
             mlp_bias="blk.0.ffn_up.bias" in tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in tensors,
         )
     except ValueError as exc:
         raise ModelLoadError(path, str(exc)) from None

@@ -261,6 +261,9 @@ class LlamaModel:
         q = qkv[:, : cfg.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(tokens, cfg.num_kv_heads, -1)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None:  # QK-norm (Qwen3): each head RMS-normalised before RoPE
+            q = _head_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = _head_norm(k, layer.k_norm, cfg.rms_norm_eps)
         if self._kv_amax is not None:  # fp8 calibration (kv_scales)
             self._kv_amax.append((k.abs().max().item(), v.abs().max().item()))
         # fp8 cache: rope_and_cache stores k / k_scale and v / v_scale (E4M3, saturated) and
@@ -292,3 +295,10 @@ class LlamaModel:
                 out=out[rows:],
                 **scales,
             )
+
+
+def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over each head ([T, H, D] -> a new contiguous [T, H, D]); heads of the fused QKV
+    output are not rows of one stride, so they are normed as a [T * H, D] copy."""
+    tokens, heads, dim = x.shape
+    return ops.rms_norm(x.reshape(tokens * heads, dim), weight, eps).view(tokens, heads, dim)

@@ -31,6 +31,8 @@ class LayerWeights:
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [D]: QK-norm (Qwen3), per query head before RoPE
+    k_norm: torch.Tensor | None = None  # [D]: per key head
 
 
 @dataclass(slots=True)
@@ -174,6 +176,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.mlp_bias:
             for name, rows in (("gate_proj", i), ("up_proj", i), ("down_proj", h)):
                 shapes[p + f"mlp.{name}.bias"] = (rows,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
     return shapes
 
 
@@ -252,6 +257,8 @@ def assemble_weights(
                 o_bias=maybe(p + "self_attn.o_proj.bias"),
                 gate_up_bias=cat([m + "bias" for m in mlp]),
                 down_bias=maybe(p + "mlp.down_proj.bias"),
+                q_norm=maybe(p + "self_attn.q_norm.weight"),
+                k_norm=maybe(p + "self_attn.k_norm.weight"),
             )
         )
     embed = load("model.embed_tokens.weight")

@@ -138,6 +138,8 @@ def shard_weights(weights: LlamaWeights, config: ModelConfig, rank: int, size: i
             o_bias=w.o_bias if rank == 0 else None,  # added once, before the all-reduce
             gate_up_bias=_bias(w.gate_up_bias, gate_up),
             down_bias=w.down_bias if rank == 0 else None,
+            q_norm=w.q_norm,  # per head: every rank's heads take the same weights
+            k_norm=w.k_norm,
         )
 
     shard = -(-config.vocab_size // size)

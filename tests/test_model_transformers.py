@@ -1,0 +1,204 @@
+"""HF transformers as the reference implementation: tiny random models of each supported
+architecture built and saved by transformers itself, loaded by pagedkern from the folder (and
+from a GGUF written the way llama.cpp's converter writes that architecture), must give
+transformers' logits (fp32, prefill and every greedy decode step) and its greedy continuation
+token for token, through the engine with chunked prefill and prefix-cache hits."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hf_model_files import LLAMA3_TEMPLATE, SPECIALS, train_tokenizer, write_tokenizer
+from test_model_gguf import GGUF_LAYER, llama_cpp_permute
+
+from pagedkern.engine import Engine, EngineConfig, SamplingParams
+from pagedkern.model import load_model
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 400  # the tokenizer write_tokenizer trains
+PROMPT = [5, 77, 301, 12, 250, 9, 33, 120, 64, 7, 199, 3, 42, 318, 91, 17, 260, 88, 2, 150]
+STEPS = 32
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    initializer_range=0.2,  # peaked logits: greedy choices far from ties
+)
+
+
+def _qwen3():
+    return transformers.Qwen3Config(head_dim=32, rope_theta=1e6, **COMMON)
+
+
+def _llama():
+    return transformers.LlamaConfig(rope_theta=10000.0, **COMMON)
+
+
+ARCHITECTURES = {
+    "qwen3": (_qwen3, transformers.Qwen3ForCausalLM),
+    "llama": (_llama, transformers.LlamaForCausalLM),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def saved(request, tmp_path_factory):
+    """(folder, the transformers model in fp32 eval mode) of one architecture."""
+    make_config, model_class = ARCHITECTURES[request.param]
+    torch.manual_seed(0)
+    model = model_class(make_config()).float().eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder, safe_serialization=True)
+    write_tokenizer(folder)
+    return folder, model
+
+
+def _hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the logits each was chosen from ([steps, V])."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            max_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, torch.stack([lg[0] for lg in out.logits])
+
+
+def test_prefill_logits_equal_transformers(saved):
+    folder, hf = saved
+    model, _ = load_model(str(folder), "cpu", torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    from hf_model_files import all_logits
+
+    got = all_logits(model, PROMPT).double()
+    error = ((got - want).norm() / want.norm()).item()
+    assert error < 1e-5, error
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"max_num_batched_tokens": 8},  # the prompt prefilled in chunks
+    ],
+    ids=["whole prefill", "chunked prefill"],
+)
+def test_greedy_decode_equals_transformers_token_for_token(saved, engine_args):
+    folder, hf = saved
+    want_tokens, want_logits = _hf_greedy(hf, PROMPT, STEPS)
+    engine = Engine.from_config(
+        EngineConfig(
+            model=str(folder), backend="reference", dtype="float32", num_blocks=64,
+            block_size=4, **engine_args,
+        )
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=1)
+    engine.add_request(prompt_ids=PROMPT, params=params)
+    outputs = list(engine.run_until_done())
+    tokens = [t for o in outputs for t in o.token_ids]
+    assert tokens == want_tokens
+    # each step's chosen token has transformers' log-probability at that step
+    logprobs = [lp.logprob for o in outputs for lp in (o.logprobs or ())]
+    want = torch.log_softmax(want_logits.double(), -1)
+    expected = want[torch.arange(STEPS), torch.tensor(want_tokens)]
+    assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64), expected, atol=1e-4)
+
+
+def test_a_prefix_cache_hit_changes_nothing(saved):
+    folder, hf = saved
+    want_tokens, _ = _hf_greedy(hf, PROMPT, 8)
+    engine = Engine.from_config(
+        EngineConfig(model=str(folder), backend="reference", num_blocks=64, block_size=4)
+    )
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for _ in range(2):  # the second run finds the prompt's full blocks cached
+        engine.add_request(prompt_ids=PROMPT, params=params)
+        tokens = [t for o in engine.run_until_done() for t in o.token_ids]
+        assert tokens == want_tokens
+    assert engine.pool.prefix_hits > 0
+
+
+def write_gguf_like_llama_cpp(path, hf, arch: str) -> None:
+    """The transformers model as llama.cpp's convert_hf_to_gguf.py writes it, in F32: its
+    tensor names, Q/K permuted for interleaved RoPE on "llama" only, head dim as key_length."""
+    cfg = hf.config
+    tok = train_tokenizer()
+    vocab = json.loads(tok.to_str())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) for m in vocab["merges"]])
+    w.add_eos_token_id(tokens.index("<|eot_id|>"))
+    w.add_chat_template(LLAMA3_TEMPLATE)
+    layer_names = {
+        **GGUF_LAYER,
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+    }
+    for name, t in hf.state_dict().items():
+        arr = np.ascontiguousarray(t.float().numpy())
+        if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            arr = llama_cpp_permute(arr, heads)
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{layer_names[module]}.{kind}"
+        w.add_tensor(gname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_the_gguf_llama_cpp_writes_equals_transformers(saved, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "cache"))
+    folder, hf = saved
+    arch = hf.config.model_type  # "llama" or "qwen3", as llama.cpp names them too
+    path = tmp_path / "m.gguf"
+    write_gguf_like_llama_cpp(path, hf, arch)
+    model, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    from hf_model_files import all_logits
+
+    got = all_logits(model, PROMPT).double()
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert model.config.qk_norm == (arch == "qwen3")
