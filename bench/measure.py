@@ -125,6 +125,17 @@ def time_cuda(fn: Callable[[], object], inner: int, flush: bool = True) -> float
     return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
 
 
+def per_call_seconds(fn: Callable[[], object], calls: int, rounds: int) -> float:
+    """Host seconds per call (no GPU involved): the median over rounds of `calls` calls."""
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples)
+
+
 def run_case(benchmark, fn: Callable[[], object], rounds: int = 15, inner: int = 20) -> float:
     """Median seconds per call of fn (L2 flushed before each call), timed under pytest-benchmark."""
     if smoke_mode():

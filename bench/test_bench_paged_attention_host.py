@@ -9,12 +9,12 @@ case (plan and check cache misses) is reported apart."""
 from __future__ import annotations
 
 import importlib
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from measure import per_call_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fake_cuda_array import FakeCudaArray  # noqa: E402
@@ -55,16 +55,6 @@ def stub(monkeypatch) -> StubExtension:
     return ext
 
 
-def _per_call_seconds(fn, calls: int, rounds: int) -> float:
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls)
-    return statistics.median(samples)
-
-
 @pytest.mark.parametrize("batch,hq,hkv,d,bs,max_len", CASES)
 def test_paged_attention_host_cost(stub, record, smoke, batch, hq, hkv, d, bs, max_len):
     blocks = max_len // bs
@@ -86,7 +76,7 @@ def test_paged_attention_host_cost(stub, record, smoke, batch, hq, hkv, d, bs, m
     t0 = time.perf_counter()
     call()
     first = time.perf_counter() - t0
-    seconds = _per_call_seconds(call, calls=20 if smoke else 2000, rounds=3 if smoke else 15)
+    seconds = per_call_seconds(call, calls=20 if smoke else 2000, rounds=3 if smoke else 15)
     case = f"B={batch} L={max_len} Hq/Hkv={hq}/{hkv} D={d}"
     record("paged_attention host", case, "python per call", seconds, first_call_us=first * 1e6)
     assert stub.launches == 1 + (3 if smoke else 15) * (20 if smoke else 2000)
@@ -128,7 +118,7 @@ def test_plan_run_host_cost(stub, record, smoke, monkeypatch, batch, hq, hkv, d,
     plan.plan(q, cache, cache, tables, lens, out, max_seq_len=max_len)
     planning = time.perf_counter() - t0
     StubLaunch.runs = 0
-    seconds = _per_call_seconds(
+    seconds = per_call_seconds(
         lambda: plan.run(q, cache, cache, out, stream=0),
         calls=20 if smoke else 2000,
         rounds=3 if smoke else 15,

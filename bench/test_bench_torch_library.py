@@ -6,26 +6,14 @@ what a user pays for torch.compile-visible ops."""
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import pytest
 import torch
+from measure import per_call_seconds
 
 import pagedkern.ops as direct
 from pagedkern.ops import torch_library  # noqa: F401 - registers torch.ops.pagedkern
 
 ops = torch.ops.pagedkern
-
-
-def _per_call_seconds(fn, calls: int, rounds: int) -> float:
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls)
-    return statistics.median(samples)
 
 
 def _cases():
@@ -43,8 +31,8 @@ def test_registered_vs_direct_call(record, smoke, op):
     calls, rounds = (20, 3) if smoke else (5000, 15)
     for fn in (plain, registered):
         fn()
-    t_direct = _per_call_seconds(plain, calls, rounds)
-    t_registered = _per_call_seconds(registered, calls, rounds)
+    t_direct = per_call_seconds(plain, calls, rounds)
+    t_registered = per_call_seconds(registered, calls, rounds)
     record("torch.library host", f"{op} 1x8 CPU", "direct call", t_direct)
     record(
         "torch.library host",

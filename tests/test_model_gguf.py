@@ -42,7 +42,23 @@ GGUF_LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
+
+
+def llama_cpp_tensor_name(name: str) -> str:
+    """A HF tensor name as convert_hf_to_gguf.py names it in the GGUF."""
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if name in top:
+        return top[name]
+    _, _, layer, rest = name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{GGUF_LAYER[module]}.{kind}"
 
 
 def write_gguf(path, cfg: dict, arch: str = "llama", skip: str = "", seed: int = 0) -> dict:
@@ -77,16 +93,7 @@ def write_gguf(path, cfg: dict, arch: str = "llama", skip: str = "", seed: int =
         expected[name] = torch.from_numpy(arr.astype(np.float64))
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             arr = llama_cpp_permute(arr, nh if "q_proj" in name else nkv)
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        elif name == "lm_head.weight":
-            gname = "output.weight"
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{GGUF_LAYER[module]}.{kind}"
+        gname = llama_cpp_tensor_name(name)
         if gname == skip:
             continue
         if arr.ndim == 2:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from hf_model_files import LLAMA3_TEMPLATE, SPECIALS, train_tokenizer, write_tokenizer
-from test_model_gguf import GGUF_LAYER, llama_cpp_permute
+from test_model_gguf import llama_cpp_permute, llama_cpp_tensor_name
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import load_model
@@ -161,27 +161,12 @@ def write_gguf_like_llama_cpp(path, hf, arch: str) -> None:
     w.add_token_merges([" ".join(m) for m in vocab["merges"]])
     w.add_eos_token_id(tokens.index("<|eot_id|>"))
     w.add_chat_template(LLAMA3_TEMPLATE)
-    layer_names = {
-        **GGUF_LAYER,
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-    }
     for name, t in hf.state_dict().items():
         arr = np.ascontiguousarray(t.float().numpy())
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             arr = llama_cpp_permute(arr, heads)
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        elif name == "lm_head.weight":
-            gname = "output.weight"
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{layer_names[module]}.{kind}"
-        w.add_tensor(gname, arr)
+        w.add_tensor(llama_cpp_tensor_name(name), arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
