@@ -8,6 +8,7 @@ core's exit); a broken tensor-parallel group's error names the rank."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 import http_stack  # noqa: F401 - skips this module without the HTTP stack
 import httpx
 import pytest
+from test_http_processes import children, cmdline
 from test_http_server import LONG, TINY, WAIT, sse_data, tiny_engine
 
 from pagedkern.engine import SamplingParams
@@ -214,3 +216,76 @@ def test_a_closed_stream_drops_what_it_held_for_its_handler():
     assert stream._ready == [] and backlog.size == 0
     stream.put(outs[0])
     assert stream._ready == [] and backlog.size == 0
+
+
+# --- a core that stops stepping --------------------------------------------------------------
+
+
+def test_a_core_stuck_in_a_step_turns_health_503_and_fails_open_requests():
+    """The core blocks after a step (as on a stopped TP worker): /health turns 503 once no step
+    has completed for the step timeout while a stream waits, /metrics still answers, a new
+    request is a 503, and the stream ends with an engine_unavailable error after the stalled-
+    request timeout. Once the core steps again its KV is freed and /health is 200. Before,
+    /health said 200 and the stream waited for as long as the core did."""
+    armed, stuck, release = threading.Event(), threading.Event(), threading.Event()
+
+    def after_step(_engine) -> None:
+        if armed.is_set() and not stuck.is_set():
+            stuck.set()
+            release.wait(WAIT)
+
+    settings = ServerSettings(step_timeout=0.2, stalled_request_timeout=0.4)
+    with ServerThread(tiny_engine(), after_step=after_step, settings=settings) as server:
+        client = server.engine_loop
+        body = {"model": TINY, "prompt": "go on", "max_tokens": LONG, "stream": True}
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=WAIT) as r:
+                data = sse_data(r)
+                next(data)  # the stream runs
+                armed.set()
+                assert stuck.wait(WAIT)
+                assert client.wait_for(lambda: client.stalled is not None, WAIT)
+                health = httpx.get(server.url + "/health", timeout=WAIT)
+                assert health.status_code == 503, health.text
+                assert "no step" in health.json()["error"]["message"]
+                assert httpx.get(server.url + "/metrics", timeout=WAIT).status_code == 200
+                late = httpx.post(server.url + "/v1/completions", json={**body, "stream": False})
+                assert late.status_code == 503 and "no step" in late.text
+                rest = list(data)
+            assert rest[-1] == "[DONE]"
+            error = json.loads(rest[-2])["error"]
+            assert error["code"] == "engine_unavailable" and "no step" in error["message"]
+        finally:
+            release.set()
+        assert client.wait_for(lambda: client.stalled is None, WAIT)
+        assert blocks_used(server) == 0
+        assert httpx.get(server.url + "/health", timeout=WAIT).status_code == 200
+
+
+def test_a_stopped_engine_core_process_fails_open_streams_and_health():
+    """SIGSTOP on the real core process: the open stream ends with an engine_unavailable error
+    event and [DONE], /health is 503 and /metrics answers; after SIGCONT the server stops
+    cleanly."""
+    server = Server("--step-timeout", "0.3", "--stalled-request-timeout", "0.6")
+    try:
+        core = [pid for pid in children(server.proc.pid) if b"spawn_main" in cmdline(pid)]
+        assert len(core) == 1
+        body = {"model": TINY, "prompt": "go on", "max_tokens": LONG, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=WAIT) as r:
+            data = sse_data(r)
+            next(data)  # the stream runs
+            os.kill(core[0], signal.SIGSTOP)
+            try:
+                rest = list(data)
+                health = httpx.get(server.url + "/health", timeout=WAIT)
+                metrics = httpx.get(server.url + "/metrics", timeout=WAIT)
+            finally:
+                os.kill(core[0], signal.SIGCONT)
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["error"]["code"] == "engine_unavailable"
+        assert health.status_code == 503 and "no step" in health.text
+        assert metrics.status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(WAIT) == 0, server.stderr()
+    finally:
+        server.close()

@@ -18,6 +18,14 @@ answered its last sample's finish.
 
 A core that goes away (EOF, or a DEAD frame) fails every open stream with EngineUnavailable
 (-> an error event or a 503) and calls `on_dead` (the server then exits non-zero).
+
+A core that stops answering (stopped, or stuck in a step, e.g. on a stopped TP worker) is
+found by a watchdog on the loop: no frame for `step_timeout` seconds while the core owes one
+(an open request, an admission, a stats query) sets `stalled` (/health 503, new requests 503,
+/metrics answers with the last gauges); after `stalled_request_timeout` seconds the open
+requests fail with EngineUnavailable and are aborted. The core sends a frame at least every
+HEARTBEAT_S of stepping (engine_core.py), so a long prefill is not a stall; its next frame
+clears `stalled`.
 """
 
 from __future__ import annotations
@@ -103,6 +111,13 @@ class EngineClient:
         self._changed = threading.Condition()  # notified after every batch of frames
         self.num_live = 0  # streams the core has not finished
         self._last_gauges: EngineGauges | None = None
+        # the step watchdog (see the module's docstring); the server sets the two bounds
+        self.step_timeout = 60.0
+        self.stalled_request_timeout = 120.0
+        self.stalled: str | None = None  # why the core seems stuck; None while it answers
+        self._last_frame = time.monotonic()
+        self._owed_since: float | None = None  # since when the core owes a frame
+        self._watchdog: asyncio.TimerHandle | None = None
 
     @property
     def max_queue(self) -> int:
@@ -201,6 +216,7 @@ class EngineClient:
             self._start_core = None
         if self._closed is None:
             self._loop.add_reader(self.channel.fileno(), self._on_frames)
+            self._watch()
 
     @property
     def alive(self) -> bool:
@@ -212,6 +228,8 @@ class EngineClient:
         refusal), EngineUnavailable."""
         if not self.alive:
             raise EngineUnavailable(self._closed or "the server is shutting down")
+        if self.stalled is not None:
+            raise EngineUnavailable(self.stalled)
         eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
         stop_ids = frozenset(params.stop_token_ids).union(eos)
         stream = RequestStream(request_id, self, params, stop_ids, self.tokenizer)
@@ -231,7 +249,7 @@ class EngineClient:
 
     async def current_gauges(self) -> EngineGauges | None:
         """The core's gauges (asked for; the last reading once it has stopped)."""
-        if self.alive:
+        if self.alive and self.stalled is None:  # (a stalled core answers nothing)
             query = next(self._ids)
             self._queries[query] = self._loop.create_future()
             with contextlib.suppress(EngineUnavailable):
@@ -291,8 +309,51 @@ class EngineClient:
         except (OSError, ValueError) as exc:  # the core's end is gone
             raise EngineUnavailable("the engine core has stopped") from exc
 
-    def _on_frames(self) -> None:
+    def _watch(self) -> None:
+        """The step watchdog's tick (every second or less, on the loop)."""
+        self._watchdog = None
+        if self._closed is not None:
+            return
         now = time.monotonic()
+        if not (self._streams or self._admitting or self._queries):
+            self._owed_since = None
+        else:
+            if self._owed_since is None:
+                self._owed_since = now
+            silent = now - max(self._owed_since, self._last_frame)
+            if silent >= self.step_timeout and self.stalled is None:
+                self.stalled = f"the engine has completed no step in {silent:.0f} s"
+                log.error("%s while requests wait: /health answers 503", self.stalled)
+                for future in self._queries.values():  # /metrics: the last gauges
+                    if not future.done():
+                        future.set_result(None)
+                self._queries.clear()
+                self._notify()
+            if silent >= self.stalled_request_timeout and (self._streams or self._admitting):
+                self._fail_stalled(silent)
+        interval = min(1.0, self.step_timeout / 4, self.stalled_request_timeout / 4)
+        self._watchdog = self._loop.call_later(interval, self._watch)
+
+    def _fail_stalled(self, silent: float) -> None:
+        """Fail and abort every open request: the core has not stepped for too long."""
+        reason = f"the engine has completed no step in {silent:.0f} s; the request was aborted"
+        log.error("%s requests fail: %s", len(self._streams) + len(self._admitting), reason)
+        failure = EngineUnavailable(reason)
+        for request_id, (future, _) in self._admitting.items():
+            if not future.done():
+                future.set_exception(failure)
+            self.abort(request_id)  # (after its add: a core that wakes up frees it)
+        for stream in self._streams.values():
+            stream.fail(failure)
+        self._admitting.clear()
+        self._streams.clear()
+        self._notify()
+
+    def _on_frames(self) -> None:
+        now = self._last_frame = time.monotonic()
+        if self.stalled is not None:
+            log.warning("the engine core answers again")
+            self.stalled = None
         try:
             while self._closed is None and self.channel.poll(0):
                 self._handle(self.channel.recv(), now)
@@ -322,6 +383,8 @@ class EngineClient:
                 if out is not None:
                     stream.put(out)
         elif kind == wire.ADDED:
+            if frame[1] not in self._admitting:  # failed by the watchdog, since aborted
+                return
             future, stream = self._admitting.pop(frame[1])
             stream.prompt_tokens = frame[2]
             self._streams[stream.request_id] = stream
@@ -329,6 +392,8 @@ class EngineClient:
             if not future.done():
                 future.set_result(stream)
         elif kind == wire.REFUSED:
+            if frame[1] not in self._admitting:  # failed by the watchdog
+                return
             future, _ = self._admitting.pop(frame[1])
             code, message = frame[2], frame[3]
             self.metrics.request_rejected(code if code != "error" else "invalid")
@@ -351,6 +416,8 @@ class EngineClient:
         self._closed = reason
         if self._loop is not None:
             self._loop.remove_reader(self.channel.fileno())
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self.channel.close()  # (an in-process core's reader then sees EOF and ends)
         failure = EngineUnavailable(reason)
         for future, _ in self._admitting.values():

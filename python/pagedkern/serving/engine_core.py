@@ -35,6 +35,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -48,6 +49,7 @@ from . import channel as wire
 
 log = logging.getLogger("pagedkern.serving")
 _EMPTY = object()
+HEARTBEAT_S = 1.0  # at most this long between two OUTPUTS frames while the loop steps
 # In-process cores only: call id -> (fn(engine), its Future), filled by the front end.
 Calls = dict[int, tuple[Callable[[Engine], Any], concurrent.futures.Future]]
 
@@ -123,6 +125,7 @@ class EngineCore:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: list[RequestOutput] = []  # produced outside step() (aborts), sent next
         self.failed = False  # the loop ended on an internal error (the process exits 1)
+        self._last_sent = time.monotonic()  # the last OUTPUTS frame
 
     def run(self) -> None:
         """Serve frames until STOP or the front end goes away; never raises."""
@@ -136,11 +139,12 @@ class EngineCore:
                         return self._shutdown(front_end_gone=frame is None)
                     self._handle(frame)
                     frame = _get_nowait(self._inbox)
-                if engine.has_unfinished:
+                stepped = engine.has_unfinished
+                if stepped:
                     self._outputs += engine.step()
                     if self.after_step is not None:
                         self.after_step(engine)
-                self._flush()
+                self._flush(stepped)
         except BaseException:
             self.failed = True
             log.exception("the engine core failed; no more requests will be served")
@@ -194,11 +198,15 @@ class EngineCore:
             return self.channel.send(wire.REFUSED, request_id, code, str(exc))
         self.channel.send(wire.ADDED, request_id, len(request.prompt_ids))
 
-    def _flush(self) -> None:
+    def _flush(self, stepped: bool = False) -> None:
+        """The step's OUTPUTS frame; an empty one after a step that made none when nothing was
+        sent for HEARTBEAT_S (a long prefill): the front end's step watchdog hears the loop."""
         outputs = [encode_output(o) for o in self._outputs if o is not None]
         self._outputs = []
         keys, tokens = self.engine.token_deltas.take()
-        if outputs or keys:
+        now = time.monotonic()
+        if outputs or keys or (stepped and now - self._last_sent >= HEARTBEAT_S):
+            self._last_sent = now
             self.channel.send(wire.OUTPUTS, outputs, keys, tokens)
 
     def _shutdown(self, front_end_gone: bool) -> None:

@@ -94,6 +94,8 @@ def create_app(
     vocab_size = loop.info.vocab_size
     tokenizer = loop.tokenizer
     prepare = PromptPreparer(tokenizer, max_model_len, vocab_size)
+    loop.step_timeout = settings.step_timeout  # the step watchdog (engine_client.py)
+    loop.stalled_request_timeout = settings.stalled_request_timeout
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -264,9 +266,9 @@ def create_app(
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        if loop.alive:
+        if loop.alive and loop.stalled is None:
             return ASCIIJSONResponse({"status": "ok"})
-        return error_response(unavailable())
+        return error_response(unavailable(loop.stalled or "the engine is not running"))
 
     @app.get("/metrics")
     async def metrics() -> Response:

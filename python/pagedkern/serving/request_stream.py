@@ -175,6 +175,14 @@ class RequestStream:
         while batch := await self.next_batch():
             yield batch
 
+    def fail(self, failure: BaseException) -> None:
+        """End the stream with `failure` (its handler raises it) and abort what the core still
+        runs of it."""
+        self.put(failure)
+        if self.pending and not self._aborted:
+            self._aborted = True
+            self.owner.abort(self.request_id)
+
     def close(self) -> None:
         """Abort what the core still runs of this request and drop what it holds for the
         handler (idempotent)."""
