@@ -203,3 +203,21 @@ def test_the_gpu_stage_runs_here_on_the_reference(kv_cache_dtype):
     a GPU."""
     report = serve_strict(TINY, "reference", "float32", kv_cache_dtype)
     assert "no divergence" in report.summary()
+
+
+def test_the_http_server_reports_shadow_mode_in_metrics():
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from pagedkern.serving.http_server import ServerThread
+
+    with ServerThread(make_engine(shadow="on")) as server:
+        body = {"model": TINY, "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+    lines = [line for line in text.splitlines() if line.startswith("pagedkern_shadow_")]
+    calls = [line for line in lines if line.startswith("pagedkern_shadow_calls_total")]
+    assert any('{op="rms_norm",layer="0"}' in line for line in calls)
+    assert all(float(line.rsplit(" ", 1)[1]) > 0 for line in calls)
+    errors = [line for line in lines if line.startswith("pagedkern_shadow_max_relative_error")]
+    assert errors and all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in errors)

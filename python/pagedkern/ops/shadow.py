@@ -126,6 +126,16 @@ class ShadowReport:
                 if self.strict:
                     raise ShadowDivergence(self.summary())
 
+    def rows(self) -> list[list]:
+        """[op, layer (-1: none), calls, max relative error, divergences] per op and layer,
+        plain values (what the engine core sends its front end for /metrics)."""
+        return [
+            [op, -1 if layer is None else layer, s.calls, s.max_error, s.divergences]
+            for (op, layer), s in sorted(
+                self.stats.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)
+            )
+        ]
+
     def summary(self) -> str:
         """The report as text: the first divergence, then per op its calls and worst layer."""
         lines = ["shadow mode: every op checked against its PyTorch reference"]

@@ -24,7 +24,7 @@ Core -> front end (`CoreFrame`):
 finish: None or a FinishReason value; logprobs: None or [[token, logprob, [[id, lp], ...]], ...];
 prompt: None or [prompt token ids, [None or [token, logprob, [[id, lp], ...]], ...]] (echo +
 logprobs: with the finishing delta);
-gauges: [running, waiting, kv_blocks_used, kv_blocks_total] or None.
+gauges: metrics.EngineGauges' fields in order (engine_core.gauges makes the list) or None.
 """
 
 from __future__ import annotations

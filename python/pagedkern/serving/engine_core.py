@@ -54,7 +54,8 @@ HEARTBEAT_S = 1.0  # at most this long between two OUTPUTS frames while the loop
 Calls = dict[int, tuple[Callable[[Engine], Any], concurrent.futures.Future]]
 
 
-def gauges(engine: Engine) -> list[int]:
+def gauges(engine: Engine) -> list:
+    """metrics.EngineGauges' fields, in order (the last one: shadow mode's rows, or None)."""
     s = engine.stats()
     return [
         s.num_running,
@@ -64,6 +65,7 @@ def gauges(engine: Engine) -> list[int]:
         s.num_spec_steps,
         s.num_spec_proposed,
         s.num_spec_accepted,
+        None if engine.shadow is None else engine.shadow.rows(),
     ]
 
 

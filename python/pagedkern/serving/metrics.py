@@ -71,6 +71,9 @@ class EngineGauges:
     spec_steps: int = 0  # speculative decoding, since the engine started (EngineStats)
     spec_proposed: int = 0
     spec_accepted: int = 0
+    # shadow mode (ops/shadow.py ShadowReport.rows): [op, layer or -1, calls, max relative
+    # error, divergences] per op and layer; None when it is off
+    shadow: list | None = None
 
 
 class ServerMetrics:
@@ -116,6 +119,34 @@ class ServerMetrics:
             self.e2e.observe(latency)
 
     # --- rendering (HTTP thread) ------------------------------------------------------------
+    @staticmethod
+    def _shadow_lines(rows: list, metric) -> None:
+        """Shadow mode's per op and layer readings (layer -1: outside the layers, the LM
+        head)."""
+        p = PREFIX
+
+        def labels(op, layer):
+            return f'{{op="{op}",layer="{layer}"}}'
+
+        metric(
+            "shadow_max_relative_error",
+            "gauge",
+            "Shadow mode: the largest relative error of an op against its PyTorch reference.",
+            [f"{p}shadow_max_relative_error{labels(r[0], r[1])} {r[3]!r}" for r in rows],
+        )
+        metric(
+            "shadow_divergences_total",
+            "counter",
+            "Shadow mode: op outputs with a row beyond the op's tolerance.",
+            [f"{p}shadow_divergences_total{labels(r[0], r[1])} {r[4]}" for r in rows],
+        )
+        metric(
+            "shadow_calls_total",
+            "counter",
+            "Shadow mode: op calls checked against their reference.",
+            [f"{p}shadow_calls_total{labels(r[0], r[1])} {r[2]}" for r in rows],
+        )
+
     def render(self, gauges: EngineGauges | None, model: str) -> str:
         lines: list[str] = []
 
@@ -157,6 +188,8 @@ class ServerMetrics:
                 ),
             ):
                 metric(name, "gauge", help_, [f"{p}{name} {value!r}"])
+            if gauges.shadow is not None:
+                self._shadow_lines(gauges.shadow, metric)
         with self.lock:
             metric(
                 "prompt_tokens_total",
