@@ -40,7 +40,7 @@ def engine(request) -> Engine:
     engine = Engine.from_config(config)
     warm_up(engine)
     yield engine
-    del engine
+    engine.close()  # its GPU memory back for the next model's engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

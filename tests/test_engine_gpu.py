@@ -135,3 +135,29 @@ def test_mixed_batch_with_prefix_hits_and_preemption_matches_solo():
     assert same >= len(prompts) - 1
     assert tight.pool.hit_rate > 0
     assert sum(r.num_preemptions for r in batched) > 0
+
+
+def test_engines_one_after_the_other_in_one_process_get_the_memory():
+    # Each engine sizes its KV cache to 80% of the device. The first GPU run refused a second
+    # engine's cache with 97 GiB reserved by the caching allocator after the first. Closed (a
+    # context manager, LLM.close(), Engine.close()) an engine gives its memory back, so the
+    # next one gets as much; one still alive leaves no room, which is a clear error.
+    from pagedkern.engine import LLM
+    from pagedkern.engine.kv_budget import KVCacheMemoryError
+
+    base = dict(model="synthetic:smollm2-135m", backend="cuda", gpu_memory_fraction=0.8)
+    blocks = []
+    for _ in range(2):
+        with LLM(**base) as llm:
+            blocks.append(llm.engine.kv_cache.num_blocks)
+            params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids) == 4
+    assert blocks[1] >= 0.97 * blocks[0]
+    held = Engine.from_config(EngineConfig(**base))
+    with pytest.raises(KVCacheMemoryError, match="no memory for even one KV block"):
+        Engine.from_config(EngineConfig(**base))
+    assert held.kv_cache.num_blocks >= 0.97 * blocks[0]
+    held.close()
+    third = Engine.from_config(EngineConfig(**base))
+    assert third.kv_cache.num_blocks >= 0.97 * blocks[0]
+    third.close()

@@ -46,7 +46,7 @@ from .block_pool import BlockPool
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kernel_policy import decode_graphs, piecewise_graphs
-from .kv_budget import kv_cache_blocks
+from .kv_budget import allocate_kv_cache, kv_cache_blocks, release_device_memory
 from .outputs import EngineStats, RequestOutput, TokenDeltas
 from .overlap import Overlap
 from .request import FinishReason, Request
@@ -78,6 +78,7 @@ class Engine(Admission, Appending):
         tracer: Tracer | None = None,
     ):
         self.model = model
+        self.owns_model = False  # from_config loaded it: close() frees its weights
         self.tokenizer = tokenizer
         self.config = config
         self.tracer = tracer
@@ -117,7 +118,7 @@ class Engine(Admission, Appending):
             self.max_model_len = min(context, num_blocks * config.block_size)
             if model.tp.size > 1:  # the workers allocate their shares of the same blocks
                 model.tp.share_cache_shape(num_blocks, config.block_size)
-            self.kv_cache = model.allocate_kv_cache(num_blocks, config.block_size)
+            self.kv_cache = allocate_kv_cache(model, num_blocks, config.block_size)
             self.runner = ModelRunner(
                 model,
                 self.kv_cache,
@@ -161,7 +162,9 @@ class Engine(Admission, Appending):
             from ..parallel.engine_group import start_tensor_parallel
 
             model = start_tensor_parallel(model, config)  # rank 0's shard, workers started
-        return cls(model, tokenizer, config, tracer)
+        engine = cls(model, tokenizer, config, tracer)
+        engine.owns_model = True
+        return engine
 
     def describe(self) -> str:
         """The model line of --trace / --stats, with the KV cache's size."""
@@ -378,10 +381,20 @@ class Engine(Admission, Appending):
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at TP = 1) and the async_scheduling
-        worker thread; idempotent."""
+        worker thread, and on a GPU give the device memory back (the KV caches, the decode
+        graphs, the weights of models from_config loaded): an engine created next in this
+        process can have it. Idempotent; the engine runs no step after it."""
         if self.overlap is not None:
             self.overlap.close()
         self.model.tp.close()
+        if self.model.device.type == "cuda":
+            draft = getattr(self.proposer, "draft", None)
+            owned = [m for m in (self.model, draft) if m is not None] if self.owns_model else []
+            release_device_memory(
+                [self.kv_cache, getattr(self.proposer, "kv_cache", None)],
+                owned,
+                self.runner.graphs,
+            )
 
     def run_until_done(self) -> Iterator[RequestOutput]:
         while self.has_unfinished or self._undelivered:

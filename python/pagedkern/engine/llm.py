@@ -39,8 +39,8 @@ class LLM:
     """LLM(model=None, **engine_config).generate(prompts, SamplingParams(...)).
 
     tensor_parallel_size=N runs the model on N ranks (see parallel/); `close()` (or `with`)
-    stops their workers. `generate` takes one prompt or a list of them, each text or token ids
-    (list[int]);
+    stops their workers and gives the GPU memory back. `generate` takes one prompt or a list
+    of them, each text or token ids (list[int]);
     `chat` takes one conversation (a list of messages) or a list of them and renders each with
     the model's chat template. Answers come back as a list, in input order."""
 
@@ -48,7 +48,9 @@ class LLM:
         self.engine = Engine.from_config(EngineConfig(model=model, **config))
 
     def close(self) -> None:
-        """Stop tensor-parallel workers now (they also stop when this process exits)."""
+        """Stop tensor-parallel workers now (they also stop when this process exits) and, on a
+        GPU, give back the device memory (KV cache, CUDA graphs, weights), so that another LLM
+        created next in this process can have it. `with LLM(...) as llm:` closes at the end."""
         self.engine.close()
 
     def __enter__(self) -> LLM:
