@@ -29,6 +29,7 @@ import pagedkern
 SMOKE_ENV = "PAGEDKERN_BENCH_SMOKE"
 COMPILE_ENV = "PAGEDKERN_BENCH_COMPILE"
 JSON_ENV = "PAGEDKERN_BENCH_JSON"  # where conftest writes the table as JSON
+GPU_PATHS_ENV = "PAGEDKERN_BENCH_GPU_PATHS"  # gpu_paths() on the CPU
 DEFAULT_BASELINE = "torch eager"
 
 
@@ -38,6 +39,14 @@ def smoke_mode() -> bool:
     if setting in ("0", "1"):
         return setting == "1"
     return not (pagedkern.cuda_available() and torch.cuda.is_available())
+
+
+def gpu_paths() -> bool:
+    """Whether a suite takes its GPU-only branches (device queries, workspaces sized by the
+    extension): on a GPU, and in the CPU rehearsal of those branches (PAGEDKERN_BENCH_GPU_PATHS=1
+    with smoke sizes, the device pretended and the extension stubbed with its real signatures:
+    tools/rehearsal/gpu_paths.py), so a broken call there fails in CI, not on a lent GPU."""
+    return not smoke_mode() or os.environ.get(GPU_PATHS_ENV) == "1"
 
 
 def compile_enabled() -> bool:

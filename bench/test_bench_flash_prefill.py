@@ -19,7 +19,7 @@ import importlib
 
 import pytest
 import torch
-from measure import smoke_mode
+from measure import gpu_paths, smoke_mode
 
 import pagedkern
 from pagedkern._extension import require
@@ -166,18 +166,20 @@ def test_flash_prefill(measure, gemm_tflops, device, monkeypatch, case, impl):
 
     elif impl in PATH_OF:
         path = PATH_OF[impl]
-        if not smoke_mode():
+        if gpu_paths():
             if path == "sm90" and torch.cuda.get_device_capability() != (9, 0):
                 pytest.skip("path 2 needs an sm_90 GPU")
             monkeypatch.setenv(fp_module.PATH_ENV, path)
         out = torch.empty_like(paged[0])
         ws = None
-        if not smoke_mode() and paged[1].dtype == torch.float8_e4m3fn:
+        if gpu_paths() and paged[1].dtype == torch.float8_e4m3fn:
             index = torch.cuda.current_device()
             taken = fp_module.kernel_path(index, HEAD_DIM, BLOCK_SIZE, fp8_cache=True)
             assert taken == path, f"an fp8 cache takes path 1 ({taken})"
-        if not smoke_mode():
-            need = require().flash_prefill_workspace_ints(paged[0].shape[0], len(paged[5]))
+        if gpu_paths():
+            need = require().flash_prefill_workspace_ints(
+                total_q=paged[0].shape[0], batch=len(paged[5])
+            )
             ws = torch.empty(need, dtype=torch.int32, device=device)
 
         def fn():

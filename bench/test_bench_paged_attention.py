@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from measure import smoke_mode, time_cuda
+from measure import gpu_paths, smoke_mode, time_cuda
 
 import pagedkern
 from pagedkern import reference
@@ -82,7 +82,7 @@ def test_paged_attention(request, record, copy_gbps, device, case, impl, monkeyp
         out = torch.empty_like(q)
         splits = 1 if impl.endswith("no split") else None
         ws = None
-        if not smoke_mode():
+        if gpu_paths():
             from pagedkern.ops.paged_attention import decode_kernel, plan_splits, workspace_size
 
             sms = torch.cuda.get_device_properties(0).multi_processor_count
