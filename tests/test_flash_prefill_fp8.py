@@ -173,3 +173,18 @@ def test_engine_policy_keeps_flash_prefill_on_its_kernel_with_an_fp8_cache(monke
         )
     fallbacks = [str(w.message) for w in caught if "runs the PyTorch reference" in str(w.message)]
     assert not [m for m in fallbacks if "flash_prefill" in m], fallbacks
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_gpu_comparison_with_the_16bit_kernel_runs_on_the_cpu(monkeypatch, head_dim, dtype):
+    # test_flash_prefill_fp8_gpu.py's comparison, on the op's CPU path (the reference): its
+    # calls are the GPU test's (the first GPU run lost 24 tests to a 16-bit call given k_scale).
+    import test_flash_prefill_fp8_gpu as gpu_test
+    import test_flash_prefill_gpu
+
+    monkeypatch.setattr(test_flash_prefill_gpu, "DEVICE", "cpu")  # make_batch's device
+    pairs = [(1, 0), (7, 15), (40, 16), (33, 0)]
+    batch, (ks, vs) = gpu_test.fp8_batch(pairs, 8, head_dim, dtype, 16, seed=head_dim)
+    assert batch[1].device.type == "cpu" and batch[1].dtype == FP8
+    gpu_test.compare_with_the_16bit_kernel(batch, ks, vs, head_dim, dtype)

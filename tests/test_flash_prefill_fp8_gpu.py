@@ -1,8 +1,10 @@
 """flash_prefill over an fp8 (E4M3) KV cache on the GPU (path 1; path 2 does not read fp8, so an
 fp8 cache takes path 1 on Hopper too): the kernel over the fp8 cache equals, bit for bit, the
-16-bit kernel over the same cache converted to q's dtype (E4M3 -> f16/bf16 is exact, and the
-math after the conversion is the same code), and meets FlashAttention's rule against fp32
-attention over the dequantized cache, with k_scale / v_scale folded in. The batch is the one
+16-bit kernel over the same cache converted to q's dtype with k_scale folded into its softmax
+scale (E4M3 -> f16/bf16 is exact, and the math after the conversion is the same code), v_scale
+scales the output, and it meets FlashAttention's rule against fp32 attention over the
+dequantized cache. The same comparison runs on the CPU reference in
+tests/test_flash_prefill_fp8.py, so its calls are checked without a GPU. The batch is the one
 of test_flash_prefill_gpu.py: NaN outside the sequences' keys and behind the tables' unused
 entries, outputs poisoned."""
 
@@ -45,36 +47,53 @@ def fp8_batch(pairs, num_heads, head_dim, dtype, block_size, seed):
     return (q, k8, v8, cu, table, seq), scales
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("ratio", [1, 4, 8])
-def test_fp8_cache_equals_the_16bit_kernel_on_the_converted_cache(ratio, head_dim, dtype):
-    pairs = list(itertools.product(CHUNKS[:4], PREFIXES))
-    batch, (ks, vs) = fp8_batch(pairs, 2 * ratio, head_dim, dtype, 16, seed=ratio + head_dim)
+def compare_with_the_16bit_kernel(batch, k_scale, v_scale, head_dim, dtype):
+    """The fp8 call against the 16-bit call over the same cache converted to q's dtype, then
+    against attention over the dequantized cache. A 16-bit cache takes no k_scale / v_scale
+    (ValueError), so the 16-bit call gets what the op does with them for an fp8 cache: k_scale
+    folded into the softmax scale (the same float: head_dim**-0.5 * k_scale), v_scale applied to
+    the output. Without v_scale the fp8 call equals the 16-bit call bit for bit: on the GPU both
+    run the same kernel code after the exact conversion, on the CPU (the op's reference, which
+    folds k_scale the same way: tests/test_flash_prefill_fp8.py) the same torch ops."""
     q, k8, v8, cu, table, seq = batch
-    out8 = poisoned(q.shape, dtype, DEVICE)
+    device, scale = q.device, head_dim**-0.5
+    out8 = poisoned(q.shape, dtype, device)
     _, lse8 = pagedkern.flash_prefill(
-        *batch, out=out8, return_lse=True, k_scale=ks, v_scale=vs
+        *batch, out=out8, return_lse=True, k_scale=k_scale, v_scale=v_scale
     )  # fmt: skip
-    out16 = poisoned(q.shape, dtype, DEVICE)
+    out8k = poisoned(q.shape, dtype, device)  # k_scale only: v_scale None means 1
+    _, lse8k = pagedkern.flash_prefill(*batch, out=out8k, return_lse=True, k_scale=k_scale)
+    out16 = poisoned(q.shape, dtype, device)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(fp_module.PATH_ENV, "sm80")  # the same kernel path as the fp8 cache
         _, lse16 = pagedkern.flash_prefill(
-            q, k8.to(dtype), v8.to(dtype), cu, table, seq, out=out16, return_lse=True,
-            k_scale=ks, v_scale=vs,
+            q, k8.to(dtype), v8.to(dtype), cu, table, seq, scale * k_scale, out=out16,
+            return_lse=True,
         )  # fmt: skip
-    assert not torch.isnan(out8).any()
-    assert torch.equal(out8, out16)
-    assert torch.equal(lse8, lse16)
+    assert not torch.isnan(out8).any() and not torch.isnan(out16).any()
+    eps = torch.finfo(dtype).eps
+    assert torch.equal(out8k, out16)
+    assert torch.equal(lse8k, lse16)
+    assert torch.equal(lse8, lse16)  # v_scale scales the output only
+    # v_scale: the 16-bit output times v_scale, within a rounding to dtype of each side.
+    torch.testing.assert_close(out8.float(), out16.float() * v_scale, rtol=1.01 * eps, atol=2**-24)
     # ... and that is attention over the dequantized cache.
-    kd, vd = k8.float() * ks, v8.float() * vs
-    scale = head_dim**-0.5
+    kd, vd = k8.float() * k_scale, v8.float() * v_scale
     out32, lse32 = reference.flash_prefill(
         q.float(), kd, vd, cu, table, seq, scale, return_lse=True
     )  # fmt: skip
     low = attention_in_dtype(q, kd, vd, cu, table, seq, scale)
     assert_flash_rule(out8, out32, low)
     torch.testing.assert_close(lse8, lse32, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+def test_fp8_cache_equals_the_16bit_kernel_on_the_converted_cache(ratio, head_dim, dtype):
+    pairs = list(itertools.product(CHUNKS[:4], PREFIXES))
+    batch, (ks, vs) = fp8_batch(pairs, 2 * ratio, head_dim, dtype, 16, seed=ratio + head_dim)
+    compare_with_the_16bit_kernel(batch, ks, vs, head_dim, dtype)
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 8, 32, 128])
