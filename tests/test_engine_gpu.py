@@ -55,13 +55,23 @@ def _prompt_logits(model, tokenizer, text: str) -> torch.Tensor:
     return model(input_ids, meta, kv)
 
 
+# Seeded synthetic weights of the default model's shape: on every GPU machine, where the default
+# model's GGUF may be absent (it does not fit the offline machine's carry, and gguf is not there).
+SYNTHETIC, SEED = "synthetic:smollm2-135m", 3
+
+
 @pytest.mark.parametrize(
-    "spec", [pytest.param(None, marks=needs_default_model), "synthetic:smollm2-135m"]
+    "spec, dtype",
+    [
+        pytest.param(None, None, marks=needs_default_model),  # fp16, as the GGUF loads on CUDA
+        (SYNTHETIC, None),  # bf16
+        (SYNTHETIC, torch.float16),  # the default model's dtype, without its file
+    ],
 )
-def test_cuda_logits_match_the_fp32_reference(spec):
-    fast, tokenizer = load_model(spec, "cuda")  # fp16 (GGUF) / bf16 (synthetic) on the kernels
+def test_cuda_logits_match_the_fp32_reference(spec, dtype):
+    fast, tokenizer = load_model(spec, "cuda", dtype, seed=SEED)  # on the kernels
     with ops.use_backend("reference"):
-        exact, _ = load_model(spec, "cuda", torch.float32)
+        exact, _ = load_model(spec, "cuda", torch.float32, seed=SEED)
         expected = [_prompt_logits(exact, tokenizer, p) for p in PROMPTS]
     agree = total = 0
     for prompt, ref in zip(PROMPTS, expected, strict=True):
@@ -82,6 +92,38 @@ def test_capital_question_on_the_kernels():
     )
     assert "Paris" in text
     assert engine.pool.num_used == 0
+
+
+def test_chat_on_the_kernels_follows_the_fp32_reference():
+    # The chat path of the test above (template, streamed greedy text, blocks freed) on seeded
+    # synthetic weights, so it runs where the default model is absent. Random weights answer
+    # nothing, so the check is the tokens: fed back through the fp32 reference, each greedy
+    # token is its argmax at nearly every step (bf16 rounding may flip a near tie).
+    engine = Engine.from_config(
+        EngineConfig(model=SYNTHETIC, seed=SEED, backend="cuda", num_blocks=1024)
+    )  # num_blocks: leave the GPU's memory to the tests after this one in the process
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outputs = list(engine.stream(messages=question, params=params))
+    assert engine.pool.num_used == 0
+    last = outputs[-1]
+    prompt, answer = list(last.prompt_token_ids), list(last.output_token_ids)
+    assert last.finished and len(answer) == 32
+    assert "".join(o.text for o in outputs).strip()
+    assert [t for o in outputs for t in o.token_ids] == answer
+    with ops.use_backend("reference"):
+        exact, tokenizer = load_model(SYNTHETIC, "cuda", torch.float32, seed=SEED)
+        kv = exact.allocate_kv_cache(-(-(len(prompt) + len(answer)) // 16), 16)
+        ids = prompt + answer
+        input_ids, meta = build_batch(
+            [SequenceChunk(ids, 0, list(range(kv.num_blocks)))], 16, exact.device, logits_rows=None
+        )
+        meta.logits_indices = torch.arange(len(ids), device=exact.device, dtype=torch.int32)
+        logits = exact(input_ids, meta, kv)
+    assert prompt == tokenizer.apply_chat_template(question, tokenize=True)
+    predicted = logits[len(prompt) - 1 : -1].argmax(-1).tolist()  # the token after each prefix
+    agree = sum(p == a for p, a in zip(predicted, answer, strict=True))
+    assert agree >= len(answer) - 3, (predicted, answer)
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
