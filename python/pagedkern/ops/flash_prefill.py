@@ -34,6 +34,7 @@ from .launch import (
     kernel_or_reference,
     kernel_variant,
     launch_context,
+    on_launch_stream,
     reference_on_torch,
 )
 from .paged_kv import (
@@ -183,9 +184,12 @@ def flash_prefill(
             raise ValueError(f"{cache.describe()} must start at a 16-byte boundary")
     path = requested_path()
     module, device, handle = launch_context(views, stream)
-    out, ov, lse = attention_outputs(qv, out, return_lse)
     need = int(module.flash_prefill_workspace_ints(total_q=total, batch=batch))
-    wv = workspace_view(workspace, qv, need, "int32", views)
+    # on the launch stream: the per-call work list, freed on return, is reused only after the
+    # kernels (launch.on_launch_stream)
+    with on_launch_stream(views, device, handle):
+        out, ov, lse = attention_outputs(qv, out, return_lse)
+        wv = workspace_view(workspace, qv, need, "int32", views)
     module.flash_prefill(
         out=ov.ptr,
         lse=view(lse, "lse").ptr if lse is not None else 0,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -156,6 +157,30 @@ def launch_context(views: Sequence[ArrayView], stream=None) -> tuple[ModuleType,
     module = require()
     device = resolve_device(views, module)
     return module, device, current_stream(views, device, stream)
+
+
+def on_launch_stream(views: Sequence[ArrayView], device: int, handle: int):
+    """The context in which an op allocates and fills its own arrays (outputs, workspaces,
+    scalar parameters turned into arrays, torch post-processing): the launch stream made the
+    current stream of the arrays' library. A fill is then ordered before the kernel, and the
+    caching allocators of torch and CuPy tie each block to that stream, so a workspace freed
+    on return is handed out again only to work queued after the kernel. A no-op when the
+    launch stream is already the library's current one (the usual call) or the arrays live
+    on the host (the emulator and recording stubs run host arrays through the kernel path)."""
+    libraries = {v.library for v in views}
+    if common_device(views) == "cpu":
+        return contextlib.nullcontext()
+    if "torch" in libraries:
+        torch = sys.modules["torch"]
+        if torch.cuda.current_stream(device).cuda_stream == handle:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=device))
+    if "cupy" in libraries:
+        cupy = sys.modules["cupy"]
+        if cupy.cuda.get_current_stream().ptr == handle:
+            return contextlib.nullcontext()
+        return cupy.cuda.ExternalStream(handle)
+    return contextlib.nullcontext()  # plain interface objects: the op allocates nothing
 
 
 def reference_on_torch(op: str, views: Sequence[ArrayView]):

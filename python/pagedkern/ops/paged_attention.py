@@ -32,6 +32,7 @@ from .launch import (
     kernel_or_reference,
     kernel_variant,
     launch_context,
+    on_launch_stream,
     reference_on_torch,
     sm_count,
 )
@@ -268,13 +269,17 @@ def paged_attention(
     plan = plan_splits(
         batch, num_heads, num_kv_heads, head_dim, max_seq_len, num_sms, num_splits, kernel
     )
-    out, ov, lse = attention_outputs(qv, out, return_lse, views[5] if out is not None else None)
-    if plan.num_splits > 1:
-        need = workspace_size(batch, num_heads, head_dim, plan.num_splits)
-        if wv is None:  # allocated here; wv holds it alive until the launch is queued
-            wv = workspace_view(None, qv, need, "float32", views)
-        elif wv.numel < need:
-            raise ValueError(f"{wv.describe()}: need {need} float32 elements, 16-byte aligned")
+    # on the launch stream: the per-call workspace, freed on return, is reused only after the
+    # kernel (launch.on_launch_stream)
+    with on_launch_stream(views, device, handle):
+        given = views[5] if out is not None else None
+        out, ov, lse = attention_outputs(qv, out, return_lse, given)
+        if plan.num_splits > 1:
+            need = workspace_size(batch, num_heads, head_dim, plan.num_splits)
+            if wv is None:  # allocated here; wv holds it alive until the launch is queued
+                wv = workspace_view(None, qv, need, "float32", views)
+            elif wv.numel < need:
+                raise ValueError(f"{wv.describe()}: need {need} float32 elements, 16-byte aligned")
     module.paged_attention(
         out=ov.ptr,
         lse=view(lse, "lse").ptr if lse is not None else 0,

@@ -22,6 +22,7 @@ from .launch import (
     kernel_or_reference,
     kernel_variant,
     launch_context,
+    on_launch_stream,
     reference_on_torch,
     sm_count,
 )
@@ -163,77 +164,84 @@ def sample(
     if rows == 0:
         return out if out is not None else empty_like(lv, (0,), "int32")
     module, device, handle = launch_context(views, stream)
-    for (name, dtype), value in zip(_PARAMS, values, strict=True):
-        if name not in arrays:
-            if name == "top_k":  # k >= vocab is "off" as much as k = 2^31 - 1
-                value = min(max(value, _INT32[0]), _INT32[1])
-            arrays[name] = view(full_like(lv, (rows,), value, dtype), name)
-    if out is None:
-        out = empty_like(lv, (rows,), "int32")
-        ov = view(out, "out")
-    ptr = {name: pv.ptr for name, pv in checked.items()}
-    if "token_ids" in checked and checked["token_ids"].numel == 0:
-        for name in _SPARSE + _PENALTIES:  # no entries: nothing to apply (and no pointers)
-            ptr.pop(name)
     variant = kernel_variant("sample")
     fused = variant in (0, 2)  # v3 / v4: top-N in the kernel, a workspace only for sparse entries
-    # v4 with logprob outputs: v3's kernel (the split kernels write none); greedy known on the
-    # host: v3's single pass (the split costs 10 launches whatever the rows need)
-    slices = 1
-    greedy = isinstance(temperature, (int, float)) and not temperature > 0
-    if variant == 2 and lpv is None and top_ids is None and not greedy:
-        slices = split_slices(rows, vocab, ITEMSIZE[lv.dtype], sm_count(module, device))
-    split_state = None
-    if slices > 1:
-        split_state = empty_like(lv, (rows, split_state_words(slices)), "int64", "split_state")
-    workspace, stride = None, 0
-    if "token_offsets" in ptr or (not fused and "bitmask" in ptr):
-        # v3: entry values at their ids + the entry bitmap; v2: the processed rows (16-byte rows)
-        stride = _round4(vocab) + (_round4((vocab + 31) // 32) if fused else 0)
-        workspace = empty_like(lv, (rows, stride), "float32", name="workspace")
-    top_n = 0 if top_ids is None or not fused else view(top_ids, "top_ids").shape[1]
-    module.sample(
-        out=ov.ptr,
-        logits=lv.ptr,
-        temperature=arrays["temperature"].ptr,
-        top_p=arrays["top_p"].ptr,
-        top_k=arrays["top_k"].ptr,
-        seeds=arrays["seeds"].ptr,
-        offsets=arrays["offsets"].ptr,
-        rows=rows,
-        vocab=vocab,
-        logits_stride=lv.strides[0],
-        dtype=DTYPE_CODES[lv.dtype],
-        token_offsets=ptr.get("token_offsets", 0),
-        token_ids=ptr.get("token_ids", 0),
-        token_counts=ptr.get("token_counts", 0),
-        token_bias=ptr.get("token_bias", 0),
-        presence_penalty=ptr.get("presence_penalty", 0),
-        frequency_penalty=ptr.get("frequency_penalty", 0),
-        repetition_penalty=ptr.get("repetition_penalty", 0),
-        bitmask=ptr.get("bitmask", 0),
-        bitmask_rows=ptr.get("bitmask_rows", 0),
-        bitmask_words=(vocab + 31) // 32,
-        min_p=ptr.get("min_p", 0),
-        logprobs=0 if lpv is None else lpv.ptr,
-        top_ids=view(top_ids, "top_ids").ptr if top_n else 0,
-        top_logprobs=view(top_logprobs, "top_logprobs").ptr if top_n else 0,
-        top_n=top_n,
-        workspace=0 if workspace is None else view(workspace, "workspace").ptr,
-        workspace_stride=stride,
-        slices=slices,
-        split_state=0 if split_state is None else view(split_state, "split_state").ptr,
-        split_state_stride=0 if split_state is None else split_state_words(slices),
-        device=device,
-        stream=handle,
-        variant=variant,
-    )
-    if top_ids is not None and rows and not fused:
-        # v2 has no top-N in its kernels: torch ops on the processed logits.
-        from ..reference.logits_processing import write_top_logprobs
+    # scalar parameters filled, outputs and workspaces allocated on the launch stream
+    with on_launch_stream(views, device, handle):
+        for (name, dtype), value in zip(_PARAMS, values, strict=True):
+            if name not in arrays:
+                if name == "top_k":  # k >= vocab is "off" as much as k = 2^31 - 1
+                    value = min(max(value, _INT32[0]), _INT32[1])
+                arrays[name] = view(full_like(lv, (rows,), value, dtype), name)
+        if out is None:
+            out = empty_like(lv, (rows,), "int32")
+            ov = view(out, "out")
+        ptr = {name: pv.ptr for name, pv in checked.items()}
+        if "token_ids" in checked and checked["token_ids"].numel == 0:
+            for name in _SPARSE + _PENALTIES:  # no entries: nothing to apply (and no pointers)
+                ptr.pop(name)
+        # v4 with logprob outputs: v3's kernel (the split kernels write none); greedy known on the
+        # host: v3's single pass (the split costs 10 launches whatever the rows need)
+        slices = 1
+        greedy = isinstance(temperature, (int, float)) and not temperature > 0
+        if variant == 2 and lpv is None and top_ids is None and not greedy:
+            slices = split_slices(rows, vocab, ITEMSIZE[lv.dtype], sm_count(module, device))
+        split_state = None
+        if slices > 1:
+            split_state = empty_like(lv, (rows, split_state_words(slices)), "int64", "split_state")
+        workspace, stride = None, 0
+        if "token_offsets" in ptr or (not fused and "bitmask" in ptr):
+            # v3: entry values at their ids + the entry bitmap; v2: the processed rows
+            # (16-byte rows)
+            stride = _round4(vocab) + (_round4((vocab + 31) // 32) if fused else 0)
+            workspace = empty_like(lv, (rows, stride), "float32", name="workspace")
+        top_n = 0 if top_ids is None or not fused else view(top_ids, "top_ids").shape[1]
+        module.sample(
+            out=ov.ptr,
+            logits=lv.ptr,
+            temperature=arrays["temperature"].ptr,
+            top_p=arrays["top_p"].ptr,
+            top_k=arrays["top_k"].ptr,
+            seeds=arrays["seeds"].ptr,
+            offsets=arrays["offsets"].ptr,
+            rows=rows,
+            vocab=vocab,
+            logits_stride=lv.strides[0],
+            dtype=DTYPE_CODES[lv.dtype],
+            token_offsets=ptr.get("token_offsets", 0),
+            token_ids=ptr.get("token_ids", 0),
+            token_counts=ptr.get("token_counts", 0),
+            token_bias=ptr.get("token_bias", 0),
+            presence_penalty=ptr.get("presence_penalty", 0),
+            frequency_penalty=ptr.get("frequency_penalty", 0),
+            repetition_penalty=ptr.get("repetition_penalty", 0),
+            bitmask=ptr.get("bitmask", 0),
+            bitmask_rows=ptr.get("bitmask_rows", 0),
+            bitmask_words=(vocab + 31) // 32,
+            min_p=ptr.get("min_p", 0),
+            logprobs=0 if lpv is None else lpv.ptr,
+            top_ids=view(top_ids, "top_ids").ptr if top_n else 0,
+            top_logprobs=view(top_logprobs, "top_logprobs").ptr if top_n else 0,
+            top_n=top_n,
+            workspace=0 if workspace is None else view(workspace, "workspace").ptr,
+            workspace_stride=stride,
+            slices=slices,
+            split_state=0 if split_state is None else view(split_state, "split_state").ptr,
+            split_state_stride=0 if split_state is None else split_state_words(slices),
+            device=device,
+            stream=handle,
+            variant=variant,
+        )
+        if top_ids is not None and rows and not fused:
+            # v2 has no top-N in its kernels: torch ops on the processed logits (the sampled
+            # tokens' logprobs too, from the same log-softmax as the top-N: the kernel's own
+            # rounded apart from torch's, so a greedy row's differed from its top-1).
+            from ..reference.logits_processing import write_top_logprobs
 
-        reference_on_torch("sample (top-N logprobs)", views)  # torch tensors only
-        write_top_logprobs(logits, temperature, top_ids, top_logprobs, **processing)
+            reference_on_torch("sample (top-N logprobs)", views)  # torch tensors only
+            write_top_logprobs(
+                logits, temperature, top_ids, top_logprobs, out, logprobs, **processing
+            )
     return out
 
 

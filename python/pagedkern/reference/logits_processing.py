@@ -116,16 +116,25 @@ def min_p_filter(s: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def write_top_logprobs(
-    logits: torch.Tensor, temperature, top_ids: torch.Tensor, top_values: torch.Tensor, **processing
+    logits: torch.Tensor,
+    temperature,
+    top_ids: torch.Tensor,
+    top_values: torch.Tensor,
+    sampled: torch.Tensor | None = None,
+    logprobs: torch.Tensor | None = None,
+    **processing,
 ) -> None:
     """Fill top_ids / top_values [B, N] with the N most likely tokens of the processed
-    distribution (what `sample` writes; min_p, which comes after, is ignored)."""
+    distribution (what `sample` writes; min_p, which comes after, is ignored), and, given the
+    sampled ids [B], `logprobs` [B] with theirs from the same log-softmax: a sampled token in
+    the top-N has its value there to the bit (a greedy row's is the top-1)."""
     processing.pop("min_p", None)
     rows = logits.shape[0]
     t = torch.as_tensor(temperature, device=logits.device).float()
     t = t.expand(rows) if t.dim() == 0 else t
-    ids, values = top_logprobs(
-        logprobs_of(process_logits(logits, **processing), t), top_ids.shape[1]
-    )
+    lp = logprobs_of(process_logits(logits, **processing), t)
+    ids, values = top_logprobs(lp, top_ids.shape[1])
     top_ids.copy_(ids)
     top_values.copy_(values)
+    if sampled is not None and logprobs is not None:
+        logprobs.copy_(lp.gather(1, sampled.long()[:, None])[:, 0])
