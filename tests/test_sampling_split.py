@@ -74,9 +74,33 @@ def poisoned(monkeypatch):
 
 
 def _forced(monkeypatch, slices: int) -> None:
-    """ops.sample plans `slices` CTAs per row whatever the sizes (slices of 32 elements up; the
-    kernel drops the empty ones)."""
+    """ops.sample runs v4 and plans `slices` CTAs per row whatever the sizes (slices of 32
+    elements up; the kernel drops the empty ones)."""
+    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", "v4")
     monkeypatch.setattr(ops_sampling, "split_slices", lambda rows, vocab, itemsize, sms: slices)
+
+
+@emulator
+def test_auto_takes_the_variant_measured_fastest_for_the_call(monkeypatch):
+    """auto: plain sampling on v2 (one sampling kernel), a call with logits processing or
+    logprob outputs on v4 (v3's fused kernel here: the logprob outputs, or no split planned)."""
+    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", "auto")
+    kernels = []
+    real = ops_sampling.measured_variant
+
+    def spy(processing, logprob_outputs):
+        kernels.append(real(processing, logprob_outputs))
+        return kernels[-1]
+
+    monkeypatch.setattr(ops_sampling, "measured_variant", spy)
+    logits = torch.randn(3, 200)
+    with emulated():
+        plain = pagedkern.sample(logits, 1.0, 0.9, 0, 5, 0)
+        lp = torch.empty(3)
+        pagedkern.sample(logits, 1.0, 0.9, 0, 5, 0, logprobs=lp)
+        pagedkern.sample(logits, 1.0, 0.9, 0, 5, 0, min_p=torch.full((3,), 0.1))
+    assert kernels == [ops_sampling.V2, ops_sampling.V4, ops_sampling.V4]
+    assert plain.tolist() == reference.sample(logits, 1.0, 0.9, 0, 5, 0).tolist()
 
 
 def _special_rows(rows, vocab, g):

@@ -127,12 +127,13 @@ _VARS = (
     ),
     EnvVar(
         "PAGEDKERN_SAMPLE_VARIANT",
-        "v4",
-        "sample kernel: v4 (v3 with a row split over several CTAs when the batch is below the SM "
-        "count), v3 (processing, sampling and top-N logprobs in one kernel, warp-aggregated "
-        "histograms) or v2 (processing stage + sampling kernel, top-N by torch ops), selectable "
-        "until a GPU run has verified v4 and v3.",
-        _choice("v4", "v3", "v2"),
+        "auto",
+        "sample kernel: auto (what measured fastest on the H200, per call: v2 for plain sampling, "
+        "v4 with logits processing or logprob outputs), v4 (v3 with a row split over several "
+        "CTAs when the batch is below the SM count), v3 (processing, sampling and top-N logprobs "
+        "in one kernel, warp-aggregated histograms) or v2 (processing stage + sampling kernel, "
+        "top-N by torch ops).",
+        _choice("auto", "v4", "v3", "v2"),
         "run",
     ),
     EnvVar(
@@ -175,6 +176,21 @@ _VARS = (
         "Benchmarks: 1 forces smoke mode (tiny CPU inputs, numbers meaningless), 0 forbids it; "
         "unset: smoke mode without a GPU.",
         parse_bool,
+        "test",
+    ),
+    EnvVar(
+        "PAGEDKERN_BENCH_GPU_PATHS",
+        None,
+        "Benchmarks: 1 takes the suites' GPU-only branches on a CPU, under the stubbed extension "
+        "of tools/rehearsal/gpu_paths.py (with PAGEDKERN_BENCH_SMOKE=1).",
+        parse_bool,
+        "test",
+    ),
+    EnvVar(
+        "PAGEDKERN_GPU_PATHS_LOG",
+        None,
+        "tools/rehearsal/gpu_paths.py: a file the stubbed extension writes its calls to (JSON).",
+        _text,
         "test",
     ),
     EnvVar(

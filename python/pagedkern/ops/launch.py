@@ -25,7 +25,8 @@ KERNEL_VARIANTS: dict[str, tuple[str, dict[str, int]]] = {
     "flash_prefill": ("PAGEDKERN_FLASH_VARIANT", {"v2": 0, "v1": 1}),
     "rms_norm": ("PAGEDKERN_RMS_NORM_VARIANT", {"v3": 0, "v1": 1}),
     "rope_and_cache": ("PAGEDKERN_ROPE_VARIANT", {"v2": 0, "v1": 1}),
-    "sample": ("PAGEDKERN_SAMPLE_VARIANT", {"v4": 2, "v3": 0, "v2": 1}),
+    # -1: chosen per call from what it computes (ops/sampling.py measured_variant)
+    "sample": ("PAGEDKERN_SAMPLE_VARIANT", {"auto": -1, "v4": 2, "v3": 0, "v2": 1}),
     # -1: chosen per call from the GQA group and head dim (ops/paged_attention.py decode_kernel)
     "paged_attention": ("PAGEDKERN_PAGED_ATTENTION_VARIANT", {"auto": -1, "simt": 0, "mma": 1}),
 }
