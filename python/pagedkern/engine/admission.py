@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from ..model import Tokenizer
     from .scheduler import Scheduler
+    from .structured_output import CompiledGrammar
     from .trace import Tracer
 
 
@@ -54,13 +55,15 @@ class Admission:
         prompt_ids: Sequence[int] | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """Admit one request: raw prompt text, chat `messages` (rendered with the model's chat
         template) or token ids (ints in [0, vocab size)). Raises ValueError naming the field
         for bad input (ParameterTypeError, also a TypeError, for a wrong type) and
         RequestRejected (a ValueError) for one that can never fit the context or the KV cache.
         arrival_time (on `clock`'s scale): when the request really arrived, e.g. at an HTTP
-        server, for TTFT."""
+        server, for TTFT. grammar: params.response_format compiled already (e.g. on a
+        structured_output.GrammarCompilePool); None: compiled here, once (cached per schema)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ParameterTypeError(f"params must be a SamplingParams, got {params!r}")
@@ -95,7 +98,7 @@ class Admission:
         ids = [request_id] + [f"{request_id}.{i}" for i in range(1, params.n)]
         if any(i in self.requests for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
-        grammars = self._grammars(params)
+        grammars = self._grammars(params, grammar)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         arrival = self.clock() if arrival_time is None else arrival_time
         eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
@@ -136,15 +139,17 @@ class Admission:
             self.tracer.request_added(request)
         return request
 
-    def _grammars(self, params: SamplingParams) -> list:
-        """One structured-output matcher per sample (None without response_format)."""
+    def _grammars(self, params: SamplingParams, grammar: CompiledGrammar | None) -> list:
+        """One structured-output matcher per sample (None without response_format): the
+        schema compiled once, each sample's matcher a copy."""
         if params.response_format is None:
             return [None] * params.n
-        from .structured_output import grammar_compiler
+        if grammar is None:
+            from .structured_output import grammar_compiler
 
-        compiler = grammar_compiler(self.tokenizer, self.vocab_size)
-        grammar = compiler.compile(params.response_format)
-        return [compiler.matcher(grammar) for _ in range(params.n)]
+            compiler = grammar_compiler(self.tokenizer, self.vocab_size)
+            grammar = compiler.compile(params.response_format)
+        return [grammar.matcher() for _ in range(params.n)]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request (caller gone); its blocks return to the pool at once. An n > 1

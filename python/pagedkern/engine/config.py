@@ -93,6 +93,18 @@ class EngineConfig:
     max_queue: int = _setting(
         256, "requests that may wait for a batch slot before the HTTP server answers 429"
     )
+    grammar_compile_timeout: float = _setting(
+        10.0,
+        "seconds the HTTP engine core lets one response_format schema compile (on its own "
+        "threads, off the step loop); longer: a 400 naming response_format",
+        cli={"type": "positive_float"},
+    )
+    grammar_compile_workers: int = _setting(
+        2,
+        "threads of the HTTP engine core that compile response_format schemas at once (more "
+        "wait their turn)",
+        cli={"type": "positive_int"},
+    )
     quantization: str | None = _setting(
         None,
         "weight-only quantization: none, int8 (per channel) or int4 (groups of 32) "
@@ -182,6 +194,11 @@ class EngineConfig:
             check_bool("piecewise_cuda_graphs", self.piecewise_cuda_graphs)
         check_int("seed", self.seed, 0, 2**63 - 1)
         check_int("max_queue", self.max_queue, 1, INT32_MAX)
+        if check_number("grammar_compile_timeout", self.grammar_compile_timeout) <= 0:
+            raise ValueError(
+                f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}"
+            )
+        check_int("grammar_compile_workers", self.grammar_compile_workers, 1, 1024)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
         check_bool("async_scheduling", self.async_scheduling)
         self.shadow = _shadow(self.shadow)

@@ -66,7 +66,8 @@ class SamplingParams:
     samples that share the prompt's KV blocks, sample i seeded with seed + i.
     response_format: None, {"type": "text"}, {"type": "json_object"} or {"type":
     "json_schema", "json_schema": {"schema": ...}} (also the bare schema): structured output
-    (engine.structured_output).
+    (engine.structured_output); its shape is checked here, the schema when it is compiled
+    (Engine.add_request: a ValueError naming response_format).
     """
 
     max_tokens: int = 256

@@ -10,12 +10,31 @@ request. No JSON constraint logic lives here: only the wiring.
     {"type": "text"}                       no constraint
     {"type": "json_object"}                any JSON object
     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}
+
+Compilation, as vLLM and SGLang do it: once per request (`GrammarCompiler.compile`, cached per
+schema, failures too), never per sample: each sample's matcher is a deep copy of the compiled
+one (microseconds; building one costs up to ~0.5 s for a 100 KB schema). SamplingParams only
+checks the shape (cheap, fine on an event loop); the schema itself is checked by compiling it.
+A compiled grammar is also probed: the first PROBE_TOKENS steps of one path through it must
+work within llguidance's limits, so a schema that admits no document (`{"$ref": "#"}`) or that
+compiles but exceeds the limits once generation starts (`"pattern": "^a{1000000}$"`, a required
+recursive `$ref`, hundreds of optional properties) is refused before admission (ValueError
+naming response_format). A limit met later still fails its request alone
+(StructuredOutputError). llguidance's errors are kept short (verbose errors off, then cut to
+MAX_ERROR_CHARS): a verbose one carries the whole grammar, megabytes in a log.
+
+`Engine.add_request` compiles on the caller's thread; the HTTP engine core compiles on a
+`GrammarCompilePool` (llguidance drops the GIL while it builds) and admits the request once
+its grammar is ready, so no step waits for a compile (serving/engine_core.py).
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import concurrent.futures
 import json
+import threading
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -27,11 +46,19 @@ from .validation import ParameterTypeError
 
 FORMAT_TYPES = ("text", "json_object", "json_schema")
 MAX_SCHEMA_CHARS = 100_000  # bounds grammar compilation time per request
+MAX_ERROR_CHARS = 300  # of a grammar engine's error, in a message or the log
+PROBE_TOKENS = 8  # steps of the compile-time probe (each a mask: ~1 ms, bounded by llguidance)
+CACHE_SIZE = 64  # compiled schemas kept per tokenizer (their outcome: a grammar or the error)
+
+
+class StructuredOutputError(ValueError):
+    """The grammar engine cannot follow a schema (the message starts with "response_format")."""
 
 
 def check_response_format(value: Any) -> Mapping | None:
     """A checked, normalised response_format ({"type": ..., "schema": ...}); None for text.
-    ValueError naming response_format for a malformed value or an invalid schema."""
+    ValueError naming response_format for a malformed value. The schema's meaning is checked
+    when it is compiled (`GrammarCompiler.compile`), not here: this runs on event loops."""
     if not isinstance(value, Mapping):
         raise ParameterTypeError(f"response_format must be an object, got {value!r}")
     kind = value.get("type")
@@ -48,82 +75,217 @@ def check_response_format(value: Any) -> Mapping | None:
         schema = spec.get("schema", spec if "type" in spec or "properties" in spec else None)
         if not isinstance(schema, (Mapping, bool)):
             raise ValueError("response_format.json_schema.schema must be a JSON schema object")
-    text = json.dumps(schema)
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError) as exc:  # not JSON data (a Python caller's object)
+        raise ValueError(f"response_format: the schema is not JSON: {exc}") from None
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"response_format: the schema has over {MAX_SCHEMA_CHARS} characters")
-    _grammar(text)  # compile once here: an invalid schema is the caller's 400, not a failure
     return {"type": kind, "schema": json.loads(text)}
 
 
-@functools.lru_cache(maxsize=256)
-def _grammar(schema_text: str) -> str:
-    import llguidance
+def schema_key(response_format: Mapping) -> str:
+    """What identifies a checked response_format's grammar: its schema as JSON text."""
+    return json.dumps(response_format["schema"])
 
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            schema_text, defaults={"whitespace_flexible": False}
-        )
-    except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError/RuntimeError
-        raise ValueError(f"response_format: invalid JSON schema: {exc}") from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise ValueError(f"response_format: invalid JSON schema: {messages[0]}")
-    return grammar
+
+def _short(message: str) -> str:
+    text = message.replace("<non-verbose/>", "").strip()
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + " [...]"
 
 
 class GrammarCompiler:
-    """llguidance's view of one tokenizer (built once per tokenizer: ~1 s for a big vocab)."""
+    """llguidance's view of one tokenizer (built once per tokenizer: ~1 s for a big vocab) and
+    the schemas compiled for it. Thread-safe: compiles may run on several threads."""
 
     def __init__(self, tokenizer, vocab_size: int):
         import llguidance
 
         backend = tokenizer.backend
-        eos = list(tokenizer.stop_token_ids) or None
+        self.eos = frozenset(tokenizer.stop_token_ids)
         self.vocab_size = vocab_size
         self.llg_tokenizer = llguidance.LLTokenizer(
-            backend.to_str(), n_vocab=vocab_size, eos_token=eos
+            backend.to_str(), n_vocab=vocab_size, eos_token=list(self.eos) or None
         )
+        self._cache: collections.OrderedDict[str, CompiledGrammar | str] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
-    def compile(self, response_format: Mapping) -> str:
-        return _grammar(json.dumps(response_format["schema"]))
+    def compile(self, response_format: Mapping) -> CompiledGrammar:
+        """The checked response_format's grammar, compiled and probed once per schema (its
+        outcome cached). StructuredOutputError (a ValueError naming response_format) for a
+        schema that is invalid, admits no document or exceeds llguidance's limits."""
+        key = schema_key(response_format)
+        with self._lock:
+            outcome = self._cache.get(key)
+            if outcome is not None:
+                self._cache.move_to_end(key)
+        if outcome is None:
+            try:
+                outcome = self._compile(key)
+            except StructuredOutputError as exc:
+                outcome = str(exc)
+            with self._lock:
+                self._cache[key] = outcome
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        if isinstance(outcome, str):
+            raise StructuredOutputError(outcome)
+        return outcome
 
-    def matcher(self, grammar: str) -> GrammarMatcher:
-        return GrammarMatcher(self, grammar)
+    def _compile(self, schema_text: str) -> CompiledGrammar:
+        import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                schema_text, defaults={"whitespace_flexible": False}
+            )
+        except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError/RuntimeError
+            raise StructuredOutputError(
+                f"response_format: invalid JSON schema: {_short(str(exc))}"
+            ) from None
+        limits = llguidance.LLParserLimits(verbose_errors=False)  # errors without the grammar
+        matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0, limits=limits)
+        if matcher.is_error():
+            raise StructuredOutputError(
+                f"response_format: invalid JSON schema: {_short(matcher.get_error())}"
+            )
+        self._probe(matcher.deep_copy())
+        return CompiledGrammar(self, matcher)
+
+    def _probe(self, matcher) -> None:
+        """Walk PROBE_TOKENS steps of one path (the lowest allowed id that is not EOS) and
+        refuse the schema when a mask or a token fails: llguidance checks its limits lazily,
+        as generation reaches them, and the first steps are where the usual offenders (a huge
+        repetition count, a required recursive $ref, a few hundred optional properties) do."""
+        mask = torch.empty(bitmask_words(self.vocab_size), dtype=torch.int32)
+        shifts = torch.arange(32, dtype=torch.int32)
+        for step in range(PROBE_TOKENS):
+            matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+            if matcher.is_error():
+                if step == 0:  # no first token at all (e.g. {"$ref": "#"})
+                    error = _short(matcher.get_error())
+                    raise StructuredOutputError(
+                        f"response_format: the schema admits no value ({error})"
+                    )
+                break
+            allowed = ((mask.unsqueeze(1) >> shifts) & 1).flatten().nonzero().flatten()
+            token = next((t for t in allowed.tolist() if t not in self.eos), None)
+            if token is None:  # only EOS: a complete document (or, at the start, none)
+                if step == 0:
+                    raise StructuredOutputError("response_format: the schema admits no value")
+                return
+            if not matcher.consume_token(token) or matcher.is_stopped():
+                break
+        if matcher.is_error():
+            raise StructuredOutputError(
+                "response_format: the schema exceeds the grammar engine's limits: "
+                + _short(matcher.get_error())
+            )
+
+
+class CompiledGrammar:
+    """A schema compiled for one tokenizer, at the start of a document: each sample's matcher
+    is a deep copy of it (no compilation)."""
+
+    def __init__(self, compiler: GrammarCompiler, matcher):
+        self.compiler = compiler
+        self._matcher = matcher
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self.compiler, self._matcher.deep_copy())
 
 
 _compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_compilers_lock = threading.Lock()
 
 
 def grammar_compiler(tokenizer, vocab_size: int) -> GrammarCompiler:
-    compiler = _compilers.get(tokenizer)
-    if compiler is None or compiler.vocab_size != vocab_size:
-        compiler = _compilers[tokenizer] = GrammarCompiler(tokenizer, vocab_size)
-    return compiler
+    with _compilers_lock:
+        compiler = _compilers.get(tokenizer)
+        if compiler is None or compiler.vocab_size != vocab_size:
+            compiler = _compilers[tokenizer] = GrammarCompiler(tokenizer, vocab_size)
+        return compiler
+
+
+class PendingGrammar:
+    """One response_format's compile on a GrammarCompilePool: `future` (a CompiledGrammar or
+    the StructuredOutputError) and `started` (time.monotonic() when a worker took it; None
+    while it waits for one)."""
+
+    __slots__ = ("future", "started")
+
+    def __init__(self) -> None:
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.started: float | None = None
+
+    def running_for(self, now: float) -> float:
+        return 0.0 if self.started is None else now - self.started
+
+
+class GrammarCompilePool:
+    """Compiles response_formats on at most `workers` threads, off the caller's (an engine
+    core's step loop): llguidance drops the GIL while it builds, so steps go on meanwhile.
+    Requests with the same schema share one compile; a compiled schema is ready at once."""
+
+    def __init__(self, tokenizer, vocab_size: int, workers: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix="pagedkern-grammar"
+        )
+        self._running: dict[str, PendingGrammar] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, response_format: Mapping) -> PendingGrammar:
+        key = schema_key(response_format)
+        with self._lock:
+            pending = self._running.get(key)
+            if pending is None:
+                pending = self._running[key] = PendingGrammar()
+                self._executor.submit(self._compile, key, response_format, pending)
+        return pending
+
+    def _compile(self, key: str, response_format: Mapping, pending: PendingGrammar) -> None:
+        pending.started = time.monotonic()
+        try:
+            compiler = grammar_compiler(self.tokenizer, self.vocab_size)
+            pending.future.set_result(compiler.compile(response_format))
+        except BaseException as exc:  # noqa: BLE001 - the waiting request's answer
+            pending.future.set_exception(exc)
+        finally:
+            with self._lock:
+                self._running.pop(key, None)
+
+    def close(self) -> None:
+        """Drop the compiles not started; a running one ends on its own (it cannot be
+        interrupted; llguidance's limits bound it)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class GrammarMatcher:
-    """One request's position in its grammar: the next token's bitmask, and acceptance."""
+    """One sample's position in its grammar: the next token's bitmask, and acceptance."""
 
-    def __init__(self, compiler: GrammarCompiler, grammar: str):
-        import llguidance
-
-        self._matcher = llguidance.LLMatcher(compiler.llg_tokenizer, grammar, log_level=0)
-        if self._matcher.is_error():
-            raise ValueError(f"response_format: {self._matcher.get_error()}")
+    def __init__(self, compiler: GrammarCompiler, matcher):
+        self._matcher = matcher
         self._mask = torch.empty(bitmask_words(compiler.vocab_size), dtype=torch.int32)
 
     def bitmask(self) -> torch.Tensor:
-        """int32 [ceil(V / 32)]: the tokens allowed next (a fresh tensor each step)."""
+        """int32 [ceil(V / 32)]: the tokens allowed next (a fresh tensor each step).
+        StructuredOutputError when the grammar engine fails (a limit reached): the request
+        fails alone, with a short message."""
         mask = torch.empty_like(self._mask)
         self._matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+        if self._matcher.is_error():  # (its mask would allow only EOS: a cut-off "document")
+            raise StructuredOutputError(
+                f"response_format: the grammar engine stopped: {_short(self._matcher.get_error())}"
+            )
         return mask
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; True when the document is complete (the request stops).
-        A token outside the mask cannot be sampled; should one still arrive the matcher's
-        error is raised (the request fails alone)."""
+        A token outside the mask cannot be sampled; should one still arrive, or a limit be
+        reached, StructuredOutputError (the request fails alone)."""
         if not self._matcher.consume_token(token):
-            raise RuntimeError(
-                f"structured output: token {token} rejected: {self._matcher.get_error()}"
+            raise StructuredOutputError(
+                f"response_format: token {token} rejected: {_short(self._matcher.get_error())}"
             )
         return self._matcher.is_stopped()

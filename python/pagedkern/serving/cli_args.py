@@ -307,7 +307,7 @@ def build_parser() -> Parser:
     return p
 
 
-_FLAG_TYPES = {"positive_int": positive_int}
+_FLAG_TYPES = {"positive_int": positive_int, "positive_float": positive_float}
 # The derived flags shown under "speculative decoding"; every other derived flag is an engine one.
 SPECULATIVE_FIELDS = frozenset(
     ("speculative", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_model")

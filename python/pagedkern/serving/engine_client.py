@@ -239,6 +239,7 @@ class EngineClient:
         try:
             await admitted
         except asyncio.CancelledError:
+            self._admitting.pop(request_id, None)  # its answer is nobody's now
             self.abort(request_id)  # sent after the add: the core frees what it took
             raise
         return stream

@@ -17,7 +17,14 @@ detokenizes, matches stop strings and aborts what one ends. With nothing to do t
 on the inbox (no spinning).
 
 Backpressure: an add is refused (queue_full) when `max_queue` requests would already wait after
-the next schedule filled the free batch slots: waiting - (max_num_seqs - running) >= max_queue.
+the next schedule filled the free batch slots: waiting - (max_num_seqs - running) >= max_queue
+(requests whose grammar compiles count as waiting).
+
+Structured output: a request with a response_format is admitted once its schema has compiled
+on the core's GrammarCompilePool (`grammar_compile_workers` threads; llguidance drops the GIL),
+so steps go on meanwhile: it is held out of the engine until then (its ADDED comes then), or
+REFUSED (invalid, naming response_format) when the schema fails or has compiled for longer than
+`grammar_compile_timeout`; an abort meanwhile drops it. Each sample's matcher is a copy.
 
 Lifecycle: STOP or the front end's end of the channel closing (the front end exited) aborts every
 request and ends the loop; an unexpected exception ends it with a DEAD frame. The process also
@@ -44,11 +51,14 @@ import torch
 
 from ..engine import Engine, EngineConfig, RequestOutput, RequestRejected, SamplingParams
 from ..engine.outputs import TokenDeltas
+from ..engine.structured_output import GrammarCompilePool, PendingGrammar
 from ..parallel.group import available_cores
 from . import channel as wire
 
 log = logging.getLogger("pagedkern.serving")
 _EMPTY = object()
+_COMPILED = ["compiled"]  # an inbox entry: a grammar compile ended (wakes the loop)
+COMPILE_POLL_S = 0.25  # while only compiles are pending: how often the loop looks at them
 HEARTBEAT_S = 1.0  # at most this long between two OUTPUTS frames while the loop steps
 # In-process cores only: call id -> (fn(engine), its Future), filled by the front end.
 Calls = dict[int, tuple[Callable[[Engine], Any], concurrent.futures.Future]]
@@ -128,6 +138,9 @@ class EngineCore:
         self._outputs: list[RequestOutput] = []  # produced outside step() (aborts), sent next
         self.failed = False  # the loop ended on an internal error (the process exits 1)
         self._last_sent = time.monotonic()  # the last OUTPUTS frame
+        self._grammars: GrammarCompilePool | None = None  # made at the first response_format
+        # requests whose grammar compiles: id -> (its compile, prompt ids, params)
+        self._compiling: dict[str, tuple[PendingGrammar, list[int], SamplingParams]] = {}
 
     def run(self) -> None:
         """Serve frames until STOP or the front end goes away; never raises."""
@@ -135,22 +148,36 @@ class EngineCore:
         engine = self.engine
         try:
             while True:
-                frame = self._inbox.get() if not engine.has_unfinished else _get_nowait(self._inbox)
+                frame = self._next_frame()
                 while frame is not _EMPTY:
                     if frame is None or frame[0] == wire.STOP:
                         return self._shutdown(front_end_gone=frame is None)
                     self._handle(frame)
                     frame = _get_nowait(self._inbox)
+                if self._compiling:
+                    self._admit_compiled()
                 stepped = engine.has_unfinished
                 if stepped:
                     self._outputs += engine.step()
                     if self.after_step is not None:
                         self.after_step(engine)
-                self._flush(stepped)
+                self._flush(stepped or bool(self._compiling))  # (heartbeats while compiling)
         except BaseException:
             self.failed = True
             log.exception("the engine core failed; no more requests will be served")
             self._die("the engine stopped after an internal error")
+
+    def _next_frame(self):
+        """The next frame, without waiting while the engine has work; while only compiles are
+        pending, waiting at most COMPILE_POLL_S (their timeouts); else until one comes."""
+        if self.engine.has_unfinished:
+            return _get_nowait(self._inbox)
+        if self._compiling:
+            try:
+                return self._inbox.get(timeout=COMPILE_POLL_S)
+            except queue.Empty:
+                return _EMPTY
+        return self._inbox.get()
 
     def _read(self) -> None:
         try:
@@ -165,6 +192,8 @@ class EngineCore:
             for add in frame[1]:
                 self._add(*add)
         elif kind == wire.ABORT:
+            if self._compiling.pop(frame[1], None) is not None:
+                return  # not admitted yet: nothing to free
             self._outputs += [self.engine.abort(frame[1]), *self.engine.pop_undelivered()]
         elif kind == wire.STATS:
             self.channel.send(wire.STATS, frame[1], gauges(self.engine))
@@ -175,30 +204,79 @@ class EngineCore:
                     future.set_result(fn(self.engine))
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     future.set_exception(exc)
-        else:
+        elif kind != _COMPILED[0]:  # (a compile ended: _admit_compiled looks next)
             log.error("unknown frame %r from the front end", kind)
 
     def _add(self, request_id: str, prompt_ids: list[int], fields: dict) -> None:
         stats = self.engine.stats()
         free_slots = max(0, stats.max_num_seqs - stats.num_running)
-        if stats.num_waiting - free_slots >= self.max_queue:
-            message = f"{stats.num_waiting} requests are already waiting"
+        waiting = stats.num_waiting + len(self._compiling)
+        if waiting - free_slots >= self.max_queue:
+            message = f"{waiting} requests are already waiting"
             return self.channel.send(wire.REFUSED, request_id, "queue_full", message)
         try:
             params = SamplingParams(**fields)
+            if request_id in self._compiling:
+                raise ValueError(f"request id {request_id!r} is already in use")
+        except Exception as exc:  # noqa: BLE001 - the request's fault
+            return self._refuse(request_id, exc)
+        if params.response_format is None:
+            return self._admit(request_id, prompt_ids, params)
+        if self._grammars is None:
+            config = self.engine.config
+            self._grammars = GrammarCompilePool(
+                self.engine.tokenizer, self.engine.vocab_size, config.grammar_compile_workers
+            )
+        pending = self._grammars.submit(params.response_format)
+        if pending.future.done():  # compiled before (or failed before)
+            return self._admit_compiled_one(request_id, pending, prompt_ids, params)
+        self._compiling[request_id] = (pending, prompt_ids, params)
+        pending.future.add_done_callback(lambda _: self._inbox.put(_COMPILED))
+
+    def _admit_compiled(self) -> None:
+        """Admit the held requests whose grammar is ready; refuse those whose compile failed
+        or has run past grammar_compile_timeout (it runs on; its outcome is cached)."""
+        now, timeout = time.monotonic(), self.engine.config.grammar_compile_timeout
+        for request_id, (pending, prompt_ids, params) in list(self._compiling.items()):
+            if pending.future.done():
+                del self._compiling[request_id]
+                self._admit_compiled_one(request_id, pending, prompt_ids, params)
+            elif pending.running_for(now) > timeout:
+                del self._compiling[request_id]
+                message = (
+                    f"response_format: the schema did not compile within {timeout:g} s "
+                    "(--grammar-compile-timeout)"
+                )
+                log.warning("request %s: %s", request_id, message)
+                self.channel.send(wire.REFUSED, request_id, "invalid", message)
+
+    def _admit_compiled_one(
+        self, request_id: str, pending: PendingGrammar, prompt_ids: list[int], params
+    ) -> None:
+        try:
+            grammar = pending.future.result()
+        except Exception as exc:  # noqa: BLE001 - the schema's fault (or not): refused
+            return self._refuse(request_id, exc)
+        self._admit(request_id, prompt_ids, params, grammar)
+
+    def _admit(self, request_id: str, prompt_ids: list[int], params, grammar=None) -> None:
+        try:
             request = self.engine.add_request(
-                params=params, request_id=request_id, prompt_ids=prompt_ids
+                params=params, request_id=request_id, prompt_ids=prompt_ids, grammar=grammar
             )
         except Exception as exc:  # noqa: BLE001 - the request's fault (or not): the loop lives on
-            if isinstance(exc, RequestRejected):
-                code = "context_length_exceeded"
-            elif isinstance(exc, (ValueError, TypeError)):
-                code = "invalid"
-            else:
-                log.error("admitting request %s failed", request_id, exc_info=exc)
-                code = "error"
-            return self.channel.send(wire.REFUSED, request_id, code, str(exc))
+            return self._refuse(request_id, exc)
         self.channel.send(wire.ADDED, request_id, len(request.prompt_ids))
+
+    def _refuse(self, request_id: str, exc: Exception) -> None:
+        if isinstance(exc, RequestRejected):
+            code = "context_length_exceeded"
+        elif isinstance(exc, (ValueError, TypeError)):
+            code = "invalid"
+        else:
+            log.error("admitting request %s failed", request_id, exc_info=exc)
+            code = "error"
+        self.channel.send(wire.REFUSED, request_id, code, str(exc))
 
     def _flush(self, stepped: bool = False) -> None:
         """The step's OUTPUTS frame; an empty one after a step that made none when nothing was

@@ -308,6 +308,8 @@ def admission_error(exc: Exception, param: str, request_id: str = "-") -> APIErr
     if isinstance(exc, RequestRejected):  # longer than the context (or the whole KV cache)
         return APIError(400, str(exc), param=param, code="context_length_exceeded")
     if isinstance(exc, (ValueError, TypeError, jinja2.TemplateError)):
+        if str(exc).startswith("response_format"):  # the core's grammar compile refused it
+            param = "response_format"
         return APIError(400, str(exc), param=param)
     if isinstance(exc, EngineUnavailable):
         return unavailable(str(exc))
