@@ -39,6 +39,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from .logits_processing import bitmask_words
@@ -158,7 +159,7 @@ class GrammarCompiler:
         as generation reaches them, and the first steps are where the usual offenders (a huge
         repetition count, a required recursive $ref, a few hundred optional properties) do."""
         mask = torch.empty(bitmask_words(self.vocab_size), dtype=torch.int32)
-        shifts = torch.arange(32, dtype=torch.int32)
+        bits = mask.numpy().view(np.uint8)  # numpy: no torch intra-op team on this thread
         for step in range(PROBE_TOKENS):
             matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
             if matcher.is_error():
@@ -168,7 +169,7 @@ class GrammarCompiler:
                         f"response_format: the schema admits no value ({error})"
                     )
                 break
-            allowed = ((mask.unsqueeze(1) >> shifts) & 1).flatten().nonzero().flatten()
+            allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little"))
             token = next((t for t in allowed.tolist() if t not in self.eos), None)
             if token is None:  # only EOS: a complete document (or, at the start, none)
                 if step == 0:
