@@ -1,7 +1,7 @@
 """End-to-end serving benchmarks (bench/e2e.py) for the default model and the reference
 document's 8B shape (synthetic weights): offline throughput, online latency, batch-1 decode vs
 the weight-bandwidth roofline, the reference backend and HF transformers on the same workload,
-asynchronous scheduling off and on (issue 17's record).
+asynchronous scheduling off and on (the overlap record).
 Targets on an H200: batch-1 decode of the 8B shape >= 80% of the roofline; offline throughput
 of the 8B shape >= 10x HF transformers; the CUDA backend >= 3x the reference backend.
 Smoke mode: the tiny synthetic model on the CPU reference ops, a handful of short requests."""

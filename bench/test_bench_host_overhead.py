@@ -19,8 +19,8 @@ is runner.sample, the general path's packing (the persistent decode batch packs 
 "runner (own)"). "append/stop
 checks" is Engine._append_sampled, a step's whole append (the fast lane calls no per-request
 method but the detokenizer's and the output's); "engine loop (rest)" is Engine.step's self
-time: the engine's own per-step code. Target
-(issue 17): <= 0.5 ms per step at 256. Smoke mode (CI): every size, a few steps; the numbers
+time: the engine's own per-step code. Target:
+<= 0.5 ms per step at 256. Smoke mode (CI): every size, a few steps; the numbers
 mean nothing there.
 
 Each size runs twice: detokenizing (the offline engine: `LLM`, the CLI; half the requests check

@@ -5,7 +5,7 @@ number is `Engine.run_until_done()` on the same prompts in this process, with th
 threads, run on the main thread (as the server's core runs its loop) and on a thread (on this
 shared 2-core machine the two differ by up to 10x under load); the ratio is against the better
 of the two. The server's core picks its own intra-op threads (serving/engine_core.py
-core_threads: for synthetic:tiny one core is left to the front end). Issue 17's target: >= 85%
+core_threads: for synthetic:tiny one core is left to the front end). The target: >= 85%
 at 256 streams of synthetic:tiny.
 
 The same run also measures the server's core alone: the offline engine with the core's

@@ -7,7 +7,7 @@ at B=1, L=32768 split-KV must be far ahead of the unsplit launch (8 CTAs cannot 
 The reference (gather + padded batched attention, a host sync per call) is timed over a few
 calls only, by the test itself; torch.compile is left out: the reference's data-dependent
 shapes (seq_lens.tolist()) make it graph-break and recompile rather than fuse.
-fp8 rows (issue 14): the same K/V quantized to E4M3 pages (k_scale, v_scale folded in); their
+fp8 rows: the same K/V quantized to E4M3 pages (k_scale, v_scale folded in); their
 bytes are the fp8 bytes, half of the bf16 rows', so GB/s compares with the copy ceiling and the
 bf16 kernel's time shows the gain (target: ~2x the bf16 kernel where memory bound)."""
 

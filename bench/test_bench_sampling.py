@@ -4,7 +4,7 @@ B = 128 rows of V = 128256 fp32 logits (Llama 3's vocabulary), temperature 0.8.
 Cases: top-p 0.9; top-k 50 + top-p 0.95 (both radix descents); greedy (one pass).
 Bytes: B * V * 4, one read of the logits (the kernel makes several passes, mostly from L2, so
 GB/s here is the single-pass equivalent). Target: >= 5x faster than the sort-based top-p.
-Small batch (issue 18): v4 (a row split over several CTAs below the SM count) beside v3 / v2 (one
+Small batch: v4 (a row split over several CTAs below the SM count) beside v3 / v2 (one
 CTA per row) and the sort-based top-p at B = 1, 4, 8, 128."""
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def test_sample(measure, device, case, impl):
     assert result.seconds > 0
 
 
-# --- small batch (issue 18): v4 splits a row over several CTAs when B < the SM count ----------
+# --- small batch: v4 splits a row over several CTAs when B < the SM count ----------
 SMALL_ROWS = (1, 4) if smoke_mode() else (1, 4, 8, 128)
 SMALL_IMPLS = ["pagedkern v4", "pagedkern v3", "pagedkern v2", "torch sort top-p"]
 SMALL_CASES = {"top-p 0.9": (0.9, 0)}  # one case: 16 rows in the GPU check's bench budget
@@ -146,7 +146,7 @@ def test_sample_small_batch(measure, device, rows, case, impl, monkeypatch):
     assert result.seconds > 0
 
 
-# --- logits processing (issue 13): all of it on vs the same chain of torch ops vs plain ---------
+# --- logits processing: all of it on vs the same chain of torch ops vs plain ---------
 # "pagedkern processed" runs the default kernel variant (v3: one fused kernel, top-N inside),
 # "... v2" the processing stage + sampling kernel with the top-N as torch ops after it.
 PROC_ROWS = (1, 4) if smoke_mode() else (1, 64, 256)

@@ -494,7 +494,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::kw_only(), py::arg("device"), py::arg("head_dim"), py::arg("block_size"),
       py::arg("fp8_cache"), py::arg("path"));
-  // --- quant_gemm (issue 14): weight-only int4/int8 GEMM for M <= quant_gemm_max_m ---------
+  // --- quant_gemm: weight-only int4/int8 GEMM for M <= quant_gemm_max_m ---------
   m.attr("quant_gemm_max_m") = pagedkern::kQuantGemmMaxM;
   m.def(
       "quant_gemm",

@@ -34,7 +34,7 @@
  *  paged_attention_merge_kernel<T>: one warp per (sequence, query head) merges the splits that
  *     hold keys: out = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s) (float4 reads).
  *
- *  fp8 cache (kv_fp8, C = Fp8; issue 14): E4M3 pages, same mapping and 48 KB ring, but a stage
+ *  fp8 cache (kv_fp8, C = Fp8): E4M3 pages, same mapping and 48 KB ring, but a stage
  *     holds kTile = 8192 / D tokens (the same 8 KB of K + 8 KB of V, so the same bytes in
  *     flight): each 16-byte cp.async carries 16 elements, a thread copies chunk
  *     threadIdx % (D / 16) of every (2 kRows)-th token. The math reads its 8 elements per lane
@@ -48,7 +48,7 @@
  * Known limit: each K/V byte is read from shared memory once per head unit of the CTA, and the
  * SIMT math (fp32 dot products, shuffles) is close to the memory time at 4 heads per KV head;
  * so GQA groups >= 4 at D <= 128 run the tensor-core variant (paged_attention_mma.cuh) instead.
- * Speculative verification (issue 15): the 1 + k query rows of a speculating sequence run through
+ * Speculative verification: the 1 + k query rows of a speculating sequence run through
  * this decode kernel as 1 + k decode rows that share its block table, row j with seq_len =
  * computed + j + 1: causal by construction, no 128-row Q tile wasted on a 5-row chunk, and a
  * step without prefill stays CUDA-graph replayable. Cost: the context is read 1 + k times

@@ -34,7 +34,7 @@
  *   0 * NaN would poison the product).
  * Traffic: as the SIMT kernel, B * L * 2 * Hkv * D * sizeof(T) bytes of K/V (read once per 8
  *   query heads; groups above 8 take several CTAs per KV head, the later reads mostly from L2).
- * fp8 cache (C = Fp8, issue 14): E4M3 pages, f16 mma. Twice the warps (8 for D = 64, 4 for
+ * fp8 cache (C = Fp8): E4M3 pages, f16 mma. Twice the warps (8 for D = 64, 4 for
  *   D = 128), so a stage is still 16 KB and each 16-byte cp.async carries 16 elements. The
  *   fragments come from ldmatrix on the bytes taken as b16 pairs, and the fp8 -> f16 widening is
  *   cvt.rn.f16x2.e4m3x2 (exact; F2FP on sm_89+, software on sm_80) in registers:

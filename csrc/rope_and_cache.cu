@@ -21,7 +21,7 @@
  *     pair of kHeads = 4 consecutive q/k heads: the cos/sin chunks (64 B per 32 B of data in v1)
  *     are loaded once for 4 heads and the 8 data loads are all issued before the math.
  *
- *  fp8 cache (kv_fp8, kFp8; issue 14): same items; the cache receives the fp32 values (the
+ *  fp8 cache (kv_fp8, kFp8): same items; the cache receives the fp32 values (the
  *     rotation before its rounding to T, v as read) times fp32(1 / scale), converted once to
  *     E4M3 with saturation (fp8.cuh: one F2FP per pair on sm_89+, software on sm_80), so the
  *     model needs no k / k_scale, v / v_scale passes. A chunk of kVec elements is kVec bytes in

@@ -30,7 +30,7 @@
  *     top token's are never drawn); the reference's fp32 cumulative sums can differ only when a
  *     top-p cut falls within ~1e-6 of a token's mass-above.
  *
- *  v2 (issue 13) logits processing, semantics of python/pagedkern/reference/logits_processing.py:
+ *  v2 logits processing, semantics of python/pagedkern/reference/logits_processing.py:
  *     process_kernel<T, kVec> (a stage before the passes above, same stream): one CTA of 512
  *       threads per row; thread t owns runs t, t + 512, ... of kVec elements (16-byte loads,
  *       16-byte fp32 stores): x = logits (NaN = -inf), -inf where the row's grammar /

@@ -16,7 +16,7 @@
  *   pass then reads per 16-byte run of logits one bitmap word and one grammar-mask
  *   word (both L1/L2-resident, V / 8 bytes) and takes the entry value where the bit is set:
  *   traffic O(nnz + V / 8) bytes instead of v2's extra V x (sizeof(T) + 4) pass and fp32 re-reads.
- * Histograms (issue 18): the lanes of a warp that hit the same bin are grouped with
+ * Histograms: the lanes of a warp that hit the same bin are grouped with
  *   __match_any_sync; the group's count is its popcount and its mass a __reduce_add_sync of two
  *   32-bit halves (20 + 21 bits of the <= 2^40 fixed-point mass); one lane per group does the
  *   shared atomics. A warp with no candidate skips (one vote), as most do after the first digit.

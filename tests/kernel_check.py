@@ -1,5 +1,5 @@
 """How every kernel test compares: outputs poisoned with NaN before the call, then the relative
-error ||out - ref|| / ||ref|| against a float64 reference, per-dtype bounds (DESIGN.md)."""
+error ||out - ref|| / ||ref|| against a float64 reference, per-dtype bounds."""
 
 from __future__ import annotations
 

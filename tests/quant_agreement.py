@@ -117,7 +117,7 @@ def mean_nll(llm: LLM) -> float:
     return -token_logprobs(llm.engine.model, [ids], [1])[0].mean().item()
 
 
-# --- Ablations: which rounding costs a mode its agreement (README Quantization) --------------
+# --- Ablations: which rounding costs a mode its agreement (bench/results/2026-12-04-cpu.md) ---
 # python tests/quant_agreement.py int8 : per variant, the agreement with fp32 when the layers'
 # GEMMs are emulated in fp32 with the kernel's roundings switched on or off one at a time (the
 # LM head keeps its kernel). Plain path only: the fast path calls the int-pack kernels itself.

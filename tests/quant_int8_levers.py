@@ -1,6 +1,6 @@
-"""int8's levers toward the issue's 90% identical answers (README Quantization): per variant,
+"""int8's levers toward 90% identical answers (bench/results/2026-12-04-cpu.md): per variant,
 the agreement with fp32 on quant_agreement's 32 prompts, greedy, 8 tokens. Not a test and on no
-product path: the measurement behind the README's numbers.
+product path: the measurement behind the recorded numbers.
 
 python tests/quant_int8_levers.py head : the int8 model's LM head (and tied embedding) as the
     GGUF's exact Q8_0 values in fp32, rounded to bf16, or int8 with fp32 logits, instead of

@@ -1,4 +1,4 @@
-"""`pagedkern-serve` on bad input (issue 12, defect 5), through a real process on synthetic:tiny:
+"""`pagedkern-serve` on bad input, through a real process on synthetic:tiny:
 every bad flag or stdin line is one line on stderr and exit status 2, never a traceback; a bad
 stdin line names its number and the other lines are still answered; Ctrl-C exits 130 with what
 was generated so far; a reader that stops early (`| head -c 5`) is no BrokenPipeError."""

@@ -1,4 +1,4 @@
-"""Packaging (issue 12): the HTTP stack (fastapi, uvicorn, pydantic) is the `serve` extra, so
+"""Packaging: the HTTP stack (fastapi, uvicorn, pydantic) is the `serve` extra, so
 `import pagedkern`, the ops and the CLI without --http work without it, and --http without it
 says what to install; the test extra pins ruff."""
 

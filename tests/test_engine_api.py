@@ -1,4 +1,4 @@
-"""The Python API without footguns (issue 12): LLM takes one prompt or many, text or ids, one
+"""The Python API without footguns: LLM takes one prompt or many, text or ids, one
 conversation or many; stream() keeps other requests' outputs; outputs are immutable snapshots;
 stats() reports the engine's state; the op backend is the engine's, not the process's; the
 engine's defaults live in EngineConfig alone."""

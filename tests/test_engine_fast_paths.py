@@ -1,4 +1,4 @@
-"""The host's fast paths (issue 17) do exactly what the general code does: the scheduler's loop
+"""The host's fast paths do exactly what the general code does: the scheduler's loop
 over plain decodes (Scheduler._plain_decodes) schedules what the general loop schedules, and
 the append fast lane (Appending._append_plain) makes the outputs the general lane (taken with a
 tracer attached) makes, stop by stop."""

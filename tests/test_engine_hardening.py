@@ -1,4 +1,4 @@
-"""Bad input never kills the engine or fails anyone else (issue 12, defects 1, 2, 7 and 8):
+"""Bad input never kills the engine or fails anyone else:
 admission refuses it with a ValueError naming the field, and a request that still breaks a
 step fails alone while its neighbours get exactly what they would have got without it."""
 

@@ -1,4 +1,4 @@
-"""Schema fuzz of the HTTP API (issue 12, Done when): random JSON within and around the request
+"""Schema fuzz of the HTTP API: random JSON within and around the request
 schemas (huge numbers, wrong types, nulls, deep nesting, unicode with lone surrogates, extra
 fields, raw non-JSON bytes) is answered 2xx or 4xx, never 5xx, a stream never carries a server
 error, and the server still serves a normal request afterwards. Bounded for CI: 100 examples

@@ -1,4 +1,4 @@
-"""The HTTP server under hostile or careless clients (issue 12, defects 3 and 6): big prompts are
+"""The HTTP server under hostile or careless clients: big prompts are
 templated and tokenized off the engine thread, bodies and heads are bounded and must arrive in
 time, connections are capped, a client that leaves is not an ERROR, 5xx bodies carry the request
 id and no internals, /metrics survives a dead engine, HEAD /health works."""

@@ -1,4 +1,4 @@
-"""The sampling surface of issue 13 over HTTP: n choices, logprobs in OpenAI's chat and
+"""The sampling surface over HTTP: n choices, logprobs in OpenAI's chat and
 completions shapes, several prompts per completion request, /tokenize and /detokenize, and
 response_format through the official `openai` client (streamed and not) on the default model,
 with every answer parsing and validating against its schema."""

@@ -1,4 +1,4 @@
-"""The server's options (issue 12, API and CLI hygiene) really reach the server and the engine:
+"""The server's options really reach the server and the engine:
 --api-key, --allowed-origins (CORS), --served-model-name, --chat-template, the sampling flags as
 the server's default sampling parameters, X-Request-Id in responses and in --trace, and the
 engine flags (--enforce-eager, --no-chunked-prefill, --dtype, --device, ...) in EngineConfig."""

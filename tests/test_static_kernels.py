@@ -113,7 +113,7 @@ def test_tensor_core_instructions(cuda_binary, kernel, arch, opcode):
         assert opcode in sass, f"{name} has no {opcode} ({arch})"
 
 
-# ---- speed guards (issue 18): SASS patterns the kernels' schedules depend on -------------------
+# ---- speed guards: SASS patterns the kernels' schedules depend on -------------------
 # Variants in the mangled names: flash_prefill_sm80_kernel<Traits, kPrefetchPages>,
 # flash_prefill_sm90_kernel<Traits, kV2>, rms_norm_vec_kernel<T, kIters, kFused, kPrefetchWeight>,
 # rope_and_cache_kernel<T, kVec, kHeads, kFp8>; "Lb1EEEv" = last template argument true.
@@ -274,7 +274,7 @@ def test_paged_attention_mma_loop_is_tensor_core_work(cuda_binary, arch):
             assert count["F2FP"] >= d // 2 and count["PRMT"] >= d // 16, f"{name}: {count}"
 
 
-# ---- fp8 (E4M3) KV cache (issue 14) -------------------------------------------------------------
+# ---- fp8 (E4M3) KV cache -------------------------------------------------------------
 # rope_and_cache_kernel<T, kVec, kHeads, true> writes E4M3, the attention kernels' <T, Fp8, ...>
 # read it: 16-byte cp.async of the pages (16 elements each), the conversions in hardware on
 # sm_90a (F2FP ... E4M3); sm_80 has no such instruction and cuda_fp8.h converts in software there.
