@@ -22,12 +22,9 @@ one stream at a time (its workspace is reused by every run).
 
 from __future__ import annotations
 
-from .arrays import DTYPE_CODES, check_shape, view
+from .arrays import check_shape, view
 from .flash_prefill import (
-    FP8_CACHE_DTYPE,
     PATH_NAMES,
-    PATHS,
-    requested_path,
 )
 from .flash_prefill import (
     flash_prefill as flash_prefill_op,
@@ -35,11 +32,14 @@ from .flash_prefill import (
 from .flash_prefill import (
     kernel_support as prefill_support,
 )
-from .launch import check_indices, kernel_or_reference, kernel_variant, launch_context, sm_count
+from .flash_prefill import (
+    launch_parameters as prefill_launch_parameters,
+)
+from .launch import kernel_or_reference, launch_context, sm_count
 from .paged_attention import (
-    KERNEL_CODES,
     _check_kernel_layout,
     decode_kernel,
+    launch_parameters,
     plan_splits,
     workspace_size,
 )
@@ -50,7 +50,6 @@ from .paged_attention import (
     paged_attention as paged_attention_op,
 )
 from .paged_kv import (
-    FP8_KV_DTYPE,
     attention_views,
     check_attention_views,
     check_kv_scales,
@@ -172,29 +171,9 @@ class DecodeAttention(_Plan):
             self._workspace = wv.obj  # owned: alive as long as the plan
             workspace_ptr = wv.ptr
         self._launch = module.PagedAttentionLaunch(
-            block_tables=bt.ptr,
-            seq_lens=sl.ptr,
-            workspace=workspace_ptr,
-            q_stride=qv.strides[0],
-            out_stride=ov.strides[0],
-            block_table_stride=bt.strides[0],
-            block_table_width=bt.shape[1],
-            num_blocks=kc.shape[0],
-            batch=batch,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            block_size=block_size,
-            num_splits=split.num_splits,
-            split_size=split.split_size,
-            scale=float(scale if scale is not None else head_dim**-0.5),
-            dtype=DTYPE_CODES[qv.dtype],
-            check_indices=check_indices(),
-            device=device,
-            variant=KERNEL_CODES[kernel],
-            kv_fp8=kc.dtype == FP8_KV_DTYPE,
-            k_scale=float(1.0 if k_scale is None else k_scale),
-            v_scale=float(1.0 if v_scale is None else v_scale),
+            **launch_parameters(
+                qv, kc, bt, sl, ov, workspace_ptr, split, kernel, scale, k_scale, v_scale, device
+            )
         )
         self._layouts = layouts
 
@@ -271,33 +250,10 @@ class PrefillAttention(_Plan):
         need = int(module.flash_prefill_workspace_ints(total_q=total, batch=batch))
         wv = workspace_view(None, qv, need, "int32", views)
         self._workspace = wv.obj
-        path = requested_path()
         self._launch = module.FlashPrefillLaunch(
-            cu_seqlens_q=cu.ptr,
-            block_tables=bt.ptr,
-            seq_lens=sl.ptr,
-            workspace=wv.ptr,
-            q_stride=qv.strides[0] if total > 1 else num_heads * head_dim,
-            out_stride=ov.strides[0] if total > 1 else num_heads * head_dim,
-            block_table_stride=bt.strides[0],
-            block_table_width=bt.shape[1],
-            num_blocks=kc.shape[0],
-            total_q=total,
-            batch=batch,
-            num_heads=num_heads,
-            num_kv_heads=kc.shape[1],
-            head_dim=head_dim,
-            block_size=kc.shape[2],
-            scale=float(scale if scale is not None else head_dim**-0.5)
-            * (1.0 if k_scale is None else k_scale),
-            out_scale=float(1.0 if v_scale is None else v_scale),
-            dtype=DTYPE_CODES[qv.dtype],
-            fp8_cache=kc.dtype == FP8_CACHE_DTYPE,
-            path=PATHS[path],
-            strict=path != "auto",
-            check_indices=check_indices(),
-            device=device,
-            variant=kernel_variant("flash_prefill"),
+            **prefill_launch_parameters(
+                qv, kc, cu, bt, sl, ov, wv.ptr, scale, k_scale, v_scale, device
+            )
         )
         self._layouts = layouts
 

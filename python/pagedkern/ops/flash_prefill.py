@@ -21,6 +21,7 @@ from . import support
 from .arrays import (
     DTYPE_CODES,
     FLOAT_DTYPES,
+    ArrayView,
     check_contiguous,
     check_dtype,
     check_ndim,
@@ -52,6 +53,53 @@ PATH_ENV = "PAGEDKERN_FLASH_PREFILL_PATH"
 PATHS = {"auto": 0, "sm80": 1, "sm90": 2}
 PATH_NAMES = {code: name for name, code in PATHS.items()}
 FP8_CACHE_DTYPE = "float8_e4m3fn"  # E4M3 pages (torch.float8_e4m3fn)
+
+
+def launch_parameters(
+    qv: ArrayView,
+    kc: ArrayView,
+    cu: ArrayView,
+    bt: ArrayView,
+    sl: ArrayView,
+    ov: ArrayView,
+    workspace: int,
+    scale: float | None,
+    k_scale: float | None,
+    v_scale: float | None,
+    device: int,
+) -> dict:
+    """The kernels' parameters but the per-layer pointers (q, out, caches, lse) and the stream:
+    what one launch passes and what a plan (ops/attention_plan.py) fixes for its runs. k_scale
+    is folded into the softmax scale, v_scale into the output."""
+    total, num_heads, head_dim = qv.shape
+    path = requested_path()
+    return dict(
+        cu_seqlens_q=cu.ptr,
+        block_tables=bt.ptr,
+        seq_lens=sl.ptr,
+        workspace=workspace,
+        q_stride=qv.strides[0] if total > 1 else num_heads * head_dim,
+        out_stride=ov.strides[0] if total > 1 else num_heads * head_dim,
+        block_table_stride=bt.strides[0],
+        block_table_width=bt.shape[1],
+        num_blocks=kc.shape[0],
+        total_q=total,
+        batch=cu.shape[0] - 1,
+        num_heads=num_heads,
+        num_kv_heads=kc.shape[1],
+        head_dim=head_dim,
+        block_size=kc.shape[2],
+        scale=float(scale if scale is not None else head_dim**-0.5)
+        * (1.0 if k_scale is None else k_scale),
+        out_scale=float(1.0 if v_scale is None else v_scale),
+        dtype=DTYPE_CODES[qv.dtype],
+        fp8_cache=kc.dtype == FP8_CACHE_DTYPE,
+        path=PATHS[path],
+        strict=path != "auto",
+        check_indices=check_indices(),
+        device=device,
+        variant=kernel_variant("flash_prefill"),
+    )
 
 
 def requested_path() -> str:
@@ -182,7 +230,6 @@ def flash_prefill(
     for cache in (kc, vc):
         if cache.ptr % 16:
             raise ValueError(f"{cache.describe()} must start at a 16-byte boundary")
-    path = requested_path()
     module, device, handle = launch_context(views, stream)
     need = int(module.flash_prefill_workspace_ints(total_q=total, batch=batch))
     # on the launch stream: the per-call work list, freed on return, is reused only after the
@@ -196,31 +243,7 @@ def flash_prefill(
         q=qv.ptr,
         k_cache=kc.ptr,
         v_cache=vc.ptr,
-        cu_seqlens_q=cu.ptr,
-        block_tables=bt.ptr,
-        seq_lens=sl.ptr,
-        workspace=wv.ptr,
-        q_stride=qv.strides[0] if total > 1 else num_heads * head_dim,
-        out_stride=ov.strides[0] if total > 1 else num_heads * head_dim,
-        block_table_stride=bt.strides[0],
-        block_table_width=bt.shape[1],
-        num_blocks=kc.shape[0],
-        total_q=total,
-        batch=batch,
-        num_heads=num_heads,
-        num_kv_heads=kc.shape[1],
-        head_dim=head_dim,
-        block_size=kc.shape[2],
-        scale=float(scale if scale is not None else head_dim**-0.5)
-        * (1.0 if k_scale is None else k_scale),
-        out_scale=float(1.0 if v_scale is None else v_scale),
-        dtype=DTYPE_CODES[qv.dtype],
-        fp8_cache=kc.dtype == FP8_CACHE_DTYPE,
-        path=PATHS[path],
-        strict=path != "auto",
-        check_indices=check_indices(),
-        device=device,
         stream=handle,
-        variant=kernel_variant("flash_prefill"),
+        **launch_parameters(qv, kc, cu, bt, sl, ov, wv.ptr, scale, k_scale, v_scale, device),
     )
     return (out, lse) if return_lse else out

@@ -162,6 +162,50 @@ def workspace_size(batch: int, num_heads: int, head_dim: int, num_splits: int) -
     return 0 if num_splits <= 1 else batch * num_heads * num_splits * (head_dim + 1)
 
 
+def launch_parameters(
+    qv: ArrayView,
+    kc: ArrayView,
+    bt: ArrayView,
+    sl: ArrayView,
+    ov: ArrayView,
+    workspace: int,
+    plan: SplitPlan,
+    kernel: str,
+    scale: float | None,
+    k_scale: float | None,
+    v_scale: float | None,
+    device: int,
+) -> dict:
+    """The kernel's parameters but the per-layer pointers (q, out, caches, lse) and the stream:
+    what one launch passes and what a plan (ops/attention_plan.py) fixes for its runs."""
+    batch, num_heads, head_dim = qv.shape
+    return dict(
+        block_tables=bt.ptr,
+        seq_lens=sl.ptr,
+        workspace=workspace,
+        q_stride=qv.strides[0],
+        out_stride=ov.strides[0],
+        block_table_stride=bt.strides[0],
+        block_table_width=bt.shape[1],
+        num_blocks=kc.shape[0],
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=kc.shape[1],
+        head_dim=head_dim,
+        block_size=kc.shape[2],
+        num_splits=plan.num_splits,
+        split_size=plan.split_size,
+        scale=float(scale if scale is not None else head_dim**-0.5),
+        dtype=DTYPE_CODES[qv.dtype],
+        check_indices=check_indices(),
+        device=device,
+        variant=KERNEL_CODES[kernel],
+        kv_fp8=kc.dtype == FP8_KV_DTYPE,
+        k_scale=float(1.0 if k_scale is None else k_scale),
+        v_scale=float(1.0 if v_scale is None else v_scale),
+    )
+
+
 def kernel_support(
     dtype: str, head_dim: int, block_size: int, kv_dtype: str | None = None
 ) -> support.KernelSupport:
@@ -286,29 +330,10 @@ def paged_attention(
         q=qv.ptr,
         k_cache=kc.ptr,
         v_cache=views[2].ptr,
-        block_tables=bt.ptr,
-        seq_lens=views[4].ptr,
-        workspace=wv.ptr if plan.num_splits > 1 else 0,
-        q_stride=qv.strides[0],
-        out_stride=ov.strides[0],
-        block_table_stride=bt.strides[0],
-        block_table_width=bt.shape[1],
-        num_blocks=kc.shape[0],
-        batch=batch,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        num_splits=plan.num_splits,
-        split_size=plan.split_size,
-        scale=float(scale if scale is not None else head_dim**-0.5),
-        dtype=DTYPE_CODES[qv.dtype],
-        check_indices=check_indices(),
-        device=device,
         stream=handle,
-        variant=KERNEL_CODES[kernel],
-        kv_fp8=kc.dtype == FP8_KV_DTYPE,
-        k_scale=float(1.0 if k_scale is None else k_scale),
-        v_scale=float(1.0 if v_scale is None else v_scale),
-    )
+        **launch_parameters(
+            qv, kc, bt, views[4], ov, wv.ptr if plan.num_splits > 1 else 0, plan, kernel,
+            scale, k_scale, v_scale, device,
+        ),
+    )  # fmt: skip
     return (out, lse) if return_lse else out
