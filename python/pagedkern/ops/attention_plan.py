@@ -22,9 +22,15 @@ one stream at a time (its workspace is reused by every run).
 
 from __future__ import annotations
 
-from .arrays import check_shape, view
+from .arrays import check_shape
 from .flash_prefill import (
     PATH_NAMES,
+)
+from .flash_prefill import (
+    check_arguments as check_prefill_arguments,
+)
+from .flash_prefill import (
+    check_kernel_layout as check_prefill_layout,
 )
 from .flash_prefill import (
     flash_prefill as flash_prefill_op,
@@ -53,7 +59,7 @@ from .paged_kv import (
     attention_views,
     check_attention_views,
     check_kv_scales,
-    check_rows_aligned,
+    check_out,
     check_scale,
     workspace_view,
 )
@@ -220,33 +226,24 @@ class PrefillAttention(_Plan):
         k_scale: float | None = None,
         v_scale: float | None = None,
     ) -> None:
-        check_scale(scale)
-        cu = view(cu_seqlens_q, "cu_seqlens_q")
-        views = attention_views(q, k_cache, v_cache, block_tables, seq_lens, out)
+        qv, views = check_prefill_arguments(
+            q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, out, scale, k_scale,
+            v_scale,
+        )  # fmt: skip
+        kc, bt, sl, ov, cu = views[1], views[3], views[4], views[5], views[6]
         self._args = dict(
             cu_seqlens_q=cu_seqlens_q, block_tables=block_tables, seq_lens=seq_lens,
             scale=scale, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         self._launch = self._layouts = None
-        if cu.ndim != 1 or cu.shape[0] < 1 or cu.dtype != "int32":
-            raise ValueError(f"{cu.describe()} must be int32 [batch + 1]")
-        check_attention_views(views, cu.shape[0] - 1, fp8=True)
-        qv, kc, vc, bt, sl, ov = views
-        check_kv_scales(kc, k_scale, v_scale)
         layouts = self._planned_layouts(q, k_cache, v_cache, out)
         decision = prefill_support(qv.dtype, qv.shape[2])
-        if layouts is None or not kernel_or_reference("flash_prefill", [*views, cu], decision):
+        if layouts is None or not kernel_or_reference("flash_prefill", views, decision):
             return
-        for a in (cu, sl):
-            if a.strides[0] != 1 and a.shape[0] > 1:
-                raise ValueError(f"{a.describe()} must be contiguous")
-        if bt.shape[1] > 1 and bt.strides[1] != 1:
-            raise ValueError(f"{bt.describe()}: rows must be contiguous")
-        check_rows_aligned(qv)
-        check_rows_aligned(ov)
-        total, num_heads, head_dim = qv.shape
-        batch = cu.shape[0] - 1
-        module, device, _ = launch_context([*views, cu])
+        check_prefill_layout(views)
+        check_out(qv, ov)
+        total, batch = qv.shape[0], cu.shape[0] - 1
+        module, device, _ = launch_context(views)
         need = int(module.flash_prefill_workspace_ints(total_q=total, batch=batch))
         wv = workspace_view(None, qv, need, "int32", views)
         self._workspace = wv.obj

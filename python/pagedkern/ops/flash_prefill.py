@@ -129,6 +129,39 @@ def kernel_support(dtype: str, head_dim: int) -> support.KernelSupport:
     return support.flash_prefill(dtype, head_dim)
 
 
+def check_arguments(
+    q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, out, scale, k_scale, v_scale
+):
+    """(q's view, the argument views [q, k_cache, v_cache, block_tables, seq_lens, (out,)
+    cu_seqlens_q]): every check of the arguments whichever path runs them (the op, a plan)."""
+    check_scale(scale)
+    cu = view(cu_seqlens_q, "cu_seqlens_q")
+    check_dtype(cu, ("int32",))
+    check_ndim(cu, 1)
+    if cu.shape[0] < 1:
+        raise ValueError(f"{cu.describe()} must hold at least one entry")
+    qv, views = _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu.shape[0] - 1, out)
+    views.append(cu)
+    common_device(views)
+    check_kv_scales(views[1], k_scale, v_scale)
+    return qv, views
+
+
+def check_kernel_layout(views: list[ArrayView]) -> None:
+    """What the kernels need beyond the arguments' shapes (views as check_arguments returns
+    them): contiguous cu_seqlens_q, lengths and table rows, 16-byte aligned query rows and
+    caches."""
+    qv, kc, vc, bt, sl, cu = *views[:5], views[-1]
+    check_contiguous(cu)
+    check_contiguous(sl)
+    if bt.shape[1] > 1 and bt.strides[1] != 1:
+        raise ValueError(f"{bt.describe()}: rows must be contiguous")
+    check_rows_aligned(qv)
+    for cache in (kc, vc):
+        if cache.ptr % 16:
+            raise ValueError(f"{cache.describe()} must start at a 16-byte boundary")
+
+
 def _check_args(q, k_cache, v_cache, block_tables, seq_lens, batch: int, out):
     """(q's view, the argument views): the shared attention checks, plus an fp8 cache's own
     (both caches float8_e4m3fn; q any float dtype here: the reference reads any, the kernel's
@@ -191,17 +224,10 @@ def flash_prefill(
     PAGEDKERN_CHECK_INDICES=1 debug mode.
     workspace: int32 CUDA array of at least _C.flash_prefill_workspace_ints(total_q, B) entries,
     else allocated per call."""
-    check_scale(scale)
-    cu = view(cu_seqlens_q, "cu_seqlens_q")
-    check_dtype(cu, ("int32",))
-    check_ndim(cu, 1)
-    if cu.shape[0] < 1:
-        raise ValueError(f"{cu.describe()} must hold at least one entry")
-    qv, views = _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu.shape[0] - 1, out)
-    views.append(cu)
-    common_device(views)
-    kc = views[1]
-    check_kv_scales(kc, k_scale, v_scale)
+    qv, views = check_arguments(
+        q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, out, scale, k_scale, v_scale
+    )
+    cu, kc = views[-1], views[1]
     if not kernel_or_reference("flash_prefill", views, kernel_support(qv.dtype, qv.shape[2])):
         reference = reference_on_torch("flash_prefill", views)
         check_block_table_contents(block_tables, seq_lens, kc.shape[0], kc.shape[2])
@@ -220,16 +246,8 @@ def flash_prefill(
             v_scale=v_scale,
         )
     kc, vc, bt, sl = views[1:5]
-    total, num_heads, head_dim = qv.shape
-    batch = cu.shape[0] - 1
-    check_contiguous(cu)
-    check_contiguous(sl)
-    if bt.shape[1] > 1 and bt.strides[1] != 1:
-        raise ValueError(f"{bt.describe()}: rows must be contiguous")
-    check_rows_aligned(qv)
-    for cache in (kc, vc):
-        if cache.ptr % 16:
-            raise ValueError(f"{cache.describe()} must start at a 16-byte boundary")
+    total, batch = qv.shape[0], cu.shape[0] - 1
+    check_kernel_layout(views)
     module, device, handle = launch_context(views, stream)
     need = int(module.flash_prefill_workspace_ints(total_q=total, batch=batch))
     # on the launch stream: the per-call work list, freed on return, is reused only after the
