@@ -203,7 +203,10 @@ def test_a_limit_met_while_generating_fails_the_request_alone_with_a_short_error
     bad = engine.add_request(
         prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=64, response_format=_format(schema))
     )
-    good = engine.add_request(prompt_ids=[4, 5, 6], params=SamplingParams(max_tokens=8))
+    # ignore_eos: an unseeded sample that drew EOS would end with "stop" before its 8 tokens
+    good = engine.add_request(
+        prompt_ids=[4, 5, 6], params=SamplingParams(max_tokens=8, ignore_eos=True)
+    )
     finals = {o.request_id: o for o in engine.run_until_done() if o.finished}
     assert finals[bad.request_id].finish_reason is FinishReason.ERROR
     error = finals[bad.request_id].error
