@@ -71,7 +71,9 @@ def test_aborting_an_n_request_while_its_prompt_prefills_in_chunks():
 
 def test_a_sample_aborted_before_the_fork_is_not_forked_and_the_rest_run_on():
     engine = make_engine(max_num_batched_tokens=4)
-    engine.add_request(prompt_ids=PROMPT, params=SamplingParams(n=3, max_tokens=4), request_id="q")
+    engine.add_request(
+        prompt_ids=PROMPT, params=SamplingParams(n=3, max_tokens=4, ignore_eos=True), request_id="q"
+    )
     _step_checked(engine)  # a chunk of the prompt
     assert engine.abort("q.1").finish_reason is FinishReason.ABORT
     outputs: dict = {}
