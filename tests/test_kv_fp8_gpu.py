@@ -132,12 +132,11 @@ def test_fp8_decode_is_graph_capturable(variant):
 
 def test_engine_with_an_fp8_cache_runs_the_kernels_and_captures_decode():
     # backend auto: rope_and_cache and paged_attention on their fp8 kernels (flash_prefill on
-    # the reference, warned), so decode CUDA graphs stay on and must equal eager decode; greedy
-    # answers near the reference backend's over its own fp8 cache. The 1/2 bound is a first
-    # guess (no GPU has run this yet): set it from the first measurement.
+    # the reference, warned), so decode CUDA graphs stay on and must equal eager decode; the
+    # greedy answers follow the fp32 reference over its own fp8 cache.
     import warnings
 
-    from test_engine_gpu import GREEDY, _prompts, _run
+    from test_engine_gpu import GREEDY, _prompts, _run, reference_argmax_agreement
 
     from pagedkern.engine import Engine, EngineConfig
 
@@ -150,7 +149,6 @@ def test_engine_with_an_fp8_cache_runs_the_kernels_and_captures_decode():
     for name, extra in [
         ("graphs", dict(backend="auto", cuda_graphs=True)),
         ("eager", dict(backend="auto", cuda_graphs=False)),
-        ("reference", dict(backend="reference", cuda_graphs=False)),
     ]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # flash_prefill's fallback
@@ -175,4 +173,11 @@ def test_engine_with_an_fp8_cache_runs_the_kernels_and_captures_decode():
         total += len(y)
         agreed += next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
     assert agreed >= 0.9 * total
-    assert same("eager", "reference") >= len(prompts) // 2
+    # Equal greedy answers against the reference backend are a weak measure here: the first
+    # H200 runs found 2 of 12 (random weights leave many near ties, and an E4M3 step is coarse).
+    # Fed back through the fp32 reference over an fp8 cache, the eager answers must be its
+    # argmax at most steps (bf16 with an fp8 cache on this CPU: 91% of tokens; the same answers
+    # after a corrupted prompt: 17%).
+    pairs = [(list(p), list(a)) for p, a in zip(prompts, answers["eager"], strict=True)]
+    agree = sum(reference_argmax_agreement(pairs, seed=0, kv_cache_dtype="fp8"))
+    assert agree >= 0.8 * sum(len(a) for _, a in pairs)
