@@ -25,7 +25,7 @@ for _name in ("fastapi", "uvicorn", "pydantic"):  # the server's stack: optional
 from load_generator import main as load_generator  # noqa: E402
 
 from pagedkern.engine import Engine, EngineConfig  # noqa: E402
-from pagedkern.serving.http_server import ServerThread  # noqa: E402
+from pagedkern.serving.http.app import ServerThread  # noqa: E402
 
 MODEL, PROMPTS, RATE, INPUT, OUTPUT = (
     (None, 32, 4.0, 48, 32) if FULL else ("synthetic:tiny", 16, 50.0, 24, 8)

@@ -24,8 +24,8 @@ from test_tensor_parallel_lifecycle import wait_gone
 from pagedkern.engine import Engine, EngineConfig, FinishReason, SamplingParams
 from pagedkern.model import default_model_path
 from pagedkern.serving.cli import main
-from pagedkern.serving.cli_args import build_parser, engine_config
-from pagedkern.serving.http_server import ServerThread
+from pagedkern.serving.cli.args import build_parser, engine_config
+from pagedkern.serving.http.app import ServerThread
 
 TINY = "synthetic:tiny"
 

@@ -217,7 +217,7 @@ def test_verification_rows_of_one_sequence_see_each_others_new_kv(other):
 
 def test_on_by_default_and_the_flag_turns_it_off():
     from pagedkern.engine import Engine, EngineConfig
-    from pagedkern.serving import cli_args
+    from pagedkern.serving.cli import args as cli_args
 
     def config(*flags: str) -> EngineConfig:
         return cli_args.engine_config(cli_args.build_parser().parse_args([*flags, "hi"]))

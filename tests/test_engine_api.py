@@ -156,7 +156,7 @@ def test_engine_defaults_live_in_engine_config_alone():
 
 
 def test_the_serving_queue_limit_defaults_to_the_engine_configs():
-    from pagedkern.serving.engine_client import EngineClient
+    from pagedkern.serving.core.engine_client import EngineClient
 
     engine = make_engine(max_queue=7)
     assert EngineClient.in_thread(engine).max_queue == 7

@@ -14,11 +14,11 @@ from test_http_server import tiny_engine
 
 from pagedkern.engine import FinishReason, SamplingParams
 from pagedkern.engine.outputs import TokenDeltas
-from pagedkern.serving.engine_client import EngineClient, EngineUnavailable
-from pagedkern.serving.engine_core import EngineCore, encode_output
-from pagedkern.serving.metrics import ServerMetrics
-from pagedkern.serving.request_stream import RequestStream, StreamOutput
-from pagedkern.serving.streaming import CompletionFormat, sse_events
+from pagedkern.serving.core.engine_client import EngineClient, EngineUnavailable
+from pagedkern.serving.core.engine_core import EngineCore, encode_output
+from pagedkern.serving.core.metrics import ServerMetrics
+from pagedkern.serving.core.request_stream import RequestStream, StreamOutput
+from pagedkern.serving.http.streaming import CompletionFormat, sse_events
 
 PROMPTS = ["tell me", "a much longer prompt about rivers, cities and music", "x"]
 

@@ -13,7 +13,7 @@ import httpx
 from http_stack import openai
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
-from pagedkern.serving.http_server import ServerThread
+from pagedkern.serving.http.app import ServerThread
 
 TINY = "synthetic:tiny"
 N = 32

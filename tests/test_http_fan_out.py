@@ -12,8 +12,8 @@ import pytest
 from http_stack import openai  # noqa: F401 - skips this module without the HTTP stack
 from test_http_server import LONG, TINY, WAIT, check_pool, kv_used, sse_data, tiny_engine, user
 
-from pagedkern.serving.http_server import ServerThread
-from pagedkern.serving.settings import ServerSettings
+from pagedkern.serving.http.app import ServerThread
+from pagedkern.serving.http.settings import ServerSettings
 
 
 def _stream_body(**extra) -> dict:

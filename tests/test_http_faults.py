@@ -24,10 +24,10 @@ from test_http_processes import children, cmdline
 from test_http_server import LONG, TINY, WAIT, sse_data, tiny_engine
 
 from pagedkern.engine import SamplingParams
-from pagedkern.serving.http_server import ServerThread
-from pagedkern.serving.request_stream import Backlog, RequestStream, StreamOutput, event_bytes
-from pagedkern.serving.settings import ServerSettings
-from pagedkern.serving.streaming import engine_error
+from pagedkern.serving.core.request_stream import Backlog, RequestStream, StreamOutput, event_bytes
+from pagedkern.serving.http.app import ServerThread
+from pagedkern.serving.http.settings import ServerSettings
+from pagedkern.serving.http.streaming import engine_error
 
 CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--http", "--port", "0"]
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedkern.engine import Engine, EngineConfig
-from pagedkern.serving.http_server import ServerThread
+from pagedkern.serving.http.app import ServerThread
 
 TINY = "synthetic:tiny"
 EXAMPLES = 100

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from pagedkern.engine import Engine, EngineConfig
-from pagedkern.serving.http_server import ServerThread
-from pagedkern.serving.settings import ServerSettings
+from pagedkern.serving.http.app import ServerThread
+from pagedkern.serving.http.settings import ServerSettings
 
 TINY = "synthetic:tiny"
 WAIT = 60  # safety net for every wait (seconds); nothing here waits on timing to pass

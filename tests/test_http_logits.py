@@ -13,8 +13,8 @@ from http_stack import openai
 from test_http_server import TINY, kv_used, tiny_engine
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
-from pagedkern.serving.http_server import ServerThread
-from pagedkern.serving.openai_protocol import IMPLEMENTED, UNSUPPORTED
+from pagedkern.serving.http.app import ServerThread
+from pagedkern.serving.http.protocol import IMPLEMENTED, UNSUPPORTED
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
-from pagedkern.serving import cli_args
-from pagedkern.serving.http_server import ServerThread
-from pagedkern.serving.settings import ServerSettings
-from pagedkern.serving.trace import TraceWriter
+from pagedkern.serving.cli import args as cli_args
+from pagedkern.serving.core.trace import TraceWriter
+from pagedkern.serving.http.app import ServerThread
+from pagedkern.serving.http.settings import ServerSettings
 
 TINY = "synthetic:tiny"
 WAIT = 60

@@ -29,19 +29,20 @@ from test_tensor_parallel_lifecycle import wait_gone
 from pagedkern.engine import EngineConfig, FinishReason, SamplingParams
 from pagedkern.engine.outputs import TokenLogprob
 from pagedkern.parallel.group import available_cores
-from pagedkern.serving import channel, cli_args, engine_core
-from pagedkern.serving.engine_client import EngineClient
-from pagedkern.serving.http_server import ServerThread
-from pagedkern.serving.openai_protocol import (
+from pagedkern.serving.cli import args as cli_args
+from pagedkern.serving.core import channel, engine_core
+from pagedkern.serving.core.engine_client import EngineClient
+from pagedkern.serving.core.request_stream import StreamOutput
+from pagedkern.serving.http.app import ServerThread
+from pagedkern.serving.http.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     Completion,
     CompletionChoice,
     Delta,
 )
-from pagedkern.serving.request_stream import StreamOutput
-from pagedkern.serving.settings import ServerSettings
-from pagedkern.serving.streaming import ChatFormat, CompletionFormat
+from pagedkern.serving.http.settings import ServerSettings
+from pagedkern.serving.http.streaming import ChatFormat, CompletionFormat
 
 CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--http", "--port", "0"]
 

@@ -27,10 +27,10 @@ from http_stack import openai
 
 from pagedkern.engine import Engine, EngineConfig, RequestRejected, SamplingParams
 from pagedkern.serving.cli import main
-from pagedkern.serving.connection import ChunkedBodyCycle
-from pagedkern.serving.engine_client import EngineUnavailable, QueueFull
-from pagedkern.serving.http_server import ServerThread, admission_error
-from pagedkern.serving.prompts import INLINE_PROMPT_CHARS, PromptPreparer
+from pagedkern.serving.core.engine_client import EngineUnavailable, QueueFull
+from pagedkern.serving.http.app import ServerThread, admission_error
+from pagedkern.serving.http.connection import ChunkedBodyCycle
+from pagedkern.serving.http.prompts import INLINE_PROMPT_CHARS, PromptPreparer
 
 TINY = "synthetic:tiny"
 WAIT = 60  # safety-net timeout (seconds) for every wait

@@ -19,7 +19,7 @@ from pagedkern.engine.kernel_policy import piecewise_graphs
 from pagedkern.engine.piecewise_graphs import Piece, PiecewiseGraphs, piecewise_token_sizes
 from pagedkern.model import SequenceChunk, layout_batch, load_model
 from pagedkern.ops import launch
-from pagedkern.serving import cli_args
+from pagedkern.serving.cli import args as cli_args
 
 BLOCK = 4
 MAX_TOKENS = 128  # ladder 16, 32, 64, 128

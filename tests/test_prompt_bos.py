@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import processors
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
-from pagedkern.serving.prompts import PromptPreparer
+from pagedkern.serving.http.prompts import PromptPreparer
 
 BOS = "<|begin_of_text|>"
 TEXT = "the capital of France is Paris"

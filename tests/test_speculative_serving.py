@@ -11,7 +11,7 @@ import sys
 import httpx
 
 from pagedkern.engine import LLM, Engine, EngineConfig, SamplingParams
-from pagedkern.serving.http_server import ServerThread
+from pagedkern.serving.http.app import ServerThread
 
 TINY = "synthetic:tiny"
 CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--model", TINY, "--raw"]

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from ..engine import FinishReason, SamplingParams
+from ...engine import FinishReason, SamplingParams
 from .errors import APIError
 
 # --- requests --------------------------------------------------------------------------------

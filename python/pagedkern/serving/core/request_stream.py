@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..engine import FinishReason, SamplingParams
-from ..engine.detokenizer import IncrementalDetokenizer
-from ..engine.outputs import TokenLogprob
-from ..model.tokenizer import Tokenizer
+from ...engine import FinishReason, SamplingParams
+from ...engine.detokenizer import IncrementalDetokenizer
+from ...engine.outputs import TokenLogprob
+from ...model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from .engine_client import EngineClient

@@ -38,11 +38,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from ..engine import Engine, RequestRejected, SamplingParams
+from ...engine import Engine, RequestRejected, SamplingParams
+from ..core.engine_client import EngineClient, EngineUnavailable, QueueFull
 from .connection import BodyGone, RequestContext, protocol_class, read_body
-from .engine_client import EngineClient, EngineUnavailable, QueueFull
 from .errors import APIError, validation_error
-from .openai_protocol import (
+from .prompts import PromptPreparer
+from .protocol import (
     IMPLEMENTED,
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,7 +52,6 @@ from .openai_protocol import (
     ModelList,
     TokenizeRequest,
 )
-from .prompts import PromptPreparer
 from .settings import ServerSettings
 from .streaming import ChatFormat, CompletionFormat, EventStreamResponse, collect, sse_events
 

@@ -25,11 +25,12 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..engine import FinishReason
+from ...engine import FinishReason
+from ..core.engine_client import EngineUnavailable
+from ..core.request_stream import Backlog, RequestStream, StreamOutput
 from .connection import CHUNK_WRITER, ChunkedBodyCycle
-from .engine_client import EngineUnavailable
 from .errors import APIError
-from .openai_protocol import (
+from .protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -41,7 +42,6 @@ from .openai_protocol import (
     Usage,
     openai_finish_reason,
 )
-from .request_stream import Backlog, RequestStream, StreamOutput
 
 
 class _Format:

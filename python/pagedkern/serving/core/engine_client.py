@@ -45,8 +45,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import Engine, EngineConfig, RequestRejected, SamplingParams
-from ..model.tokenizer import Tokenizer
+from ...engine import Engine, EngineConfig, RequestRejected, SamplingParams
+from ...model.tokenizer import Tokenizer
 from . import channel as wire
 from .engine_core import Calls, EngineCore, core_info, core_process
 from .metrics import EngineGauges, ServerMetrics

@@ -10,10 +10,10 @@ from typing import TextIO
 
 import torch
 
-from ..engine.block_pool import BlockPool
-from ..engine.request import Request
-from ..engine.scheduler import ScheduledBatch
-from ..model import Tokenizer
+from ...engine.block_pool import BlockPool
+from ...engine.request import Request
+from ...engine.scheduler import ScheduledBatch
+from ...model import Tokenizer
 
 
 def _show(text: str) -> str:

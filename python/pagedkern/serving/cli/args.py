@@ -11,9 +11,9 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import __version__
-from ..engine import EngineConfig, engine_fields
-from .settings import LOG_LEVELS, ServerSettings
+from ... import __version__
+from ...engine import EngineConfig, engine_fields
+from ..http.settings import LOG_LEVELS, ServerSettings
 
 PROG = "pagedkern-serve"
 DESCRIPTION = (

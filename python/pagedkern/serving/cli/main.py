@@ -26,10 +26,10 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ..engine import Engine, FinishReason, RequestOutput, SamplingParams, ShadowDivergence
-from ..parallel.group import launcher_rank
-from . import cli_args
-from .cli_args import INT32, INT64, PROG
+from ...engine import Engine, FinishReason, RequestOutput, SamplingParams, ShadowDivergence
+from ...parallel.group import launcher_rank
+from . import args as cli_args
+from .args import INT32, INT64, PROG
 
 _JSON_FIELDS = (
     "max_tokens",
@@ -111,7 +111,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.trace or args.stats:
         _say(f"pagedkern: {engine.describe()}")
     if args.trace:
-        from .trace import TraceWriter
+        from ..core.trace import TraceWriter
 
         engine.tracer = TraceWriter(engine.tokenizer)
     try:
@@ -219,7 +219,7 @@ def _prompt_args(args, text: str) -> dict:
 
 def _bind(args):
     try:
-        from .http_server import bind
+        from ..http.app import bind
     except ImportError as exc:
         if exc.name and exc.name.split(".")[0] in _HTTP_STACK:
             raise BadInput(
@@ -233,9 +233,9 @@ def _bind(args):
 def _serve_http(args, config, template: str | None, sock, settings) -> int:
     """The front end in this process, the engine core in a child process (engine_core.py);
     exit status 1 when the core died."""
-    from .engine_client import EngineClient, EngineStartError
-    from .engine_core import freeze_startup_objects
-    from .http_server import serve
+    from ..core.engine_client import EngineClient, EngineStartError
+    from ..core.engine_core import freeze_startup_objects
+    from ..http.app import serve
 
     try:
         client = EngineClient.spawn(
@@ -339,7 +339,3 @@ def _run_many(engine: Engine, requests: list[tuple[int, dict, SamplingParams]], 
             _say(f"{PROG}: error: stdin line {number}: generation failed: {request.error}")
             status = 1
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

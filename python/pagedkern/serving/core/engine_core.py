@@ -49,10 +49,10 @@ from typing import Any
 
 import torch
 
-from ..engine import Engine, EngineConfig, RequestOutput, RequestRejected, SamplingParams
-from ..engine.outputs import TokenDeltas
-from ..engine.structured_output import GrammarCompilePool, PendingGrammar
-from ..parallel.group import available_cores
+from ...engine import Engine, EngineConfig, RequestOutput, RequestRejected, SamplingParams
+from ...engine.outputs import TokenDeltas
+from ...engine.structured_output import GrammarCompilePool, PendingGrammar
+from ...parallel.group import available_cores
 from . import channel as wire
 
 log = logging.getLogger("pagedkern.serving")
@@ -366,7 +366,7 @@ def core_process(
 ) -> None:
     """The engine core process (multiprocessing spawn target): load the engine, hand the
     front end its tokenizer (saved into tokenizer_dir) and READY, serve until told to stop."""
-    from ..parallel.group import die_with_parent
+    from ...parallel.group import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     die_with_parent()

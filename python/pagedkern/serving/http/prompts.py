@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from ..engine import RequestRejected
-from ..model import Tokenizer
+from ...engine import RequestRejected
+from ...model import Tokenizer
 
 INLINE_PROMPT_CHARS = 2048  # prompts (text, template contents or ids) prepared on the loop
 # Normalizers that never turn characters into fewer (Replace is checked for that below).
