@@ -4,6 +4,9 @@ Cache pages are [num_blocks, Hkv, block_size, D] (HND); a sequence's token t liv
 block_tables[b, t // block_size] at offset t % block_size. GQA: query head h reads KV head
 h // (Hq / Hkv). Scores, softmax and the weighted sum are fp32; the output is rounded once.
 The log-sum-exp (natural log, of the scaled scores) is what split-KV and cascades merge on.
+
+Both ops take the same options, defined once in ATTENTION_OPTIONS: a left `sliding_window`,
+logit `soft_cap`ping and attention `sinks`.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ def paged_attention(
     return_lse: bool = False,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Decode attention: query b attends to keys 0..seq_lens[b]-1 of its sequence.
 
@@ -56,7 +63,8 @@ def paged_attention(
     lse [B, Hq] float32 when return_lse. Caches of any dtype are read as fp32; an fp8
     (float8_e4m3fn) cache holds k / k_scale and v / v_scale (reference.rope_and_cache), and
     attention is over the dequantized cache: scores q . K^T * scale * k_scale, output
-    softmax(...) V * v_scale (default 1; the lse is of those scores).
+    softmax(...) V * v_scale (default 1; the lse is of those scores). The query sits at position
+    seq_lens[b] - 1; sliding_window, soft_cap, sinks: see ATTENTION_OPTIONS.
     """
     b, hq, d = q.shape
     scale = d**-0.5 if scale is None else scale
@@ -78,6 +86,9 @@ def paged_attention(
             max(lengths[i] for i in group),
             scale,
             return_lse,
+            sliding_window,
+            soft_cap,
+            sinks,
         )
         result[rows] = o
         if lse is not None:
@@ -113,8 +124,46 @@ def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, dims: tuple[int, ...
     return torch.empty(dense.shape, device=cache.device).copy_(dense)
 
 
+ATTENTION_OPTIONS = """
+    sliding_window: None, or an int >= 1: the query at position p sees only keys at positions k
+    with p - k < sliding_window (HF transformers' convention: a window of 1 is the query's own
+    key; keys older than the window are masked as if absent).
+    soft_cap: None, or a finite number > 0: each scaled score s becomes cap * tanh(s / cap)
+    before masking and the softmax (Gemma 2's attn_logit_softcapping).
+    sinks: None, or a [Hq] float32 tensor: a learned logit per query head that joins every
+    softmax's denominator and no numerator (gpt-oss): the weights sum to
+    1 - exp(sink - lse), and the lse is that of the scores and the sink together.
+"""
+
+
+def _soft_capped(scores: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
+    """cap * tanh(scores / cap) in place, in HF's order of operations (divide, tanh, multiply)."""
+    if soft_cap is None:
+        return scores
+    return scores.div_(soft_cap).tanh_().mul_(soft_cap)
+
+
+def _with_sink(scores: torch.Tensor, sinks: torch.Tensor | None, shape: tuple[int, ...]):
+    """scores [..., W] with the sink logit appended as column W (sinks [Hq] viewed as `shape`,
+    broadcast over the rest), or scores itself without sinks."""
+    if sinks is None:
+        return scores
+    column = sinks.float().view(shape).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], dim=-1)
+
+
 def _attend_padded(
-    q, k_cache, v_cache, tables, lengths, longest: int, scale: float, need_lse: bool
+    q,
+    k_cache,
+    v_cache,
+    tables,
+    lengths,
+    longest: int,
+    scale: float,
+    need_lse: bool,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Decode attention for a group of sequences at once, keys padded to the longest and masked.
     q [G, Hq, D] -> (out [G, Hq, D], lse [G, Hq] or None unless need_lse) in fp32."""
@@ -122,20 +171,29 @@ def _attend_padded(
     hkv, block_size = k_cache.shape[1], k_cache.shape[2]
     nblk = -(-longest // block_size)
     positions = torch.arange(nblk * block_size, device=q.device)
-    visible = positions[None, :] < lengths[:, None]  # [G, L]
-    pages = torch.where(visible[:, ::block_size], tables[:, :nblk].long(), 0)  # unused -> page 0
+    in_length = positions[None, :] < lengths[:, None]  # [G, L]
+    pages = torch.where(in_length[:, ::block_size], tables[:, :nblk].long(), 0)  # unused -> 0
+    visible = in_length
+    if window is not None:  # the query sits at lengths - 1
+        visible = in_length & (positions[None, :] >= (lengths - window)[:, None])
 
     # Slots past a length may never have been written (NaN): their scores are masked to -inf
     # whatever the keys there, and their values zeroed (a zero weight times NaN is NaN).
     group = hq // hkv
     qg = _with_min_rows(q.float().reshape(g, hkv, group, d), 2)  # (see MIN_GEMM_ROWS)
     keys = _gather_pages(k_cache, pages, (1, 3, 4)).view(g, hkv, -1, d)
-    scores = torch.einsum("bhgd,bhld->bhgl", qg, keys) * scale
+    scores = _soft_capped(torch.einsum("bhgd,bhld->bhgl", qg, keys) * scale, soft_cap)
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    if sinks is not None:  # the query rows' sinks; the padding rows' are dropped with them
+        sinks = _with_min_rows(sinks.float().view(hkv, group), 1)
+    scores = _with_sink(scores, sinks, (1, hkv, -1, 1))
     lse = torch.logsumexp(scores[:, :, :group], dim=-1).reshape(g, hq) if need_lse else None
     values = _gather_pages(v_cache, pages, (1, 3, 4)).view(g, hkv, -1, d)
     values.masked_fill_(~visible[:, None, :, None], 0.0)
-    out = torch.einsum("bhgl,bhld->bhgd", torch.softmax(scores, dim=-1), values)
+    weights = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    out = torch.einsum("bhgl,bhld->bhgd", weights, values)
     return out[:, :, :group].reshape(g, hq, d), lse
 
 
@@ -220,6 +278,9 @@ def flash_prefill(
     *,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Causal varlen prefill over the paged cache (fresh prompts, chunks, prefix-cache hits).
 
@@ -234,7 +295,8 @@ def flash_prefill(
     are k_scale * k_cache and the values v_scale * v_cache, each scale a finite positive number
     or None (= 1), so an fp8 cache that stores k / k_scale, v / v_scale gives attention over
     the dequantized cache. Equivalently: softmax scale times k_scale, output times v_scale (lse
-    is that of the scores scale * q . (k_scale * k)).
+    is that of the scores scale * q . (k_scale * k)). sliding_window, soft_cap, sinks: see
+    ATTENTION_OPTIONS.
     """
     total, hq, d = q.shape
     scale = (d**-0.5 if scale is None else scale) * (1.0 if k_scale is None else k_scale)
@@ -251,7 +313,7 @@ def flash_prefill(
         starts = [bounds[i] for i in group]
         rows, o, s = _prefill_padded(
             q, k_cache, v_cache, block_tables[group], starts, [chunks[i] for i in group],
-            [lengths[i] for i in group], scale, return_lse,
+            [lengths[i] for i in group], scale, return_lse, sliding_window, soft_cap, sinks,
         )  # fmt: skip
         result[rows] = o
         if lse is not None:
@@ -291,7 +353,18 @@ def _prefill_groups(
 
 
 def _prefill_padded(
-    q, k_cache, v_cache, tables, starts, chunks, lengths, scale: float, need_lse: bool
+    q,
+    k_cache,
+    v_cache,
+    tables,
+    starts,
+    chunks,
+    lengths,
+    scale: float,
+    need_lse: bool,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Causal prefill attention of a group of S sequences of as many key blocks at once: chunks
     padded to the longest (T), keys to the whole blocks (W), masked. Per query row the same
@@ -314,6 +387,8 @@ def _prefill_padded(
     positions = (lens - n)[:, None] + step[None, :]  # [S, T], each query's position
     slots = torch.arange(width, device=q.device)
     hidden = slots[None, None, :] > positions[:, :, None]  # [S, T, W]: causal (so < length)
+    if window is not None:  # and keys window or more positions back
+        hidden |= slots[None, None, :] <= positions[:, :, None] - window
     pages = torch.where(slots[None, ::block_size] < lens[:, None], tables[:, :nblk].long(), 0)
 
     qg = q.index_select(0, rows.view(-1)).float().view(group, t_max, hkv, hq // hkv, d)
@@ -321,9 +396,10 @@ def _prefill_padded(
     # Keys as [D, W] rows: with the transposed view torch's CPU bmm rounds few-row products
     # (T * G < 6) differently from many-row ones, so a chunk's scores hung on its group's T
     keys = _gather_pages(k_cache, pages, (4, 1, 3)).view(group * hkv, d, width)  # [D, W] a head
-    scores = torch.bmm(qg, keys).mul_(scale)
+    scores = _soft_capped(torch.bmm(qg, keys).mul_(scale), soft_cap)
     scores = scores.view(group, hkv, t_max, -1, width)
     scores.masked_fill_(hidden[:, None, :, None, :], float("-inf"))
+    scores = _with_sink(scores, sinks, (1, hkv, 1, -1, 1))
     lse = None
     if need_lse:  # max + log(sum(exp)): -log_softmax at the max, a row op like the softmax
         # (torch.logsumexp's elementwise exp rounds by where a row falls in the tensor)
@@ -332,7 +408,10 @@ def _prefill_padded(
     # Slots past a length may never have been written (NaN): zero weights times NaN is NaN
     values = _gather_pages(v_cache, pages, (1, 3, 4)).view(group, hkv, width, d)
     values.masked_fill_((slots[None, :] >= lens[:, None])[:, None, :, None], 0.0)
-    weights = torch.softmax(scores, dim=-1).view(group * hkv, -1, width)
+    weights = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    weights = weights.reshape(group * hkv, -1, width)
     out = torch.bmm(weights, values.view(group * hkv, width, d))
     out = out.view(group, hkv, t_max, -1, d).permute(0, 2, 1, 3, 4)[real].reshape(-1, hq, d)
     return rows[real], out, None if lse is None else lse[real].reshape(-1, hq)
