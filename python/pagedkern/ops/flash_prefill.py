@@ -41,6 +41,7 @@ from .launch import (
 from .paged_kv import (
     attention_outputs,
     attention_views,
+    check_attention_options,
     check_attention_views,
     check_kv_scales,
     check_rows_aligned,
@@ -205,6 +206,9 @@ def flash_prefill(
     *,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks=None,
     workspace=None,
     stream=None,
 ):
@@ -222,14 +226,20 @@ def flash_prefill(
     never read lengths on the host and check them (cu_seqlens_q rising from 0 to total_q,
     chunk length <= seq_lens[b] <= table capacity, block ids in the cache) only in the
     PAGEDKERN_CHECK_INDICES=1 debug mode.
+    sliding_window, soft_cap, sinks: reference.attention.ATTENTION_OPTIONS; not in the kernels
+    yet, so a call that sets one runs the reference (under "auto", with a warning on CUDA).
     workspace: int32 CUDA array of at least _C.flash_prefill_workspace_ints(total_q, B) entries,
     else allocated per call."""
     qv, views = check_arguments(
         q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, out, scale, k_scale, v_scale
     )
     cu, kc = views[-1], views[1]
-    if not kernel_or_reference("flash_prefill", views, kernel_support(qv.dtype, qv.shape[2])):
-        reference = reference_on_torch("flash_prefill", views)
+    sv = check_attention_options(qv, sliding_window, soft_cap, sinks)
+    decision = support.attention_options(sliding_window, soft_cap, sinks) or kernel_support(
+        qv.dtype, qv.shape[2]
+    )
+    if not kernel_or_reference("flash_prefill", views, decision):
+        reference = reference_on_torch("flash_prefill", views if sv is None else [*views, sv])
         check_block_table_contents(block_tables, seq_lens, kc.shape[0], kc.shape[2])
         check_query_bounds(cu_seqlens_q, seq_lens, qv.shape[0])
         return reference.flash_prefill(
@@ -244,6 +254,9 @@ def flash_prefill(
             return_lse,
             k_scale=k_scale,
             v_scale=v_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            sinks=sinks,
         )
     kc, vc, bt, sl = views[1:5]
     total, batch = qv.shape[0], cu.shape[0] - 1

@@ -40,6 +40,7 @@ from .paged_kv import (
     FP8_KV_DTYPE,
     attention_outputs,
     attention_views,
+    check_attention_options,
     check_attention_views,
     check_kv_scales,
     check_out,
@@ -261,6 +262,9 @@ def paged_attention(
     workspace=None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks=None,
     stream=None,
 ):
     """Decode attention, one query per sequence: q [B, Hq, D]; caches [N, Hkv, bs, D];
@@ -274,6 +278,8 @@ def paged_attention(
     Caches of q's dtype, or both float8_e4m3fn (E4M3, as reference.rope_and_cache writes them)
     with their dequantization scales k_scale / v_scale (default 1): attention over
     k_scale * K, v_scale * V (reference.paged_attention defines it).
+    sliding_window, soft_cap, sinks: reference.attention.ATTENTION_OPTIONS; not in the kernel
+    yet, so a call that sets one runs the reference (under "auto", with a warning on CUDA).
     The CUDA kernel covers float16/bfloat16 q (with caches of q's dtype or fp8), D in
     {64, 128, 256} and power-of-two block sizes (`kernel_support`); other CUDA torch inputs
     run on the reference with a warning under the "auto" backend and raise
@@ -293,13 +299,17 @@ def paged_attention(
         check_shape(views[4], (qv.shape[0],))
         _CHECKED.passed(key, _ARGS_CHECKED)
     check_kv_scales(kc, k_scale, v_scale)
-    decision = kernel_support(qv.dtype, qv.shape[2], kc.shape[2], kc.dtype)
+    sv = check_attention_options(qv, sliding_window, soft_cap, sinks)
+    decision = support.attention_options(sliding_window, soft_cap, sinks) or kernel_support(
+        qv.dtype, qv.shape[2], kc.shape[2], kc.dtype
+    )
     if not kernel_or_reference("paged_attention", views, decision):
-        reference = reference_on_torch("paged_attention", views)
+        reference = reference_on_torch("paged_attention", views if sv is None else [*views, sv])
         check_block_table_contents(block_tables, seq_lens, kc.shape[0], kc.shape[2])
         return reference.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, out, return_lse, k_scale, v_scale
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out, return_lse, k_scale, v_scale,
+            sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+        )  # fmt: skip
     batch, num_heads, head_dim = qv.shape
     num_kv_heads, block_size = kc.shape[1], kc.shape[2]
     if checked < _KERNEL_CHECKED:

@@ -112,6 +112,31 @@ def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, batch_size
     return views[0], views
 
 
+def check_attention_options(qv: ArrayView, sliding_window, soft_cap, sinks) -> ArrayView | None:
+    """The attention options (reference.attention.ATTENTION_OPTIONS): sliding_window None or
+    an int >= 1, soft_cap None or a finite number > 0, sinks None or a float32 [Hq] array on
+    q's device. Returns the sinks' view."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int)
+        or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+    if soft_cap is not None and (
+        isinstance(soft_cap, bool)
+        or not isinstance(soft_cap, (int, float))
+        or not 0 < soft_cap < math.inf
+    ):
+        raise ValueError(f"soft_cap must be a finite positive number or None, got {soft_cap!r}")
+    if sinks is None:
+        return None
+    sv = view(sinks, "sinks")
+    check_dtype(sv, ("float32",))
+    check_shape(sv, (qv.shape[1],))
+    common_device([qv, sv])
+    return sv
+
+
 def check_scale(scale):
     if scale is None:
         return

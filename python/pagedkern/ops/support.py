@@ -72,6 +72,25 @@ def flash_prefill(dtype: str, head_dim: int) -> KernelSupport:
     return _YES
 
 
+def attention_options(
+    sliding_window: int | None = None, soft_cap: float | None = None, sinks: object = None
+) -> KernelSupport | None:
+    """The attention options (reference.attention.ATTENTION_OPTIONS) are in neither attention
+    kernel yet: a decision against the kernel when any is set, else None."""
+    used = [
+        name
+        for name, value in (
+            ("a sliding window", sliding_window),
+            ("logit soft-capping", soft_cap),
+            ("attention sinks", sinks),
+        )
+        if value is not None
+    ]
+    if not used:
+        return None
+    return KernelSupport(False, f"{', '.join(used)} (not in the kernel yet)")
+
+
 def sample(dtype: str, vocab: int) -> KernelSupport:
     """Sampling: float32/float16/bfloat16 logits, vocabularies below 2^23."""
     if bad := _dtype(dtype, FLOAT_DTYPES):
@@ -107,15 +126,22 @@ DECODE_GRAPH_OPS = ("rms_norm", "silu_and_mul", "rope_and_cache", "paged_attenti
 
 
 def model_support(
-    dtype: str, head_dim: int, block_size: int, vocab: int, kv_dtype: str | None = None
+    dtype: str,
+    head_dim: int,
+    block_size: int,
+    vocab: int,
+    kv_dtype: str | None = None,
+    attention: dict | None = None,
 ) -> dict[str, KernelSupport]:
     """The decision of every op a Llama forward pass and its sampling launch, for one model and
-    cache configuration (dtype as a name: "bfloat16", ...; kv_dtype: the cache's, None = dtype)."""
+    cache configuration (dtype as a name: "bfloat16", ...; kv_dtype: the cache's, None = dtype;
+    attention: the attention options some layer uses, as attention_options' keywords)."""
+    options = attention_options(**(attention or {}))
     return {
         "rms_norm": elementwise(dtype),
         "silu_and_mul": elementwise(dtype),
         "rope_and_cache": rope_and_cache(dtype, kv_dtype),
-        "paged_attention": paged_attention(dtype, head_dim, block_size, kv_dtype),
-        "flash_prefill": flash_prefill(dtype, head_dim),
+        "paged_attention": options or paged_attention(dtype, head_dim, block_size, kv_dtype),
+        "flash_prefill": options or flash_prefill(dtype, head_dim),
         "sample": sample("float32", vocab),  # the engine samples fp32 logits
     }
