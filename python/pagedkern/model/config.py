@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,12 +22,20 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+SLIDING, FULL = "sliding", "full"  # layer_types entries
+ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU, GeGLU
+
+
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
     """Llama-family decoder: RMSNorm, GQA attention with rotate-half RoPE, SwiGLU MLP.
 
     Covers Llama 2/3, Qwen2-style (q/k/v bias), Qwen3 (QK-norm: an RMSNorm over each query
-    and key head before RoPE) and SmolLM2 (tied embeddings).
+    and key head before RoPE), SmolLM2 (tied embeddings) and Gemma 2 / Gemma 3 text: GeGLU,
+    sandwich norms (the attention and MLP outputs normed before their residual adds),
+    embeddings scaled by sqrt(hidden), an attention scale of its own, logit soft-caps,
+    sliding-window layers (with their own RoPE base in Gemma 3). Gemma's checkpoints store
+    norm weights w for a scale of (1 + w): the loaders hand the model 1 + w.
     """
 
     name: str
@@ -46,6 +55,15 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k (weights [head_dim]) before RoPE
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU)
+    sandwich_norms: bool = False  # Gemma 2/3: norms of the attention and MLP outputs too
+    embed_scale: float | None = None  # embeddings times this, in the activation dtype (Gemma)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_soft_cap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
+    final_soft_cap: float | None = None  # cap * tanh(logit / cap) (Gemma 2)
+    sliding_window: int | None = None  # keys visible to the query at p: p - k < window
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; () = every layer FULL
+    rope_local_theta: float | None = None  # RoPE base of SLIDING layers, unscaled (Gemma 3)
 
     def __post_init__(self):
         sizes = (self.vocab_size, self.hidden_size, self.intermediate_size, self.num_layers)
@@ -58,6 +76,40 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"{self.name}: head_dim {self.head_dim} must be even for RoPE")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"{self.name}: hidden_act {self.hidden_act!r} not in {ACTIVATIONS}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # (JSON gives lists)
+        if self.layer_types and (
+            len(self.layer_types) != self.num_layers or set(self.layer_types) - {SLIDING, FULL}
+        ):
+            raise ValueError(
+                f"{self.name}: layer_types must name {SLIDING!r} or {FULL!r} for each of the "
+                f"{self.num_layers} layers, got {self.layer_types}"
+            )
+        if SLIDING in self.layer_types and self.sliding_window is None:
+            raise ValueError(f"{self.name}: sliding layers need a sliding_window")
+        for key, value in (
+            ("sliding_window", self.sliding_window),
+            ("attn_logit_softcapping", self.attn_soft_cap),
+            ("final_logit_softcapping", self.final_soft_cap),
+            ("query_pre_attn_scalar", self.attn_scale),
+            ("embed_scale", self.embed_scale),
+        ):
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{self.name}: {key} must be positive and finite, got {value}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None for a full-attention layer."""
+        if self.layer_types and self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
+
+    def attention_options(self) -> dict:
+        """The attention options some layer uses (ops.support.attention_options' keywords)."""
+        return {
+            "sliding_window": self.sliding_window if SLIDING in self.layer_types else None,
+            "soft_cap": self.attn_soft_cap,
+        }
 
     @property
     def q_size(self) -> int:
@@ -74,7 +126,9 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        layer = h * self.qkv_size + self.q_size * h + 3 * h * i + 2 * h
+        layer = (
+            h * self.qkv_size + self.q_size * h + 3 * h * i + (4 if self.sandwich_norms else 2) * h
+        )
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * layer + h + head
 
@@ -143,6 +197,10 @@ _HF_ARCHITECTURES = {
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
 }
+# Gemma's text decoders: model_type -> its CausalLM class and local:global layer pattern
+_GEMMA = {"gemma2": ("Gemma2ForCausalLM", 2), "gemma3_text": ("Gemma3ForCausalLM", 6)}
+_GEMMA_ARCHITECTURES = {arch: model_type for model_type, (arch, _) in _GEMMA.items()}
+_LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": FULL}
 
 
 def _rope_scaling_from_hf(raw: dict | None, source: str) -> RopeScaling | None:
@@ -164,16 +222,101 @@ def _rope_scaling_from_hf(raw: dict | None, source: str) -> RopeScaling | None:
     raise ModelLoadError(source, f"unsupported rope scaling type {rope_type!r}")
 
 
+def _positive(raw: dict[str, Any], key: str, source: str, kind=float):
+    """raw[key] as a positive `kind`, None if absent or null; else a ModelLoadError naming key."""
+    value = raw.get(key)
+    if value is None:
+        return None
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok and kind is int:
+        ok = float(value).is_integer()
+    if not ok or not 0 < value < math.inf:
+        raise ModelLoadError(source, f"{key} must be a positive {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
+def _gemma_fields(raw: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The ModelConfig fields of a Gemma 2 / Gemma 3 text config beyond the Llama ones."""
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(source, f"unsupported hidden_activation {act!r}")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(source, "unsupported: use_bidirectional_attention")
+    hidden, layers = int(raw["hidden_size"]), int(raw["num_hidden_layers"])
+    window = _positive(raw, "sliding_window", source, int)
+    types = raw.get("layer_types")
+    if types is None:  # older configs: every pattern-th layer global, the others local
+        pattern = int(raw.get("sliding_window_pattern") or _GEMMA[model_type][1])
+        kinds = ("sliding_attention", "full_attention")
+        types = [kinds[(i + 1) % pattern == 0] for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or set(types) - set(_LAYER_TYPES):
+        raise ModelLoadError(
+            source, "layer_types must list 'sliding_attention' or 'full_attention' per layer"
+        )
+    layer_types = tuple(_LAYER_TYPES[t] for t in types) if window is not None else ()
+    # Gemma 3 keeps a RoPE per layer kind: the global one may be scaled, the local one is not
+    rope = raw.get("rope_parameters") or {}
+    if model_type == "gemma3_text":
+        if "full_attention" in rope or "sliding_attention" in rope:  # transformers v5
+            full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        else:
+            full = {**rope, **(raw.get("rope_scaling") or {})}
+            local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+        if _rope_scaling_from_hf(local, source) is not None:
+            raise ModelLoadError(source, "unsupported: rope scaling on the sliding layers")
+        rope_fields = dict(
+            rope_theta=float(raw.get("rope_theta", full.get("rope_theta", 1e6))),
+            rope_scaling=_rope_scaling_from_hf(full, source),
+            rope_local_theta=float(local.get("rope_theta", 10000.0)),
+        )
+        attn_cap = None  # Gemma 3 has none (transformers ignores attn_logit_softcapping)
+    else:
+        rope_fields = {}
+        attn_cap = _positive(raw, "attn_logit_softcapping", source)
+    scalar = _positive(raw, "query_pre_attn_scalar", source) or 256.0
+    return dict(
+        hidden_act="gelu_tanh",
+        sandwich_norms=True,
+        embed_scale=hidden**0.5,
+        attn_scale=scalar**-0.5,
+        attn_soft_cap=attn_cap,
+        final_soft_cap=_positive(raw, "final_logit_softcapping", source),
+        sliding_window=window,
+        layer_types=layer_types,
+        qk_norm=model_type == "gemma3_text",
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        **rope_fields,
+    )
+
+
+def hf_norm_offset(raw: dict[str, Any]) -> float:
+    """What the HF checkpoint's norm weights lack: 1 for Gemma's (it scales by 1 + w)."""
+    archs = raw.get("architectures") or []
+    gemma = raw.get("model_type") in _GEMMA or any(a in _GEMMA_ARCHITECTURES for a in archs)
+    return 1.0 if gemma else 0.0
+
+
 def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
     """ModelConfig from a HF config.json dict; ModelLoadError naming `source` if unsupported."""
     model_type = raw.get("model_type")
     archs = raw.get("architectures") or []
+    gemma = model_type if model_type in _GEMMA else None
+    if gemma is None and model_type is None:
+        gemma = next((_GEMMA_ARCHITECTURES[a] for a in archs if a in _GEMMA_ARCHITECTURES), None)
+    if model_type == "gemma3":
+        raise ModelLoadError(
+            source,
+            "unsupported architecture 'gemma3' (multimodal Gemma 3; its text-only model, "
+            "model_type gemma3_text / Gemma3ForCausalLM, is supported)",
+        )
+    if gemma is not None:
+        return _config_from_hf(raw, source, gemma)
     if model_type not in _HF_MODEL_TYPES and not set(archs) & _HF_ARCHITECTURES:
         what = model_type or ", ".join(archs) or "no model_type"
         raise ModelLoadError(
             source,
             f"unsupported architecture {what!r} (supported: Llama, Qwen2, Qwen3, Mistral-style "
-            "decoders)",
+            "decoders, Gemma 2, Gemma 3 text)",
         )
     # Qwen configs carry a sliding_window that only applies with use_sliding_window.
     qwen = model_type in ("qwen2", "qwen3")
@@ -182,12 +325,18 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         raise ModelLoadError(source, "unsupported: sliding-window attention")
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(source, f"unsupported activation {raw['hidden_act']!r}")
+    return _config_from_hf(raw, source, None)
+
+
+def _config_from_hf(raw: dict[str, Any], source: str, gemma: str | None) -> ModelConfig:
+    model_type = raw.get("model_type")
+    archs = raw.get("architectures") or []
     try:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         rope = raw.get("rope_parameters") or {}  # transformers v5 spelling
         attention_bias = bool(raw.get("attention_bias", False))
-        return ModelConfig(
+        fields = dict(
             name=raw.get("_name_or_path") or model_type or "hf",
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
@@ -206,6 +355,9 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3" or "Qwen3ForCausalLM" in archs,
         )
+        if gemma is not None:
+            fields.update(_gemma_fields(raw, gemma, source))
+        return ModelConfig(**fields)
     except KeyError as exc:
         raise ModelLoadError(source, f"config.json lacks {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:

@@ -32,6 +32,7 @@ batch make-up with it on. Used only where it computes exactly the plain path's f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -169,10 +170,33 @@ def _gemm(weight, bias: torch.Tensor | None = None) -> Gemm:
     return lambda x: mm(x).float().add_(bias)
 
 
+# The ModelConfig fields this path implements; any other field off its default (the Gemma
+# options: GeGLU, sandwich norms, embedding and attention scales, soft-caps, sliding windows, a
+# local RoPE base; whatever is added later) sends the model to the plain path, so no option is
+# ever silently ignored.
+_COMPUTED_FIELDS = {
+    "name", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+    "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+    "max_position_embeddings", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias",
+    "qk_norm",
+}  # fmt: skip
+
+
+def _computes(config) -> bool:
+    """Whether this path computes the config's forward (see _COMPUTED_FIELDS)."""
+    return all(
+        getattr(config, f.name) == f.default
+        for f in dataclasses.fields(config)
+        if f.name not in _COMPUTED_FIELDS
+    )
+
+
 def _prepare(model):
-    """Per layer (qkv, o, gate_up, down) GEMM closures, or False where some weight has a bias
-    the fast path does not place exactly as the plain one (O, gate/up, down biases) or the model
-    normalises q and k (QK-norm)."""
+    """Per layer (qkv, o, gate_up, down) GEMM closures, or False where the path does not compute
+    the model's forward (_computes), some weight has a bias the fast path does not place exactly
+    as the plain one (O, gate/up, down biases) or the model normalises q and k (QK-norm)."""
+    if not _computes(model.config):
+        return False
     layers = []
     for layer in model.weights.layers:
         if any(b is not None for b in (layer.o_bias, layer.gate_up_bias, layer.down_bias)):

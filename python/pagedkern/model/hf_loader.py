@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig, config_from_hf
+from .config import ModelConfig, config_from_hf, hf_norm_offset
 from .errors import ModelLoadError
 from .tokenizer import Tokenizer
 from .weights import LlamaWeights, assemble_weights
@@ -18,7 +18,8 @@ from .weights import LlamaWeights, assemble_weights
 _INDEX = "model.safetensors.index.json"
 
 
-def _read_config(folder: Path) -> ModelConfig:
+def _read_config(folder: Path) -> tuple[ModelConfig, float]:
+    """(config, norm offset): see hf_norm_offset."""
     path = folder / "config.json"
     if not path.is_file():
         raise ModelLoadError(folder, "no config.json (not a HF model folder)")
@@ -28,7 +29,7 @@ def _read_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(path, f"invalid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(path, "config.json must hold a JSON object")
-    return config_from_hf(raw, str(path))
+    return config_from_hf(raw, str(path)), hf_norm_offset(raw)
 
 
 def hf_checkpoint_dtype(folder: str | os.PathLike) -> torch.dtype | None:
@@ -84,7 +85,7 @@ def load_hf_folder(
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(folder, "no such folder")
-    config = _read_config(folder)
+    config, norm_offset = _read_config(folder)
     where = _open_shards(_shard_files(folder))
 
     def get(name: str) -> torch.Tensor | None:
@@ -104,5 +105,5 @@ def load_hf_folder(
                 return str(where[key][0])
         return str(folder)
 
-    weights = assemble_weights(config, get, locate, device, dtype)
+    weights = assemble_weights(config, get, locate, device, dtype, norm_offset=norm_offset)
     return config, weights, Tokenizer.from_folder(folder)

@@ -5,6 +5,11 @@ Per layer: fused add+RMSNorm, one fused QKV GEMM, rope_and_cache (rotate q/k, wr
 through slot_mapping), flash_prefill on the prefill rows and paged_attention on the decode rows,
 O GEMM, fused add+RMSNorm, one fused gate/up GEMM, silu_and_mul, down GEMM. Then the final norm
 and the LM head on the requested rows only. Norm statistics, softmax and logits are fp32.
+
+Gemma 2 / 3 on the same loop: embeddings times sqrt(hidden), QK-norm (Gemma 3), the attention
+scale, soft-cap and sliding window of each layer passed to the attention ops, its own RoPE
+table for sliding layers (Gemma 3), an RMSNorm of the attention output and of the MLP output
+before their residual adds (sandwich norms), GeGLU, and the final logits soft-capped.
 """
 
 from __future__ import annotations
@@ -89,6 +94,15 @@ class LlamaModel:
         self.cos_sin = rope_table(
             config, self.max_positions, self.device, weights.rope_freq_factors
         )
+        # Gemma 3's sliding layers rotate by a base of their own, unscaled
+        self.cos_sin_local = self.cos_sin
+        if config.rope_local_theta is not None:
+            local = config.replace(rope_theta=config.rope_local_theta, rope_scaling=None)
+            self.cos_sin_local = rope_table(local, self.max_positions, self.device)
+        # in the activation dtype, as transformers multiplies (sqrt(3072) is 55.5 in bf16)
+        scale = config.embed_scale
+        self._embed_scale = None if scale is None else float(torch.tensor(scale, dtype=self.dtype))
+        self._layer_index: dict[int, int] = {}  # id(LayerWeights) -> its layer (_attention)
         self._lm_head_fp32: torch.Tensor | None = None  # fallback for fp32 logits, made lazily
         self._cpu_decode: list | bool | None = None  # cpu_decode's prepared GEMMs, made lazily
         self._cpu_decode_kv = None  # cpu_decode.GatheredKV: the last fast step's K/V copy
@@ -146,15 +160,19 @@ class LlamaModel:
         head = self.weights.lm_head
         launch.record_launch("gemm")
         if isinstance(head, QuantizedWeight):  # bf16 logits: measured, see README
-            return ops.quant_linear(hidden, head).float()
-        if hidden.dtype == torch.float32:
-            return F.linear(hidden, head)
-        logits = _mm_fp32_out(hidden, head)
-        if logits is not None:
-            return logits
-        if self._lm_head_fp32 is None:
-            self._lm_head_fp32 = head.float()
-        return F.linear(hidden.float(), self._lm_head_fp32)
+            logits = ops.quant_linear(hidden, head).float()
+        elif hidden.dtype == torch.float32:
+            logits = F.linear(hidden, head)
+        else:
+            logits = _mm_fp32_out(hidden, head)
+            if logits is None:
+                if self._lm_head_fp32 is None:
+                    self._lm_head_fp32 = head.float()
+                logits = F.linear(hidden.float(), self._lm_head_fp32)
+        cap = self.config.final_soft_cap
+        if cap is not None:  # (Gemma 2) transformers' order: divide, tanh, multiply
+            logits = logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     @torch.inference_mode()
     def describe(self) -> str:
@@ -190,7 +208,7 @@ class LlamaModel:
         ):
             shadow.enter_layer(i)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
-            self._attention(qkv, layer, meta, k_cache, v_cache, attn, kv_scale)
+            self._attention(qkv, layer, meta, k_cache, v_cache, attn, kv_scale, i)
             h, residual = self.layer_tail(attn, residual, layer, self.next_norm(i))
         shadow.enter_layer(None)  # the LM head belongs to no layer
         return h
@@ -203,6 +221,8 @@ class LlamaModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(first layer's normed input, residual stream): the embedding is the residual."""
         residual = self._embed(input_ids)
+        if self._embed_scale is not None:
+            residual.mul_(self._embed_scale)
         return ops.rms_norm(residual, norm, self.local.rms_norm_eps), residual
 
     def next_norm(self, layer: int) -> torch.Tensor:
@@ -217,15 +237,25 @@ class LlamaModel:
         layer: LayerWeights,
         next_norm: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer after attention: O GEMM, residual add + norm, gate/up GEMM, SiLU x mul, down
-        GEMM, residual add + `next_norm`. residual is updated in place; returns (h, residual)."""
+        """A layer after attention: O GEMM, residual add + norm, gate/up GEMM, SiLU x mul (GeGLU:
+        GELU-tanh), down GEMM, residual add + `next_norm`; with sandwich norms the O and down
+        outputs are normed before their adds. residual is updated in place; returns (h,
+        residual)."""
         cfg, eps = self.local, self.local.rms_norm_eps
         h = linear(attn.view(attn.shape[0], cfg.q_size), layer.o, layer.o_bias)
         h = self.tp.all_reduce(h)  # row-parallel O: sum the ranks' partial outputs
+        if layer.attn_out_norm is not None:
+            h = ops.rms_norm(h, layer.attn_out_norm, eps)
         h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
         gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
-        h = linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+        if cfg.hidden_act == "gelu_tanh":
+            act = ops.gelu_tanh_and_mul(gate_up)
+        else:
+            act = ops.silu_and_mul(gate_up)
+        h = linear(act, layer.down, layer.down_bias)
         h = self.tp.all_reduce(h)  # row-parallel down, likewise
+        if layer.mlp_out_norm is not None:
+            h = ops.rms_norm(h, layer.mlp_out_norm, eps)
         return ops.fused_add_rms_norm(h, residual, next_norm, eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -254,9 +284,22 @@ class LlamaModel:
         v_cache: torch.Tensor,
         out: torch.Tensor,
         kv_scale: tuple[float, float] | None = None,
+        index: int | None = None,
     ) -> None:
+        """Attention of one layer (`index`, else found from `layer`): its q/k norms, RoPE and
+        cache write, then flash_prefill on the prefill rows and paged_attention on the rest,
+        with the layer's window and the model's scale and soft-cap."""
         cfg = self.local
         tokens = qkv.shape[0]
+        if index is None:
+            index = self._index_of(layer)
+        window = cfg.layer_window(index)
+        cos_sin = self.cos_sin if window is None else self.cos_sin_local
+        options = dict(scale=cfg.attn_scale)
+        if window is not None:
+            options["sliding_window"] = window
+        if cfg.attn_soft_cap is not None:
+            options["soft_cap"] = cfg.attn_soft_cap
         # Head views into the fused output (token stride qkv_size): no copies.
         q = qkv[:, : cfg.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(tokens, cfg.num_kv_heads, -1)
@@ -271,7 +314,7 @@ class LlamaModel:
         # attention over the dequantized cache, in the CUDA kernels on a GPU.
         scales = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
         ops.rope_and_cache(
-            q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping, **scales
+            q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping, **scales
         )
         p, rows = meta.num_prefills, meta.num_prefill_tokens
         if p:
@@ -284,6 +327,7 @@ class LlamaModel:
                 meta.seq_lens[:p],
                 out=out[:rows],
                 **scales,
+                **options,
             )
         if rows < tokens:
             ops.paged_attention(
@@ -294,7 +338,16 @@ class LlamaModel:
                 meta.seq_lens[p:],
                 out=out[rows:],
                 **scales,
+                **options,
             )
+
+    def _index_of(self, layer: LayerWeights) -> int:
+        """The layer number of `layer` (one of self.weights.layers)."""
+        index = self._layer_index.get(id(layer))
+        if index is None or self.weights.layers[index] is not layer:
+            index = next(i for i, w in enumerate(self.weights.layers) if w is layer)
+            self._layer_index[id(layer)] = index
+        return index
 
 
 def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -48,6 +48,10 @@ def synthetic_weights(
             o_bias=bias(h, config.o_bias),
             gate_up_bias=bias(2 * i, config.mlp_bias),
             down_bias=bias(h, config.mlp_bias),
+            q_norm=randn(config.head_dim, std=0.1, mean=1.0) if config.qk_norm else None,
+            k_norm=randn(config.head_dim, std=0.1, mean=1.0) if config.qk_norm else None,
+            attn_out_norm=norm() if config.sandwich_norms else None,
+            mlp_out_norm=norm() if config.sandwich_norms else None,
         )
         for _ in range(config.num_layers)
     ]

@@ -33,6 +33,11 @@ class LayerWeights:
     down_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # [D]: QK-norm (Qwen3), per query head before RoPE
     k_norm: torch.Tensor | None = None  # [D]: per key head
+    # Sandwich norms (Gemma): the attention output normed before its residual add (HF's
+    # post_attention_layernorm there; post_norm is then its pre_feedforward_layernorm) and the
+    # MLP output likewise (post_feedforward_layernorm).
+    attn_out_norm: torch.Tensor | None = None  # [H]
+    mlp_out_norm: torch.Tensor | None = None  # [H]
 
 
 @dataclass(slots=True)
@@ -151,6 +156,21 @@ def quantize_weights(
     return LlamaWeights(embed, layers, weights.norm, head, weights.rope_freq_factors)
 
 
+# HF names of a layer's norms: (input_norm, post_norm, attn_out_norm, mlp_out_norm)
+_NORMS = ("input_layernorm", "post_attention_layernorm", None, None)
+_SANDWICH_NORMS = (
+    "input_layernorm",
+    "pre_feedforward_layernorm",
+    "post_attention_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
+def layer_norm_names(config: ModelConfig) -> tuple[str | None, ...]:
+    """HF names of a layer's (input_norm, post_norm, attn_out_norm, mlp_out_norm) weights."""
+    return _SANDWICH_NORMS if config.sandwich_norms else _NORMS
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor (HF names) with its shape; biases only where the config has them."""
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -161,8 +181,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (v, h)
     for n in range(config.num_layers):
         p = f"model.layers.{n}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for norm in layer_norm_names(config):
+            if norm is not None:
+                shapes[p + norm + ".weight"] = (h,)
         for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             shapes[p + f"self_attn.{name}.weight"] = (rows, h)
             if config.qkv_bias:
@@ -195,17 +216,20 @@ def assemble_weights(
     dtype: torch.dtype,
     rope_freq_factors: torch.Tensor | None = None,
     describe: Callable[[str], str] = str,
+    norm_offset: float = 0.0,
 ) -> LlamaWeights:
     """Check every tensor's presence and shape, convert to `dtype` on `device`, fuse QKV and
     gate/up (one GEMM each in the forward). Errors name the tensor as describe(HF name) and
-    `source` (or source(HF name): the file holding it)."""
+    `source` (or source(HF name): the file holding it). norm_offset is added to every norm
+    weight, in fp32 before the conversion (1 for Gemma's HF checkpoints, which store w for a
+    scale of 1 + w; llama.cpp's GGUFs store 1 + w already)."""
     shapes = expected_shapes(config)
 
     def where(name: str) -> str:
         return source(name) if callable(source) else source
 
-    def load(name: str) -> Linear:
-        t = get(name)
+    def load(name: str, t: Linear | None = None) -> Linear:
+        t = get(name) if t is None else t
         if isinstance(t, QuantizedWeight):
             if tuple(t.shape) != shapes[name]:
                 raise ModelLoadError(
@@ -229,6 +253,16 @@ def assemble_weights(
     def maybe(name: str) -> torch.Tensor | None:
         return load(name) if name in shapes else None
 
+    def norm(name: str | None) -> torch.Tensor | None:
+        if name is None or name not in shapes:
+            return None
+        if not norm_offset:
+            return load(name)
+        t = get(name)
+        if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:
+            t = t.float() + norm_offset  # (shape and presence: load's checks, below)
+        return load(name, t)
+
     def cat(names: list[str]) -> Linear | None:
         if names[0] not in shapes:
             return None
@@ -245,24 +279,27 @@ def assemble_weights(
         p = f"model.layers.{n}."
         attn = [p + f"self_attn.{x}_proj." for x in "qkv"]
         mlp = [p + f"mlp.{x}_proj." for x in ("gate", "up")]
+        norms = [None if x is None else p + x + ".weight" for x in layer_norm_names(config)]
         layers.append(
             LayerWeights(
-                input_norm=load(p + "input_layernorm.weight"),
+                input_norm=norm(norms[0]),
                 qkv=cat([a + "weight" for a in attn]),
                 o=load(p + "self_attn.o_proj.weight"),
-                post_norm=load(p + "post_attention_layernorm.weight"),
+                post_norm=norm(norms[1]),
                 gate_up=cat([m + "weight" for m in mlp]),
                 down=load(p + "mlp.down_proj.weight"),
                 qkv_bias=cat([a + "bias" for a in attn]),
                 o_bias=maybe(p + "self_attn.o_proj.bias"),
                 gate_up_bias=cat([m + "bias" for m in mlp]),
                 down_bias=maybe(p + "mlp.down_proj.bias"),
-                q_norm=maybe(p + "self_attn.q_norm.weight"),
-                k_norm=maybe(p + "self_attn.k_norm.weight"),
+                q_norm=norm(p + "self_attn.q_norm.weight"),
+                k_norm=norm(p + "self_attn.k_norm.weight"),
+                attn_out_norm=norm(norms[2]),
+                mlp_out_norm=norm(norms[3]),
             )
         )
     embed = load("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else load("lm_head.weight")
     if rope_freq_factors is not None:
         rope_freq_factors = rope_freq_factors.to(device=device, dtype=torch.float32)
-    return LlamaWeights(embed, layers, load("model.norm.weight"), lm_head, rope_freq_factors)
+    return LlamaWeights(embed, layers, norm("model.norm.weight"), lm_head, rope_freq_factors)

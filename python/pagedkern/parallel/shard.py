@@ -140,6 +140,8 @@ def shard_weights(weights: LlamaWeights, config: ModelConfig, rank: int, size: i
             down_bias=w.down_bias if rank == 0 else None,
             q_norm=w.q_norm,  # per head: every rank's heads take the same weights
             k_norm=w.k_norm,
+            attn_out_norm=w.attn_out_norm,  # of the all-reduced output: whole on every rank
+            mlp_out_norm=w.mlp_out_norm,
         )
 
     shard = -(-config.vocab_size // size)

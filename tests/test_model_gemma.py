@@ -1,0 +1,259 @@
+"""Gemma 2 and Gemma 3 (text) against HF transformers: tiny random models built and saved by
+transformers, loaded by pagedkern from the folder (and from a GGUF written as llama.cpp's
+converter writes them), must give transformers' logits in fp32 (prefill and every decode step)
+and its greedy continuation token for token through the engine, with chunked prefill and
+prefix-cache hits. The models are shaped so every Gemma option matters: a sliding window of 6
+against a 20-token prompt, soft-caps that bite (Gemma 2), a local RoPE base and linearly
+scaled global RoPE (Gemma 3), head_dim 32 with hidden 64 over 4 heads, a query_pre_attn_scalar
+that is not head_dim, norm weights far from 0 (they scale by 1 + w)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_model_files import all_logits, write_tokenizer
+
+from pagedkern.engine import Engine, EngineConfig, SamplingParams
+from pagedkern.model import ModelLoadError, SequenceChunk, build_batch, cpu_decode, load_model
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = [5, 77, 301, 12, 250, 9, 33, 120, 64, 7, 199, 3, 42, 318, 91, 17, 260, 88, 2, 150]
+STEPS = 24
+WINDOW = 6
+COMMON = dict(
+    vocab_size=400,  # the tokenizer write_tokenizer trains
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,  # peaked logits: greedy choices far from ties
+    sliding_window=WINDOW,
+    query_pre_attn_scalar=24,
+)
+
+
+def _gemma2(**changes):
+    options = dict(attn_logit_softcapping=2.0, final_logit_softcapping=5.0)
+    return transformers.Gemma2Config(**{**COMMON, **options, **changes})
+
+
+def _gemma3(**changes):
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    }
+    options = dict(rope_parameters=rope, sliding_window_pattern=3)  # layers 0, 1, 3 local
+    return transformers.Gemma3TextConfig(**{**COMMON, **options, **changes})
+
+
+ARCHITECTURES = {
+    "gemma2": (_gemma2, transformers.Gemma2ForCausalLM),
+    "gemma3": (_gemma3, transformers.Gemma3ForCausalLM),
+}
+
+
+def _hf_model(arch: str, **changes):
+    make_config, model_class = ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    model = model_class(make_config(**changes)).float().eval()
+    with torch.no_grad():  # transformers starts Gemma's norms at w = 0 (a scale of 1)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def saved(request, tmp_path_factory):
+    """(folder, the transformers model in fp32 eval mode) of one architecture."""
+    model = _hf_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder, safe_serialization=True)
+    write_tokenizer(folder)
+    return folder, model
+
+
+def _hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double()
+
+
+def _hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the logits each was chosen from ([steps, V])."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), torch.stack([lg[0] for lg in out.logits])
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def test_prefill_logits_equal_transformers(saved):
+    folder, hf = saved
+    model, _ = load_model(str(folder), "cpu", torch.float32)
+    want = _hf_logits(hf, PROMPT)
+    got = all_logits(model, PROMPT).double()
+    assert _relative(got, want) < 1e-5, (_relative(got, want), (got - want).abs().max())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_the_gemma_options_change_transformers_logits(arch):
+    # The test models are shaped so each option matters: without it transformers' own logits
+    # move far more than the tolerance above.
+    want = _hf_logits(_hf_model(arch), PROMPT)
+    changes = [dict(sliding_window=1000), dict(query_pre_attn_scalar=32)]
+    if arch == "gemma2":
+        changes += [dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None)]
+    else:
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+        }
+        changes += [dict(rope_parameters=rope)]
+    for change in changes:
+        assert _relative(_hf_logits(_hf_model(arch, **change), PROMPT), want) > 1e-2, change
+
+
+def _decode_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits of the prompt's prefill, then of each of `tokens` fed as one decode step (every
+    step through the decode path: paged_attention), [1 + len(tokens), V]."""
+    block, blocks = 4, 32
+    kv = model.allocate_kv_cache(blocks, block)
+    table = list(range(blocks))
+    rows = []
+    ids, meta = build_batch([SequenceChunk(prompt, 0, table)], block)
+    rows.append(model(ids, meta, kv)[0])
+    for n, token in enumerate(tokens):
+        ids, meta = build_batch([SequenceChunk([token], len(prompt) + n, table)], block)
+        rows.append(model(ids, meta, kv)[0])
+    return torch.stack(rows)
+
+
+def test_decode_steps_logits_equal_transformers(saved):
+    folder, hf = saved
+    tokens, want = _hf_greedy(hf, PROMPT, STEPS)
+    model, _ = load_model(str(folder), "cpu", torch.float32)
+    model.fast_cpu_decode = True  # as the engine sets it: it must decline these models
+    got = _decode_logits(model, PROMPT, tokens[:-1]).double()
+    errors = [_relative(g, w) for g, w in zip(got, want.double(), strict=True)]
+    assert max(errors) < 1e-5, errors
+    assert got.argmax(-1).tolist() == tokens
+    assert model._cpu_decode is False  # the fast CPU decode path declined the model
+
+
+def test_the_fast_cpu_decode_path_declines_every_gemma_option(saved):
+    folder, _ = saved
+    model, _ = load_model(str(folder), "cpu", torch.float32)
+    assert not cpu_decode._computes(model.config)
+    plain = model.config.replace(
+        hidden_act="silu", sandwich_norms=False, embed_scale=None, attn_scale=None,
+        attn_soft_cap=None, final_soft_cap=None, sliding_window=None, layer_types=(),
+        rope_local_theta=None,
+    )  # fmt: skip
+    assert cpu_decode._computes(plain)
+    for field in ("embed_scale", "attn_scale", "attn_soft_cap", "final_soft_cap"):
+        assert not cpu_decode._computes(plain.replace(**{field: 2.0}))
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"max_num_batched_tokens": 8}],  # the prompt prefilled whole, or in chunks of 8
+    ids=["whole prefill", "chunked prefill"],
+)
+def test_greedy_decode_equals_transformers_token_for_token(saved, engine_args):
+    folder, hf = saved
+    want_tokens, want_logits = _hf_greedy(hf, PROMPT, STEPS)
+    engine = Engine.from_config(
+        EngineConfig(
+            model=str(folder), backend="reference", dtype="float32", num_blocks=64,
+            block_size=4, **engine_args,
+        )
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=1)
+    engine.add_request(prompt_ids=PROMPT, params=params)
+    outputs = list(engine.run_until_done())
+    assert [t for o in outputs for t in o.token_ids] == want_tokens
+    logprobs = [lp.logprob for o in outputs for lp in (o.logprobs or ())]
+    want = torch.log_softmax(want_logits.double(), -1)
+    expected = want[torch.arange(STEPS), torch.tensor(want_tokens)]
+    assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64), expected, atol=1e-4)
+
+
+def test_a_prefix_cache_hit_changes_nothing(saved):
+    folder, hf = saved
+    want_tokens, _ = _hf_greedy(hf, PROMPT, 8)
+    engine = Engine.from_config(
+        EngineConfig(model=str(folder), backend="reference", num_blocks=64, block_size=4)
+    )
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for _ in range(2):  # the second run finds the prompt's full blocks cached
+        engine.add_request(prompt_ids=PROMPT, params=params)
+        assert [t for o in engine.run_until_done() for t in o.token_ids] == want_tokens
+    assert engine.pool.prefix_hits > 0
+
+
+def _write(folder, arch: str, **changes) -> None:
+    _hf_model(arch).save_pretrained(folder, safe_serialization=True)
+    write_tokenizer(folder)
+    path = folder / "config.json"
+    raw = json.loads(path.read_text())
+    raw.update(changes)
+    path.write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize(
+    "arch, changes, words",
+    [
+        ("gemma2", dict(sliding_window=0), "sliding_window"),
+        ("gemma2", dict(sliding_window=2.5), "sliding_window"),
+        ("gemma2", dict(attn_logit_softcapping=-1.0), "attn_logit_softcapping"),
+        ("gemma2", dict(final_logit_softcapping=0), "final_logit_softcapping"),
+        ("gemma2", dict(query_pre_attn_scalar=0), "query_pre_attn_scalar"),
+        ("gemma2", dict(hidden_activation="relu"), "hidden_activation"),
+        ("gemma2", dict(layer_types=["sliding_attention"]), "layer_types"),
+        ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+        ("gemma3", dict(model_type="gemma3"), "gemma3_text"),
+    ],
+)
+def test_bad_gemma_configs_name_the_key(tmp_path, arch, changes, words):
+    _write(tmp_path, arch, **changes)
+    with pytest.raises(ModelLoadError, match=words):
+        load_model(str(tmp_path), "cpu", torch.float32)
+
+
+def test_older_config_spellings_load_the_same_model(tmp_path):
+    # Configs written before transformers v5: rope_theta / rope_local_base_freq / rope_scaling
+    # and sliding_window_pattern instead of rope_parameters and layer_types.
+    hf = _hf_model("gemma3")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    write_tokenizer(tmp_path)
+    path = tmp_path / "config.json"
+    raw = json.loads(path.read_text())
+    for key in ("rope_parameters", "layer_types"):
+        del raw[key]
+    raw.update(
+        rope_theta=10000.0, rope_local_base_freq=100.0, sliding_window_pattern=3,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+    )  # fmt: skip
+    path.write_text(json.dumps(raw))
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    assert model.config.layer_types == ("sliding", "sliding", "full", "sliding")
+    got = all_logits(model, PROMPT).double()
+    assert _relative(got, _hf_logits(hf, PROMPT)) < 1e-5
