@@ -95,7 +95,7 @@ finally:
 COMPONENTS = (
     ("request heads parsed (h11)", ("h11_impl.py:data_received",)),
     ("request handlers (middleware, routes)", ("h11_impl.py:run_asgi",)),
-    ("  admission (parse, template, submit)", ("http_server.py:generate",)),
+    ("  admission (parse, template, submit)", ("app.py:generate",)),
     ("frame handler", ("engine_client.py:_on_frames",)),
     ("  channel recv + msgpack decode", ("channel.py:recv",)),
     ("  deltas -> outputs (take)", ("request_stream.py:take",)),

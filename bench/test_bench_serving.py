@@ -8,6 +8,8 @@ Numbers land in the benchmark table (and $PAGEDKERN_BENCH_JSON)."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +24,11 @@ if FULL and torch.cuda.is_available():
 for _name in ("fastapi", "uvicorn", "pydantic"):  # the server's stack: optional on GPU machines
     pytest.importorskip(_name)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test harnesses
 from load_generator import main as load_generator  # noqa: E402
+from support.serving import ServerThread  # noqa: E402
 
 from pagedkern.engine import Engine, EngineConfig  # noqa: E402
-from pagedkern.serving.http.app import ServerThread  # noqa: E402
 
 MODEL, PROMPTS, RATE, INPUT, OUTPUT = (
     (None, 32, 4.0, 48, 32) if FULL else ("synthetic:tiny", 16, 50.0, 24, 8)

@@ -17,6 +17,7 @@ import sys
 import pytest
 import test_http_concurrency as concurrency
 from http_stack import openai
+from support.serving import ServerThread
 from test_http_processes import start_server
 from test_speculative_engine import DEFAULT_MODEL_PROMPTS
 from test_tensor_parallel_lifecycle import wait_gone
@@ -25,7 +26,6 @@ from pagedkern.engine import Engine, EngineConfig, FinishReason, SamplingParams
 from pagedkern.model import default_model_path
 from pagedkern.serving.cli import main
 from pagedkern.serving.cli.args import build_parser, engine_config
-from pagedkern.serving.http.app import ServerThread
 
 TINY = "synthetic:tiny"
 

@@ -15,7 +15,8 @@ from test_http_server import tiny_engine
 from pagedkern.engine import FinishReason, SamplingParams
 from pagedkern.engine.outputs import TokenDeltas
 from pagedkern.serving.core.engine_client import EngineClient, EngineUnavailable
-from pagedkern.serving.core.engine_core import EngineCore, encode_output
+from pagedkern.serving.core.engine_core import EngineCore
+from pagedkern.serving.core.messages import SampleDelta
 from pagedkern.serving.core.metrics import ServerMetrics
 from pagedkern.serving.core.request_stream import RequestStream, StreamOutput
 from pagedkern.serving.http.streaming import CompletionFormat, sse_events
@@ -86,7 +87,7 @@ def core_deltas(columns: bool, async_scheduling: bool = False) -> tuple[dict, in
     got: dict = {}
     num_columns = 0
     while engine.has_unfinished:
-        rows = [encode_output(out) for out in engine.step()]
+        rows = [SampleDelta.of(out).to_wire() for out in engine.step()]
         keys, tokens = engine.token_deltas.take() if columns else ([], [])
         assert not set(keys) & {row[0] for row in rows}  # one part per request and step
         num_columns += len(keys)
@@ -138,15 +139,17 @@ def test_a_column_token_makes_what_take_makes():
     runs = []
     for columns in (False, True):
         owner = _Recorder()
-        s = RequestStream("r", owner, params, frozenset(), tokenizer)
-        outs = [s.take(0, [ids[0]], None, None, None, 0.0)]  # a first token is a row
+        s = RequestStream(
+            "r", params, frozenset(), tokenizer, abort=owner.abort, record=owner.record
+        )
+        outs = [s.take(SampleDelta("r", 0, [ids[0]], None, None, None), 0.0)]  # a row
         for i, token in enumerate(ids[1:], 1):
             if columns:
                 itls: list[float] = []
                 outs.append(s.take_token(token, 0.5 * i, itls))
                 owner.metrics.later_tokens(itls)
             else:
-                outs.append(s.take(0, [token], None, None, None, 0.5 * i))
+                outs.append(s.take(SampleDelta("r", 0, [token], None, None, None), 0.5 * i))
         m = owner.metrics
         runs.append((outs, owner.aborts, m.generation_tokens, m.itl.counts, m.itl.sum, m.finished))
     assert runs[0] == runs[1]
@@ -167,7 +170,10 @@ class _Owner:
 
 def stream(n: int = 1) -> RequestStream:
     engine = tiny_engine()
-    return RequestStream("r", _Owner(), SamplingParams(n=n), frozenset(), engine.tokenizer)
+    owner = _Owner()
+    return RequestStream(
+        "r", SamplingParams(n=n), frozenset(), engine.tokenizer, owner.abort, owner.record
+    )
 
 
 def outputs(texts: list[str]) -> list[StreamOutput]:

@@ -11,9 +11,9 @@ import re
 
 import httpx
 from http_stack import openai
+from support.serving import ServerThread
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
-from pagedkern.serving.http.app import ServerThread
 
 TINY = "synthetic:tiny"
 N = 32

@@ -10,9 +10,9 @@ import json
 import httpx
 import pytest
 from http_stack import openai  # noqa: F401 - skips this module without the HTTP stack
+from support.serving import ServerThread
 from test_http_server import LONG, TINY, WAIT, check_pool, kv_used, sse_data, tiny_engine, user
 
-from pagedkern.serving.http.app import ServerThread
 from pagedkern.serving.http.settings import ServerSettings
 
 

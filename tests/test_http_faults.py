@@ -20,12 +20,12 @@ from types import SimpleNamespace
 import http_stack  # noqa: F401 - skips this module without the HTTP stack
 import httpx
 import pytest
+from support.serving import ServerThread
 from test_http_processes import children, cmdline
 from test_http_server import LONG, TINY, WAIT, sse_data, tiny_engine
 
 from pagedkern.engine import SamplingParams
 from pagedkern.serving.core.request_stream import Backlog, RequestStream, StreamOutput, event_bytes
-from pagedkern.serving.http.app import ServerThread
 from pagedkern.serving.http.settings import ServerSettings
 from pagedkern.serving.http.streaming import engine_error
 
@@ -206,7 +206,7 @@ def test_a_closed_stream_drops_what_it_held_for_its_handler():
     arrives later is dropped."""
     backlog = Backlog(10**9, lambda: None)
     owner, tokenizer = SimpleNamespace(abort=lambda _: None), SimpleNamespace(decode=str)
-    stream = RequestStream("r", owner, SamplingParams(), frozenset(), tokenizer)
+    stream = RequestStream("r", SamplingParams(), frozenset(), tokenizer, owner.abort, None)
     backlog.watch(stream)
     outs = [StreamOutput("x" * 100, [1], False, None) for _ in range(10)]
     for out in outs:

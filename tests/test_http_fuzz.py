@@ -12,9 +12,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.serving import ServerThread
 
 from pagedkern.engine import Engine, EngineConfig
-from pagedkern.serving.http.app import ServerThread
 
 TINY = "synthetic:tiny"
 EXAMPLES = 100

@@ -12,9 +12,9 @@ import threading
 
 import httpx
 import pytest
+from support.serving import ServerThread
 
 from pagedkern.engine import Engine, EngineConfig
-from pagedkern.serving.http.app import ServerThread
 from pagedkern.serving.http.settings import ServerSettings
 
 TINY = "synthetic:tiny"

@@ -10,10 +10,10 @@ import json
 import httpx
 import pytest
 from http_stack import openai
+from support.serving import ServerThread
 from test_http_server import TINY, kv_used, tiny_engine
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
-from pagedkern.serving.http.app import ServerThread
 from pagedkern.serving.http.protocol import IMPLEMENTED, UNSUPPORTED
 
 jsonschema = pytest.importorskip("jsonschema")

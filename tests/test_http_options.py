@@ -14,11 +14,11 @@ import sys
 import httpx
 import pytest
 import torch
+from support.serving import ServerThread
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.serving.cli import args as cli_args
 from pagedkern.serving.core.trace import TraceWriter
-from pagedkern.serving.http.app import ServerThread
 from pagedkern.serving.http.settings import ServerSettings
 
 TINY = "synthetic:tiny"

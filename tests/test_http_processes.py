@@ -23,6 +23,7 @@ import httpx
 import msgpack
 import pytest
 import torch
+from support.serving import ServerThread, in_thread
 from test_http_server import LONG, TINY, WAIT, sse_data, tiny_engine, user
 from test_tensor_parallel_lifecycle import wait_gone
 
@@ -32,8 +33,8 @@ from pagedkern.parallel.group import available_cores
 from pagedkern.serving.cli import args as cli_args
 from pagedkern.serving.core import channel, engine_core
 from pagedkern.serving.core.engine_client import EngineClient
+from pagedkern.serving.core.messages import Add, Added, SampleDelta, Stats, StepOutputs, Stop
 from pagedkern.serving.core.request_stream import StreamOutput
-from pagedkern.serving.http.app import ServerThread
 from pagedkern.serving.http.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -189,9 +190,10 @@ def test_core_threads_must_be_a_positive_integer():
 
 def test_the_channel_refuses_python_objects():
     with pytest.raises(TypeError):
-        channel.pack([channel.OUTPUTS, [["id", 0, [1, 2], None, None, object()]]])
-    frame = [channel.OUTPUTS, [["id", 0, [1, 2], "stop", None, [[1, -0.5, [[1, -0.5]]]]]]]
-    assert channel.unpack(channel.pack(frame)) == frame
+        channel.encode(StepOutputs([SampleDelta("id", 0, [1, 2], None, object(), None)], [], []))
+    logprobs = (TokenLogprob(1, -0.5, ((1, -0.5),)),)
+    message = StepOutputs([SampleDelta("id", 0, [1, 2], "stop", None, logprobs)], ["r"], [7])
+    assert channel.decode(channel.encode(message)) == message
 
 
 def test_every_frame_on_the_wire_is_msgpack(monkeypatch):
@@ -219,9 +221,10 @@ def test_every_frame_on_the_wire_is_msgpack(monkeypatch):
         httpx.get(s.url + "/metrics", timeout=WAIT)
     frames = [msgpack.unpackb(data, strict_map_key=False) for data in sent]
     kinds = {frame[0] for frame in frames}
-    assert {channel.ADD, channel.ADDED, channel.OUTPUTS, channel.STATS, channel.STOP} <= kinds
-    (add,) = next(f for f in frames if f[0] == channel.ADD)[1]  # [[id, prompt ids, fields]]
-    assert add[2]["n"] == 2 and add[2]["logit_bias"] == {7: 1.5} and "stop" not in add[2]
+    assert {Add.TAG, Added.TAG, StepOutputs.TAG, Stats.TAG, Stop.TAG} <= kinds
+    (add,) = next(m for m in map(channel.decode, sent) if isinstance(m, Add)).requests
+    params = add.params
+    assert params.n == 2 and params.logit_bias == {7: 1.5} and params.stop == ()
     for data in sent:  # every message is one msgpack value and nothing else
         unpacker = msgpack.Unpacker(strict_map_key=False)
         unpacker.feed(data)
@@ -229,19 +232,17 @@ def test_every_frame_on_the_wire_is_msgpack(monkeypatch):
 
 
 def test_requests_submitted_together_reach_the_core_in_one_frame_before_one_step():
-    """A burst submitted in one event-loop iteration is one ADD frame (then an abort after
+    """A burst submitted in one event-loop iteration is one Add message (then an abort after
     it): the core admits all of it before stepping, as the offline engine gets its batch."""
     running_at_steps: list[int] = []
     engine = tiny_engine()
-    client = EngineClient.in_thread(
-        engine, after_step=lambda e: running_at_steps.append(e.stats().num_running)
-    )
-    frames: list[list] = []
+    client = in_thread(engine, after_step=lambda e: running_at_steps.append(e.stats().num_running))
+    frames: list = []
     send = client.channel.send
 
-    def recording(*frame) -> None:
-        frames.append(list(frame))
-        send(*frame)
+    def recording(message) -> None:
+        frames.append(message)
+        send(message)
 
     client.channel.send = recording
     params = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -256,8 +257,10 @@ def test_requests_submitted_together_reach_the_core_in_one_frame_before_one_step
         await client.aclose()
 
     asyncio.run(scenario())
-    adds = [f for f in frames if f[0] == channel.ADD]
-    assert len(adds) == 1 and [a[0] for a in adds[0][1]] == [f"r{i}" for i in range(6)]
+    adds = [m for m in frames if isinstance(m, Add)]
+    assert len(adds) == 1 and [a.request_id for a in adds[0].requests] == [
+        f"r{i}" for i in range(6)
+    ]
     assert running_at_steps[0] == 6
 
 

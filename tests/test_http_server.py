@@ -24,11 +24,12 @@ import httpx
 import jinja2
 import pytest
 from http_stack import openai
+from support.serving import ServerThread
 
 from pagedkern.engine import Engine, EngineConfig, RequestRejected, SamplingParams
 from pagedkern.serving.cli import main
 from pagedkern.serving.core.engine_client import EngineUnavailable, QueueFull
-from pagedkern.serving.http.app import ServerThread, admission_error
+from pagedkern.serving.http.app import admission_error
 from pagedkern.serving.http.connection import ChunkedBodyCycle
 from pagedkern.serving.http.prompts import INLINE_PROMPT_CHARS, PromptPreparer
 

@@ -15,9 +15,9 @@ import httpx
 import llguidance
 import pytest
 from http_stack import openai  # noqa: F401 - skips this module without the HTTP stack
+from support.serving import ServerThread
 
 from pagedkern.engine import Engine, EngineConfig
-from pagedkern.serving.http.app import ServerThread
 
 TINY = "synthetic:tiny"
 WAIT = 60  # safety net for every wait (seconds); nothing here waits on timing to pass

@@ -208,7 +208,7 @@ def test_the_gpu_stage_runs_here_on_the_reference(kv_cache_dtype):
 def test_the_http_server_reports_shadow_mode_in_metrics():
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
-    from pagedkern.serving.http.app import ServerThread
+    from support.serving import ServerThread
 
     with ServerThread(make_engine(shadow="on")) as server:
         body = {"model": TINY, "prompt": "hi", "max_tokens": 3, "ignore_eos": True}

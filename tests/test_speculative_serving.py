@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import httpx
+from support.serving import ServerThread
 
 from pagedkern.engine import LLM, Engine, EngineConfig, SamplingParams
-from pagedkern.serving.http.app import ServerThread
 
 TINY = "synthetic:tiny"
 CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--model", TINY, "--raw"]

@@ -1,39 +1,38 @@
 """The front end's handle on the engine core (engine_core.py): requests out, token deltas in.
 
-Frames arrive on the event loop itself (`loop.add_reader` on the channel's socket): each
-OUTPUTS frame is fanned out to the per-request streams in one pass, no thread hop. Text is
-made here: every sample has its own IncrementalDetokenizer with the request's stop strings; when
-one matches, the sample finishes with "stop" and the core is told to abort it (tokens it made in
-the meantime are dropped; n > 1: the first sample cannot be aborted alone, so it runs on to its
-end and what it makes is dropped). Stop token ids, EOS and max_tokens stay in the core.
+Messages (messages.py) arrive on the event loop itself (`loop.add_reader` on the channel's
+socket): each StepOutputs is fanned out to the per-request streams in one pass, no thread hop.
+Text is made here: every sample has its own IncrementalDetokenizer with the request's stop
+strings; when one matches, the sample finishes with "stop" and the core is told to abort it
+(tokens it made in the meantime are dropped; n > 1: the first sample cannot be aborted alone, so
+it runs on to its end and what it makes is dropped).
+Stop token ids, EOS and max_tokens stay in the core.
 
 Two ways to have a core: `EngineClient.spawn(config)` starts the core process (the server),
-`EngineClient.in_thread(engine)` runs a core on a thread of this process over the same frames
-(tests and notebooks: `engine`, `after_step` and `run_in_engine` reach into it there).
+`EngineClient.in_thread(engine)` runs a core on a thread of this process over the same
+messages (notebooks and tests).
 
 Cancellation: `RequestStream.close()` (the handler's `finally`: client gone, or the server
 shutting down) sends an abort unless the core has finished every sample; the core runs it before
 its next step and gives the KV blocks back. A stream leaves `num_live` once the core has
 answered its last sample's finish.
 
-A core that goes away (EOF, or a DEAD frame) fails every open stream with EngineUnavailable
+A core that goes away (EOF, or a Dead message) fails every open stream with EngineUnavailable
 (-> an error event or a 503) and calls `on_dead` (the server then exits non-zero).
 
 A core that stops answering (stopped, or stuck in a step, e.g. on a stopped TP worker) is
-found by a watchdog on the loop: no frame for `step_timeout` seconds while the core owes one
+found by a watchdog on the loop: no message for `step_timeout` seconds while the core owes one
 (an open request, an admission, a stats query) sets `stalled` (/health 503, new requests 503,
 /metrics answers with the last gauges); after `stalled_request_timeout` seconds the open
-requests fail with EngineUnavailable and are aborted. The core sends a frame at least every
-HEARTBEAT_S of stepping (engine_core.py), so a long prefill is not a stall; its next frame
+requests fail with EngineUnavailable and are aborted. The core sends a message at least every
+HEARTBEAT_S of stepping (engine_core.py), so a long prefill is not a stall; its next message
 clears `stalled`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -41,15 +40,30 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
 from ...engine import Engine, EngineConfig, RequestRejected, SamplingParams
 from ...model.tokenizer import Tokenizer
-from . import channel as wire
-from .engine_core import Calls, EngineCore, core_info, core_process
-from .metrics import EngineGauges, ServerMetrics
+from .channel import Channel
+from .engine_core import EngineCore, core_info, core_process
+from .messages import (
+    Abort,
+    Add,
+    Added,
+    AddRequest,
+    CoreInfo,
+    CoreMessage,
+    Dead,
+    EngineGauges,
+    Failed,
+    FrontMessage,
+    Refused,
+    Stats,
+    StatsQuery,
+    StepOutputs,
+    Stop,
+)
+from .metrics import ServerMetrics
 from .request_stream import RequestStream, Sample, StreamOutput
 
 log = logging.getLogger("pagedkern.serving")
@@ -69,19 +83,10 @@ class EngineStartError(RuntimeError):
     """The engine core could not load (the message says why, e.g. an unknown model)."""
 
 
-@dataclass(frozen=True, slots=True)
-class CoreInfo:
-    model: str | None  # the engine's model spec (None: the default model)
-    max_model_len: int
-    vocab_size: int
-    max_queue: int
-    description: str  # the --trace / --stats model line
-
-
 class EngineClient:
     def __init__(
         self,
-        channel: wire.Channel,
+        channel: Channel,
         info: CoreInfo,
         tokenizer: Tokenizer,
         *,
@@ -89,26 +94,24 @@ class EngineClient:
         engine: Engine | None = None,
         start_core: Callable[[], None] | None = None,
         join_core: Callable[[float], None] | None = None,
-        calls: Calls | None = None,
     ):
         self.channel = channel
         self.info = info
         self.tokenizer = tokenizer
         self.metrics = metrics or ServerMetrics()
-        self.engine = engine  # in-process cores only (tests): read it once the core has ended
+        self.engine = engine  # in-process cores only: read it once the core has ended
         self.on_dead: Callable[[str], None] | None = None  # the server's exit, non-zero
         self._start_core, self._join_core = start_core, join_core
-        self._calls = calls
         self._ids = itertools.count()
         self._streams: dict[str, RequestStream] = {}
         self._admitting: dict[str, tuple[asyncio.Future, RequestStream]] = {}
-        self._adds: list[list] = []  # ADD entries not yet sent (see _queue_add)
+        self._adds: list[AddRequest] = []  # not yet sent (see _queue_add)
         self._loop_thread: int | None = None
         self._queries: dict[int, asyncio.Future] = {}
         self._closed: str | None = None  # why no frame will be answered any more
         self._stop_sent = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._changed = threading.Condition()  # notified after every batch of frames
+        self._changed = threading.Condition()  # notified after every batch of messages
         self.num_live = 0  # streams the core has not finished
         self._last_gauges: EngineGauges | None = None
         # the step watchdog (see the module's docstring); the server sets the two bounds
@@ -116,8 +119,15 @@ class EngineClient:
         self.stalled_request_timeout = 120.0
         self.stalled: str | None = None  # why the core seems stuck; None while it answers
         self._last_frame = time.monotonic()
-        self._owed_since: float | None = None  # since when the core owes a frame
+        self._owed_since: float | None = None  # since when the core owes a message
         self._watchdog: asyncio.TimerHandle | None = None
+        self._handlers = {
+            StepOutputs: self._step_outputs,
+            Added: self._added,
+            Refused: self._refused,
+            Stats: self._stats,
+            Dead: self._dead_message,
+        }
 
     @property
     def max_queue(self) -> int:
@@ -129,23 +139,23 @@ class EngineClient:
         cls,
         engine: Engine,
         max_queue: int | None = None,  # None: engine.config.max_queue
-        after_step: Callable[[Engine], None] | None = None,
         metrics: ServerMetrics | None = None,
+        make_core: Callable[[Engine, Channel, int | None], EngineCore] = EngineCore,
     ) -> EngineClient:
-        """A core for `engine` on a thread of this process (started by `start`)."""
+        """A core for `engine` (made by `make_core(engine, channel, max_queue)`) on a thread
+        of this process (started by `start`)."""
         front, back = multiprocessing.Pipe()
-        calls: Calls = {}
-        core = EngineCore(engine, wire.Channel(back), max_queue, after_step, calls)
+        core = make_core(engine, Channel(back), max_queue)
         thread = threading.Thread(target=core.run, name="pagedkern-engine", daemon=True)
 
         def join(timeout: float) -> None:
             if thread.is_alive():
                 thread.join(timeout)
 
-        info = CoreInfo(**core_info(engine, core.max_queue))
+        info = core_info(engine, core.max_queue)
         return cls(
-            wire.Channel(front), info, engine.tokenizer, metrics=metrics, engine=engine,
-            start_core=thread.start, join_core=join, calls=calls,
+            Channel(front), info, engine.tokenizer, metrics=metrics, engine=engine,
+            start_core=thread.start, join_core=join,
         )  # fmt: skip
 
     @classmethod
@@ -170,18 +180,18 @@ class EngineClient:
         )
         process.start()
         back.close()  # the child holds it now: its exit is our EOF
-        channel = wire.Channel(front)
+        channel = Channel(front)
         try:
             if not channel.poll(STARTUP_TIMEOUT_S):
                 raise EngineStartError(f"the engine core did not start in {STARTUP_TIMEOUT_S:g} s")
             try:
-                frame = channel.recv()
+                ready = channel.recv()
             except EOFError:
                 process.join(5)
                 message = f"the engine core exited while loading (exit code {process.exitcode})"
                 raise EngineStartError(message) from None
-            if frame[0] == wire.FAILED:
-                raise EngineStartError(frame[1])
+            if isinstance(ready, Failed):
+                raise EngineStartError(ready.message)
             tokenizer = Tokenizer.from_folder(folder)
         except BaseException:
             process.kill()
@@ -204,7 +214,7 @@ class EngineClient:
                 how = f"signal {-code}" if code < 0 else f"status {code}"
                 log.error("the engine core exited with %s", how)
 
-        return cls(channel, CoreInfo(**frame[1]), tokenizer, join_core=join)
+        return cls(channel, ready.info, tokenizer, join_core=join)
 
     # --- the front end's side (the event loop) ------------------------------------------------
     def start(self) -> None:
@@ -232,10 +242,12 @@ class EngineClient:
             raise EngineUnavailable(self.stalled)
         eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
         stop_ids = frozenset(params.stop_token_ids).union(eos)
-        stream = RequestStream(request_id, self, params, stop_ids, self.tokenizer)
+        stream = RequestStream(
+            request_id, params, stop_ids, self.tokenizer, abort=self.abort, record=self.record
+        )
         admitted = self._loop.create_future()
         self._admitting[request_id] = (admitted, stream)
-        self._queue_add([request_id, list(request_args["prompt_ids"]), sampling_fields(params)])
+        self._queue_add(AddRequest(request_id, list(request_args["prompt_ids"]), params))
         try:
             await admitted
         except asyncio.CancelledError:
@@ -246,7 +258,7 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineUnavailable):
-            self._send(wire.ABORT, request_id)
+            self._send(Abort(request_id))
 
     async def current_gauges(self) -> EngineGauges | None:
         """The core's gauges (asked for; the last reading once it has stopped)."""
@@ -254,7 +266,7 @@ class EngineClient:
             query = next(self._ids)
             self._queries[query] = self._loop.create_future()
             with contextlib.suppress(EngineUnavailable):
-                self._send(wire.STATS, query)
+                self._send(StatsQuery(query))
                 await self._queries[query]
         return self._last_gauges
 
@@ -263,7 +275,7 @@ class EngineClient:
         if not self._stop_sent:
             self._stop_sent = True
             with contextlib.suppress(EngineUnavailable):
-                self._send(wire.STOP)
+                self._send(Stop())
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """request_stop(), then wait for the core to end (from any thread but the loop's)."""
@@ -272,14 +284,14 @@ class EngineClient:
             self._join_core(timeout)
 
     async def aclose(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """stop() from the event loop: frames (the aborts' finals) keep arriving meanwhile."""
+        """stop() from the event loop: messages (the aborts' finals) keep arriving meanwhile."""
         self.request_stop()
         if self._join_core is not None:
             await asyncio.to_thread(self._join_core, timeout)
-        self._on_frames()  # what came last (the DEAD frame)
+        self._on_frames()  # what came last (the Dead message)
 
-    def _queue_add(self, add: list) -> None:
-        """Adds go out as one ADD frame per event-loop iteration: a burst of requests parsed in
+    def _queue_add(self, add: AddRequest) -> None:
+        """Adds go out as one Add message per event-loop iteration: a burst of requests parsed in
         the same iteration reaches the core together, to be admitted before one step (the
         offline engine gets its whole batch at once; one frame per request let the core step
         the first ones alone while the rest were still on their way)."""
@@ -293,20 +305,20 @@ class EngineClient:
         adds, self._adds = self._adds, []
         if adds and self._closed is None:
             with contextlib.suppress(EngineUnavailable):  # (_dead fails their futures)
-                self._send_now(wire.ADD, adds)
+                self._send_now(Add(adds))
 
-    def _send(self, *frame) -> None:
-        """Send a frame, after the adds queued before it (on the loop's thread: an abort never
+    def _send(self, message: FrontMessage) -> None:
+        """Send a message, after the adds queued before it (on the loop's thread: an abort never
         overtakes its request's add)."""
         if self._adds and threading.get_ident() == self._loop_thread:
             self._flush_adds()
-        self._send_now(*frame)
+        self._send_now(message)
 
-    def _send_now(self, *frame) -> None:
+    def _send_now(self, message: FrontMessage) -> None:
         if self._closed is not None:
             raise EngineUnavailable(self._closed)
         try:
-            self.channel.send(*frame)
+            self.channel.send(message)
         except (OSError, ValueError) as exc:  # the core's end is gone
             raise EngineUnavailable("the engine core has stopped") from exc
 
@@ -360,55 +372,67 @@ class EngineClient:
                 self._handle(self.channel.recv(), now)
         except (EOFError, OSError):
             self._dead("the engine core has stopped")
+        except ValueError as exc:  # not a message: the core is broken
+            log.error("the engine core sent %s", exc)
+            self._dead("the engine core has stopped")
         self._notify()
 
-    def _handle(self, frame: list, now: float) -> None:
-        kind = frame[0]
-        if kind == wire.OUTPUTS:
-            streams, itls = self._streams, []
-            for key, token in zip(frame[2], frame[3], strict=True):  # plain decode tokens
-                stream = streams.get(key)
-                if stream is not None:
-                    out = stream.take_token(token, now, itls)
-                    if out is not None:
-                        stream.put(out)
-            if itls:
-                self.metrics.later_tokens(itls)
-            for key, index, ids, finish, error, logprobs, prompt in frame[1]:
-                stream = streams.get(key)
-                if stream is None:
-                    continue
-                out = stream.take(index, ids, finish, error, logprobs, now, prompt)
-                if stream.pending == 0:
-                    del self._streams[key]
+    def _handle(self, message: CoreMessage, now: float) -> None:
+        handler = self._handlers.get(type(message))
+        if handler is not None:
+            handler(message, now)
+        else:
+            log.error("the engine core sent a message the front end does not take: %r", message)
+
+    def _step_outputs(self, message: StepOutputs, now: float) -> None:
+        streams, itls = self._streams, []
+        for key, token in zip(message.request_ids, message.token_ids):  # plain decode tokens
+            stream = streams.get(key)
+            if stream is not None:
+                out = stream.take_token(token, now, itls)
                 if out is not None:
                     stream.put(out)
-        elif kind == wire.ADDED:
-            if frame[1] not in self._admitting:  # failed by the watchdog, since aborted
-                return
-            future, stream = self._admitting.pop(frame[1])
-            stream.prompt_tokens = frame[2]
-            self._streams[stream.request_id] = stream
-            self.metrics.request_added(stream.prompt_tokens)
-            if not future.done():
-                future.set_result(stream)
-        elif kind == wire.REFUSED:
-            if frame[1] not in self._admitting:  # failed by the watchdog
-                return
-            future, _ = self._admitting.pop(frame[1])
-            code, message = frame[2], frame[3]
-            self.metrics.request_rejected(code if code != "error" else "invalid")
-            if not future.done():
-                future.set_exception(_refusal(code, message))
-        elif kind == wire.STATS:
-            self._last_gauges = EngineGauges(*frame[2])
-            future = self._queries.pop(frame[1], None)
-            if future is not None and not future.done():
-                future.set_result(None)
-        elif kind == wire.DEAD:
-            if frame[2] is not None:
-                self._last_gauges = EngineGauges(*frame[2])
-            self._dead(frame[1])
+        if itls:
+            self.metrics.later_tokens(itls)
+        for delta in message.outputs:
+            stream = streams.get(delta.key)
+            if stream is None:
+                continue
+            out = stream.take(delta, now)
+            if stream.pending == 0:
+                del self._streams[delta.key]
+            if out is not None:
+                stream.put(out)
+
+    def _added(self, message: Added, _now: float) -> None:
+        if message.request_id not in self._admitting:  # failed by the watchdog, since aborted
+            return
+        future, stream = self._admitting.pop(message.request_id)
+        stream.prompt_tokens = message.prompt_tokens
+        self._streams[stream.request_id] = stream
+        self.metrics.request_added(stream.prompt_tokens)
+        if not future.done():
+            future.set_result(stream)
+
+    def _refused(self, message: Refused, _now: float) -> None:
+        if message.request_id not in self._admitting:  # failed by the watchdog
+            return
+        future, _ = self._admitting.pop(message.request_id)
+        code = message.code
+        self.metrics.request_rejected(code if code != "error" else "invalid")
+        if not future.done():
+            future.set_exception(_refusal(code, message.message))
+
+    def _stats(self, message: Stats, _now: float) -> None:
+        self._last_gauges = message.gauges
+        future = self._queries.pop(message.query_id, None)
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def _dead_message(self, message: Dead, _now: float) -> None:
+        if message.gauges is not None:
+            self._last_gauges = message.gauges
+        self._dead(message.reason)
 
     def _dead(self, reason: str) -> None:
         if self._closed is not None:
@@ -429,8 +453,6 @@ class EngineClient:
                 future.set_result(None)
         for stream in self._streams.values():
             stream.put(failure)
-        for _, future in (self._calls or {}).values():
-            future.cancel()
         self._admitting.clear()
         self._adds.clear()
         self._queries.clear()
@@ -460,45 +482,6 @@ class EngineClient:
         `lambda: client.num_live == 0`). False on timeout."""
         with self._changed:
             return self._changed.wait_for(predicate, timeout)
-
-    def run_in_engine(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
-        """fn(engine) in an in-process core, between two steps, after every frame sent before
-        it; a Future of its result."""
-        if self._calls is None:
-            raise RuntimeError("run_in_engine needs an in-process core (EngineClient.in_thread)")
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        call = next(self._ids)
-        self._calls[call] = (fn, future)
-        self._send(wire.CALL, call)
-        return future
-
-    async def call(self, fn: Callable[[Engine], Any]) -> Any:
-        return await asyncio.wrap_future(self.run_in_engine(fn))
-
-
-def sampling_fields(params: SamplingParams) -> dict:
-    """SamplingParams' non-default fields as plain data, without `stop` (matched here)."""
-    fields = {}
-    for f in dataclasses.fields(params):
-        value = getattr(params, f.name)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if f.name != "stop" and value != default:
-            fields[f.name] = _plain(value)
-    checked = fields.get("response_format")  # normalised {"type", "schema"}: as given again
-    if checked is not None and checked["type"] == "json_object":
-        fields["response_format"] = {"type": "json_object"}
-    elif checked is not None:
-        fields["response_format"] = {"type": checked["type"], "json_schema": checked}
-    return fields
-
-
-def _plain(value):
-    """Mappings (logit_bias is a read-only view) and tuples as msgpack's maps and lists."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _refusal(code: str, message: str) -> Exception:

@@ -1,16 +1,17 @@
-"""The engine core: the Engine and its step loop, behind the front end's channel (channel.py).
+"""The engine core: the Engine and its step loop, behind the front end's channel (channel.py,
+carrying the messages of messages.py).
 
 It runs in its own process under `pagedkern-serve --http` (`core_process`, started by the
 front end with multiprocessing's spawn), so the HTTP server's JSON, SSE and detokenization never
 hold this process's GIL; in-process cores (`EngineClient.in_thread`: tests, notebooks) run the
-same loop on a thread over the same frames.
+same loop on a thread over the same messages.
 
-One reader thread turns incoming frames into an inbox queue, so the front end's sends never wait
-for a step to end (and neither side can block the other with both socket buffers full). The
-loop drains the inbox (adds, aborts, stats queries), runs one step, and sends everything the
-iteration produced as one OUTPUTS frame: per request that advanced, its new token ids, finish
-code, error and logprobs, except that a plain decode's token that ends nothing travels as a
-(request id, token) pair in two columns (the engine makes no output object for it:
+One reader thread turns incoming messages into an inbox queue, so the front end's sends never
+wait for a step to end (and neither side can block the other with both socket buffers full).
+The loop drains the inbox (adds, aborts, stats queries), runs one step, and sends everything
+the iteration produced as one StepOutputs: per request that advanced, a SampleDelta (its new
+token ids, finish, error and logprobs), except that a plain decode's token that ends nothing
+travels as a (request id, token) pair in two columns (the engine makes no output object for it:
 engine/outputs.TokenDeltas). Text is the front end's business: the engine here does not
 detokenize (`Engine.detokenize` off), requests come without stop strings, and the front end
 detokenizes, matches stop strings and aborts what one ends. With nothing to do the loop blocks
@@ -22,18 +23,17 @@ the next schedule filled the free batch slots: waiting - (max_num_seqs - running
 
 Structured output: a request with a response_format is admitted once its schema has compiled
 on the core's GrammarCompilePool (`grammar_compile_workers` threads; llguidance drops the GIL),
-so steps go on meanwhile: it is held out of the engine until then (its ADDED comes then), or
-REFUSED (invalid, naming response_format) when the schema fails or has compiled for longer than
+so steps go on meanwhile: it is held out of the engine until then (its Added comes then), or
+Refused (invalid, naming response_format) when the schema fails or has compiled for longer than
 `grammar_compile_timeout`; an abort meanwhile drops it. Each sample's matcher is a copy.
 
-Lifecycle: STOP or the front end's end of the channel closing (the front end exited) aborts every
-request and ends the loop; an unexpected exception ends it with a DEAD frame. The process also
+Lifecycle: Stop or the front end's end of the channel closing (the front end exited) aborts every
+request and ends the loop; an unexpected exception ends it with a Dead message. The process also
 dies with its parent (PR_SET_PDEATHSIG), and its TP workers with it.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import gc
 import logging
@@ -43,9 +43,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 
@@ -53,21 +51,36 @@ from ...engine import Engine, EngineConfig, RequestOutput, RequestRejected, Samp
 from ...engine.outputs import TokenDeltas
 from ...engine.structured_output import GrammarCompilePool, PendingGrammar
 from ...parallel.group import available_cores
-from . import channel as wire
+from .channel import Channel
+from .messages import (
+    Abort,
+    Add,
+    Added,
+    AddRequest,
+    CoreInfo,
+    Dead,
+    EngineGauges,
+    Failed,
+    Message,
+    Ready,
+    Refused,
+    SampleDelta,
+    Stats,
+    StatsQuery,
+    StepOutputs,
+    Stop,
+)
 
 log = logging.getLogger("pagedkern.serving")
 _EMPTY = object()
-_COMPILED = ["compiled"]  # an inbox entry: a grammar compile ended (wakes the loop)
+_COMPILED = object()  # an inbox entry: a grammar compile ended (wakes the loop)
 COMPILE_POLL_S = 0.25  # while only compiles are pending: how often the loop looks at them
-HEARTBEAT_S = 1.0  # at most this long between two OUTPUTS frames while the loop steps
-# In-process cores only: call id -> (fn(engine), its Future), filled by the front end.
-Calls = dict[int, tuple[Callable[[Engine], Any], concurrent.futures.Future]]
+HEARTBEAT_S = 1.0  # at most this long between two StepOutputs while the loop steps
 
 
-def gauges(engine: Engine) -> list:
-    """metrics.EngineGauges' fields, in order (the last one: shadow mode's rows, or None)."""
+def gauges(engine: Engine) -> EngineGauges:
     s = engine.stats()
-    return [
+    return EngineGauges(
         s.num_running,
         s.num_waiting,
         s.num_blocks_used,
@@ -76,18 +89,18 @@ def gauges(engine: Engine) -> list:
         s.num_spec_proposed,
         s.num_spec_accepted,
         None if engine.shadow is None else engine.shadow.rows(),
-    ]
+    )
 
 
-def core_info(engine: Engine, max_queue: int) -> dict:
-    """What the front end needs to know about the engine, once (the READY frame)."""
-    return {
-        "model": engine.config.model,
-        "max_model_len": engine.max_model_len,
-        "vocab_size": engine.model.config.vocab_size,
-        "max_queue": max_queue,
-        "description": describe(engine),
-    }
+def core_info(engine: Engine, max_queue: int) -> CoreInfo:
+    """What the front end needs to know about the engine, once (in Ready)."""
+    return CoreInfo(
+        engine.config.model,
+        engine.max_model_len,
+        engine.model.config.vocab_size,
+        max_queue,
+        describe(engine),
+    )
 
 
 def describe(engine: Engine) -> str:
@@ -98,32 +111,12 @@ def describe(engine: Engine) -> str:
     return f"{engine.describe()}, {threads} CPU thread{'s' if threads > 1 else ''}"
 
 
-def encode_output(out: RequestOutput) -> list:
-    """One request's step delta as plain data: [key, sample index, token ids, finish, error,
-    logprobs, prompt]; key: the id the front end admitted (an n > 1 sample's parent); prompt:
-    the prompt logprobs (echo + logprobs), once, with the finishing delta."""
-    logprobs = out.logprobs
-    if logprobs is not None:
-        logprobs = [[lp.token_id, lp.logprob, lp.top] for lp in logprobs]
-    finish = out.finish_reason.value if out.finished else None
-    prompt = None
-    if out.prompt_logprobs is not None:
-        table = [
-            None if lp is None else [lp.token_id, lp.logprob, lp.top] for lp in out.prompt_logprobs
-        ]
-        prompt = [out.prompt_token_ids, table]
-    key = out.parent_id or out.request_id
-    return [key, out.index, out.token_ids, finish, out.error, logprobs, prompt]
-
-
 class EngineCore:
     def __init__(
         self,
         engine: Engine,
-        channel: wire.Channel,
+        channel: Channel,
         max_queue: int | None = None,  # None: engine.config.max_queue
-        after_step: Callable[[Engine], None] | None = None,  # test hook, after every step
-        calls: Calls | None = None,
     ):
         self.engine = engine
         # Text is the front end's: the outputs' token ids are all it reads (a --trace still
@@ -132,43 +125,47 @@ class EngineCore:
         engine.token_deltas = TokenDeltas()  # a plain decode's token: two columns, no object
         self.channel = channel
         self.max_queue = engine.config.max_queue if max_queue is None else max_queue
-        self.after_step = after_step
-        self.calls = calls
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: list[RequestOutput] = []  # produced outside step() (aborts), sent next
         self.failed = False  # the loop ended on an internal error (the process exits 1)
-        self._last_sent = time.monotonic()  # the last OUTPUTS frame
+        self._last_sent = time.monotonic()  # the last StepOutputs
         self._grammars: GrammarCompilePool | None = None  # made at the first response_format
         # requests whose grammar compiles: id -> (its compile, prompt ids, params)
         self._compiling: dict[str, tuple[PendingGrammar, list[int], SamplingParams]] = {}
+        self._handlers = {
+            Add: self._add_all,
+            Abort: self._abort,
+            StatsQuery: self._stats,
+        }
 
     def run(self) -> None:
-        """Serve frames until STOP or the front end goes away; never raises."""
+        """Serve messages until Stop or the front end goes away; never raises."""
         threading.Thread(target=self._read, name="pagedkern-core-reader", daemon=True).start()
-        engine = self.engine
         try:
             while True:
-                frame = self._next_frame()
-                while frame is not _EMPTY:
-                    if frame is None or frame[0] == wire.STOP:
-                        return self._shutdown(front_end_gone=frame is None)
-                    self._handle(frame)
-                    frame = _get_nowait(self._inbox)
+                message = self._next_message()
+                while message is not _EMPTY:
+                    if message is None or type(message) is Stop:
+                        return self._shutdown(front_end_gone=message is None)
+                    self.handle(message)
+                    message = _get_nowait(self._inbox)
                 if self._compiling:
                     self._admit_compiled()
-                stepped = engine.has_unfinished
+                stepped = self.engine.has_unfinished
                 if stepped:
-                    self._outputs += engine.step()
-                    if self.after_step is not None:
-                        self.after_step(engine)
+                    self._outputs += self.step()
                 self._flush(stepped or bool(self._compiling))  # (heartbeats while compiling)
         except BaseException:
             self.failed = True
             log.exception("the engine core failed; no more requests will be served")
             self._die("the engine stopped after an internal error")
 
-    def _next_frame(self):
-        """The next frame, without waiting while the engine has work; while only compiles are
+    def step(self) -> list[RequestOutput]:
+        """One engine step (what a subclass wraps to watch the steps)."""
+        return self.engine.step()
+
+    def _next_message(self):
+        """The next message, without waiting while the engine has work; while only compiles are
         pending, waiting at most COMPILE_POLL_S (their timeouts); else until one comes."""
         if self.engine.has_unfinished:
             return _get_nowait(self._inbox)
@@ -180,46 +177,51 @@ class EngineCore:
         return self._inbox.get()
 
     def _read(self) -> None:
-        try:
-            while True:
-                self._inbox.put(self.channel.recv())
-        except (EOFError, OSError):
-            self._inbox.put(None)  # the front end closed its end (or exited)
+        while True:
+            try:
+                message = self.channel.recv()
+            except (EOFError, OSError):
+                self._inbox.put(None)  # the front end closed its end (or exited)
+                return
+            except ValueError as exc:  # not a message: dropped, the loop goes on
+                log.error("the front end sent %s", exc)
+                continue
+            self._inbox.put(message)
 
-    def _handle(self, frame: list) -> None:
-        kind = frame[0]
-        if kind == wire.ADD:
-            for add in frame[1]:
-                self._add(*add)
-        elif kind == wire.ABORT:
-            if self._compiling.pop(frame[1], None) is not None:
-                return  # not admitted yet: nothing to free
-            self._outputs += [self.engine.abort(frame[1]), *self.engine.pop_undelivered()]
-        elif kind == wire.STATS:
-            self.channel.send(wire.STATS, frame[1], gauges(self.engine))
-        elif kind == wire.CALL and self.calls is not None:
-            fn, future = self.calls.pop(frame[1])
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(self.engine))
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(exc)
-        elif kind != _COMPILED[0]:  # (a compile ended: _admit_compiled looks next)
-            log.error("unknown frame %r from the front end", kind)
+    def handle(self, message: Message) -> None:
+        """One message from the front end (or _COMPILED: _admit_compiled looks next)."""
+        handler = self._handlers.get(type(message))
+        if handler is not None:
+            handler(message)
+        elif message is not _COMPILED:
+            log.error("the front end sent a message the core does not take: %r", message)
 
-    def _add(self, request_id: str, prompt_ids: list[int], fields: dict) -> None:
+    def _add_all(self, message: Add) -> None:
+        for request in message.requests:
+            self._add(request)
+
+    def _abort(self, message: Abort) -> None:
+        if self._compiling.pop(message.request_id, None) is not None:
+            return  # not admitted yet: nothing to free
+        self._outputs += [self.engine.abort(message.request_id), *self.engine.pop_undelivered()]
+
+    def _stats(self, message: StatsQuery) -> None:
+        self.channel.send(Stats(message.query_id, gauges(self.engine)))
+
+    def _add(self, add: AddRequest) -> None:
+        request_id, prompt_ids, params = add.request_id, add.prompt_ids, add.params
         stats = self.engine.stats()
         free_slots = max(0, stats.max_num_seqs - stats.num_running)
         waiting = stats.num_waiting + len(self._compiling)
         if waiting - free_slots >= self.max_queue:
             message = f"{waiting} requests are already waiting"
-            return self.channel.send(wire.REFUSED, request_id, "queue_full", message)
-        try:
-            params = SamplingParams(**fields)
-            if request_id in self._compiling:
-                raise ValueError(f"request id {request_id!r} is already in use")
-        except Exception as exc:  # noqa: BLE001 - the request's fault
-            return self._refuse(request_id, exc)
+            return self.channel.send(Refused(request_id, "queue_full", message))
+        if params is None:
+            return self._refuse(request_id, ValueError(add.invalid))
+        if request_id in self._compiling:
+            return self._refuse(
+                request_id, ValueError(f"request id {request_id!r} is already in use")
+            )
         if params.response_format is None:
             return self._admit(request_id, prompt_ids, params)
         if self._grammars is None:
@@ -248,7 +250,7 @@ class EngineCore:
                     "(--grammar-compile-timeout)"
                 )
                 log.warning("request %s: %s", request_id, message)
-                self.channel.send(wire.REFUSED, request_id, "invalid", message)
+                self.channel.send(Refused(request_id, "invalid", message))
 
     def _admit_compiled_one(
         self, request_id: str, pending: PendingGrammar, prompt_ids: list[int], params
@@ -266,7 +268,7 @@ class EngineCore:
             )
         except Exception as exc:  # noqa: BLE001 - the request's fault (or not): the loop lives on
             return self._refuse(request_id, exc)
-        self.channel.send(wire.ADDED, request_id, len(request.prompt_ids))
+        self.channel.send(Added(request_id, len(request.prompt_ids)))
 
     def _refuse(self, request_id: str, exc: Exception) -> None:
         if isinstance(exc, RequestRejected):
@@ -276,18 +278,18 @@ class EngineCore:
         else:
             log.error("admitting request %s failed", request_id, exc_info=exc)
             code = "error"
-        self.channel.send(wire.REFUSED, request_id, code, str(exc))
+        self.channel.send(Refused(request_id, code, str(exc)))
 
     def _flush(self, stepped: bool = False) -> None:
-        """The step's OUTPUTS frame; an empty one after a step that made none when nothing was
+        """The step's StepOutputs; an empty one after a step that made none when nothing was
         sent for HEARTBEAT_S (a long prefill): the front end's step watchdog hears the loop."""
-        outputs = [encode_output(o) for o in self._outputs if o is not None]
+        outputs = [SampleDelta.of(o) for o in self._outputs if o is not None]
         self._outputs = []
         keys, tokens = self.engine.token_deltas.take()
         now = time.monotonic()
         if outputs or keys or (stepped and now - self._last_sent >= HEARTBEAT_S):
             self._last_sent = now
-            self.channel.send(wire.OUTPUTS, outputs, keys, tokens)
+            self.channel.send(StepOutputs(outputs, keys, tokens))
 
     def _shutdown(self, front_end_gone: bool) -> None:
         for request_id in list(self.engine.requests):
@@ -298,7 +300,7 @@ class EngineCore:
             return
         with contextlib.suppress(OSError):
             self._flush()
-            self.channel.send(wire.DEAD, "the server is shutting down", gauges(self.engine))
+            self.channel.send(Dead("the server is shutting down", gauges(self.engine)))
 
     def _die(self, reason: str) -> None:
         try:
@@ -306,7 +308,7 @@ class EngineCore:
         except Exception:  # noqa: BLE001 - a broken engine: no reading
             reading = None
         with contextlib.suppress(OSError, ValueError):
-            self.channel.send(wire.DEAD, reason, reading)
+            self.channel.send(Dead(reason, reading))
 
 
 def _get_nowait(q: queue.SimpleQueue):
@@ -365,18 +367,18 @@ def core_process(
     threads: int | None = None,  # None: core_threads decides
 ) -> None:
     """The engine core process (multiprocessing spawn target): load the engine, hand the
-    front end its tokenizer (saved into tokenizer_dir) and READY, serve until told to stop."""
+    front end its tokenizer (saved into tokenizer_dir) and Ready, serve until told to stop."""
     from ...parallel.group import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     die_with_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    channel = wire.Channel(conn)
+    channel = Channel(conn)
     try:
         engine = Engine.from_config(config)
         engine.tokenizer.save(tokenizer_dir)
     except Exception as exc:  # noqa: BLE001 - unknown model, no GPU for --backend cuda, ...
-        channel.send(wire.FAILED, str(exc))
+        channel.send(Failed(str(exc)))
         return
     engine.model.tp.exit_on_failure = True  # a dead TP rank ends the core, then the server
     if trace:
@@ -388,7 +390,7 @@ def core_process(
         torch.set_num_threads(threads)
     core = EngineCore(engine, channel, max_queue)
     freeze_startup_objects()
-    channel.send(wire.READY, core_info(engine, core.max_queue))
+    channel.send(Ready(core_info(engine, core.max_queue)))
     # The loop runs on the main thread, which loaded the model, so the steps use the OpenMP
     # team that did. A loop on another thread gets a second team, and its parallel regions
     # ran slower (likely: libgomp stops spinning between regions once it manages more threads

@@ -1,8 +1,9 @@
 """Server metrics in the Prometheus text format (version 0.0.4), without a client library.
 
-The engine thread records (TTFT, inter-token latency, end-to-end latency, tokens, finished and
-rejected requests); the HTTP thread renders, adding gauges read from the engine on request
-(requests running / waiting, KV blocks in use / total). One lock guards the counters, so a
+The front end's client records as the core's messages arrive (TTFT, inter-token latency,
+end-to-end latency, tokens, finished and rejected requests); /metrics renders, adding the
+gauges the core reports on request (messages.EngineGauges: requests running / waiting, KV
+blocks in use / total, speculative decoding, shadow mode). One lock guards the counters, so a
 scrape sees a consistent snapshot.
 """
 
@@ -11,7 +12,8 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from .messages import EngineGauges
 
 PREFIX = "pagedkern_"
 TTFT_BUCKETS = (
@@ -58,22 +60,6 @@ class Histogram:
         out.append(f"{name}_sum {self.sum!r}")
         out.append(f"{name}_count {self.count}")
         return out
-
-
-@dataclass(slots=True)
-class EngineGauges:
-    """Engine state at one moment, read in the engine thread."""
-
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    spec_steps: int = 0  # speculative decoding, since the engine started (EngineStats)
-    spec_proposed: int = 0
-    spec_accepted: int = 0
-    # shadow mode (ops/shadow.py ShadowReport.rows): [op, layer or -1, calls, max relative
-    # error, divergences] per op and layer; None when it is off
-    shadow: list | None = None
 
 
 class ServerMetrics:

@@ -1,6 +1,7 @@
 """One request as the front end holds it: its samples' incremental detokenizers and stop
 strings, turning the core's token-id deltas into the StreamOutputs a handler reads (see
-engine_client.py for the protocol around it).
+engine_client.py for the protocol around it). It reaches its client through two callables,
+`abort(engine request id)` and `record(stream, sample, output, now)` (the metrics).
 
 Delivery is batched: the frame handler appends each StreamOutput to the stream's list and wakes
 its handler once; the handler takes everything that has arrived since it last looked. A handler
@@ -15,15 +16,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ...engine import FinishReason, SamplingParams
 from ...engine.detokenizer import IncrementalDetokenizer
 from ...engine.outputs import TokenLogprob
 from ...model.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from .engine_client import EngineClient
+from .messages import SampleDelta
 
 log = logging.getLogger("pagedkern.serving")
 
@@ -90,10 +88,11 @@ class RequestStream:
     """The handler's end of one request: StreamOutputs arrive by `put`, read by `batches`."""
 
     request_id: str
-    owner: EngineClient
     params: SamplingParams
     stop_ids: frozenset[int]  # the core's finishing ids: they add no text
     tokenizer: Tokenizer
+    abort: Callable[[str], None]  # tell the core to abort an engine request id
+    record: Callable[[RequestStream, Sample, StreamOutput, float], None]  # the metrics
     arrival: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0
     finished: bool = False  # the handler has seen every sample finish (or closed)
@@ -181,7 +180,7 @@ class RequestStream:
         self.put(failure)
         if self.pending and not self._aborted:
             self._aborted = True
-            self.owner.abort(self.request_id)
+            self.abort(self.request_id)
 
     def close(self) -> None:
         """Abort what the core still runs of this request and drop what it holds for the
@@ -196,30 +195,16 @@ class RequestStream:
             wakeup.set_result(None)  # (a waiting handler finds the stream finished)
         if self.pending and not self._aborted:
             self._aborted = True
-            self.owner.abort(self.request_id)
+            self.abort(self.request_id)
 
-    def take(
-        self,
-        index: int,
-        ids: list[int],
-        finish: str | None,
-        error,
-        logprobs,
-        now: float,
-        prompt: list | None = None,
-    ):
-        """The core's delta for sample `index` -> the handler's StreamOutput (None: dropped,
-        the sample already ended on a stop string)."""
+    def take(self, delta: SampleDelta, now: float) -> StreamOutput | None:
+        """The core's delta for one sample -> the handler's StreamOutput (None: dropped, the
+        sample already ended on a stop string)."""
+        index, ids, finish, logprobs = delta.index, delta.token_ids, delta.finish, delta.logprobs
         if finish is not None:
             self.pending -= 1
-        if prompt is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = (
-                tuple(prompt[0]),
-                tuple(
-                    None if e is None else TokenLogprob(e[0], e[1], tuple(map(tuple, e[2])))
-                    for e in prompt[1]
-                ),
-            )
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = (tuple(delta.prompt_ids), delta.prompt_logprobs)
         sample = self._samples[index]
         if sample.done:
             return None
@@ -238,23 +223,22 @@ class RequestStream:
             if reason is not None:
                 texts.append(detokenizer.flush())
         if logprobs is not None:
-            logprobs = tuple(
-                TokenLogprob(t, lp, tuple(map(tuple, top))) for t, lp, top in logprobs[:kept]
-            )
+            logprobs = logprobs[:kept]
         elif self.params.logprobs is not None:
             logprobs = ()
         finished = reason is not None
-        out = StreamOutput("".join(texts), ids[:kept], finished, reason, index, logprobs, error)
+        text = "".join(texts)
+        out = StreamOutput(text, ids[:kept], finished, reason, index, logprobs, delta.error)
         sample.done = out.finished
-        self.owner.record(self, sample, out, now)
+        self.record(self, sample, out, now)
         sample.last_token = now if out.token_ids else sample.last_token
         return out
 
     def take_token(self, token: int, now: float, itls: list[float]) -> StreamOutput | None:
-        """take() of a column token (channel.py: sample 0's one token, which ends nothing in
+        """take() of a column token (StepOutputs: sample 0's one token, which ends nothing in
         the core and carries nothing else) on its own lane: one detokenizer step, and its
-        inter-token latency appended to `itls` for the caller to record with the frame's
-        others (EngineClient.record: one call a frame); the same StreamOutput take() makes."""
+        inter-token latency appended to `itls` for the caller to record with the message's
+        others (one call a message); the same StreamOutput take() makes."""
         sample = self._samples[0]
         if sample.done:
             return None
@@ -268,7 +252,7 @@ class RequestStream:
             out = StreamOutput(text, [token], True, FinishReason.STOP, 0, logprobs)
             sample.done = True
         if out.finished or sample.last_token is None:
-            self.owner.record(self, sample, out, now)
+            self.record(self, sample, out, now)
         else:
             itls.append(now - sample.last_token)
         sample.last_token = now
@@ -280,6 +264,6 @@ class RequestStream:
             return
         if self.samples == 1:
             self._aborted = True
-            self.owner.abort(self.request_id)
+            self.abort(self.request_id)
         elif index > 0:  # an n > 1 sample's own id; sample 0's abort would end them all
-            self.owner.abort(f"{self.request_id}.{index}")
+            self.abort(f"{self.request_id}.{index}")

@@ -27,7 +27,6 @@ import json
 import logging
 import signal
 import socket
-import threading
 from pathlib import Path
 
 import jinja2
@@ -38,7 +37,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from ...engine import Engine, RequestRejected, SamplingParams
+from ...engine import RequestRejected, SamplingParams
 from ..core.engine_client import EngineClient, EngineUnavailable, QueueFull
 from .connection import BodyGone, RequestContext, protocol_class, read_body
 from .errors import APIError, validation_error
@@ -372,7 +371,7 @@ def bind(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
-class _Server(uvicorn.Server):
+class Server(uvicorn.Server):
     """uvicorn with the connection limits of `settings`, and a shutdown (Ctrl-C, SIGTERM,
     should_exit) that first tells the engine thread to abort what is running, so open streams
     end at once with finish_reason "abort" and `[DONE]` instead of waiting for uvicorn's
@@ -418,7 +417,7 @@ def serve(
     most 5 s of grace). A dead core: open requests get their 503 / error event, then the same."""
     settings = settings or ServerSettings()
     app = create_app(client, settings=settings)
-    server = _Server(app, settings)
+    server = Server(app, settings)
     died: list[str] = []
 
     def dead(reason: str) -> None:
@@ -438,53 +437,3 @@ def serve(
 def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-class ServerThread:
-    """The server in a background thread of this process, its engine core on another thread
-    (tests and notebooks: the engine stays reachable; `serve` runs the core in its own process):
-
-    with ServerThread(engine, max_queue=8) as server:
-        openai.OpenAI(base_url=server.url + "/v1", api_key="-")...
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        *,
-        max_queue: int | None = None,  # None: engine.config.max_queue
-        model_name: str | None = None,
-        after_step=None,
-        settings: ServerSettings | None = None,
-    ):
-        settings = settings or ServerSettings()
-        self.sock = bind("127.0.0.1", 0)
-        self.url = url_of(self.sock)
-        self.engine_loop = EngineClient.in_thread(
-            engine, max_queue=max_queue, after_step=after_step
-        )
-        self.app = create_app(self.engine_loop, model_name, settings)
-        self.model_name = self.app.state.model_name
-        self.server = _Server(self.app, settings)
-        self.thread = threading.Thread(
-            target=self.server.run,
-            kwargs={"sockets": [self.sock]},
-            name="pagedkern-http",
-            daemon=True,
-        )
-
-    def start(self) -> ServerThread:
-        self.thread.start()
-        return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)
-        self.engine_loop.stop()  # in case the lifespan never ran
-        self.sock.close()
-
-    def __enter__(self) -> ServerThread:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -1,0 +1,2 @@
+"""Test harnesses that the product code does not carry: `serving` (an HTTP server on a thread of
+the test process, with its engine core on another, reachable between steps)."""
