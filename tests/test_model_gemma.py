@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 
+import gguf
+import numpy as np
 import pytest
 import torch
-from hf_model_files import all_logits, write_tokenizer
+from hf_model_files import LLAMA3_TEMPLATE, SPECIALS, all_logits, train_tokenizer, write_tokenizer
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import ModelLoadError, SequenceChunk, build_batch, cpu_decode, load_model
@@ -257,3 +259,78 @@ def test_older_config_spellings_load_the_same_model(tmp_path):
     assert model.config.layer_types == ("sliding", "sliding", "full", "sliding")
     got = all_logits(model, PROMPT).double()
     assert _relative(got, _hf_logits(hf, PROMPT)) < 1e-5
+
+
+def write_gguf_like_llama_cpp(path, hf, arch: str) -> None:
+    """The transformers model as llama.cpp's convert_hf_to_gguf.py writes a Gemma, in F32: the
+    names of gguf's own tensor map, every norm weight stored as 1 + w, no output.weight (tied),
+    no Q/K permutation, the metadata its Gemma2Model / Gemma3Model write (no attention scale:
+    llama.cpp derives it from the head dim)."""
+    cfg = hf.config
+    tok = train_tokenizer()
+    vocab = json.loads(tok.to_str())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_sliding_window(cfg.sliding_window)
+    if cfg.final_logit_softcapping is not None:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    else:
+        full, local = (
+            cfg.rope_parameters["full_attention"],
+            cfg.rope_parameters["sliding_attention"],
+        )
+        w.add_rope_freq_base(full["rope_theta"])
+        w.add_rope_freq_base_swa(local["rope_theta"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) for m in vocab["merges"]])
+    w.add_eos_token_id(tokens.index("<|eot_id|>"))
+    w.add_chat_template(LLAMA3_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight":  # the converter skips it: Gemma ties its embeddings
+            continue
+        arr = t.float().numpy()
+        if name.endswith("norm.weight"):
+            arr = arr + 1
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_the_gguf_llama_cpp_writes_equals_transformers(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "cache"))
+    # What a GGUF can say: the attention scale of the head dim, Gemma 3's 5:1 layer pattern
+    # (llama.cpp assumes both, its converter writes neither)
+    changes = dict(query_pre_attn_scalar=COMMON["head_dim"])
+    if arch == "gemma3":
+        changes.update(num_hidden_layers=6, sliding_window_pattern=6)
+    hf = _hf_model(arch, **changes)
+    path = tmp_path / "m.gguf"
+    write_gguf_like_llama_cpp(path, hf, arch)
+    for _ in range(2):  # converted, then from the weights cache
+        model, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
+        want = _hf_logits(hf, PROMPT)
+        assert _relative(all_logits(model, PROMPT), want) < 1e-5
+    assert model.config.layer_types == tuple(
+        {"sliding_attention": "sliding", "full_attention": "full"}[t] for t in hf.config.layer_types
+    )
+    assert model.config.tie_word_embeddings and model.config.qk_norm == (arch == "gemma3")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ModelConfig, RopeScaling
+from .config import FULL, SLIDING, ModelConfig, RopeScaling
 from .errors import ModelLoadError
 from .gguf_tokenizer import tokenizer_from_gguf
 from .quantized_linear import DEFAULT_INT4_GROUP, gguf_to_int4, gguf_to_int8, permute_rows
@@ -26,7 +26,10 @@ from .weights import LM_HEAD_MODE, LlamaWeights, assemble_weights, quantize_weig
 from .weights_cache import cached_default, file_sha256, load_entry, store_default, store_entry
 
 # arch -> Q/K stored permuted (llama.cpp's converter permutes only its LlamaModel's)
-_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma2": False, "gemma3": False}
+# Gemma: its local:global layer pattern and the layer count of its 27B size, whose attention
+# scale llama.cpp takes from hidden / heads instead of the head dim (the GGUF does not store it)
+_GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -41,6 +44,12 @@ _LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# Gemma's sandwich norms (HF names as weights.layer_norm_names gives them)
+_SANDWICH_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -48,11 +57,14 @@ _GLOBAL_NAMES = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
-    """HF tensor name -> GGUF name: model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight."""
+def gguf_name(hf_name: str, sandwich: bool = False) -> str:
+    """HF tensor name -> GGUF name: model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight
+    (sandwich: Gemma's norm names)."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
+    if sandwich and rest in _SANDWICH_NAMES:
+        return f"blk.{layer}.{_SANDWICH_NAMES[rest]}"
     for hf, gg in _LAYER_NAMES.items():
         if rest.startswith(hf):
             return f"blk.{layer}.{gg}{rest[len(hf) :]}"
@@ -112,13 +124,17 @@ def _config(meta: dict[str, Any], tensors: dict, path: str) -> tuple[ModelConfig
         scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
     elif scaling_type != "none":
         raise ModelLoadError(path, f"unsupported rope scaling type {scaling_type!r}")
+    layers = int(get("block_count"))
+    gemma = (
+        _gemma_fields(meta, arch, layers, hidden, heads, head_dim, path) if arch in _GEMMA else {}
+    )
     try:
         config = ModelConfig(
             name=str(meta.get("general.name") or os.path.basename(path)),
             vocab_size=int(tensors["token_embd.weight"].shape[1]),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
             head_dim=head_dim,
@@ -131,10 +147,53 @@ def _config(meta: dict[str, Any], tensors: dict, path: str) -> tuple[ModelConfig
             o_bias="blk.0.attn_output.bias" in tensors,
             mlp_bias="blk.0.ffn_up.bias" in tensors,
             qk_norm="blk.0.attn_q_norm.weight" in tensors,
+            **gemma,
         )
     except ValueError as exc:
         raise ModelLoadError(path, str(exc)) from None
     return config, _ARCHITECTURES[arch]
+
+
+def _gemma_fields(
+    meta: dict[str, Any], arch: str, layers: int, hidden: int, heads: int, head_dim: int, path: str
+) -> dict[str, Any]:
+    """The Gemma fields of a gemma2 / gemma3 GGUF, read as llama.cpp reads them: the sliding
+    window (Gemma 2's default 4096), its layer pattern (2 or 6, or the file's
+    sliding_window_pattern), Gemma 3's local RoPE base (10000, or the file's freq_base_swa), the
+    soft-caps, and the attention scale (the file's attention.scale, else head_dim ** -0.5, but
+    (hidden / heads) ** -0.5 at the 27B sizes)."""
+    pattern, layers_27b = _GEMMA[arch]
+    window = meta.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None)
+    if window is None:
+        raise ModelLoadError(path, f"GGUF metadata lacks {arch}.attention.sliding_window")
+    if int(window) <= 0:
+        raise ModelLoadError(path, f"{arch}.attention.sliding_window must be positive")
+    swa = meta.get(f"{arch}.attention.sliding_window_pattern", pattern)
+    if isinstance(swa, list):  # per layer: True = sliding
+        sliding = [bool(x) for x in swa]
+    else:
+        sliding = [(i + 1) % int(swa) != 0 for i in range(layers)]
+    if len(sliding) != layers:
+        raise ModelLoadError(path, f"{arch}.attention.sliding_window_pattern: not one per layer")
+    scale = meta.get(f"{arch}.attention.scale")
+    if scale is None:
+        scale = (hidden // heads if layers == layers_27b else head_dim) ** -0.5
+    keys = {"final_soft_cap": "final_logit_softcapping"}
+    if arch == "gemma2":  # (Gemma 3 has no attention soft-cap)
+        keys["attn_soft_cap"] = "attn_logit_softcapping"
+    caps = {field: meta.get(f"{arch}.{key}") for field, key in keys.items()}
+    caps = {field: None if v is None else float(v) for field, v in caps.items()}
+    local = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None
+    return dict(
+        hidden_act="gelu_tanh",
+        sandwich_norms=True,
+        embed_scale=hidden**0.5,
+        attn_scale=float(scale),
+        sliding_window=int(window),
+        layer_types=tuple(SLIDING if s else FULL for s in sliding),
+        rope_local_theta=local,
+        **caps,
+    )
 
 
 def _convert(
@@ -177,8 +236,11 @@ def _convert(
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
+    def name(hf_name: str) -> str:
+        return gguf_name(hf_name, config.sandwich_norms)
+
     def get(hf_name: str) -> torch.Tensor | None:
-        w = read(gguf_name(hf_name))
+        w = read(name(hf_name))
         if w is not None and permuted and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = config.num_heads if ".q_proj" in hf_name else config.num_kv_heads
             if w.shape[0] % (2 * heads) == 0:  # else let the shape check report it
@@ -190,7 +252,8 @@ def _convert(
 
     factors = read("rope_freqs.weight")
     # Shapes are checked and reported in torch order [out, in] (GGUF lists dims reversed).
-    weights = assemble_weights(config, get, path, "cpu", torch.float32, factors, gguf_name)
+    # (Gemma's norms as stored: llama.cpp's converter added the 1 of 1 + w already)
+    weights = assemble_weights(config, get, path, "cpu", torch.float32, factors, name)
     return config, quantize_weights(weights, quantization, group_size), tokenizer
 
 
