@@ -5,7 +5,7 @@ with overlap off and on, on the same workload in the same run.
 Workload: `synthetic:tiny` on the device (the CPU reference ops in smoke mode and without a GPU),
 S sequences decoding T tokens each (seeded sampling, half with a stop string), prompts admitted
 together. Host work: the engine thread's scheduler, layout / sampling inputs (runner.prepare)
-and append / stop checks / outputs (Engine._append_sampled); execution: runner.execute (on the
+and append / stop checks / outputs (OutputProcessor.append); execution: runner.execute (on the
 worker thread with overlap on, inline with it off). Both are timed as wall-clock intervals
 (time.perf_counter); the overlap fraction is the share of host-work time that falls inside an
 execution interval: 0 by construction with overlap off, 1 if the host never kept the device
@@ -89,7 +89,7 @@ def run(num_seqs: int, tokens: int, overlap: bool, device: str) -> tuple[dict, d
     scheduler.schedule = host.wrap(scheduler.schedule)
     runner.prepare = host.wrap(runner.prepare)
     runner.execute = execution.wrap(runner.execute)
-    engine._append_sampled = host.wrap(engine._append_sampled)
+    engine.output.append = host.wrap(engine.output.append)
     for i in range(num_seqs):
         params = SamplingParams(
             max_tokens=tokens,

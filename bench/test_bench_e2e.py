@@ -166,7 +166,7 @@ def test_async_scheduling_off_vs_on(engine, record):
         engine.runner.execute = _recording(execute, steps[0])
         off = run_offline(engine, jobs)
         engine.runner.execute = _recording(execute, steps[1])
-        engine.overlap = Overlap(engine)
+        engine.overlap = Overlap(engine.runner, engine.scheduler, engine.backend)
         try:
             on = run_offline(engine, jobs)
             overlapped = engine.overlap.num_overlapped

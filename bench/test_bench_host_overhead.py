@@ -16,11 +16,9 @@ and min over the steps); the components are timed in a second pass with a wrappe
 wrapper's own cost, measured here, is subtracted per call: what it adds to its caller and the
 ~0.5 us clock read it reports even for an empty call), as means per step. "sampling params"
 is runner.sample, the general path's packing (the persistent decode batch packs its rows in
-"runner (own)"). "append/stop
-checks" is Engine._append_sampled, a step's whole append (the fast lane calls no per-request
-method but the detokenizer's and the output's); "engine loop (rest)" is Engine.step's self
-time: the engine's own per-step code. Target:
-<= 0.5 ms per step at 256. Smoke mode (CI): every size, a few steps; the numbers
+"runner (own)"). "append/stop checks" is OutputProcessor.append, a step's whole append (it
+calls no per-request method but the detokenizer's and the output's); "engine loop (rest)" is
+Engine.step's self time: the engine's own per-step code. Target: <= 0.5 ms per step at 256. Smoke mode (CI): every size, a few steps; the numbers
 mean nothing there.
 
 Each size runs twice: detokenizing (the offline engine: `LLM`, the CLI; half the requests check
@@ -177,8 +175,8 @@ def instrument(engine: Engine, timers: Timers, monkeypatch) -> None:
     monkeypatch.setattr(runner, "sample", timers.wrap("sampling params", runner.sample))
     monkeypatch.setattr(runner, "run", timers.wrap("runner (own)", runner.run))
     monkeypatch.setattr(ops, "sample", timers.wrap("sampler stub", ops.sample))
-    append = timers.wrap("append/stop checks", engine._append_sampled)  # a step's whole append
-    monkeypatch.setattr(engine, "_append_sampled", append)
+    append = timers.wrap("append/stop checks", engine.output.append)  # a step's whole append
+    monkeypatch.setattr(engine.output, "append", append)
     add = IncrementalDetokenizer.add
     monkeypatch.setattr(IncrementalDetokenizer, "add", timers.wrap("detokenize", add))
     of = RequestOutput.of.__func__

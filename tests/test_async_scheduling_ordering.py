@@ -80,16 +80,16 @@ class LogitsTracer:
 def slow_engine_thread(engine: Engine) -> list[int]:
     """Make the engine thread complete step N only once the worker has run step N+1 (where
     one was launched); returns a list counting the completions that waited so."""
-    overlap, complete, waited = engine.overlap, engine.overlap._complete, []
+    overlap, complete, waited = engine.overlap, engine.overlap.complete, []
 
-    def late(step, outputs):
+    def late(step):
         later = overlap.in_flight
         if later is not None and later is not step:
             wait([later.future])
             waited.append(1)
-        return complete(step, outputs)
+        return complete(step)
 
-    overlap._complete = late
+    overlap.complete = late
     return waited
 
 
@@ -126,7 +126,7 @@ def late_reading_copies(engine: Engine) -> list[int]:
     steps checked."""
     runner, overlap = engine.runner, engine.overlap
     prepare, execute = runner.prepare, runner.execute
-    launch, complete = overlap._launch, overlap._complete
+    launch, complete = overlap.launch, overlap.complete
     cond = threading.Condition()
     state = {"launched": 0, "waiting": set()}
     snapshots: dict[int, tuple] = {}
@@ -141,19 +141,21 @@ def late_reading_copies(engine: Engine) -> list[int]:
         snapshots[id(step)] = tuple(a.copy() for a in host_inputs(step))
         return step
 
-    def launched(batch, previous):
-        in_flight = launch(batch, previous)
+    def launched(batch, previous, own_logits=False):
+        in_flight = launch(batch, previous, own_logits)
+        if in_flight is None:
+            return None
         with cond:
             in_flight.future.number = state["launched"]
             state["launched"] += 1
             cond.notify_all()
         return in_flight
 
-    def completing(step, outputs):
+    def completing(step):
         with cond:
             state["waiting"].add(getattr(step.future, "number", -1))
             cond.notify_all()
-        return complete(step, outputs)
+        return complete(step)
 
     numbers = iter(range(1 << 30))
 
@@ -169,7 +171,7 @@ def late_reading_copies(engine: Engine) -> list[int]:
         return execute(step, previous)
 
     runner.prepare, runner.execute = prepared, executed
-    overlap._launch, overlap._complete = launched, completing
+    overlap.launch, overlap.complete = launched, completing
     return checked
 
 

@@ -1,7 +1,7 @@
-"""The host's fast paths do exactly what the general code does: the scheduler's loop
-over plain decodes (Scheduler._plain_decodes) schedules what the general loop schedules, and
-the append fast lane (Appending._append_plain) makes the outputs the general lane (taken with a
-tracer attached) makes, stop by stop."""
+"""The host's fast paths do exactly what the general code does: the scheduler's loop over
+plain decodes (Scheduler._plain_decodes) schedules what the general loop schedules, and the
+one append path (OutputProcessor.append) makes the same outputs with a tracer attached (which
+adds the per-token trace calls) as without, stop by stop."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_plain_decode_loop_schedules_what_the_general_loop_does(
 
 
 class NullTracer:
-    """Attaching any tracer sends every token through the general lane (Appending._append)."""
+    """A tracer that records nothing: the append path's per-token trace calls run."""
 
     def request_added(self, request) -> None: ...
     def iteration(self, number, batch, pool) -> None: ...
@@ -119,7 +119,7 @@ def run_varied(tracer: NullTracer | None, detokenize: bool) -> dict[str, list[tu
 
 
 @pytest.mark.parametrize("detokenize", [True, False], ids=["detokenize", "ids-only"])
-def test_fast_lane_makes_the_general_lanes_outputs(detokenize):
+def test_a_tracer_changes_no_output(detokenize):
     fast, general = run_varied(None, detokenize), run_varied(NullTracer(), detokenize)
     assert fast == general
     reasons = {steps[-1][3].value for steps in fast.values()}

@@ -101,7 +101,7 @@ def test_a_request_whose_output_processing_fails_fails_alone(solo):
     def broken(token_id: int) -> str:
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "broken tokenizer")
 
-    engine._detokenizers[bad.request_id].add = broken
+    bad.detokenizer.add = broken
     outputs = run(engine)
     assert [o.finish_reason for o in outputs[bad.request_id]] == [FinishReason.ERROR]
     assert "UnicodeDecodeError" in outputs[bad.request_id][0].error

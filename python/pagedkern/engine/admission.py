@@ -1,69 +1,64 @@
-"""Requests in and out of the engine: admission (`add_request` checks every field and makes one
-Request per sample), cancellation (`abort`) and `stream`, one request's outputs as the engine
-steps. A mixin of Engine (engine.py): the state is the engine's.
+"""Admission: turns `Engine.add_request`'s arguments into Requests, one per sample, with
+every field checked (ValueError naming the field) and each request's own state set up: its
+seed, stop ids, detokenizer, deadline, logits state and grammar matcher, and for an n > 1
+request the samples that fork from the first one's prompt (`Request.forks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import itertools
+import random
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from .detokenizer import IncrementalDetokenizer
 from .logits_processing import LogitsState
-from .outputs import RequestOutput
-from .overlap import needs_sync
-from .request import FinishReason, Request
+from .request import Request
 from .sampling_params import SamplingParams
 from .validation import ParameterTypeError, check_messages, check_number, check_token_ids
 
 if TYPE_CHECKING:
-    import itertools
-    import random
-    from collections.abc import Callable
-
     from ..model import Tokenizer
-    from .scheduler import Scheduler
     from .structured_output import CompiledGrammar
-    from .trace import Tracer
+
+
+def needs_sync(request: Request) -> bool:
+    """Whether the request's next step needs host state from the token before it (so an
+    asynchronous step holding it runs synchronously: engine/overlap.py)."""
+    state, params = request.logits_state, request.params
+    history = state is not None and (state.penalised or state.multi_word)
+    prompt = state is not None and state.prompt_logprobs is not None
+    return bool(request.grammar is not None or history or params.min_tokens or prompt)
 
 
 class Admission:
-    """Engine's request admission, cancellation and streaming."""
+    """Checks requests and makes their Requests. detokenize: False for an engine whose
+    outputs carry token ids only (the HTTP front end detokenizes): stop strings are refused
+    and requests get no detokenizer."""
 
-    tokenizer: Tokenizer
-    vocab_size: int
-    scheduler: Scheduler
-    tracer: Tracer | None
-    detokenize: bool
-    clock: Callable[[], float]
-    requests: dict[str, Request]
-    _detokenizers: dict[str, IncrementalDetokenizer]
-    _stop_ids: dict[str, frozenset[int]]
-    _timed: dict[str, Request]
-    _forks: dict[Request, list[Request]]
-    _undelivered: list[RequestOutput]
-    _ids: itertools.count
-    _seeds: random.Random
-    _num_prompt_tokens: int
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, clock: Callable[[], float]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self.detokenize = True
+        self._ids = itertools.count()
+        self._seeds = random.Random()
 
-    def add_request(
+    def make(
         self,
-        prompt: str | None = None,
-        params: SamplingParams | None = None,
+        prompt: str | None,
+        params: SamplingParams | None,
         *,
-        messages: Sequence[Mapping] | None = None,
-        prompt_ids: Sequence[int] | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        grammar: CompiledGrammar | None = None,
-    ) -> Request:
-        """Admit one request: raw prompt text, chat `messages` (rendered with the model's chat
-        template) or token ids (ints in [0, vocab size)). Raises ValueError naming the field
-        for bad input (ParameterTypeError, also a TypeError, for a wrong type) and
-        RequestRejected (a ValueError) for one that can never fit the context or the KV cache.
-        arrival_time (on `clock`'s scale): when the request really arrived, e.g. at an HTTP
-        server, for TTFT. grammar: params.response_format compiled already (e.g. on a
-        structured_output.GrammarCompilePool); None: compiled here, once (cached per schema)."""
+        messages: Sequence[Mapping] | None,
+        prompt_ids: Sequence[int] | None,
+        request_id: str | None,
+        arrival_time: float | None,
+        grammar: CompiledGrammar | None,
+        in_use: Container[str],
+    ) -> list[Request]:
+        """The request's samples (one unless params.n > 1; the first holds the others in
+        `forks`); in_use: the ids of the requests still running (an id is refused while in
+        use). Argument meanings and errors: Engine.add_request."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ParameterTypeError(f"params must be a SamplingParams, got {params!r}")
@@ -96,13 +91,14 @@ class Admission:
             raise ValueError("stop: stop strings need an engine that detokenizes")
         request_id = request_id or f"R{next(self._ids)}"
         ids = [request_id] + [f"{request_id}.{i}" for i in range(1, params.n)]
-        if any(i in self.requests for i in ids):
+        if any(i in in_use for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         grammars = self._grammars(params, grammar)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         arrival = self.clock() if arrival_time is None else arrival_time
         eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
         stop_ids = frozenset(params.stop_token_ids).union(eos)
+        deadline = None if params.timeout is None else arrival + params.timeout
         samples = []
         for i, rid in enumerate(ids):
             sample = Request(
@@ -116,28 +112,19 @@ class Admission:
                 sample_index=i,
                 parent_id=request_id if params.n > 1 else None,
                 grammar=grammars[i],
+                stop_ids=stop_ids,
+                deadline=deadline,
             )
+            if self.detokenize:
+                sample.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, params.stop, params.min_tokens
+                )
             sample.logits_state = LogitsState(params, prompt_ids, stop_ids, self.vocab_size)
             sample.needs_sync = needs_sync(sample)
             samples.append(sample)
-        request = samples[0]
-        self.scheduler.add(request)
         if len(samples) > 1:
-            self._forks[request] = samples[1:]
-        for sample in samples:
-            rid = sample.request_id
-            self.requests[rid] = sample
-            if self.detokenize:
-                self._detokenizers[rid] = IncrementalDetokenizer(
-                    self.tokenizer, params.stop, params.min_tokens
-                )
-            self._stop_ids[rid] = stop_ids
-            if params.timeout is not None:
-                self._timed[rid] = sample
-        self._num_prompt_tokens += len(prompt_ids)
-        if self.tracer:
-            self.tracer.request_added(request)
-        return request
+            samples[0].forks = samples[1:]
+        return samples
 
     def _grammars(self, params: SamplingParams, grammar: CompiledGrammar | None) -> list:
         """One structured-output matcher per sample (None without response_format): the
@@ -150,52 +137,3 @@ class Admission:
             compiler = grammar_compiler(self.tokenizer, self.vocab_size)
             grammar = compiler.compile(params.response_format)
         return [grammar.matcher() for _ in range(params.n)]
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request (caller gone); its blocks return to the pool at once. An n > 1
-        request's id ends every sample still running, also once its first sample has ended
-        (their outputs go to the next step(), or pop_undelivered()); a sample's own id
-        (`<id>.<i>`) ends that sample alone. None: nothing of that id was running."""
-        request = self.requests.get(request_id)
-        samples = [
-            r for r in self.requests.values() if r.parent_id == request_id and r is not request
-        ]
-        self._undelivered += [self._finish(r, FinishReason.ABORT) for r in samples]
-        return None if request is None else self._finish(request, FinishReason.ABORT)
-
-    def pop_undelivered(self) -> list[RequestOutput]:
-        """Outputs produced outside step() (an aborted n > 1 request's other samples) that the
-        next step() would return: for a caller that may not step again."""
-        outputs, self._undelivered = self._undelivered, []
-        return outputs
-
-    def stream(
-        self,
-        prompt: str | None = None,
-        params: SamplingParams | None = None,
-        *,
-        messages: Sequence[Mapping] | None = None,
-        prompt_ids: Sequence[int] | None = None,
-        request_id: str | None = None,
-    ) -> Iterator[RequestOutput]:
-        """Yield this request's outputs as they are produced. Other requests keep running in
-        the same steps; their outputs are kept for the next `step()` (or another stream), not
-        dropped. Closing the generator early cancels the request."""
-        request = self.add_request(
-            prompt, params, messages=messages, prompt_ids=prompt_ids, request_id=request_id
-        )
-        rid = request.request_id
-        try:
-            while True:
-                outputs = self.step()
-                mine = [o for o in outputs if o.request_id == rid]
-                self._undelivered += [o for o in outputs if o.request_id != rid]
-                if not mine and rid not in self.requests:
-                    return  # finished elsewhere (aborted by another caller)
-                for output in mine:
-                    yield output
-                    if output.finished:
-                        return
-        finally:
-            if rid in self.requests:
-                self.abort(rid)

@@ -4,34 +4,35 @@ One `step()` is one iteration of the reference document's loop: expire timed-out
 schedule (decodes and prompt chunks under the token budget), run the model, sample, append,
 detokenize, check every stop condition, free the KV blocks of finished requests.
 
-With speculative decoding (config.speculative) a decoding request also gets k proposals
-(engine/speculative/): its last token and the proposals run as 1 + k rows, verification keeps
-the accepted prefix plus one recovered or bonus token, the rejected tokens' KV slots are
-rewound (Scheduler.on_step_done), and the tokens gained are appended one by one with every stop
-check, so a stop inside an accepted run drops the tokens after it.
+`Engine` owns the model, the KV cache and the step loop; the rest is done by collaborators,
+each with its own state:
 
-With async_scheduling (engine/overlap.py) a step() launches the next batch on a worker thread
-before it completes the one in flight: its outputs are those of the step before.
+- `Admission` (admission.py): add_request's arguments -> checked Requests, one per sample,
+  each carrying its own state (stop ids, detokenizer, deadline, the samples that fork from it).
+- `Scheduler` (scheduler.py) over the `BlockPool` (block_pool.py): what runs each step.
+- `IsolatingForward` (forward.py) over the `ModelRunner` (runner.py): the forward pass and
+  sampling, with a failure pinned on the request that caused it.
+- `OutputProcessor` (output_processor.py): the running requests; appends sampled tokens, runs
+  the stop checks, makes the outputs and finishes requests.
+- `Speculation` (speculative/speculation.py) with a proposer: speculative decoding's proposals
+  and counts. With it a decoding request runs as 1 + k rows, verification keeps the accepted
+  prefix plus one recovered or bonus token, the rejected tokens' KV slots are rewound
+  (Scheduler.on_step_done), and a stop inside an accepted run drops the tokens after it.
+- `Overlap` (overlap.py), with async_scheduling: a step launches the next batch on a worker
+  thread before it completes the one in flight; its outputs are those of the step before.
 
 Bad input is refused at admission (ValueError naming the field). Should a step still fail, the
 failure is pinned on the request(s) it can be attributed to (the scheduler isolates a request's
 own hashing and accounting; a failed forward pass is retried request by request): those finish
 with FinishReason.ERROR and their blocks go back; a failure nobody can be blamed for finishes
 that step's requests. Either way the engine stays usable.
-
-Engine is three files: this one (construction, the step loop, the forward pass and its
-isolation), admission.py (add_request, abort, stream) and appending.py (append, stop checks,
-finishing; the fast lane of plain decodes).
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import logging
-import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,21 +42,24 @@ from ..model import LlamaModel, Tokenizer
 from ..ops.shadow import ShadowDivergence, ShadowReport
 from ..parallel import TensorParallelError
 from .admission import Admission
-from .appending import Appending
 from .block_pool import BlockPool
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
+from .forward import IsolatingForward
 from .kernel_policy import decode_graphs, piecewise_graphs
 from .kv_budget import allocate_kv_cache, kv_cache_blocks, release_device_memory
+from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput, TokenDeltas
-from .overlap import Overlap
-from .request import FinishReason, Request
-from .runner import ModelRunner, StepResult
+from .overlap import InFlight, Overlap
+from .request import FinishReason, Request, RequestStatus
+from .runner import ModelRunner
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from .speculative import Proposal, load_draft, make_proposer
+from .speculative import load_draft, make_proposer
+from .speculative.speculation import Speculation
 from .trace import Tracer
 
-log = logging.getLogger("pagedkern.engine")
+if TYPE_CHECKING:
+    from .sampling_params import SamplingParams
+    from .structured_output import CompiledGrammar
 
 
 def pick_device(backend: str) -> torch.device:
@@ -69,7 +73,7 @@ def pick_device(backend: str) -> torch.device:
     return torch.device("cuda" if gpu else "cpu")
 
 
-class Engine(Admission, Appending):
+class Engine:
     def __init__(
         self,
         model: LlamaModel,
@@ -81,7 +85,6 @@ class Engine(Admission, Appending):
         self.owns_model = False  # from_config loaded it: close() frees its weights
         self.tokenizer = tokenizer
         self.config = config
-        self.tracer = tracer
         # The op backend is this engine's setting, applied around its own forward passes (a
         # context variable), never flipped for the whole process.
         self.backend = config.backend
@@ -128,31 +131,63 @@ class Engine(Admission, Appending):
                 piecewise_tokens=config.max_num_batched_tokens if piecewise else None,
             )
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-        # async_scheduling: steps run on a worker thread, the next scheduled meanwhile
-        self.overlap = Overlap(self) if config.async_scheduling else None
         self.scheduler = Scheduler(
             self.pool, SchedulerConfig.from_engine(config, self.max_model_len)
         )
+        self.forward = IsolatingForward(self.runner, self.backend, self.shadow)
+        # async_scheduling: steps run on a worker thread, the next scheduled meanwhile
+        self.overlap = (
+            Overlap(self.runner, self.scheduler, self.backend) if config.async_scheduling else None
+        )
         with ops.use_backend(self.backend):
             self.proposer = make_proposer(config, self.kv_cache, draft)
-        self._spec_steps = self._spec_proposed = self._spec_accepted = 0
-        self.requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        # False: outputs carry token ids only, no text (the HTTP front end detokenizes; stop
-        # strings are then refused)
-        self.detokenize = True
-        # the HTTP core: plain decode tokens as two columns instead of RequestOutputs
-        self.token_deltas: TokenDeltas | None = None
-        self._stop_ids: dict[str, frozenset[int]] = {}  # ids that end the request (EOS too)
-        self._timed: dict[str, Request] = {}  # those with a timeout: the only ones step() scans
-        self._undelivered: list[RequestOutput] = []  # taken by stream() for other requests
-        # n > 1: samples waiting for their first request's prompt (they fork from its blocks)
-        self._forks: dict[Request, list[Request]] = {}
-        self._ids = itertools.count()
-        self._seeds = random.Random()
+        self.speculation = Speculation(config.speculative, self.backend)
+        clock = time.monotonic  # arrival, token and finish times (the `clock` property)
+        self.admission = Admission(tokenizer, self.vocab_size, clock)
+        self.output = OutputProcessor(
+            tokenizer, self.pool, self.max_model_len, self._release, clock, tracer
+        )
+        self.requests: dict[str, Request] = self.output.requests  # the running ones, by id
         self.iteration = 0
-        self._num_prompt_tokens = self._num_generated_tokens = self._num_finished = 0
-        self.clock = time.monotonic  # arrival, token and finish times; tests substitute it
+        self._num_prompt_tokens = 0
+
+    # Settings other layers change after construction (the HTTP core, the CLI's --trace,
+    # tests); each is held by the collaborator that uses it.
+    @property
+    def tracer(self) -> Tracer | None:
+        return self.output.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Tracer | None) -> None:
+        self.output.tracer = tracer
+
+    @property
+    def clock(self):
+        """Arrival, token and finish times (time.monotonic; tests substitute it)."""
+        return self.output.clock
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        self.output.clock = self.admission.clock = clock
+
+    @property
+    def detokenize(self) -> bool:
+        """False: outputs carry token ids only, no text (the HTTP front end detokenizes; stop
+        strings are then refused). Set it before adding requests."""
+        return self.admission.detokenize
+
+    @detokenize.setter
+    def detokenize(self, on: bool) -> None:
+        self.admission.detokenize = on
+
+    @property
+    def token_deltas(self) -> TokenDeltas | None:
+        """Set (the HTTP core): plain decode tokens come out as two columns, not outputs."""
+        return self.output.token_deltas
+
+    @token_deltas.setter
+    def token_deltas(self, deltas: TokenDeltas | None) -> None:
+        self.output.token_deltas = deltas
 
     @classmethod
     def from_config(cls, config: EngineConfig, tracer: Tracer | None = None) -> Engine:
@@ -189,16 +224,108 @@ class Engine(Admission, Appending):
             prefix_cache_queries=pool.prefix_queries,
             prefix_cache_hits=pool.prefix_hits,
             num_prompt_tokens=self._num_prompt_tokens,
-            num_generated_tokens=self._num_generated_tokens,
-            num_finished=self._num_finished,
+            num_generated_tokens=self.output.num_generated_tokens,
+            num_finished=self.output.num_finished,
             num_iterations=self.iteration,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
             speculative=self.config.speculative,
-            num_spec_steps=self._spec_steps,
-            num_spec_proposed=self._spec_proposed,
-            num_spec_accepted=self._spec_accepted,
+            num_spec_steps=self.speculation.num_steps,
+            num_spec_proposed=self.speculation.num_proposed,
+            num_spec_accepted=self.speculation.num_accepted,
         )
+
+    # --- requests in and out ------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Sequence[Mapping] | None = None,
+        prompt_ids: Sequence[int] | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        grammar: CompiledGrammar | None = None,
+    ) -> Request:
+        """Admit one request: raw prompt text, chat `messages` (rendered with the model's chat
+        template) or token ids (ints in [0, vocab size)). Raises ValueError naming the field
+        for bad input (ParameterTypeError, also a TypeError, for a wrong type) and
+        RequestRejected (a ValueError) for one that can never fit the context or the KV cache.
+        arrival_time (on `clock`'s scale): when the request really arrived, e.g. at an HTTP
+        server, for TTFT. grammar: params.response_format compiled already (e.g. on a
+        structured_output.GrammarCompilePool); None: compiled here, once (cached per schema).
+        With params.n > 1 the further samples are `<id>.1` ... and fork from its prompt."""
+        samples = self.admission.make(
+            prompt,
+            params,
+            messages=messages,
+            prompt_ids=prompt_ids,
+            request_id=request_id,
+            arrival_time=arrival_time,
+            grammar=grammar,
+            in_use=self.requests,
+        )
+        request = samples[0]
+        self.scheduler.add(request)
+        self.output.add(samples)
+        self._num_prompt_tokens += len(request.prompt_ids)
+        if self.tracer:
+            self.tracer.request_added(request)
+        return request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request (caller gone); its blocks return to the pool at once. An n > 1
+        request's id ends every sample still running, also once its first sample has ended
+        (their outputs go to the next step(), or pop_undelivered()); a sample's own id
+        (`<id>.<i>`) ends that sample alone. None: nothing of that id was running."""
+        output = self.output
+        request = self.requests.get(request_id)
+        samples = [
+            r for r in self.requests.values() if r.parent_id == request_id and r is not request
+        ]
+        output.undelivered += [output.finish(r, FinishReason.ABORT) for r in samples]
+        return None if request is None else output.finish(request, FinishReason.ABORT)
+
+    def pop_undelivered(self) -> list[RequestOutput]:
+        """Outputs produced outside step() (an aborted n > 1 request's other samples) that the
+        next step() would return: for a caller that may not step again."""
+        outputs, self.output.undelivered = self.output.undelivered, []
+        return outputs
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Sequence[Mapping] | None = None,
+        prompt_ids: Sequence[int] | None = None,
+        request_id: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield this request's outputs as they are produced. Other requests keep running in
+        the same steps; their outputs are kept for the next `step()` (or another stream), not
+        dropped. Closing the generator early cancels the request."""
+        request = self.add_request(
+            prompt, params, messages=messages, prompt_ids=prompt_ids, request_id=request_id
+        )
+        rid = request.request_id
+        try:
+            while True:
+                outputs = self.step()
+                mine = [o for o in outputs if o.request_id == rid]
+                self.output.undelivered += [o for o in outputs if o.request_id != rid]
+                if not mine and rid not in self.requests:
+                    return  # finished elsewhere (aborted by another caller)
+                for output in mine:
+                    yield output
+                    if output.finished:
+                        return
+        finally:
+            if rid in self.requests:
+                self.abort(rid)
+
+    def run_until_done(self) -> Iterator[RequestOutput]:
+        while self.has_unfinished or self.output.undelivered:
+            yield from self.step()
 
     # --- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -207,63 +334,59 @@ class Engine(Admission, Appending):
         TensorParallelError once a broken TP group has failed every request."""
         if self.broken is not None:
             raise self.broken
-        outputs, self._undelivered = self._undelivered, []
-        if self._timed:
-            now = self.clock()
-            outputs += [
-                self._finish(r, FinishReason.TIMEOUT)
-                for r in list(self._timed.values())
-                if now - r.arrival_time > r.params.timeout
-            ]
+        output = self.output
+        outputs = self.pop_undelivered()
+        output.expire(outputs)
         try:
             batch = self.scheduler.schedule()
         except Exception as exc:  # noqa: BLE001 - the scheduler's own fault: fail who it holds
-            self._fail_all(list(self.scheduler.running), exc, outputs)
-            if self.overlap is not None:
-                self.overlap.drain(outputs)
+            output.fail_all(self.scheduler.running, exc, outputs)
+            self._drain(outputs)
             return outputs
-        outputs += [self._fail(request, exc) for request, exc in batch.failed]
+        outputs += [output.fail(request, exc) for request, exc in batch.failed]
         if self.proposer is not None:
             for victim in batch.preempted:
                 self.proposer.forget(victim)
-        if self.overlap is not None:
-            self._step_overlapped(batch, outputs)
-            return outputs
-        if not batch:
-            return outputs
-        self.iteration += 1
-        try:
-            self._run(batch, outputs)
-        except TensorParallelError as exc:  # a rank is gone: nobody can be served any more
-            self.broken = exc
-            self._fail_all(list(self.requests.values()), exc, outputs)
-        except ShadowDivergence as exc:  # strict shadow mode: stop with the report
-            self._fail_all([request for request, _ in batch.entries], exc, outputs)
-            raise
-        except Exception as exc:  # noqa: BLE001 - not one request's fault: this step's fail
-            self._fail_all([request for request, _ in batch.entries], exc, outputs)
-        return outputs
-
-    def _step_overlapped(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
-        """async_scheduling: launch `batch`, then complete the step in flight
-        (engine/overlap.py); a failure nobody can be blamed for fails both steps' requests."""
         self.iteration += bool(batch)
         try:
-            self.overlap.step(batch, outputs)
-        except Exception as exc:  # noqa: BLE001 - not one request's fault: these steps' fail
-            self.overlap.in_flight = None  # with any token still pending: nothing will come
+            if self.overlap is not None:
+                self._step_overlapped(batch, outputs)
+            elif batch:
+                self._run(batch, outputs)
+        except Exception as exc:  # noqa: BLE001 - not one request's fault (see _step_failed)
+            self._step_failed(batch, exc, outputs)
+        return outputs
+
+    def _step_failed(
+        self, batch: ScheduledBatch, exc: Exception, outputs: list[RequestOutput]
+    ) -> None:
+        """A step failed where no request can be blamed: its requests fail (with
+        async_scheduling also those whose token was in flight: it will never come); a broken
+        tensor-parallel group fails every request; strict shadow mode re-raises its report."""
+        entries = [request for request, _ in batch.entries]
+        if self.overlap is not None:
+            self.overlap.take()
             stranded = [r for r in self.requests.values() if r.num_pending]
-            self._fail_all([request for request, _ in batch.entries] + stranded, exc, outputs)
+            self.output.fail_all(entries + stranded, exc, outputs)
+        elif isinstance(exc, TensorParallelError):  # a rank is gone: nobody can be served
+            self.broken = exc
+            self.output.fail_all(self.requests.values(), exc, outputs)
+        else:
+            self.output.fail_all(entries, exc, outputs)
+            if isinstance(exc, ShadowDivergence):
+                raise exc  # strict shadow mode: stop with the report
 
     def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
-        proposals = self._propose(batch)
+        """A synchronous step: propose, run the model, account the step, append."""
+        output = self.output
+        proposals = self.speculation.propose(self.proposer, batch) if batch.lookahead else {}
         if self.tracer:
             self.tracer.iteration(self.iteration, batch, self.pool)
-        waiting = self._forks
-        forks = {r: waiting[r] for r, _ in batch.entries if r in waiting} if waiting else {}
-        results, failures = self._forward(batch.entries, forks, proposals)
+        forking = output.forking
+        forks = {r: r.forks for r, _ in batch.entries if r in forking} if forking else {}
+        results, failures = self.forward(batch.entries, forks, proposals, self.iteration)
         if failures:
-            outputs += [self._fail(request, exc) for request, exc in failures]
+            outputs += [output.fail(request, exc) for request, exc in failures]
             failed = {request for request, _ in failures}
             done = ScheduledBatch([e for e in batch.entries if e[0] not in failed])
         else:
@@ -274,110 +397,62 @@ class Engine(Admission, Appending):
         tables = {r: len(r.block_table) for r in done.accepted}
         self.scheduler.on_step_done(done)  # the runner sampled exactly the requests it returns
         for request, accepted in done.accepted.items():
-            self._count_speculation(request, proposals.get(request), accepted, tables[request])
-        outputs += [self._fail(request, exc) for request, exc in done.failed]
+            proposal = proposals.get(request)
+            self.speculation.count(request, proposal, accepted, tables[request], self.tracer)
+        outputs += [output.fail(request, exc) for request, exc in done.failed]
         if forks:  # n > 1: prompts that completed now give their blocks to the other samples
-            sampled = {g[0] for result in results for g in result.gains()}
+            sampled = {request for result in results for request in result.requests}
             for leader in sampled & forks.keys():
                 if leader.request_id in self.requests:  # not failed meanwhile
-                    self._fork(leader, self._forks.pop(leader))
-        self._append_sampled(results, outputs)
+                    self._fork(leader, output.take_forks(leader))
+        output.append(results, outputs)
 
-    def _propose(self, batch: ScheduledBatch) -> dict[Request, Proposal]:
-        """Proposals for the requests that hold lookahead slots; each entry shrinks to 1 + the
-        proposal's length (the slots past it are given back after the step). A failing
-        proposer costs only the speedup: those requests decode as usual this step."""
-        if not batch.lookahead:
-            return {}
-        requests = list(batch.lookahead)
-        try:
-            with ops.use_backend(self.backend):
-                made = self.proposer.propose(requests, [batch.lookahead[r] for r in requests])
-        except Exception:  # noqa: BLE001 - speculation is an optimisation: decode instead
-            log.exception("the %s proposer failed; decoding without it", self.config.speculative)
-            for request in requests:
-                self.proposer.forget(request)
-            made = [Proposal(())] * len(requests)
-        proposals = {r: p for r, p in zip(requests, made, strict=True) if p.token_ids}
-        for r, p in proposals.items():  # a proposer past its slots: keep what fits
-            k = batch.lookahead[r]
-            if len(p.token_ids) > k:
-                log.warning("%s: %d proposals for %d slots", r.request_id, len(p.token_ids), k)
-                q = None if p.draft_probs is None else p.draft_probs[:k]
-                proposals[r] = Proposal(p.token_ids[:k], q)
-        batch.entries = [
-            (r, 1 + len(proposals[r].token_ids) if r in proposals else 1)
-            if r in batch.lookahead
-            else (r, n)
-            for r, n in batch.entries
-        ]
-        return proposals
+    def _step_overlapped(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
+        """async_scheduling: launch `batch` behind the step in flight, then complete that one;
+        a batch that may not overlap runs synchronously once the step in flight is done."""
+        overlap = self.overlap
+        previous = overlap.take()
+        if overlap.overlappable(batch):
+            if self.tracer:
+                self.tracer.iteration(self.iteration, batch, self.pool)
+            if overlap.launch(batch, previous, own_logits=self.tracer is not None):
+                if previous is not None:
+                    self._complete(previous, outputs)
+                return
+        if previous is not None and not self._complete(previous, outputs):
+            return  # rolled back: the next step (synchronous) schedules afresh
+        batch.entries = [e for e in batch.entries if e[0].status is RequestStatus.RUNNING]
+        if batch:  # minus those that ended with the step before
+            self._run(batch, outputs)
 
-    def _count_speculation(
-        self, request: Request, proposal: Proposal | None, accepted: tuple, table: int
-    ) -> None:
-        """Stats and the trace line of one verified request."""
-        proposed = () if proposal is None else proposal.token_ids
-        if proposed:
-            self._spec_steps += 1
-            self._spec_proposed += len(proposed)
-            self._spec_accepted += len(accepted)
-        if self.tracer and proposed:
-            freed = table - len(request.block_table)
-            self.tracer.speculated(
-                request, proposed, accepted, len(proposed) - len(accepted), freed
-            )
+    def _complete(self, step: InFlight, outputs: list[RequestOutput]) -> bool:
+        """Wait for an overlapped step and append its ids; False: it failed (rolled back)."""
+        result, failures = self.overlap.complete(step)
+        outputs += [self.output.fail(request, exc) for request, exc in failures]
+        if result is not None:
+            self.output.append([result], outputs)
+        return result is not None
+
+    def _drain(self, outputs: list[RequestOutput]) -> None:
+        """Complete the step in flight, if any."""
+        previous = None if self.overlap is None else self.overlap.take()
+        if previous is not None:
+            self._complete(previous, outputs)
 
     def _fork(self, leader: Request, samples: list[Request]) -> None:
         """n > 1: the further samples take the first's prompt KV (Scheduler.fork); the K/V of
         a partial last block is copied into each sample's own block."""
         data = self.kv_cache.data
         for sample in samples:
-            if sample.request_id in self.requests:
-                copy = self.scheduler.fork(leader, sample)
-                if copy is not None:
-                    data[:, :, copy[1]] = data[:, :, copy[0]]
+            copy = self.scheduler.fork(leader, sample)
+            if copy is not None:
+                data[:, :, copy[1]] = data[:, :, copy[0]]
 
-    def _forward(
-        self,
-        entries: list[tuple[Request, int]],
-        forks: dict[Request, list[Request]] | None = None,
-        proposals: dict[Request, Proposal] | None = None,
-    ) -> tuple[list[StepResult], list[tuple[Request, Exception]]]:
-        """Run the batch: its StepResult (one per request run alone after a failure), and
-        (request, error) for those that failed. When the batch fails, each request runs alone
-        to find who is at fault (rewriting the same K/V slots and redrawing the same seeded
-        samples is harmless), so one bad request does not fail its neighbours."""
-        with ops.use_backend(self.backend), self._shadowed():
-            try:
-                return [self._run_model(entries, forks, proposals)], []
-            except (TensorParallelError, ShadowDivergence):
-                raise  # not a request's fault (ranks out of step; strict shadow): no retries
-            except Exception as exc:  # noqa: BLE001 - isolated below
-                if len(entries) == 1:
-                    return [], [(entries[0][0], exc)]
-                log.warning("a batch of %d failed (%r); retrying each alone", len(entries), exc)
-            results, failures = [], []
-            for entry in entries:
-                try:
-                    results.append(self._run_model([entry], forks, proposals))
-                except Exception as exc:  # noqa: BLE001 - this request's fault
-                    failures.append((entry[0], exc))
-            return results, failures
-
-    def _shadowed(self):
-        """Shadow mode: this step's op calls are checked against their references."""
-        if self.shadow is None:
-            return contextlib.nullcontext()
-        return self.shadow.active(self.iteration)
-
-    def _run_model(self, entries, forks, proposals) -> StepResult:
-        """runner.run, given `proposals` only in a speculative step (a plain step's call is the
-        two-argument one that tests substitute)."""
-        if not proposals:
-            return self.runner.run(entries, forks)
-        mine = {entry[0]: proposals[entry[0]] for entry in entries if entry[0] in proposals}
-        return self.runner.run(entries, forks, mine)
+    def _release(self, request: Request) -> None:
+        """A finished request's blocks and proposer state go back (OutputProcessor.finish)."""
+        if self.proposer is not None:
+            self.proposer.forget(request)
+        self.scheduler.finish(request)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at TP = 1) and the async_scheduling
@@ -395,7 +470,3 @@ class Engine(Admission, Appending):
                 owned,
                 self.runner.graphs,
             )
-
-    def run_until_done(self) -> Iterator[RequestOutput]:
-        while self.has_unfinished or self._undelivered:
-            yield from self.step()

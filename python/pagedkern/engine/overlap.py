@@ -34,8 +34,13 @@ as without overlap. Speculative decoding and tensor parallelism are refused with
 
 Failures: a launch that fails (layout) falls back to a synchronous step. A step that fails on
 the worker (the one after it fails with it) is rolled back (computed tokens and pending counts
-of both) and the next step runs synchronously, where Engine._forward's per-request isolation
-pins the failure on whoever caused it.
+of both) and the next step runs synchronously, where the engine's per-request isolation pins
+the failure on whoever caused it.
+
+The engine drives it through four calls: `take` (detach the step in flight), `overlappable`,
+`launch` (hand a batch to the worker) and `complete` (wait for a step's ids); it appends the
+ids itself, as after a synchronous step. `Overlap` knows the runner and the scheduler, not the
+engine.
 """
 
 from __future__ import annotations
@@ -43,26 +48,13 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .. import ops
 from .request import Request, RequestStatus
 from .runner import ModelRunner, PreparedStep, StepResult
-from .scheduler import ScheduledBatch
-
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .outputs import RequestOutput
+from .scheduler import ScheduledBatch, Scheduler
 
 log = logging.getLogger("pagedkern.engine")
-
-
-def needs_sync(request: Request) -> bool:
-    """Whether the request's next step needs host state from the token before it."""
-    state, params = request.logits_state, request.params
-    history = state is not None and (state.penalised or state.multi_word)
-    prompt = state is not None and state.prompt_logprobs is not None
-    return bool(request.grammar is not None or history or params.min_tokens or prompt)
 
 
 @dataclass(slots=True, eq=False)
@@ -100,68 +92,57 @@ class StepWorker:
 
 
 class Overlap:
-    """The engine's overlapped step: launch the new batch, then complete the one in flight."""
+    """The engine's overlapped steps: the worker, the step in flight and its bookkeeping."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.worker = StepWorker(engine.runner, engine.backend)
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, backend: str):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.worker = StepWorker(runner, backend)
         self.in_flight: InFlight | None = None
         self.sync_next = False  # after a failed step: one synchronous step isolates it
         self.num_overlapped = 0  # steps launched while another was in flight (tests, bench)
 
-    def step(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
-        """Run `batch` (maybe empty) overlapped with the step in flight, or synchronously."""
-        previous, self.in_flight = self.in_flight, None
-        if batch and not self.sync_next and self._overlappable(batch):
-            try:
-                self.in_flight = self._launch(batch, previous)
-            except Exception:  # noqa: BLE001 - e.g. a bad layout: the synchronous path isolates it
-                log.warning(
-                    "launching an overlapped step failed; running it synchronously", exc_info=True
-                )
-            else:
-                self.num_overlapped += previous is not None
-                if previous is not None:
-                    self._complete(previous, outputs)
-                return
-        self.sync_next = False
-        if previous is not None and not self._complete(previous, outputs):
-            return  # rolled back: the next step (synchronous) schedules afresh
-        batch.entries = [e for e in batch.entries if e[0].status is RequestStatus.RUNNING]
-        if batch:  # minus those that ended with the step before
-            self.engine._run(batch, outputs)
+    def take(self) -> InFlight | None:
+        """The step in flight, detached (the caller completes it, or drops it)."""
+        step, self.in_flight = self.in_flight, None
+        return step
 
-    def drain(self, outputs: list[RequestOutput]) -> None:
-        """Complete the step in flight, if any."""
-        previous, self.in_flight = self.in_flight, None
-        if previous is not None:
-            self._complete(previous, outputs)
+    def overlappable(self, batch: ScheduledBatch) -> bool:
+        """Whether `batch` may run behind the step in flight; False (the synchronous path)
+        also for the one step after a failure."""
+        if self.sync_next or not batch:
+            self.sync_next = False
+            return False
+        return not any(r.needs_sync or r.forks for r, _ in batch.entries)
 
-    def close(self) -> None:
-        self.worker.close()
-
-    def _overlappable(self, batch: ScheduledBatch) -> bool:
-        forks = self.engine._forks
-        return not any(r.needs_sync or (forks and r in forks) for r, _ in batch.entries)
-
-    def _launch(self, batch: ScheduledBatch, previous: InFlight | None) -> InFlight:
-        engine = self.engine
-        if engine.tracer:
-            engine.tracer.iteration(engine.iteration, batch, engine.pool)
-        pending = {} if previous is None else previous.rows
-        step = engine.runner.prepare(batch.entries, pending=pending)
-        step.own_logits = engine.tracer is not None  # traced after the next step has run
-        future = self.worker.submit(step, previous)
-        advanced = engine.scheduler.on_step_launched(batch)
-        requests, _ = step.sample_requests()
+    def launch(
+        self, batch: ScheduledBatch, previous: InFlight | None, own_logits: bool = False
+    ) -> InFlight | None:
+        """Hand `batch` to the worker behind `previous` (whose sampled ids fill its
+        placeholders); it becomes the step in flight. None: the launch failed (the caller runs
+        the batch synchronously). own_logits: copy the logits (a tracer reads them late)."""
+        try:
+            pending = {} if previous is None else previous.rows
+            step = self.runner.prepare(batch.entries, pending=pending)
+            step.own_logits = own_logits
+            future = self.worker.submit(step, previous)
+            advanced = self.scheduler.on_step_launched(batch)
+            requests, _ = step.sample_requests()
+        except Exception:  # noqa: BLE001 - e.g. a bad layout: the synchronous path isolates it
+            log.warning(
+                "launching an overlapped step failed; running it synchronously", exc_info=True
+            )
+            return None
         for request in requests:
             request.num_pending += 1
-        return InFlight(batch, future, advanced, {r: j for j, r in enumerate(requests)})
+        self.in_flight = InFlight(batch, future, advanced, {r: j for j, r in enumerate(requests)})
+        self.num_overlapped += previous is not None
+        return self.in_flight
 
-    def _complete(self, step: InFlight, outputs: list[RequestOutput]) -> bool:
-        """Wait for the step's ids and append them (Engine._run's second half); False when
-        it failed and was rolled back with the step after it."""
-        engine = self.engine
+    def complete(self, step: InFlight) -> tuple[StepResult | None, list[tuple[Request, Exception]]]:
+        """Wait for the step's ids: its StepResult (to append) and the requests whose own
+        block hashing failed; None when the step failed and was rolled back with the step
+        after it (the next step runs synchronously)."""
         try:
             result = step.future.result()
         except Exception as exc:  # noqa: BLE001 - isolated by the synchronous rerun
@@ -171,17 +152,20 @@ class Overlap:
                 self.in_flight = None
             self._abandon(step)
             self.sync_next = True
-            return False
+            return None, []
         for request in step.rows:
             request.num_pending -= 1
+        failures = []
         for request, before, after in step.advanced:
             if request.status is RequestStatus.RUNNING:  # not ended or preempted meanwhile
                 try:
-                    engine.scheduler.register_computed(request, before, after)
+                    self.scheduler.register_computed(request, before, after)
                 except Exception as exc:  # noqa: BLE001 - its own hashing: it fails alone
-                    outputs.append(engine._fail(request, exc))
-        engine._append_sampled([result], outputs)
-        return True
+                    failures.append((request, exc))
+        return result, failures
+
+    def close(self) -> None:
+        self.worker.close()
 
     @staticmethod
     def _abandon(step: InFlight) -> None:

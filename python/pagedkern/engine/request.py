@@ -1,5 +1,7 @@
 """A request as the engine sees it: a sequence state that every stage reads and writes
-(the reference document's R42: ids, block table, computed tokens, status, timestamps)."""
+(the reference document's R42: ids, block table, computed tokens, status, timestamps), and
+everything the engine keeps per request: its stop ids, detokenizer, deadline, logits state,
+grammar and, for the first sample of an n > 1 request, the samples waiting for its prompt."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from .detokenizer import IncrementalDetokenizer
     from .logits_processing import LogitsState
     from .structured_output import GrammarMatcher
 
@@ -62,6 +65,18 @@ class Request:
     grammar: GrammarMatcher | None = None  # structured output
     sample_index: int = 0  # n > 1: which sample of the parent request
     parent_id: str | None = None
+    # n > 1, the first sample: the other samples, waiting for its prompt's KV to fork from
+    forks: list[Request] | None = None
+    stop_ids: frozenset[int] = frozenset()  # token ids that end it (EOS unless ignore_eos)
+    # None: outputs carry ids only (the HTTP front end detokenizes and matches stop strings)
+    detokenizer: IncrementalDetokenizer | None = None
+    deadline: float | None = None  # params.timeout after arrival, on the engine clock's scale
+    # Set by the engine at admission, so the append loop checks one number and one flag per
+    # token: the output length that ends it (max_tokens, or the context if that comes first),
+    # and whether its plain decode tokens may leave as TokenDeltas columns (no logprobs, no
+    # grammar, not a sample of an n > 1 request).
+    output_limit: int = 0
+    columnar: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_ids = tuple(self.prompt_ids)
