@@ -104,3 +104,20 @@ def test_the_support_table_marks_both_attention_ops():
     for op in ("paged_attention", "flash_prefill"):
         assert not window[op].supported and "sliding window" in window[op].reason
     assert window["rms_norm"].supported
+
+
+def test_the_engine_policy_turns_decode_graphs_off_for_a_windowed_model(monkeypatch):
+    from pagedkern.engine.kernel_policy import decode_graphs
+
+    monkeypatch.setattr(launch, "_warned", set())
+    gpu = dict(device_type="cuda", dtype="bfloat16", head_dim=128, block_size=16, vocab=1000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        on = decode_graphs(backend="auto", requested=None, **gpu, attention={"soft_cap": 50.0})
+    assert on is False
+    assert any("CUDA graphs are off" in str(w.message) for w in caught)
+    with pytest.raises(ValueError, match="logit soft-capping"):
+        decode_graphs(backend="cuda", requested=None, **gpu, attention={"soft_cap": 50.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert decode_graphs(backend="auto", requested=None, **gpu, attention={}) is True

@@ -101,6 +101,7 @@ class Engine:
             vocab=model.config.vocab_size,
             requested=config.cuda_graphs,
             kv_cache_dtype=model.kv_cache_dtype,
+            attention=model.config.attention_options(),
         )
         graphs = graphs and model.tp.size == 1  # TP steps broadcast and all-reduce: no graphs
         # shadow mode checks each op call on the host: every step runs eagerly, through ops

@@ -37,9 +37,11 @@ def decode_graphs(
     vocab: int,
     requested: bool | None,
     kv_cache_dtype: str = "auto",
+    attention: dict | None = None,
 ) -> bool:
     """Whether to capture decode CUDA graphs; raises ValueError where the configuration cannot
-    run as asked (see the module docstring)."""
+    run as asked (see the module docstring). attention: the attention options the model's
+    layers use (ModelConfig.attention_options), which no kernel has yet."""
     on_gpu = device_type == "cuda"
     if backend == "cuda" and not on_gpu:
         raise ValueError(
@@ -53,7 +55,7 @@ def decode_graphs(
             )
         return bool(requested)
     kv_dtype = support.FP8_KV_DTYPE if kv_cache_dtype == "fp8" else None
-    decisions = support.model_support(dtype, head_dim, block_size, vocab, kv_dtype)
+    decisions = support.model_support(dtype, head_dim, block_size, vocab, kv_dtype, attention)
     missing = {op: d.reason for op, d in decisions.items() if not d.supported}
     if backend == "cuda" and missing:
         raise ValueError(
