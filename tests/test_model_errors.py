@@ -122,8 +122,7 @@ def test_config_missing_key(tmp_path):
         ("gpt2", {}),
         ("qwen3_moe", {}),
         ("llama", {"hidden_act": "gelu"}),
-        ("mistral", {"sliding_window": 4096}),
-        ("qwen2", {"sliding_window": 4096, "use_sliding_window": True}),
+        ("llama", {"sliding_window": 4096}),  # transformers' Llama has none: not ignored
         ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
     ],
 )
@@ -132,6 +131,19 @@ def test_unsupported_architecture(tmp_path, model_type, extra):
     err = load_error(hf_folder(tmp_path, config))
     assert err.source.endswith("config.json")
     assert "unsupported" in err.problem
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [
+        ("mistral", {"sliding_window": 0}),
+        ("qwen2", {"sliding_window": -4, "use_sliding_window": True}),
+        ("mistral", {"sliding_window": 2.5}),
+    ],
+)
+def test_a_bad_sliding_window_names_the_key(tmp_path, model_type, extra):
+    err = load_error(hf_folder(tmp_path, {**CONFIG, "model_type": model_type, **extra}))
+    assert "sliding_window" in err.problem
 
 
 def test_no_weights(tmp_path):

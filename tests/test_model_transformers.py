@@ -187,3 +187,37 @@ def test_the_gguf_llama_cpp_writes_equals_transformers(saved, tmp_path, monkeypa
     got = all_logits(model, PROMPT).double()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     assert model.config.qk_norm == (arch == "qwen3")
+
+
+def _mistral(**changes):
+    return transformers.MistralConfig(**{**COMMON, "head_dim": 16, "sliding_window": 6, **changes})
+
+
+def _qwen2_sliding(**changes):
+    config = dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    return transformers.Qwen2Config(**{**COMMON, **config, **changes})  # layers 1, 2 windowed
+
+
+@pytest.mark.parametrize(
+    "make_config, model_class",
+    [(_mistral, "MistralForCausalLM"), (_qwen2_sliding, "Qwen2ForCausalLM")],
+    ids=["mistral", "qwen2"],
+)
+def test_sliding_window_llama_family_equals_transformers(tmp_path, make_config, model_class):
+    # Mistral's window on every layer, Qwen2's from max_window_layers on: prefill and decode
+    # logits (each step through paged_attention) against transformers', whose logits the
+    # window changes.
+    from test_model_gemma import _decode_logits, _relative
+
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_class)(make_config()).float().eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    write_tokenizer(tmp_path)
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    assert model.config.sliding_window == 6
+    tokens, want = _hf_greedy(hf, PROMPT, 8)
+    got = _decode_logits(model, PROMPT, tokens[:-1]).double()
+    assert max(_relative(g, w) for g, w in zip(got, want.double(), strict=True)) < 1e-5
+    torch.manual_seed(0)
+    full = getattr(transformers, model_class)(make_config(sliding_window=1000)).float().eval()
+    assert _relative(_hf_greedy(full, PROMPT, 8)[1], want.double()) > 1e-2

@@ -289,6 +289,39 @@ def _gemma_fields(raw: dict[str, Any], model_type: str, source: str) -> dict[str
     )
 
 
+def _llama_windows(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Sliding windows of the Llama family as transformers applies them: Mistral's
+    sliding_window on every layer; Qwen2 / Qwen3's only with use_sliding_window, on the layers
+    layer_types names (by default those from max_window_layers on); Llama has none (a
+    sliding_window in its config is refused, not ignored)."""
+    model_type, archs = raw.get("model_type"), raw.get("architectures") or []
+    layers = int(raw["num_hidden_layers"])
+    if model_type in ("qwen2", "qwen3") or {"Qwen2ForCausalLM", "Qwen3ForCausalLM"} & set(archs):
+        if not raw.get("use_sliding_window"):
+            return {}
+        window = _positive(raw, "sliding_window", source, int)
+        types = raw.get("layer_types")
+        if types is None:
+            first = int(raw.get("max_window_layers", 28))
+            types = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    elif model_type == "mistral" or "MistralForCausalLM" in archs:
+        window = _positive(raw, "sliding_window", source, int)
+        types = ["sliding_attention"] * layers
+    else:
+        if raw.get("sliding_window"):
+            raise ModelLoadError(
+                source, f"unsupported: sliding_window in a {model_type or 'Llama'} config"
+            )
+        return {}
+    if not isinstance(types, list) or len(types) != layers or set(types) - set(_LAYER_TYPES):
+        raise ModelLoadError(
+            source, "layer_types must list 'sliding_attention' or 'full_attention' per layer"
+        )
+    if window is None or "sliding_attention" not in types:
+        return {}
+    return dict(sliding_window=window, layer_types=tuple(_LAYER_TYPES[t] for t in types))
+
+
 def hf_norm_offset(raw: dict[str, Any]) -> float:
     """What the HF checkpoint's norm weights lack: 1 for Gemma's (it scales by 1 + w)."""
     archs = raw.get("architectures") or []
@@ -318,11 +351,6 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
             f"unsupported architecture {what!r} (supported: Llama, Qwen2, Qwen3, Mistral-style "
             "decoders, Gemma 2, Gemma 3 text)",
         )
-    # Qwen configs carry a sliding_window that only applies with use_sliding_window.
-    qwen = model_type in ("qwen2", "qwen3")
-    sliding = raw.get("use_sliding_window") if qwen else raw.get("sliding_window")
-    if sliding:
-        raise ModelLoadError(source, "unsupported: sliding-window attention")
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(source, f"unsupported activation {raw['hidden_act']!r}")
     return _config_from_hf(raw, source, None)
@@ -357,6 +385,8 @@ def _config_from_hf(raw: dict[str, Any], source: str, gemma: str | None) -> Mode
         )
         if gemma is not None:
             fields.update(_gemma_fields(raw, gemma, source))
+        else:
+            fields.update(_llama_windows(raw, source))
         return ModelConfig(**fields)
     except KeyError as exc:
         raise ModelLoadError(source, f"config.json lacks {exc.args[0]!r}") from None
