@@ -211,6 +211,24 @@ def test_a_prefix_cache_hit_changes_nothing(saved):
     assert engine.pool.prefix_hits > 0
 
 
+def test_preemption_and_batching_change_nothing(saved):
+    # Four sequences in a pool that holds two: preempted, recomputed (their prompts and
+    # generated tokens prefilled again, past the window), batched with each other.
+    folder, hf = saved
+    prompts = [PROMPT[i:] + PROMPT[:i] for i in (0, 3, 7, 11)]
+    want = [_hf_greedy(hf, p, 12)[0] for p in prompts]
+    engine = Engine.from_config(
+        EngineConfig(model=str(folder), backend="reference", num_blocks=18, block_size=4)
+    )
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    requests = [engine.add_request(prompt_ids=p, params=params) for p in prompts]
+    got: dict[str, list[int]] = {}
+    for output in engine.run_until_done():
+        got.setdefault(output.request_id, []).extend(output.token_ids)
+    assert [got[r.request_id] for r in requests] == want
+    assert sum(r.num_preemptions for r in requests) > 0
+
+
 def _write(folder, arch: str, **changes) -> None:
     _hf_model(arch).save_pretrained(folder, safe_serialization=True)
     write_tokenizer(folder)
