@@ -29,7 +29,7 @@ from test_tensor_parallel_lifecycle import wait_gone
 
 from pagedkern.engine import EngineConfig, FinishReason, SamplingParams
 from pagedkern.engine.outputs import TokenLogprob
-from pagedkern.parallel.group import available_cores
+from pagedkern.processes import available_cores
 from pagedkern.serving.cli import args as cli_args
 from pagedkern.serving.core import channel, engine_core
 from pagedkern.serving.core.engine_client import EngineClient

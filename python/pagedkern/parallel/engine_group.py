@@ -5,7 +5,8 @@ from __future__ import annotations
 import atexit
 import sys
 
-from .group import TPGroup, launched_by_launcher
+from ..processes import launched_by_launcher
+from .group import TPGroup
 from .shard import TensorParallelConfigError, check_tp_size
 
 

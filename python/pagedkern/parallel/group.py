@@ -18,10 +18,8 @@ rank 0: PR_SET_PDEATHSIG plus a parent-pid watch, and a broken collective ends t
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +30,7 @@ from datetime import timedelta
 import torch
 
 from ..model.attention_metadata import AttentionMetadata, BatchLayout, unpack_batch
+from ..processes import available_cores, launched_by_launcher
 from .context import TPContext
 
 log = logging.getLogger("pagedkern.parallel")
@@ -39,32 +38,16 @@ log = logging.getLogger("pagedkern.parallel")
 STARTUP_TIMEOUT_S = 120  # process-group rendezvous, model loading on every rank
 HEADER = 10  # int64s: kind, T, B, width, logits rows, prefills, prefill tokens, max q, max seq, lm
 STOP, STEP, SEND_KV = 0, 1, 2  # header kinds; SEND_KV: gather every rank's KV cache (tests)
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
 class TensorParallelError(RuntimeError):
     """The tensor-parallel group broke (a rank exited or a collective failed): fatal."""
 
 
-def launched_by_launcher() -> bool:
-    return all(name in os.environ for name in LAUNCHER_ENV)
-
-
-def launcher_rank() -> int:
-    """This process's rank when a launcher (torchrun) started it, else 0."""
-    return int(os.environ["RANK"]) if launched_by_launcher() else 0
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its affinity mask, where the OS has one)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cores or 1
 
 
 def split_cpu_threads(size: int) -> None:
@@ -321,23 +304,3 @@ class TPGroup(TPContext):
 
 def _rank_device(device: torch.device, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if device.type == "cuda" else device
-
-
-def die_with_parent(parent: int | None = None) -> None:
-    """A worker: SIGKILL when the parent exits (Linux prctl: fires when the thread that spawned
-    it exits, so rank 0 spawns from its main thread), and a watch on the parent pid for where
-    prctl is unavailable."""
-    parent = os.getppid() if parent is None else parent
-    with contextlib.suppress(Exception):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # already gone before prctl took effect
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            threading.Event().wait(1.0)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -16,7 +16,8 @@ import sys
 import torch
 
 from .. import ops
-from .group import SEND_KV, STOP, TPGroup, die_with_parent, launched_by_launcher
+from ..processes import die_with_parent, launched_by_launcher
+from .group import SEND_KV, STOP, TPGroup
 
 log = logging.getLogger("pagedkern.parallel.worker")
 

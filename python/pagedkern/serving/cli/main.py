@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ...engine import Engine, FinishReason, RequestOutput, SamplingParams, ShadowDivergence
-from ...parallel.group import launcher_rank
+from ...processes import launcher_rank
 from . import args as cli_args
 from .args import INT32, INT64, PROG
 

@@ -50,7 +50,7 @@ import torch
 from ...engine import Engine, EngineConfig, RequestOutput, RequestRejected, SamplingParams
 from ...engine.outputs import TokenDeltas
 from ...engine.structured_output import GrammarCompilePool, PendingGrammar
-from ...parallel.group import available_cores
+from ...processes import available_cores
 from .channel import Channel
 from .messages import (
     Abort,
@@ -368,7 +368,7 @@ def core_process(
 ) -> None:
     """The engine core process (multiprocessing spawn target): load the engine, hand the
     front end its tokenizer (saved into tokenizer_dir) and Ready, serve until told to stop."""
-    from ...parallel.group import die_with_parent
+    from ...processes import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     die_with_parent()
