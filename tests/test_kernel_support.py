@@ -14,8 +14,7 @@ import torch
 from fake_cuda_array import FakeCudaArray
 
 import pagedkern
-from pagedkern.engine import Engine, EngineConfig
-from pagedkern.engine import engine as engine_module
+from pagedkern.engine import Engine, EngineConfig, kernel_policy
 from pagedkern.engine.kernel_policy import decode_graphs
 from pagedkern.ops import launch, support
 from pagedkern.ops.support import KernelUnsupportedError
@@ -182,7 +181,7 @@ def test_the_engine_consults_the_policy_at_start(monkeypatch):
         calls.append(kwargs)
         return False
 
-    monkeypatch.setattr(engine_module, "decode_graphs", spy)
+    monkeypatch.setattr(kernel_policy, "decode_graphs", spy)  # step_graphs calls it
     config = EngineConfig(model="synthetic:tiny", backend="reference", num_blocks=64, block_size=8)
     engine = Engine.from_config(config)
     assert engine.runner.graphs is None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from .detokenizer import IncrementalDetokenizer
@@ -36,10 +36,9 @@ class Admission:
     outputs carry token ids only (the HTTP front end detokenizes): stop strings are refused
     and requests get no detokenizer."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, clock: Callable[[], float]):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.clock = clock
         self.detokenize = True
         self._ids = itertools.count()
         self._seeds = random.Random()
@@ -52,7 +51,7 @@ class Admission:
         messages: Sequence[Mapping] | None,
         prompt_ids: Sequence[int] | None,
         request_id: str | None,
-        arrival_time: float | None,
+        arrival_time: float,
         grammar: CompiledGrammar | None,
         in_use: Container[str],
     ) -> list[Request]:
@@ -66,8 +65,7 @@ class Admission:
             raise ValueError("give exactly one of prompt, messages, prompt_ids")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ParameterTypeError(f"request_id must be a non-empty string, got {request_id!r}")
-        if arrival_time is not None:
-            check_number("arrival_time", arrival_time)
+        check_number("arrival_time", arrival_time)
         if messages is not None:
             messages = check_messages(messages)
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -95,10 +93,9 @@ class Admission:
             raise ValueError(f"request id {request_id!r} is already in use")
         grammars = self._grammars(params, grammar)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        arrival = self.clock() if arrival_time is None else arrival_time
         eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
         stop_ids = frozenset(params.stop_token_ids).union(eos)
-        deadline = None if params.timeout is None else arrival + params.timeout
+        deadline = None if params.timeout is None else arrival_time + params.timeout
         samples = []
         for i, rid in enumerate(ids):
             sample = Request(
@@ -108,7 +105,7 @@ class Admission:
                 messages=messages,
                 prompt_text=prompt,
                 seed=(seed + i + 2**63) % 2**64 - 2**63,  # sample i: its own seed stream
-                arrival_time=arrival,
+                arrival_time=arrival_time,
                 sample_index=i,
                 parent_id=request_id if params.n > 1 else None,
                 grammar=grammars[i],

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import envs, ops
-from .._extension import cuda_available, cuda_unavailable_reason
 from ..model import LlamaModel, Tokenizer
 from ..ops.shadow import ShadowDivergence, ShadowReport
 from ..parallel import TensorParallelError
@@ -45,10 +44,10 @@ from .admission import Admission
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .forward import IsolatingForward
-from .kernel_policy import decode_graphs, piecewise_graphs
+from .kernel_policy import pick_device, step_graphs
 from .kv_budget import allocate_kv_cache, kv_cache_blocks, release_device_memory
 from .output_processor import OutputProcessor
-from .outputs import EngineStats, RequestOutput, TokenDeltas
+from .outputs import EngineStats, RequestOutput
 from .overlap import InFlight, Overlap
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
@@ -62,15 +61,16 @@ if TYPE_CHECKING:
     from .structured_output import CompiledGrammar
 
 
-def pick_device(backend: str) -> torch.device:
-    """The device a backend runs on; "cuda" without a usable GPU is an error that says why."""
-    gpu = torch.cuda.is_available()
-    if backend == "cuda" and not (gpu and cuda_available()):
-        reason = cuda_unavailable_reason() or "torch sees no CUDA device"
-        raise RuntimeError(f"--backend cuda needs a GPU and the kernels: {reason}")
-    if backend == "auto" and gpu and not cuda_available():
-        return torch.device("cpu")  # a GPU without our kernels: stay on the CPU reference
-    return torch.device("cuda" if gpu else "cpu")
+def _setting(holder: str, name: str, doc: str) -> property:
+    """An engine attribute that is the `holder` collaborator's own."""
+
+    def get(engine: Engine):
+        return getattr(getattr(engine, holder), name)
+
+    def set_(engine: Engine, value) -> None:
+        setattr(getattr(engine, holder), name, value)
+
+    return property(get, set_, doc=doc)
 
 
 class Engine:
@@ -90,27 +90,12 @@ class Engine:
         self.backend = config.backend
         self.vocab_size = model.config.vocab_size
         context = min(config.max_model_len or model.max_positions, model.max_positions)
-        # On by default where the kernels run on a GPU; refused or off (with a warning) where a
-        # kernel does not cover this model and cache (engine/kernel_policy.py).
-        graphs = decode_graphs(
-            device_type=model.device.type,
-            backend=self.backend,
-            dtype=str(model.dtype).removeprefix("torch."),
-            head_dim=model.config.head_dim,
-            block_size=config.block_size,
-            vocab=model.config.vocab_size,
-            requested=config.cuda_graphs,
-            kv_cache_dtype=model.kv_cache_dtype,
-            attention=model.config.attention_options(),
-        )
-        graphs = graphs and model.tp.size == 1  # TP steps broadcast and all-reduce: no graphs
         # shadow mode checks each op call on the host: every step runs eagerly, through ops
         shadow = config.shadow or envs.get("PAGEDKERN_SHADOW")
         self.shadow = None if shadow == "off" else ShadowReport(shadow == "strict")
         if self.shadow is not None:
-            graphs = False
             model.fast_cpu_decode = False
-        piecewise = piecewise_graphs(decode_graphs=graphs, requested=config.piecewise_cuda_graphs)
+        graphs, piecewise = step_graphs(model, config, shadowed=self.shadow is not None)
         self.broken: TensorParallelError | None = None  # the TP group failed: nothing runs
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
             draft = load_draft(config, model)  # its weights and KV cache count in the budget
@@ -143,52 +128,29 @@ class Engine:
         with ops.use_backend(self.backend):
             self.proposer = make_proposer(config, self.kv_cache, draft)
         self.speculation = Speculation(config.speculative, self.backend)
-        clock = time.monotonic  # arrival, token and finish times (the `clock` property)
-        self.admission = Admission(tokenizer, self.vocab_size, clock)
+        self.admission = Admission(tokenizer, self.vocab_size)
         self.output = OutputProcessor(
-            tokenizer, self.pool, self.max_model_len, self._release, clock, tracer
+            tokenizer, self.pool, self.max_model_len, self._release, time.monotonic, tracer
         )
         self.requests: dict[str, Request] = self.output.requests  # the running ones, by id
         self.iteration = 0
         self._num_prompt_tokens = 0
 
     # Settings other layers change after construction (the HTTP core, the CLI's --trace,
-    # tests); each is held by the collaborator that uses it.
-    @property
-    def tracer(self) -> Tracer | None:
-        return self.output.tracer
-
-    @tracer.setter
-    def tracer(self, tracer: Tracer | None) -> None:
-        self.output.tracer = tracer
-
-    @property
-    def clock(self):
-        """Arrival, token and finish times (time.monotonic; tests substitute it)."""
-        return self.output.clock
-
-    @clock.setter
-    def clock(self, clock) -> None:
-        self.output.clock = self.admission.clock = clock
-
-    @property
-    def detokenize(self) -> bool:
-        """False: outputs carry token ids only, no text (the HTTP front end detokenizes; stop
-        strings are then refused). Set it before adding requests."""
-        return self.admission.detokenize
-
-    @detokenize.setter
-    def detokenize(self, on: bool) -> None:
-        self.admission.detokenize = on
-
-    @property
-    def token_deltas(self) -> TokenDeltas | None:
-        """Set (the HTTP core): plain decode tokens come out as two columns, not outputs."""
-        return self.output.token_deltas
-
-    @token_deltas.setter
-    def token_deltas(self, deltas: TokenDeltas | None) -> None:
-        self.output.token_deltas = deltas
+    # tests), each held by the collaborator that uses it.
+    tracer = _setting("output", "tracer", "Tracer | None: the --trace narrator.")
+    clock = _setting("output", "clock", "Arrival, token and finish times (tests substitute it).")
+    detokenize = _setting(
+        "admission",
+        "detokenize",
+        "False: outputs carry token ids only, no text (the HTTP front end detokenizes; stop "
+        "strings are then refused). Set it before adding requests.",
+    )
+    token_deltas = _setting(
+        "output",
+        "token_deltas",
+        "TokenDeltas (the HTTP core): plain decode tokens come out as two columns, not outputs.",
+    )
 
     @classmethod
     def from_config(cls, config: EngineConfig, tracer: Tracer | None = None) -> Engine:
@@ -262,7 +224,7 @@ class Engine:
             messages=messages,
             prompt_ids=prompt_ids,
             request_id=request_id,
-            arrival_time=arrival_time,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
             grammar=grammar,
             in_use=self.requests,
         )

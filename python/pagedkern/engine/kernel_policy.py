@@ -14,13 +14,35 @@ vocabulary and the cache's block size are consulted once, before any CUDA graph 
 
 Piecewise graphs of mixed steps (engine/piecewise_graphs.py) capture the same ops outside
 attention, so they follow the decode graphs: on wherever those are, unless turned off.
+
+`pick_device` chooses the engine's device for a backend; `step_graphs` makes the whole
+decision for an engine (tensor parallelism and shadow mode run every step eagerly).
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
+import torch
+
+from .._extension import cuda_available, cuda_unavailable_reason
 from ..ops import launch, support
+
+if TYPE_CHECKING:
+    from ..model import LlamaModel
+    from .config import EngineConfig
+
+
+def pick_device(backend: str) -> torch.device:
+    """The device a backend runs on; "cuda" without a usable GPU is an error that says why."""
+    gpu = torch.cuda.is_available()
+    if backend == "cuda" and not (gpu and cuda_available()):
+        reason = cuda_unavailable_reason() or "torch sees no CUDA device"
+        raise RuntimeError(f"--backend cuda needs a GPU and the kernels: {reason}")
+    if backend == "auto" and gpu and not cuda_available():
+        return torch.device("cpu")  # a GPU without our kernels: stay on the CPU reference
+    return torch.device("cuda" if gpu else "cpu")
 
 
 def _describe(missing: dict[str, str]) -> str:
@@ -92,3 +114,23 @@ def piecewise_graphs(*, decode_graphs: bool, requested: bool | None) -> bool:
             "kernels, tensor_parallel_size 1): the pieces capture the same ops"
         )
     return decode_graphs if requested is None else requested
+
+
+def step_graphs(model: LlamaModel, config: EngineConfig, shadowed: bool) -> tuple[bool, bool]:
+    """(decode graphs, piecewise graphs) for an engine: on by default where the kernels run on
+    a GPU, refused or off (with a warning) where a kernel does not cover this model and cache;
+    off under tensor parallelism (its steps broadcast and all-reduce) and in shadow mode
+    (every op call is checked on the host)."""
+    graphs = decode_graphs(
+        device_type=model.device.type,
+        backend=config.backend,
+        dtype=str(model.dtype).removeprefix("torch."),
+        head_dim=model.config.head_dim,
+        block_size=config.block_size,
+        vocab=model.config.vocab_size,
+        requested=config.cuda_graphs,
+        kv_cache_dtype=model.kv_cache_dtype,
+        attention=model.config.attention_options(),
+    )
+    graphs = graphs and model.tp.size == 1 and not shadowed
+    return graphs, piecewise_graphs(decode_graphs=graphs, requested=config.piecewise_cuda_graphs)

@@ -1,0 +1,131 @@
+"""The engine's one append / stop-check path (OutputProcessor.append) against a per-token
+statement of the stop rules, on random batches: runs of one token (a sampled row) and of
+several (a verified speculative run) for requests with random stop ids, max_tokens,
+min_tokens, EOS or ignore_eos and stop strings, admitted by the engine and appended without a
+model. Each run must keep exactly the tokens up to its first stop, end for the first rule that
+holds (stop id, stop string, max_tokens, context) and carry the text a fresh detokenizer makes
+of them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedkern.engine import Engine, EngineConfig, FinishReason, SamplingParams
+from pagedkern.engine.detokenizer import IncrementalDetokenizer
+from pagedkern.engine.outputs import TokenDeltas
+from pagedkern.engine.runner import StepResult
+
+MAX_MODEL_LEN = 40
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    config = EngineConfig(
+        model="synthetic:tiny",
+        backend="reference",
+        num_blocks=64,
+        block_size=4,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    return Engine.from_config(config)
+
+
+def random_params(rng: random.Random, detokenize: bool, vocab: list[int]) -> SamplingParams:
+    max_tokens = rng.randint(1, 30)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=0 if max_tokens < 3 else rng.choice([0, 0, 3]),
+        ignore_eos=rng.random() < 0.5,
+        stop_token_ids=rng.sample(vocab, rng.randint(0, 3)),
+        stop=rng.choice([[], ["e"], ["ab", "x"]]) if detokenize else [],
+        temperature=0,
+    )
+
+
+class Expected:
+    """The stop rules, token by token, for one request (the spec the engine must meet)."""
+
+    def __init__(self, engine: Engine, request, detokenize: bool):
+        params = request.params
+        eos = () if params.ignore_eos else engine.tokenizer.stop_token_ids
+        self.stop_ids = set(params.stop_token_ids) | set(eos)
+        self.params, self.prompt_len = params, len(request.prompt_ids)
+        self.detokenizer = (
+            IncrementalDetokenizer(engine.tokenizer, params.stop, params.min_tokens)
+            if detokenize
+            else None
+        )
+        self.ids: list[int] = []
+        self.reason: FinishReason | None = None
+
+    def run(self, tokens: list[int]) -> tuple[list[int], str, FinishReason | None]:
+        kept, text = [], ""
+        for token in tokens:
+            self.ids.append(token)
+            kept.append(token)
+            if token in self.stop_ids:
+                self.reason = FinishReason.STOP
+            else:
+                if self.detokenizer is not None:
+                    text += self.detokenizer.add(token)
+                if self.detokenizer is not None and self.detokenizer.stopped_by is not None:
+                    self.reason = FinishReason.STOP
+                elif len(self.ids) >= self.params.max_tokens:
+                    self.reason = FinishReason.LENGTH
+                elif self.prompt_len + len(self.ids) >= MAX_MODEL_LEN:
+                    self.reason = FinishReason.CONTEXT
+            if self.reason is not None:
+                if self.detokenizer is not None:
+                    text += self.detokenizer.flush()
+                break
+        return kept, text, self.reason
+
+
+@pytest.mark.parametrize("columns", [False, True], ids=["outputs", "token-delta columns"])
+@pytest.mark.parametrize("seed", range(12))
+def test_append_follows_the_stop_rules_token_by_token(engine, seed, columns):
+    rng = random.Random(seed)
+    detokenize = not columns  # the HTTP core: ids only, its tokens as columns
+    engine.detokenize = detokenize
+    engine.token_deltas = TokenDeltas() if columns else None
+    vocab = list(range(3, 80)) + list(engine.tokenizer.stop_token_ids)
+    expected = {}
+    for i in range(12):
+        prompt = [rng.randint(3, 400) for _ in range(rng.randint(1, 20))]
+        request = engine.add_request(
+            prompt_ids=prompt, params=random_params(rng, detokenize, vocab), request_id=f"s{i}"
+        )
+        expected[request] = Expected(engine, request, detokenize)
+    try:
+        for _ in range(40):
+            live = [r for r in expected if r.request_id in engine.requests]
+            if not live:
+                break
+            rng.shuffle(live)
+            cut = rng.randint(0, len(live))
+            plain, verified = live[:cut], live[cut:]
+            runs = {r: [rng.choice(vocab)] for r in plain}
+            runs |= {r: [rng.choice(vocab) for _ in range(rng.randint(1, 5))] for r in verified}
+            result = StepResult(
+                plain, [runs[r][0] for r in plain], None, verified=[(r, runs[r]) for r in verified]
+            )
+            outputs = []
+            engine.output.append([result], outputs)
+            got = {o.request_id: o for o in outputs}
+            columns_taken = engine.token_deltas.take() if columns else ([], [])
+            in_columns = dict(zip(*columns_taken, strict=True))
+            for request, tokens in runs.items():
+                kept, text, reason = expected[request].run(tokens)
+                assert request.output_ids == expected[request].ids
+                if request.request_id in in_columns:
+                    assert reason is None and kept == tokens == [in_columns[request.request_id]]
+                    continue
+                out = got[request.request_id]
+                assert list(out.token_ids) == kept and out.text == text
+                assert out.finish_reason is reason and out.finished == (reason is not None)
+        assert not engine.requests, "every request stops within 40 steps"
+    finally:
+        for rid in list(engine.requests):
+            engine.abort(rid)
