@@ -25,12 +25,12 @@ import jinja2
 import pytest
 from http_stack import openai
 from support.serving import ServerThread
+from uvicorn.protocols.http.h11_impl import RequestResponseCycle
 
 from pagedkern.engine import Engine, EngineConfig, RequestRejected, SamplingParams
 from pagedkern.serving.cli import main
 from pagedkern.serving.core.engine_client import EngineUnavailable, QueueFull
 from pagedkern.serving.http.app import admission_error
-from pagedkern.serving.http.connection import ChunkedBodyCycle
 from pagedkern.serving.http.prompts import INLINE_PROMPT_CHARS, PromptPreparer
 
 TINY = "synthetic:tiny"
@@ -371,8 +371,10 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
 
 
 def test_streamed_body_chunks_bypass_h11_with_its_framing(server, monkeypatch):
-    """ChunkedBodyCycle writes a stream's event chunks itself: h11 sees no non-empty Data
-    event, and an h11 client parses the raw response into the whole event stream."""
+    """connection.ChunkWriter writes a stream's event chunks itself: h11 sees no non-empty Data
+    event, and an h11 client parses the raw response into the whole event stream (this pins
+    h11's rule the writer follows: an HTTP/1.1 response without Content-Length or
+    Transfer-Encoding is framed chunked)."""
     data_events = []
     send = h11.Connection.send
 
@@ -418,20 +420,43 @@ def test_streamed_body_chunks_bypass_h11_with_its_framing(server, monkeypatch):
     assert data_events == []  # (uvicorn's own path sends every chunk as h11 Data)
 
 
+def test_an_http_10_stream_is_delimited_by_the_close_not_chunked(server):
+    """h11 frames the body of an HTTP/1.0 request's response by closing the connection: no
+    chunk sizes; ChunkWriter then leaves every part to uvicorn's send (the other half of the
+    rule it follows)."""
+    body = json.dumps(
+        {"model": TINY, "prompt": "hi", "max_tokens": 5, "stream": True, "ignore_eos": True}
+    ).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        raw = b"".join(iter(lambda: sock.recv(65536), b""))
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
+    assert payload.startswith(b"data: {") and payload.endswith(b"data: [DONE]\n\n")
+    events = [e for e in payload.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+    assert sum(1 for t in texts if t) >= 3  # the tokens, each its own event
+
+
 def test_streamed_tokens_are_written_by_the_frame_handler_not_the_asgi_send(
     server, client, monkeypatch
 ):
     """One stream's unfinished outputs go from the frame handler straight to its connection
-    (streaming.py's direct path): the response's ASGI send carries only the end."""
+    (streaming.py's direct path): uvicorn's send carries only the end."""
     body_sends = []
-    send = ChunkedBodyCycle.send
+    send = RequestResponseCycle.send
 
     async def counting(cycle, message):
         if message["type"] == "http.response.body":
             body_sends.append(message.get("body", b""))
         await send(cycle, message)
 
-    monkeypatch.setattr(ChunkedBodyCycle, "send", counting)
+    monkeypatch.setattr(RequestResponseCycle, "send", counting)
     chunks = list(
         client.completions.create(
             model=TINY,

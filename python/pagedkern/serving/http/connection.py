@@ -4,9 +4,10 @@ request id, the API key.
 - `BoundedH11Protocol`: uvicorn's h11 protocol plus a deadline for a request's head (a client
   that trickles its headers is disconnected after `header_timeout` seconds; uvicorn's own
   keep-alive timer restarts on every byte). The head's size is bounded by uvicorn's
-  `h11_max_incomplete_event_size`, the number of connections by `limit_concurrency`. Its
-  requests' cycles write the parts of a chunked body straight to the socket
-  (`ChunkedBodyCycle`). A connection whose writes stay paused (its client takes nothing while
+  `h11_max_incomplete_event_size`, the number of connections by `limit_concurrency`. Each
+  request's scope carries a `ChunkWriter` (extensions[CHUNK_WRITER]), with which a streamed
+  response writes the parts of its chunked body straight to the socket. A connection whose
+  writes stay paused (its client takes nothing while
   the response waits in its buffer) for `write_timeout` seconds is aborted: its handler sees a
   disconnect and aborts the request.
 - `read_body`: the request body, at most `max_bytes` (413) within `timeout` seconds (408).
@@ -24,7 +25,6 @@ import logging
 import re
 import uuid
 
-from h11._writers import ChunkedWriter
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
@@ -71,9 +71,8 @@ class BoundedH11Protocol(H11Protocol):
     def handle_events(self) -> None:
         cycle = self.cycle
         super().handle_events()
-        if self.cycle is not cycle and type(self.cycle) is RequestResponseCycle:
-            self.cycle.__class__ = ChunkedBodyCycle  # (its task has not run yet)
-            self.cycle.scope.setdefault("extensions", {})[CHUNK_WRITER] = self.cycle
+        if self.cycle is not cycle and self.cycle is not None:  # (its task has not run yet)
+            self.cycle.scope.setdefault("extensions", {})[CHUNK_WRITER] = ChunkWriter(self.cycle)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -108,52 +107,51 @@ class BoundedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-CHUNK_WRITER = "pagedkern.chunk_writer"  # scope["extensions"] key: the request's ChunkedBodyCycle
+CHUNK_WRITER = "pagedkern.chunk_writer"  # scope["extensions"] key: the request's ChunkWriter
 
 
-class ChunkedBodyCycle(RequestResponseCycle):
-    """uvicorn's request/response cycle, but a part of a chunked body (a streamed response's
-    events: one send per stream per engine step) is framed here and written to the transport
-    at once: h11's Data event, state machine and writer cost ~6 µs a send, a third of the
-    per-token front end at 256 streams. The same bytes as h11's ChunkedWriter (`size in hex
-    CRLF data CRLF`); h11 keeps no state per chunk, so the first and last messages (head, end
-    of message) still go through it. Anything else (a paused or closed transport, HEAD, a
-    Content-Length body) takes uvicorn's path.
+class ChunkWriter:
+    """Writes the parts of a streamed response's chunked body to its connection itself, beside
+    uvicorn's request/response cycle (which it reads, never changes): h11's Data event, state
+    machine and writer cost ~6 us a send, a third of the per-token front end at 256 streams
+    (bench/test_bench_http_frontend.py). The same bytes as h11's chunked framing (`size in hex
+    CRLF data CRLF`); h11 keeps no state per chunk, so the head and the end of the message still
+    go through the cycle's send.
 
-    The cycle is also in the scope (extensions[CHUNK_WRITER]): a streamed response whose head
-    has gone out may hand it body parts with `write_chunk` from outside its task (the engine
-    client's frame handler; streaming.py), when `chunk_ready()`."""
+    For EventStreamResponse (streaming.py), which sets neither Content-Length nor
+    Transfer-Encoding: h11 then frames the body chunked exactly when the request was HTTP/1.1
+    and not HEAD (an HTTP/1.0 client gets a body delimited by the connection's close, which the
+    cycle's send writes; tests pin both). Its parts may come from outside the response's task
+    (the engine client's message handler), when `chunk_ready()`."""
+
+    __slots__ = ("cycle", "chunked")
+
+    def __init__(self, cycle: RequestResponseCycle):
+        self.cycle = cycle
+        scope = cycle.scope
+        self.chunked = scope["http_version"] == "1.1" and scope["method"] != "HEAD"
 
     def chunk_ready(self) -> bool:
-        """Whether a body part can be written now, without waiting (started, not finished,
-        connected, not paused for flow control, chunked, not HEAD)."""
+        """Whether a body part can be written now, without waiting (chunked, started, not
+        finished, connected, not paused for flow control)."""
+        cycle = self.cycle
         return (
-            self.response_started
-            and not self.response_complete
-            and not self.disconnected
-            and not self.flow.write_paused
-            and self.scope["method"] != "HEAD"
-            and type(getattr(self.conn, "_writer", None)) is ChunkedWriter
+            self.chunked
+            and cycle.response_started
+            and not cycle.response_complete
+            and not cycle.disconnected
+            and not cycle.flow.write_paused
         )
 
     def write_chunk(self, body: bytes) -> None:
         """One part of the body (when chunk_ready()); an empty one writes nothing (it would
         end the body: h11 writes nothing for it either)."""
         if body:
-            self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            self.cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
     def abort_connection(self) -> None:
         """Drop the connection and what waits in its buffer (its client stopped reading)."""
-        self.transport.abort()
-
-    async def send(self, message) -> None:
-        if (
-            message["type"] == "http.response.body"
-            and message.get("more_body", False)
-            and self.chunk_ready()
-        ):
-            return self.write_chunk(message.get("body", b""))
-        await super().send(message)
+        self.cycle.transport.abort()
 
 
 def protocol_class(header_timeout: float, write_timeout: float = 30.0) -> type[BoundedH11Protocol]:

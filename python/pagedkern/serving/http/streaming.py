@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 from ...engine import FinishReason
 from ..core.engine_client import EngineUnavailable
 from ..core.request_stream import Backlog, RequestStream, StreamOutput
-from .connection import CHUNK_WRITER, ChunkedBodyCycle
+from .connection import CHUNK_WRITER, ChunkWriter
 from .errors import APIError
 from .protocol import (
     AssistantMessage,
@@ -310,14 +310,14 @@ async def merged(
 async def sse_events(
     streams: list[RequestStream],
     fmt: Format,
-    writer: ChunkedBodyCycle | None = None,
+    writer: ChunkWriter | None = None,
     write_buffer_bytes: int | None = None,
 ) -> AsyncIterator[str]:
     """The response body in pieces: the events of one batch of outputs per piece (one write).
 
     The per-step hot path of a stream. One stream (n = 1, one prompt: the common request) is
     read with next_batch directly, without merged()'s generators in between; and given the
-    connection's `writer` (connection.py's ChunkedBodyCycle, once the head has gone out), its
+    connection's `writer` (connection.py's ChunkWriter), its
     unfinished outputs are written by the frame handler as they arrive (RequestStream.sink):
     no task wake-up, generator step or ASGI send chain per token. Only what that cannot write
     at once (flow control paused, client gone) and the end (finish, usage, [DONE], an error)
@@ -366,7 +366,7 @@ async def sse_events(
     yield "data: [DONE]\n\n"
 
 
-def _client_not_reading(streams: list[RequestStream], writer: ChunkedBodyCycle | None) -> None:
+def _client_not_reading(streams: list[RequestStream], writer: ChunkWriter | None) -> None:
     """A response's client has left more than the write buffer untaken: abort its requests
     (their KV is freed before the next step), drop what they hold and the connection."""
     log.warning(
@@ -390,7 +390,7 @@ class _EventWriter:
         self.ended = False
         self.sending = False  # a piece is on its way through the response's send
 
-    def direct(self, writer: ChunkedBodyCycle) -> Callable[[object], bool]:
+    def direct(self, writer: ChunkWriter) -> Callable[[object], bool]:
         """A RequestStream sink writing an unfinished output's event itself when the
         connection can take it now."""
 
@@ -437,21 +437,27 @@ class EventStreamResponse(StreamingResponse):
     for servers of ASGI spec < 2.4 (uvicorn's h11 says 2.3), but with two plain asyncio tasks:
     Starlette's anyio task group formatted the repr of the current task (its coroutine stack)
     into a message each time it cancelled the watcher, once per response, a measurable part
-    of admitting a short request."""
+    of admitting a short request.
+
+    The body's pieces go to the connection's ChunkWriter when it can take them at once (no ASGI
+    send chain, no h11 per piece); the head, the end and anything that must wait for flow
+    control go through `send`, in order."""
 
     def __init__(
         self,
-        body: Callable[[ChunkedBodyCycle | None], AsyncIterator[str]],
+        body: Callable[[ChunkWriter | None], AsyncIterator[str]],
         on_close: Callable[[], None],
     ):
-        """body(writer): the body's pieces, given the connection's ChunkedBodyCycle if it has
+        """body(writer): the body's pieces, given the connection's ChunkWriter if it has
         one (see sse_events)."""
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(_nothing(), media_type="text/event-stream", headers=headers)
         self.body, self.on_close = body, on_close
+        self.writer: ChunkWriter | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.body_iterator = self.body(scope.get("extensions", {}).get(CHUNK_WRITER))
+        self.writer = scope.get("extensions", {}).get(CHUNK_WRITER)
+        self.body_iterator = self.body(self.writer)
         streaming = watching = None
         try:
             streaming = asyncio.ensure_future(self.stream_response(send))
@@ -468,6 +474,18 @@ class EventStreamResponse(StreamingResponse):
         failure = done[0]
         if isinstance(failure, BaseException) and not isinstance(failure, asyncio.CancelledError):
             raise failure
+
+    async def stream_response(self, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        writer = self.writer
+        async for chunk in self.body_iterator:
+            body = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+            if writer is not None and writer.chunk_ready():
+                writer.write_chunk(body)
+            else:
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _nothing() -> AsyncIterator[str]:
