@@ -1,12 +1,20 @@
 """Builds pagedkern._C with CMake + Ninja (metadata lives in pyproject.toml).
 
-Environment: the PAGEDKERN_* build variables are defined (name, default, parsing) in
-python/pagedkern/envs.py, loaded here by path since the package is not built yet, so setup.py
-and the package agree on them: PAGEDKERN_BUILD_CUDA=0 skips the CUDA build; with
-PAGEDKERN_REQUIRE_CUDA=1 (or, unset, CI=true) a missing nvcc or a failing build is an error,
-otherwise the package installs without _C, with a warning, and runs on the PyTorch reference ops;
-PAGEDKERN_CUTLASS_INCLUDE and PAGEDKERN_CUDA_ARCHS. MAX_JOBS: parallel compile jobs (default: all
-cores).
+Build environment variables (declared in BUILD_ENV below, parsed with the package's rules from
+python/pagedkern/envs.py, loaded here by path since the package is not built yet; the package
+itself never reads them):
+
+- PAGEDKERN_BUILD_CUDA (default 1): 0 skips the CUDA build on purpose (pure-Python install,
+  reference ops only).
+- PAGEDKERN_REQUIRE_CUDA (unset: required exactly when CI=true): 1 makes a missing nvcc or a
+  failing build an error; otherwise the package installs without _C, with a warning, and runs on
+  the PyTorch reference ops. The tests read the same rule (tests/build_env.py): where the build
+  is required, tests that need the built extension fail instead of skipping.
+- PAGEDKERN_CUTLASS_INCLUDE: the CUTLASS include folder (holds cute/ and cutlass/); default: the
+  nvidia-cutlass package.
+- PAGEDKERN_CUDA_ARCHS (default 80-real;90a-real;80-virtual): the CMake CUDA architectures.
+
+MAX_JOBS: parallel compile jobs (default: all cores).
 
 The CMake build folder is build/cmake-<python tag> under the project root and persists between
 installs, so an unchanged `pip install -e .` recompiles nothing.
@@ -39,10 +47,38 @@ def _load_envs():
 
 
 envs = _load_envs()
+BUILD_ENV = {
+    v.name: v
+    for v in (
+        envs.EnvVar(
+            "PAGEDKERN_BUILD_CUDA", "1", "0 skips the CUDA build.", envs.parse_bool, "build"
+        ),
+        envs.EnvVar(
+            "PAGEDKERN_REQUIRE_CUDA",
+            None,
+            "1: a missing nvcc or a failing CUDA build is an error (unset: when CI=true).",
+            envs.parse_bool,
+            "build",
+        ),
+        envs.EnvVar(
+            "PAGEDKERN_CUTLASS_INCLUDE", None, "CUTLASS include folder.", envs.parse_text, "build"
+        ),
+        envs.EnvVar(
+            "PAGEDKERN_CUDA_ARCHS",
+            "80-real;90a-real;80-virtual",
+            "CMake CUDA architectures.",
+            envs.parse_text,
+            "build",
+        ),
+    )
+}
 
 
-def _require_cuda() -> bool:
-    return envs.cuda_build_required()
+def cuda_build_required() -> bool:
+    """PAGEDKERN_REQUIRE_CUDA when set, else CI=true: a missing or failing CUDA build is an
+    error here, and tests needing the built extension fail instead of skipping."""
+    required = BUILD_ENV["PAGEDKERN_REQUIRE_CUDA"].get()
+    return os.environ.get("CI") == "true" if required is None else required
 
 
 def _find_nvcc() -> str | None:
@@ -55,7 +91,7 @@ def _find_nvcc() -> str | None:
 
 
 def _find_cutlass_include() -> str | None:
-    env = envs.ENV["PAGEDKERN_CUTLASS_INCLUDE"].get()
+    env = BUILD_ENV["PAGEDKERN_CUTLASS_INCLUDE"].get()
     if env:
         return env
     # find_spec locates the package without importing it (its imports pull heavy dependencies).
@@ -83,7 +119,7 @@ class CMakeBuild(build_ext):
         try:
             super().run()
         except Exception as exc:  # noqa: BLE001 - any build failure becomes a warning unless required
-            if _require_cuda():
+            if cuda_build_required():
                 raise
             self.warn(
                 f"pagedkern: the CUDA extension was not built ({exc}). pagedkern will run on its "
@@ -91,7 +127,7 @@ class CMakeBuild(build_ext):
             )
 
     def build_extension(self, ext: Extension) -> None:
-        if not envs.ENV["PAGEDKERN_BUILD_CUDA"].get():
+        if not BUILD_ENV["PAGEDKERN_BUILD_CUDA"].get():
             raise RuntimeError("PAGEDKERN_BUILD_CUDA=0 was set")
         nvcc = _find_nvcc()
         if nvcc is None:
@@ -112,7 +148,7 @@ class CMakeBuild(build_ext):
         tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
         build_dir = ROOT / "build" / f"cmake-{tag}"
         build_dir.mkdir(parents=True, exist_ok=True)
-        archs = envs.ENV["PAGEDKERN_CUDA_ARCHS"].get()
+        archs = BUILD_ENV["PAGEDKERN_CUDA_ARCHS"].get()
         configure = [
             cmake,
             "-S",
@@ -135,7 +171,10 @@ class CMakeBuild(build_ext):
         subprocess.run([cmake, "--build", str(build_dir), "--", f"-j{jobs}"], check=True)
 
 
-setup(
-    ext_modules=[Extension("pagedkern._C", sources=[])],
-    cmdclass={"build_ext": CMakeBuild},
-)
+# setuptools runs this file as __main__ (pip's build backend too); the tests load it by path
+# for BUILD_ENV and cuda_build_required.
+if __name__ == "__main__":
+    setup(
+        ext_modules=[Extension("pagedkern._C", sources=[])],
+        cmdclass={"build_ext": CMakeBuild},
+    )

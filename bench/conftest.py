@@ -1,6 +1,10 @@
 """Fixtures for the benchmark suites: the device, the ceilings measured in this run, and
 `measure`, which times one implementation of one case and files it in the side-by-side table
-printed at the end (and written as JSON to $PAGEDKERN_BENCH_JSON when set)."""
+printed at the end (and written as JSON to $PAGEDKERN_BENCH_JSON when set).
+
+BENCH_ENV declares the environment variables only the benchmarks read (measure.py reads them;
+the package's run-time ones are in pagedkern/envs.py, the build's in setup.py, the tests' in
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,19 @@ from measure import (
     run_case,
     smoke_mode,
 )
+
+BENCH_ENV = {
+    "PAGEDKERN_BENCH_SMOKE": "1 forces smoke mode (tiny CPU inputs, numbers meaningless), 0 "
+    "forbids it; unset: smoke mode without a GPU.",
+    "PAGEDKERN_BENCH_GPU_PATHS": "1 takes the suites' GPU-only branches on a CPU, under the "
+    "stubbed extension of tools/rehearsal/gpu_paths.py (with PAGEDKERN_BENCH_SMOKE=1).",
+    "PAGEDKERN_BENCH_JSON": "also write the results table as JSON to this path.",
+    "PAGEDKERN_BENCH_COMPILE": "1 adds the torch.compile baseline rows (minutes of cold inductor "
+    "builds; tools/gpu_check.sh --compile sets it).",
+    "PAGEDKERN_BENCH_PROFILE": "bench/test_bench_http_frontend.py: a folder; the HTTP front end "
+    "runs under a sampling profiler, writes its counts there and the bench prints CPU µs per "
+    "token per component.",
+}
 
 _REPORT = Report()
 
@@ -89,3 +106,15 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_report_header(config):
     where = "smoke mode (CPU, tiny sizes)" if smoke_mode() else torch.cuda.get_device_name()
     return f"pagedkern benchmarks: {where}"
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """`kernels(sample="v3")` selects kernel variants (PAGEDKERN_KERNELS, ops/variants.py) on top
+    of those already selected, until the test ends."""
+    from pagedkern.ops.variants import ENV_NAME, kernels_value
+
+    def select(**chosen: str) -> None:
+        monkeypatch.setenv(ENV_NAME, kernels_value(**chosen))
+
+    return select

@@ -66,13 +66,13 @@ def make_data(case: str, device: str):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_paged_attention(request, record, copy_gbps, device, case, impl, monkeypatch):
+def test_paged_attention(request, record, copy_gbps, device, case, impl, kernels):
     q, k_cache, v_cache, tables, lens, nbytes, fp8 = make_data(case, device)
     scales = {}
     if "fp8" in impl:  # E4M3 pages: one byte per element
         (k_cache, v_cache), nbytes, scales = fp8, nbytes // 2, FP8_SCALES
     if impl.endswith("simt"):
-        monkeypatch.setenv("PAGEDKERN_PAGED_ATTENTION_VARIANT", "simt")
+        kernels(paged_attention="simt")
     if impl.startswith("torch eager"):
         fn = lambda: reference.paged_attention(q, k_cache, v_cache, tables, lens, **scales)  # noqa: E731
         fn()

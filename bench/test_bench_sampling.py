@@ -106,13 +106,13 @@ SMALL_CASES = {"top-p 0.9": (0.9, 0)}  # one case: 16 rows in the GPU check's be
 @pytest.mark.parametrize("impl", SMALL_IMPLS)
 @pytest.mark.parametrize("case", list(SMALL_CASES))
 @pytest.mark.parametrize("rows", SMALL_ROWS)
-def test_sample_small_batch(measure, device, rows, case, impl, monkeypatch):
+def test_sample_small_batch(measure, device, rows, case, impl, kernels):
     logits, seeds, offsets = (t[:rows] for t in make_data(device))
     top_p, top_k = SMALL_CASES[case]
     notes = {}
     if impl.startswith("pagedkern"):
         variant = impl.split()[-1]
-        monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", variant)
+        kernels(sample=variant)
         out = torch.empty(rows, dtype=torch.int32, device=device)
         params = (
             torch.full((rows,), TEMPERATURE, device=device),
@@ -199,7 +199,7 @@ def processing_inputs(rows: int, device: str):
 
 @pytest.mark.parametrize("impl", PROC_IMPLS)
 @pytest.mark.parametrize("rows", PROC_ROWS)
-def test_sample_processed(measure, device, rows, impl, monkeypatch):
+def test_sample_processed(measure, device, rows, impl, kernels):
     logits, params, inputs = processing_inputs(rows, device)
     out = torch.empty(rows, dtype=torch.int32, device=device)
     lp = torch.empty(rows, device=device)
@@ -207,7 +207,7 @@ def test_sample_processed(measure, device, rows, impl, monkeypatch):
     top = torch.empty(rows, TOP_N, device=device)
     outputs = dict(logprobs=lp, top_ids=top_ids)
     if impl.startswith("pagedkern processed"):
-        monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", "v2" if impl.endswith("v2") else "v3")
+        kernels(sample="v2" if impl.endswith("v2") else "v3")
 
         def fn():
             return pagedkern.sample(logits, *params, out=out, top_logprobs=top, **outputs, **inputs)

@@ -46,7 +46,7 @@ struct FlashPrefillParams {
   int variant = 0;  // kFlashVariantV2 or kFlashVariantV1 (kernel schedule, both paths)
 };
 
-// Kernel schedules, kept selectable until a GPU run has verified v2 (PAGEDKERN_FLASH_VARIANT).
+// Kernel schedules, kept selectable until a GPU run has verified v2 (PAGEDKERN_KERNELS).
 // v2 (default): page ids fetched a tile ahead (both paths), P double-buffered (path 2).
 // v1: the first schedule (table lookups on the copy path, one P buffer).
 constexpr int kFlashVariantV2 = 0;

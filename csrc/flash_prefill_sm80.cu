@@ -31,7 +31,7 @@
  *    input type, staged through shared memory and stored with 16-byte writes.
  *
  * v2 flash_prefill_sm80_kernel<Traits, true> (default; v1 = <Traits, false>, selected by
- *    PAGEDKERN_FLASH_VARIANT=v1): v1 looked each copied row's page up in the block table right
+ *    PAGEDKERN_KERNELS): v1 looked each copied row's page up in the block table right
  *    after a __syncthreads, BN / 16 dependent global loads per thread ahead of the next MMAs.
  *    v2 fetches a tile's page ids two K groups ahead into a 4-tile shared ring with 4-byte
  *    cp.async riding in the K groups, so the copies read them from shared memory (static test:

@@ -28,7 +28,7 @@
  *  Epilogue: normalise, round, stage in a separate shared buffer (swizzled), 16-byte stores of
  *    the valid rows; LSE from the lane that holds column 0.
  * v2 flash_prefill_sm90_kernel<Traits, true> (default; v1 = <Traits, false>, selected by
- *    PAGEDKERN_FLASH_VARIANT=v1): in v1's SASS every MUFU.EX2 of the softmax sat after the wait
+ *    PAGEDKERN_KERNELS): in v1's SASS every MUFU.EX2 of the softmax sat after the wait
  *    for the in-flight P V (ptxas hoists wgmma.wait_group to the top of its basic block, which
  *    began after the mask branch): no overlap. v2 runs the softmax inside both arms of that
  *    branch, so the exps precede the wait (static test). The producer decodes the next work item

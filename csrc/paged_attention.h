@@ -43,7 +43,7 @@ struct PagedAttentionParams {
   DType dtype = DType::kBFloat16;  // float16 or bfloat16 (q and out)
   bool kv_fp8 = false;             // E4M3 caches
   bool check_indices = false;      // trap on an out-of-range block id or seq_len (debug mode)
-  int variant = 0;  // kPagedAttentionSimt or kPagedAttentionMma (PAGEDKERN_PAGED_ATTENTION_VARIANT)
+  int variant = 0;  // kPagedAttentionSimt or kPagedAttentionMma (PAGEDKERN_KERNELS)
 };
 // The kernel that runs (ops/paged_attention.py resolves the variant "auto" to one of them).
 constexpr int kPagedAttentionSimt = 0;  // paged_attention_kernel, fp32 SIMT math, any D

@@ -1,7 +1,7 @@
 /*
  * paged_attention_mma_kernel: the tensor-core decode variant (mma.sync m16n8k16, fp32
  * accumulate) for GQA groups >= 4 (ops/paged_attention.py picks it; the SIMT kernel in
- * paged_attention.cu stays for small groups and D = 256, PAGEDKERN_PAGED_ATTENTION_VARIANT
+ * paged_attention.cu stays for small groups and D = 256, PAGEDKERN_KERNELS
  * forces either). Included by paged_attention.cu; same parameters, split-KV workspace layout and
  * merge kernel as the SIMT kernel.
  *

@@ -15,7 +15,7 @@
  *     once. All loads of a thread are issued before any arithmetic so kIters loads are in flight.
  *     Needs hidden % (16 / sizeof(T)) == 0, 16-byte aligned row starts and hidden <= 4096 vectors
  *     (32768 bf16 elements).
- *  v3 (default; v1 stays selectable: PAGEDKERN_RMS_NORM_VARIANT=v1): the weight vectors are
+ *  v3 (default; v1 stays selectable: PAGEDKERN_KERNELS=rms_norm:v1): the weight vectors are
  *     loaded with x, before the block reduction, instead of after its barrier (one L2 latency
  *     per row off the critical path; kIters more 16-byte registers per thread, so not at
  *     kIters = 4, hidden > 8192 bf16 elements, where 1024-thread blocks leave no room).

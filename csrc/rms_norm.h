@@ -23,7 +23,7 @@ struct RmsNormParams {
   int64_t residual_stride = 0;
   float eps = 1e-6f;
   DType dtype = DType::kBFloat16;
-  int variant = 0;  // 0: v3 (weight loaded before the reduction), 1: v1 (PAGEDKERN_RMS_NORM_VARIANT)
+  int variant = 0;  // 0: v3 (weight loaded before the reduction), 1: v1 (PAGEDKERN_KERNELS)
 };
 void rms_norm(const RmsNormParams& p, cudaStream_t stream);
 

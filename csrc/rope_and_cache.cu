@@ -17,7 +17,7 @@
  *     kVec = 16 / sizeof(T) (16-byte accesses) when D/2 is a multiple of it and every pointer and
  *     token stride is 16-byte aligned; kVec = 1 otherwise (any even D, any alignment).
  *     q, k, v may be views into one fused QKV output: token strides are free, heads packed.
- *  v2 (default; v1 stays selectable, PAGEDKERN_ROPE_VARIANT=v1): a rotation item is one chunk
+ *  v2 (default; v1 selectable, PAGEDKERN_KERNELS=rope_and_cache:v1): a rotation item is one chunk
  *     pair of kHeads = 4 consecutive q/k heads: the cos/sin chunks (64 B per 32 B of data in v1)
  *     are loaded once for 4 heads and the 8 data loads are all issued before the math.
  *

@@ -39,7 +39,7 @@ struct RopeAndCacheParams {
   float k_scale_inv = 1.f;    // kv_fp8: fp32(1 / k_scale), the stored value is k / k_scale
   float v_scale_inv = 1.f;
   bool check_indices = false;  // trap on an out-of-range position or slot (debug mode)
-  int variant = 0;  // 0: v2 (4 heads per thread), 1: v1 (PAGEDKERN_ROPE_VARIANT)
+  int variant = 0;  // 0: v2 (4 heads per thread), 1: v1 (PAGEDKERN_KERNELS)
 };
 void rope_and_cache(const RopeAndCacheParams& p, cudaStream_t stream);
 

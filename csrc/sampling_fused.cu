@@ -1,5 +1,5 @@
 /*
- * sample, variant v3 (PAGEDKERN_SAMPLE_VARIANT=v3, the default): logits processing, sampling and
+ * sample, variant v3 (PAGEDKERN_KERNELS=sample:v3): logits processing, sampling and
  * the logprob outputs (sampled token + top-N) in ONE kernel per row; semantics of
  * python/pagedkern/reference/sampling.py and reference/logits_processing.py, the same draws as
  * v1/v2 (sampling.cu: same keys, fixed-point masses, descent and inverse CDF).

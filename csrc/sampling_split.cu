@@ -1,5 +1,5 @@
 /*
- * sample, variant v4 (PAGEDKERN_SAMPLE_VARIANT=v4, the default): v3's passes (sampling_fused.cu,
+ * sample, variant v4 (PAGEDKERN_KERNELS=sample:v4): v3's passes (sampling_fused.cu,
  * the same functions of sampling_passes.cuh) with each row split over S CTAs when the batch is
  * too small to fill the GPU (at B <= 8 one CTA per row leaves <= 6% of the SMs busy).
  * ops/sampling.py picks S (split_slices: about SMs / B, each slice >= 512 x 16 bytes); S = 1, or

@@ -1,7 +1,11 @@
 """Test-wide switches: `gpu` tests skip without a usable CUDA device and kernels; `static` tests
 need the built extension (no GPU) and fail instead of skipping where the build is required
-(CI=true or PAGEDKERN_REQUIRE_CUDA=1); the kernels' debug-mode index checks are on
-(PAGEDKERN_CHECK_INDICES=1 unless the environment says otherwise)."""
+(CI=true or PAGEDKERN_REQUIRE_CUDA=1, setup.py's rule: build_env.py); the kernels' debug-mode
+index checks are on (PAGEDKERN_CHECK_INDICES=1 unless the environment says otherwise).
+
+TEST_ENV declares the environment variables only the tests and their tools read (the package's
+run-time ones are in pagedkern/envs.py, the build's in setup.py, the benchmarks' in
+bench/conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +15,20 @@ import pytest
 
 os.environ.setdefault("PAGEDKERN_CHECK_INDICES", "1")
 
+from build_env import cuda_build_required
+
 import pagedkern
-from pagedkern._extension import cuda_build_required, extension_module
+from pagedkern._extension import extension_module
+
+TEST_ENV = {
+    "PAGEDKERN_NO_EMULATION": "1 skips the CPU emulator tests (tests/emulator, built with g++).",
+    "PAGEDKERN_BLOCK_IMPORTS": "comma-separated top-level modules that raise ImportError under "
+    "tools/rehearsal/sitecustomize.py (the GPU-check rehearsal's missing packages).",
+    "PAGEDKERN_GPU_STAGES": "tools/gpu_check.sh: another stage plan instead of "
+    "tools/gpu_stages.txt (its own tests).",
+    "PAGEDKERN_GPU_PATHS_LOG": "tools/rehearsal/gpu_paths.py: a file the stubbed extension writes "
+    "its calls to (JSON).",
+}
 
 
 def _gpu_skip_reason() -> str | None:
@@ -44,3 +60,15 @@ def cuda_binary():
     if module is None:
         pytest.fail("the CUDA extension pagedkern._C is not built, but the build is required")
     return CudaBinary(module.__file__)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """`kernels(sample="v3")` selects kernel variants (PAGEDKERN_KERNELS, ops/variants.py) on top
+    of those already selected, until the test ends."""
+    from pagedkern.ops.variants import ENV_NAME, kernels_value
+
+    def select(**chosen: str) -> None:
+        monkeypatch.setenv(ENV_NAME, kernels_value(**chosen))
+
+    return select

@@ -38,16 +38,14 @@ def assert_same_e4m3(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def every_variant(op: str):
     """An autouse fixture running each test of a module once per kernel variant of `op`
-    (pagedkern.ops.launch.KERNEL_VARIANTS: the environment variable the op reads at launch)."""
+    (pagedkern.ops.variants.VARIANTS), selected through the `kernels` fixture."""
     import pytest
 
-    from pagedkern.ops.launch import KERNEL_VARIANTS
+    from pagedkern.ops.variants import VARIANTS
 
-    env, names = KERNEL_VARIANTS[op]
-
-    @pytest.fixture(params=list(names), autouse=True, ids=lambda name: f"{op}-{name}")
-    def kernel_variant(request, monkeypatch):
-        monkeypatch.setenv(env, request.param)
+    @pytest.fixture(params=list(VARIANTS[op].names), autouse=True, ids=lambda name: f"{op}-{name}")
+    def kernel_variant(request, kernels):
+        kernels(**{op: request.param})
         return request.param
 
     return kernel_variant

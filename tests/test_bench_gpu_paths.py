@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from build_env import cuda_build_required
 
-from pagedkern._extension import cuda_build_required, extension_module
+from pagedkern._extension import extension_module
 
 ROOT = Path(__file__).resolve().parents[1]
 REHEARSAL = ROOT / "tools" / "rehearsal"

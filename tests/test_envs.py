@@ -1,16 +1,18 @@
-"""One source for every PAGEDKERN_* environment variable: each name used anywhere in the tree is
-declared in pagedkern/envs.py (name, default, doc, parser), the package and setup.py read the same
-rule for "build required", and malformed values are errors naming the variable."""
+"""Every PAGEDKERN_* environment variable used anywhere in the tree is declared once, by who
+reads it: the package's run-time ones in pagedkern/envs.py (name, default, doc, parser), the
+build's in setup.py, the tests' in tests/conftest.py and the benchmarks' in bench/conftest.py;
+the package reads none but its own. The tests and setup.py read one rule for "build required",
+and malformed values are errors naming the variable."""
 
 from __future__ import annotations
 
-import importlib.util
+import ast
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from build_env import _setup, cuda_build_required
 
 from pagedkern import envs
 
@@ -26,7 +28,27 @@ def _tree_files():
     return [ROOT / f for f in tracked if (ROOT / f).is_file()]
 
 
-def test_every_pagedkern_variable_in_the_tree_is_declared():
+def _dict_keys(path: Path, name: str) -> set[str]:
+    """The keys of the module-level dict literal `name` in `path` (a conftest: not importable by
+    name, tests/ and bench/ both have one)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
+            return {k.value for k in node.value.keys}
+    raise AssertionError(f"{path} declares no {name}")
+
+
+def _declared() -> dict[str, set[str]]:
+    return {
+        "run": set(envs.ENV),
+        "build": set(_setup().BUILD_ENV),
+        "test": _dict_keys(ROOT / "tests" / "conftest.py", "TEST_ENV"),
+        "bench": _dict_keys(ROOT / "bench" / "conftest.py", "BENCH_ENV"),
+    }
+
+
+def test_every_pagedkern_variable_in_the_tree_is_declared_once():
     names = set()
     for path in _tree_files():
         if path.suffix in (".so", ".png", ".gguf") or path.name == "envs.py":
@@ -37,10 +59,28 @@ def test_every_pagedkern_variable_in_the_tree_is_declared():
             continue
         names |= set(re.findall(r"\bPAGEDKERN_[A-Z0-9_]*[A-Z0-9]\b", text))
     assert len(names) > 5
-    undeclared = names - set(envs.ENV) - CMAKE_ONLY
-    assert not undeclared, f"declare these in python/pagedkern/envs.py: {sorted(undeclared)}"
+    declared = _declared()
+    everywhere = set().union(*declared.values())
+    assert sum(map(len, declared.values())) == len(everywhere), f"declared twice: {declared}"
+    undeclared = names - everywhere - CMAKE_ONLY
+    assert not undeclared, (
+        f"declare these in python/pagedkern/envs.py (run time), setup.py (build), "
+        f"tests/conftest.py or bench/conftest.py: {sorted(undeclared)}"
+    )
     for var in envs.ENV.values():
-        assert var.doc and var.when in ("build", "run", "test")
+        assert var.doc and var.when == "run"
+
+
+def test_the_package_reads_only_its_run_time_variables():
+    # Build, test and benchmark variables stay out of the package; every run-time one is read.
+    package = "\n".join(
+        p.read_text() for p in (ROOT / "python" / "pagedkern").rglob("*.py") if p.name != "envs.py"
+    )
+    used = set(re.findall(r"\bPAGEDKERN_[A-Z0-9_]*[A-Z0-9]\b", package))
+    others = set().union(*(v for k, v in _declared().items() if k != "run"))
+    others.discard("PAGEDKERN_REQUIRE_CUDA")  # named, not read: _extension's reinstall hint
+    assert not used & others, f"the package names non-run-time variables: {used & others}"
+    assert set(envs.ENV) <= used, f"declared but never read: {set(envs.ENV) - used}"
 
 
 def test_the_package_reads_its_variables_only_through_envs():
@@ -61,25 +101,16 @@ def test_the_package_reads_its_variables_only_through_envs():
      ({"PAGEDKERN_REQUIRE_CUDA": "true"}, True), ({"PAGEDKERN_REQUIRE_CUDA": "false"}, False),
      ({"PAGEDKERN_REQUIRE_CUDA": "0", "CI": "true"}, False)],
 )  # fmt: skip
-def test_setup_and_package_agree_on_build_required(monkeypatch, env, required):
+def test_build_required_is_setup_py_rule(monkeypatch, env, required):
     # Before: setup.py took "true" as required, the package only "1"; the package also counted
-    # CI=true, setup.py did not.
+    # CI=true, setup.py did not. Now the tests call setup.py's own rule (tests/build_env.py).
     for name in ("CI", "PAGEDKERN_REQUIRE_CUDA"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    from pagedkern._extension import cuda_build_required
-
-    spec = importlib.util.spec_from_file_location("_setup_envs", ROOT / "python/pagedkern/envs.py")
-    by_path = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = by_path
-    try:
-        spec.loader.exec_module(by_path)
-        assert by_path.cuda_build_required() is required
-    finally:
-        del sys.modules[spec.name]
     assert cuda_build_required() is required
-    assert "envs.cuda_build_required()" in (ROOT / "setup.py").read_text()
+    setup = (ROOT / "setup.py").read_text()
+    assert "if cuda_build_required():" in setup and 'if __name__ == "__main__":' in setup
 
 
 def test_malformed_values_name_the_variable(monkeypatch):

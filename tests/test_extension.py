@@ -8,14 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from build_env import cuda_build_required
 
 import pagedkern
-from pagedkern._extension import (
-    CudaUnavailableError,
-    cuda_build_required,
-    extension_module,
-    require,
-)
+from pagedkern._extension import CudaUnavailableError, extension_module, require
 
 
 def test_availability_and_reason_agree():

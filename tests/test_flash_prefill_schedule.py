@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from build_env import cuda_build_required
 
-from pagedkern._extension import cuda_build_required
 from pagedkern.reference.attention import _gather
 
 BLOCK_M = 128  # flash::kBlockM

@@ -101,9 +101,9 @@ ATTENTION = [
 
 @pytest.mark.parametrize("variant", ["simt", "mma"])  # mma: the fragments spelled as shuffles
 @pytest.mark.parametrize("case", range(len(ATTENTION)))
-def test_paged_attention(case, variant, monkeypatch):
+def test_paged_attention(case, variant, kernels):
     dtype, d, block_size, hq, hkv, seq_lens, num_splits, max_seq_len = ATTENTION[case]
-    monkeypatch.setenv("PAGEDKERN_PAGED_ATTENTION_VARIANT", variant)
+    kernels(paged_attention=variant)
     assert decode_kernel(hq // hkv, d) == ("simt" if d == 256 else variant)
     g = torch.Generator().manual_seed(case)
     k_cache, v_cache, tables = _paged(seq_lens, hkv, block_size, d, dtype, g)
@@ -156,9 +156,9 @@ def test_rope_and_cache_is_bit_exact(dtype, d, misaligned):
 
 @pytest.mark.parametrize("variant", ["v2", "v1"])
 @pytest.mark.parametrize("d, misaligned", [(128, False), (64, True)])
-def test_rope_and_cache_variants_are_bit_exact(monkeypatch, variant, d, misaligned):
+def test_rope_and_cache_variants_are_bit_exact(kernels, variant, d, misaligned):
     # 6 + 3 heads: v2's groups of 4 heads end in a partial group and one mixes q and k heads.
-    monkeypatch.setenv("PAGEDKERN_ROPE_VARIANT", variant)
+    kernels(rope_and_cache=variant)
     g = torch.Generator().manual_seed(7 + d)
     tokens, hq, hkv, block_size = 9, 6, 3, 8
     off = 1 if misaligned else 0
@@ -182,8 +182,8 @@ def test_rope_and_cache_variants_are_bit_exact(monkeypatch, variant, d, misalign
 
 @pytest.mark.parametrize("variant", ["v3", "v1"])
 @pytest.mark.parametrize("hidden", [4096, 8192, 8192 + 64])  # 1, 2, 4 (no prefetch) vectors
-def test_rms_norm_variants_are_bit_exact(monkeypatch, variant, hidden):
-    monkeypatch.setenv("PAGEDKERN_RMS_NORM_VARIANT", variant)
+def test_rms_norm_variants_are_bit_exact(kernels, variant, hidden):
+    kernels(rms_norm=variant)
     g = torch.Generator().manual_seed(hidden)
     x = torch.randn(3, hidden, generator=g).bfloat16()
     w = torch.randn(hidden, generator=g).bfloat16()
@@ -199,9 +199,11 @@ def test_rms_norm_variants_are_bit_exact(monkeypatch, variant, hidden):
 
 
 def test_unknown_kernel_variant_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("PAGEDKERN_ROPE_VARIANT", "v9")
+    # At the launch: the error names the variable, the op and the variants it has.
+    monkeypatch.setenv("PAGEDKERN_KERNELS", "rope_and_cache:v9")
     x = torch.zeros(1, 1, 8).bfloat16()
-    with pytest.raises(ValueError, match="PAGEDKERN_ROPE_VARIANT"), emulated():
+    match = "PAGEDKERN_KERNELS: rope_and_cache must be one of v2, v1, got 'v9'"
+    with pytest.raises(ValueError, match=match), emulated():
         pagedkern.rope_and_cache(
             x,
             x.clone(),
@@ -308,12 +310,12 @@ def _processing_case(rows, vocab, g):
     "dtype, vocab", [(torch.float32, 203), (torch.float32, 200), (torch.bfloat16, 96)]
 )
 def test_sample_with_logits_processing_runs_the_kernel_and_matches_the_reference(
-    monkeypatch, dtype, vocab, variant, launched
+    kernels, dtype, vocab, variant, launched
 ):
     # csrc/sampling_fused.cu (v3: one kernel, top-N inside) and the processing stage + sampling
     # passes of csrc/sampling.cu (v2: top-N by torch ops) against reference.sample with the same
     # inputs: identical ids and top-N ids, the logprobs within 1e-5.
-    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", variant)
+    kernels(sample=variant)
     g = torch.Generator().manual_seed(vocab + 1)
     rows = 10
     logits = (torch.randn(rows, vocab, generator=g) * 2).to(dtype)
@@ -385,8 +387,8 @@ def _attention_case(block_size=16, seq_lens=(40, 9)):
 
 @pytest.mark.parametrize("variant", ["simt", "mma"])
 @pytest.mark.parametrize("bad", ["minus_one", "past_the_cache", "seq_len_past_the_table"])
-def test_paged_attention_traps_bad_indices_in_debug_mode(bad, variant, monkeypatch):
-    monkeypatch.setenv("PAGEDKERN_PAGED_ATTENTION_VARIANT", variant)
+def test_paged_attention_traps_bad_indices_in_debug_mode(bad, variant, kernels):
+    kernels(paged_attention=variant)
     q, k_cache, v_cache, tables, lens = _attention_case()
     if bad == "minus_one":
         tables[0, 1] = -1
@@ -454,11 +456,11 @@ def test_sample_with_no_sparse_entries_and_min_p_only():
 
 
 @pytest.mark.parametrize("dtype, vocab", [(torch.float32, 203), (torch.bfloat16, 96)])
-def test_sample_top_logprobs_in_the_kernel_on_special_rows(monkeypatch, dtype, vocab):
+def test_sample_top_logprobs_in_the_kernel_on_special_rows(kernels, dtype, vocab):
     # v3's in-kernel top-N (no processing: one launch) on ties, NaN, +inf, all -inf rows and a
     # row with fewer finite values than N: ids exactly the reference's (ties to the lower id),
     # values within 1e-5, poisoned outputs all overwritten.
-    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", "v3")
+    kernels(sample="v3")
     g = torch.Generator().manual_seed(vocab + 5)
     rows = _special_rows(vocab, g)
     rows[6, : vocab - 3] = -math.inf  # 3 finite values, N = 20
@@ -488,11 +490,11 @@ def test_sample_top_logprobs_in_the_kernel_on_special_rows(monkeypatch, dtype, v
 
 
 @pytest.mark.parametrize("variant", ["v2", "v3", "v4"])
-def test_sample_skips_sparse_ids_outside_the_vocabulary(monkeypatch, variant):
+def test_sample_skips_sparse_ids_outside_the_vocabulary(monkeypatch, kernels, variant):
     """A bad sparse id (negative, or past the vocabulary) never writes outside its row: the
     workspace lies between canaries that must come back untouched, and every row samples what
     the reference samples with the bad entries left out."""
-    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", variant)
+    kernels(sample=variant)
     sampling_module = importlib.import_module("pagedkern.ops.sampling")
     real_empty_like = sampling_module.empty_like
     guarded = []

@@ -57,8 +57,8 @@ ROPE = [
 
 @pytest.mark.parametrize("variant", ["v2", "v1"])
 @pytest.mark.parametrize("case", range(len(ROPE)))
-def test_rope_and_cache_fp8_write_is_bit_exact(case, variant, monkeypatch):
-    monkeypatch.setenv("PAGEDKERN_ROPE_VARIANT", variant)
+def test_rope_and_cache_fp8_write_is_bit_exact(case, variant, kernels):
+    kernels(rope_and_cache=variant)
     dtype, d, misaligned, tokens, hq, hkv, block_size, k_scale, v_scale = ROPE[case]
     g = torch.Generator().manual_seed(100 + case)
     # spread 8: some |k / k_scale| beyond 448 (saturation), some deep in the subnormals
@@ -172,9 +172,9 @@ ATTENTION = [
 
 @pytest.mark.parametrize("variant", ["simt", "mma"])
 @pytest.mark.parametrize("case", range(len(ATTENTION)))
-def test_paged_attention_over_fp8_cache(case, variant, monkeypatch):
+def test_paged_attention_over_fp8_cache(case, variant, kernels):
     dtype, d, block_size, hq, hkv, seq_lens, num_splits, k_scale, v_scale = ATTENTION[case]
-    monkeypatch.setenv("PAGEDKERN_PAGED_ATTENTION_VARIANT", variant)
+    kernels(paged_attention=variant)
     assert decode_kernel(hq // hkv, d) == ("simt" if d == 256 else variant)
     g = torch.Generator().manual_seed(200 + case)
     k_cache, v_cache, tables = _fp8_paged(seq_lens, hkv, block_size, d, g, k_scale, v_scale)

@@ -25,9 +25,9 @@ FP8 = torch.float8_e4m3fn
 
 
 @pytest.fixture
-def variant(request, monkeypatch):
-    """The attention tests run on every kernel variant (PAGEDKERN_PAGED_ATTENTION_VARIANT)."""
-    monkeypatch.setenv("PAGEDKERN_PAGED_ATTENTION_VARIANT", request.param)
+def variant(request, kernels):
+    """The attention tests run on every kernel variant (PAGEDKERN_KERNELS=paged_attention:...)."""
+    kernels(paged_attention=request.param)
     return request.param
 
 

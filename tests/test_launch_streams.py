@@ -111,8 +111,8 @@ def _all_on_the_launch_stream(events, launched: str, expected: set[str]) -> None
 
 
 @pytest.mark.parametrize("variant", ["v4", "v3", "v2"])
-def test_sample_fills_and_allocates_on_the_launch_stream(streams, monkeypatch, variant):
-    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", variant)
+def test_sample_fills_and_allocates_on_the_launch_stream(streams, kernels, variant):
+    kernels(sample=variant)
     rows, vocab = 2, 8192
     logits = torch.randn(rows, vocab)
     processing = dict(

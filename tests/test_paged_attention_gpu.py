@@ -3,7 +3,7 @@ tables with NaN in every cache slot no sequence owns, lengths 1..16384, batches 
 on and off, every dispatched head dim / block size / GQA ratio, padding rows, return_lse, views
 into a fused QKV output, CUDA-graph capture with a fixed plan, the caller's stream, an error bound
 per head (not only over all heads), and the policy outside kernel support (warn or refuse); each
-on every kernel variant (PAGEDKERN_PAGED_ATTENTION_VARIANT)."""
+on every kernel variant (PAGEDKERN_KERNELS=paged_attention:...)."""
 
 from __future__ import annotations
 

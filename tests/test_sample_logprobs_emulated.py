@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(una
 
 @pytest.mark.parametrize("variant", ["v2", "v3", "v4"])
 @pytest.mark.parametrize("dtype, vocab", [(torch.float32, 4097), (torch.bfloat16, 32000)])
-def test_sampled_logprobs_equal_their_top_n_values(monkeypatch, variant, dtype, vocab):
-    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", variant)
+def test_sampled_logprobs_equal_their_top_n_values(kernels, variant, dtype, vocab):
+    kernels(sample=variant)
     rows, n = 16, 5
     g = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)

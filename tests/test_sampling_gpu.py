@@ -6,7 +6,7 @@ NaN/inf/tie rows, reproducibility and independence of the batch, per-row paramet
 every logits dtype, odd vocabularies, and draw-for-draw agreement with the reference (the kernel
 uses the same u and the same inverse CDF in vocabulary order), and at small batch (v4 splits a
 row over several CTAs) the ids of one CTA per row exactly. Every test runs every kernel variant
-(PAGEDKERN_SAMPLE_VARIANT v4, v3 and v2) until a GPU run has verified v4 and v3."""
+(PAGEDKERN_KERNELS=sample:v4, v3 and v2) until a GPU run has verified v4 and v3."""
 
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ def test_top_logprobs_equal_the_reference(dtype, vocab):
 )
 @pytest.mark.parametrize("rows", [1, 4, 8, 131])
 def test_small_batches_draw_exactly_what_one_cta_per_row_draws(
-    dtype, vocab, rows, monkeypatch, kernel_variant
+    dtype, vocab, rows, kernels, kernel_variant
 ):
     # v4 splits these rows over several CTAs (ops.sampling.split_slices; 131 rows: one CTA per
     # row on a 132-SM H200): integer merges, so its ids are v3's bit for bit, with and without
@@ -296,9 +296,9 @@ def test_small_batches_draw_exactly_what_one_cta_per_row_draws(
     for extra in ({}, processing):
         out = torch.full((rows,), -1, dtype=torch.int32, device=DEVICE)
         pagedkern.sample(logits, **params, out=out, **extra)
-        monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", "v3")
+        kernels(sample="v3")
         one_cta = pagedkern.sample(logits, **params, **extra)
-        monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", kernel_variant)
+        kernels(sample=kernel_variant)
         assert torch.equal(out, one_cta)
         ref = reference.sample(logits, **params, **extra)
         assert int((out != ref).sum()) <= max(1, rows // 50)

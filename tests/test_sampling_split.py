@@ -76,21 +76,21 @@ def poisoned(monkeypatch):
 def _forced(monkeypatch, slices: int) -> None:
     """ops.sample runs v4 and plans `slices` CTAs per row whatever the sizes (slices of 32
     elements up; the kernel drops the empty ones)."""
-    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", "v4")
+    monkeypatch.setenv("PAGEDKERN_KERNELS", "sample:v4")
     monkeypatch.setattr(ops_sampling, "split_slices", lambda rows, vocab, itemsize, sms: slices)
 
 
 @emulator
-def test_auto_takes_the_variant_measured_fastest_for_the_call(monkeypatch):
+def test_auto_takes_the_variant_measured_fastest_for_the_call(monkeypatch, kernels):
     """auto: plain sampling on v2 (one sampling kernel), a call with logits processing or
     logprob outputs on v4 (v3's fused kernel here: the logprob outputs, or no split planned)."""
-    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", "auto")
-    kernels = []
+    kernels(sample="auto")
+    ran = []
     real = ops_sampling.measured_variant
 
     def spy(processing, logprob_outputs):
-        kernels.append(real(processing, logprob_outputs))
-        return kernels[-1]
+        ran.append(real(processing, logprob_outputs))
+        return ran[-1]
 
     monkeypatch.setattr(ops_sampling, "measured_variant", spy)
     logits = torch.randn(3, 200)
@@ -99,7 +99,7 @@ def test_auto_takes_the_variant_measured_fastest_for_the_call(monkeypatch):
         lp = torch.empty(3)
         pagedkern.sample(logits, 1.0, 0.9, 0, 5, 0, logprobs=lp)
         pagedkern.sample(logits, 1.0, 0.9, 0, 5, 0, min_p=torch.full((3,), 0.1))
-    assert kernels == [ops_sampling.V2, ops_sampling.V4, ops_sampling.V4]
+    assert ran == [ops_sampling.V2, ops_sampling.V4, ops_sampling.V4]
     assert plain.tolist() == reference.sample(logits, 1.0, 0.9, 0, 5, 0).tolist()
 
 
@@ -244,9 +244,9 @@ def test_greedy_known_on_the_host_runs_the_one_cta_kernel(monkeypatch):
 
 
 @emulator
-def test_v3_never_splits(monkeypatch):
+def test_v3_never_splits(monkeypatch, kernels):
     _forced(monkeypatch, 4)
-    monkeypatch.setenv("PAGEDKERN_SAMPLE_VARIANT", "v3")
+    kernels(sample="v3")
     logits = torch.randn(2, 200)
     before = launches()
     with emulated():

@@ -11,8 +11,6 @@ import functools
 import re
 from types import ModuleType
 
-from . import envs
-
 MIN_COMPUTE_CAPABILITY = (8, 0)  # cp.async, bf16 mma.sync: every kernel assumes sm_80
 
 
@@ -92,11 +90,6 @@ def cuda_available() -> bool:
 def cuda_unavailable_reason() -> str | None:
     """Why `cuda_available()` is False, or None when it is True."""
     return _probe()[1]
-
-
-def cuda_build_required() -> bool:
-    """A missing or failing CUDA build is an error (setup.py's rule: pagedkern.envs)."""
-    return envs.cuda_build_required()
 
 
 def require() -> ModuleType:

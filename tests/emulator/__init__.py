@@ -65,9 +65,9 @@ def _cuda_include() -> Path | None:
 
 
 def unavailable_reason() -> str | None:
-    from pagedkern.envs import ENV
+    from pagedkern.envs import parse_bool
 
-    if ENV["PAGEDKERN_NO_EMULATION"].get():
+    if parse_bool("PAGEDKERN_NO_EMULATION", os.environ.get("PAGEDKERN_NO_EMULATION", "0")):
         return "PAGEDKERN_NO_EMULATION=1"
     if shutil.which("g++") is None:
         return "g++ not found"
@@ -103,9 +103,9 @@ def _compile(src: Path, obj: Path, includes: list[str]) -> Path:
 
 def _cutlass_include() -> list[str]:
     """As setup.py finds it: bindings.cpp may include headers that need CUTLASS/CuTe."""
-    from pagedkern.envs import ENV
+    from build_env import build_variable
 
-    path = ENV["PAGEDKERN_CUTLASS_INCLUDE"].get()
+    path = build_variable("PAGEDKERN_CUTLASS_INCLUDE")
     spec = importlib.util.find_spec("cutlass_library")
     if not path and spec and spec.submodule_search_locations:
         path = str(Path(next(iter(spec.submodule_search_locations))) / "source" / "include")

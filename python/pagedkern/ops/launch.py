@@ -1,5 +1,6 @@
 """What every kernel launch needs once its arguments are valid: the backend's choice between the
-kernel and the reference, which variant of a kernel runs, then the module, device and stream."""
+kernel and the reference, which variant of a kernel runs (ops/variants.py), then the module,
+device and stream."""
 
 from __future__ import annotations
 
@@ -16,28 +17,7 @@ from .. import envs
 from .._extension import require
 from .arrays import ArrayView, common_device, current_stream, resolve_device
 from .support import KernelSupport, KernelUnsupportedError
-
-# ---- kernel variants ---------------------------------------------------------------------------
-# A rewritten kernel keeps the one it replaces selectable until a GPU run has verified the new
-# one (README, Kernels). Op -> (environment variable, {name: code passed to the kernel}); the
-# first name is the default. Codes match the `variant` field of the op's params (csrc/*.h).
-KERNEL_VARIANTS: dict[str, tuple[str, dict[str, int]]] = {
-    "flash_prefill": ("PAGEDKERN_FLASH_VARIANT", {"v2": 0, "v1": 1}),
-    "rms_norm": ("PAGEDKERN_RMS_NORM_VARIANT", {"v3": 0, "v1": 1}),
-    "rope_and_cache": ("PAGEDKERN_ROPE_VARIANT", {"v2": 0, "v1": 1}),
-    # -1: chosen per call from what it computes (ops/sampling.py measured_variant)
-    "sample": ("PAGEDKERN_SAMPLE_VARIANT", {"auto": -1, "v4": 2, "v3": 0, "v2": 1}),
-    # -1: chosen per call from the GQA group and head dim (ops/paged_attention.py decode_kernel)
-    "paged_attention": ("PAGEDKERN_PAGED_ATTENTION_VARIANT", {"auto": -1, "simt": 0, "mma": 1}),
-}
-
-
-def kernel_variant(op: str) -> int:
-    """The variant code of `op`'s kernel its environment variable asks for (default when unset;
-    the variables and their choices are declared in pagedkern/envs.py)."""
-    env, names = KERNEL_VARIANTS[op]
-    return names[envs.get(env)]
-
+from .variants import kernel_variant as kernel_variant  # re-exported: the ops read it here
 
 BACKENDS = ("auto", "cuda", "reference")
 _backend = "auto"  # the process default (set_backend)

@@ -83,7 +83,7 @@ KERNEL_CODES = {"simt": 0, "mma": 1}  # csrc/paged_attention.h kPagedAttentionSi
 
 
 def decode_kernel(group: int, head_dim: int, variant: int | None = None) -> str:
-    """The kernel a launch runs, 'simt' or 'mma', for PAGEDKERN_PAGED_ATTENTION_VARIANT (or
+    """The kernel a launch runs, 'simt' or 'mma', for PAGEDKERN_KERNELS=paged_attention:... (or
     `variant`, its code): auto takes mma for groups >= MMA_MIN_GROUP; D = 256 is simt always."""
     code = kernel_variant("paged_attention") if variant is None else variant
     if head_dim not in MMA_HEAD_DIMS or code == KERNEL_CODES["simt"]:

@@ -56,12 +56,12 @@ _THREADS = 512  # threads per CTA of the sampling kernels (csrc/sampling_common.
 MAX_SLICES = 256  # CTAs per row at most (csrc/sampling.cu accepts up to 4096)
 
 
-AUTO, V3, V2, V4 = -1, 0, 1, 2  # launch.KERNEL_VARIANTS["sample"] codes
+AUTO, V3, V2, V4 = -1, 0, 1, 2  # variants.VARIANTS["sample"] codes
 
 
 def measured_variant(processing: bool, logprob_outputs: bool) -> int:
-    """PAGEDKERN_SAMPLE_VARIANT=auto: the kernel that measured fastest on the first H200 run
-    (bench/results/2026-12-04-h200.md, B=1..128, V=128256): plain sampling ran fastest on v2
+    """sample:auto (the default variant): the kernel that measured fastest on the first H200
+    run (bench/results/2026-12-04-h200.md, B=1..128, V=128256): plain sampling ran fastest on v2
     at every batch size (top-p: 200-256 us against v4's 219-727), a call with logits
     processing on v3's fused kernel (1195 us against v2's 3136); v4 is v3 with its split for
     small batches. Logprob outputs take v3's kernel too (v2's top-N are torch ops)."""
@@ -121,8 +121,8 @@ def sample(
     bitmask int32 [M, ceil(V / 32)] with bitmask_rows int32 [B]; min_p float32 [B].
     Outputs (optional): logprobs float32 [B] (the sampled token's), top_ids int32 [B, N] and
     top_logprobs float32 [B, N], N <= min(20, V), both or neither. The kernel variant
-    (PAGEDKERN_SAMPLE_VARIANT): auto (the default) takes the one that measured fastest for the
-    call (measured_variant); v3 computes everything in one kernel, v4 is v3
+    (PAGEDKERN_KERNELS=sample:...): auto (the default) takes the one that measured fastest for
+    the call (measured_variant); v3 computes everything in one kernel, v4 is v3
     with a row split over several CTAs when the rows are fewer than the SMs (split_slices; a
     call asking for logprobs runs v3's kernel), v2 runs a processing stage first and the top-N
     as torch ops after."""

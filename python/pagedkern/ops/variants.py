@@ -1,0 +1,179 @@
+"""Kernel variants: every op whose kernel was rewritten keeps the kernel it replaces selectable
+until a GPU run has verified the new one (the GPU tests run every test on every variant), and
+all of them are chosen through one environment variable:
+
+    PAGEDKERN_KERNELS=flash_prefill:v1,sample:v3
+
+a comma-separated list of `op:variant`; an op left out runs its default. The value is parsed
+once per distinct string (a launch costs one environment lookup and a dict read), and a
+malformed one is a ValueError naming the variable, the op and the values it allows.
+
+`VARIANTS` below is the one list: each op's variants, its default first, what each variant is,
+and the date a GPU run passed every test of it. docs/guides/kernels.md shows the same table
+(tests/test_kernel_variants.py keeps the two equal). `use_kernels(sample="v3")` selects
+variants for a block (it sets the variable, so threads and child processes see it too); the
+tests' `kernels` fixture does the same until the test ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .. import envs
+
+ENV_NAME = "PAGEDKERN_KERNELS"
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    name: str
+    code: int  # the `variant` field of the op's kernel parameters (csrc/*.h); -1: chosen per call
+    doc: str
+    verified: str | None  # the date a GPU run passed every test of this variant, or None
+
+
+@dataclass(frozen=True, slots=True)
+class OpVariants:
+    op: str
+    variants: tuple[Variant, ...]  # the default first
+
+    @property
+    def default(self) -> str:
+        return self.variants[0].name
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(v.name for v in self.variants)
+
+    def code(self, name: str) -> int:
+        return next(v.code for v in self.variants if v.name == name)
+
+
+_RUN2 = "2026-12-04"  # bench/results/2026-12-04-h200-run2.md: every GPU test of every variant
+
+VARIANTS: dict[str, OpVariants] = {
+    o.op: o
+    for o in (
+        OpVariants(
+            "flash_prefill",
+            (
+                Variant(
+                    "v2",
+                    0,
+                    "page ids fetched a tile ahead; path 2's softmax overlaps the in-flight P·V",
+                    _RUN2,
+                ),
+                Variant("v1", 1, "the first schedule", _RUN2),
+            ),
+        ),
+        OpVariants(
+            "rms_norm",  # and fused_add_rms_norm
+            (
+                Variant("v3", 0, "weights loaded with x, before the reduction barrier", _RUN2),
+                Variant("v1", 1, "weights loaded after the reduction barrier", _RUN2),
+            ),
+        ),
+        OpVariants(
+            "rope_and_cache",
+            (
+                Variant("v2", 0, "4 heads per thread share one cos/sin load", _RUN2),
+                Variant("v1", 1, "one head per thread", _RUN2),
+            ),
+        ),
+        OpVariants(
+            "sample",
+            (
+                Variant(
+                    "auto",
+                    -1,
+                    "per call, what measured fastest: v2 for plain sampling, v4 with logits "
+                    "processing or logprob outputs",
+                    _RUN2,
+                ),
+                Variant("v4", 2, "v3 with a row split over several CTAs at small batches", _RUN2),
+                Variant("v3", 0, "processing, sampling and top-N logprobs in one kernel", _RUN2),
+                Variant(
+                    "v2",
+                    1,
+                    "a processing stage, then the sampling kernel; top-N as torch ops",
+                    _RUN2,
+                ),
+            ),
+        ),
+        OpVariants(
+            "paged_attention",
+            (
+                Variant(
+                    "auto",
+                    -1,
+                    "per call: mma for GQA groups >= 4 at D 64 / 128, else simt",
+                    _RUN2,
+                ),
+                Variant("simt", 0, "fp32 SIMT math, any D (the first kernel)", _RUN2),
+                Variant("mma", 1, "mma.sync tensor cores wherever D is 64 or 128", _RUN2),
+            ),
+        ),
+    )
+}
+
+
+def _error(message: str) -> ValueError:
+    return ValueError(f"{ENV_NAME}: {message} (format: op:variant[,op:variant...])")
+
+
+@functools.lru_cache(maxsize=16)
+def parse(raw: str) -> dict[str, str]:
+    """{op: variant} for a PAGEDKERN_KERNELS value, every op present (defaults filled in)."""
+    chosen = {op: o.default for op, o in VARIANTS.items()}
+    for item in raw.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        op, sep, name = (part.strip() for part in item.partition(":"))
+        if op not in VARIANTS:
+            raise _error(f"unknown op {op!r} in {raw!r}; ops with variants: {', '.join(VARIANTS)}")
+        if not sep or name not in VARIANTS[op].names:
+            raise _error(
+                f"{op} must be one of {', '.join(VARIANTS[op].names)}, got {name!r} in {raw!r}"
+            )
+        chosen[op] = name
+    return chosen
+
+
+def selected(op: str) -> str:
+    """The variant of `op` that runs (PAGEDKERN_KERNELS, else the default)."""
+    return parse(envs.get(ENV_NAME) or "")[op]
+
+
+def kernel_variant(op: str) -> int:
+    """The code of the variant of `op` that runs, as its kernel parameters take it."""
+    return VARIANTS[op].code(selected(op))
+
+
+def kernels_value(**chosen: str) -> str:
+    """The PAGEDKERN_KERNELS value that selects `chosen` ({op: variant}) on top of what the
+    variable selects now (ops at their default left out); a bad op or variant raises."""
+    merged = dict(parse(envs.get(ENV_NAME) or ""))
+    merged.update(chosen)
+    merged = parse(",".join(f"{op}:{name}" for op, name in merged.items()))
+    return ",".join(f"{op}:{name}" for op, name in merged.items() if VARIANTS[op].default != name)
+
+
+@contextlib.contextmanager
+def use_kernels(**chosen: str) -> Iterator[None]:
+    """Inside the block the given ops run the given variants, e.g. `with use_kernels(sample="v3"):`;
+    the other ops keep what PAGEDKERN_KERNELS says. It sets the variable (process-wide: threads
+    and child processes see it) and restores it after. Tests: the `kernels` fixture."""
+    previous = os.environ.get(ENV_NAME)
+    os.environ[ENV_NAME] = kernels_value(**chosen)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ENV_NAME, None)
+        else:
+            os.environ[ENV_NAME] = previous
