@@ -8,6 +8,7 @@ through `require()`, which raises one clear error instead of crashing.
 from __future__ import annotations
 
 import functools
+import importlib
 import re
 from types import ModuleType
 
@@ -18,10 +19,16 @@ class CudaUnavailableError(RuntimeError):
     """A CUDA kernel was called where pagedkern cannot run one (the message says why)."""
 
 
+def _import_compiled() -> ModuleType:
+    # By name, not `from . import _C`: import graphs (grimp, import-linter) take that form for
+    # an import of the package itself, a cycle that is not there.
+    return importlib.import_module(f"{__package__}._C")
+
+
 @functools.cache
 def _probe() -> tuple[ModuleType | None, str | None]:
     try:
-        from . import _C
+        _C = _import_compiled()
     except ImportError as exc:
         return None, (
             "the CUDA extension pagedkern._C is not installed or failed to load "
@@ -76,10 +83,9 @@ def runs_on(capability: tuple[int, int], archs: str) -> bool:
 def extension_module() -> ModuleType | None:
     """The compiled module if it imports, whether or not a GPU is present (static checks use it)."""
     try:
-        from . import _C
+        return _import_compiled()
     except ImportError:
         return None
-    return _C
 
 
 def cuda_available() -> bool:

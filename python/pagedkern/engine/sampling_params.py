@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from .validation import (
     INT32_MAX,
@@ -34,6 +36,10 @@ MAX_LOGPROBS = 20
 MAX_REPETITION_PENALTY = 10.0  # (0, 10]: 1 = off; vLLM allows any > 0, 10 already bans repeats
 MAX_N = 64  # samples per request
 MAX_TOKEN_LIST = 65536  # logit_bias / allowed_token_ids / bad_words entries (host work bound)
+# response_format: its shape is checked here; its schema's meaning when it is compiled
+# (structured_output.GrammarCompiler).
+FORMAT_TYPES = ("text", "json_object", "json_schema")
+MAX_SCHEMA_CHARS = 100_000  # bounds grammar compilation time per request
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +149,6 @@ class SamplingParams:
             check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         check_int("n", self.n, 1, MAX_N)
         if self.response_format is not None:
-            from .structured_output import check_response_format
-
             object.__setattr__(self, "response_format", check_response_format(self.response_format))
 
     def token_ids_used(self) -> list[tuple[str, int]]:
@@ -219,3 +223,32 @@ def _bad_words(words) -> tuple[tuple[int, ...], ...]:
             raise ValueError(f"bad_words[{i}] must have 1 to {MAX_STOP_STRING_LENGTH} ids")
         out.append(ids)
     return tuple(out)
+
+
+def check_response_format(value: Any) -> Mapping | None:
+    """A checked, normalised response_format ({"type": ..., "schema": ...}); None for text.
+    ValueError naming response_format for a malformed value. The schema's meaning is checked
+    when it is compiled (`GrammarCompiler.compile`), not here: this runs on event loops."""
+    if not isinstance(value, Mapping):
+        raise ParameterTypeError(f"response_format must be an object, got {value!r}")
+    kind = value.get("type")
+    if kind not in FORMAT_TYPES:
+        raise ValueError(f"response_format.type must be one of {FORMAT_TYPES}, got {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    else:
+        spec = value.get("json_schema")
+        if not isinstance(spec, Mapping):
+            raise ValueError("response_format.json_schema must be an object with a 'schema'")
+        schema = spec.get("schema", spec if "type" in spec or "properties" in spec else None)
+        if not isinstance(schema, (Mapping, bool)):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError) as exc:  # not JSON data (a Python caller's object)
+        raise ValueError(f"response_format: the schema is not JSON: {exc}") from None
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"response_format: the schema has over {MAX_SCHEMA_CHARS} characters")
+    return {"type": kind, "schema": json.loads(text)}

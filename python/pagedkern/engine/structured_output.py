@@ -37,16 +37,12 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import torch
 
 from .logits_processing import bitmask_words
-from .validation import ParameterTypeError
 
-FORMAT_TYPES = ("text", "json_object", "json_schema")
-MAX_SCHEMA_CHARS = 100_000  # bounds grammar compilation time per request
 MAX_ERROR_CHARS = 300  # of a grammar engine's error, in a message or the log
 PROBE_TOKENS = 8  # steps of the compile-time probe (each a mask: ~1 ms, bounded by llguidance)
 CACHE_SIZE = 64  # compiled schemas kept per tokenizer (their outcome: a grammar or the error)
@@ -54,35 +50,6 @@ CACHE_SIZE = 64  # compiled schemas kept per tokenizer (their outcome: a grammar
 
 class StructuredOutputError(ValueError):
     """The grammar engine cannot follow a schema (the message starts with "response_format")."""
-
-
-def check_response_format(value: Any) -> Mapping | None:
-    """A checked, normalised response_format ({"type": ..., "schema": ...}); None for text.
-    ValueError naming response_format for a malformed value. The schema's meaning is checked
-    when it is compiled (`GrammarCompiler.compile`), not here: this runs on event loops."""
-    if not isinstance(value, Mapping):
-        raise ParameterTypeError(f"response_format must be an object, got {value!r}")
-    kind = value.get("type")
-    if kind not in FORMAT_TYPES:
-        raise ValueError(f"response_format.type must be one of {FORMAT_TYPES}, got {kind!r}")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        schema: Any = {"type": "object"}
-    else:
-        spec = value.get("json_schema")
-        if not isinstance(spec, Mapping):
-            raise ValueError("response_format.json_schema must be an object with a 'schema'")
-        schema = spec.get("schema", spec if "type" in spec or "properties" in spec else None)
-        if not isinstance(schema, (Mapping, bool)):
-            raise ValueError("response_format.json_schema.schema must be a JSON schema object")
-    try:
-        text = json.dumps(schema)
-    except (TypeError, ValueError) as exc:  # not JSON data (a Python caller's object)
-        raise ValueError(f"response_format: the schema is not JSON: {exc}") from None
-    if len(text) > MAX_SCHEMA_CHARS:
-        raise ValueError(f"response_format: the schema has over {MAX_SCHEMA_CHARS} characters")
-    return {"type": kind, "schema": json.loads(text)}
 
 
 def schema_key(response_format: Mapping) -> str:
