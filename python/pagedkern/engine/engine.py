@@ -355,7 +355,9 @@ class Engine:
         else:
             done = ScheduledBatch(batch.entries)
         if batch.lookahead:
-            gains = {g[0]: g[1] for result in results for g in result.gains()}
+            # what each request gained: a verified run ends in its recovered or bonus token
+            gains = {r: (t,) for res in results for r, t in zip(res.requests, res.token_ids)}
+            gains |= {r: tokens for res in results for r, tokens in res.verified}
             done.accepted = {r: tuple(gains[r][:-1]) for r in batch.lookahead if r in gains}
         tables = {r: len(r.block_table) for r in done.accepted}
         self.scheduler.on_step_done(done)  # the runner sampled exactly the requests it returns

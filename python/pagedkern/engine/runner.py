@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import repeat
 
 import numpy as np
 import torch
@@ -41,20 +40,6 @@ class StepResult:
     logits: torch.Tensor | None
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     verified: list[tuple[Request, list[int]]] = field(default_factory=list)
-
-    def gains(self) -> list[tuple]:
-        """(request, its new tokens, its logits row, its logprobs or None) per sampled row, then
-        (request, its verified tokens, None, None) per speculating request."""
-        n = len(self.requests)
-        # the rows' views in one call (indexing row by row costs more per row)
-        rows = repeat(None, n) if self.logits is None else self.logits[:n].unbind(0)
-        logprobs = self.logprobs or repeat(None, n)
-        sampled = zip(self.requests, map(_one, self.token_ids), rows, logprobs, strict=True)
-        return list(sampled) + [(request, tokens, None, None) for request, tokens in self.verified]
-
-
-def _one(token: int) -> list[int]:
-    return [token]
 
 
 @dataclass(slots=True)
