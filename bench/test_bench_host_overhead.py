@@ -18,8 +18,8 @@ wrapper's own cost, measured here, is subtracted per call: what it adds to its c
 is runner.sample, the general path's packing (the persistent decode batch packs its rows in
 "runner (own)"). "append/stop checks" is OutputProcessor.append, a step's whole append (it
 calls no per-request method but the detokenizer's and the output's); "engine loop (rest)" is
-Engine.step's self time: the engine's own per-step code. Target: <= 0.5 ms per step at 256. Smoke mode (CI): every size, a few steps; the numbers
-mean nothing there.
+Engine.step's self time: the engine's own per-step code. Target: <= 0.5 ms per step at 256.
+Smoke mode (CI): every size, a few steps; the numbers mean nothing there.
 
 Each size runs twice: detokenizing (the offline engine: `LLM`, the CLI; half the requests check
 a stop string) and not (`Engine.detokenize` off: the HTTP server's engine core, whose front
