@@ -96,7 +96,7 @@ class OutputProcessor:
         for result in results:
             runs = zip(result.requests, zip(result.token_ids), result.logprobs or repeat(None))
             if result.verified:
-                runs = chain(runs, ((r, tokens, None) for r, tokens in result.verified))
+                runs = chain(runs, ((r, tuple(run), None) for r, run in result.verified))
             self._append_runs(runs, self._logits_rows(result), now, outputs)
 
     def _logits_rows(self, result: StepResult) -> dict[Request, object] | None:
@@ -108,7 +108,7 @@ class OutputProcessor:
 
     def _append_runs(
         self,
-        runs: Iterable[tuple[Request, Sequence[int], TokenLogprob | None]],
+        runs: Iterable[tuple[Request, tuple[int, ...], TokenLogprob | None]],
         logits_rows: dict[Request, object] | None,
         now: float,
         outputs: list[RequestOutput],
@@ -171,10 +171,10 @@ class OutputProcessor:
                         delta_token(token)
                     else:
                         logprobs = None if logprob is None else (logprob,)
-                        emit(of(request, text, tuple(tokens), False, logprobs=logprobs))
+                        emit(of(request, text, tokens, False, None, logprobs))
                     continue
                 logprobs = None if logprob is None else (logprob,)
-                ran = tuple(tokens[: appended - before])  # the tokens after a stop are dropped
+                ran = tokens[: appended - before]  # the tokens after a stop are dropped
                 emit(self.finish(request, reason, ran, text, logprobs))
             except Exception as exc:  # noqa: BLE001 - e.g. its detokenization: it fails alone
                 if rid in requests:
