@@ -439,12 +439,22 @@ def exact_first_two(model: LlamaModel, prompt: list[int], params: SamplingParams
     return joint
 
 
+# Seeds per case. The power was computed from the exact distributions of these two models (the
+# chi-square's noncentrality against its bound, df + 6 sqrt(2 df)): a recovered token drawn from
+# p instead of the residual (p - q)+, the subtlest wrong rule, moves the second token's marginal
+# by z = 10 at 2^14 seeds (the joint over all 2^16 seeds it once took: z = 15); an always-accept
+# rule or a swapped residual by z > 100. Under top-k 5 nothing is accepted and those two rules
+# move it by z = 31 at 2^12 seeds.
+RANDOM_DRAFT_SEEDS = {"temperature 0.7, top-p 0.9": 2**14, "temperature 0.7, top-k 5": 2**12}
+
+
 @needs_engine
 @pytest.mark.parametrize("case", SAMPLED)
 def test_speculative_sampling_with_a_random_draft_keeps_the_distribution(case):
-    """2^16 seeds, a synthetic target and a different random synthetic draft: the first two
-    tokens' joint frequencies under speculation match the exact non-speculative joint."""
-    seeds, batch = 2**16, 4096
+    """Many seeds, a synthetic target and a different random synthetic draft: the first two
+    tokens' joint frequencies under speculation match the exact non-speculative joint, and so
+    do the second token's alone (the verified one: the sharpest test of the rule)."""
+    seeds, batch = RANDOM_DRAFT_SEEDS[case], 4096
     prompt = [5]  # one token: the prefill runs as a (batched) decode row, the cheap path
     # Four tokens, so that the second one is verified (the last allowed token is only ever
     # sampled: nothing to propose for it); the first two are compared.
@@ -480,6 +490,7 @@ def test_speculative_sampling_with_a_random_draft_keeps_the_distribution(case):
     observed = torch.tensor([a * VOCAB + b for a, b in pairs])
     assert_chi_square(observed, joint.flatten() * seeds)
     assert_chi_square(observed // VOCAB, joint.sum(1) * seeds)  # the first token alone
+    assert_chi_square(observed % VOCAB, joint.sum(0) * seeds)  # the second, verified, alone
 
 
 @pytest.mark.parametrize("draft_model", ["self:1", "synthetic:tiny"])
