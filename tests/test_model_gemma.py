@@ -23,7 +23,7 @@ from pagedkern.model import ModelLoadError, SequenceChunk, build_batch, cpu_deco
 transformers = pytest.importorskip("transformers")
 
 PROMPT = [5, 77, 301, 12, 250, 9, 33, 120, 64, 7, 199, 3, 42, 318, 91, 17, 260, 88, 2, 150]
-STEPS = 24
+STEPS = 32
 WINDOW = 6
 COMMON = dict(
     vocab_size=400,  # the tokenizer write_tokenizer trains
