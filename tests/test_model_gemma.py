@@ -229,6 +229,32 @@ def test_preemption_and_batching_change_nothing(saved):
     assert sum(r.num_preemptions for r in requests) > 0
 
 
+def test_the_static_buffer_and_piecewise_paths_change_nothing(saved, monkeypatch):
+    # cuda_graphs=True on the CPU runs the CUDA-graph paths' padded static buffers eagerly:
+    # mixed steps in pieces (embed_and_norm, layer_tail, _attention by layer, compute_logits),
+    # which must apply every Gemma option as the plain forward does.
+    from pagedkern.engine.piecewise_graphs import PiecewiseGraphs
+
+    folder, hf = saved
+    runs = []
+    run = PiecewiseGraphs.run
+    monkeypatch.setattr(PiecewiseGraphs, "run", lambda self, lay: runs.append(1) or run(self, lay))
+    prompts = [PROMPT[i:] + PROMPT[:i] for i in (0, 5, 9)]
+    want = [_hf_greedy(hf, p, 10)[0] for p in prompts]
+    engine = Engine.from_config(
+        EngineConfig(
+            model=str(folder), backend="reference", num_blocks=64, block_size=4,
+            max_num_batched_tokens=8, cuda_graphs=True,
+        )
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    requests = [engine.add_request(prompt_ids=p, params=params) for p in prompts]
+    while engine.has_unfinished:
+        engine.step()
+    assert [r.output_ids for r in requests] == want
+    assert runs  # mixed steps went piecewise
+
+
 def _write(folder, arch: str, **changes) -> None:
     _hf_model(arch).save_pretrained(folder, safe_serialization=True)
     write_tokenizer(folder)
