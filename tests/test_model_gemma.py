@@ -378,3 +378,31 @@ def test_the_gguf_llama_cpp_writes_equals_transformers(arch, tmp_path, monkeypat
         {"sliding_attention": "sliding", "full_attention": "full"}[t] for t in hf.config.layer_types
     )
     assert model.config.tie_word_embeddings and model.config.qk_norm == (arch == "gemma3")
+
+
+@pytest.mark.parametrize(
+    "preset, hf_config",
+    [
+        ("gemma2-2b", dict(model_type="gemma2")),  # transformers' Gemma2Config defaults: 2B
+        ("gemma3-1b", dict(
+            model_type="gemma3_text", vocab_size=262144, hidden_size=1152,
+            intermediate_size=6912, num_attention_heads=4, num_key_value_heads=1,
+            sliding_window=512, max_position_embeddings=32768,
+        )),
+    ],
+)  # fmt: skip
+def test_the_gemma_presets_have_the_published_shapes(preset, hf_config):
+    from pagedkern.model import PRESETS
+    from pagedkern.model.config import config_from_hf
+
+    kind = hf_config.pop("model_type")
+    make = transformers.Gemma2Config if kind == "gemma2" else transformers.Gemma3TextConfig
+    config = make(**hf_config)
+    with torch.device("meta"):
+        model = ARCHITECTURES["gemma2" if kind == "gemma2" else "gemma3"][1](config)
+    count = sum(p.numel() for p in model.parameters())  # the tied head once
+    assert PRESETS[preset].num_parameters() == count
+    ours = config_from_hf(config.to_dict(), "config.json")
+    for field in ("layer_types", "sliding_window", "attn_scale", "attn_soft_cap", "final_soft_cap",
+                  "rope_theta", "rope_local_theta", "head_dim", "qk_norm"):  # fmt: skip
+        assert getattr(ours, field) == getattr(PRESETS[preset], field), field

@@ -126,9 +126,8 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        layer = (
-            h * self.qkv_size + self.q_size * h + 3 * h * i + (4 if self.sandwich_norms else 2) * h
-        )
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        layer = h * self.qkv_size + self.q_size * h + 3 * h * i + norms
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * layer + h + head
 
@@ -186,6 +185,48 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=100000.0,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
+    ),
+    # Gemma shapes (Gemma 3 1B, Gemma 2 2B), for synthetic runs of their features at scale.
+    "gemma3-1b": ModelConfig(
+        name="gemma3-1b",
+        vocab_size=262144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_layers=26,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=256,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        hidden_act="gelu_tanh",
+        sandwich_norms=True,
+        embed_scale=1152**0.5,
+        attn_scale=256**-0.5,
+        sliding_window=512,
+        layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(26)),
+        rope_local_theta=10000.0,
+    ),
+    "gemma2-2b": ModelConfig(
+        name="gemma2-2b",
+        vocab_size=256000,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_layers=26,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        hidden_act="gelu_tanh",
+        sandwich_norms=True,
+        embed_scale=2304**0.5,
+        attn_scale=256**-0.5,
+        attn_soft_cap=50.0,
+        final_soft_cap=30.0,
+        sliding_window=4096,
+        layer_types=tuple(FULL if (i + 1) % 2 == 0 else SLIDING for i in range(26)),
     ),
 }
 
