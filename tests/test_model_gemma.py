@@ -21,6 +21,7 @@ from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import ModelLoadError, SequenceChunk, build_batch, cpu_decode, load_model
 
 transformers = pytest.importorskip("transformers")
+Q8 = gguf.GGMLQuantizationType.Q8_0
 
 PROMPT = [5, 77, 301, 12, 250, 9, 33, 120, 64, 7, 199, 3, 42, 318, 91, 17, 260, 88, 2, 150]
 STEPS = 32
@@ -305,11 +306,11 @@ def test_older_config_spellings_load_the_same_model(tmp_path):
     assert _relative(got, _hf_logits(hf, PROMPT)) < 1e-5
 
 
-def write_gguf_like_llama_cpp(path, hf, arch: str) -> None:
+def write_gguf_like_llama_cpp(path, hf, arch: str, q8: bool = False) -> None:
     """The transformers model as llama.cpp's convert_hf_to_gguf.py writes a Gemma, in F32: the
     names of gguf's own tensor map, every norm weight stored as 1 + w, no output.weight (tied),
     no Q/K permutation, the metadata its Gemma2Model / Gemma3Model write (no attention scale:
-    llama.cpp derives it from the head dim)."""
+    llama.cpp derives it from the head dim); q8: the matrices in Q8_0, as llama.cpp quantizes."""
     cfg = hf.config
     tok = train_tokenizer()
     vocab = json.loads(tok.to_str())["model"]
@@ -352,7 +353,11 @@ def write_gguf_like_llama_cpp(path, hf, arch: str) -> None:
         arr = t.float().numpy()
         if name.endswith("norm.weight"):
             arr = arr + 1
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), np.ascontiguousarray(arr))
+        gname = names.get_name(name, try_suffixes=(".weight",))
+        if q8 and arr.ndim == 2:
+            w.add_tensor(gname, gguf.quants.quantize(arr, Q8), raw_dtype=Q8)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -406,3 +411,32 @@ def test_the_gemma_presets_have_the_published_shapes(preset, hf_config):
     for field in ("layer_types", "sliding_window", "attn_scale", "attn_soft_cap", "final_soft_cap",
                   "rope_theta", "rope_local_theta", "head_dim", "qk_norm"):  # fmt: skip
         assert getattr(ours, field) == getattr(PRESETS[preset], field), field
+
+
+def test_a_q8_0_gemma_gguf_loads_exactly_and_straight_to_int8(tmp_path, monkeypatch):
+    # Q8_0 matrices (the tied embedding too): dequantized they are exactly the weights of a
+    # transformers model holding the dequantized values; in int8 mode they become int8 weights
+    # without an fp32 detour, close to those logits.
+    import gguf.quants
+
+    from pagedkern.model.quantized_linear import QuantizedWeight
+
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "cache"))
+    hf = _hf_model("gemma2", query_pre_attn_scalar=COMMON["head_dim"])
+    with torch.no_grad():  # the values the file will hold
+        for p in hf.parameters():
+            if p.ndim == 2:
+                q = gguf.quants.quantize(p.numpy(), Q8)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, Q8).reshape(p.shape)))
+    path = tmp_path / "m.gguf"
+    write_gguf_like_llama_cpp(path, hf, "gemma2", q8=True)
+    want = _hf_logits(hf, PROMPT)
+    exact, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
+    assert _relative(all_logits(exact, PROMPT), want) < 1e-5
+    int8, _ = load_model(str(path), "cpu", torch.float32, quantization="int8")
+    layer = int8.weights.layers[0]
+    assert all(
+        isinstance(w, QuantizedWeight) and w.format == "int8" for w in (layer.qkv, layer.down)
+    )
+    assert int8.weights.lm_head is int8.weights.embed  # tied: the int8 head, rows dequantized
+    assert _relative(all_logits(int8, PROMPT), want) < 3e-2
