@@ -150,3 +150,34 @@ def test_sliding_window_is_transformers_convention():
     seen = torch.round(out[:, 0, 0].double() * counts).long()
     ours = torch.tensor([[bool(int(s) >> j & 1) for j in range(n)] for s in seen.tolist()])
     assert torch.equal(ours, hf)
+
+
+def test_a_window_reads_only_its_blocks(monkeypatch):
+    # Keys older than the window are not gathered at all: a windowed layer's cost follows the
+    # window, not the sequence (a 16-key window over 300 keys in 16-slot blocks: 2 blocks).
+    import pagedkern.reference.attention as attention
+
+    spans = []
+    gather = attention._gather_pages
+    monkeypatch.setattr(
+        attention, "_gather_pages", lambda c, p, d: spans.append(p.shape[1]) or gather(c, p, d)
+    )
+    g = torch.Generator().manual_seed(9)
+    seq_lens = [300, 17]
+    keys, values, k_cache, v_cache, tables = _paged_cache(seq_lens, 2, 16, torch.float32, g)
+    q = _randn((2, 4, D), torch.float32, g)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = paged_attention(q, k_cache, v_cache, tables, lens, sliding_window=16)
+    assert max(spans) == 2
+    for b, n in enumerate(seq_lens):
+        want, _ = _attention64(q[b : b + 1], keys[b], values[b], D**-0.5, n - 1, 16)
+        torch.testing.assert_close(out[b : b + 1].double(), want, rtol=1e-5, atol=1e-5)
+    spans.clear()
+    chunk = _randn((5, 4, D), torch.float32, g)  # the last 5 queries of the long sequence
+    out = flash_prefill(
+        chunk, k_cache, v_cache, torch.tensor([0, 5]).int(), tables[:1], lens[:1],
+        sliding_window=16,
+    )  # fmt: skip
+    assert max(spans) == 2  # keys 280..299: blocks 17 and 18
+    want, _ = _attention64(chunk, keys[0], values[0], D**-0.5, 295, 16)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)

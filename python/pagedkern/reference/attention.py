@@ -83,7 +83,6 @@ def paged_attention(
             v_cache,
             block_tables[rows],
             seq_lens[rows].long(),
-            max(lengths[i] for i in group),
             scale,
             return_lse,
             sliding_window,
@@ -152,13 +151,33 @@ def _with_sink(scores: torch.Tensor, sinks: torch.Tensor | None, shape: tuple[in
     return torch.cat([scores, column], dim=-1)
 
 
+def _first_block(length: int, first_query: int, window: int | None, block_size: int) -> int:
+    """The first key block a sequence's queries read: 0, or with a window the block holding
+    the oldest key its first query (at position first_query) sees. Older blocks are never
+    read (a windowed layer reads ~window keys however long the sequence)."""
+    return 0 if window is None else max(0, first_query - window + 1) // block_size
+
+
+def _key_blocks(tables, lengths, first: torch.Tensor, block_size: int):
+    """(pages [G, span], key positions [G, span * block_size]): each sequence's blocks from
+    `first` on, as many as the group's widest span; entries past a sequence's last block read
+    page 0 (their positions are at or past its length: masked)."""
+    nblk = -(-lengths // block_size)
+    span = int((nblk - first).max())
+    cols = first[:, None] + torch.arange(span, device=lengths.device)
+    ids = tables.long().gather(1, cols.clamp(max=tables.shape[1] - 1))
+    pages = torch.where(cols < nblk[:, None], ids, 0)
+    offsets = torch.arange(block_size, device=lengths.device)
+    positions = (cols[:, :, None] * block_size + offsets).reshape(len(lengths), -1)
+    return pages, positions
+
+
 def _attend_padded(
     q,
     k_cache,
     v_cache,
     tables,
     lengths,
-    longest: int,
     scale: float,
     need_lse: bool,
     window: int | None = None,
@@ -169,13 +188,12 @@ def _attend_padded(
     q [G, Hq, D] -> (out [G, Hq, D], lse [G, Hq] or None unless need_lse) in fp32."""
     g, hq, d = q.shape
     hkv, block_size = k_cache.shape[1], k_cache.shape[2]
-    nblk = -(-longest // block_size)
-    positions = torch.arange(nblk * block_size, device=q.device)
-    in_length = positions[None, :] < lengths[:, None]  # [G, L]
-    pages = torch.where(in_length[:, ::block_size], tables[:, :nblk].long(), 0)  # unused -> 0
-    visible = in_length
-    if window is not None:  # the query sits at lengths - 1
-        visible = in_length & (positions[None, :] >= (lengths - window)[:, None])
+    first = [_first_block(n, n - 1, window, block_size) for n in lengths.tolist()]
+    first = torch.tensor(first, device=q.device)  # (the query sits at lengths - 1)
+    pages, positions = _key_blocks(tables, lengths, first, block_size)
+    visible = positions < lengths[:, None]  # [G, L]
+    if window is not None:
+        visible &= positions >= (lengths - window)[:, None]
 
     # Slots past a length may never have been written (NaN): their scores are masked to -inf
     # whatever the keys there, and their values zeroed (a zero weight times NaN is NaN).
@@ -309,11 +327,14 @@ def flash_prefill(
     for i, (n, length) in enumerate(zip(chunks, lengths, strict=True)):
         if length < n:
             raise ValueError(f"seq_lens[{i}]={length} is shorter than its query chunk ({n})")
-    for group in _prefill_groups(chunks, lengths, k_cache.shape[2], hq):
+    bs = k_cache.shape[2]
+    first = [_first_block(n, n - c, sliding_window, bs) for c, n in zip(chunks, lengths)]
+    for group in _prefill_groups(chunks, lengths, bs, hq, first):
         starts = [bounds[i] for i in group]
         rows, o, s = _prefill_padded(
             q, k_cache, v_cache, block_tables[group], starts, [chunks[i] for i in group],
-            [lengths[i] for i in group], scale, return_lse, sliding_window, soft_cap, sinks,
+            [lengths[i] for i in group], [first[i] for i in group], scale, return_lse,
+            sliding_window, soft_cap, sinks,
         )  # fmt: skip
         result[rows] = o
         if lse is not None:
@@ -325,16 +346,23 @@ def flash_prefill(
 
 
 def _prefill_groups(
-    chunks: list[int], lengths: list[int], block_size: int, hq: int, budget: int = 1 << 24
+    chunks: list[int],
+    lengths: list[int],
+    block_size: int,
+    hq: int,
+    first: list[int] | None = None,
+    budget: int = 1 << 24,
 ) -> list[list[int]]:
     """Sequences with a query chunk in groups computed as one padded batch: the same number
     of key blocks (every sequence's keys padded to its own whole blocks, so its softmax and
     sums never depend on its neighbours: torch's CPU softmax rounds differently at another
     width), chunks padded to the group's longest, the group's scores (rows x longest chunk x
-    heads x width) within `budget` elements and its padded rows at most twice its real ones."""
+    heads x width) within `budget` elements and its padded rows at most twice its real ones.
+    first[i]: sequence i's first key block read (a window's), 0 by default."""
+    first = first or [0] * len(chunks)
     by_blocks: dict[int, list[int]] = {}
     for i in sorted((i for i, n in enumerate(chunks) if n > 0), key=chunks.__getitem__):
-        by_blocks.setdefault(-(-lengths[i] // block_size), []).append(i)
+        by_blocks.setdefault(-(-lengths[i] // block_size) - first[i], []).append(i)
     groups: list[list[int]] = []
     for nblk, members in by_blocks.items():
         group: list[int] = []
@@ -360,6 +388,7 @@ def _prefill_padded(
     starts,
     chunks,
     lengths,
+    first_blocks,
     scale: float,
     need_lse: bool,
     window: int | None = None,
@@ -378,18 +407,17 @@ def _prefill_padded(
     # its group's longest chunk (and a one-token chunk differ from the same token's decode)
     group = len(chunks)
     t_max = max(max(chunks), -(-MIN_GEMM_ROWS // (hq // hkv)))
-    nblk = -(-max(lengths) // block_size)
-    width = nblk * block_size
     n, lens, first = (torch.tensor(x, device=q.device) for x in (chunks, lengths, starts))
     step = torch.arange(t_max, device=q.device)
     real = step[None, :] < n[:, None]  # [S, T]: rows that are queries, not padding
     rows = torch.where(real, first[:, None] + step[None, :], first[:, None])
     positions = (lens - n)[:, None] + step[None, :]  # [S, T], each query's position
-    slots = torch.arange(width, device=q.device)
-    hidden = slots[None, None, :] > positions[:, :, None]  # [S, T, W]: causal (so < length)
+    blocks = torch.tensor(first_blocks, device=q.device)
+    pages, slots = _key_blocks(tables, lens, blocks, block_size)  # slots: [S, W] key positions
+    width = slots.shape[1]
+    hidden = slots[:, None, :] > positions[:, :, None]  # [S, T, W]: causal (so < length)
     if window is not None:  # and keys window or more positions back
-        hidden |= slots[None, None, :] <= positions[:, :, None] - window
-    pages = torch.where(slots[None, ::block_size] < lens[:, None], tables[:, :nblk].long(), 0)
+        hidden |= slots[:, None, :] <= positions[:, :, None] - window
 
     qg = q.index_select(0, rows.view(-1)).float().view(group, t_max, hkv, hq // hkv, d)
     qg = qg.permute(0, 2, 1, 3, 4).reshape(group * hkv, -1, d)  # [S * Hkv, T * G, D]
@@ -407,7 +435,7 @@ def _prefill_padded(
         lse = lse.permute(0, 2, 1, 3)
     # Slots past a length may never have been written (NaN): zero weights times NaN is NaN
     values = _gather_pages(v_cache, pages, (1, 3, 4)).view(group, hkv, width, d)
-    values.masked_fill_((slots[None, :] >= lens[:, None])[:, None, :, None], 0.0)
+    values.masked_fill_((slots >= lens[:, None])[:, None, :, None], 0.0)
     weights = torch.softmax(scores, dim=-1)
     if sinks is not None:
         weights = weights[..., :-1]
