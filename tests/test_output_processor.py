@@ -129,3 +129,20 @@ def test_append_follows_the_stop_rules_token_by_token(engine, seed, columns):
     finally:
         for rid in list(engine.requests):
             engine.abort(rid)
+
+
+def test_a_fan_out_that_times_out_before_its_prompt_ran_ends_each_sample_once():
+    """Its first sample's timeout ends the samples waiting to fork from it; the samples'
+    own deadlines (the same) must not end them a second time."""
+    config = EngineConfig(model="synthetic:tiny", backend="reference", num_blocks=64, block_size=4)
+    engine = Engine.from_config(config)
+    clock = [100.0]
+    engine.clock = lambda: clock[0]
+    params = SamplingParams(n=3, timeout=1.0, max_tokens=4)
+    engine.add_request(prompt_ids=[5, 6, 7], params=params, request_id="f")
+    clock[0] += 5.0
+    outputs = engine.step() + engine.pop_undelivered()
+    assert sorted((o.request_id, o.finish_reason) for o in outputs) == [
+        (rid, FinishReason.TIMEOUT) for rid in ("f", "f.1", "f.2")
+    ]
+    assert not engine.requests and engine.pool.num_used == 0

@@ -86,7 +86,11 @@ class OutputProcessor:
         if self.timed:
             now = self.clock()
             expired = [r for r in self.timed.values() if now > r.deadline]
-            outputs += [self.finish(r, FinishReason.TIMEOUT) for r in expired]
+            # (an n > 1 request's first sample ends the samples waiting for it: once)
+            live = self.requests
+            outputs += [
+                self.finish(r, FinishReason.TIMEOUT) for r in expired if r.request_id in live
+            ]
 
     def append(self, results: Sequence[StepResult], outputs: list[RequestOutput]) -> None:
         """Append each sampled request's tokens, except for those that ended meanwhile (failed
