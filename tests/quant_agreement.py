@@ -74,17 +74,27 @@ def greedy_answers(llm: LLM, max_tokens: int) -> tuple[list[list[int]], list[str
 
 
 def token_logprobs(model, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
-    """Per sequence: log p(token t | tokens < t) for t >= start, one prefill each."""
-    result = []
+    """Per sequence: log p(token t | tokens < t) for t >= start. One batched prefill over all
+    sequences (CPU forward passes are batch invariant: each row is what a prefill of its
+    sequence alone gives), and the LM head only on the rows that predict a scored token."""
     block = 16
-    for ids, start in zip(sequences, starts, strict=True):
+    chunks, rows, first_block = [], [], 0
+    for ids in sequences:
         blocks = -(-len(ids) // block)
-        kv = model.allocate_kv_cache(blocks, block)
-        batch, meta = build_batch([SequenceChunk(ids, 0, list(range(blocks)))], block)
-        logits = model.compute_logits(model.hidden_states(batch, meta, kv)).double()
-        logp = torch.log_softmax(logits[start - 1 : -1], dim=-1)
-        result.append(logp.gather(1, torch.tensor(ids[start:])[:, None])[:, 0])
-    return result
+        chunks.append(SequenceChunk(ids, 0, list(range(first_block, first_block + blocks))))
+        first_block += blocks
+    kv = model.allocate_kv_cache(first_block, block)
+    batch, meta = build_batch(chunks, block)
+    begins = meta.cu_seqlens[:-1].tolist()
+    for ids, start, begin in zip(sequences, starts, begins, strict=True):
+        rows.append(torch.arange(begin + start - 1, begin + len(ids) - 1))
+    hidden = model.hidden_states(batch, meta, kv)
+    logits = model.compute_logits(hidden[torch.cat(rows)]).double()
+    logp = torch.log_softmax(logits, dim=-1).split([len(r) for r in rows])
+    return [
+        lp.gather(1, torch.tensor(ids[start:])[:, None])[:, 0]
+        for lp, ids, start in zip(logp, sequences, starts, strict=True)
+    ]
 
 
 def agreement(
