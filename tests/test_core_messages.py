@@ -106,7 +106,9 @@ def test_sampling_params_cross_as_they_were_checked_but_without_stop_strings():
 @pytest.mark.parametrize(
     ("field", "value"),
     [("n", 10_000), ("logprobs", 10_000), ("max_tokens", 0), ("min_tokens", 99),
-     ("bad_words", [[]]), ("allowed_token_ids", list(range(70_000))), ("n", "2")],
+     ("bad_words", [[]]), ("allowed_token_ids", list(range(70_000))), ("n", "2"),
+     ("temperature", "hot"), ("top_p", float("nan")), ("seed", 2**64 - 1), ("top_k", 1.5),
+     ("ignore_eos", 1)],
 )  # fmt: skip
 def test_the_core_refuses_parameters_out_of_its_bounds_alone(field, value):
     """A frame whose parameters could blow up the core's work or buffers (what a broken front

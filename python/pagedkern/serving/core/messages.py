@@ -28,6 +28,7 @@ request, never the process.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
@@ -102,9 +103,25 @@ def _count(name: str, value, low: int, high: int) -> None:
         raise ValueError(f"{name}: {value!r} is not an integer in [{low}, {high}]")
 
 
+_FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "min_p")  # fmt: skip
+_INT64 = 2**63
+
+
 def check_bounds(params: SamplingParams) -> None:
-    """The sizes the core sizes its work and buffers by: samples, logprobs, lengths of the token
-    lists. (Token ids are checked against the vocabulary by Engine.add_request.)"""
+    """What would corrupt the core's memory or fail a step (and so every request in it), not
+    the API's rules: the sizes the core sizes its work and buffers by (samples, logprobs,
+    lengths of the token lists) and the types of the numbers the sampler computes with (finite
+    floats, int64 seed). Token ids are checked against the vocabulary by Engine.add_request."""
+    for name in _FLOATS:
+        value = getattr(params, name)
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise ValueError(f"{name}: {value!r} is not a finite number")
+    if params.seed is not None:
+        _count("seed", params.seed, -_INT64, _INT64 - 1)
+    _count("top_k", params.top_k, -(2**31), 2**31 - 1)
+    if type(params.ignore_eos) is not bool:
+        raise ValueError(f"ignore_eos: {params.ignore_eos!r} is not a boolean")
     _count("n", params.n, 1, MAX_N)
     _count("max_tokens", params.max_tokens, 1, 2**31 - 1)
     _count("min_tokens", params.min_tokens, 0, params.max_tokens)
