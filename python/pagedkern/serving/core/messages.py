@@ -20,9 +20,10 @@ Core -> front end (`CoreMessage`):
 
 Validation happens once, at the front end: an AddRequest carries SamplingParams the front end
 has built (and so checked). The core rebuilds them without their checks and bounds only what
-could corrupt its memory or kill it (`check_bounds`: sizes and lengths here; token ids, the
-prompt's length and the request id in Engine.add_request), so a broken front end costs one
-request, never the process.
+could corrupt its memory or fail a step (`check_bounds`: sizes, lengths and the types of the
+sampler's numbers here; token ids, the prompt's length and the request id in
+Engine.add_request), so bad parameters from a broken front end cost their request, not the
+process; a frame that is no message is dropped (channel.decode: ValueError).
 """
 
 from __future__ import annotations
