@@ -7,6 +7,7 @@ support.py (outside it: the reference with a warning, or KernelUnsupportedError 
 from .activation import gelu_tanh_and_mul, silu_and_mul
 from .flash_prefill import flash_prefill
 from .launch import get_backend, set_backend, use_backend
+from .moe import fused_moe
 from .norm import fused_add_rms_norm, rms_norm
 from .paged_attention import paged_attention
 from .rejection_sampling import rejection_sample
@@ -17,6 +18,7 @@ from .support import KernelSupport, KernelUnsupportedError
 __all__ = [
     "flash_prefill",
     "fused_add_rms_norm",
+    "fused_moe",
     "gelu_tanh_and_mul",
     "KernelSupport",
     "KernelUnsupportedError",
