@@ -4,7 +4,8 @@ slots; values within LOGITS_ATOL + KV_RTOL relative).
 
 One TP group per model (module-scoped): tiny at TP = 2 (KV heads split 2 -> 1 per rank), an HF
 folder with 6 query heads and 1 KV head at TP = 3 (KV replicated, biases, uneven vocabulary
-shards) and the default model (SmolLM2-135M GGUF, int4 layers and int8 head, 9/3 heads) at 3.
+shards), the default model (SmolLM2-135M GGUF, int4 layers and int8 head, 9/3 heads) at 3, and
+a tiny Gemma 2 (test_model_gemma's) at 2.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ from pagedkern.model.weights import quantize_weights
 from pagedkern.parallel import TensorParallelConfigError, shard_weights
 from pagedkern.parallel.shard import kv_heads_of_rank
 
-CASES = {"tiny-tp2": ("synthetic:tiny", 2), "mqa-tp3": ("mqa", 3), "smollm2-tp3": (None, 3)}
+CASES = {
+    "tiny-tp2": ("synthetic:tiny", 2),
+    "mqa-tp3": ("mqa", 3),
+    "smollm2-tp3": (None, 3),
+    "gemma2-tp2": ("gemma2", 2),  # sandwich norms, soft-caps and windows on each rank's heads
+}
 # fp32 weights for the default model too: its CPU int4 GEMM runs bf16 activations, whose output
 # rounding TP moves (each rank rounds its partial sum), so only fp32 can match token for token.
 
@@ -39,6 +45,14 @@ def engines(request, tmp_path_factory):
     spec, size = CASES[request.param]
     if spec == "mqa":
         spec = mqa_folder(tmp_path_factory.mktemp("mqa"))
+    elif spec == "gemma2":
+        from hf_model_files import write_tokenizer
+        from test_model_gemma import _hf_model
+
+        folder = tmp_path_factory.mktemp("gemma2")
+        _hf_model("gemma2").save_pretrained(folder, safe_serialization=True)
+        write_tokenizer(folder)
+        spec = str(folder)
     settings = dict(SETTINGS, quantization="none")
     reference = LLM(spec, **settings)
     with LLM(spec, tensor_parallel_size=size, **settings) as parallel:
