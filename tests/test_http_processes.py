@@ -1,5 +1,5 @@
 """`pagedkern-serve --http` runs as two processes, the HTTP front end and the engine core it
-spawns (serving/engine_client.py, engine_core.py): killing either one is handled (503 and a
+spawns (serving/core/engine_client.py, engine_core.py): killing either one is handled (503 and a
 non-zero exit; no orphan), a core that cannot load says why, the frames between them are
 msgpack, never pickle, and a CPU core runs its steps on the intra-op threads it chose (or was
 given)."""

@@ -261,7 +261,7 @@ del _i, _name
 @dataclass(slots=True)
 class TokenDeltas:
     """A step's plainest deltas as two columns, for a consumer that wants no RequestOutput for
-    them: the HTTP engine core sends them as they are (serving/channel.py). With
+    them: the HTTP engine core sends them as they are (serving/core/channel.py). With
     Engine.token_deltas set, a decoding request's token that ends nothing and carries nothing
     else (no text, logprobs or prompt logprobs; not its first token; not an n > 1 sample) is
     recorded here instead of as an output; every other output is made as usual. Whoever sets

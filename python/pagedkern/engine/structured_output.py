@@ -25,7 +25,7 @@ MAX_ERROR_CHARS): a verbose one carries the whole grammar, megabytes in a log.
 
 `Engine.add_request` compiles on the caller's thread; the HTTP engine core compiles on a
 `GrammarCompilePool` (llguidance drops the GIL while it builds) and admits the request once
-its grammar is ready, so no step waits for a compile (serving/engine_core.py).
+its grammar is ready, so no step waits for a compile (serving/core/engine_core.py).
 """
 
 from __future__ import annotations

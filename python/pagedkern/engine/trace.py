@@ -1,5 +1,5 @@
 """Hooks through which the engine narrates a request's life (`pagedkern-serve --trace`).
-The engine calls these at each stage; serving/trace.py prints them."""
+The engine calls these at each stage; serving/core/trace.py prints them."""
 
 from __future__ import annotations
 
