@@ -133,4 +133,6 @@ def step_graphs(model: LlamaModel, config: EngineConfig, shadowed: bool) -> tupl
         attention=model.config.attention_options(),
     )
     graphs = graphs and model.tp.size == 1 and not shadowed
+    # MoE layers run ops.fused_moe's reference, which reads expert counts back to the host
+    graphs = graphs and not model.config.num_experts
     return graphs, piecewise_graphs(decode_graphs=graphs, requested=config.piecewise_cuda_graphs)

@@ -64,6 +64,18 @@ class ModelConfig:
     sliding_window: int | None = None  # keys visible to the query at p: p - k < window
     layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; () = every layer FULL
     rope_local_theta: float | None = None  # RoPE base of SLIDING layers, unscaled (Gemma 3)
+    # QK-norm over the whole q / k projection (weights [Hq*D], [Hkv*D]) instead of per head
+    qk_norm_whole: bool = False  # (OLMoE)
+    # Mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE): num_experts > 0 makes every layer's MLP
+    # a router over num_experts gated MLPs of moe_intermediate_size, top num_experts_per_tok of
+    # them per token, except the dense_layers (plain MLPs of intermediate_size). A shared expert
+    # (Qwen2-MoE: a dense MLP of shared_expert_size, gated by a sigmoid) adds to the experts.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the top-k weights divided by their sum
+    dense_layers: tuple[int, ...] = ()
+    shared_expert_size: int = 0
 
     def __post_init__(self):
         sizes = (self.vocab_size, self.hidden_size, self.intermediate_size, self.num_layers)
@@ -86,6 +98,17 @@ class ModelConfig:
                 f"{self.name}: layer_types must name {SLIDING!r} or {FULL!r} for each of the "
                 f"{self.num_layers} layers, got {self.layer_types}"
             )
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"{self.name}: num_experts_per_tok {self.num_experts_per_tok} must be in "
+                    f"[1, num_experts {self.num_experts}]"
+                )
+            if self.moe_intermediate_size <= 0 or self.shared_expert_size < 0:
+                raise ValueError(f"{self.name}: expert sizes must be positive")
+            if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+                raise ValueError(f"{self.name}: dense_layers {self.dense_layers} out of range")
         if SLIDING in self.layer_types and self.sliding_window is None:
             raise ValueError(f"{self.name}: sliding layers need a sliding_window")
         for key, value in (
@@ -103,6 +126,10 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] == SLIDING:
             return self.sliding_window
         return None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def attention_options(self) -> dict:
         """The attention options some layer uses (ops.support.attention_options' keywords)."""
@@ -127,9 +154,16 @@ class ModelConfig:
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        if self.qk_norm_whole:
+            norms += self.q_size + self.kv_size - 2 * self.head_dim
         layer = h * self.qkv_size + self.q_size * h + 3 * h * i + norms
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * layer + h + head
+        total = v * h + self.num_layers * layer + h + head
+        if self.num_experts:  # MoE layers: the router, experts and shared expert, not 3HI
+            e, s = self.num_experts, self.shared_expert_size
+            moe = e * h + e * 3 * h * self.moe_intermediate_size + (3 * h * s + h if s else 0)
+            total += (self.num_layers - len(self.dense_layers)) * (moe - 3 * h * i)
+        return total
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -239,6 +273,14 @@ _HF_ARCHITECTURES = {
     "MistralForCausalLM",
 }
 # Gemma's text decoders: model_type -> its CausalLM class and local:global layer pattern
+# Mixtures of experts: model_type -> its CausalLM class
+_MOE = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+_MOE_ARCHITECTURES = {arch: model_type for model_type, arch in _MOE.items()}
 _GEMMA = {"gemma2": ("Gemma2ForCausalLM", 2), "gemma3_text": ("Gemma3ForCausalLM", 6)}
 _GEMMA_ARCHITECTURES = {arch: model_type for model_type, (arch, _) in _GEMMA.items()}
 _LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": FULL}
@@ -337,7 +379,9 @@ def _llama_windows(raw: dict[str, Any], source: str) -> dict[str, Any]:
     sliding_window in its config is refused, not ignored)."""
     model_type, archs = raw.get("model_type"), raw.get("architectures") or []
     layers = int(raw["num_hidden_layers"])
-    if model_type in ("qwen2", "qwen3") or {"Qwen2ForCausalLM", "Qwen3ForCausalLM"} & set(archs):
+    qwen = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+    qwen_archs = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"}
+    if model_type in qwen or (qwen_archs | {"Qwen3MoeForCausalLM"}) & set(archs):
         if not raw.get("use_sliding_window"):
             return {}
         window = _positive(raw, "sliding_window", source, int)
@@ -345,7 +389,9 @@ def _llama_windows(raw: dict[str, Any], source: str) -> dict[str, Any]:
         if types is None:
             first = int(raw.get("max_window_layers", 28))
             types = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
-    elif model_type == "mistral" or "MistralForCausalLM" in archs:
+    elif model_type in ("mistral", "mixtral") or {"MistralForCausalLM", "MixtralForCausalLM"} & set(
+        archs
+    ):
         window = _positive(raw, "sliding_window", source, int)
         types = ["sliding_attention"] * layers
     else:
@@ -385,19 +431,69 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         )
     if gemma is not None:
         return _config_from_hf(raw, source, gemma)
+    moe = model_type if model_type in _MOE else None
+    if moe is None and model_type is None:
+        moe = next((_MOE_ARCHITECTURES[a] for a in archs if a in _MOE_ARCHITECTURES), None)
+    if moe is not None:
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(source, f"unsupported activation {raw['hidden_act']!r}")
+        return _config_from_hf(raw, source, None, moe)
     if model_type not in _HF_MODEL_TYPES and not set(archs) & _HF_ARCHITECTURES:
         what = model_type or ", ".join(archs) or "no model_type"
         raise ModelLoadError(
             source,
             f"unsupported architecture {what!r} (supported: Llama, Qwen2, Qwen3, Mistral-style "
-            "decoders, Gemma 2, Gemma 3 text)",
+            "decoders, Gemma 2, Gemma 3 text, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)",
         )
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(source, f"unsupported activation {raw['hidden_act']!r}")
     return _config_from_hf(raw, source, None)
 
 
-def _config_from_hf(raw: dict[str, Any], source: str, gemma: str | None) -> ModelConfig:
+def _moe_fields(raw: dict[str, Any], moe: str, source: str) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture-of-experts config beyond the Llama ones, placed as
+    transformers builds the layers: Qwen's MoE layers are those not in mlp_only_layers whose
+    (index + 1) is a multiple of decoder_sparse_step, the others dense MLPs of
+    intermediate_size; Mixtral's and OLMoE's experts have intermediate_size each."""
+    layers = int(raw["num_hidden_layers"])
+    # (transformers v5 writes every model's count as num_local_experts, older ones num_experts)
+    count = raw.get("num_local_experts", raw.get("num_experts"))
+    if count is None:
+        raise ModelLoadError(source, "config.json lacks 'num_local_experts' / 'num_experts'")
+    experts = int(count)
+    fields: dict[str, Any] = dict(
+        num_experts=experts,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)),
+        norm_topk_prob=True if moe == "mixtral" else bool(raw.get("norm_topk_prob", False)),
+    )
+    if moe in ("qwen2_moe", "qwen3_moe"):
+        step = int(raw.get("decoder_sparse_step", 1))
+        only = raw.get("mlp_only_layers") or []
+        if step <= 0 or not isinstance(only, list):
+            raise ModelLoadError(source, "invalid decoder_sparse_step / mlp_only_layers")
+        fields["dense_layers"] = tuple(
+            i for i in range(layers) if i in only or experts == 0 or (i + 1) % step
+        )
+        fields["moe_intermediate_size"] = int(raw["moe_intermediate_size"])
+        if moe == "qwen2_moe":
+            fields["shared_expert_size"] = int(raw.get("shared_expert_intermediate_size") or 0)
+            fields["qkv_bias"] = bool(raw.get("qkv_bias", True))
+        else:
+            fields["qk_norm"] = True
+    else:
+        fields["moe_intermediate_size"] = int(raw["intermediate_size"])
+    if moe == "olmoe":
+        if raw.get("clip_qkv") is not None:
+            raise ModelLoadError(source, "unsupported: clip_qkv in an OLMoE config")
+        fields.update(qk_norm=True, qk_norm_whole=True)
+    if experts == 0:  # (a Qwen MoE config with no experts: a dense model)
+        fields.update(num_experts=0, num_experts_per_tok=0, dense_layers=())
+    return fields
+
+
+def _config_from_hf(
+    raw: dict[str, Any], source: str, gemma: str | None, moe: str | None = None
+) -> ModelConfig:
     model_type = raw.get("model_type")
     archs = raw.get("architectures") or []
     try:
@@ -428,6 +524,8 @@ def _config_from_hf(raw: dict[str, Any], source: str, gemma: str | None) -> Mode
             fields.update(_gemma_fields(raw, gemma, source))
         else:
             fields.update(_llama_windows(raw, source))
+        if moe is not None:
+            fields.update(_moe_fields(raw, moe, source))
         return ModelConfig(**fields)
     except KeyError as exc:
         raise ModelLoadError(source, f"config.json lacks {exc.args[0]!r}") from None

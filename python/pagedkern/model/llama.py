@@ -24,6 +24,7 @@ from .attention_metadata import AttentionMetadata
 from .collectives import SINGLE, Collectives
 from .config import ModelConfig
 from .kv_cache import FP8, KV_CACHE_DTYPES, KVCache, allocate_kv_cache
+from .moe import moe_mlp
 from .quantized_linear import QuantizedWeight
 from .rope import rope_table
 from .weights import LayerWeights, Linear, LlamaWeights
@@ -247,12 +248,15 @@ class LlamaModel:
         if layer.attn_out_norm is not None:
             h = ops.rms_norm(h, layer.attn_out_norm, eps)
         h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
-        gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
-        if cfg.hidden_act == "gelu_tanh":
-            act = ops.gelu_tanh_and_mul(gate_up)
+        if layer.router is not None:  # a mixture-of-experts layer
+            h = moe_mlp(h, layer, cfg, linear)
         else:
-            act = ops.silu_and_mul(gate_up)
-        h = linear(act, layer.down, layer.down_bias)
+            gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
+            if cfg.hidden_act == "gelu_tanh":
+                act = ops.gelu_tanh_and_mul(gate_up)
+            else:
+                act = ops.silu_and_mul(gate_up)
+            h = linear(act, layer.down, layer.down_bias)
         h = self.tp.all_reduce(h)  # row-parallel down, likewise
         if layer.mlp_out_norm is not None:
             h = ops.rms_norm(h, layer.mlp_out_norm, eps)
@@ -304,7 +308,10 @@ class LlamaModel:
         q = qkv[:, : cfg.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(tokens, cfg.num_kv_heads, -1)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        if layer.q_norm is not None:  # QK-norm (Qwen3): each head RMS-normalised before RoPE
+        if cfg.qk_norm_whole:  # (OLMoE) one RMSNorm over all heads' q, likewise k
+            q = _whole_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = _whole_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        elif layer.q_norm is not None:  # QK-norm (Qwen3): each head RMS-normalised before RoPE
             q = _head_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = _head_norm(k, layer.k_norm, cfg.rms_norm_eps)
         if self._kv_amax is not None:  # fp8 calibration (kv_scales)
@@ -355,3 +362,10 @@ def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     output are not rows of one stride, so they are normed as a [T * H, D] copy."""
     tokens, heads, dim = x.shape
     return ops.rms_norm(x.reshape(tokens * heads, dim), weight, eps).view(tokens, heads, dim)
+
+
+def _whole_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over all heads of each token at once ([T, H, D] -> a new [T, H, D]; weight
+    [H * D]), as OLMoE norms the whole q and k projections."""
+    tokens, heads, dim = x.shape
+    return ops.rms_norm(x.reshape(tokens, heads * dim), weight, eps).view(tokens, heads, dim)

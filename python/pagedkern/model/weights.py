@@ -25,8 +25,8 @@ class LayerWeights:
     qkv: Linear  # [Hq*D + 2*Hkv*D, H]: q rows, k rows, v rows; rotate-half RoPE layout
     o: Linear  # [H, Hq*D]
     post_norm: torch.Tensor  # [H]
-    gate_up: Linear  # [2I, H]: gate rows then up rows, the halves silu_and_mul expects
-    down: Linear  # [H, I]
+    gate_up: Linear | None  # [2I, H]: gate rows then up rows, the halves silu_and_mul expects
+    down: Linear | None  # [H, I]; both None in a MoE layer without a shared expert
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
@@ -38,6 +38,13 @@ class LayerWeights:
     # MLP output likewise (post_feedforward_layernorm).
     attn_out_norm: torch.Tensor | None = None  # [H]
     mlp_out_norm: torch.Tensor | None = None  # [H]
+    # A mixture-of-experts layer (config.is_moe_layer): the router and every expert's weights
+    # stacked at load, as ops.fused_moe takes them. gate_up / down then hold the shared expert
+    # (Qwen2-MoE), whose output is scaled by sigmoid(shared_gate . x).
+    router: torch.Tensor | None = None  # [E, H]
+    experts_gate_up: torch.Tensor | None = None  # [E, 2I, H]: each expert's gate rows, up rows
+    experts_down: torch.Tensor | None = None  # [E, H, I]
+    shared_gate: torch.Tensor | None = None  # [1, H]
 
 
 @dataclass(slots=True)
@@ -131,7 +138,14 @@ def quantize_weights(
     they are, others are requantized from their floats ('none': dequantized to fp32). A tied
     embedding follows the head (its rows are dequantized at lookup)."""
 
-    def convert(w: Linear, mode: str = mode) -> Linear:
+    if mode != "none" and any(layer.router is not None for layer in weights.layers):
+        raise ValueError(
+            f"quantization {mode!r} does not cover mixture-of-experts models yet; use 'none'"
+        )
+
+    def convert(w: Linear | None, mode: str = mode) -> Linear | None:
+        if w is None:  # (a MoE layer's absent dense MLP)
+            return None
         if isinstance(w, QuantizedWeight):
             if w.format == mode and (mode == "int8" or w.group_size == group_size):
                 return w
@@ -191,16 +205,52 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
         if config.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (i, h)
-        shapes[p + "mlp.up_proj.weight"] = (i, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, i)
+        if config.is_moe_layer(n):
+            shapes.update(_moe_shapes(config, p))
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
         if config.mlp_bias:
             for name, rows in (("gate_proj", i), ("up_proj", i), ("down_proj", h)):
                 shapes[p + f"mlp.{name}.bias"] = (rows,)
         if config.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
-            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
+            whole = config.qk_norm_whole
+            shapes[p + "self_attn.q_norm.weight"] = (q if whole else config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv if whole else config.head_dim,)
     return shapes
+
+
+def _moe_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A MoE layer's tensors under Qwen-MoE / OLMoE names (Mixtral's are aliases of these,
+    _mixtral_name): the router, each expert's gate/up/down, the shared expert and its gate."""
+    h, i, s = config.hidden_size, config.moe_intermediate_size, config.shared_expert_size
+    shapes = {p + "mlp.gate.weight": (config.num_experts, h)}
+    for e in range(config.num_experts):
+        x = f"{p}mlp.experts.{e}."
+        shapes.update({x + "gate_proj.weight": (i, h), x + "up_proj.weight": (i, h)})
+        shapes[x + "down_proj.weight"] = (h, i)
+    if s:
+        x = p + "mlp.shared_expert."
+        shapes.update({x + "gate_proj.weight": (s, h), x + "up_proj.weight": (s, h)})
+        shapes[x + "down_proj.weight"] = (h, s)
+        shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _mixtral_name(name: str) -> str | None:
+    """Mixtral's checkpoint name of a MoE tensor named as _moe_shapes names it, else None:
+    block_sparse_moe.gate (the router) and block_sparse_moe.experts.<e>.w1 / w3 / w2."""
+    if ".mlp.gate." in name:
+        return name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    if ".mlp.experts." not in name:
+        return None
+    head, _, tail = name.partition(".mlp.experts.")
+    e, proj, rest = tail.split(".", 2)
+    return f"{head}.block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERT[proj]}.{rest}"
 
 
 # get(name) -> the tensor under that HF name (any float dtype, any device, or a QuantizedWeight)
@@ -224,6 +274,13 @@ def assemble_weights(
     weight, in fp32 before the conversion (1 for Gemma's HF checkpoints, which store w for a
     scale of 1 + w; llama.cpp's GGUFs store 1 + w already)."""
     shapes = expected_shapes(config)
+    if config.num_experts:  # Mixtral names its MoE tensors its own way
+        checkpoint_get = get
+
+        def get(name: str) -> Linear | None:
+            t = checkpoint_get(name)
+            alias = None if t is not None else _mixtral_name(name)
+            return checkpoint_get(alias) if alias is not None else t
 
     def where(name: str) -> str:
         return source(name) if callable(source) else source
@@ -274,11 +331,33 @@ def assemble_weights(
         ]
         return torch.cat(plain)
 
+    def experts(p: str) -> dict[str, torch.Tensor | None]:
+        """A MoE layer's router and stacked experts (LayerWeights fields), {} for a dense one."""
+        if p + "mlp.gate.weight" not in shapes:
+            return {}
+        x = [f"{p}mlp.experts.{e}." for e in range(config.num_experts)]
+        plain = (torch.Tensor,)
+        for name in (p + "mlp.gate.weight", x[0] + "gate_proj.weight"):
+            if not isinstance(get(name), plain + (type(None),)):
+                raise ModelLoadError(where(name), "quantized experts are not supported yet")
+        return dict(
+            router=load(p + "mlp.gate.weight"),
+            experts_gate_up=torch.stack(
+                [torch.cat([load(e + "gate_proj.weight"), load(e + "up_proj.weight")]) for e in x]
+            ),
+            experts_down=torch.stack([load(e + "down_proj.weight") for e in x]),
+            shared_gate=maybe(p + "mlp.shared_expert_gate.weight"),
+        )
+
     layers = []
     for n in range(config.num_layers):
         p = f"model.layers.{n}."
         attn = [p + f"self_attn.{x}_proj." for x in "qkv"]
         mlp = [p + f"mlp.{x}_proj." for x in ("gate", "up")]
+        down = p + "mlp.down_proj.weight"
+        if config.is_moe_layer(n):  # its dense MLP: the shared expert, if any
+            mlp = [p + f"mlp.shared_expert.{x}_proj." for x in ("gate", "up")]
+            down = p + "mlp.shared_expert.down_proj.weight"
         norms = [None if x is None else p + x + ".weight" for x in layer_norm_names(config)]
         layers.append(
             LayerWeights(
@@ -287,7 +366,7 @@ def assemble_weights(
                 o=load(p + "self_attn.o_proj.weight"),
                 post_norm=norm(norms[1]),
                 gate_up=cat([m + "weight" for m in mlp]),
-                down=load(p + "mlp.down_proj.weight"),
+                down=maybe(down),
                 qkv_bias=cat([a + "bias" for a in attn]),
                 o_bias=maybe(p + "self_attn.o_proj.bias"),
                 gate_up_bias=cat([m + "bias" for m in mlp]),
@@ -296,6 +375,7 @@ def assemble_weights(
                 k_norm=norm(p + "self_attn.k_norm.weight"),
                 attn_out_norm=norm(norms[2]),
                 mlp_out_norm=norm(norms[3]),
+                **experts(p),
             )
         )
     embed = load("model.embed_tokens.weight")

@@ -30,6 +30,11 @@ def check_tp_size(config: ModelConfig, size: int) -> None:
     hq, hkv = config.num_heads, config.num_kv_heads
     if size < 1:
         raise TensorParallelConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    if config.num_experts and size > 1:
+        raise TensorParallelConfigError(
+            f"{config.name} is a mixture of experts: tensor parallelism does not cover its "
+            "experts yet; use tensor_parallel_size 1"
+        )
     if hq % size:
         raise TensorParallelConfigError(
             f"tensor_parallel_size {size} does not divide {config.name}'s {hq} query heads "

@@ -1,0 +1,175 @@
+"""Mixture-of-experts models against HF transformers: tiny random Mixtral, Qwen3-MoE (with a
+dense layer from mlp_only_layers / decoder_sparse_step), OLMoE (QK-norm over the whole
+projection) and Qwen2-MoE (shared expert) built and saved by transformers, loaded by pagedkern
+from the folder: prefill and teacher-forced decode logits within fp32 tolerance, greedy tokens
+equal through the Engine (whole and chunked prefill), and routing forced onto the same experts
+for every token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_model_files import all_logits, write_tokenizer
+from test_model_gemma import _decode_logits, _relative
+from test_model_transformers import PROMPT, _hf_greedy
+
+from pagedkern.engine import Engine, EngineConfig, SamplingParams
+from pagedkern.model import load_model
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 16
+COMMON = dict(
+    vocab_size=400,  # the tokenizer write_tokenizer trains
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    initializer_range=0.2,  # peaked logits: greedy choices far from ties
+)
+
+
+def _mixtral():
+    return transformers.MixtralConfig(
+        intermediate_size=48, num_local_experts=5, num_experts_per_tok=2, **COMMON
+    )
+
+
+def _qwen3_moe():
+    # layer 1 dense (mlp_only_layers), layers 0 and 2 MoE; top-3 of 6, renormalised
+    return transformers.Qwen3MoeConfig(
+        head_dim=32, intermediate_size=80, moe_intermediate_size=40, num_experts=6,
+        num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
+        **COMMON,
+    )  # fmt: skip
+
+
+def _qwen3_moe_sparse_step():
+    # decoder_sparse_step 2: only layer 1 ((1 + 1) % 2 == 0) is MoE; top-k = E
+    return transformers.Qwen3MoeConfig(
+        head_dim=16, intermediate_size=80, moe_intermediate_size=40, num_experts=3,
+        num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2, **COMMON,
+    )  # fmt: skip
+
+
+def _olmoe():
+    return transformers.OlmoeConfig(
+        intermediate_size=40, num_experts=7, num_experts_per_tok=2, norm_topk_prob=False, **COMMON
+    )
+
+
+def _qwen2_moe():
+    return transformers.Qwen2MoeConfig(
+        intermediate_size=80, moe_intermediate_size=32, shared_expert_intermediate_size=56,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, **COMMON,
+    )  # fmt: skip
+
+
+ARCHITECTURES = {
+    "mixtral": (_mixtral, "MixtralForCausalLM"),
+    "qwen3_moe": (_qwen3_moe, "Qwen3MoeForCausalLM"),
+    "qwen3_moe_step2": (_qwen3_moe_sparse_step, "Qwen3MoeForCausalLM"),
+    "olmoe": (_olmoe, "OlmoeForCausalLM"),
+    "qwen2_moe": (_qwen2_moe, "Qwen2MoeForCausalLM"),
+}
+
+
+def _save(folder, make_config, model_class, change=None):
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_class)(make_config()).float().eval()
+    if change is not None:
+        change(hf)
+    hf.save_pretrained(folder, safe_serialization=True)
+    write_tokenizer(folder)
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def saved(request, tmp_path_factory):
+    """(folder, the transformers model in fp32 eval mode, name) of one architecture."""
+    make_config, model_class = ARCHITECTURES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    return folder, _save(folder, make_config, model_class), request.param
+
+
+def test_config_places_the_experts(saved):
+    folder, hf, name = saved
+    model, _ = load_model(str(folder), "cpu", torch.float32)
+    cfg = model.config
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    assert moe == {"qwen3_moe": [0, 2], "qwen3_moe_step2": [1]}.get(name, [0, 1, 2])
+    layer = model.weights.layers[moe[0]]
+    assert layer.experts_gate_up.shape[0] == cfg.num_experts == hf.config.num_experts
+    assert (layer.gate_up is not None) == (name == "qwen2_moe")  # the shared expert
+    assert cfg.qk_norm_whole == (name == "olmoe")
+
+
+def test_prefill_and_decode_logits_equal_transformers(saved):
+    folder, hf, _ = saved
+    model, _ = load_model(str(folder), "cpu", torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    got = all_logits(model, PROMPT).double()
+    assert _relative(got, want) < 1e-5, _relative(got, want)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    tokens, want_steps = _hf_greedy(hf, PROMPT, STEPS)
+    model.fast_cpu_decode = True  # as the engine sets it: it must decline MoE models
+    got_steps = _decode_logits(model, PROMPT, tokens[:-1]).double()
+    errors = [_relative(g, w) for g, w in zip(got_steps, want_steps.double(), strict=True)]
+    assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.parametrize(
+    "engine_args", [{}, {"max_num_batched_tokens": 8}], ids=["whole prefill", "chunked prefill"]
+)
+def test_greedy_decode_equals_transformers_token_for_token(saved, engine_args):
+    folder, hf, _ = saved
+    want_tokens, _ = _hf_greedy(hf, PROMPT, STEPS)
+    engine = Engine.from_config(
+        EngineConfig(
+            model=str(folder), backend="reference", dtype="float32", num_blocks=64,
+            block_size=4, **engine_args,
+        )
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    engine.add_request(prompt_ids=PROMPT, params=params)
+    tokens = [t for o in engine.run_until_done() for t in o.token_ids]
+    assert tokens == want_tokens
+
+
+def _zero_routers(hf):
+    # every router row zero: equal logits, so every token picks the same top-k experts (the
+    # same tie order in transformers and pagedkern: both torch.topk) and the others get none
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith((".mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                p.zero_()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_routing_every_token_to_the_same_experts(tmp_path, arch):
+    make_config, model_class = ARCHITECTURES[arch]
+    hf = _save(tmp_path, make_config, model_class, _zero_routers)
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    assert all(layer.router.abs().sum() == 0 for layer in model.weights.layers)
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    got = all_logits(model, PROMPT).double()
+    assert _relative(got, want) < 1e-5
+    tokens, want_steps = _hf_greedy(hf, PROMPT, 8)
+    got_steps = _decode_logits(model, PROMPT, tokens[:-1]).double()
+    assert max(_relative(g, w) for g, w in zip(got_steps, want_steps.double(), strict=True)) < 1e-5
+
+
+def test_moe_models_refuse_what_does_not_cover_experts(saved):
+    folder, _, _ = saved
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        load_model(str(folder), "cpu", torch.float32, quantization="int8")
+    from pagedkern.parallel.shard import TensorParallelConfigError, check_tp_size
+
+    model, _ = load_model(str(folder), "cpu", torch.float32)
+    with pytest.raises(TensorParallelConfigError, match="mixture of experts"):
+        check_tp_size(model.config, 2)
