@@ -173,3 +173,43 @@ def test_moe_models_refuse_what_does_not_cover_experts(saved):
     model, _ = load_model(str(folder), "cpu", torch.float32)
     with pytest.raises(TensorParallelConfigError, match="mixture of experts"):
         check_tp_size(model.config, 2)
+
+
+def test_num_parameters_counts_what_transformers_holds(saved):
+    folder, hf, _ = saved
+    model, _ = load_model(str(folder), "cpu", torch.float32)
+    # (num_parameters leaves biases out, for every family)
+    weights = [p for name, p in hf.named_parameters() if not name.endswith(".bias")]
+    assert model.config.num_parameters() == sum(p.numel() for p in weights)
+
+
+def test_the_qwen3_30b_a3b_preset_has_its_shape():
+    from pagedkern.model import PRESETS
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf = transformers.Qwen3MoeForCausalLM(cfg)
+    assert PRESETS["qwen3-30b-a3b"].num_parameters() == sum(p.numel() for p in hf.parameters())
+
+
+def test_a_synthetic_moe_model_decodes_as_it_prefills():
+    # a synthetic MoE config (some layers dense, a shared expert, whole-projection QK-norm):
+    # each decode step's logits equal the prefill's logits at that position
+    from pagedkern.model import PRESETS
+
+    config = PRESETS["tiny"].replace(
+        num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24, dense_layers=(1,),
+        shared_expert_size=40, qk_norm=True, qk_norm_whole=True, norm_topk_prob=False,
+    )  # fmt: skip
+    model, _ = load_model(config, "cpu", torch.float32, seed=3)
+    assert model.weights.layers[0].experts_gate_up.shape == (5, 48, 64)
+    assert model.weights.layers[1].router is None
+    ids = [5, 77, 301, 12, 250, 9, 33, 120]
+    prefill = all_logits(model, ids).double()
+    steps = _decode_logits(model, ids[:4], ids[4:]).double()
+    assert max(_relative(g, w) for g, w in zip(steps, prefill[3:], strict=True)) < 1e-5

@@ -262,6 +262,25 @@ PRESETS: dict[str, ModelConfig] = {
         sliding_window=4096,
         layer_types=tuple(FULL if (i + 1) % 2 == 0 else SLIDING for i in range(26)),
     ),
+    # Qwen3-30B-A3B's shape (128 experts, top-8), for synthetic runs of the MoE path at scale.
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        qk_norm=True,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
 }
 
 # model_type values whose checkpoints are plain Llama-family decoders.

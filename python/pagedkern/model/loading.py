@@ -71,7 +71,7 @@ def load_model(
     """Load a model and its tokenizer.
 
     spec: None (the default SmolLM2-135M-Instruct GGUF), a .gguf path, a HF model folder,
-    "synthetic:<preset>" (presets: tiny, seed, smollm2-135m) or a ModelConfig (synthetic
+    "synthetic:<preset>" (presets: config.PRESETS) or a ModelConfig (synthetic
     weights of that shape, drawn from `seed`). dtype: None picks default_dtype (float32 on
     CPU; on CUDA float16 for GGUF, the checkpoint's for HF folders, else bfloat16).
     max_positions caps the RoPE table (default: the config's context length).

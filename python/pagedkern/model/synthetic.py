@@ -55,7 +55,26 @@ def synthetic_weights(
         )
         for _ in range(config.num_layers)
     ]
+    for n, layer in enumerate(layers):  # (drawn after the dense weights: their values unchanged)
+        if config.is_moe_layer(n):
+            _moe_layer(config, layer, randn)
+        if config.qk_norm_whole:  # (OLMoE) one norm weight per q / k projection element
+            layer.q_norm = randn(config.q_size, std=0.1, mean=1.0)
+            layer.k_norm = randn(config.kv_size, std=0.1, mean=1.0)
     # Unit-scale logits from a unit-RMS final hidden state, tied or not.
     embed = randn(v, h, std=h**-0.5)
     lm_head = embed if config.tie_word_embeddings else randn(v, h, std=h**-0.5)
     return LlamaWeights(embed, layers, norm(), lm_head)
+
+
+def _moe_layer(config: ModelConfig, layer: LayerWeights, randn) -> None:
+    """Turn `layer` into a mixture-of-experts layer: router, stacked experts, the shared expert
+    (or no dense MLP)."""
+    h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    s = config.shared_expert_size
+    layer.router = randn(e, h, std=h**-0.5)
+    layer.experts_gate_up = randn(e, 2 * i, h, std=h**-0.5)
+    layer.experts_down = randn(e, h, i, std=i**-0.5)
+    layer.gate_up = randn(2 * s, h, std=h**-0.5) if s else None
+    layer.down = randn(h, s, std=s**-0.5) if s else None
+    layer.shared_gate = randn(1, h, std=h**-0.5) if s else None
