@@ -38,6 +38,14 @@ def _mixtral():
     )
 
 
+def _mixtral_window():
+    # Mixtral's sliding window, on every layer as in Mistral
+    return transformers.MixtralConfig(
+        intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+        **COMMON,
+    )  # fmt: skip
+
+
 def _qwen3_moe():
     # layer 1 dense (mlp_only_layers), layers 0 and 2 MoE; top-3 of 6, renormalised
     return transformers.Qwen3MoeConfig(
@@ -70,6 +78,7 @@ def _qwen2_moe():
 
 ARCHITECTURES = {
     "mixtral": (_mixtral, "MixtralForCausalLM"),
+    "mixtral_window": (_mixtral_window, "MixtralForCausalLM"),
     "qwen3_moe": (_qwen3_moe, "Qwen3MoeForCausalLM"),
     "qwen3_moe_step2": (_qwen3_moe_sparse_step, "Qwen3MoeForCausalLM"),
     "olmoe": (_olmoe, "OlmoeForCausalLM"),
@@ -105,6 +114,7 @@ def test_config_places_the_experts(saved):
     assert layer.experts_gate_up.shape[0] == cfg.num_experts == hf.config.num_experts
     assert (layer.gate_up is not None) == (name == "qwen2_moe")  # the shared expert
     assert cfg.qk_norm_whole == (name == "olmoe")
+    assert cfg.sliding_window == (6 if name == "mixtral_window" else None)
 
 
 def test_prefill_and_decode_logits_equal_transformers(saved):
@@ -138,6 +148,37 @@ def test_greedy_decode_equals_transformers_token_for_token(saved, engine_args):
     engine.add_request(prompt_ids=PROMPT, params=params)
     tokens = [t for o in engine.run_until_done() for t in o.token_ids]
     assert tokens == want_tokens
+
+
+def test_a_prefix_cache_hit_changes_nothing(saved):
+    folder, hf, _ = saved
+    want_tokens, _ = _hf_greedy(hf, PROMPT, 8)
+    engine = Engine.from_config(
+        EngineConfig(model=str(folder), backend="reference", num_blocks=64, block_size=4)
+    )
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for _ in range(2):  # the second run finds the prompt's full blocks cached
+        engine.add_request(prompt_ids=PROMPT, params=params)
+        assert [t for o in engine.run_until_done() for t in o.token_ids] == want_tokens
+    assert engine.pool.prefix_hits > 0
+
+
+def test_preemption_and_batching_change_nothing(saved):
+    # Four sequences in a pool that holds two: preempted, recomputed, and batched with each
+    # other (their tokens routed and grouped by expert together).
+    folder, hf, _ = saved
+    prompts = [PROMPT[i:] + PROMPT[:i] for i in (0, 3, 7, 11)]
+    want = [_hf_greedy(hf, p, 12)[0] for p in prompts]
+    engine = Engine.from_config(
+        EngineConfig(model=str(folder), backend="reference", num_blocks=18, block_size=4)
+    )
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    requests = [engine.add_request(prompt_ids=p, params=params) for p in prompts]
+    got: dict[str, list[int]] = {}
+    for output in engine.run_until_done():
+        got.setdefault(output.request_id, []).extend(output.token_ids)
+    assert [got[r.request_id] for r in requests] == want
+    assert sum(r.num_preemptions for r in requests) > 0
 
 
 def _zero_routers(hf):
