@@ -120,7 +120,8 @@ def test_config_missing_key(tmp_path):
     ("model_type", "extra"),
     [
         ("gpt2", {}),
-        ("qwen3_moe", {}),
+        ("deepseek_v3", {}),
+        ("olmoe", {"num_experts": 4, "clip_qkv": 8.0}),  # clamped q/k/v: not ignored
         ("llama", {"hidden_act": "gelu"}),
         ("llama", {"sliding_window": 4096}),  # transformers' Llama has none: not ignored
         ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
