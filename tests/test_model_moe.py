@@ -257,3 +257,11 @@ def test_a_synthetic_moe_model_decodes_as_it_prefills():
     prefill = all_logits(model, ids).double()
     steps = _decode_logits(model, ids[:4], ids[4:]).double()
     assert max(_relative(g, w) for g, w in zip(steps, prefill[3:], strict=True)) < 1e-5
+
+
+def test_cuda_graphs_are_refused_for_moe_models(saved):
+    # the reference MoE op reads expert counts back to the host: not capturable
+    folder, _, _ = saved
+    config = EngineConfig(model=str(folder), backend="reference", cuda_graphs=True)
+    with pytest.raises(ValueError, match="fused_moe"):
+        Engine.from_config(config)

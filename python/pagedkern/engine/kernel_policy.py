@@ -133,6 +133,14 @@ def step_graphs(model: LlamaModel, config: EngineConfig, shadowed: bool) -> tupl
         attention=model.config.attention_options(),
     )
     graphs = graphs and model.tp.size == 1 and not shadowed
-    # MoE layers run ops.fused_moe's reference, which reads expert counts back to the host
-    graphs = graphs and not model.config.num_experts
+    if graphs and model.config.num_experts:
+        # MoE layers run ops.fused_moe's reference, which reads expert counts back to the host
+        reason = "ops.fused_moe runs on the PyTorch reference (not capturable)"
+        if config.cuda_graphs:
+            raise ValueError(f"cuda_graphs=True, but decode steps cannot be captured: {reason}")
+        if model.device.type == "cuda":
+            warnings.warn(
+                f"pagedkern: CUDA graphs are off because {reason}", RuntimeWarning, stacklevel=3
+            )
+        graphs = False
     return graphs, piecewise_graphs(decode_graphs=graphs, requested=config.piecewise_cuda_graphs)
