@@ -169,6 +169,18 @@ def test_quant_linear(fmt):
     assert torch.equal(ops.quant_linear(*args), direct.quant_linear(x, q))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_moe(dtype):
+    g = _g(7)
+    hidden, router = _randn((5, 32), dtype, g, "cpu"), _randn((5, 6), torch.float32, g, "cpu")
+    gate_up, down = _randn((6, 2 * 16, 32), dtype, g, "cpu"), _randn((6, 32, 16), dtype, g, "cpu")
+    for renormalize, activation in [(True, "silu"), (False, "gelu_tanh")]:
+        args = (hidden, router, gate_up, down, 2, renormalize, activation)
+        _check(ops.fused_moe.default, args)
+        want = direct.fused_moe(*args[:5], renormalize=renormalize, activation=activation)
+        assert torch.equal(ops.fused_moe(*args), want)
+
+
 class TinyBlock(torch.nn.Module):
     """One Llama decoder layer over a paged cache, written with the registered ops: norm, QKV,
     RoPE + cache write, prefill attention, O, fused add+norm, gate/up, SiLU x mul, down."""

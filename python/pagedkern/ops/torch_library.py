@@ -31,6 +31,9 @@ from . import (
     fused_add_rms_norm as _fused_add_rms_norm,
 )
 from . import (
+    fused_moe as _fused_moe,
+)
+from . import (
     gelu_tanh_and_mul as _gelu_tanh_and_mul,
 )
 from . import (
@@ -336,6 +339,28 @@ def _(x, qweight, scales, mins, weight_format, out_features, group_size=0, bias=
     return x.new_empty((x.shape[0], out_features))
 
 
+# --- mixture of experts ----------------------------------------------------------------------
+@custom_op("pagedkern::fused_moe", mutates_args=())
+def fused_moe(
+    hidden: Tensor,
+    router_logits: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    top_k: int,
+    renormalize: bool = True,
+    activation: str = "silu",
+) -> Tensor:
+    return _fused_moe(
+        hidden, router_logits, w_gate_up, w_down, top_k, renormalize=renormalize,
+        activation=activation,
+    )  # fmt: skip
+
+
+@fused_moe.register_fake
+def _(hidden, router_logits, w_gate_up, w_down, top_k, renormalize=True, activation="silu"):
+    return torch.empty_like(hidden)
+
+
 OPS = (
     rms_norm,
     fused_add_rms_norm,
@@ -350,4 +375,5 @@ OPS = (
     sample_with_logprobs,
     rejection_sample,
     quant_linear,
+    fused_moe,
 )
