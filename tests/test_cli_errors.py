@@ -81,6 +81,13 @@ def test_stdin_with_only_bad_lines_exits_2_before_loading():
     assert proc.stdout == b""
 
 
+def _default_sigint() -> None:
+    # A suite started in the background by a non-interactive shell inherits SIGINT ignored, and
+    # so would the CLI (Python then installs no KeyboardInterrupt handler): a terminal's Ctrl-C
+    # reaches a CLI whose SIGINT is at its default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_exits_130_and_prints_what_was_generated():
     # stdin mode prints whole answers at the end: Ctrl-C must still print the partial ones.
     line = json.dumps({"prompt": "go", "max_tokens": 100000, "ignore_eos": True})
@@ -89,6 +96,7 @@ def test_ctrl_c_exits_130_and_prints_what_was_generated():
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=_default_sigint,
     )
     try:
         proc.stdin.write(f"{line}\n{line}\n".encode())
@@ -118,6 +126,7 @@ def test_ctrl_c_while_streaming_one_prompt_exits_130():
         [*CLI, "--backend", "reference", "--max-tokens", "100000", "hi"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=_default_sigint,
     )
     try:
         first = proc.stdout.read(1)  # the answer has started streaming
