@@ -16,9 +16,18 @@ import numpy as np
 import pytest
 import torch
 from hf_model_files import LLAMA3_TEMPLATE, SPECIALS, all_logits, train_tokenizer, write_tokenizer
+from transformers_oracle import (
+    assert_a_prefix_cache_hit_changes_nothing,
+    assert_logprobs_follow,
+    decode_logits,
+    engine_greedy,
+    hf_greedy,
+    hf_logits,
+    relative,
+)
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
-from pagedkern.model import ModelLoadError, SequenceChunk, build_batch, cpu_decode, load_model
+from pagedkern.model import ModelLoadError, cpu_decode, load_model
 
 transformers = pytest.importorskip("transformers")
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -83,36 +92,12 @@ def saved(request, tmp_path_factory):
     return folder, model
 
 
-def _hf_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].double()
-
-
-def _hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and the logits each was chosen from ([steps, V])."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=steps,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), torch.stack([lg[0] for lg in out.logits])
-
-
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
-
-
 def test_prefill_logits_equal_transformers(saved):
     folder, hf = saved
     model, _ = load_model(str(folder), "cpu", torch.float32)
-    want = _hf_logits(hf, PROMPT)
+    want = hf_logits(hf, PROMPT)
     got = all_logits(model, PROMPT).double()
-    assert _relative(got, want) < 1e-5, (_relative(got, want), (got - want).abs().max())
+    assert relative(got, want) < 1e-5, (relative(got, want), (got - want).abs().max())
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
@@ -120,7 +105,7 @@ def test_prefill_logits_equal_transformers(saved):
 def test_the_gemma_options_change_transformers_logits(arch):
     # The test models are shaped so each option matters: without it transformers' own logits
     # move far more than the tolerance above.
-    want = _hf_logits(_hf_model(arch), PROMPT)
+    want = hf_logits(_hf_model(arch), PROMPT)
     changes = [dict(sliding_window=1000), dict(query_pre_attn_scalar=32)]
     if arch == "gemma2":
         changes += [dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None)]
@@ -131,31 +116,16 @@ def test_the_gemma_options_change_transformers_logits(arch):
         }
         changes += [dict(rope_parameters=rope)]
     for change in changes:
-        assert _relative(_hf_logits(_hf_model(arch, **change), PROMPT), want) > 1e-2, change
-
-
-def _decode_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Logits of the prompt's prefill, then of each of `tokens` fed as one decode step (every
-    step through the decode path: paged_attention), [1 + len(tokens), V]."""
-    block, blocks = 4, 32
-    kv = model.allocate_kv_cache(blocks, block)
-    table = list(range(blocks))
-    rows = []
-    ids, meta = build_batch([SequenceChunk(prompt, 0, table)], block)
-    rows.append(model(ids, meta, kv)[0])
-    for n, token in enumerate(tokens):
-        ids, meta = build_batch([SequenceChunk([token], len(prompt) + n, table)], block)
-        rows.append(model(ids, meta, kv)[0])
-    return torch.stack(rows)
+        assert relative(hf_logits(_hf_model(arch, **change), PROMPT), want) > 1e-2, change
 
 
 def test_decode_steps_logits_equal_transformers(saved):
     folder, hf = saved
-    tokens, want = _hf_greedy(hf, PROMPT, STEPS)
+    tokens, want = hf_greedy(hf, PROMPT, STEPS)
     model, _ = load_model(str(folder), "cpu", torch.float32)
     model.fast_cpu_decode = True  # as the engine sets it: it must decline these models
-    got = _decode_logits(model, PROMPT, tokens[:-1]).double()
-    errors = [_relative(g, w) for g, w in zip(got, want.double(), strict=True)]
+    got = decode_logits(model, PROMPT, tokens[:-1]).double()
+    errors = [relative(g, w) for g, w in zip(got, want.double(), strict=True)]
     assert max(errors) < 1e-5, errors
     assert got.argmax(-1).tolist() == tokens
     assert model._cpu_decode is False  # the fast CPU decode path declined the model
@@ -182,34 +152,14 @@ def test_the_fast_cpu_decode_path_declines_every_gemma_option(saved):
 )
 def test_greedy_decode_equals_transformers_token_for_token(saved, engine_args):
     folder, hf = saved
-    want_tokens, want_logits = _hf_greedy(hf, PROMPT, STEPS)
-    engine = Engine.from_config(
-        EngineConfig(
-            model=str(folder), backend="reference", dtype="float32", num_blocks=64,
-            block_size=4, **engine_args,
-        )
-    )  # fmt: skip
-    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=1)
-    engine.add_request(prompt_ids=PROMPT, params=params)
-    outputs = list(engine.run_until_done())
-    assert [t for o in outputs for t in o.token_ids] == want_tokens
-    logprobs = [lp.logprob for o in outputs for lp in (o.logprobs or ())]
-    want = torch.log_softmax(want_logits.double(), -1)
-    expected = want[torch.arange(STEPS), torch.tensor(want_tokens)]
-    assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64), expected, atol=1e-4)
+    want_tokens, want_logits = hf_greedy(hf, PROMPT, STEPS)
+    outputs = engine_greedy(folder, PROMPT, STEPS, **engine_args)
+    assert_logprobs_follow(outputs, want_tokens, want_logits)
 
 
 def test_a_prefix_cache_hit_changes_nothing(saved):
     folder, hf = saved
-    want_tokens, _ = _hf_greedy(hf, PROMPT, 8)
-    engine = Engine.from_config(
-        EngineConfig(model=str(folder), backend="reference", num_blocks=64, block_size=4)
-    )
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    for _ in range(2):  # the second run finds the prompt's full blocks cached
-        engine.add_request(prompt_ids=PROMPT, params=params)
-        assert [t for o in engine.run_until_done() for t in o.token_ids] == want_tokens
-    assert engine.pool.prefix_hits > 0
+    assert_a_prefix_cache_hit_changes_nothing(folder, hf, PROMPT)
 
 
 def test_preemption_and_batching_change_nothing(saved):
@@ -217,7 +167,7 @@ def test_preemption_and_batching_change_nothing(saved):
     # generated tokens prefilled again, past the window), batched with each other.
     folder, hf = saved
     prompts = [PROMPT[i:] + PROMPT[:i] for i in (0, 3, 7, 11)]
-    want = [_hf_greedy(hf, p, 12)[0] for p in prompts]
+    want = [hf_greedy(hf, p, 12)[0] for p in prompts]
     engine = Engine.from_config(
         EngineConfig(model=str(folder), backend="reference", num_blocks=18, block_size=4)
     )
@@ -241,7 +191,7 @@ def test_the_static_buffer_and_piecewise_paths_change_nothing(saved, monkeypatch
     run = PiecewiseGraphs.run
     monkeypatch.setattr(PiecewiseGraphs, "run", lambda self, lay: runs.append(1) or run(self, lay))
     prompts = [PROMPT[i:] + PROMPT[:i] for i in (0, 5, 9)]
-    want = [_hf_greedy(hf, p, 10)[0] for p in prompts]
+    want = [hf_greedy(hf, p, 10)[0] for p in prompts]
     engine = Engine.from_config(
         EngineConfig(
             model=str(folder), backend="reference", num_blocks=64, block_size=4,
@@ -303,7 +253,7 @@ def test_older_config_spellings_load_the_same_model(tmp_path):
     model, _ = load_model(str(tmp_path), "cpu", torch.float32)
     assert model.config.layer_types == ("sliding", "sliding", "full", "sliding")
     got = all_logits(model, PROMPT).double()
-    assert _relative(got, _hf_logits(hf, PROMPT)) < 1e-5
+    assert relative(got, hf_logits(hf, PROMPT)) < 1e-5
 
 
 def write_gguf_like_llama_cpp(path, hf, arch: str, q8: bool = False) -> None:
@@ -377,8 +327,8 @@ def test_the_gguf_llama_cpp_writes_equals_transformers(arch, tmp_path, monkeypat
     write_gguf_like_llama_cpp(path, hf, arch)
     for _ in range(2):  # converted, then from the weights cache
         model, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
-        want = _hf_logits(hf, PROMPT)
-        assert _relative(all_logits(model, PROMPT), want) < 1e-5
+        want = hf_logits(hf, PROMPT)
+        assert relative(all_logits(model, PROMPT), want) < 1e-5
     assert model.config.layer_types == tuple(
         {"sliding_attention": "sliding", "full_attention": "full"}[t] for t in hf.config.layer_types
     )
@@ -430,13 +380,13 @@ def test_a_q8_0_gemma_gguf_loads_exactly_and_straight_to_int8(tmp_path, monkeypa
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(q, Q8).reshape(p.shape)))
     path = tmp_path / "m.gguf"
     write_gguf_like_llama_cpp(path, hf, "gemma2", q8=True)
-    want = _hf_logits(hf, PROMPT)
+    want = hf_logits(hf, PROMPT)
     exact, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
-    assert _relative(all_logits(exact, PROMPT), want) < 1e-5
+    assert relative(all_logits(exact, PROMPT), want) < 1e-5
     int8, _ = load_model(str(path), "cpu", torch.float32, quantization="int8")
     layer = int8.weights.layers[0]
     assert all(
         isinstance(w, QuantizedWeight) and w.format == "int8" for w in (layer.qkv, layer.down)
     )
     assert int8.weights.lm_head is int8.weights.embed  # tied: the int8 head, rows dequantized
-    assert _relative(all_logits(int8, PROMPT), want) < 3e-2
+    assert relative(all_logits(int8, PROMPT), want) < 3e-2

@@ -10,8 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_model_files import all_logits, write_tokenizer
-from test_model_gemma import _decode_logits, _relative
-from test_model_transformers import PROMPT, _hf_greedy
+from test_model_transformers import PROMPT
+from transformers_oracle import (
+    assert_a_prefix_cache_hit_changes_nothing,
+    assert_logprobs_follow,
+    decode_logits,
+    engine_greedy,
+    hf_greedy,
+    relative,
+)
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import load_model
@@ -123,12 +130,12 @@ def test_prefill_and_decode_logits_equal_transformers(saved):
     with torch.no_grad():
         want = hf(torch.tensor([PROMPT])).logits[0].double()
     got = all_logits(model, PROMPT).double()
-    assert _relative(got, want) < 1e-5, _relative(got, want)
+    assert relative(got, want) < 1e-5, relative(got, want)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    tokens, want_steps = _hf_greedy(hf, PROMPT, STEPS)
+    tokens, want_steps = hf_greedy(hf, PROMPT, STEPS)
     model.fast_cpu_decode = True  # as the engine sets it: it must decline MoE models
-    got_steps = _decode_logits(model, PROMPT, tokens[:-1]).double()
-    errors = [_relative(g, w) for g, w in zip(got_steps, want_steps.double(), strict=True)]
+    got_steps = decode_logits(model, PROMPT, tokens[:-1]).double()
+    errors = [relative(g, w) for g, w in zip(got_steps, want_steps.double(), strict=True)]
     assert max(errors) < 1e-5, errors
 
 
@@ -137,30 +144,14 @@ def test_prefill_and_decode_logits_equal_transformers(saved):
 )
 def test_greedy_decode_equals_transformers_token_for_token(saved, engine_args):
     folder, hf, _ = saved
-    want_tokens, _ = _hf_greedy(hf, PROMPT, STEPS)
-    engine = Engine.from_config(
-        EngineConfig(
-            model=str(folder), backend="reference", dtype="float32", num_blocks=64,
-            block_size=4, **engine_args,
-        )
-    )  # fmt: skip
-    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
-    engine.add_request(prompt_ids=PROMPT, params=params)
-    tokens = [t for o in engine.run_until_done() for t in o.token_ids]
-    assert tokens == want_tokens
+    want_tokens, want_logits = hf_greedy(hf, PROMPT, STEPS)
+    outputs = engine_greedy(folder, PROMPT, STEPS, **engine_args)
+    assert_logprobs_follow(outputs, want_tokens, want_logits)
 
 
 def test_a_prefix_cache_hit_changes_nothing(saved):
     folder, hf, _ = saved
-    want_tokens, _ = _hf_greedy(hf, PROMPT, 8)
-    engine = Engine.from_config(
-        EngineConfig(model=str(folder), backend="reference", num_blocks=64, block_size=4)
-    )
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    for _ in range(2):  # the second run finds the prompt's full blocks cached
-        engine.add_request(prompt_ids=PROMPT, params=params)
-        assert [t for o in engine.run_until_done() for t in o.token_ids] == want_tokens
-    assert engine.pool.prefix_hits > 0
+    assert_a_prefix_cache_hit_changes_nothing(folder, hf, PROMPT)
 
 
 def test_preemption_and_batching_change_nothing(saved):
@@ -168,7 +159,7 @@ def test_preemption_and_batching_change_nothing(saved):
     # other (their tokens routed and grouped by expert together).
     folder, hf, _ = saved
     prompts = [PROMPT[i:] + PROMPT[:i] for i in (0, 3, 7, 11)]
-    want = [_hf_greedy(hf, p, 12)[0] for p in prompts]
+    want = [hf_greedy(hf, p, 12)[0] for p in prompts]
     engine = Engine.from_config(
         EngineConfig(model=str(folder), backend="reference", num_blocks=18, block_size=4)
     )
@@ -199,10 +190,10 @@ def test_routing_every_token_to_the_same_experts(tmp_path, arch):
     with torch.no_grad():
         want = hf(torch.tensor([PROMPT])).logits[0].double()
     got = all_logits(model, PROMPT).double()
-    assert _relative(got, want) < 1e-5
-    tokens, want_steps = _hf_greedy(hf, PROMPT, 8)
-    got_steps = _decode_logits(model, PROMPT, tokens[:-1]).double()
-    assert max(_relative(g, w) for g, w in zip(got_steps, want_steps.double(), strict=True)) < 1e-5
+    assert relative(got, want) < 1e-5
+    tokens, want_steps = hf_greedy(hf, PROMPT, 8)
+    got_steps = decode_logits(model, PROMPT, tokens[:-1]).double()
+    assert max(relative(g, w) for g, w in zip(got_steps, want_steps.double(), strict=True)) < 1e-5
 
 
 def test_moe_models_refuse_what_does_not_cover_experts(saved):
@@ -255,8 +246,8 @@ def test_a_synthetic_moe_model_decodes_as_it_prefills():
     assert model.weights.layers[1].router is None
     ids = [5, 77, 301, 12, 250, 9, 33, 120]
     prefill = all_logits(model, ids).double()
-    steps = _decode_logits(model, ids[:4], ids[4:]).double()
-    assert max(_relative(g, w) for g, w in zip(steps, prefill[3:], strict=True)) < 1e-5
+    steps = decode_logits(model, ids[:4], ids[4:]).double()
+    assert max(relative(g, w) for g, w in zip(steps, prefill[3:], strict=True)) < 1e-5
 
 
 def test_cuda_graphs_are_refused_for_moe_models(saved):

@@ -14,8 +14,15 @@ import pytest
 import torch
 from hf_model_files import LLAMA3_TEMPLATE, SPECIALS, train_tokenizer, write_tokenizer
 from test_model_gguf import llama_cpp_permute, llama_cpp_tensor_name
+from transformers_oracle import (
+    assert_a_prefix_cache_hit_changes_nothing,
+    assert_logprobs_follow,
+    decode_logits,
+    engine_greedy,
+    hf_greedy,
+    relative,
+)
 
-from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -63,23 +70,6 @@ def saved(request, tmp_path_factory):
     return folder, model
 
 
-def _hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and the logits each was chosen from ([steps, V])."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            max_new_tokens=steps,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, torch.stack([lg[0] for lg in out.logits])
-
-
 def test_prefill_logits_equal_transformers(saved):
     folder, hf = saved
     model, _ = load_model(str(folder), "cpu", torch.float32)
@@ -103,37 +93,14 @@ def test_prefill_logits_equal_transformers(saved):
 )
 def test_greedy_decode_equals_transformers_token_for_token(saved, engine_args):
     folder, hf = saved
-    want_tokens, want_logits = _hf_greedy(hf, PROMPT, STEPS)
-    engine = Engine.from_config(
-        EngineConfig(
-            model=str(folder), backend="reference", dtype="float32", num_blocks=64,
-            block_size=4, **engine_args,
-        )
-    )  # fmt: skip
-    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=1)
-    engine.add_request(prompt_ids=PROMPT, params=params)
-    outputs = list(engine.run_until_done())
-    tokens = [t for o in outputs for t in o.token_ids]
-    assert tokens == want_tokens
-    # each step's chosen token has transformers' log-probability at that step
-    logprobs = [lp.logprob for o in outputs for lp in (o.logprobs or ())]
-    want = torch.log_softmax(want_logits.double(), -1)
-    expected = want[torch.arange(STEPS), torch.tensor(want_tokens)]
-    assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64), expected, atol=1e-4)
+    want_tokens, want_logits = hf_greedy(hf, PROMPT, STEPS)
+    outputs = engine_greedy(folder, PROMPT, STEPS, **engine_args)
+    assert_logprobs_follow(outputs, want_tokens, want_logits)
 
 
 def test_a_prefix_cache_hit_changes_nothing(saved):
     folder, hf = saved
-    want_tokens, _ = _hf_greedy(hf, PROMPT, 8)
-    engine = Engine.from_config(
-        EngineConfig(model=str(folder), backend="reference", num_blocks=64, block_size=4)
-    )
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    for _ in range(2):  # the second run finds the prompt's full blocks cached
-        engine.add_request(prompt_ids=PROMPT, params=params)
-        tokens = [t for o in engine.run_until_done() for t in o.token_ids]
-        assert tokens == want_tokens
-    assert engine.pool.prefix_hits > 0
+    assert_a_prefix_cache_hit_changes_nothing(folder, hf, PROMPT)
 
 
 def write_gguf_like_llama_cpp(path, hf, arch: str) -> None:
@@ -207,17 +174,15 @@ def test_sliding_window_llama_family_equals_transformers(tmp_path, make_config, 
     # Mistral's window on every layer, Qwen2's from max_window_layers on: prefill and decode
     # logits (each step through paged_attention) against transformers', whose logits the
     # window changes.
-    from test_model_gemma import _decode_logits, _relative
-
     torch.manual_seed(0)
     hf = getattr(transformers, model_class)(make_config()).float().eval()
     hf.save_pretrained(tmp_path, safe_serialization=True)
     write_tokenizer(tmp_path)
     model, _ = load_model(str(tmp_path), "cpu", torch.float32)
     assert model.config.sliding_window == 6
-    tokens, want = _hf_greedy(hf, PROMPT, 8)
-    got = _decode_logits(model, PROMPT, tokens[:-1]).double()
-    assert max(_relative(g, w) for g, w in zip(got, want.double(), strict=True)) < 1e-5
+    tokens, want = hf_greedy(hf, PROMPT, 8)
+    got = decode_logits(model, PROMPT, tokens[:-1]).double()
+    assert max(relative(g, w) for g, w in zip(got, want.double(), strict=True)) < 1e-5
     torch.manual_seed(0)
     full = getattr(transformers, model_class)(make_config(sliding_window=1000)).float().eval()
-    assert _relative(_hf_greedy(full, PROMPT, 8)[1], want.double()) > 1e-2
+    assert relative(hf_greedy(full, PROMPT, 8)[1], want.double()) > 1e-2
