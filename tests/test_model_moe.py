@@ -14,13 +14,14 @@ from test_model_transformers import PROMPT
 from transformers_oracle import (
     assert_a_prefix_cache_hit_changes_nothing,
     assert_logprobs_follow,
+    assert_preemption_and_batching_change_nothing,
     decode_logits,
     engine_greedy,
     hf_greedy,
     relative,
 )
 
-from pagedkern.engine import Engine, EngineConfig, SamplingParams
+from pagedkern.engine import Engine, EngineConfig
 from pagedkern.model import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -158,18 +159,7 @@ def test_preemption_and_batching_change_nothing(saved):
     # Four sequences in a pool that holds two: preempted, recomputed, and batched with each
     # other (their tokens routed and grouped by expert together).
     folder, hf, _ = saved
-    prompts = [PROMPT[i:] + PROMPT[:i] for i in (0, 3, 7, 11)]
-    want = [hf_greedy(hf, p, 12)[0] for p in prompts]
-    engine = Engine.from_config(
-        EngineConfig(model=str(folder), backend="reference", num_blocks=18, block_size=4)
-    )
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    requests = [engine.add_request(prompt_ids=p, params=params) for p in prompts]
-    got: dict[str, list[int]] = {}
-    for output in engine.run_until_done():
-        got.setdefault(output.request_id, []).extend(output.token_ids)
-    assert [got[r.request_id] for r in requests] == want
-    assert sum(r.num_preemptions for r in requests) > 0
+    assert_preemption_and_batching_change_nothing(folder, hf, PROMPT)
 
 
 def _zero_routers(hf):

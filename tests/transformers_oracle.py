@@ -82,3 +82,21 @@ def engine_greedy(folder, prompt: list[int], steps: int, **engine_args) -> list:
     params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=1)
     engine.add_request(prompt_ids=prompt, params=params)
     return list(engine.run_until_done())
+
+
+def assert_preemption_and_batching_change_nothing(folder, hf, prompt: list[int]) -> None:
+    """Four rotations of the prompt in a pool that holds two: preempted, recomputed (prompt and
+    generated tokens prefilled again) and batched with each other, each still transformers'
+    greedy answer."""
+    prompts = [prompt[i:] + prompt[:i] for i in (0, 3, 7, 11)]
+    want = [hf_greedy(hf, p, 12)[0] for p in prompts]
+    engine = Engine.from_config(
+        EngineConfig(model=str(folder), backend="reference", num_blocks=18, block_size=4)
+    )
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    requests = [engine.add_request(prompt_ids=p, params=params) for p in prompts]
+    got: dict[str, list[int]] = {}
+    for output in engine.run_until_done():
+        got.setdefault(output.request_id, []).extend(output.token_ids)
+    assert [got[r.request_id] for r in requests] == want
+    assert sum(r.num_preemptions for r in requests) > 0
