@@ -69,6 +69,29 @@ def test_cuda_backend_raises_instead_of_falling_back(changes, reason):
         pagedkern.flash_prefill(cu_seqlens_q=FakeCudaArray((4,), "int32"), **args)
 
 
+def test_fused_moe_has_no_kernel_the_cuda_backend_refuses_and_graphs_stay_off(monkeypatch):
+    args = (
+        FakeCudaArray((3, 16)), FakeCudaArray((3, 4)), FakeCudaArray((4, 2 * 8, 16)),
+        FakeCudaArray((4, 16, 8)), 2,
+    )  # fmt: skip
+    with launch.use_backend("cuda"), pytest.raises(KernelUnsupportedError, match="fused_moe"):
+        pagedkern.ops.fused_moe(*args)
+    decisions = support.model_support("bfloat16", 128, 16, 1000, moe=True)
+    assert not decisions["fused_moe"].supported and "fused_moe" not in support.model_support(
+        "bfloat16", 128, 16, 1000
+    )
+    monkeypatch.setattr(launch, "_warned", set())
+    gpu = dict(device_type="cuda", dtype="bfloat16", head_dim=128, block_size=16, vocab=1000)
+    with pytest.raises(ValueError, match="fused_moe"):
+        decode_graphs(backend="cuda", requested=None, moe=True, **gpu)
+    with pytest.raises(ValueError, match="fused_moe"):
+        decode_graphs(backend="auto", requested=True, moe=True, **gpu)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert decode_graphs(backend="auto", requested=None, moe=True, **gpu) is False
+    assert any("CUDA graphs are off" in str(w.message) for w in caught)
+
+
 def test_cuda_backend_refuses_cpu_tensors():
     with launch.use_backend("cuda"), pytest.raises(KernelUnsupportedError, match="CPU tensors"):
         pagedkern.rms_norm(torch.ones(2, 8), torch.ones(8))
@@ -197,6 +220,7 @@ def test_the_engine_consults_the_policy_at_start(monkeypatch):
         requested=None,
         kv_cache_dtype="auto",
         attention={"sliding_window": None, "soft_cap": None},
+        moe=False,
     )
 
 

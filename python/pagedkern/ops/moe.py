@@ -4,8 +4,9 @@ PyTorch reference, on the tensors' own device (CUDA tensors stay on the GPU)."""
 
 from __future__ import annotations
 
+from . import support
 from .arrays import FLOAT_DTYPES, check_dtype, check_ndim, check_same_dtype, check_shape, view
-from .launch import record_launch, reference_on_torch
+from .launch import kernel_or_reference, reference_on_torch
 
 MOE_ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -49,8 +50,10 @@ def fused_moe(
             f"{hv.describe()}, {rv.describe()}, {gv.describe()} and {dv.describe()} must be on "
             "the same device"
         )
-    reference = reference_on_torch("fused_moe", (hv, rv, gv, dv))
-    record_launch("fused_moe")
+    views = (hv, rv, gv, dv)
+    # no kernel: the reference, which the strict "cuda" backend refuses on CUDA arrays too
+    kernel_or_reference("fused_moe", views, support.fused_moe())
+    reference = reference_on_torch("fused_moe", views)
     return reference.fused_moe(
         hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation
     )

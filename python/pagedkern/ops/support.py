@@ -122,7 +122,12 @@ def rope_and_cache(dtype: str, kv_dtype: str | None = None) -> KernelSupport:
 
 
 # The ops of a decode step's forward pass: all of them are captured in its CUDA graphs.
-DECODE_GRAPH_OPS = ("rms_norm", "silu_and_mul", "rope_and_cache", "paged_attention")
+def fused_moe() -> KernelSupport:
+    """The MoE MLP: no kernel yet (the reference groups tokens by expert on the host)."""
+    return KernelSupport(False, "no kernel yet (the reference reads expert counts to the host)")
+
+
+DECODE_GRAPH_OPS = ("rms_norm", "silu_and_mul", "rope_and_cache", "paged_attention", "fused_moe")
 
 
 def model_support(
@@ -132,12 +137,15 @@ def model_support(
     vocab: int,
     kv_dtype: str | None = None,
     attention: dict | None = None,
+    moe: bool = False,
 ) -> dict[str, KernelSupport]:
     """The decision of every op a Llama forward pass and its sampling launch, for one model and
     cache configuration (dtype as a name: "bfloat16", ...; kv_dtype: the cache's, None = dtype;
-    attention: the attention options some layer uses, as attention_options' keywords)."""
+    attention: the attention options some layer uses, as attention_options' keywords; moe:
+    whether some layer is a mixture of experts)."""
     options = attention_options(**(attention or {}))
-    return {
+    moe_layers = {"fused_moe": fused_moe()} if moe else {}
+    return moe_layers | {
         "rms_norm": elementwise(dtype),
         "silu_and_mul": elementwise(dtype),
         "rope_and_cache": rope_and_cache(dtype, kv_dtype),
