@@ -219,7 +219,12 @@ def test_the_qwen3_30b_a3b_preset_has_its_shape():
     )  # fmt: skip
     with torch.device("meta"):
         hf = transformers.Qwen3MoeForCausalLM(cfg)
-    assert PRESETS["qwen3-30b-a3b"].num_parameters() == sum(p.numel() for p in hf.parameters())
+    preset = PRESETS["qwen3-30b-a3b"]
+    assert preset.num_parameters() == sum(p.numel() for p in hf.parameters())
+    # a token reads its 8 of 128 experts: the "A3B" of the name (3.3 B active of 30.5 B)
+    experts = sum(p.numel() for n, p in hf.named_parameters() if ".mlp.experts." in n)
+    assert preset.num_parameters(active=True) == preset.num_parameters() - experts * 120 // 128
+    assert 3.2e9 < preset.num_parameters(active=True) < 3.4e9
 
 
 def test_a_synthetic_moe_model_decodes_as_it_prefills():

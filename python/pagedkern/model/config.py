@@ -151,7 +151,9 @@ class ModelConfig:
         """Rows of the fused QKV weight: q rows, then k rows, then v rows."""
         return self.q_size + 2 * self.kv_size
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, active: bool = False) -> int:
+        """The model's parameters (biases aside); active: those one token's forward reads, its
+        top-k routed experts rather than all of them (the cost of a token in an MoE model)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
         if self.qk_norm_whole:
@@ -161,7 +163,8 @@ class ModelConfig:
         total = v * h + self.num_layers * layer + h + head
         if self.num_experts:  # MoE layers: the router, experts and shared expert, not 3HI
             e, s = self.num_experts, self.shared_expert_size
-            moe = e * h + e * 3 * h * self.moe_intermediate_size + (3 * h * s + h if s else 0)
+            routed = self.num_experts_per_tok if active else e
+            moe = e * h + routed * 3 * h * self.moe_intermediate_size + (3 * h * s + h if s else 0)
             total += (self.num_layers - len(self.dense_layers)) * (moe - 3 * h * i)
         return total
 

@@ -341,7 +341,7 @@ def core_threads(engine: Engine, requested: int | None = None) -> int | None:
     if engine.model.device.type != "cpu" or engine.model.tp.size > 1:
         return None
     cores = available_cores()
-    model_s_per_token = 2 * engine.model.config.num_parameters() / CORE_FLOPS_PER_S
+    model_s_per_token = 2 * engine.model.config.num_parameters(active=True) / CORE_FLOPS_PER_S
     if cores > 1 and model_s_per_token <= FRONT_END_S_PER_TOKEN * (cores - 1):
         return cores - 1
     return cores
