@@ -145,7 +145,7 @@ def test_an_engine_core_that_cannot_load_says_why_and_exits_2(tmp_path):
 
 
 def _engine(parameters: int, device: str = "cpu", tp: int = 1):
-    config = SimpleNamespace(num_parameters=lambda: parameters)
+    config = SimpleNamespace(num_parameters=lambda active=False: parameters)
     model = SimpleNamespace(config=config, device=torch.device(device), tp=SimpleNamespace(size=tp))
     return SimpleNamespace(model=model)
 
