@@ -425,7 +425,14 @@ def test_an_http_10_stream_is_delimited_by_the_close_not_chunked(server):
     chunk sizes; ChunkWriter then leaves every part to uvicorn's send (the other half of the
     rule it follows)."""
     body = json.dumps(
-        {"model": TINY, "prompt": "hi", "max_tokens": 5, "stream": True, "ignore_eos": True}
+        {
+            "model": TINY,
+            "prompt": "hi",
+            "max_tokens": 5,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
     ).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
