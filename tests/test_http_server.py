@@ -257,7 +257,7 @@ BAD = [
         None,
     ),
     ("chat", {**ok_chat, "response_format": {"type": "yaml"}}, 400, "response_format", None),
-    ("chat", {**ok_chat, "tools": [{"type": "function"}]}, 400, "tools", None),
+    ("chat", {**ok_chat, "tools": [{"type": "function"}]}, 400, "tools[0].function", None),
     ("chat", {**ok_chat, "tool_choice": "auto"}, 400, "tool_choice", None),
     ("chat", {**ok_chat, "functions": [{}]}, 400, "functions", None),
     ("chat", {**ok_chat, "stop": [""]}, 400, "stop", None),

@@ -38,7 +38,7 @@ MAX_N = 64  # samples per request
 MAX_TOKEN_LIST = 65536  # logit_bias / allowed_token_ids / bad_words entries (host work bound)
 # response_format: its shape is checked here; its schema's meaning when it is compiled
 # (structured_output.GrammarCompiler).
-FORMAT_TYPES = ("text", "json_object", "json_schema")
+FORMAT_TYPES = ("text", "json_object", "json_schema", "grammar")
 MAX_SCHEMA_CHARS = 100_000  # bounds grammar compilation time per request
 
 
@@ -236,6 +236,13 @@ def check_response_format(value: Any) -> Mapping | None:
         raise ValueError(f"response_format.type must be one of {FORMAT_TYPES}, got {kind!r}")
     if kind == "text":
         return None
+    if kind == "grammar":  # a Lark grammar for llguidance (the server's tool-call grammars)
+        grammar = value.get("grammar")
+        if not isinstance(grammar, str) or not grammar:
+            raise ValueError("response_format.grammar must be a non-empty Lark grammar string")
+        if len(grammar) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"response_format: the grammar has over {MAX_SCHEMA_CHARS} characters")
+        return {"type": kind, "grammar": grammar}
     if kind == "json_object":
         schema: Any = {"type": "object"}
     else:

@@ -10,6 +10,9 @@ request. No JSON constraint logic lives here: only the wiring.
     {"type": "text"}                       no constraint
     {"type": "json_object"}                any JSON object
     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}
+    {"type": "grammar", "grammar": "<Lark>"}   llguidance's Lark syntax (%json{...} embeds a
+                                           schema); the server's tool-call and after-thinking
+                                           grammars (serving/tools/grammar.py)
 
 Compilation, as vLLM and SGLang do it: once per request (`GrammarCompiler.compile`, cached per
 schema, failures too), never per sample: each sample's matcher is a deep copy of the compiled
@@ -53,7 +56,10 @@ class StructuredOutputError(ValueError):
 
 
 def schema_key(response_format: Mapping) -> str:
-    """What identifies a checked response_format's grammar: its schema as JSON text."""
+    """What identifies a checked response_format's grammar: its schema as JSON text (a JSON
+    string for a Lark grammar: never equal to a schema, which is an object or a boolean)."""
+    if response_format["type"] == "grammar":
+        return json.dumps(response_format["grammar"])
     return json.dumps(response_format["schema"])
 
 
@@ -103,19 +109,25 @@ class GrammarCompiler:
     def _compile(self, schema_text: str) -> CompiledGrammar:
         import llguidance
 
+        lark = json.loads(schema_text)
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema_text, defaults={"whitespace_flexible": False}
-            )
+            if isinstance(lark, str):
+                grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    schema_text, defaults={"whitespace_flexible": False}
+                )
         except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError/RuntimeError
+            what = "grammar" if isinstance(lark, str) else "JSON schema"
             raise StructuredOutputError(
-                f"response_format: invalid JSON schema: {_short(str(exc))}"
+                f"response_format: invalid {what}: {_short(str(exc))}"
             ) from None
         limits = llguidance.LLParserLimits(verbose_errors=False)  # errors without the grammar
         matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
+            what = "grammar" if isinstance(lark, str) else "JSON schema"
             raise StructuredOutputError(
-                f"response_format: invalid JSON schema: {_short(matcher.get_error())}"
+                f"response_format: invalid {what}: {_short(matcher.get_error())}"
             )
         self._probe(matcher.deep_copy())
         return CompiledGrammar(self, matcher)

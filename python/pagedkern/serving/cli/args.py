@@ -14,6 +14,8 @@ from pathlib import Path
 from ... import __version__
 from ...engine import EngineConfig, engine_fields
 from ..http.settings import LOG_LEVELS, ServerSettings
+from ..tools import ALIASES as TOOL_PARSER_ALIASES
+from ..tools import REASONING_PARSERS, TOOL_PARSERS
 
 PROG = "pagedkern-serve"
 DESCRIPTION = (
@@ -172,16 +174,6 @@ def build_parser() -> Parser:
         ),
     )
     e.add_argument(
-        "--backend",
-        choices=("auto", "cuda", "reference"),
-        default=_default(EngineConfig, "backend"),
-        help=_field_help(
-            EngineConfig,
-            "backend",
-            "auto: the CUDA kernels when a GPU is usable, else the PyTorch reference ops",
-        ),
-    )
-    e.add_argument(
         "--quantization",
         choices=("none", "int8", "int4"),
         default=_default(EngineConfig, "quantization"),
@@ -292,6 +284,8 @@ def build_parser() -> Parser:
         ("write_timeout", positive_float),
         ("step_timeout", positive_float),
         ("stalled_request_timeout", positive_float),
+        ("max_tools", positive_int),
+        ("max_tools_bytes", positive_int),
     ):
         h.add_argument(
             "--" + name.replace("_", "-"),
@@ -299,6 +293,16 @@ def build_parser() -> Parser:
             default=_default(ServerSettings, name),
             help=_field_help(ServerSettings, name, name),
         )
+    h.add_argument(
+        "--tool-call-parser",
+        choices=sorted({*TOOL_PARSERS, *TOOL_PARSER_ALIASES}),
+        help=_field_help(ServerSettings, "tool_call_parser", "tool-call parser", shown="unset"),
+    )
+    h.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help=_field_help(ServerSettings, "reasoning_parser", "reasoning parser", shown="unset"),
+    )
     h.add_argument(
         "--core-threads",
         type=positive_int,
@@ -362,7 +366,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
     return EngineConfig(
         model=args.model,
-        backend=args.backend,
         device=args.device,
         dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
         block_size=args.block_size,
@@ -399,6 +402,10 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         step_timeout=args.step_timeout,
         stalled_request_timeout=args.stalled_request_timeout,
         core_threads=args.core_threads,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        max_tools=args.max_tools,
+        max_tools_bytes=args.max_tools_bytes,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         allowed_origins=origins,

@@ -39,6 +39,8 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ...engine import RequestRejected, SamplingParams
 from ..core.engine_client import EngineClient, EngineUnavailable, QueueFull
+from .chat_output import ParsedChatFormat
+from .chat_tools import ChatParsers, plan_chat
 from .connection import BodyGone, RequestContext, protocol_class, read_body
 from .errors import APIError, validation_error
 from .prompts import PromptPreparer
@@ -156,8 +158,9 @@ def create_app(
         return tokenizer.decode([token_id])
 
     async def generate(
-        http: Request, prompts: list[dict], params, fmt, streaming: bool, echo: bool = False
-    ) -> Response:
+        http: Request, prompts: list[dict], params, fmt, streaming: bool, echo: bool = False,
+        grammar_param: str = "response_format",
+    ) -> Response:  # fmt: skip
         rid = request_id(http)
         param = "messages" if "messages" in prompts[0] else "prompt"
         if params.n * len(prompts) > settings.max_seqs_per_request:
@@ -184,7 +187,7 @@ def create_app(
         except Exception as exc:  # noqa: BLE001 - every admission failure gets its status
             for stream in streams:
                 stream.close()
-            raise admission_error(exc, param, rid) from exc
+            raise admission_error(exc, param, rid, grammar_param) from exc
         if streaming:
             return EventStreamResponse(
                 lambda writer: sse_events(streams, fmt, writer, settings.write_buffer_bytes),
@@ -202,11 +205,19 @@ def create_app(
         req = await parse_body(http, ChatCompletionRequest)
         check_model(req.model)
         params = sampling(req, max_model_len, settings.default_sampling, tokenizer, vocab_size)
-        fmt = ChatFormat(
-            f"chatcmpl-{request_id(http)}", model_name, req.include_usage, token_text, params.n
+        parsers = ChatParsers.of(tokenizer.chat_template, settings)
+        plan = plan_chat(req, params, parsers, settings)  # tools, reasoning (chat_tools.py)
+        head = (f"chatcmpl-{request_id(http)}", model_name, req.include_usage, token_text, params.n)
+        if plan.make_parser is None:
+            fmt = ChatFormat(*head)
+        else:
+            fmt = ParsedChatFormat(*head, make_parser=plan.make_parser)
+        prompt = {"messages": plan.messages}
+        if plan.template_kwargs:
+            prompt["template_kwargs"] = plan.template_kwargs
+        return await generate(
+            http, [prompt], plan.params, fmt, req.stream, grammar_param=plan.grammar_param
         )
-        messages = [m.as_template_message() for m in req.messages]
-        return await generate(http, [{"messages": messages}], params, fmt, req.stream)
 
     async def completions(http: Request) -> Response:
         req = await parse_body(http, CompletionRequest)
@@ -295,9 +306,12 @@ def unavailable(reason: str = "the engine is not running") -> APIError:
     return APIError(503, reason, "server_error", None, "engine_unavailable")
 
 
-def admission_error(exc: Exception, param: str, request_id: str = "-") -> APIError:
+def admission_error(
+    exc: Exception, param: str, request_id: str = "-", grammar_param: str = "response_format"
+) -> APIError:
     """Why a request was refused before it ran, as an OpenAI error. Bad input (ValueError,
-    TypeError, a template's refusal) is the client's 400; anything else is logged and a 500."""
+    TypeError, a template's refusal) is the client's 400; anything else is logged and a 500.
+    A grammar the engine refused names grammar_param (tools, for a forced tool call's)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFull):
@@ -308,7 +322,7 @@ def admission_error(exc: Exception, param: str, request_id: str = "-") -> APIErr
         return APIError(400, str(exc), param=param, code="context_length_exceeded")
     if isinstance(exc, (ValueError, TypeError, jinja2.TemplateError)):
         if str(exc).startswith("response_format"):  # the core's grammar compile refused it
-            param = "response_format"
+            param = grammar_param
         return APIError(400, str(exc), param=param)
     if isinstance(exc, EngineUnavailable):
         return unavailable(str(exc))

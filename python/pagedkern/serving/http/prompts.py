@@ -72,8 +72,10 @@ class PromptPreparer:
         RequestRejected for a prompt that cannot fit) or jinja2.TemplateError."""
         if "prompt_ids" in args:
             return {"prompt_ids": self.check_ids(args["prompt_ids"])}
-        if "messages" in args:
-            text = self.tokenizer.apply_chat_template(args["messages"], add_generation_prompt=True)
+        if "messages" in args:  # template_kwargs: tools=, chat_template_kwargs
+            text = self.tokenizer.apply_chat_template(
+                args["messages"], add_generation_prompt=True, **args.get("template_kwargs", {})
+            )
         else:
             text = args["prompt"]
         if not text:
@@ -89,12 +91,14 @@ class PromptPreparer:
     @staticmethod
     def is_small(prompts: list[dict]) -> bool:
         """Whether these add_request arguments are at most INLINE_PROMPT_CHARS characters (or
-        token ids) in all, counting 64 per chat message for its template: cheap enough to
-        prepare on the event loop."""
+        token ids) in all, counting 64 per chat message for its template (and the tools'
+        JSON): cheap enough to prepare on the event loop."""
         size = 0
         for args in prompts:
             if "messages" in args:
                 size += sum(64 + len(str(m.get("content") or "")) for m in args["messages"])
+                if "tools" in args.get("template_kwargs", {}):
+                    size += len(json.dumps(args["template_kwargs"]["tools"]))
             else:
                 size += len(args.get("prompt") or args.get("prompt_ids") or ())
         return size <= INLINE_PROMPT_CHARS

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic_core import PydanticCustomError
 
 from ...engine import FinishReason, SamplingParams
 from .errors import APIError
@@ -40,14 +41,16 @@ IMPLEMENTED = (
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options",
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
     "top_logprobs", "min_tokens", "response_format", "allowed_token_ids", "bad_words", "echo",
-    "user",
+    "user", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
 )  # fmt: skip
 # ... known but not implemented (a 400 naming the field when set to anything but its default) ...
 UNSUPPORTED = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "best_of",
+    "functions", "function_call", "best_of",
     "suffix", "audio", "modalities", "prediction", "web_search_options", "prompt_logprobs",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "use_beam_search",
 )  # fmt: skip
+# (tools, tool_choice and parallel_tool_calls are chat fields: /v1/completions refuses them.)
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 # ... and everything else is unknown and ignored.
 MAX_TOP_LOGPROBS = 20
 
@@ -64,15 +67,38 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """A message of the conversation; content may be null or left out only on an assistant
+    message with tool_calls. tool_calls and tool_call_id are checked in serving/tools/spec.py."""
+
     model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    content: Annotated[str | list[TextPart] | None, Field(validate_default=True)] = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_present(cls, content, info):
+        if content is None and not (
+            info.data.get("role") == "assistant" and info.data.get("tool_calls")
+        ):
+            raise PydanticCustomError("missing", "Field required")
+        return content
 
     def as_template_message(self) -> dict:
+        content = self.content
         text = (
-            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+            content
+            if isinstance(content, str) or content is None
+            else "".join(p.text for p in content)
         )
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class _SamplingFields(BaseModel):
@@ -102,12 +128,12 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | list[list[TokenId]] = []
     response_format: dict | None = None
     user: str | None = None
-    # Known fields with no implementation: kept only to be refused (any non-default value).
-    tools: Any = None
+    tools: Any = None  # (a chat field: spec.py checks it; refused by /v1/completions)
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    # Known fields with no implementation: kept only to be refused (any non-default value).
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     best_of: Any = None
     suffix: Any = None
     audio: Any = None
@@ -121,10 +147,12 @@ class _SamplingFields(BaseModel):
     guided_grammar: Any = None
     use_beam_search: Any = None
 
+    refused: ClassVar[tuple[str, ...]] = UNSUPPORTED
+
     def unsupported(self) -> dict[str, Any]:
         """Set fields whose meaning the engine does not implement (-> 400)."""
         found = {}
-        for name in UNSUPPORTED:
+        for name in self.refused:
             value = getattr(self, name, None)
             if value not in (None, False, [], {}) and not (name == "best_of" and value == 1):
                 found[name] = value
@@ -188,6 +216,7 @@ class _SamplingFields(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
     max_completion_tokens: Count | None = None  # newer name of max_tokens
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
@@ -204,6 +233,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
+    refused: ClassVar[tuple[str, ...]] = UNSUPPORTED + CHAT_ONLY
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
@@ -294,8 +324,21 @@ class _Response(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """content is null when the answer is only tool calls; tool_calls and reasoning_content
+    are left out when there are none."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler):
+        body = handler(self)
+        for key in ("tool_calls", "reasoning_content"):
+            if body.get(key) is None:
+                body.pop(key, None)
+        return body
 
 
 class ChatChoice(BaseModel):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..tools import reasoning_parser_named, tool_parser_named
+
 
 def _opt(default, help: str, **kwargs):
     return field(default=default, metadata={"help": help}, **kwargs)
@@ -42,6 +44,19 @@ class ServerSettings:
         None, "sampling fields used when a request leaves them out (CLI sampling flags)"
     )
     log_level: str = _opt("warning", "server log level (debug also logs every request)")
+    tool_call_parser: str | None = _opt(
+        None,
+        "how tool calls are read from answers: hermes (Qwen2.5/Qwen3), llama3_json, mistral or "
+        "generic; unset: chosen by the chat template's own markup (generic for a template "
+        "without tools)",
+    )
+    reasoning_parser: str | None = _opt(
+        None,
+        "moves <think>...</think> into reasoning_content: qwen3 or deepseek_r1; unset: chosen "
+        "by the chat template (none when it has no <think>)",
+    )
+    max_tools: int = _opt(128, "function tools one request may carry (400 beyond)")
+    max_tools_bytes: int = _opt(256 * 1024, "bytes of JSON a request's tools may take (400 beyond)")
     core_threads: int | None = _opt(
         None,
         "torch intra-op threads of a CPU engine core; auto: every core this process may use, "
@@ -64,6 +79,8 @@ class ServerSettings:
             "write_timeout": self.write_timeout,
             "step_timeout": self.step_timeout,
             "stalled_request_timeout": self.stalled_request_timeout,
+            "max_tools": self.max_tools,
+            "max_tools_bytes": self.max_tools_bytes,
         }
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -78,6 +95,10 @@ class ServerSettings:
             raise ValueError(f"core_threads must be a positive integer, got {self.core_threads!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.tool_call_parser is not None:
+            tool_parser_named(self.tool_call_parser)  # ValueError naming the known ones
+        if self.reasoning_parser is not None:
+            reasoning_parser_named(self.reasoning_parser)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
 

@@ -271,6 +271,11 @@ def event(data: str) -> str:
     return f"data: {data}\n\n"
 
 
+# A format's delta may be several chunks (chat_output.py: a tool call's two), joined by this,
+# or "" for none: event() of the joined text is then their events.
+CHUNK_SEPARATOR = "\n\ndata: "
+
+
 async def merged(
     streams: list[RequestStream],
 ) -> AsyncIterator[list[tuple[int, StreamOutput]]]:
@@ -402,7 +407,9 @@ class _EventWriter:
                 or not writer.chunk_ready()
             ):
                 return False
-            writer.write_chunk(self.of([(item.index, item)]).encode())
+            piece = self.of([(item.index, item)])
+            if piece:  # (a parsed answer's delta may hold everything back)
+                writer.write_chunk(piece.encode())
             return True
 
         return deliver
@@ -412,8 +419,8 @@ class _EventWriter:
         for index, out in batch:
             self.completion_tokens += len(out.token_ids)
             if not out.finished:
-                if out.text or out.logprobs:
-                    events.append(event(fmt.delta(index, out, None)))
+                if (out.text or out.logprobs) and (chunk := fmt.delta(index, out, None)):
+                    events.append(event(chunk))
                 continue
             if out.finish_reason is FinishReason.ERROR:
                 events.append(

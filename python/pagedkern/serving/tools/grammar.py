@@ -1,0 +1,69 @@
+"""Grammars (llguidance's Lark syntax, run by the engine's structured-output machinery) for
+what must not be left to chance:
+
+- tool_choice "required" or a named function: the answer is the family's call markup around
+  JSON whose "name" is one of the allowed tools and whose arguments follow that tool's
+  schema (`%json{...}`: llguidance's JSON-schema grammar inside the Lark one); one call, or
+  several with parallel_tool_calls;
+- with a reasoning parser, structured output and forced calls apply after the thinking: an
+  optional (or, where the prompt opened it, required) `<think>...</think>` comes first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from .base import ToolParser
+from .reasoning import ReasoningParser
+from .spec import Function, ToolChoice
+
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
+
+
+def call_schema(function: Function, arguments_key: str) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function.name}, arguments_key: function.parameters},
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    }
+
+
+def tool_call_grammar(
+    parser: type[ToolParser],
+    functions: list[Function],
+    choice: ToolChoice,
+    parallel: bool,
+    reasoning: type[ReasoningParser] | None = None,
+) -> dict:
+    """The response_format ({"type": "grammar", ...}) that forces `choice`'s call(s)."""
+    allowed = [f for f in functions if choice.mode != "named" or f.name == choice.name]
+    key = getattr(parser, "arguments_key", "arguments")
+    schemas = [call_schema(f, key) for f in allowed]
+    one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    rules = [parser.calls_grammar("call", parallel), f"call: %json {_json({**one, **_COMPACT})}"]
+    return _with_thinking("calls", rules, reasoning)
+
+
+def after_thinking(response_format: Mapping | None, reasoning: type[ReasoningParser]) -> dict:
+    """A checked response_format (engine form: {"type", "schema"}) moved after the thinking."""
+    if response_format is None or response_format["type"] == "grammar":
+        return response_format  # type: ignore[return-value]
+    schema = response_format["schema"]
+    schema = {**schema, **_COMPACT} if isinstance(schema, Mapping) else schema
+    return _with_thinking("answer", [f"answer: %json {_json(schema)}"], reasoning)
+
+
+def _with_thinking(body: str, rules: list[str], reasoning: type[ReasoningParser] | None) -> dict:
+    if reasoning is None:
+        start = f"start: {body}"
+    else:
+        terminal, use = reasoning.grammar_prefix()
+        start = f"start: {use} {body}"
+        rules = [*rules, terminal]
+    return {"type": "grammar", "grammar": "\n".join([start, *rules]) + "\n"}
+
+
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)

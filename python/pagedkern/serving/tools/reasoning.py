@@ -1,0 +1,119 @@
+"""Reasoning output: a thinking model's `<think>...</think>` moved out of the answer into
+`reasoning_content` (vLLM's field), streamed as it comes.
+
+Two families, as vLLM names them:
+- "qwen3": thinking only when the answer opens with `<think>` (Qwen3's template may also
+  switch it off: `chat_template_kwargs={"enable_thinking": false}`);
+- "deepseek_r1": the prompt opens the thinking (the template ends with `<think>\\n`), so the
+  answer starts inside it (a `<think>` it writes anyway is dropped); no `</think>` at all: all
+  of it was thinking.
+A partial tag at the end of a piece is held back until the next one settles it.
+
+`grammar_prefix` is the Lark terminal of the thinking, so structured output and forced tool
+calls constrain the answer after it, not the thinking itself (grammar.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .base import partial_suffix
+
+OPEN, CLOSE = "<think>", "</think>"
+# One <think>...</think> (exactly one closing tag) and the whitespace after it.
+_ONE_CLOSE = r"& ~/(.|\n)*<\/think>(.|\n)*<\/think>(.|\n)*/"
+
+
+@dataclass(slots=True)
+class Split:
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningParser:
+    """One answer's splitter (one per choice): feed(text) -> Split, finish() -> Split."""
+
+    name: ClassVar[str] = "qwen3"
+    starts_inside: ClassVar[bool] = False  # the prompt opened the thinking
+
+    def __init__(self) -> None:
+        self._state = "inside" if self.starts_inside else "start"
+        self._held = ""
+
+    def feed(self, text: str) -> Split:
+        out = Split()
+        text = self._held + text
+        self._held = ""
+        while text:
+            if self._state == "start":  # before the first non-space text
+                stripped = text.lstrip()
+                if stripped.startswith(OPEN):
+                    self._state, text = "inside", stripped[len(OPEN) :]
+                elif OPEN.startswith(stripped):  # may still become <think>
+                    self._held = text
+                    return out
+                elif self.starts_inside:
+                    self._state = "inside"
+                else:
+                    self._state = "answer"
+            elif self._state == "inside":
+                at = text.find(CLOSE)
+                if at >= 0:
+                    out.reasoning += text[:at]
+                    self._state, text = "after", text[at + len(CLOSE) :]
+                    continue
+                keep = partial_suffix(text, (CLOSE,))
+                out.reasoning += text[: len(text) - keep]
+                self._held = text[len(text) - keep :]
+                return out
+            elif self._state == "after":  # the whitespace after </think> belongs to neither
+                text = text.lstrip()
+                if text:
+                    self._state = "answer"
+            else:
+                out.content += text
+                return out
+        return out
+
+    def finish(self) -> Split:
+        held, self._held = self._held, ""
+        if self._state == "inside":
+            return Split(reasoning=held)
+        return Split(content=held)
+
+    @property
+    def in_answer(self) -> bool:
+        return self._state == "answer"
+
+    @classmethod
+    def grammar_prefix(cls) -> tuple[str, str]:
+        """(the Lark terminal definition THINK, how `start` uses it)."""
+        opener = r"(<think>)?" if cls.starts_inside else r"<think>"
+        terminal = rf"THINK: /{opener}(.|\n)*<\/think>[ \t\r\n]*/ {_ONE_CLOSE}"
+        return terminal, "THINK" if cls.starts_inside else "THINK?"
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+    starts_inside = True
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser)
+}
+
+
+def reasoning_parser_for_template(template: str | None) -> str | None:
+    """The family a chat template shows: one whose generation prompt opens the thinking
+    (`<think>` after add_generation_prompt, with no `</think>` there: Qwen3's closes an empty
+    one when thinking is off) is DeepSeek-R1's kind, any other that mentions `<think>`
+    Qwen3's; None without `<think>`."""
+    if not template or OPEN not in template:
+        return None
+    tail = template[template.rfind("add_generation_prompt") :]
+    return "deepseek_r1" if OPEN in tail and CLOSE not in tail else "qwen3"
