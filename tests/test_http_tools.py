@@ -235,6 +235,7 @@ JSON = {"type": "json_object"}
         ({"tools": LONG}, "tools"),  # over max_tools_bytes (4096)
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": JSON}, "response_format"),
+        ({"response_format": {"type": "grammar", "grammar": 'start: "a"'}}, "response_format"),
         # a schema only the grammar engine refuses (when the forced call's grammar compiles)
         ({"tools": fn(name="f", parameters=UNRESOLVED), "tool_choice": "required"}, "tools"),
     ],

@@ -16,7 +16,7 @@ from pagedkern.model import synthetic_tokenizer
 from pagedkern.serving.tools import TOOL_PARSERS
 from pagedkern.serving.tools.grammar import after_thinking, tool_call_grammar
 from pagedkern.serving.tools.prompting import template_inputs
-from pagedkern.serving.tools.reasoning import Qwen3ReasoningParser
+from pagedkern.serving.tools.reasoning import Qwen3ReasoningParser, ThinkingGrammar
 from pagedkern.serving.tools.spec import (
     ToolChoice,
     ToolSpecError,
@@ -206,16 +206,19 @@ def test_forced_call_grammars_allow_only_valid_calls(family):
     ]  # fmt: skip
 
 
+QWEN3_TEXT = ThinkingGrammar(Qwen3ReasoningParser)  # <think> tags spelled as text
+
+
 def test_grammars_apply_after_the_thinking():
     functions = check_tools(TOOLS, 8, 10_000)
     forced = tool_call_grammar(
-        TOOL_PARSERS["hermes"], functions, ToolChoice("required"), False, Qwen3ReasoningParser
+        TOOL_PARSERS["hermes"], functions, ToolChoice("required"), False, QWEN3_TEXT
     )
     answer = '<tool_call>\n{"name":"clock","arguments":{}}\n</tool_call>'
     assert accepts(forced, answer)
     assert accepts(forced, "<think>\nanything {at all} here\n</think>\n\n" + answer)
     assert not accepts(forced, "<think>a</think> b </think>" + answer)  # one thinking only
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-    fmt = after_thinking({"type": "json_schema", "schema": schema}, Qwen3ReasoningParser)
+    fmt = after_thinking({"type": "json_schema", "schema": schema}, QWEN3_TEXT)
     assert accepts(fmt, '<think>hmm, true?</think>\n{"ok":true}') and accepts(fmt, '{"ok":false}')
     assert not accepts(fmt, '<think>hmm</think>{"ok":1}')

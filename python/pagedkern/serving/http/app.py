@@ -205,7 +205,7 @@ def create_app(
         req = await parse_body(http, ChatCompletionRequest)
         check_model(req.model)
         params = sampling(req, max_model_len, settings.default_sampling, tokenizer, vocab_size)
-        parsers = ChatParsers.of(tokenizer.chat_template, settings)
+        parsers = ChatParsers.of(tokenizer, settings)
         plan = plan_chat(req, params, parsers, settings)  # tools, reasoning (chat_tools.py)
         head = (f"chatcmpl-{request_id(http)}", model_name, req.include_usage, token_text, params.n)
         if plan.make_parser is None:

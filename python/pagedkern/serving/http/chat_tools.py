@@ -23,6 +23,7 @@ from ..tools import (
 from ..tools.grammar import after_thinking, tool_call_grammar
 from ..tools.output import ChatOutputParser
 from ..tools.prompting import template_inputs
+from ..tools.reasoning import ThinkingGrammar
 from ..tools.spec import ToolSpecError, check_history, check_tool_choice, check_tools
 from .errors import APIError
 from .protocol import ChatCompletionRequest
@@ -51,13 +52,16 @@ class ChatParsers:
     template: str | None
     tool_parser: type[ToolParser]
     reasoning: type[ReasoningParser] | None
+    thinking: ThinkingGrammar | None  # the reasoning's grammar for this tokenizer
 
     @classmethod
-    def of(cls, template: str | None, settings: ServerSettings) -> ChatParsers:
+    def of(cls, tokenizer, settings: ServerSettings) -> ChatParsers:
+        template = tokenizer.chat_template
         tool_name = settings.tool_call_parser or tool_parser_for_template(template)
         reasoning_name = settings.reasoning_parser or reasoning_parser_for_template(template)
         reasoning = reasoning_parser_named(reasoning_name) if reasoning_name else None
-        return cls(template, tool_parser_named(tool_name), reasoning)
+        thinking = ThinkingGrammar.of(reasoning, tokenizer.encode) if reasoning else None
+        return cls(template, tool_parser_named(tool_name), reasoning, thinking)
 
 
 def plan_chat(
@@ -89,7 +93,9 @@ def plan_chat(
     messages, tools = template_inputs(messages, functions, choice, parallel, handles)
     if tools:
         kwargs["tools"] = tools
-    reasoning = parsers.reasoning
+    reasoning, thinking = parsers.reasoning, parsers.thinking
+    if reasoning is not None and reasoning.starts_inside and kwargs.get("enable_thinking") is False:
+        reasoning = thinking = None  # the template closed the thinking in the prompt
     grammar_param = "response_format"
     if choice.forced:
         if params.response_format is not None:
@@ -98,11 +104,11 @@ def plan_chat(
                 "response_format cannot be combined with a forced tool_choice",
                 param="response_format",
             )
-        fmt = tool_call_grammar(tool_parser, functions, choice, parallel, reasoning)
+        fmt = tool_call_grammar(tool_parser, functions, choice, parallel, thinking)
         params = dataclasses.replace(params, response_format=fmt)
         grammar_param = "tools"
-    elif reasoning is not None and params.response_format is not None:
-        fmt = after_thinking(params.response_format, reasoning)
+    elif thinking is not None and params.response_format is not None:
+        fmt = after_thinking(params.response_format, thinking)
         params = dataclasses.replace(params, response_format=fmt)
     parse_tools = tool_parser if choice.mode != "none" and functions else None
     make_parser = None

@@ -175,6 +175,13 @@ class _SamplingFields(BaseModel):
             raise APIError(
                 400, "stream_options is only allowed with stream=true", param="stream_options"
             )
+        if isinstance(self.response_format, dict) and self.response_format.get("type") == "grammar":
+            # (the engine's Lark form is the server's own, for tool calls and thinking)
+            raise APIError(
+                400,
+                "response_format.type must be one of 'text', 'json_object', 'json_schema'",
+                param="response_format",
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise APIError(400, "stop strings must not be empty", param="stop")

@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 
 from .base import ToolParser
-from .reasoning import ReasoningParser
+from .reasoning import ThinkingGrammar
 from .spec import Function, ToolChoice
 
 _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
@@ -35,7 +35,7 @@ def tool_call_grammar(
     functions: list[Function],
     choice: ToolChoice,
     parallel: bool,
-    reasoning: type[ReasoningParser] | None = None,
+    thinking: ThinkingGrammar | None = None,
 ) -> dict:
     """The response_format ({"type": "grammar", ...}) that forces `choice`'s call(s)."""
     allowed = [f for f in functions if choice.mode != "named" or f.name == choice.name]
@@ -43,25 +43,25 @@ def tool_call_grammar(
     schemas = [call_schema(f, key) for f in allowed]
     one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     rules = [parser.calls_grammar("call", parallel), f"call: %json {_json({**one, **_COMPACT})}"]
-    return _with_thinking("calls", rules, reasoning)
+    return _with_thinking("calls", rules, thinking)
 
 
-def after_thinking(response_format: Mapping | None, reasoning: type[ReasoningParser]) -> dict:
+def after_thinking(response_format: Mapping | None, thinking: ThinkingGrammar) -> dict:
     """A checked response_format (engine form: {"type", "schema"}) moved after the thinking."""
     if response_format is None or response_format["type"] == "grammar":
         return response_format  # type: ignore[return-value]
     schema = response_format["schema"]
     schema = {**schema, **_COMPACT} if isinstance(schema, Mapping) else schema
-    return _with_thinking("answer", [f"answer: %json {_json(schema)}"], reasoning)
+    return _with_thinking("answer", [f"answer: %json {_json(schema)}"], thinking)
 
 
-def _with_thinking(body: str, rules: list[str], reasoning: type[ReasoningParser] | None) -> dict:
-    if reasoning is None:
+def _with_thinking(body: str, rules: list[str], thinking: ThinkingGrammar | None) -> dict:
+    if thinking is None:
         start = f"start: {body}"
     else:
-        terminal, use = reasoning.grammar_prefix()
+        use, think = thinking.rules()
         start = f"start: {use} {body}"
-        rules = [*rules, terminal]
+        rules = [*rules, *think]
     return {"type": "grammar", "grammar": "\n".join([start, *rules]) + "\n"}
 
 

@@ -9,8 +9,8 @@ Two families, as vLLM names them:
   of it was thinking.
 A partial tag at the end of a piece is held back until the next one settles it.
 
-`grammar_prefix` is the Lark terminal of the thinking, so structured output and forced tool
-calls constrain the answer after it, not the thinking itself (grammar.py).
+`ThinkingGrammar` is the thinking as Lark rules, so structured output and forced tool calls
+constrain the answer after it, not the thinking itself (grammar.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import ClassVar
 from .base import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
-# One <think>...</think> (exactly one closing tag) and the whitespace after it.
-_ONE_CLOSE = r"& ~/(.|\n)*<\/think>(.|\n)*<\/think>(.|\n)*/"
+# The thinking's text: anything without a </think> in it.
+_THINKING_TEXT = r"THINK_TEXT: /(.|\n)*/ & ~/(.|\n)*<\/think>(.|\n)*/"
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ class ReasoningParser:
     starts_inside: ClassVar[bool] = False  # the prompt opened the thinking
 
     def __init__(self) -> None:
-        self._state = "inside" if self.starts_inside else "start"
+        self._state = "start"
         self._held = ""
 
     def feed(self, text: str) -> Split:
@@ -78,20 +78,13 @@ class ReasoningParser:
 
     def finish(self) -> Split:
         held, self._held = self._held, ""
-        if self._state == "inside":
+        if self._state == "inside" or (self._state == "start" and self.starts_inside):
             return Split(reasoning=held)
         return Split(content=held)
 
     @property
     def in_answer(self) -> bool:
         return self._state == "answer"
-
-    @classmethod
-    def grammar_prefix(cls) -> tuple[str, str]:
-        """(the Lark terminal definition THINK, how `start` uses it)."""
-        opener = r"(<think>)?" if cls.starts_inside else r"<think>"
-        terminal = rf"THINK: /{opener}(.|\n)*<\/think>[ \t\r\n]*/ {_ONE_CLOSE}"
-        return terminal, "THINK" if cls.starts_inside else "THINK?"
 
 
 class Qwen3ReasoningParser(ReasoningParser):
@@ -117,3 +110,38 @@ def reasoning_parser_for_template(template: str | None) -> str | None:
         return None
     tail = template[template.rfind("add_generation_prompt") :]
     return "deepseek_r1" if OPEN in tail and CLOSE not in tail else "qwen3"
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkingGrammar:
+    """The thinking as Lark rules (rule `think`), for the tokenizer at hand: where `<think>` /
+    `</think>` are single tokens (Qwen3's, DeepSeek-R1's), llguidance treats them as special
+    tokens, matched by id (`<[id]>`); otherwise as text."""
+
+    parser: type[ReasoningParser]
+    open_id: int | None = None
+    close_id: int | None = None
+
+    def rules(self) -> tuple[str, list[str]]:
+        """(how `start` uses `think`, the rules)."""
+        use = "think" if self.parser.starts_inside else "think?"
+        opened = '"<think>"' if self.open_id is None else f'("<think>" | <[{self.open_id}]>)'
+        if self.parser.starts_inside:
+            opened += "?"
+        if self.close_id is None:  # one regex: text up to the only </think>, then spaces
+            return use, [
+                f"think: {opened} THINK",
+                r"THINK: /(.|\n)*<\/think>[ \t\r\n]*/ & ~/(.|\n)*<\/think>(.|\n)*<\/think>(.|\n)*/",
+            ]
+        return use, [
+            f"think: {opened} THINK_TEXT <[{self.close_id}]> THINK_SPACE",
+            _THINKING_TEXT,
+            r"THINK_SPACE: /[ \t\r\n]*/",
+        ]
+
+    @classmethod
+    def of(cls, parser: type[ReasoningParser], encode) -> ThinkingGrammar:
+        """The rules for a tokenizer (`encode(text) -> ids`)."""
+        ids = [encode(tag) for tag in (OPEN, CLOSE)]
+        single = [i[0] if len(i) == 1 else None for i in ids]
+        return cls(parser, single[0], single[1])
