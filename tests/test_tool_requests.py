@@ -222,3 +222,27 @@ def test_grammars_apply_after_the_thinking():
     fmt = after_thinking({"type": "json_schema", "schema": schema}, QWEN3_TEXT)
     assert accepts(fmt, '<think>hmm, true?</think>\n{"ok":true}') and accepts(fmt, '{"ok":false}')
     assert not accepts(fmt, '<think>hmm</think>{"ok":1}')
+
+
+def test_a_tag_that_is_one_token_is_matched_by_text_and_by_its_id():
+    """Qwen's <tool_call> is an added token; llguidance treats it as special, so the forced
+    grammar names its id too (a text literal alone would let the mask offer the token and
+    then refuse it)."""
+    from tokenizers import AddedToken
+
+    tok = synthetic_tokenizer(VOCAB - 2)
+    tags = [AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")]
+    tok.backend.add_tokens(tags)
+    llt = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=VOCAB, eos_token=[2])
+    functions = check_tools(TOOLS, 8, 10_000)
+    grammar = tool_call_grammar(
+        TOOL_PARSERS["hermes"], functions, ToolChoice("required"), False, encode=tok.encode
+    )["grammar"]
+    text = '<tool_call>\n{"name":"clock","arguments":{}}\n</tool_call>'
+    by_token = tok.encode(text)
+    assert by_token[0] == VOCAB - 2 and by_token[-1] == VOCAB - 1
+    by_text = [i for ch in text for i in tok.backend.encode(ch).ids]  # (no added tokens)
+    assert VOCAB - 2 not in by_text
+    for ids in (by_token, by_text):
+        matcher = llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(grammar))
+        assert all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()

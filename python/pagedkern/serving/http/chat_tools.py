@@ -53,6 +53,7 @@ class ChatParsers:
     tool_parser: type[ToolParser]
     reasoning: type[ReasoningParser] | None
     thinking: ThinkingGrammar | None  # the reasoning's grammar for this tokenizer
+    encode: Callable[[str], list[int]]  # the tokenizer's (a tag that is one token: by id)
 
     @classmethod
     def of(cls, tokenizer, settings: ServerSettings) -> ChatParsers:
@@ -61,7 +62,7 @@ class ChatParsers:
         reasoning_name = settings.reasoning_parser or reasoning_parser_for_template(template)
         reasoning = reasoning_parser_named(reasoning_name) if reasoning_name else None
         thinking = ThinkingGrammar.of(reasoning, tokenizer.encode) if reasoning else None
-        return cls(template, tool_parser_named(tool_name), reasoning, thinking)
+        return cls(template, tool_parser_named(tool_name), reasoning, thinking, tokenizer.encode)
 
 
 def plan_chat(
@@ -104,7 +105,9 @@ def plan_chat(
                 "response_format cannot be combined with a forced tool_choice",
                 param="response_format",
             )
-        fmt = tool_call_grammar(tool_parser, functions, choice, parallel, thinking)
+        fmt = tool_call_grammar(
+            tool_parser, functions, choice, parallel, thinking, encode=parsers.encode
+        )
         params = dataclasses.replace(params, response_format=fmt)
         grammar_param = "tools"
     elif thinking is not None and params.response_format is not None:

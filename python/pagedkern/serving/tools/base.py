@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -135,6 +136,13 @@ class ToolParser:
         """Complete calls at the start of `section` (the text after the opening marker, less
         what earlier calls consumed) and how many characters they used. final: no more text
         will come. Raises NotCalls when the section cannot be calls."""
+        raise NotImplementedError
+
+    @staticmethod
+    def calls_grammar(call: str, parallel: bool, literal: Callable[[str], str]) -> str:
+        """The Lark rule `calls` that forces this family's markup around one call (several
+        with parallel): `call` is the rule of one call's JSON, literal(text) the expression
+        of a tag (grammar.literal: its text, or its token)."""
         raise NotImplementedError
 
     # --- streaming ---------------------------------------------------------------------------

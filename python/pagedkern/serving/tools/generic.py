@@ -31,6 +31,6 @@ class GenericJsonToolParser(ToolParser):
         raise NotCalls("no tool_calls")
 
     @staticmethod
-    def calls_grammar(call: str, parallel: bool) -> str:
+    def calls_grammar(call: str, parallel: bool, literal=None) -> str:  # (no tags)
         more = f'("," {call})*' if parallel else ""
         return f'calls: "{{\\"tool_calls\\":[" {call} {more} "]}}"'

@@ -12,7 +12,7 @@ what must not be left to chance:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .base import ToolParser
 from .reasoning import ThinkingGrammar
@@ -36,13 +36,16 @@ def tool_call_grammar(
     choice: ToolChoice,
     parallel: bool,
     thinking: ThinkingGrammar | None = None,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> dict:
-    """The response_format ({"type": "grammar", ...}) that forces `choice`'s call(s)."""
+    """The response_format ({"type": "grammar", ...}) that forces `choice`'s call(s).
+    encode (the tokenizer's): a family tag that is one token is also matched by its id."""
     allowed = [f for f in functions if choice.mode != "named" or f.name == choice.name]
     key = getattr(parser, "arguments_key", "arguments")
     schemas = [call_schema(f, key) for f in allowed]
     one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    rules = [parser.calls_grammar("call", parallel), f"call: %json {_json({**one, **_COMPACT})}"]
+    calls = parser.calls_grammar("call", parallel, lambda text: literal(text, encode))
+    rules = [calls, f"call: %json {_json({**one, **_COMPACT})}"]
     return _with_thinking("calls", rules, thinking)
 
 
@@ -63,6 +66,15 @@ def _with_thinking(body: str, rules: list[str], thinking: ThinkingGrammar | None
         start = f"start: {use} {body}"
         rules = [*rules, *think]
     return {"type": "grammar", "grammar": "\n".join([start, *rules]) + "\n"}
+
+
+def literal(text: str, encode: Callable[[str], list[int]] | None) -> str:
+    """A Lark expression for `text`; where the tokenizer has it as one token (Qwen's
+    `<tool_call>`), that token too: llguidance treats such added tokens as special, which a
+    text literal does not match."""
+    quoted = _json(text)
+    ids = encode(text) if encode is not None else []
+    return f"({quoted} | <[{ids[0]}]>)" if len(ids) == 1 and len(text) > 1 else quoted
 
 
 def _json(value) -> str:

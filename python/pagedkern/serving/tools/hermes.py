@@ -13,6 +13,8 @@ still counts (the JSON is complete)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .base import NotCalls, ToolCall, ToolParser, call_from, decode_json_prefix, partial_suffix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -51,9 +53,10 @@ class HermesToolParser(ToolParser):
                 return calls, len(section)
 
     @staticmethod
-    def calls_grammar(call: str, parallel: bool) -> str:
-        """Lark rules `calls` for forced calls; `call` is the rule of one call's JSON."""
-        one = f'"{OPEN}\\n" {call} "\\n{CLOSE}"'
+    def calls_grammar(call: str, parallel: bool, literal: Callable[[str], str]) -> str:
+        """Lark rule `calls` for forced calls: `call` is the rule of one call's JSON,
+        literal(text) a tag's expression (grammar.literal)."""
+        one = f'{literal(OPEN)} "\\n" {call} "\\n" {literal(CLOSE)}'
         return f'calls: {one} ("\\n" {one})*' if parallel else f"calls: {one}"
 
 

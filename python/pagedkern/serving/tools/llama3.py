@@ -44,7 +44,7 @@ class Llama3JsonToolParser(ToolParser):
             calls.append(call_from(obj, "parameters"))
 
     @staticmethod
-    def calls_grammar(call: str, parallel: bool) -> str:
+    def calls_grammar(call: str, parallel: bool, literal=None) -> str:  # (no tags)
         return f'calls: {call} ("; " {call})*' if parallel else f"calls: {call}"
 
 

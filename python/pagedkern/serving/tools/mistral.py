@@ -65,6 +65,6 @@ class MistralToolParser(ToolParser):
                 return calls, len(section)
 
     @staticmethod
-    def calls_grammar(call: str, parallel: bool) -> str:
+    def calls_grammar(call: str, parallel: bool, literal=None) -> str:  # (no tags)
         more = f'("," {call})*' if parallel else ""
         return f'calls: "[" {call} {more} "]"'
