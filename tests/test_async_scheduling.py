@@ -307,6 +307,7 @@ def test_cli_answers_the_same_with_the_flag_and_traces(capsys, monkeypatch):
     assert got[1] == got[0] and got[0].count("\n") == 6
 
 
+@pytest.mark.slow  # test_overlap_matches_synchronous_scheduling checks it on the tiny model
 @pytest.mark.skipif(not default_model_path().is_file(), reason="the default model is missing")
 def test_default_model_matches_synchronous_scheduling():
     """18 chat prompts on the default model, in a pool small enough to preempt and a budget

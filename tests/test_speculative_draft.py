@@ -381,8 +381,9 @@ E2E_SCENARIOS = {
 }
 
 
-def run_all(config: EngineConfig, prompts, params) -> tuple[list[list[int]], int]:
-    """Token ids per chat prompt (checking the pool after every step), and the preemptions."""
+def run_all(config: EngineConfig, prompts, params) -> tuple[list[list[int]], int, int]:
+    """Token ids per chat prompt (checking the pool after every step), the preemptions and the
+    accepted proposals."""
     engine = Engine.from_config(config)
     ids = [
         engine.add_request(messages=[{"role": "user", "content": p}], params=params).request_id
@@ -396,29 +397,43 @@ def run_all(config: EngineConfig, prompts, params) -> tuple[list[list[int]], int
             preemptions += o.metrics.num_preemptions if o.finished else 0
         engine.pool.check_invariants(engine.scheduler.block_tables())
     assert engine.pool.num_used == 0, "blocks leaked"
-    return [out[i] for i in ids], preemptions
+    return [out[i] for i in ids], preemptions, engine.stats().num_spec_accepted
 
 
-@pytest.fixture(scope="module")
-def default_greedy():
+# model -> (its plain config, the self-draft, the prompts): the tiny synthetic model's one layer
+# of two over half the prompts in the fast set (a pool of 256 blocks: run_all checks every block
+# after each step; 9 prompts still preempt in 24 blocks and take many 16-token chunks); the
+# default model (real text, where a 4-layer draft is often right) is `slow`.
+SELF_DRAFT_MODELS = {
+    "tiny": (EngineConfig("synthetic:tiny", backend="reference", num_blocks=256), "self:1", 9),
+    "default model": (EngineConfig(backend="reference", kv_cache_gib=0.25), "self:4", 18),
+}
+
+
+@pytest.fixture(
+    scope="module",
+    params=["tiny", pytest.param("default model", marks=pytest.mark.slow)],
+)
+def plain_greedy(request):
+    config, draft, prompts = SELF_DRAFT_MODELS[request.param]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    return params, run_all(EngineConfig(backend="reference", kv_cache_gib=0.25), TEXTS, params)[0]
+    return config, draft, params, TEXTS[:prompts], run_all(config, TEXTS[:prompts], params)[0]
 
 
 @needs_engine
 @pytest.mark.parametrize("scenario", E2E_SCENARIOS)
-def test_greedy_with_a_self_draft_is_token_identical(default_greedy, scenario):
-    params, want = default_greedy
-    config = EngineConfig(
-        backend="reference",
-        kv_cache_gib=0.25,
+def test_greedy_with_a_self_draft_is_token_identical(plain_greedy, scenario):
+    plain, draft, params, prompts, want = plain_greedy
+    config = dataclasses.replace(
+        plain,
         speculative="draft",
-        draft_model="self:4",
+        draft_model=draft,
         num_speculative_tokens=4,
         **E2E_SCENARIOS[scenario],
     )
-    got, preemptions = run_all(config, TEXTS, params)
+    got, preemptions, accepted = run_all(config, prompts, params)
     assert got == want
+    assert accepted > 0, "no proposal was accepted: the accept branch did not run"
     if "num_blocks" in E2E_SCENARIOS[scenario]:
         assert preemptions > 0, "the small pool did not preempt"
 

