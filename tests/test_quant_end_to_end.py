@@ -61,6 +61,7 @@ def fp32_baseline():
     return ids, logp
 
 
+@pytest.mark.slow  # a real model's agreement (tiny models: test_synthetic_model_quantizes_at_load)
 @needs_default_model
 @pytest.mark.parametrize("quantization,kv", list(BOUNDS))
 def test_agreement_with_fp32(fp32_baseline, quantization, kv):
@@ -78,6 +79,7 @@ def test_agreement_with_fp32(fp32_baseline, quantization, kv):
     assert 0 < got.mean_abs_dlogprob <= max_dlogp
 
 
+@pytest.mark.slow  # loads and quantizes the default model twice
 @needs_default_model
 def test_default_model_defaults_to_int4_and_caches_it_quantized(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path))
