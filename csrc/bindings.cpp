@@ -100,7 +100,8 @@ PagedAttentionLaunch paged_attention_launch(
     int64_t q_stride, int64_t out_stride, int64_t block_table_stride, int64_t block_table_width,
     int64_t num_blocks, int batch, int num_heads, int num_kv_heads, int head_dim, int block_size,
     int num_splits, int split_size, double scale, int dtype, bool check_indices, int device,
-    int variant, bool kv_fp8, double k_scale, double v_scale) {
+    int variant, bool kv_fp8, double k_scale, double v_scale, int window, double soft_cap,
+    std::uintptr_t sinks) {
   PagedAttentionLaunch launch;
   pagedkern::PagedAttentionParams& p = launch.p;
   p.block_tables = as_ptr<const int>(block_tables);
@@ -125,6 +126,9 @@ PagedAttentionLaunch paged_attention_launch(
   p.dtype = static_cast<DType>(dtype);
   p.check_indices = check_indices;
   p.variant = variant;
+  p.window = window;
+  p.soft_cap = static_cast<float>(soft_cap);
+  p.sinks = as_ptr<const float>(sinks);
   launch.device = device;
   return launch;
 }
@@ -135,7 +139,8 @@ PagedAttentionLaunch paged_attention_launch(
       py::arg("num_blocks"), py::arg("batch"), py::arg("num_heads"), py::arg("num_kv_heads"),  \
       py::arg("head_dim"), py::arg("block_size"), py::arg("num_splits"), py::arg("split_size"), \
       py::arg("scale"), py::arg("dtype"), py::arg("check_indices"), py::arg("device"),         \
-      py::arg("variant"), py::arg("kv_fp8"), py::arg("k_scale"), py::arg("v_scale")
+      py::arg("variant"), py::arg("kv_fp8"), py::arg("k_scale"), py::arg("v_scale"),         \
+      py::arg("window"), py::arg("soft_cap"), py::arg("sinks")
 
 // flash_prefill likewise: run() returns the path it took.
 struct FlashPrefillLaunch {
@@ -289,14 +294,15 @@ PYBIND11_MODULE(_C, m) {
          int64_t block_table_stride, int64_t block_table_width, int64_t num_blocks, int batch,
          int num_heads, int num_kv_heads, int head_dim, int block_size, int num_splits,
          int split_size, double scale, int dtype, bool check_indices, int device, int variant,
-         bool kv_fp8, double k_scale, double v_scale, std::uintptr_t stream) {
+         bool kv_fp8, double k_scale, double v_scale, int window, double soft_cap,
+         std::uintptr_t sinks, std::uintptr_t stream) {
         // (the parameters in the order of the py::args below: PAGED_ATTENTION_PLAN_ARGS, then
         // the stream)
         const PagedAttentionLaunch launch = paged_attention_launch(
             block_tables, seq_lens, workspace, q_stride, out_stride, block_table_stride,
             block_table_width, num_blocks, batch, num_heads, num_kv_heads, head_dim, block_size,
             num_splits, split_size, scale, dtype, check_indices, device, variant, kv_fp8,
-            k_scale, v_scale);
+            k_scale, v_scale, window, soft_cap, sinks);
         launch.run(q, out, k_cache, v_cache, lse, stream);
       },
       py::kw_only(), py::arg("out"), py::arg("lse"), py::arg("q"), py::arg("k_cache"),
@@ -317,7 +323,7 @@ PYBIND11_MODULE(_C, m) {
          int64_t tokens, int64_t max_positions, int64_t num_blocks, int num_heads,
          int num_kv_heads, int head_dim, int block_size, int dtype, bool check_indices,
          int device, std::uintptr_t stream, int variant, bool kv_fp8, double k_scale,
-         double v_scale) {
+         double v_scale, std::uintptr_t q_norm, std::uintptr_t k_norm, double norm_eps) {
         pagedkern::RopeAndCacheParams p;
         p.variant = variant;
         p.q = as_ptr<void>(q);
@@ -344,6 +350,9 @@ PYBIND11_MODULE(_C, m) {
         // fp32 of the double reciprocal: the reference's torch.tensor(1 / scale, float32)
         p.k_scale_inv = static_cast<float>(1.0 / k_scale);
         p.v_scale_inv = static_cast<float>(1.0 / v_scale);
+        p.q_norm = as_ptr<const void>(q_norm);
+        p.k_norm = as_ptr<const void>(k_norm);
+        p.norm_eps = static_cast<float>(norm_eps);
         DeviceGuard guard(device);
         pagedkern::rope_and_cache(p, as_stream(stream));
       },
@@ -353,7 +362,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("max_positions"), py::arg("num_blocks"), py::arg("num_heads"),
       py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("dtype"),
       py::arg("check_indices"), py::arg("device"), py::arg("stream"), py::arg("variant"),
-      py::arg("kv_fp8"), py::arg("k_scale"), py::arg("v_scale"),
+      py::arg("kv_fp8"), py::arg("k_scale"), py::arg("v_scale"), py::arg("q_norm") = 0,
+      py::arg("k_norm") = 0, py::arg("norm_eps") = 1e-6,
       py::call_guard<py::gil_scoped_release>());
 
   m.def(

@@ -41,7 +41,14 @@
  *     as 8 bytes and widens them to fp32 (4 cvt e4m3x2 -> f16x2 on sm_89+); k_scale is folded
  *     into q's scale, v_scale into the final 1 / sum, so fp32 math and the merge are unchanged.
  *
- * Traffic: B * L * 2 * Hkv * D * sizeof(C) bytes of K/V (q, out and the workspace are small;
+ * Options (both variants): a sliding window starts every split at the window's first key
+ *   (len - window), so the split plan covers min(L, window) keys and pages older than the window
+ *   are never read (no per-key mask: every key from that start on is visible to the query).
+ *   Soft-cap: cap * tanh(s / cap) on each score (in log2 units the cap is cap * log2 e, the same
+ *   formula): a uniform runtime flag here, a template flag in the mma kernel (whose loop is
+ *   otherwise pure tensor-core work). Sinks: each head's logit joins the denominator at the
+ *   end (sink_into), or in the merge kernel for split partials (as a split with no output).
+ * Traffic: B * L * 2 * Hkv * D * sizeof(C) bytes of K/V (L: min(len, window) with a window) (q, out and the workspace are small;
  * sizeof(C) = 1 for the fp8 cache: half the bytes of the 16-bit kernel).
  * Memory bound; target >= 80% of the measured device-copy bandwidth at B=64, L=4096, Hq/Hkv=32/8,
  * D=128, bs=16. Shared memory: 48 KB per CTA (4 CTAs per H100/H200 SM, 3 on A100).
@@ -147,7 +154,8 @@ __global__ void __launch_bounds__(Shape<D, C>::kThreads)
   const int head = kv_head * lay.group + (first + (active ? g : 0)) * kHeads;
 
   const int len = p.seq_lens[b];
-  const int start = split * p.split_size;
+  // A window moves the splits: they cover keys first_key..len-1 (older pages are never read).
+  const int start = paged_attention_first_key(len, p.window) + split * p.split_size;
   if (start >= len) {
     if (p.num_splits == 1 && active && z == 0) {  // padding entry: zeros, lse -inf
       V zero;
@@ -163,6 +171,11 @@ __global__ void __launch_bounds__(Shape<D, C>::kThreads)
   }
   const int end = split == p.num_splits - 1 ? len : min(len, start + p.split_size);
   const int num_tiles = (end - start + S::kTile - 1) / S::kTile;
+  // Soft-cap in the scores' log2 units: c * tanh(s / c) with c = cap * log2(e) is
+  // log2(e) * cap * tanh(s_nat / cap). Uniform flag: one branch per group when off.
+  const bool capped = p.soft_cap > 0.f;
+  const float cap = p.soft_cap * kLog2e;
+  const float inv_cap = capped ? 1.f / cap : 0.f;
 
   // q of this row's heads, pre-scaled so that scores come out in log2 units.
   float qf[kHeads][8];
@@ -267,6 +280,13 @@ __global__ void __launch_bounds__(Shape<D, C>::kThreads)
           for (int u = 0; u < kGroup; ++u) s[h][u] += __shfl_xor_sync(0xffffffffu, s[h][u], offset);
         }
       }
+      if (capped) {
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) {
+#pragma unroll
+          for (int u = 0; u < kGroup; ++u) s[h][u] = cap * tanhf(s[h][u] * inv_cap);
+        }
+      }
       float m_ref[kHeads];
 #pragma unroll
       for (int h = 0; h < kHeads; ++h) {
@@ -330,7 +350,11 @@ __global__ void __launch_bounds__(Shape<D, C>::kThreads)
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[e] += w * red[(r * kHeads + h) * D + lane * 8 + e];
     }
-    const float inv = p.v_scale / total;  // v_scale: fp8 (the merge is linear in the parts)
+    float keep = 1.f;  // the keys' share after a sink joins the denominator
+    if (p.sinks != nullptr && p.num_splits == 1) {  // (split partials: the merge adds it)
+      sink_into(p.sinks[head + h] * kLog2e, mx, total, keep);
+    }
+    const float inv = p.v_scale * keep / total;  // v_scale: fp8 (the merge is linear in parts)
     const float lse = (mx + log2f(total)) * kLn2;
     if (p.num_splits == 1) {
       V ov;
@@ -361,7 +385,8 @@ __global__ void __launch_bounds__(128) paged_attention_merge_kernel(const PagedA
   const int head = int(pair % p.num_heads);
   const int D = p.head_dim;
   const int len = p.seq_lens[b];
-  const int n = len <= 0 ? 0 : min(p.num_splits, (len + p.split_size - 1) / p.split_size);
+  const int keys = len - paged_attention_first_key(len, p.window);
+  const int n = len <= 0 ? 0 : min(p.num_splits, (keys + p.split_size - 1) / p.split_size);
   const float* parts = p.workspace + pair * p.num_splits * D;
   const float* lses =
       p.workspace + int64_t(p.batch) * p.num_heads * p.num_splits * D + pair * p.num_splits;
@@ -375,6 +400,11 @@ __global__ void __launch_bounds__(128) paged_attention_merge_kernel(const PagedA
     return;
   }
   float total = 0.f;
+  if (p.sinks != nullptr) {  // the sink joins the denominator: a split with lse = sink, no output
+    const float sink = p.sinks[head];
+    mx = fmaxf(mx, sink);
+    total = expf(sink - mx);
+  }
   for (int s = 0; s < n; ++s) total += expf(lses[s] - mx);
   const float inv = 1.f / total;
   for (int v = lane; v < D / 4; v += 32) {
@@ -401,8 +431,13 @@ void launch_mma(const PagedAttentionParams& p, int block_shift, cudaStream_t str
   const mma_decode::Layout lay = mma_decode::layout_for(p, block_shift);
   const dim3 grid(unsigned(p.num_kv_heads * lay.head_chunks), unsigned(p.batch),
                   unsigned(p.num_splits));
-  mma_decode::paged_attention_mma_kernel<T, C, D>
-      <<<grid, mma_decode::Shape<D, C>::kThreads, 0, stream>>>(p, lay);
+  if (p.soft_cap > 0.f) {
+    mma_decode::paged_attention_mma_kernel<T, C, D, true>
+        <<<grid, mma_decode::Shape<D, C>::kThreads, 0, stream>>>(p, lay);
+  } else {
+    mma_decode::paged_attention_mma_kernel<T, C, D, false>
+        <<<grid, mma_decode::Shape<D, C>::kThreads, 0, stream>>>(p, lay);
+  }
   PK_CHECK_LAUNCH("paged_attention_mma_kernel");
 }
 
@@ -455,6 +490,9 @@ void paged_attention(const PagedAttentionParams& p, cudaStream_t stream) {
           "paged_attention: variant must be simt (0) or, for D = 64 and 128, mma (1)");
   require(std::isfinite(p.k_scale) && p.k_scale > 0 && std::isfinite(p.v_scale) && p.v_scale > 0,
           "paged_attention: k_scale and v_scale must be finite and positive");
+  require(p.window >= 0, "paged_attention: window must be >= 0 (0: none)");
+  require(std::isfinite(p.soft_cap) && p.soft_cap >= 0,
+          "paged_attention: soft_cap must be finite and >= 0 (0: none)");
   require(p.num_splits == 1 || (p.split_size > 0 && p.split_size % 64 == 0 && p.workspace),
           "paged_attention: splits need a split_size multiple of 64 and a workspace");
   require(aligned16(p.q) && aligned16(p.out) && aligned16(p.k_cache) && aligned16(p.v_cache) &&

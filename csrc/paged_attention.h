@@ -16,6 +16,10 @@ namespace pagedkern {
 // workspace with its log-sum-exp, and a second kernel merges them. kv_fp8: E4M3 pages (fp8.cuh),
 // dequantized on load; scores use scale * k_scale and the output is multiplied by v_scale, i.e.
 // attention over the dequantized cache k_scale * K, v_scale * V (both scales 1 for 16-bit caches).
+// Options (reference.attention.ATTENTION_OPTIONS): window > 0 keeps keys len - window..len - 1
+// (older ones are neither read nor counted: splits start at the window); soft_cap > 0 turns each
+// scaled score s into soft_cap * tanh(s / soft_cap); sinks [Hq] fp32 logits join each query
+// head's softmax denominator (not its numerator; the lse includes them).
 struct PagedAttentionParams {
   void* out = nullptr;             // [B, Hq, D], token stride out_stride
   float* lse = nullptr;            // [B, Hq] natural-log LSE of the scaled scores, or nullptr
@@ -44,7 +48,14 @@ struct PagedAttentionParams {
   bool kv_fp8 = false;             // E4M3 caches
   bool check_indices = false;      // trap on an out-of-range block id or seq_len (debug mode)
   int variant = 0;  // kPagedAttentionSimt or kPagedAttentionMma (PAGEDKERN_KERNELS)
+  int window = 0;                  // sliding window in keys; 0: none
+  float soft_cap = 0.f;            // logit soft-cap; 0: none
+  const float* sinks = nullptr;    // [Hq] attention-sink logits, or nullptr
 };
+// The first key sequence b's query sees: len - window with a window, else 0.
+__host__ __device__ inline int paged_attention_first_key(int len, int window) {
+  return window > 0 && len > window ? len - window : 0;
+}
 // The kernel that runs (ops/paged_attention.py resolves the variant "auto" to one of them).
 constexpr int kPagedAttentionSimt = 0;  // paged_attention_kernel, fp32 SIMT math, any D
 constexpr int kPagedAttentionMma = 1;   // paged_attention_mma_kernel, mma.sync, D = 64 and 128

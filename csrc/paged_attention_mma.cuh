@@ -72,6 +72,17 @@
 #include "paged_attention.h"
 
 namespace pagedkern {
+
+// A sink logit (log2 units) joins a softmax whose max is mx and sum total (log2 units): they
+// become those of the scores and the sink together; keep is the factor the keys' weighted sum
+// takes (the sink adds to the denominator only).
+__device__ __forceinline__ void sink_into(float sink, float& mx, float& total, float& keep) {
+  const float m = fmaxf(mx, sink);
+  keep = exp2f(mx - m);
+  total = total * keep + exp2f(sink - m);
+  mx = m;
+}
+
 namespace mma_decode {
 
 constexpr int kHeads = 8;   // query heads per CTA: the n of m16n8k16
@@ -120,7 +131,9 @@ __device__ __forceinline__ void copy16_or_zero(void* dst, const void* src, bool 
 #endif
 }
 
-template <typename T, typename C, int D>
+// kSoftCap: the soft-cap's tanh in the tile loop (compiled only where used: the plain loop stays
+// pure tensor-core work).
+template <typename T, typename C, int D, bool kSoftCap>
 __global__ void __launch_bounds__(Shape<D, C>::kThreads)
     paged_attention_mma_kernel(const PagedAttentionParams p, const Layout lay) {
   using S = Shape<D, C>;
@@ -145,7 +158,8 @@ __global__ void __launch_bounds__(Shape<D, C>::kThreads)
   const int g = lane / 4, c = lane % 4;
 
   const int len = p.seq_lens[b];
-  const int start = split * p.split_size;
+  // A window moves the splits: they cover keys first_key..len-1 (older pages are never read).
+  const int start = paged_attention_first_key(len, p.window) + split * p.split_size;
   if (start >= len) {  // CTA-uniform
     if (p.num_splits == 1) {  // padding entry: zeros, lse -inf
       for (int i = threadIdx.x; i < heads * S::kOutChunks; i += S::kThreads) {
@@ -183,6 +197,9 @@ __global__ void __launch_bounds__(Shape<D, C>::kThreads)
     }
   }
   const float qscale = p.scale * p.k_scale * kLog2e;  // scores in log2 units (k_scale: fp8)
+  // Soft-cap in log2 units: c * tanh(s / c), c = cap * log2(e).
+  const float cap = p.soft_cap * kLog2e;
+  const float inv_cap = kSoftCap ? 1.f / cap : 0.f;
 
   const int* table = p.block_tables + b * p.block_table_stride;
   if (p.check_indices) {  // debug mode: this split's page ids, before any of them is followed
@@ -284,7 +301,9 @@ __global__ void __launch_bounds__(Shape<D, C>::kThreads)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const bool valid = t0 + (e / 2) * 8 < end;
-      s[e] = valid ? s[e] * qscale : -INFINITY;
+      float x = s[e] * qscale;
+      if constexpr (kSoftCap) x = cap * tanhf(x * inv_cap);
+      s[e] = valid ? x : -INFINITY;
     }
     mx[0] = fmaxf(s[0], s[2]);
     mx[1] = fmaxf(s[1], s[3]);
@@ -382,9 +401,11 @@ __global__ void __launch_bounds__(Shape<D, C>::kThreads)
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[e] += wgt * red[(w * kHeads + h) * D + d0 + e];
     }
-    const float inv = p.v_scale / total;  // v_scale: fp8 (the merge is linear in the parts)
-    const float lse = (mx + log2f(total)) * kLn2;
     const int head = head0 + h;
+    float keep = 1.f;  // the keys' share after a sink joins the denominator
+    if (p.sinks != nullptr && p.num_splits == 1) sink_into(p.sinks[head] * kLog2e, mx, total, keep);
+    const float inv = p.v_scale * keep / total;  // v_scale: fp8 (the merge is linear in parts)
+    const float lse = (mx + log2f(total)) * kLn2;
     if (p.num_splits == 1) {
       Vec16<T> ov;
 #pragma unroll

@@ -27,6 +27,13 @@
  *     model needs no k / k_scale, v / v_scale passes. A chunk of kVec elements is kVec bytes in
  *     the cache (8-byte stores for 16-bit T); q, k, v are still read and written with 16 bytes.
  *
+ *  QK-norm (q_norm / k_norm set): rope_norm_and_cache_kernel<T, kFp8>, one warp per q or k
+ *     head (4 warps per CTA, grid (tokens, ceil((Hq + Hkv) / 4)); the CTAs of y = 0 also copy
+ *     v). A lane holds pairs (i, D/2 + i), i = lane + 32 j (D <= 512: 8 pairs): sum of squares,
+ *     3+2 xor shuffles, the normalised head rounded to T as rms_norm rounds it, then the same
+ *     rotation and cache write as above. Scalar accesses (a warp reads 64 contiguous bytes of a
+ *     16-bit head per instruction); the norm's extra pass over q and k is what it saves: the
+ *     unfused path reads and writes q and k once more, plus a copy out of the fused QKV view.
  * Traffic: T * (2 * (Hq + Hkv) + 3 * Hkv) * D * sizeof(T) bytes (q, k read and written, v read,
  * k and v written to the cache; fp8: the cache writes are 1 byte per element) + the cos/sin
  * rows (L2). Memory bound; target >= 80% of copy bandwidth for prefill-sized T.
@@ -195,6 +202,96 @@ __global__ void __launch_bounds__(kThreads) rope_and_cache_kernel(const RopeAndC
   }
 }
 
+constexpr int kNormWarps = 4;
+constexpr int kNormMaxPairs = 8;  // D <= 512
+
+// rotate-half of (a, b) by (cos, sin): rounded products, no FMA contraction (the reference's).
+__device__ __forceinline__ void rotate_pair(float a, float b, float c, float s, float& y1,
+                                            float& y2) {
+  y1 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  y2 = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
+template <typename T, bool kFp8>
+__global__ void __launch_bounds__(kNormWarps * 32)
+    rope_norm_and_cache_kernel(const RopeAndCacheParams p) {
+  const int64_t token = blockIdx.x;
+  const int D = p.head_dim;
+  const int half = D / 2;
+  const int lane = threadIdx.x % 32;
+  const int head = blockIdx.y * kNormWarps + threadIdx.x / 32;
+  const int slot = p.slot_mapping[token];
+  if (p.check_indices) {
+    check_index(true, int64_t(slot) + 1, p.num_blocks * p.block_size + 1);
+    check_index(true, p.positions[token], p.max_positions);
+  }
+  const int64_t page = slot / p.block_size;
+  const int64_t cache_row = page * p.num_kv_heads * p.block_size + slot % p.block_size;
+  if (head < p.num_heads + p.num_kv_heads) {  // warp-uniform
+    const bool is_k = head >= p.num_heads;
+    T* x = is_k ? static_cast<T*>(p.k) + token * p.k_stride + (head - p.num_heads) * D
+                : static_cast<T*>(p.q) + token * p.q_stride + head * D;
+    const T* w = static_cast<const T*>(is_k ? p.k_norm : p.q_norm);
+    float a[kNormMaxPairs], b[kNormMaxPairs];
+    float sumsq = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNormMaxPairs; ++j) {
+      const int i = lane + 32 * j;
+      a[j] = i < half ? to_float(x[i]) : 0.f;
+      b[j] = i < half ? to_float(x[half + i]) : 0.f;
+      sumsq += a[j] * a[j] + b[j] * b[j];
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+      sumsq += __shfl_xor_sync(0xffffffffu, sumsq, offset);
+    const float inv = 1.f / sqrtf(sumsq / float(D) + p.norm_eps);
+    const float* cs = p.cos_sin + int64_t(p.positions[token]) * D;
+#pragma unroll
+    for (int j = 0; j < kNormMaxPairs; ++j) {
+      const int i = lane + 32 * j;
+      if (i >= half) break;
+      // rms_norm's value rounded to T, as the unfused path stores it before rotating
+      const float na = to_float(from_float<T>(__fmul_rn(__fmul_rn(a[j], inv), to_float(w[i]))));
+      const float nb =
+          to_float(from_float<T>(__fmul_rn(__fmul_rn(b[j], inv), to_float(w[half + i]))));
+      float y1, y2;
+      rotate_pair(na, nb, __ldg(cs + i), __ldg(cs + half + i), y1, y2);
+      x[i] = from_float<T>(y1);
+      x[half + i] = from_float<T>(y2);
+      if (is_k && slot >= 0) {
+        const int64_t row = (cache_row + int64_t(head - p.num_heads) * p.block_size) * D;
+        if constexpr (kFp8) {
+          uint8_t* dst = static_cast<uint8_t*>(p.k_cache) + row;
+          dst[i] = e4m3_from_float(__fmul_rn(y1, p.k_scale_inv));
+          dst[half + i] = e4m3_from_float(__fmul_rn(y2, p.k_scale_inv));
+        } else {
+          T* dst = static_cast<T*>(p.k_cache) + row;
+          dst[i] = from_float<T>(y1);
+          dst[half + i] = from_float<T>(y2);
+        }
+      }
+    }
+  }
+  if (blockIdx.y != 0 || slot < 0) return;
+  for (int e = threadIdx.x; e < p.num_kv_heads * D; e += kNormWarps * 32) {
+    const int h = e / D, c = e % D;
+    const T v = static_cast<const T*>(p.v)[token * p.v_stride + h * D + c];
+    const int64_t offset = (cache_row + int64_t(h) * p.block_size) * D + c;
+    if constexpr (kFp8) {
+      static_cast<uint8_t*>(p.v_cache)[offset] = e4m3_from_float(__fmul_rn(to_float(v), p.v_scale_inv));
+    } else {
+      static_cast<T*>(p.v_cache)[offset] = v;
+    }
+  }
+}
+
+template <typename T, bool kFp8>
+void launch_norm(const RopeAndCacheParams& p, cudaStream_t stream) {
+  const dim3 grid(unsigned(p.tokens), unsigned(ceil_div(p.num_heads + p.num_kv_heads, kNormWarps)));
+  rope_norm_and_cache_kernel<T, kFp8><<<grid, kNormWarps * 32, 0, stream>>>(p);
+  PK_CHECK_LAUNCH("rope_norm_and_cache_kernel");
+}
+
 // Query/key heads rotated per thread: v2 4 (each cos/sin chunk pair loaded once for 4 heads),
 // v1 1.
 template <typename T, int kHeads, bool kFp8>
@@ -228,11 +325,17 @@ void rope_and_cache(const RopeAndCacheParams& p, cudaStream_t stream) {
   require(std::isfinite(p.k_scale_inv) && p.k_scale_inv > 0 && std::isfinite(p.v_scale_inv) &&
               p.v_scale_inv > 0,
           "rope_and_cache: k_scale and v_scale must be finite and positive");
+  require((p.q_norm == nullptr) == (p.k_norm == nullptr),
+          "rope_and_cache: q_norm and k_norm go together");
+  require(p.q_norm == nullptr || (p.head_dim <= 2 * 32 * kNormMaxPairs && p.norm_eps >= 0.f),
+          "rope_and_cache: QK-norm covers head_dim <= 512 and needs norm_eps >= 0");
   if (p.tokens == 0) return;
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     auto run = [&](auto fp8) {  // std::true_type: E4M3 caches
-      if (p.variant == 1) {
+      if (p.q_norm != nullptr) {
+        launch_norm<T, decltype(fp8)::value>(p, stream);
+      } else if (p.variant == 1) {
         launch<T, 1, decltype(fp8)::value>(p, stream);
       } else {
         launch<T, 4, decltype(fp8)::value>(p, stream);

@@ -15,6 +15,10 @@ namespace pagedkern {
 // slot % block_size of k_cache / v_cache ([num_blocks, Hkv, block_size, D]). kv_fp8: the caches
 // are E4M3 and receive e4m3(x * scale_inv) of the fp32 value x (the rotated k before its rounding
 // to T, v as read), saturating (fp8.cuh); T is then float16 or bfloat16.
+// QK-norm (q_norm and k_norm set, Qwen3 / Gemma 3): each q and k head is first RMS-normalised,
+// x = T(x * rsqrt(mean(x^2) + norm_eps) * w) in fp32 (rms_norm's formula and rounding, so the
+// fused op equals rms_norm per head, then rope_and_cache), then rotated and cached as above.
+// Gemma's (1 + w) norms need no flag: the loaders hand the model 1 + w.
 struct RopeAndCacheParams {
   void* q = nullptr;        // [T, Hq, D], heads packed, token stride q_stride
   void* k = nullptr;        // [T, Hkv, D], token stride k_stride
@@ -40,6 +44,9 @@ struct RopeAndCacheParams {
   float v_scale_inv = 1.f;
   bool check_indices = false;  // trap on an out-of-range position or slot (debug mode)
   int variant = 0;  // 0: v2 (4 heads per thread), 1: v1 (PAGEDKERN_KERNELS)
+  const void* q_norm = nullptr;  // [D] of T: QK-norm weights (both or neither), else nullptr
+  const void* k_norm = nullptr;
+  float norm_eps = 1e-6f;
 };
 void rope_and_cache(const RopeAndCacheParams& p, cudaStream_t stream);
 

@@ -1,7 +1,8 @@
 """The attention options through ops.paged_attention / ops.flash_prefill: validated, passed to
-the reference, and, since no kernel has them yet, never sent to a kernel: the "cuda" backend
-refuses, "auto" runs the reference on CUDA arrays with one warning, and the engine's support
-table marks both attention ops (CPU only: the kernel path is reached as test_kernel_support
+the reference, and sent to a kernel only where it has them (the decode kernel has all three,
+tests/test_attention_options_emulated.py; the prefill kernel none yet): for flash_prefill the
+"cuda" backend refuses, "auto" runs the reference on CUDA arrays with one warning, and the
+engine's support table marks it (CPU only: the kernel path is reached as test_kernel_support
 reaches it)."""
 
 from __future__ import annotations
@@ -78,8 +79,7 @@ def _fake(dtype="float16"):
     [(dict(sliding_window=4), "a sliding window"), (dict(soft_cap=50.0), "logit soft-capping")],
 )
 def test_the_strict_backend_refuses_options_the_kernels_lack(option, words):
-    with launch.use_backend("cuda"), pytest.raises(KernelUnsupportedError, match=words):
-        pagedkern.paged_attention(**_fake(), **option)
+    assert support.attention_options("paged_attention", **option) is None  # decode has them
     with launch.use_backend("cuda"), pytest.raises(KernelUnsupportedError, match=words):
         pagedkern.flash_prefill(cu_seqlens_q=FakeCudaArray((4,), "int32"), **_fake(), **option)
 
@@ -90,23 +90,26 @@ def test_auto_runs_the_reference_on_cuda_arrays_with_one_warning(monkeypatch):
     q, k, v, tables, lens = _inputs(torch.bfloat16)  # a dtype the kernel covers
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        cu = torch.tensor([0, 1, 2], dtype=torch.int32)
         for _ in range(3):
-            out = pagedkern.paged_attention(q, k, v, tables, lens, soft_cap=3.0)
+            out = pagedkern.flash_prefill(q, k, v, cu, tables, lens, soft_cap=3.0)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "logit soft-capping" in messages[0]
-    assert torch.equal(out, reference.paged_attention(q, k, v, tables, lens, soft_cap=3.0))
+    expected = reference.flash_prefill(q, k, v, cu, tables, lens, soft_cap=3.0)
+    assert torch.equal(out, expected)
 
 
-def test_the_support_table_marks_both_attention_ops():
+def test_the_support_table_marks_the_prefill_kernel_only():
     plain = support.model_support("bfloat16", 128, 16, 1000)
     assert plain["paged_attention"].supported and plain["flash_prefill"].supported
     window = support.model_support("bfloat16", 128, 16, 1000, attention={"sliding_window": 8})
-    for op in ("paged_attention", "flash_prefill"):
-        assert not window[op].supported and "sliding window" in window[op].reason
+    assert window["paged_attention"].supported
+    assert not window["flash_prefill"].supported
+    assert "sliding window" in window["flash_prefill"].reason
     assert window["rms_norm"].supported
 
 
-def test_the_engine_policy_turns_decode_graphs_off_for_a_windowed_model(monkeypatch):
+def test_the_engine_policy_keeps_decode_graphs_for_a_soft_capped_model(monkeypatch):
     from pagedkern.engine.kernel_policy import decode_graphs
 
     monkeypatch.setattr(launch, "_warned", set())
@@ -114,8 +117,9 @@ def test_the_engine_policy_turns_decode_graphs_off_for_a_windowed_model(monkeypa
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         on = decode_graphs(backend="auto", requested=None, **gpu, attention={"soft_cap": 50.0})
-    assert on is False
-    assert any("CUDA graphs are off" in str(w.message) for w in caught)
+    assert on is True  # decode attention runs the kernel; only prefill falls back (warned)
+    assert not any("CUDA graphs are off" in str(w.message) for w in caught)
+    assert any("flash_prefill" in str(w.message) for w in caught)
     with pytest.raises(ValueError, match="logit soft-capping"):
         decode_graphs(backend="cuda", requested=None, **gpu, attention={"soft_cap": 50.0})
     with warnings.catch_warnings():

@@ -311,9 +311,15 @@ class LlamaModel:
         if cfg.qk_norm_whole:  # (OLMoE) one RMSNorm over all heads' q, likewise k
             q = _whole_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = _whole_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        elif layer.q_norm is not None:  # QK-norm (Qwen3): each head RMS-normalised before RoPE
-            q = _head_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = _head_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        norms = {}
+        if layer.q_norm is not None and not cfg.qk_norm_whole:
+            # QK-norm (Qwen3, Gemma 3): each head RMS-normalised before RoPE, in place, fused
+            # into rope_and_cache (fp8 calibration needs the normalised k first: unfused)
+            if self._kv_amax is None:
+                norms = dict(q_norm=layer.q_norm, k_norm=layer.k_norm, norm_eps=cfg.rms_norm_eps)
+            else:
+                q = _head_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = _head_norm(k, layer.k_norm, cfg.rms_norm_eps)
         if self._kv_amax is not None:  # fp8 calibration (kv_scales)
             self._kv_amax.append((k.abs().max().item(), v.abs().max().item()))
         # fp8 cache: rope_and_cache stores k / k_scale and v / v_scale (E4M3, saturated) and
@@ -321,8 +327,9 @@ class LlamaModel:
         # attention over the dequantized cache, in the CUDA kernels on a GPU.
         scales = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
         ops.rope_and_cache(
-            q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping, **scales
-        )
+            q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping, **scales,
+            **norms,
+        )  # fmt: skip
         p, rows = meta.num_prefills, meta.num_prefill_tokens
         if p:
             ops.flash_prefill(  # fp8 too: the kernel reads E4M3 pages

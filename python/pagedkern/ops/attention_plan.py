@@ -44,8 +44,10 @@ from .flash_prefill import (
 from .launch import kernel_or_reference, launch_context, sm_count
 from .paged_attention import (
     _check_kernel_layout,
+    check_sinks_layout,
     decode_kernel,
     launch_parameters,
+    plan_length,
     plan_splits,
     workspace_size,
 )
@@ -57,12 +59,14 @@ from .paged_attention import (
 )
 from .paged_kv import (
     attention_views,
+    check_attention_options,
     check_attention_views,
     check_kv_scales,
     check_out,
     check_scale,
     workspace_view,
 )
+from .support import attention_options
 
 
 def _layout(t) -> tuple | None:
@@ -143,13 +147,19 @@ class DecodeAttention(_Plan):
         num_splits: int | None = None,
         k_scale: float | None = None,
         v_scale: float | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+        sinks=None,
     ) -> None:
+        """sliding_window, soft_cap, sinks: as ops.paged_attention's, for every run (sinks is
+        read by every run: keep it alive and refill it in place, or plan again)."""
         check_scale(scale)
         views = attention_views(q, k_cache, v_cache, block_tables, seq_lens, out)
         check_attention_views(views, None, fp8=True)
         qv, kc, vc, bt, sl, ov = views
         check_shape(sl, (qv.shape[0],))
         check_kv_scales(kc, k_scale, v_scale)
+        sv = check_attention_options(qv, sliding_window, soft_cap, sinks)
         batch, num_heads, head_dim = qv.shape
         num_kv_heads, block_size = kc.shape[1], kc.shape[2]
         if max_seq_len is None:
@@ -157,18 +167,21 @@ class DecodeAttention(_Plan):
         self._args = dict(
             block_tables=block_tables, seq_lens=seq_lens, scale=scale, max_seq_len=max_seq_len,
             num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
+            sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
         )  # fmt: skip
         self._launch = self._layouts = None
-        decision = decode_support(qv.dtype, head_dim, block_size, kc.dtype)
+        options = attention_options("paged_attention", sliding_window, soft_cap, sinks)
+        decision = options or decode_support(qv.dtype, head_dim, block_size, kc.dtype)
         layouts = self._planned_layouts(q, k_cache, v_cache, out)
         if layouts is None or not kernel_or_reference("paged_attention", views, decision):
             return  # the one-shot op with these arguments, at every run
         _check_kernel_layout(views, None)
+        check_sinks_layout(sv)
         module, device, _ = launch_context(views)
         kernel = decode_kernel(num_heads // num_kv_heads, head_dim)
         split = plan_splits(
-            batch, num_heads, num_kv_heads, head_dim, max_seq_len, sm_count(module, device),
-            num_splits, kernel,
+            batch, num_heads, num_kv_heads, head_dim, plan_length(max_seq_len, sliding_window),
+            sm_count(module, device), num_splits, kernel,
         )  # fmt: skip
         workspace_ptr = 0
         if split.num_splits > 1:
@@ -176,11 +189,11 @@ class DecodeAttention(_Plan):
             wv = workspace_view(self._user_workspace, qv, need, "float32", views)
             self._workspace = wv.obj  # owned: alive as long as the plan
             workspace_ptr = wv.ptr
-        self._launch = module.PagedAttentionLaunch(
-            **launch_parameters(
-                qv, kc, bt, sl, ov, workspace_ptr, split, kernel, scale, k_scale, v_scale, device
-            )
-        )
+        params = launch_parameters(
+            qv, kc, bt, sl, ov, workspace_ptr, split, kernel, scale, k_scale, v_scale, device,
+            sliding_window, soft_cap, 0 if sv is None else sv.ptr,
+        )  # fmt: skip
+        self._launch = module.PagedAttentionLaunch(**params)
         self._layouts = layouts
 
     def run(self, q, k_cache, v_cache, out, *, stream=None):
@@ -193,6 +206,7 @@ class DecodeAttention(_Plan):
                 q, k_cache, v_cache, a["block_tables"], a["seq_lens"], a["scale"], out,
                 max_seq_len=a["max_seq_len"], num_splits=a["num_splits"],
                 workspace=self._workspace, k_scale=a["k_scale"], v_scale=a["v_scale"],
+                sliding_window=a["sliding_window"], soft_cap=a["soft_cap"], sinks=a["sinks"],
                 stream=stream,
             )  # fmt: skip
         self._launch.run(

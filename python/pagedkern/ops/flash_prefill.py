@@ -235,9 +235,8 @@ def flash_prefill(
     )
     cu, kc = views[-1], views[1]
     sv = check_attention_options(qv, sliding_window, soft_cap, sinks)
-    decision = support.attention_options(sliding_window, soft_cap, sinks) or kernel_support(
-        qv.dtype, qv.shape[2]
-    )
+    options = support.attention_options("flash_prefill", sliding_window, soft_cap, sinks)
+    decision = options or kernel_support(qv.dtype, qv.shape[2])
     if not kernel_or_reference("flash_prefill", views, decision):
         reference = reference_on_torch("flash_prefill", views if sv is None else [*views, sv])
         check_block_table_contents(block_tables, seq_lens, kc.shape[0], kc.shape[2])

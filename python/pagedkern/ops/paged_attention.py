@@ -143,16 +143,23 @@ def plan_splits(
     return best
 
 
-def split_bounds(plan: SplitPlan, seq_len: int) -> list[tuple[int, int]]:
+def first_key(seq_len: int, window: int | None) -> int:
+    """The oldest key a sequence's decode query sees (csrc paged_attention_first_key)."""
+    return seq_len - window if window is not None and seq_len > window else 0
+
+
+def split_bounds(plan: SplitPlan, seq_len: int, window: int | None = None) -> list[tuple[int, int]]:
     """Key ranges [start, end) of the splits that hold keys of a sequence, as the kernel cuts
-    them: split s starts at s * split_size, the last split runs to seq_len."""
+    them: split s starts at first_key + s * split_size (first_key 0 without a window), the last
+    split runs to seq_len."""
     if seq_len <= 0:
         return []
+    lo = first_key(seq_len, window)
     if plan.num_splits == 1:
-        return [(0, seq_len)]
+        return [(lo, seq_len)]
     bounds = []
-    for s in range(min(plan.num_splits, _ceil_div(seq_len, plan.split_size))):
-        start = s * plan.split_size
+    for s in range(min(plan.num_splits, _ceil_div(seq_len - lo, plan.split_size))):
+        start = lo + s * plan.split_size
         last = s == plan.num_splits - 1
         bounds.append((start, seq_len if last else min(seq_len, start + plan.split_size)))
     return bounds
@@ -176,9 +183,13 @@ def launch_parameters(
     k_scale: float | None,
     v_scale: float | None,
     device: int,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: int = 0,
 ) -> dict:
     """The kernel's parameters but the per-layer pointers (q, out, caches, lse) and the stream:
-    what one launch passes and what a plan (ops/attention_plan.py) fixes for its runs."""
+    what one launch passes and what a plan (ops/attention_plan.py) fixes for its runs (sinks:
+    the [Hq] float32 sink logits' pointer, 0 for none)."""
     batch, num_heads, head_dim = qv.shape
     return dict(
         block_tables=bt.ptr,
@@ -204,6 +215,9 @@ def launch_parameters(
         kv_fp8=kc.dtype == FP8_KV_DTYPE,
         k_scale=float(1.0 if k_scale is None else k_scale),
         v_scale=float(1.0 if v_scale is None else v_scale),
+        window=int(sliding_window or 0),
+        soft_cap=float(soft_cap or 0.0),
+        sinks=sinks,
     )
 
 
@@ -223,6 +237,18 @@ def _check_int(name: str, value, low: int) -> None:
 # checks. Keyed by everything those checks read, so a hit skips only checks that would pass.
 _CHECKED = CheckedLayouts()
 _ARGS_CHECKED, _KERNEL_CHECKED = 1, 2
+
+
+def plan_length(max_seq_len: int, sliding_window: int | None) -> int:
+    """The most keys one sequence's splits cover: a window's at most (the kernel's splits start
+    at the window's first key)."""
+    return max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+
+
+def check_sinks_layout(sv: ArrayView | None) -> None:
+    """The kernel reads the sink logits as a contiguous float32 array."""
+    if sv is not None and sv.shape[0] > 1 and sv.strides[0] != 1:
+        raise ValueError(f"{sv.describe()} must be contiguous for the kernel")
 
 
 def _check_kernel_layout(views: list[ArrayView], wv: ArrayView | None) -> None:
@@ -278,8 +304,8 @@ def paged_attention(
     Caches of q's dtype, or both float8_e4m3fn (E4M3, as reference.rope_and_cache writes them)
     with their dequantization scales k_scale / v_scale (default 1): attention over
     k_scale * K, v_scale * V (reference.paged_attention defines it).
-    sliding_window, soft_cap, sinks: reference.attention.ATTENTION_OPTIONS; not in the kernel
-    yet, so a call that sets one runs the reference (under "auto", with a warning on CUDA).
+    sliding_window, soft_cap, sinks: reference.attention.ATTENTION_OPTIONS, in both kernel
+    variants (a window's splits start at its first key: older pages are never read).
     The CUDA kernel covers float16/bfloat16 q (with caches of q's dtype or fp8), D in
     {64, 128, 256} and power-of-two block sizes (`kernel_support`); other CUDA torch inputs
     run on the reference with a warning under the "auto" backend and raise
@@ -300,9 +326,8 @@ def paged_attention(
         _CHECKED.passed(key, _ARGS_CHECKED)
     check_kv_scales(kc, k_scale, v_scale)
     sv = check_attention_options(qv, sliding_window, soft_cap, sinks)
-    decision = support.attention_options(sliding_window, soft_cap, sinks) or kernel_support(
-        qv.dtype, qv.shape[2], kc.shape[2], kc.dtype
-    )
+    options = support.attention_options("paged_attention", sliding_window, soft_cap, sinks)
+    decision = options or kernel_support(qv.dtype, qv.shape[2], kc.shape[2], kc.dtype)
     if not kernel_or_reference("paged_attention", views, decision):
         reference = reference_on_torch("paged_attention", views if sv is None else [*views, sv])
         check_block_table_contents(block_tables, seq_lens, kc.shape[0], kc.shape[2])
@@ -315,14 +340,16 @@ def paged_attention(
     if checked < _KERNEL_CHECKED:
         _check_kernel_layout(views, wv)
         _CHECKED.passed(key, _KERNEL_CHECKED)
+    check_sinks_layout(sv)
     module, device, handle = launch_context(views, stream)
     if max_seq_len is None:
         max_seq_len = bt.shape[1] * block_size
     num_sms = sm_count(module, device)
     kernel = decode_kernel(num_heads // num_kv_heads, head_dim)
     plan = plan_splits(
-        batch, num_heads, num_kv_heads, head_dim, max_seq_len, num_sms, num_splits, kernel
-    )
+        batch, num_heads, num_kv_heads, head_dim, plan_length(max_seq_len, sliding_window),
+        num_sms, num_splits, kernel,
+    )  # fmt: skip
     # on the launch stream: the per-call workspace, freed on return, is reused only after the
     # kernel (launch.on_launch_stream)
     with on_launch_stream(views, device, handle):
@@ -343,7 +370,8 @@ def paged_attention(
         stream=handle,
         **launch_parameters(
             qv, kc, bt, views[4], ov, wv.ptr if plan.num_splits > 1 else 0, plan, kernel,
-            scale, k_scale, v_scale, device,
+            scale, k_scale, v_scale, device, sliding_window, soft_cap,
+            0 if sv is None else sv.ptr,
         ),
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -31,6 +31,9 @@ def rope_and_cache(
     *,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    q_norm=None,
+    k_norm=None,
+    norm_eps: float = 1e-6,
     stream=None,
 ):
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half, cos/sin from cos_sin
@@ -40,7 +43,12 @@ def rope_and_cache(
     E4M3, saturated (reference.rope_and_cache defines it; the kernel covers float16/bfloat16
     q, k, v with fp8 caches). The reference checks positions and slots against the table and
     the cache (ValueError naming the entry); the kernel checks them on the device with
-    PAGEDKERN_CHECK_INDICES=1."""
+    PAGEDKERN_CHECK_INDICES=1.
+
+    q_norm, k_norm: QK-norm weights [D] of q's dtype (both or neither; head_dim <= 512 in the
+    kernel): every q and k head is first replaced by rms_norm(head, weight, norm_eps) (rounded
+    to q's dtype, as reference.rms_norm), then rotated and cached: one pass instead of two norms,
+    their copies out of the fused QKV view, and then this op."""
     qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
     check_dtype(qv, FLOAT_DTYPES)
     check_ndim(qv, 3)
@@ -73,12 +81,17 @@ def rope_and_cache(
     check_shape(vc, kc.shape)
     check_kv_scales(kc, k_scale, v_scale)
     views = [qv, kv, vv, pv, cv, kc, vc, sv]
-    common_device(views)
-    decision = support.rope_and_cache(qv.dtype, kc.dtype)
-    if not kernel_or_reference("rope_and_cache", views, decision):
+    norms = _check_norms(qv, q_norm, k_norm, norm_eps)
+    common_device(views + norms)
+    decision = support.rope_and_cache(qv.dtype, kc.dtype, head_dim if norms else None)
+    if not kernel_or_reference("rope_and_cache", views + norms, decision):
+        from ..reference import rms_norm
         from ..reference import rope_and_cache as reference
 
         check_rope_indices(positions, slot_mapping, cv.shape[0], kc.shape[0] * kc.shape[2])
+        if norms:  # in place, as the kernel: the heads of q and k normalised, then rotated
+            q.copy_(rms_norm(q, q_norm, norm_eps))
+            k.copy_(rms_norm(k, k_norm, norm_eps))
         reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     if tokens == 0:
@@ -111,4 +124,26 @@ def rope_and_cache(
         kv_fp8=kc.dtype == FP8_KV_DTYPE,
         k_scale=float(1.0 if k_scale is None else k_scale),
         v_scale=float(1.0 if v_scale is None else v_scale),
+        q_norm=norms[0].ptr if norms else 0,
+        k_norm=norms[1].ptr if norms else 0,
+        norm_eps=float(norm_eps),
     )
+
+
+def _check_norms(qv, q_norm, k_norm, norm_eps) -> list:
+    """The QK-norm weights' views ([] without QK-norm): both or neither, [D] contiguous of q's
+    dtype; norm_eps a finite number >= 0."""
+    if q_norm is None and k_norm is None:
+        return []
+    if q_norm is None or k_norm is None:
+        raise ValueError("q_norm and k_norm go together: pass both or neither")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
+        raise ValueError(f"norm_eps must be a number >= 0, got {norm_eps!r}")
+    if not 0 <= norm_eps < float("inf"):
+        raise ValueError(f"norm_eps must be a finite number >= 0, got {norm_eps!r}")
+    norms = [view(q_norm, "q_norm"), view(k_norm, "k_norm")]
+    for w in norms:
+        check_same_dtype(qv, w)
+        check_shape(w, (qv.shape[2],))
+        check_contiguous(w)
+    return norms

@@ -72,19 +72,32 @@ def flash_prefill(dtype: str, head_dim: int) -> KernelSupport:
     return _YES
 
 
+# The attention options (reference.attention.ATTENTION_OPTIONS) each attention kernel covers.
+ATTENTION_OPTION_NAMES = {
+    "sliding_window": "a sliding window",
+    "soft_cap": "logit soft-capping",
+    "sinks": "attention sinks",
+}
+KERNEL_ATTENTION_OPTIONS = {
+    "paged_attention": ("sliding_window", "soft_cap", "sinks"),  # both variants, every D
+    "flash_prefill": (),
+}
+
+
 def attention_options(
-    sliding_window: int | None = None, soft_cap: float | None = None, sinks: object = None
+    kernel: str,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: object = None,
 ) -> KernelSupport | None:
-    """The attention options (reference.attention.ATTENTION_OPTIONS) are in neither attention
-    kernel yet: a decision against the kernel when any is set, else None."""
+    """The attention options `kernel` ("paged_attention" or "flash_prefill") lacks: a decision
+    against it naming them when one of them is set, else None (the kernel takes the rest)."""
+    given = {"sliding_window": sliding_window, "soft_cap": soft_cap, "sinks": sinks}
+    covered = KERNEL_ATTENTION_OPTIONS[kernel]
     used = [
-        name
-        for name, value in (
-            ("a sliding window", sliding_window),
-            ("logit soft-capping", soft_cap),
-            ("attention sinks", sinks),
-        )
-        if value is not None
+        ATTENTION_OPTION_NAMES[name]
+        for name, value in given.items()
+        if value is not None and name not in covered
     ]
     if not used:
         return None
@@ -115,9 +128,19 @@ def elementwise(dtype: str) -> KernelSupport:
     return _dtype(dtype, FLOAT_DTYPES) or _YES
 
 
-def rope_and_cache(dtype: str, kv_dtype: str | None = None) -> KernelSupport:
+MAX_QK_NORM_HEAD_DIM = 512  # csrc/rope_and_cache.cu: 8 pairs per lane of a warp
+
+
+def rope_and_cache(
+    dtype: str, kv_dtype: str | None = None, qk_norm_head_dim: int | None = None
+) -> KernelSupport:
     """RoPE + cache write: every float dtype into a cache of that dtype; an fp8 (E4M3) cache
-    for float16/bfloat16 q, k, v."""
+    for float16/bfloat16 q, k, v; QK-norm fused (qk_norm_head_dim: the head dim, when the
+    op normalises q and k) for head dims up to 512."""
+    if qk_norm_head_dim is not None and qk_norm_head_dim > MAX_QK_NORM_HEAD_DIM:
+        return KernelSupport(
+            False, f"QK-norm over head_dim {qk_norm_head_dim} (the kernel covers <= 512)"
+        )
     return _kv_cache(dtype, kv_dtype) or elementwise(dtype)
 
 
@@ -143,13 +166,14 @@ def model_support(
     cache configuration (dtype as a name: "bfloat16", ...; kv_dtype: the cache's, None = dtype;
     attention: the attention options some layer uses, as attention_options' keywords; moe:
     whether some layer is a mixture of experts)."""
-    options = attention_options(**(attention or {}))
+    decode_options = attention_options("paged_attention", **(attention or {}))
+    prefill_options = attention_options("flash_prefill", **(attention or {}))
     moe_layers = {"fused_moe": fused_moe()} if moe else {}
     return moe_layers | {
         "rms_norm": elementwise(dtype),
         "silu_and_mul": elementwise(dtype),
         "rope_and_cache": rope_and_cache(dtype, kv_dtype),
-        "paged_attention": options or paged_attention(dtype, head_dim, block_size, kv_dtype),
-        "flash_prefill": options or flash_prefill(dtype, head_dim),
+        "paged_attention": decode_options or paged_attention(dtype, head_dim, block_size, kv_dtype),
+        "flash_prefill": prefill_options or flash_prefill(dtype, head_dim),
         "sample": sample("float32", vocab),  # the engine samples fp32 logits
     }
