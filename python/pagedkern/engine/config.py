@@ -21,7 +21,7 @@ from .validation import (
     check_number,
 )
 
-BACKENDS = ("auto", "cuda", "reference")
+BACKENDS = ("auto", "cuda", "cpu", "reference")
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -54,8 +54,11 @@ class EngineConfig:
     )
     backend: str = _setting(
         "auto",
-        "auto: CUDA kernels when a GPU is usable, else the CPU reference; cuda: insist on the "
-        "kernels; reference: PyTorch reference ops (on the GPU if there is one)",
+        "auto: CUDA kernels when a GPU is usable, else the CPU backend; cuda: insist on the "
+        "kernels; cpu: the CPU backend (ops/cpu: flash-style attention, fused norms; the "
+        "reference for other ops) on the CPU; reference: PyTorch reference ops everywhere (on "
+        "the GPU if there is one)",
+        cli={"choices": BACKENDS},
     )
     device: str | None = _setting(None, "torch device (default: picked from the backend)")
     dtype: torch.dtype | str | None = _setting(
@@ -170,7 +173,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be auto, cuda or reference, got {self.backend!r}")
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.device is not None and not isinstance(self.device, (str, torch.device)):
             raise ParameterTypeError(f"device must be a string or None, got {self.device!r}")
         self.dtype = _dtype(self.dtype)

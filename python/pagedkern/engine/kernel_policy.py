@@ -9,8 +9,10 @@ vocabulary and the cache's block size are consulted once, before any CUDA graph 
   If it is one of a decode step's ops, the decode CUDA graphs are turned off (the reference reads
   lengths back to the host, which capture forbids): a warning by default, an error if
   cuda_graphs=True was asked for explicitly.
-- backend "reference", or a model on the CPU: nothing to decide (the CPU still honours an
-  explicit cuda_graphs=True, which runs the static-buffer path eagerly for tests).
+- backend "reference", or a model on the CPU (backends "cpu" and "auto" there run the CPU
+  backend, ops/cpu/): nothing to decide (the CPU still honours an explicit cuda_graphs=True,
+  which runs the static-buffer path eagerly for tests). Backend "cpu" with a model on a GPU is
+  an error.
 
 Piecewise graphs of mixed steps (engine/piecewise_graphs.py) capture the same ops outside
 attention, so they follow the decode graphs: on wherever those are, unless turned off.
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
 
 def pick_device(backend: str) -> torch.device:
     """The device a backend runs on; "cuda" without a usable GPU is an error that says why."""
+    if backend == "cpu":
+        return torch.device("cpu")
     gpu = torch.cuda.is_available()
     if backend == "cuda" and not (gpu and cuda_available()):
         reason = cuda_unavailable_reason() or "torch sees no CUDA device"
@@ -70,6 +74,8 @@ def decode_graphs(
         raise ValueError(
             f"backend 'cuda' runs the CUDA kernels only, but the model is on {device_type}"
         )
+    if backend == "cpu" and on_gpu:
+        raise ValueError("backend 'cpu' runs on the CPU only, but the model is on cuda")
     if not on_gpu or backend == "reference":
         if on_gpu and requested:
             raise ValueError(
@@ -135,8 +141,8 @@ def step_graphs(model: LlamaModel, config: EngineConfig, shadowed: bool) -> tupl
         moe=bool(model.config.num_experts),
     )
     graphs = graphs and model.tp.size == 1 and not shadowed
-    if graphs and model.config.num_experts:
-        # on the CPU's static-path test mode (on a GPU the support table above decided): MoE
+    if graphs and model.config.num_experts and model.device.type != "cuda":
+        # the CPU's static-path test mode (on a GPU the support table above decided): MoE
         # layers run ops.fused_moe's reference, which reads expert counts back to the host
         reason = "ops.fused_moe runs on the PyTorch reference (not capturable)"
         raise ValueError(f"cuda_graphs=True, but decode steps cannot be captured: {reason}")

@@ -16,14 +16,17 @@ This path computes the plain forward's (llama.py) function with ~20 ops a layer:
   weights (quantized: torch's int-pack kernels with bf16 activations, as ops.quant_linear),
   RoPE of q and k in place (rotate-half as roll, multiply, add), the new k/v written into the
   gathered copy (one index_copy_; an fp8 cache: as the cache stores them, k / k_scale and
-  v / v_scale in E4M3, read back), attention as bmm / softmax / bmm (fp8: the scores times
+  v / v_scale in E4M3, read back), attention as the CPU backend's decode rows compute it
+  (ops/cpu/attention.tiled_attention: tiles of keys merged by an online softmax; one tile, so
+  the reference's bmm / softmax / bmm, while the keys fit in one; fp8: the scores times
   k_scale, the output times v_scale, where reference.paged_attention applies them), SwiGLU in
   fp32;
 - once per step: the new tokens' k/v written back into the paged cache (one scatter).
 
-Bit for bit the plain path's result: every op rounds where the reference op does (no FMA where
-the reference multiplies and adds; the bmm operands of reference.paged_attention_gathered,
-which equals reference.paged_attention), tests/test_cpu_decode.py asserts torch.equal. So a
+Bit for bit the plain path's result on the CPU backend (ops/cpu/), and on the reference while
+the keys fit in one tile: every op rounds where the plain path's op does (no FMA where it
+multiplies and adds; the attention is the backend's own tiles on the same operands),
+tests/test_cpu_decode.py asserts torch.equal. So a
 decode row's logits do not depend on whether its step took this path (decode-only steps) or
 the plain one (steps with a prefill chunk), and the engine keeps greedy outputs independent of
 batch make-up with it on. Used only where it computes exactly the plain path's function (see
@@ -42,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import launch
+from ..ops.cpu.attention import key_tile, tiled_attention
 from ..ops.quant_gemm import cpu_packed
 from ..reference.attention import MIN_GEMM_ROWS, decode_bias, gather_decode_kv
 from ..reference.rope import quantize_e4m3
@@ -53,9 +57,12 @@ Gemm = Callable[[torch.Tensor], torch.Tensor]
 
 
 def applies(model, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
-    """Decode-only batch of an fp32 single-rank model on the CPU's reference ops (its KV cache
-    fp32 or fp8, not calibrating fp8 scales), every row a real sequence (length >= 1,
-    position = length - 1), no bias but QKV's."""
+    """Decode-only batch of an fp32 single-rank model on the CPU (its KV cache fp32 or fp8, not
+    calibrating fp8 scales), every row a real sequence (length >= 1, position = length - 1), no
+    bias but QKV's; under the "cpu" backend (and "auto" on the CPU) at any length, under
+    "reference" only while every sequence's keys fit in one tile of the CPU backend's attention
+    (there the tiles compute the reference's function bit for bit; past it the reference's
+    plain path runs, so the reference backend's outputs stay the reference's)."""
     if (
         meta.num_prefills
         or meta.num_tokens == 0
@@ -72,6 +79,8 @@ def applies(model, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
         return False
     lengths, positions = meta.seq_lens.tolist(), meta.positions.tolist()
     if min(lengths) < 1 or min(meta.slot_mapping.tolist()) < 0:
+        return False
+    if launch.get_backend() == "reference" and max(lengths) > key_tile(kv_cache.block_size):
         return False
     return all(p == n - 1 for p, n in zip(positions, lengths, strict=True))
 
@@ -256,6 +265,12 @@ def hidden_states(
         cos2[:, : cfg.num_heads].mul_(scale)
         sin2[:, : cfg.num_heads].mul_(scale)
         scale = None
+    tile = key_tile(kv_cache.block_size)
+
+    def hide(scores: torch.Tensor, c0: int, c1: int) -> None:  # the -inf past each length
+        if bias is not None:
+            scores.add_(bias[..., c0:c1])
+
     attn_in = torch.empty(tokens, q_size, dtype=_gemm_dtype(w.layers[0].o))
     attn_heads = attn_in.view(tokens, hkv, group, d)
     # Query rows per (kv head, sequence) GEMM, zero-padded as reference.paged_attention pads
@@ -285,14 +300,17 @@ def hidden_states(
             ).float()
         kv_rows[i].index_copy_(2, dst_rows, new_kv if src is None else new_kv[:, :, src])
         q_real.copy_(qk[:, : cfg.num_heads].view(tokens, hkv, group, d).transpose(0, 1))
-        scores = torch.bmm(q_padded.view(hkv * tokens, q_rows, d), keys[i])
-        if fp8_scales is not None:
-            scores.mul_(scale * k_scale)  # (reference.paged_attention's scale * k_scale)
-        elif scale is not None:
-            scores.mul_(scale)
-        if bias is not None:
-            scores.add_(bias)
-        out = torch.bmm(torch.softmax(scores, dim=-1), values[i])  # [Hkv * G, q_rows, D]
+        out, _ = tiled_attention(  # [Hkv * G, q_rows, D], as the CPU backend's decode rows
+            q_padded.view(hkv * tokens, q_rows, d),
+            keys[i],
+            values[i],
+            scale * k_scale if fp8_scales is not None else scale,
+            hide,
+            padded,
+            tile,
+            open_until=min(lengths),
+            alive_until=1,
+        )
         out = out.view(hkv, tokens, q_rows, d)[:, :, :group]
         if fp8_scales is not None:
             out.mul_(v_scale)

@@ -1,6 +1,6 @@
 """What every kernel launch needs once its arguments are valid: the backend's choice between the
-kernel and the reference, which variant of a kernel runs (ops/variants.py), then the module,
-device and stream."""
+CUDA kernel, the CPU backend's implementation (ops/cpu/) and the reference, which variant of a
+kernel runs (ops/variants.py), then the module, device and stream."""
 
 from __future__ import annotations
 
@@ -19,13 +19,15 @@ from .arrays import ArrayView, common_device, current_stream, resolve_device
 from .support import KernelSupport, KernelUnsupportedError
 from .variants import kernel_variant as kernel_variant  # re-exported: the ops read it here
 
-BACKENDS = ("auto", "cuda", "reference")
+BACKENDS = ("auto", "cuda", "cpu", "reference")
 _backend = "auto"  # the process default (set_backend)
 _scoped: contextvars.ContextVar[str | None] = contextvars.ContextVar("backend", default=None)
 
 
 def set_backend(name: str) -> None:
-    """'auto' (default): CUDA kernels for CUDA arrays, the reference for CPU tensors.
+    """'auto' (default): CUDA kernels for CUDA arrays, the CPU backend for CPU tensors.
+    'cpu': the CPU backend (ops/cpu/: an implementation chosen for speed where the op has one,
+    else the reference, as its table says); CUDA arrays raise KernelUnsupportedError.
     'reference': the PyTorch reference everywhere, also on a GPU (A/B comparisons).
     'cuda': strict, the CUDA kernels only: an op whose arguments no kernel covers (CPU tensors,
     or a dtype / head dim / block size outside ops/support.py) raises KernelUnsupportedError."""
@@ -53,8 +55,17 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def use_reference(views: Sequence[ArrayView]) -> bool:
-    """Whether an op with these (validated) arguments runs on the reference."""
-    return get_backend() == "reference" or common_device(views) == "cpu"
+    """Whether an op with these (validated) arguments runs on the host's torch code (the
+    reference, or the CPU backend on CPU tensors) rather than a CUDA kernel."""
+    return get_backend() in ("reference", "cpu") or common_device(views) == "cpu"
+
+
+def host_backend(views: Sequence[ArrayView]) -> str:
+    """Which torch implementations an op off the CUDA kernels runs: "cpu" (ops/cpu/'s table)
+    for CPU tensors under "auto" and "cpu", else "reference"."""
+    if get_backend() == "reference" or common_device(views) != "cpu":
+        return "reference"
+    return "cpu"
 
 
 # ---- launch counting ---------------------------------------------------------------------------
@@ -94,6 +105,10 @@ def kernel_or_reference(op: str, views: Sequence[ArrayView], support: KernelSupp
     op passes here once per call: the launch counter's hook."""
     record_launch(op)
     reference = use_reference(views)
+    if get_backend() == "cpu" and common_device(views) != "cpu":
+        raise KernelUnsupportedError(
+            f"{op}: the 'cpu' backend runs CPU tensors only (use 'auto' or 'cuda' on a GPU)"
+        )
     if get_backend() == "cuda" and (reference or not support.supported):
         reason = support.reason or "CPU tensors"
         raise KernelUnsupportedError(
@@ -165,13 +180,25 @@ def on_launch_stream(views: Sequence[ArrayView], device: int, handle: int):
 
 
 def reference_on_torch(op: str, views: Sequence[ArrayView]):
-    """The reference module, for arguments no CUDA kernel covers: it runs on torch tensors
-    wherever they live; other array libraries get a clear error."""
+    """For arguments no CUDA kernel runs: the namespace of the op's torch implementation, the
+    CPU backend's (ops/cpu/, `host_backend`) or the reference module. Both run on torch tensors
+    only; other array libraries get a clear error."""
     if any(v.library != "torch" for v in views):
         raise NotImplementedError(
             f"{op} has no CUDA kernel for these arguments; pass torch tensors to run "
             f"pagedkern.reference.{op}"
         )
+    return host_ops(views)
+
+
+def host_ops(views: Sequence[ArrayView]):
+    """The CPU backend's implementations (ops.cpu.IMPLEMENTATIONS as attributes) or the
+    reference module, as `host_backend` decides for these arguments."""
+    if host_backend(views) == "cpu":
+        from .cpu import implementations
+
+        return implementations
+
     from .. import reference
 
     return reference

@@ -1,0 +1,34 @@
+"""The CPU backend: per op, the implementation that runs on CPU tensors under the "cpu" backend
+(and "auto" on the CPU). An op has one here where a faster one than the reference exists, tested
+against the reference as the CUDA kernels are (tests/test_cpu_backend*.py); every other op runs
+the reference, and says so in IMPLEMENTATIONS: the one table of what the backend runs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ... import reference
+from . import attention, norm
+
+# op -> its CPU implementation; the reference's own function where the CPU has no faster one
+IMPLEMENTATIONS = {
+    "flash_prefill": attention.flash_prefill,  # flash-style tiles (sliding window: reference)
+    "paged_attention": attention.paged_attention,  # the same tiles, one-token chunks
+    "rms_norm": norm.rms_norm,
+    "fused_add_rms_norm": norm.fused_add_rms_norm,
+    "silu_and_mul": reference.silu_and_mul,  # already one fused silu and one multiply
+    "gelu_tanh_and_mul": reference.gelu_tanh_and_mul,
+    "rope_and_cache": reference.rope_and_cache,
+    "fused_moe": reference.fused_moe,
+    "sample": reference.sample,
+    "rejection_sample": reference.rejection_sample,
+    "quant_linear": None,  # ops.quant_linear's own CPU path (torch's int-pack kernels)
+}
+
+# What ops receive from launch.host_ops: the table's functions as attributes
+implementations = SimpleNamespace(**{op: f for op, f in IMPLEMENTATIONS.items() if f is not None})
+
+
+def implementation_of(op: str):
+    """The function `op` runs on the CPU backend (KeyError for an op outside the table)."""
+    return IMPLEMENTATIONS[op]

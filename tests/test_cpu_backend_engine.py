@@ -1,0 +1,59 @@
+"""The engine on the CPU backend keeps greedy outputs independent of batch make-up, as on the
+reference (tests/test_engine.py): continuous batching, preemption, chunked prefill and n-gram
+speculation give each request what it gets alone, with prompts long enough that attention
+crosses key tiles (256 keys) and decode steps take the CPU decode step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_engine import run_checked
+
+from pagedkern.engine import Engine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+SCENARIOS = {
+    "continuous batching": {},
+    "preemption (tiny KV pool)": {"num_blocks": 160},
+    "chunked prefill (64-token budget)": {"max_num_batched_tokens": 64},
+    "n-gram speculation": {"speculative": "ngram", "num_speculative_tokens": 3},
+}
+
+
+def _engine(**overrides) -> Engine:
+    config = dict(
+        model="synthetic:tiny", backend="cpu", num_blocks=1024, block_size=4, max_num_seqs=16,
+        max_num_batched_tokens=1024,
+    )  # fmt: skip
+    return Engine.from_config(EngineConfig(**{**config, **overrides}))
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    lengths = [1, 9, 40, 250, 300, 330, 420, 17]
+    # repeated runs so n-gram lookup finds proposals
+    return [[rng.randrange(3, 60) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def solo():
+    prompts = _prompts()
+    engine = _engine()
+    outputs = []
+    for ids in prompts:
+        engine.add_request(prompt_ids=ids, params=GREEDY)
+        outputs.append(next(iter(run_checked(engine).values())))
+    return prompts, outputs
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_batched_greedy_equals_solo_on_the_cpu_backend(solo, scenario):
+    prompts, expected = solo
+    engine = _engine(**SCENARIOS[scenario])
+    assert engine.backend == "cpu"
+    requests = [engine.add_request(prompt_ids=p, params=GREEDY) for p in prompts]
+    got = run_checked(engine)
+    assert [got[r.request_id] for r in requests] == expected
+    if "preemption" in scenario:
+        assert sum(r.num_preemptions for r in requests) > 0
