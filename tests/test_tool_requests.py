@@ -246,3 +246,21 @@ def test_a_tag_that_is_one_token_is_matched_by_text_and_by_its_id():
     for ids in (by_token, by_text):
         matcher = llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(grammar))
         assert all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+def test_cli_flags_reach_the_server_settings():
+    from pagedkern.serving.cli.args import build_parser, server_settings
+
+    args = build_parser().parse_args(
+        ["--http", "--tool-call-parser", "qwen3", "--reasoning-parser", "deepseek_r1",
+         "--max-tools", "3", "--max-tools-bytes", "999"]
+    )  # fmt: skip
+    settings = server_settings(args)
+    assert (settings.tool_call_parser, settings.reasoning_parser) == ("qwen3", "deepseek_r1")
+    assert (settings.max_tools, settings.max_tools_bytes) == (3, 999)
+    defaults = server_settings(build_parser().parse_args(["--http"]))
+    assert defaults.tool_call_parser is None and defaults.reasoning_parser is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--http", "--tool-call-parser", "nope"])
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        type(settings)(reasoning_parser="nope")
