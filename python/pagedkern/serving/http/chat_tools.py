@@ -7,6 +7,7 @@ field (serving/tools/spec.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,12 +58,25 @@ class ChatParsers:
 
     @classmethod
     def of(cls, tokenizer, settings: ServerSettings) -> ChatParsers:
-        template = tokenizer.chat_template
-        tool_name = settings.tool_call_parser or tool_parser_for_template(template)
-        reasoning_name = settings.reasoning_parser or reasoning_parser_for_template(template)
+        """(Cached per tokenizer, template and flags: every chat request asks.)"""
+        return _parsers(
+            tokenizer, tokenizer.chat_template, settings.tool_call_parser, settings.reasoning_parser
+        )
+
+    @classmethod
+    def make(
+        cls, tokenizer, template: str | None, tool_parser: str | None, reasoning_parser: str | None
+    ) -> ChatParsers:
+        tool_name = tool_parser or tool_parser_for_template(template)
+        reasoning_name = reasoning_parser or reasoning_parser_for_template(template)
         reasoning = reasoning_parser_named(reasoning_name) if reasoning_name else None
         thinking = ThinkingGrammar.of(reasoning, tokenizer.encode) if reasoning else None
         return cls(template, tool_parser_named(tool_name), reasoning, thinking, tokenizer.encode)
+
+
+@functools.lru_cache(maxsize=16)
+def _parsers(tokenizer, template, tool_parser, reasoning_parser) -> ChatParsers:
+    return ChatParsers.make(tokenizer, template, tool_parser, reasoning_parser)
 
 
 def plan_chat(
