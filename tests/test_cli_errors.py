@@ -1,10 +1,13 @@
-"""`pagedkern-serve` on bad input, through a real process on synthetic:tiny:
-every bad flag or stdin line is one line on stderr and exit status 2, never a traceback; a bad
-stdin line names its number and the other lines are still answered; Ctrl-C exits 130 with what
-was generated so far; a reader that stops early (`| head -c 5`) is no BrokenPipeError."""
+"""`pagedkern-serve` on bad input, on synthetic:tiny: every bad flag or stdin line is one line on
+stderr and exit status 2, never a traceback; a bad stdin line names its number and the other
+lines are still answered; Ctrl-C exits 130 with what was generated so far; a reader that stops
+early (`| head -c 5`) is no BrokenPipeError. The signal and pipe cases, and one bad flag, run a
+real process; the other bad input runs main() in this one (what a process would print and exit
+with: main() turns every error into a line and SystemExit(2) itself)."""
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import subprocess
@@ -12,7 +15,10 @@ import sys
 
 import pytest
 
-CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--model", "synthetic:tiny"]
+from pagedkern.serving.cli import main
+
+ARGS = ["--model", "synthetic:tiny"]
+CLI = [sys.executable, "-m", "pagedkern.serving.cli", *ARGS]
 WAIT = 300
 
 
@@ -20,41 +26,59 @@ def run(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], input=stdin, capture_output=True, timeout=WAIT)
 
 
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    err = proc.stderr.decode()
+def run_main(capsys, monkeypatch, *args: str, stdin: bytes = b"") -> tuple[int, str, str]:
+    """main() in this process: (exit status, stdout, stderr). An exception other than
+    SystemExit (a traceback in a process) fails the test."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    capsys.readouterr()
+    try:
+        status = main([*ARGS, *args])
+    except SystemExit as exc:
+        status = exc.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def one_error_line(err: str) -> str:
     assert "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pagedkern-serve: error: "), err
     return lines[0]
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--seed", str(2**64)], "--seed"),
-        (["--seed", "x"], "--seed"),
-        (["--top-k", str(2**31)], "--top-k"),
-        (["--block-size", "0"], "--block-size"),
-        (["--num-blocks", "0"], "--num-blocks"),
-        (["--kv-cache-gib", "0"], "--kv-cache-gib"),
-        (["--kv-cache-gib", "nan"], "--kv-cache-gib"),
-        (["--max-model-len", "0"], "--max-model-len"),
-        (["--max-num-seqs", "-1"], "--max-num-seqs"),
-        (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction"),
-        (["--temperature", "inf"], "--temperature"),
-        (["--max-tokens", "0"], "--max-tokens"),
-        (["--dtype", "int8"], "--dtype"),
-        (["--log-level", "loud"], "--log-level"),
-        (["--no-such-flag"], "unrecognized arguments"),
-    ],
-)
-def test_bad_flags_exit_2_with_one_line(args, message):
-    proc = run(*args, "hi")
+BAD_FLAGS = [
+    (["--seed", str(2**64)], "--seed"),
+    (["--seed", "x"], "--seed"),
+    (["--top-k", str(2**31)], "--top-k"),
+    (["--block-size", "0"], "--block-size"),
+    (["--num-blocks", "0"], "--num-blocks"),
+    (["--kv-cache-gib", "0"], "--kv-cache-gib"),
+    (["--kv-cache-gib", "nan"], "--kv-cache-gib"),
+    (["--max-model-len", "0"], "--max-model-len"),
+    (["--max-num-seqs", "-1"], "--max-num-seqs"),
+    (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction"),
+    (["--temperature", "inf"], "--temperature"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--dtype", "int8"], "--dtype"),
+    (["--log-level", "loud"], "--log-level"),
+    (["--no-such-flag"], "unrecognized arguments"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_FLAGS)
+def test_bad_flags_exit_2_with_one_line(args, message, capsys, monkeypatch):
+    status, _, err = run_main(capsys, monkeypatch, *args, "hi")
+    assert status == 2
+    assert message in one_error_line(err)
+
+
+def test_a_bad_flag_in_a_real_process_is_one_line_and_status_2():
+    proc = run("--kv-cache-gib", "nan", "hi")
     assert proc.returncode == 2
-    assert message in one_error_line(proc)
+    assert "--kv-cache-gib" in one_error_line(proc.stderr.decode())
 
 
-def test_bad_stdin_lines_are_reported_and_the_others_answered():
+def test_bad_stdin_lines_are_reported_and_the_others_answered(capsys, monkeypatch):
     lines = [
         b"hello",
         json.dumps({"prompt": "x", "stop": 5}).encode(),
@@ -66,19 +90,19 @@ def test_bad_stdin_lines_are_reported_and_the_others_answered():
         json.dumps({"prompt": 5}).encode(),
         json.dumps({"prompt": "z", "max_tokens": 2, "ignore_eos": True}).encode(),
     ]
-    proc = run("--max-tokens", "3", "-", stdin=b"\n".join(lines) + b"\n")
-    err = proc.stderr.decode()
-    assert proc.returncode == 2 and "Traceback" not in err, err
+    stdin = b"\n".join(lines) + b"\n"
+    status, out, err = run_main(capsys, monkeypatch, "--max-tokens", "3", "-", stdin=stdin)
+    assert status == 2 and "Traceback" not in err, err
     reported = sorted(int(n) for n in __import__("re").findall(r"stdin line (\d+):", err))
     assert reported == [2, 3, 4, 5, 6, 7, 8], err
     assert len(err.strip().splitlines()) == 7
-    assert len(proc.stdout.decode().rstrip("\n").split("\n")) == 2  # lines 1 and 9 answered
+    assert len(out.rstrip("\n").split("\n")) == 2  # lines 1 and 9 answered
 
 
-def test_stdin_with_only_bad_lines_exits_2_before_loading():
-    proc = run("-", stdin=b"\xff\xfe\n")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr.decode()
-    assert proc.stdout == b""
+def test_stdin_with_only_bad_lines_exits_2_before_loading(capsys, monkeypatch):
+    status, out, err = run_main(capsys, monkeypatch, "-", stdin=b"\xff\xfe\n")
+    assert status == 2 and "Traceback" not in err
+    assert out == ""
 
 
 def _default_sigint() -> None:
