@@ -9,9 +9,11 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 from support.serving import ServerThread
 
 from pagedkern.engine import LLM, Engine, EngineConfig, SamplingParams
+from pagedkern.serving.cli import main
 
 TINY = "synthetic:tiny"
 CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--model", TINY, "--raw"]
@@ -34,26 +36,40 @@ def drafted_tokens(metrics: str) -> int:
     return int(next(line for line in metrics.splitlines() if line.startswith(name)).split()[1])
 
 
-def test_cli_speculative_answer_stats_and_trace():
+@pytest.fixture(scope="module")
+def plain_answer() -> str:
+    """The CLI's greedy answer without speculation (one process for the module)."""
     plain = cli(PROMPT)
+    assert plain.returncode == 0 and plain.stdout.strip(), plain.stderr[-2000:]
+    return plain.stdout
+
+
+def test_cli_speculative_answer_stats_and_trace(plain_answer):
     spec = cli("--speculative", "ngram", "--ngram-min", "1", "--stats", "--trace", PROMPT)
-    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr[-2000:]
-    assert spec.stdout == plain.stdout and spec.stdout.strip()
+    assert spec.returncode == 0, spec.stderr[-2000:]
+    assert spec.stdout == plain_answer
     assert "speculative ngram:" in spec.stderr and "accepted per step" in spec.stderr
     assert " proposed [" in spec.stderr and "KV slots rewound" in spec.stderr
     assert " verify 1+" in spec.stderr
 
 
-def test_cli_refuses_bad_speculative_flags():
-    for args in (
+@pytest.mark.parametrize(
+    "args",
+    [
         ("--speculative", "draft"),  # no --draft-model
         ("--speculative", "guess"),
         ("--speculative", "ngram", "--ngram-min", "5", "--ngram-max", "2"),
         ("--num-speculative-tokens", "0"),
-    ):
-        proc = cli(*args, PROMPT)
-        assert proc.returncode == 2, args
-        assert proc.stderr.count("\n") == 1 and "error" in proc.stderr, proc.stderr
+    ],
+)
+def test_cli_refuses_bad_speculative_flags(args, capsys):
+    # main() in this process (test_cli_errors runs a bad flag through a real one): SystemExit(2)
+    # and one line; any other exception would be a traceback
+    with pytest.raises(SystemExit) as exit_info:
+        main([*CLI[3:], "--max-tokens", "16", *args, PROMPT])
+    assert exit_info.value.code == 2, args
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error" in err, err
 
 
 def test_llm_speculative_matches_plain():
@@ -99,13 +115,12 @@ def test_http_completion_and_metrics_with_speculation():
     assert texts[0] == texts[1] and texts[0]
 
 
-def test_cli_and_http_with_a_self_draft():
+def test_cli_and_http_with_a_self_draft(plain_answer):
     # The draft proposer through the same surfaces: the CLI's answer and the HTTP completion
     # equal the plain ones (greedy), and /metrics counts the draft's proposals.
-    plain = cli(PROMPT)
     spec = cli("--speculative", "draft", "--draft-model", "self:1", "--stats", "--trace", PROMPT)
-    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr[-2000:]
-    assert spec.stdout == plain.stdout and spec.stdout.strip()
+    assert spec.returncode == 0, spec.stderr[-2000:]
+    assert spec.stdout == plain_answer
     assert "speculative draft:" in spec.stderr and " proposed [" in spec.stderr
     body = {"model": TINY, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
     body["ignore_eos"] = True
