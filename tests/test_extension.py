@@ -116,7 +116,8 @@ def test_every_python_call_into_the_extension_uses_keywords():
              "flash_prefill", "flash_prefill_workspace_ints", "flash_prefill_path",
              "multiprocessor_count", "pointer_device", "compute_capability",
              "quant_gemm", "rejection_sample", "PagedAttentionLaunch",
-             "FlashPrefillLaunch"}  # fmt: skip
+             "FlashPrefillLaunch", "moe_route", "moe_align", "moe_experts",
+             "moe_padded_rows"}  # fmt: skip
     module = extension_module()
     if module is not None:
         assert names | {"device_count", "build_info"} == set(_kernel_entry_points(module))

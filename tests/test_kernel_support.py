@@ -69,19 +69,26 @@ def test_cuda_backend_raises_instead_of_falling_back(changes, reason):
         pagedkern.flash_prefill(cu_seqlens_q=FakeCudaArray((4,), "int32"), **args)
 
 
-def test_fused_moe_has_no_kernel_the_cuda_backend_refuses_and_graphs_stay_off(monkeypatch):
+def test_fused_moe_kernel_covers_half_dtypes_and_graphs_follow_the_table(monkeypatch):
     args = (
-        FakeCudaArray((3, 16)), FakeCudaArray((3, 4)), FakeCudaArray((4, 2 * 8, 16)),
-        FakeCudaArray((4, 16, 8)), 2,
+        FakeCudaArray((3, 16), "float32"), FakeCudaArray((3, 4), "float32"),
+        FakeCudaArray((4, 2 * 8, 16), "float32"), FakeCudaArray((4, 16, 8), "float32"), 2,
     )  # fmt: skip
     with launch.use_backend("cuda"), pytest.raises(KernelUnsupportedError, match="fused_moe"):
         pagedkern.ops.fused_moe(*args)
+    assert support.fused_moe("bfloat16").supported and support.fused_moe("float16", 128).supported
+    assert "513 experts" in support.fused_moe("bfloat16", 513).reason
+    assert "float32" in support.fused_moe("float32").reason
     decisions = support.model_support("bfloat16", 128, 16, 1000, moe=True)
-    assert not decisions["fused_moe"].supported and "fused_moe" not in support.model_support(
+    assert decisions["fused_moe"].supported and "fused_moe" not in support.model_support(
         "bfloat16", 128, 16, 1000
     )
-    monkeypatch.setattr(launch, "_warned", set())
     gpu = dict(device_type="cuda", dtype="bfloat16", head_dim=128, block_size=16, vocab=1000)
+    assert decode_graphs(backend="cuda", requested=None, moe=True, **gpu) is True
+    # a MoE layer outside the kernel: refused under "cuda", graphs off under "auto"
+    unsupported = support.KernelSupport(False, "a test's refusal")
+    monkeypatch.setattr(support, "fused_moe", lambda dtype, experts=None: unsupported)
+    monkeypatch.setattr(launch, "_warned", set())
     with pytest.raises(ValueError, match="fused_moe"):
         decode_graphs(backend="cuda", requested=None, moe=True, **gpu)
     with pytest.raises(ValueError, match="fused_moe"):

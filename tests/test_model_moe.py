@@ -163,12 +163,16 @@ def test_preemption_and_batching_change_nothing(saved):
 
 
 def _zero_routers(hf):
-    # every router row zero: equal logits, so every token picks the same top-k experts (the
-    # same tie order in transformers and pagedkern: both torch.topk) and the others get none
+    # every router row zero: equal logits, so every token picks the same top-k experts and the
+    # others get none. Which k is a tie rule: transformers' is torch.topk's (unspecified: it
+    # depends on E and the device), pagedkern's the lower ids (reference.moe_route, the same in
+    # the CUDA router); every expert of a layer holds the same weights, so both pick equal ones
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith((".mlp.gate.weight", "block_sparse_moe.gate.weight")):
                 p.zero_()
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                p[1:] = p[0]
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])

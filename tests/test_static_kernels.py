@@ -61,6 +61,10 @@ KERNELS = (
     "flash_prefill_schedule_kernel",
     "flash_prefill_sm80_kernel",
     "flash_prefill_sm90_kernel",
+    "moe_route_kernel",
+    "moe_align_kernel",
+    "moe_gemm_kernel",
+    "moe_combine_kernel",
 )
 # Kernel -> tensor-core instruction its design needs, per architecture: flash_prefill's path 1
 # is mma.sync (HMMA) everywhere, path 2 wgmma (HGMMA) on sm_90a; path 2's sm_80 build is an
@@ -71,6 +75,9 @@ TENSOR_CORE_OPS = (
     ("flash_prefill_sm90_kernel", "sm_90a", "HGMMA"),
     ("paged_attention_mma_kernel", "sm_80", "HMMA.16816"),
     ("paged_attention_mma_kernel", "sm_90a", "HMMA.16816"),
+    # the MoE grouped GEMMs (gate_up + activation, down): every variant on mma.sync
+    ("moe_gemm_kernel", "sm_80", "HMMA.16816"),
+    ("moe_gemm_kernel", "sm_90a", "HMMA.16816"),
 )
 
 
@@ -317,3 +324,14 @@ def test_fp8_conversions_are_hardware_on_hopper_software_on_ampere(cuda_binary, 
             assert re.search(r"F2FP\.F16\.E4M3\.UNPACK_B", sass), name
     for name, sass in _listings(cuda_binary, "sm_80", kernel, marker).items():
         assert "E4M3" not in sass, f"{name}: an E4M3 instruction in the sm_80 code"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_gemm_vector_variants_stage_tiles_with_sixteen_byte_loads(cuda_binary, arch):
+    # moe_gemm_kernel<T, kBM, kGated, kVec, Act>: "ELb1ENS0_" = kVec true, then the activation;
+    # 2 dtypes x 2 row tiles x (silu, gelu_tanh gate_up; down)
+    vec = _listings(cuda_binary, arch, "moe_gemm_kernel", "ELb1ENS0_")
+    assert len(vec) == 12, sorted(vec)
+    for name, sass in vec.items():
+        assert "LDG.E.128" in sass, f"{name}: no 16-byte loads"
+        assert "STS.128" in sass, f"{name}: tiles not staged with 16-byte shared stores"

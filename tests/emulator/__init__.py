@@ -46,6 +46,8 @@ KERNELS = (
     "sampling_fused.cu",
     "sampling_split.cu",
     "quant_gemm.cu",
+    "moe_route.cu",
+    "moe_gemm.cu",  # mma.sync through mma_fragments.cuh's warp-shuffle spelling
 )
 LAUNCH = re.compile(
     r"(?P<kern>[A-Za-z_][\w:]*(?:<[^;<>]*>)?)\s*<<<(?P<cfg>[^;]*?)>>>\s*\((?P<args>[^;]*)\)\s*;"

@@ -1,14 +1,137 @@
 """fused_moe: the mixture-of-experts MLP (router top-k, tokens grouped by expert, each expert's
-gated MLP, the weighted combine). Validation here; no kernel yet, so every call runs the
-PyTorch reference, on the tensors' own device (CUDA tensors stay on the GPU)."""
+gated MLP, the weighted combine), and its first two stages as ops of their own (moe_route,
+moe_align). Validation here, then csrc/moe_route.cu and csrc/moe_gemm.cu (four launches on the
+caller's stream, every size fixed by the shapes: no host synchronisation, so a decode step can
+be captured in a CUDA graph) or the PyTorch reference (reference/moe.py, which reads the
+expert counts back to the host)."""
 
 from __future__ import annotations
 
 from . import support
-from .arrays import FLOAT_DTYPES, check_dtype, check_ndim, check_same_dtype, check_shape, view
-from .launch import kernel_or_reference, reference_on_torch
+from .arrays import (
+    DTYPE_CODES,
+    FLOAT_DTYPES,
+    check_contiguous,
+    check_dtype,
+    check_ndim,
+    check_same_dtype,
+    check_shape,
+    empty_like,
+    rows_of,
+    view,
+)
+from .launch import kernel_or_reference, launch_context, on_launch_stream, reference_on_torch
 
-MOE_ACTIVATIONS = ("silu", "gelu_tanh")
+MOE_ACTIVATIONS = ("silu", "gelu_tanh")  # csrc/silu_and_mul.h GatedActivation order
+MOE_SCORINGS = ("softmax", "sigmoid")  # csrc/moe.h MoeScoring order
+MOE_TILES = (16, 64)  # the grouped GEMM's row tiles
+
+
+def moe_tile_m(tokens: int, top_k: int, experts: int) -> int:
+    """The grouped GEMM's row tile: 64 once an expert receives 32 rows on average (prefill),
+    else 16 (decode: fewer padding rows, and each routed expert's weights still read once)."""
+    return 64 if tokens * top_k >= 32 * experts else 16
+
+
+def _check_top_k(top_k, experts: int) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must be an int in [1, {experts}] (the experts), got {top_k!r}")
+
+
+def _check_scoring(scoring: str) -> None:
+    if scoring not in MOE_SCORINGS:
+        raise ValueError(f"scoring must be one of {MOE_SCORINGS}, got {scoring!r}")
+
+
+def moe_route(router_logits, top_k: int, *, renormalize: bool = True, scoring="softmax",
+              stream=None):  # fmt: skip
+    """(weights [T, k] float32, ids [T, k] int32) for router_logits [T, E] (any float dtype):
+    each token's k experts with the largest logits (ties to the lower id), descending, weighted
+    by softmax over E (or sigmoid), divided by their sum if `renormalize`
+    (reference.moe_route: the ids agree exactly)."""
+    rv = view(router_logits, "router_logits")
+    check_dtype(rv, FLOAT_DTYPES)
+    check_ndim(rv, 2)
+    tokens, experts = rv.shape
+    if experts == 0:
+        raise ValueError(f"{rv.describe()} must have at least one expert")
+    _check_top_k(top_k, experts)
+    _check_scoring(scoring)
+    if not kernel_or_reference("moe_route", [rv], support.moe_route(experts)):
+        reference_on_torch("moe_route", [rv])  # (torch tensors only)
+        from ..reference.moe import moe_route as route
+
+        weights, ids = route(router_logits, top_k, renormalize, scoring)
+        return weights, ids.int()
+    module, device, handle = launch_context([rv], stream)
+    with on_launch_stream([rv], device, handle):
+        ids = empty_like(rv, (tokens, top_k), "int32")
+        weights = empty_like(rv, (tokens, top_k), "float32")
+    _launch_route(module, rv, view(ids, "ids"), view(weights, "weights"), top_k, renormalize,
+                  scoring, device, handle)  # fmt: skip
+    return weights, ids
+
+
+def _launch_route(module, rv, iv, wv, top_k, renormalize, scoring, device, handle) -> None:
+    module.moe_route(
+        ids=iv.ptr,
+        weights=wv.ptr,
+        logits=rv.ptr,
+        tokens=rv.shape[0],
+        logits_stride=rows_of(rv)[1],
+        experts=rv.shape[1],
+        top_k=top_k,
+        renormalize=bool(renormalize),
+        scoring=MOE_SCORINGS.index(scoring),
+        dtype=DTYPE_CODES[rv.dtype],
+        device=device,
+        stream=handle,
+    )
+
+
+def moe_align(ids, num_experts: int, tile_m: int, *, stream=None):
+    """(sorted_pairs int32, tile_expert int32) for expert ids [T, k] int32 in [0, E): the
+    (token, slot) pairs grouped by expert and padded to tile_m (16 or 64), the layout of
+    reference.moe.align_by_expert (equal to it element for element). Ids outside [0, E) are
+    not checked on the GPU (moe_route never writes one)."""
+    iv = view(ids, "ids")
+    check_dtype(iv, ("int32",))
+    check_ndim(iv, 2)
+    check_contiguous(iv)
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if tile_m not in MOE_TILES:
+        raise ValueError(f"tile_m must be one of {MOE_TILES}, got {tile_m!r}")
+    if not kernel_or_reference("moe_align", [iv], support.moe_route(num_experts)):
+        reference_on_torch("moe_align", [iv])  # (torch tensors only)
+        from ..reference.moe import align_by_expert
+
+        return align_by_expert(ids, num_experts, tile_m)
+    module, device, handle = launch_context([iv], stream)
+    with on_launch_stream([iv], device, handle):
+        sorted_pairs, tile_expert = _align_outputs(iv, iv.numel, num_experts, tile_m)
+    _launch_align(module, iv, sorted_pairs, tile_expert, num_experts, tile_m, device, handle)
+    return sorted_pairs, tile_expert
+
+
+def _align_outputs(like, pairs: int, experts: int, tile_m: int):
+    from ..reference.moe import padded_rows
+
+    rows = padded_rows(pairs, experts, tile_m)
+    return empty_like(like, (rows,), "int32"), empty_like(like, (rows // tile_m,), "int32")
+
+
+def _launch_align(module, iv, sorted_pairs, tile_expert, experts, tile_m, device, handle):
+    module.moe_align(
+        sorted_pairs=view(sorted_pairs, "sorted_pairs").ptr,
+        tile_expert=view(tile_expert, "tile_expert").ptr,
+        ids=iv.ptr,
+        pairs=iv.numel,
+        experts=experts,
+        tile_m=tile_m,
+        device=device,
+        stream=handle,
+    )
 
 
 def fused_moe(
@@ -20,11 +143,15 @@ def fused_moe(
     *,
     renormalize: bool = True,
     activation: str = "silu",
+    scoring: str = "softmax",
+    tile_m: int | None = None,
+    stream=None,
 ):
-    """[T, H] out for hidden [T, H], router_logits [T, E] (any float dtype; softmax in fp32),
+    """[T, H] out for hidden [T, H], router_logits [T, E] (any float dtype; routing in fp32),
     w_gate_up [E, 2I, H] (gate rows then up rows) and w_down [E, H, I], both in hidden's dtype:
     each token through its top_k experts (renormalize: their weights divided by their sum),
-    summed by weight. See reference/moe.py for the exact semantics."""
+    summed by weight. See reference/moe.py for the exact semantics. tile_m: the grouped GEMM's
+    row tile (16 or 64; None: moe_tile_m's choice)."""
     hv, rv = view(hidden, "hidden"), view(router_logits, "router_logits")
     gv, dv = view(w_gate_up, "w_gate_up"), view(w_down, "w_down")
     for v in (hv, rv, gv, dv):
@@ -41,19 +168,62 @@ def fused_moe(
     check_shape(rv, (tokens, experts))
     check_same_dtype(hv, gv)
     check_same_dtype(hv, dv)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
-        raise ValueError(f"top_k must be an int in [1, {experts}] (the experts), got {top_k!r}")
+    _check_top_k(top_k, experts)
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+    _check_scoring(scoring)
+    if tile_m is not None and tile_m not in MOE_TILES:
+        raise ValueError(f"tile_m must be one of {MOE_TILES} or None, got {tile_m!r}")
     if len({str(v.device) for v in (hv, rv, gv, dv)}) > 1:
         raise ValueError(
             f"{hv.describe()}, {rv.describe()}, {gv.describe()} and {dv.describe()} must be on "
             "the same device"
         )
     views = (hv, rv, gv, dv)
-    # no kernel: the reference, which the strict "cuda" backend refuses on CUDA arrays too
-    kernel_or_reference("fused_moe", views, support.fused_moe())
-    reference = reference_on_torch("fused_moe", views)
-    return reference.fused_moe(
-        hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation
+    if not kernel_or_reference("fused_moe", views, support.fused_moe(hv.dtype, experts)):
+        reference = reference_on_torch("fused_moe", views)
+        return reference.fused_moe(
+            hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation, scoring
+        )
+    check_contiguous(gv)
+    check_contiguous(dv)
+    _, hidden_stride = rows_of(hv)
+    tile = tile_m or moe_tile_m(tokens, top_k, experts)
+    module, device, handle = launch_context(views, stream)
+    pairs = tokens * top_k
+    with on_launch_stream(views, device, handle):
+        ids = empty_like(hv, (tokens, top_k), "int32")
+        weights = empty_like(hv, (tokens, top_k), "float32")
+        sorted_pairs, tile_expert = _align_outputs(hv, pairs, experts, tile)
+        h_rows = sorted_pairs.shape[0]
+        h_buf = empty_like(hv, (h_rows, inter))  # the activation's rows, by sorted position
+        y_buf = empty_like(hv, (pairs, h))  # each pair's down projection, by pair
+        out = empty_like(hv, (tokens, h))
+    iv, wv = view(ids, "ids"), view(weights, "weights")
+    _launch_route(module, rv, iv, wv, top_k, renormalize, scoring, device, handle)
+    _launch_align(module, iv, sorted_pairs, tile_expert, experts, tile, device, handle)
+    module.moe_experts(
+        out=view(out, "out").ptr,
+        h=view(h_buf, "h").ptr,
+        y=view(y_buf, "y").ptr,
+        hidden=hv.ptr,
+        w_gate_up=gv.ptr,
+        w_down=dv.ptr,
+        weights=wv.ptr,
+        sorted_pairs=view(sorted_pairs, "sorted_pairs").ptr,
+        tile_expert=view(tile_expert, "tile_expert").ptr,
+        tokens=tokens,
+        hidden_size=h,
+        inter_size=inter,
+        hidden_stride=hidden_stride,
+        out_stride=h,
+        padded_rows=h_rows,
+        experts=experts,
+        top_k=top_k,
+        tile_m=tile,
+        activation=MOE_ACTIVATIONS.index(activation),
+        dtype=DTYPE_CODES[hv.dtype],
+        device=device,
+        stream=handle,
     )
+    return out

@@ -145,9 +145,25 @@ def rope_and_cache(
 
 
 # The ops of a decode step's forward pass: all of them are captured in its CUDA graphs.
-def fused_moe() -> KernelSupport:
-    """The MoE MLP: no kernel yet (the reference groups tokens by expert on the host)."""
-    return KernelSupport(False, "no kernel yet (the reference reads expert counts to the host)")
+MOE_MAX_EXPERTS = 512  # csrc/moe.h kMoeMaxExperts (shared-memory tables)
+
+
+def fused_moe(dtype: str, experts: int | None = None) -> KernelSupport:
+    """The MoE MLP (csrc/moe_route.cu, csrc/moe_gemm.cu): float16/bfloat16 activations and
+    experts, up to 512 experts, any T, H, I and top_k <= E; softmax or sigmoid routing, silu
+    or gelu_tanh. Not in the kernel: float32, quantized experts, biases and clamped SwiGLU."""
+    if bad := _dtype(dtype, HALF_DTYPES):
+        return bad
+    if experts is not None and experts > MOE_MAX_EXPERTS:
+        return KernelSupport(False, f"{experts} experts (the kernel covers up to 512)")
+    return _YES
+
+
+def moe_route(experts: int) -> KernelSupport:
+    """The router alone: logits of every float dtype, up to 512 experts."""
+    if experts > MOE_MAX_EXPERTS:
+        return KernelSupport(False, f"{experts} experts (the kernel covers up to 512)")
+    return _YES
 
 
 DECODE_GRAPH_OPS = ("rms_norm", "silu_and_mul", "rope_and_cache", "paged_attention", "fused_moe")
@@ -168,7 +184,7 @@ def model_support(
     whether some layer is a mixture of experts)."""
     decode_options = attention_options("paged_attention", **(attention or {}))
     prefill_options = attention_options("flash_prefill", **(attention or {}))
-    moe_layers = {"fused_moe": fused_moe()} if moe else {}
+    moe_layers = {"fused_moe": fused_moe(dtype)} if moe else {}
     return moe_layers | {
         "rms_norm": elementwise(dtype),
         "silu_and_mul": elementwise(dtype),

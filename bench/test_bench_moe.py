@@ -1,0 +1,92 @@
+"""fused_moe (router, grouping, grouped GEMMs, combine: csrc/moe_route.cu, csrc/moe_gemm.cu) vs
+the PyTorch reference (a loop over the experts that received tokens, with a host sync) and a
+dense loop over every expert (no sync, every expert's weights read), at Qwen3-30B-A3B's expert
+shapes (E = 128, k = 8, H = 2048, I = 768) and Mixtral 8x7B's (E = 8, k = 2, H = 4096,
+I = 14336), bf16, side by side with the ceilings measured in this run.
+
+Decode (T = 1..64): GB/s of the bytes the layer must read, the routed experts' weights
+(3*H*I*2 bytes each distinct expert) plus activations; target >= 70% of copy bandwidth.
+Prefill (T = 2048): TFLOP/s of 6*T*k*H*I; target >= 60% of the bf16 GEMM ceiling. In smoke
+mode (no GPU) a tiny case runs once on the CPU, where fused_moe is the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from measure import smoke_mode
+
+from pagedkern import ops, reference
+
+MODELS = {  # experts, top_k, hidden, intermediate
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+}
+if smoke_mode():
+    MODELS = {"tiny": (8, 2, 64, 32)}
+DECODE = [1, 4] if smoke_mode() else [1, 4, 16, 64]
+PREFILL = [16] if smoke_mode() else [2048]
+IMPLS = ["pagedkern", "torch eager", "dense loop over experts"]
+_layers: dict = {}
+
+
+def layer(model: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if model not in _layers:
+        _layers.clear()  # one model's experts at a time (Mixtral's are 2.8 GB)
+        experts, _, hidden, inter = MODELS[model]
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        gen = torch.Generator(device=device).manual_seed(0)
+        w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, device=device)
+        w_down = torch.randn(experts, hidden, inter, generator=gen, device=device)
+        _layers[model] = ((w_gate_up * hidden**-0.5).to(dtype), (w_down * inter**-0.5).to(dtype))
+    return _layers[model]
+
+
+def dense_loop(x, logits, w_gate_up, w_down, top_k):
+    """Every expert over every token, weighted by the routing (zero where not routed): no host
+    sync, every expert's weights read: the capturable baseline without a grouped kernel."""
+    weights, ids = reference.moe_route(logits, top_k, True)
+    combine = torch.zeros(logits.shape, dtype=torch.float32, device=x.device)
+    combine.scatter_(1, ids, weights)
+    inter = w_down.shape[-1]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w_gate_up.shape[0]):
+        gu = (x @ w_gate_up[e].T).float()
+        h = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)
+        out += (h @ w_down[e].T).float() * combine[:, e : e + 1]
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("tokens", DECODE + PREFILL)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_fused_moe(measure, device, gemm_tflops, model, tokens, impl):
+    experts, top_k, hidden, inter = MODELS[model]
+    w_gate_up, w_down = layer(model, device)
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(w_gate_up.dtype)
+    logits = torch.randn(tokens, experts, generator=gen, device=device)
+    args = (x, logits, w_gate_up, w_down, top_k)
+    fn = {
+        "pagedkern": lambda: ops.fused_moe(*args),
+        "torch eager": lambda: reference.fused_moe(*args),
+        "dense loop over experts": lambda: dense_loop(*args),
+    }[impl]
+    routed = int(reference.moe_route(logits, top_k, True)[1].unique().numel())
+    read = experts if impl == "dense loop over experts" else routed
+    weight_bytes = read * 3 * hidden * inter * w_gate_up.element_size()
+    nbytes = weight_bytes + 2 * x.numel() * x.element_size() + logits.numel() * 4
+    flops = 6 * tokens * top_k * hidden * inter
+    prefill = tokens in PREFILL
+    notes = {}
+    if impl == "pagedkern":
+        notes = {"target": ">= 60% of GEMM" if prefill else ">= 70% of copy", "experts": routed}
+    result = measure(
+        "fused_moe",
+        f"{model} T={tokens} {'prefill' if prefill else 'decode'}",
+        impl,
+        fn,
+        bytes=None if prefill else nbytes,
+        flops=flops,
+        **notes,
+    )
+    assert result.seconds > 0

@@ -1,0 +1,251 @@
+/*
+ * The MoE experts (parameters in moe.h): two grouped GEMMs on tensor cores and a combine,
+ * over the pairs moe_align sorted by expert and padded to the row tile kBM (16 or 64).
+ *
+ * moe_gemm_kernel<T, kBM, kGated, kVec, Act>: grid (ceil(N / kBN), padded_rows / kBM); block
+ *   (n tile, m tile) reads its tile's expert from tile_expert (-1: an unused tile, exit) and
+ *   computes a kBM x kBN tile of
+ *     kGated: h[row, n] = act(round(x_t . wg_e[n])) * round(x_t . wu_e[n])   (N = I, K = H)
+ *             rows gathered from hidden by token t = pair / k; h indexed by sorted position;
+ *             the gate and up tiles (rows n and I + n of w_gate_up[e]) in the same block, so
+ *             the activation is fused into the epilogue and gate_up never reaches memory.
+ *     down:   y[pair, n] = round(h[row] . wd_e[n])                            (N = H, K = I)
+ *             rows of h in place; y indexed by pair, so the combine reads each token's k
+ *             rows contiguously.
+ *   Padding rows (sentinel pairs) load zeros and store nothing. 4 warps: kBM = 16 puts them
+ *   side by side over n (16 columns each), kBM = 64 stacks them over m (16 rows each, all 64
+ *   columns). K runs in steps of kBK = 32: the A and B tiles are staged in shared memory (rows
+ *   padded to 40 elements so the 32-bit fragment loads of the 8 rows g hit distinct banks),
+ *   then two m16n8k16 steps of mma.sync (mma_fragments.cuh; bf16/fp16 in, fp32 accumulate).
+ *   kVec: 16-byte global loads (K % 8 == 0 and aligned rows), else element loads with zero
+ *   fill; both bound-check K and N, so any H and I work.
+ * moe_combine_kernel<T>: out[t, n] = round(sum_slot w[t, slot] * y[t*k + slot, n]) in fp32,
+ *   slot order: a deterministic reduce (no atomics), the same result on every run.
+ *
+ * Traffic at decode (T*k pairs on distinct experts): each routed expert's weights are read once
+ * (3*H*I elements); the floor is those bytes / copy bandwidth. At prefill the FLOPs are
+ * 6*T*k*H*I. This version loads synchronously (no cp.async pipeline, no ldmatrix, no wgmma):
+ * the structure is the target's, the speed is a first cut. Not yet verified on GPU.
+ */
+#include "device.cuh"
+#include "mma_fragments.cuh"
+#include "moe.h"
+
+namespace pagedkern {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kBN = 64;
+constexpr int kBK = 32;
+constexpr int kLd = kBK + 8;  // shared-memory row length (elements)
+
+struct Silu {
+  __device__ __forceinline__ float operator()(float g) const { return g / (1.f + __expf(-g)); }
+};
+struct GeluTanh {
+  __device__ __forceinline__ float operator()(float g) const {
+    constexpr float kSqrt2OverPi = 0.7978845608028654f;
+    return 0.5f * g * (1.f + tanhf(kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+  }
+};
+struct NoAct {
+  __device__ __forceinline__ float operator()(float g) const { return g; }
+};
+
+// Eight elements k0 .. k0+7 of row `src` (nullptr: zeros) into shared memory.
+template <typename T, bool kVec>
+__device__ __forceinline__ void stage8(T* dst, const T* src, int64_t k0, int64_t k) {
+  if constexpr (kVec) {
+    *reinterpret_cast<uint4*>(dst) = src != nullptr && k0 < k
+                                         ? __ldg(reinterpret_cast<const uint4*>(src + k0))
+                                         : make_uint4(0u, 0u, 0u, 0u);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      dst[j] = src != nullptr && k0 + j < k ? src[k0 + j] : from_float<T>(0.f);
+  }
+}
+
+__device__ __forceinline__ uint32_t word_at(const void* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+template <typename T, int kBM, bool kGated, bool kVec, typename Act>
+__global__ void __launch_bounds__(kWarps * 32) moe_gemm_kernel(const MoeExpertsParams p) {
+  constexpr int kBRows = kGated ? 2 * kBN : kBN;
+  constexpr int kWM = kBM / 16;           // warps over m
+  constexpr int kWN = kWarps / kWM;       // warps over n
+  constexpr int kNF = kBN / kWN / 8;      // n8 fragments per warp
+  constexpr int kHalves = kGated ? 2 : 1;
+  alignas(16) __shared__ T a_tile[kBM][kLd];
+  alignas(16) __shared__ T b_tile[kBRows][kLd];
+  __shared__ int32_t row_pair[kBM];  // the pair of each row, -1 for padding
+  __shared__ const T* row_a[kBM];    // its A row (hidden's token row or h's row), or nullptr
+
+  const int tile = blockIdx.y;
+  const int expert = p.tile_expert[tile];
+  if (expert < 0) return;  // whole block: no barrier reached
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int warp_m = warp / kWN, warp_n = warp % kWN;
+  const int64_t pairs = p.tokens * p.top_k;
+  const int64_t n_total = kGated ? p.inter_size : p.hidden_size;
+  const int64_t k_total = kGated ? p.hidden_size : p.inter_size;
+  const int64_t n0 = int64_t(blockIdx.x) * kBN;
+  const int64_t row0 = int64_t(tile) * kBM;
+  const T* a_base = static_cast<const T*>(kGated ? p.hidden : p.h);
+  for (int r = tid; r < kBM; r += kWarps * 32) {
+    const int32_t pair = p.sorted_pairs[row0 + r];
+    row_pair[r] = pair < pairs ? pair : -1;
+    row_a[r] = pair >= pairs ? nullptr
+               : kGated      ? a_base + int64_t(pair / p.top_k) * p.hidden_stride
+                             : a_base + (row0 + r) * p.inter_size;
+  }
+  __syncthreads();
+
+  const T* w_base = static_cast<const T*>(kGated ? p.w_gate_up : p.w_down) +
+                    int64_t(expert) * (kGated ? 2 * n_total : n_total) * k_total;
+
+  float acc[kHalves][kNF][4];
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+    for (int f = 0; f < kNF; ++f)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[h][f][i] = 0.f;
+
+  for (int64_t k0 = 0; k0 < k_total; k0 += kBK) {
+    for (int idx = tid; idx < kBM * (kBK / 8); idx += kWarps * 32) {
+      const int r = idx / (kBK / 8), col = idx % (kBK / 8) * 8;
+      stage8<T, kVec>(&a_tile[r][col], row_a[r], k0 + col, k_total);
+    }
+    for (int idx = tid; idx < kBRows * (kBK / 8); idx += kWarps * 32) {
+      const int r = idx / (kBK / 8), col = idx % (kBK / 8) * 8;
+      const int64_t n = n0 + (r % kBN);
+      const T* src = nullptr;
+      if (n < n_total) src = w_base + (r >= kBN ? n_total + n : n) * k_total;
+      stage8<T, kVec>(&b_tile[r][col], src, k0 + col, k_total);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < kBK; ks += 16) {
+      const int ar = warp_m * 16 + g;
+      const uint32_t a[4] = {word_at(&a_tile[ar][ks + 2 * c]), word_at(&a_tile[ar + 8][ks + 2 * c]),
+                             word_at(&a_tile[ar][ks + 2 * c + 8]),
+                             word_at(&a_tile[ar + 8][ks + 2 * c + 8])};
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+#pragma unroll
+        for (int f = 0; f < kNF; ++f) {
+          const int bn = h * kBN + warp_n * (kBN / kWN) + f * 8 + g;
+          const uint32_t b[2] = {word_at(&b_tile[bn][ks + 2 * c]),
+                                 word_at(&b_tile[bn][ks + 2 * c + 8])};
+          mma::mma_16816<T>(acc[h][f], a, b);
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  const Act act;
+  T* out = static_cast<T*>(kGated ? p.h : p.y);
+  const int64_t out_stride = kGated ? p.inter_size : p.hidden_size;
+#pragma unroll
+  for (int f = 0; f < kNF; ++f) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp_m * 16 + g + 8 * half;
+      const int32_t pair = row_pair[r];
+      if (pair < 0) continue;
+      const int64_t out_row = kGated ? row0 + r : pair;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int64_t n = n0 + warp_n * (kBN / kWN) + f * 8 + 2 * c + j;
+        if (n >= n_total) continue;
+        float v = to_float(from_float<T>(acc[0][f][2 * half + j]));
+        if constexpr (kGated) {
+          v = act(v) * to_float(from_float<T>(acc[kHalves - 1][f][2 * half + j]));
+        } else {
+          v = act(v);  // NoAct: the down projection's value as rounded
+        }
+        out[out_row * out_stride + n] = from_float<T>(v);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) moe_combine_kernel(const MoeExpertsParams p) {
+  const int64_t n = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (n >= p.hidden_size) return;
+  const int64_t t = blockIdx.x;
+  const T* y = static_cast<const T*>(p.y) + t * p.top_k * p.hidden_size + n;
+  const float* w = p.weights + t * p.top_k;
+  float sum = 0.f;
+  for (int s = 0; s < p.top_k; ++s) sum += to_float(y[s * p.hidden_size]) * w[s];
+  static_cast<T*>(p.out)[t * p.out_stride + n] = from_float<T>(sum);
+}
+
+template <typename T, int kBM, bool kGated, typename Act>
+void launch_gemm(const MoeExpertsParams& p, bool vec, cudaStream_t stream) {
+  const int64_t n_total = kGated ? p.inter_size : p.hidden_size;
+  const dim3 grid(static_cast<unsigned>(ceil_div(n_total, kBN)),
+                  static_cast<unsigned>(p.padded_rows / kBM));
+  if (vec) {
+    moe_gemm_kernel<T, kBM, kGated, true, Act><<<grid, kWarps * 32, 0, stream>>>(p);
+  } else {
+    moe_gemm_kernel<T, kBM, kGated, false, Act><<<grid, kWarps * 32, 0, stream>>>(p);
+  }
+  PK_CHECK_LAUNCH(kGated ? "moe_gemm_kernel (gate_up)" : "moe_gemm_kernel (down)");
+}
+
+template <typename T, int kBM>
+void launch_all(const MoeExpertsParams& p, cudaStream_t stream) {
+  // 16-byte loads: every row start of every operand 16-byte aligned
+  const bool vec_gate_up = p.hidden_size % 8 == 0 && p.hidden_stride % 8 == 0 &&
+                           aligned16(p.hidden) && aligned16(p.w_gate_up);
+  const bool vec_down = p.inter_size % 8 == 0 && aligned16(p.h) && aligned16(p.w_down);
+  if (p.activation == 1) {
+    launch_gemm<T, kBM, true, GeluTanh>(p, vec_gate_up, stream);
+  } else {
+    launch_gemm<T, kBM, true, Silu>(p, vec_gate_up, stream);
+  }
+  launch_gemm<T, kBM, false, NoAct>(p, vec_down, stream);
+  const int threads = int(std::min<int64_t>(256, (p.hidden_size + 31) / 32 * 32));
+  const dim3 grid(static_cast<unsigned>(p.tokens),
+                  static_cast<unsigned>(ceil_div(p.hidden_size, threads)));
+  moe_combine_kernel<T><<<grid, threads, 0, stream>>>(p);
+  PK_CHECK_LAUNCH("moe_combine_kernel");
+}
+
+}  // namespace
+
+void moe_experts(const MoeExpertsParams& p, cudaStream_t stream) {
+  require(p.tile_m == 16 || p.tile_m == 64, "moe_experts: tile_m must be 16 or 64");
+  require(p.experts > 0 && p.top_k >= 1 && p.top_k <= p.experts, "moe_experts: top_k/experts");
+  require(p.hidden_size > 0 && p.inter_size > 0, "moe_experts: sizes must be positive");
+  require(p.tokens >= 0 && p.tokens <= 0x7fffffff, "moe_experts: tokens out of range");
+  require(p.padded_rows == moe_padded_rows(p.tokens * p.top_k, p.experts, p.tile_m),
+          "moe_experts: padded_rows must be moe_padded_rows(T*k, E, tile_m)");
+  require(p.padded_rows / p.tile_m <= 65535, "moe_experts: too many row tiles");
+  require(p.hidden_stride >= p.hidden_size && p.out_stride >= p.hidden_size,
+          "moe_experts: strides must be >= hidden_size");
+  require(p.activation == 0 || p.activation == 1, "moe_experts: activation must be 0 or 1");
+  if (p.tokens == 0) return;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    if (p.tile_m == 16) {
+      launch_all<T, 16>(p, stream);
+    } else {
+      launch_all<T, 64>(p, stream);
+    }
+  };
+  switch (p.dtype) {
+    case DType::kFloat16: run(__half{}); break;
+    case DType::kBFloat16: run(__nv_bfloat16{}); break;
+    default: throw std::invalid_argument("moe_experts: dtype must be float16 or bfloat16");
+  }
+}
+
+}  // namespace pagedkern
