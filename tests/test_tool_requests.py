@@ -264,3 +264,18 @@ def test_cli_flags_reach_the_server_settings():
         build_parser().parse_args(["--http", "--tool-call-parser", "nope"])
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         type(settings)(reasoning_parser="nope")
+
+
+def test_forced_arguments_hold_the_declared_properties_only():
+    """A schema that leaves additionalProperties unset is closed for the grammar (a small model
+    otherwise invents properties until max_tokens); one that allows them keeps them."""
+    open_schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    for allowed in (None, True):
+        schema = open_schema if allowed is None else {**open_schema, "additionalProperties": True}
+        functions = check_tools([tool(name="w", parameters=schema)], 8, 10_000)
+        grammar = tool_call_grammar(
+            TOOL_PARSERS["generic"], functions, ToolChoice("required"), parallel=False
+        )
+        extra = '{"tool_calls":[{"name":"w","arguments":{"city":"Oslo","x":1}}]}'
+        assert accepts(grammar, '{"tool_calls":[{"name":"w","arguments":{"city":"Oslo"}}]}')
+        assert accepts(grammar, extra) == bool(allowed)

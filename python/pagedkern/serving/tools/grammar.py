@@ -3,8 +3,9 @@ what must not be left to chance:
 
 - tool_choice "required" or a named function: the answer is the family's call markup around
   JSON whose "name" is one of the allowed tools and whose arguments follow that tool's
-  schema (`%json{...}`: llguidance's JSON-schema grammar inside the Lark one); one call, or
-  several with parallel_tool_calls;
+  schema (`%json{...}`: llguidance's JSON-schema grammar inside the Lark one; objects closed to
+  their declared properties unless the schema says otherwise); one call, or several with
+  parallel_tool_calls;
 - with a reasoning parser, structured output and forced calls apply after the thinking: an
   optional (or, where the prompt opened it, required) `<think>...</think>` comes first.
 """
@@ -24,7 +25,10 @@ _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 def call_schema(function: Function, arguments_key: str) -> dict:
     return {
         "type": "object",
-        "properties": {"name": {"const": function.name}, arguments_key: function.parameters},
+        "properties": {
+            "name": {"const": function.name},
+            arguments_key: closed(function.parameters),
+        },
         "required": ["name", arguments_key],
         "additionalProperties": False,
     }
@@ -47,6 +51,29 @@ def tool_call_grammar(
     calls = parser.calls_grammar("call", parallel, lambda text: literal(text, encode))
     rules = [calls, f"call: %json {_json({**one, **_COMPACT})}"]
     return _with_thinking("calls", rules, thinking)
+
+
+def closed(schema):
+    """`schema` with `additionalProperties: false` on every object that declares properties
+    and does not say (as llama.cpp's grammars do): a forced call then holds the declared
+    arguments only, still valid against the schema, and a small model cannot wander into
+    properties of its own until max_tokens."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {key: _closed_member(key, value) for key, value in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _closed_member(key: str, value):
+    if key in ("properties", "$defs", "definitions") and isinstance(value, Mapping):
+        return {name: closed(sub) for name, sub in value.items()}
+    if key in ("items", "anyOf", "oneOf", "allOf", "prefixItems", "not"):
+        return closed(value)
+    return value
 
 
 def after_thinking(response_format: Mapping | None, thinking: ThinkingGrammar) -> dict:
