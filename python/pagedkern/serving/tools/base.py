@@ -51,7 +51,14 @@ class Parsed:
 
 
 class NotCalls(ValueError):
-    """The call section does not parse as this family's calls."""
+    """The call section does not parse as this family's calls, and no more text can change
+    that (an incomplete one is not an error: take_calls waits for more)."""
+
+
+# A call ends in one of these (a JSON object or array, a closing tag): a piece without any
+# cannot complete one, so the section is not parsed again for it (a long argument string
+# costs one parse per closing bracket, not one per token).
+CLOSERS = "}]>"
 
 
 def call_from(obj: Any, arguments_key: str = "arguments") -> ToolCall:
@@ -131,6 +138,7 @@ class ToolParser:
         self._section_all = ""  # the whole section as written (given back if it fails)
         self._seen_text = False  # non-space content has been shown
         self._calls = 0
+        self._stuck = False  # the section stopped parsing (no more text can make it calls)
 
     def take_calls(self, section: str, final: bool) -> tuple[list[ToolCall], int]:
         """Complete calls at the start of `section` (the text after the opening marker, less
@@ -152,6 +160,8 @@ class ToolParser:
         if self._section is not None:
             self._section += text
             self._section_all += text
+            if self._stuck or not any(c in text for c in CLOSERS):
+                return out  # no call can have completed: parsing again would find nothing
             return self._drain(out, final=False)
         text = self._pending + text
         self._pending = ""
@@ -208,10 +218,13 @@ class ToolParser:
         """Take the complete calls; at the end, give back what never became calls: the whole
         section (marker included) when it held none, else the text after the last call."""
         assert self._section is not None
-        try:
-            calls, used = self.take_calls(self._section, final)
-        except NotCalls:  # (mid-stream: held back until the end, then given back)
-            calls, used = [], 0
+        calls: list[ToolCall] = []
+        used = 0
+        if not self._stuck:
+            try:
+                calls, used = self.take_calls(self._section, final)
+            except NotCalls:  # for good: held back until the end, then given back
+                self._stuck = True
         self._section = self._section[used:]
         self._calls += len(calls)
         out.calls.extend(calls)
