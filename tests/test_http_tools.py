@@ -259,3 +259,26 @@ def test_completions_refuse_tools(server):
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_n_choices_and_logprobs_with_tools(client):
+    kwargs = dict(
+        tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=2, logprobs=True
+    )
+    whole = create(client, **kwargs)
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        assert choice.finish_reason == "tool_calls" and len(checked_calls(choice.message)) == 1
+    assert sum(len(c.logprobs.content) for c in whole.choices) == whole.usage.completion_tokens
+    calls: dict[int, list[str]] = {0: [], 1: []}
+    entries = 0
+    stream = create(client, stream=True, stream_options={"include_usage": True}, **kwargs)
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert entries == chunk.usage.completion_tokens  # every token's logprob, once
+        for choice in chunk.choices:
+            entries += len(choice.logprobs.content) if choice.logprobs else 0
+            for d in choice.delta.tool_calls or []:
+                if d.function.name:
+                    calls[choice.index].append(d.function.name)
+    assert all(len(names) == 1 for names in calls.values())
