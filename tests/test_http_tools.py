@@ -17,6 +17,7 @@ from support.serving import ServerThread
 from test_http_server import TINY, tiny_engine
 
 from pagedkern.serving.http.settings import ServerSettings
+from pagedkern.serving.tools import tool_parser_for_template
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -282,3 +283,74 @@ def test_n_choices_and_logprobs_with_tools(client):
                 if d.function.name:
                     calls[choice.index].append(d.function.name)
     assert all(len(names) == 1 for names in calls.values())
+
+
+# Qwen2.5's chat template, shortened: tools in the system turn, calls as <tool_call> JSON,
+# results as <tool_response> in a user turn (the parts the HF convention feeds).
+QWEN_TEMPLATE = """{%- if tools %}<|im_start|>system
+{{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You are helpful.' }}
+
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and tools %}
+{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{{ message.content }}
+{%- for tc in message.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def qwen_client():
+    engine = tiny_engine()
+    engine.tokenizer.chat_template = QWEN_TEMPLATE
+    with ServerThread(engine) as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0)
+
+
+def test_a_template_with_tools_renders_them_and_its_family_parses(qwen_client):
+    assert tool_parser_for_template(QWEN_TEMPLATE) == "hermes"  # <tool_call> markup, forced
+    first = create(qwen_client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    [(name, args)] = checked_calls(first.choices[0].message)
+    call = first.choices[0].message.tool_calls[0]
+    history = [
+        *ASK,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "21 C"},
+    ]
+    second = create(qwen_client, messages=history, tools=TOOLS, max_tokens=8)
+    plain = create(qwen_client, messages=ASK, max_tokens=8)
+    # the tools, the call and the result are in the prompt (the template's own rendering)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens > plain.usage.prompt_tokens
+    content, calls, finish, _ = accumulate(
+        create(qwen_client, tools=TOOLS, tool_choice="required", stream=True)
+    )
+    whole = create(qwen_client, tools=TOOLS, tool_choice="required")
+    assert finish == whole.choices[0].finish_reason == "tool_calls"
+    expected = [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls
+    ]
+    assert [(c["name"], c["arguments"]) for c in calls] == expected and content is None
