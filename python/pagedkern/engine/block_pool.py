@@ -6,6 +6,15 @@ A free block may still be *cached*: it keeps its hash and can be taken back by a
 whose prompt starts with the same tokens, until allocation evicts it. Eviction order: blocks that
 were never cached first, then cached ones least recently released first, and within one request
 its last block first (deep prefix blocks are the least likely to be shared).
+
+Windowed models (every layer a sliding window) release the blocks no future query can see
+(Scheduler.release_outside_window). A block table stays positional (entry j holds tokens
+[j bs, (j + 1) bs)), so a released entry is replaced by the pool's *null block*: a reserved id,
+never allocated, freed or cached, that the attention kernels never read (a window starts past
+it). A released block that was cached keeps its hash like any freed block: its K/V for those
+tokens stay valid until allocation evicts it (and then its hash goes with it), so a later prefix
+hit on it is correct for every layer: one pool serves all layers, none of which has dropped it
+alone.
 """
 
 from __future__ import annotations
@@ -34,15 +43,28 @@ def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        reserve_null_block: bool = False,
+    ):
+        """reserve_null_block: keep block 0 as the null block (windowed release; see above)."""
+        if num_blocks < 1 + reserve_null_block or block_size < 1:
             raise ValueError(
-                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+                f"need num_blocks >= {1 + reserve_null_block} and block_size >= 1, got "
+                f"{num_blocks}, {block_size}"
             )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.null_block: int | None = None  # stands for released table entries
+        if reserve_null_block:
+            self.null_block = 0
+            del self._free[0]
+            self.blocks[0].ref_count = 1  # permanently in use: never allocated nor freed
         self._cached: dict[bytes, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found in the cache
@@ -58,6 +80,11 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks requests can hold (all but the null block)."""
+        return self.num_blocks - (self.null_block is not None)
 
     @property
     def hit_rate(self) -> float:
@@ -96,8 +123,10 @@ class BlockPool:
         return found
 
     def acquire(self, block_ids: Iterable[int]) -> None:
-        """Take a reference on cached blocks (prefix hits)."""
+        """Take a reference on cached blocks (prefix hits; null entries are skipped)."""
         for block_id in block_ids:
+            if block_id == self.null_block:
+                continue
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
@@ -121,8 +150,10 @@ class BlockPool:
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per block; blocks reaching zero become free (cached ones stay
-        findable until evicted)."""
+        findable until evicted); null entries (released ones) are skipped."""
         for block_id in reversed(block_ids):
+            if block_id == self.null_block:
+                continue
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise RuntimeError(f"block {block_id} freed more often than taken")
@@ -134,7 +165,7 @@ class BlockPool:
 
     def register(self, block_id: int, block_hash: bytes) -> None:
         """Mark a full, computed block as holding the prefix `block_hash`."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or block_id == self.null_block:
             return
         block = self.blocks[block_id]
         if block.block_hash is None:
@@ -148,6 +179,8 @@ class BlockPool:
         for table in block_tables:
             for block_id in table:
                 uses[block_id] += 1
+        if self.null_block is not None:  # any number of table entries, one permanent reference
+            uses[self.null_block] = 1
         in_use = sum(1 for b in self.blocks if b.ref_count > 0)
         assert in_use + len(self._free) == self.num_blocks, "in use + free != total"
         for block in self.blocks:

@@ -51,7 +51,7 @@ from .outputs import EngineStats, RequestOutput
 from .overlap import InFlight, Overlap
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
-from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig, released_kv_window
 from .speculative import load_draft, make_proposer
 from .speculative.speculation import Speculation
 from .trace import Tracer
@@ -116,9 +116,12 @@ class Engine:
                 cuda_graphs=graphs,
                 piecewise_tokens=config.max_num_batched_tokens if piecewise else None,
             )
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_window = released_kv_window(model.config, config)
+        self.pool = BlockPool(
+            num_blocks, config.block_size, config.enable_prefix_caching, kv_window is not None
+        )
         self.scheduler = Scheduler(
-            self.pool, SchedulerConfig.from_engine(config, self.max_model_len)
+            self.pool, SchedulerConfig.from_engine(config, self.max_model_len, kv_window)
         )
         self.forward = IsolatingForward(self.runner, self.backend, self.shadow)
         # async_scheduling: steps run on a worker thread, the next scheduled meanwhile

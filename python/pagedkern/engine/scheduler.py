@@ -34,11 +34,24 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from ..model.config import SLIDING, ModelConfig
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .request import Request, RequestStatus
 
 _ENGINE_DEFAULTS = EngineConfig()
+
+
+def released_kv_window(model_config: ModelConfig, config: EngineConfig) -> int | None:
+    """The window whose older blocks the scheduler releases: the model's sliding window when
+    every layer has one (Mistral-style). None when some layer attends to every key (Gemma 2/3's
+    global layers, Qwen2's layers past max_window_layers: they still read every block, and the
+    layers share one block table), and under draft-model speculation (the draft model reads
+    the same tables, with no window)."""
+    types = model_config.layer_types
+    if not types or any(t != SLIDING for t in types) or config.speculative == "draft":
+        return None
+    return model_config.sliding_window
 
 
 class RequestRejected(ValueError):
@@ -55,14 +68,20 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _ENGINE_DEFAULTS.max_num_batched_tokens
     enable_chunked_prefill: bool = _ENGINE_DEFAULTS.enable_chunked_prefill
     num_lookahead_tokens: int = 0  # k of speculative decoding (0: off)
+    # Every layer's sliding window (None: some layer attends to everything): blocks wholly
+    # older than any future query's window are released (release_outside_window).
+    kv_window: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) < 1:
             raise ValueError(f"scheduler limits must be >= 1: {self}")
 
     @classmethod
-    def from_engine(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+    def from_engine(
+        cls, config: EngineConfig, max_model_len: int, kv_window: int | None = None
+    ) -> SchedulerConfig:
         return cls(
+            kv_window=kv_window,
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -110,7 +129,7 @@ class Scheduler:
                 f"request {request.request_id}: {request.num_tokens} prompt tokens leave no room "
                 f"in a context of {limit} tokens (the model's, or what the KV cache holds)"
             )
-        if self.pool.blocks_for(request.num_tokens + 1) > self.pool.num_blocks:
+        if self.pool.blocks_for(request.num_tokens + 1) > self.pool.capacity:
             raise RequestRejected(
                 f"request {request.request_id}: {request.num_tokens} prompt tokens need more KV "
                 f"blocks than the whole cache holds "
@@ -322,6 +341,7 @@ class Scheduler:
                     continue
             if accepted is not None:
                 self._roll_back(request, after + 1)
+            self.release_outside_window(request, after)
 
     @staticmethod
     def ready(batch: ScheduledBatch) -> list[Request]:
@@ -354,6 +374,26 @@ class Scheduler:
         bs = self.pool.block_size
         if self.pool.enable_prefix_caching and after // bs > before // bs:
             self._register_full_blocks(request, before // bs, after // bs)
+        self.release_outside_window(request, after)
+
+    def release_outside_window(self, request: Request, computed: int) -> None:
+        """Windowed models: free the blocks no query from position `computed` on can see (keys
+        older than computed - window + 1), their table entries becoming the pool's null block.
+        Released entries form a prefix of the table: the walk stops at the first null one.
+        Safe with a step in flight (asynchronous scheduling): its queries sit at or past
+        `computed`; a block reallocated meanwhile is written only by a later step."""
+        window = self.config.kv_window
+        if window is None:
+            return
+        table, null = request.block_table, self.pool.null_block
+        end = min(max(0, computed - window + 1) // self.pool.block_size, len(table))
+        j = end - 1
+        while j >= 0 and table[j] != null:
+            j -= 1
+        released = table[j + 1 : end]
+        if released:
+            self.pool.free(released)
+            table[j + 1 : end] = [null] * len(released)
 
     def _roll_back(self, request: Request, end: int) -> None:
         """Free the whole blocks past `end` tokens (slots of rejected proposals, or reserved
