@@ -109,17 +109,22 @@ def test_named_function(client):
 
 
 def test_parallel_tool_calls(client):
-    for seed in range(4):
+    """parallel_tool_calls=false: exactly one call; by default the grammar lets the model go
+    on to further calls (some seeds of the random model do: seeds 2, 3, 4 of 0..5 today)."""
+    most = 0
+    for seed in range(2, 10):
         one = create(
             client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, seed=seed
         )
         assert len(checked_calls(one.choices[0].message)) == 1
-        many = create(client, tools=TOOLS, tool_choice="required", seed=seed)
-        if many.choices[0].finish_reason == "tool_calls":  # (not cut by max_tokens)
-            assert len(checked_calls(many.choices[0].message)) >= 1
-            assert len({c.id for c in many.choices[0].message.tool_calls}) == len(
-                many.choices[0].message.tool_calls
-            )
+        many = create(client, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=200)
+        assert many.choices[0].finish_reason == "tool_calls"
+        calls = many.choices[0].message.tool_calls
+        assert len({c.id for c in calls}) == len(checked_calls(many.choices[0].message))
+        most = max(most, len(calls))
+        if most > 1:
+            break
+    assert most > 1
 
 
 def brace_bias(server) -> dict[str, int]:
