@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from quant_agreement import mean_nll  # noqa: E402
 
 FULL = not smoke_mode()  # PAGEDKERN_BENCH_SMOKE=0, or a GPU machine (skipped below)
+# The smoke run builds engines and models several times over: `slow` (CI runs it).
+pytestmark = pytest.mark.slow
 if FULL and torch.cuda.is_available():
     # Never an assert at import: on a GPU machine collection must go on (the GPU-check
     # rehearsal, tests/test_gpu_check_rehearsal.py, fails on an aborted collection).

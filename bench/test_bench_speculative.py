@@ -17,6 +17,8 @@ from measure import smoke_mode
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 
 FULL = not smoke_mode()
+# The smoke run builds engines and models several times over: `slow` (CI runs it).
+pytestmark = pytest.mark.slow
 if FULL and torch.cuda.is_available():
     pytest.skip(
         "CPU benchmark of the reference ops; this machine has a GPU", allow_module_level=True

@@ -23,6 +23,8 @@ from pagedkern.engine.request import Request
 from pagedkern.engine.speculative.draft import DraftProposer
 
 FULL = not smoke_mode()
+# The smoke run builds engines and models several times over: `slow` (CI runs it).
+pytestmark = pytest.mark.slow
 if FULL and torch.cuda.is_available():
     pytest.skip(
         "CPU benchmark of the reference ops; this machine has a GPU", allow_module_level=True

@@ -25,6 +25,8 @@ from measure import smoke_mode
 from pagedkern.engine import LLM, SamplingParams
 
 FULL = not smoke_mode()  # PAGEDKERN_BENCH_SMOKE=0, or a GPU machine (skipped below)
+# The smoke run builds engines and models several times over: `slow` (CI runs it).
+pytestmark = pytest.mark.slow
 if FULL and torch.cuda.is_available():
     pytest.skip("CPU benchmark (gloo); this machine has a GPU", allow_module_level=True)
 # The default model's 9 query heads split over 1, 3 or 9 ranks: TP = 3 there, TP = 2 on tiny.

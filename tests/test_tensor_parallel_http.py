@@ -20,6 +20,9 @@ import pytest
 from tensor_parallel_cases import mqa_folder
 from test_tensor_parallel_lifecycle import DEADLINE_S, wait_gone
 
+# Slow: a four-process server per test; TP's worker failures through HTTP without it:
+# test_http_faults, and the process group's lifecycle: test_tensor_parallel_lifecycle.
+pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "pagedkern.serving.cli"]
 
 

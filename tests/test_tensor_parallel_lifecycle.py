@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 CHILD = Path(__file__).with_name("tensor_parallel_child.py")
 DEADLINE_S = 60.0
 
@@ -78,6 +80,7 @@ def test_killing_a_worker_fails_rank0_naming_the_rank():
             proc.wait()
 
 
+@pytest.mark.slow  # three interpreter starts and torchrun's own; the group itself: the tests above
 def test_torchrun_ranks_join_one_group_and_answer_as_tp1():
     """The multi-host path on one host: torchrun starts both ranks of the same command; rank 1
     becomes a worker, rank 0 answers exactly what TP = 1 answers."""
