@@ -7,6 +7,9 @@ llama.cpp stores the Q
 and K projections of "llama" models permuted for its interleaved RoPE (pairs 2i, 2i+1); the
 loader undoes that so every model uses rotate-half RoPE (halves i, i + D/2). The converted model
 is cached (weights_cache), so only the first load of a file pays for parsing and dequantizing.
+Mixtures of experts (Mixtral as "llama" with expert_count, qwen2moe, qwen3moe, olmoe): each
+expert's weights are slices of the stacked ffn_{gate,up,down}_exps tensors, dequantized to float
+at load (ops.fused_moe takes float experts; Q4/Q8 experts are not kept quantized yet).
 """
 
 from __future__ import annotations
@@ -25,8 +28,21 @@ from .tokenizer import Tokenizer
 from .weights import LM_HEAD_MODE, LlamaWeights, assemble_weights, quantize_weights
 from .weights_cache import cached_default, file_sha256, load_entry, store_default, store_entry
 
-# arch -> Q/K stored permuted (llama.cpp's converter permutes only its LlamaModel's)
-_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma2": False, "gemma3": False}
+# arch -> Q/K stored permuted (llama.cpp's converter permutes only its LlamaModel's; Mixtral is
+# one, "llama" with expert_count)
+_ARCHITECTURES = {
+    "llama": True,
+    "qwen2": False,
+    "qwen3": False,
+    "gemma2": False,
+    "gemma3": False,
+    "qwen2moe": False,
+    "qwen3moe": False,
+    "olmoe": False,
+}
+# Mixtures of experts: whether llama.cpp renormalises the top-k weights for an arch whose file
+# has no expert_weights_norm (its graph builders hard-code it: Mixtral and Qwen3-MoE do)
+_MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 # Gemma: its local:global layer pattern and the layer count of its 27B size, whose attention
 # scale llama.cpp takes from hidden / heads instead of the head dim (the GGUF does not store it)
 _GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
@@ -57,12 +73,41 @@ _GLOBAL_NAMES = {
 }
 
 
+# A MoE layer's tensors (HF names as weights._moe_shapes gives them): the router, the shared
+# expert and its gate; the experts' own are slices of one stacked tensor each (_EXPERT_NAMES)
+_MOE_NAMES = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",  # stored [H], read [1, H]
+}
+_EXPERT_NAMES = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+}
+
+
+def expert_slice(hf_name: str) -> tuple[str, int] | None:
+    """(GGUF name of the stacked [E, out, in] tensor, expert index) for one expert's weight,
+    model.layers.3.mlp.experts.5.up_proj.weight -> (blk.3.ffn_up_exps.weight, 5), else None."""
+    parts = hf_name.split(".")
+    if len(parts) != 8 or parts[3:5] != ["mlp", "experts"] or parts[6] not in _EXPERT_NAMES:
+        return None
+    return f"blk.{parts[2]}.{_EXPERT_NAMES[parts[6]]}.{parts[7]}", int(parts[5])
+
+
 def gguf_name(hf_name: str, sandwich: bool = False) -> str:
     """HF tensor name -> GGUF name: model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight
-    (sandwich: Gemma's norm names)."""
+    (sandwich: Gemma's norm names; an expert's weight: its stacked tensor, "[e]" appended)."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
+    if (stacked := expert_slice(hf_name)) is not None:
+        return f"{stacked[0]}[{stacked[1]}]"
     _, _, layer, rest = hf_name.split(".", 3)
+    if rest in _MOE_NAMES:
+        return f"blk.{layer}.{_MOE_NAMES[rest]}"
     if sandwich and rest in _SANDWICH_NAMES:
         return f"blk.{layer}.{_SANDWICH_NAMES[rest]}"
     for hf, gg in _LAYER_NAMES.items():
@@ -128,6 +173,7 @@ def _config(meta: dict[str, Any], tensors: dict, path: str) -> tuple[ModelConfig
     gemma = (
         _gemma_fields(meta, arch, layers, hidden, heads, head_dim, path) if arch in _GEMMA else {}
     )
+    moe = _moe_fields(meta, arch, tensors, layers, path) if meta.get(f"{arch}.expert_count") else {}
     try:
         config = ModelConfig(
             name=str(meta.get("general.name") or os.path.basename(path)),
@@ -148,10 +194,39 @@ def _config(meta: dict[str, Any], tensors: dict, path: str) -> tuple[ModelConfig
             mlp_bias="blk.0.ffn_up.bias" in tensors,
             qk_norm="blk.0.attn_q_norm.weight" in tensors,
             **gemma,
+            **moe,
         )
     except ValueError as exc:
         raise ModelLoadError(path, str(exc)) from None
     return config, _ARCHITECTURES[arch]
+
+
+def _moe_fields(
+    meta: dict[str, Any], arch: str, tensors: dict, layers: int, path: str
+) -> dict[str, Any]:
+    """The mixture-of-experts fields of a GGUF, read as llama.cpp reads them: expert_count,
+    expert_used_count, the experts' size (expert_feed_forward_length, else
+    feed_forward_length: Mixtral, OLMoE), the shared expert's (Qwen2-MoE), renormalisation
+    (expert_weights_norm, else what llama.cpp's graph for the arch does), and the dense layers:
+    those without a router tensor. OLMoE's QK-norm spans the whole projection."""
+    if arch not in _MOE_NORM_TOPK:
+        raise ModelLoadError(path, f"mixture of experts in a {arch!r} GGUF is not supported")
+    used = meta.get(f"{arch}.expert_used_count")
+    if used is None:
+        raise ModelLoadError(path, f"GGUF metadata lacks {arch}.expert_used_count")
+    size = meta.get(f"{arch}.expert_feed_forward_length", meta.get(f"{arch}.feed_forward_length"))
+    norm = meta.get(f"{arch}.expert_weights_norm", _MOE_NORM_TOPK[arch])
+    return dict(
+        num_experts=int(meta[f"{arch}.expert_count"]),
+        num_experts_per_tok=int(used),
+        moe_intermediate_size=int(size or 0),
+        norm_topk_prob=bool(norm),
+        shared_expert_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0),
+        dense_layers=tuple(
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors
+        ),
+        qk_norm_whole=arch == "olmoe",
+    )
 
 
 def _gemma_fields(
@@ -239,8 +314,21 @@ def _convert(
     def name(hf_name: str) -> str:
         return gguf_name(hf_name, config.sandwich_norms)
 
+    stacks: dict[str, torch.Tensor | None] = {}  # the current MoE layer's stacked experts
+
     def get(hf_name: str) -> torch.Tensor | None:
+        if (stacked := expert_slice(hf_name)) is not None:  # (experts dequantized: float)
+            stack_name, e = stacked
+            if stack_name not in stacks:
+                layer = stack_name.split(".")[1]
+                if any(k.split(".")[1] != layer for k in stacks):
+                    stacks.clear()  # one layer's stacks at a time
+                stacks[stack_name] = read(stack_name)
+            w = stacks[stack_name]
+            return None if w is None or e >= w.shape[0] else w[e]
         w = read(name(hf_name))
+        if w is not None and hf_name.endswith("mlp.shared_expert_gate.weight") and w.ndim == 1:
+            w = w.reshape(1, -1)
         if w is not None and permuted and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = config.num_heads if ".q_proj" in hf_name else config.num_kv_heads
             if w.shape[0] % (2 * heads) == 0:  # else let the shape check report it
@@ -259,8 +347,11 @@ def _convert(
 
 def gguf_default_quantization(path: str | os.PathLike) -> str:
     """'int4' when every layer weight is a 4-bit block that maps onto int4 without loss
-    (Q4_0 / Q4_1 / Q4_K, e.g. the default model), else 'none' (reads the tensor table only)."""
+    (Q4_0 / Q4_1 / Q4_K, e.g. the default model), else 'none' (reads the tensor table only);
+    'none' for a mixture of experts (quantized experts are dequantized at load)."""
     reader, _ = _open(os.fspath(path))
+    if any("_exps." in t.name for t in reader.tensors):
+        return "none"  # mixtures of experts: experts dequantized at load (kernels take float)
     kinds = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.")}
     kinds.discard("F32")  # norms
     return "int4" if kinds and kinds <= {"Q4_0", "Q4_1", "Q4_K"} else "none"

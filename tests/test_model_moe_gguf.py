@@ -1,0 +1,159 @@
+"""Mixture-of-experts GGUF files, written here the way llama.cpp's converter writes each
+architecture (Mixtral as "llama" with expert_count, "qwen3moe", "olmoe", "qwen2moe": the router
+ffn_gate_inp, the stacked experts ffn_gate_exps / ffn_up_exps / ffn_down_exps, Qwen2-MoE's
+shared expert *_shexp and its gate ffn_gate_inp_shexp), load equal to the same model's HF folder
+(weights and logits) and give transformers' logits; Q8_0 experts are dequantized at load."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import quantize
+from hf_model_files import LLAMA3_TEMPLATE, SPECIALS, all_logits, train_tokenizer
+from test_model_gguf import llama_cpp_permute, llama_cpp_tensor_name
+from test_model_moe import ARCHITECTURES, _save
+from test_model_transformers import PROMPT
+from transformers_oracle import relative
+
+from pagedkern.model import load_model
+from pagedkern.model.gguf_loader import gguf_default_quantization
+
+transformers = pytest.importorskip("transformers")
+
+# test_model_moe's architectures -> llama.cpp's GGUF arch name
+GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "qwen2_moe": "qwen2moe"}
+# what llama.cpp's graph does for an arch whose file has no expert_weights_norm
+LLAMA_CPP_NORM = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
+_MOE_TENSORS = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+
+
+def write_moe_gguf(path, hf, arch: str, expert_type=None) -> None:
+    """The MoE model as llama.cpp's converter writes it, in F32 (experts whose rows are whole
+    32-blocks in `expert_type` if given): write_gguf_like_llama_cpp's metadata and dense
+    tensors, plus the expert metadata and the MoE tensors under their GGUF names, the experts
+    stacked [E, out, in]."""
+    cfg = hf.config
+    tok = train_tokenizer()
+    vocab = json.loads(tok.to_str())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_local_experts if arch == "llama" else cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch in ("qwen2moe", "qwen3moe"):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    norm = True if arch == "llama" else cfg.norm_topk_prob
+    if norm != LLAMA_CPP_NORM[arch]:
+        w.add_expert_weights_norm(norm)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) for m in vocab["merges"]])
+    w.add_eos_token_id(tokens.index("<|eot_id|>"))
+    w.add_chat_template(LLAMA3_TEMPLATE)
+    for name, t in hf.state_dict().items():
+        arr = np.ascontiguousarray(t.detach().float().numpy())
+        moe = _moe_tensor(name, arr)
+        if moe is None:
+            if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+                heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+                arr = llama_cpp_permute(arr, heads)
+            w.add_tensor(llama_cpp_tensor_name(name), arr)
+            continue
+        for gname, part in moe.items():
+            if "_exps." in gname and expert_type is not None and part.shape[-1] % 32 == 0:
+                w.add_tensor(gname, quantize(part, expert_type), raw_dtype=expert_type)
+            else:
+                w.add_tensor(gname, part)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _moe_tensor(name: str, arr: np.ndarray) -> dict[str, np.ndarray] | None:
+    """{GGUF name: array} of a MoE tensor of transformers' state dict, None for a dense one."""
+    _, _, layer, rest = name.split(".", 3) if name.startswith("model.layers.") else (0, 0, 0, "")
+    if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+        inter = arr.shape[1] // 2
+        return {
+            f"blk.{layer}.ffn_gate_exps.weight": np.ascontiguousarray(arr[:, :inter]),
+            f"blk.{layer}.ffn_up_exps.weight": np.ascontiguousarray(arr[:, inter:]),
+        }
+    if rest == "mlp.experts.down_proj":
+        return {f"blk.{layer}.ffn_down_exps.weight": arr}
+    if rest == "mlp.shared_expert_gate.weight":  # llama.cpp stores it as a vector [H]
+        return {f"blk.{layer}.ffn_gate_inp_shexp.weight": arr.reshape(-1)}
+    if rest in _MOE_TENSORS:
+        return {f"blk.{layer}.{_MOE_TENSORS[rest]}": arr}
+    return None
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_ARCH))
+def test_moe_gguf_loads_equal_to_the_hf_folder(tmp_path, arch):
+    make_config, model_class = ARCHITECTURES[arch]
+    folder = tmp_path / "hf"
+    hf = _save(folder, make_config, model_class)
+    path = tmp_path / "m.gguf"
+    write_moe_gguf(path, hf, GGUF_ARCH[arch])
+    assert gguf_default_quantization(path) == "none"
+    from_gguf, _ = load_model(str(path), "cpu", torch.float32, quantization=None)
+    from_hf, _ = load_model(str(folder), "cpu", torch.float32)
+    assert from_gguf.config.num_experts == from_hf.config.num_experts
+    for field in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "dense_layers", "shared_expert_size", "qk_norm_whole"):  # fmt: skip
+        assert getattr(from_gguf.config, field) == getattr(from_hf.config, field), field
+    for got, want in zip(from_gguf.weights.layers, from_hf.weights.layers, strict=True):
+        for field in ("router", "experts_gate_up", "experts_down", "shared_gate", "gate_up"):
+            a, b = getattr(got, field), getattr(want, field)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), field
+    got = all_logits(from_gguf, PROMPT).double()
+    assert relative(got, all_logits(from_hf, PROMPT).double()) < 1e-6
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    assert relative(got, want) < 1e-5
+
+
+def test_q8_0_experts_are_dequantized_at_load(tmp_path):
+    make_config, model_class = ARCHITECTURES["qwen3_moe"]
+    hf = _save(tmp_path / "hf", make_config, model_class)
+    path = tmp_path / "q8.gguf"
+    write_moe_gguf(path, hf, "qwen3moe", gguf.GGMLQuantizationType.Q8_0)
+    assert gguf_default_quantization(path) == "none"  # experts cannot stay quantized yet
+    model, _ = load_model(str(path), "cpu", torch.float32, quantization=None)
+    layer = model.weights.layers[0]
+    assert layer.experts_gate_up.dtype == torch.float32
+    stacked = hf.model.layers[0].mlp.experts.gate_up_proj.detach()
+    error = relative(layer.experts_gate_up.double(), stacked.double())
+    assert 0 < error < 1e-2  # Q8_0's rounding, not a layout error
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    assert relative(all_logits(model, PROMPT).double(), want) < 3e-2
