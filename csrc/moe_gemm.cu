@@ -14,19 +14,22 @@
  *             rows contiguously.
  *   Padding rows (sentinel pairs) load zeros and store nothing. 4 warps: kBM = 16 puts them
  *   side by side over n (16 columns each), kBM = 64 stacks them over m (16 rows each, all 64
- *   columns). K runs in steps of kBK = 32: the A and B tiles are staged in shared memory (rows
- *   padded to 40 elements so the 32-bit fragment loads of the 8 rows g hit distinct banks),
- *   then two m16n8k16 steps of mma.sync (mma_fragments.cuh; bf16/fp16 in, fp32 accumulate).
- *   kVec: 16-byte global loads (K % 8 == 0 and aligned rows), else element loads with zero
- *   fill; both bound-check K and N, so any H and I work.
+ *   columns). K runs in steps of kBK = 32 through a kStages = 3 shared-memory pipeline: the A
+ *   and B tiles of step s + 2 are in flight while step s computes (rows padded to 40 elements
+ *   so the 32-bit fragment loads of the 8 rows g hit distinct banks), each step two m16n8k16
+ *   mma.sync (mma_fragments.cuh; bf16/fp16 in, fp32 accumulate). kVec: 16-byte cp.async
+ *   copies (K % 8 == 0 and aligned rows), zero-filled past K, past N and for padding rows;
+ *   else element loads stored into the same stages. Any H and I work.
  * moe_combine_kernel<T>: out[t, n] = round(sum_slot w[t, slot] * y[t*k + slot, n]) in fp32,
  *   slot order: a deterministic reduce (no atomics), the same result on every run.
  *
  * Traffic at decode (T*k pairs on distinct experts): each routed expert's weights are read once
  * (3*H*I elements); the floor is those bytes / copy bandwidth. At prefill the FLOPs are
- * 6*T*k*H*I. This version loads synchronously (no cp.async pipeline, no ldmatrix, no wgmma):
- * the structure is the target's, the speed is a first cut. Not yet verified on GPU.
+ * 6*T*k*H*I. Not in this version: ldmatrix, wgmma/TMA on sm_90a, split-K for decode shapes
+ * with few CTAs, quantized experts. Not yet verified on GPU.
  */
+#include <cuda_pipeline_primitives.h>
+
 #include "device.cuh"
 #include "mma_fragments.cuh"
 #include "moe.h"
@@ -38,6 +41,7 @@ constexpr int kWarps = 4;
 constexpr int kBN = 64;
 constexpr int kBK = 32;
 constexpr int kLd = kBK + 8;  // shared-memory row length (elements)
+constexpr int kStages = 3;    // K steps in flight (cp.async pipeline)
 
 struct Silu {
   __device__ __forceinline__ float operator()(float g) const { return g / (1.f + __expf(-g)); }
@@ -52,13 +56,15 @@ struct NoAct {
   __device__ __forceinline__ float operator()(float g) const { return g; }
 };
 
-// Eight elements k0 .. k0+7 of row `src` (nullptr: zeros) into shared memory.
+// Eight elements k0 .. k0+7 of row `src` (nullptr: zeros) into shared memory. kVec: one
+// 16-byte cp.async (zero-filled past the row or for padding; `dummy` is any aligned address,
+// never read), waited for by the pipeline; else element loads and stores, done on return.
 template <typename T, bool kVec>
-__device__ __forceinline__ void stage8(T* dst, const T* src, int64_t k0, int64_t k) {
+__device__ __forceinline__ void stage8(T* dst, const T* src, int64_t k0, int64_t k,
+                                       const T* dummy) {
   if constexpr (kVec) {
-    *reinterpret_cast<uint4*>(dst) = src != nullptr && k0 < k
-                                         ? __ldg(reinterpret_cast<const uint4*>(src + k0))
-                                         : make_uint4(0u, 0u, 0u, 0u);
+    const bool valid = src != nullptr && k0 < k;
+    __pipeline_memcpy_async(dst, valid ? src + k0 : dummy, 16, valid ? 0 : 16);
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -77,8 +83,8 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gemm_kernel(const MoeExpertsP
   constexpr int kWN = kWarps / kWM;       // warps over n
   constexpr int kNF = kBN / kWN / 8;      // n8 fragments per warp
   constexpr int kHalves = kGated ? 2 : 1;
-  alignas(16) __shared__ T a_tile[kBM][kLd];
-  alignas(16) __shared__ T b_tile[kBRows][kLd];
+  alignas(16) __shared__ T a_tile[kStages][kBM][kLd];
+  alignas(16) __shared__ T b_tile[kStages][kBRows][kLd];
   __shared__ int32_t row_pair[kBM];  // the pair of each row, -1 for padding
   __shared__ const T* row_a[kBM];    // its A row (hidden's token row or h's row), or nullptr
 
@@ -115,38 +121,67 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gemm_kernel(const MoeExpertsP
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[h][f][i] = 0.f;
 
-  for (int64_t k0 = 0; k0 < k_total; k0 += kBK) {
-    for (int idx = tid; idx < kBM * (kBK / 8); idx += kWarps * 32) {
-      const int r = idx / (kBK / 8), col = idx % (kBK / 8) * 8;
-      stage8<T, kVec>(&a_tile[r][col], row_a[r], k0 + col, k_total);
+  // This thread's 16-byte chunks of each K step: column (tid % 4) * 8 of rows tid / 4 + 32 i,
+  // their row pointers fixed for the whole K loop (nullptr: zeros)
+  constexpr int kALoads = (kBM + 31) / 32, kBLoads = kBRows / 32;
+  const int col = (tid % 4) * 8;
+  const T* a_src[kALoads];
+  const T* b_src[kBLoads];
+#pragma unroll
+  for (int i = 0; i < kALoads; ++i) {
+    const int r = tid / 4 + 32 * i;
+    a_src[i] = r < kBM ? row_a[r] : nullptr;
+  }
+#pragma unroll
+  for (int i = 0; i < kBLoads; ++i) {
+    const int r = tid / 4 + 32 * i;
+    const int64_t n = n0 + (r % kBN);
+    b_src[i] = n < n_total ? w_base + (r >= kBN ? n_total + n : n) * k_total : nullptr;
+  }
+  // K step `step` into stage `stage` (cp.async, or plain stores for the element path)
+  auto load = [&](int step, int stage) {
+    const int64_t k = int64_t(step) * kBK + col;
+#pragma unroll
+    for (int i = 0; i < kALoads; ++i) {
+      const int r = tid / 4 + 32 * i;
+      if (r < kBM) stage8<T, kVec>(&a_tile[stage][r][col], a_src[i], k, k_total, w_base);
     }
-    for (int idx = tid; idx < kBRows * (kBK / 8); idx += kWarps * 32) {
-      const int r = idx / (kBK / 8), col = idx % (kBK / 8) * 8;
-      const int64_t n = n0 + (r % kBN);
-      const T* src = nullptr;
-      if (n < n_total) src = w_base + (r >= kBN ? n_total + n : n) * k_total;
-      stage8<T, kVec>(&b_tile[r][col], src, k0 + col, k_total);
-    }
-    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kBLoads; ++i)
+      stage8<T, kVec>(&b_tile[stage][tid / 4 + 32 * i][col], b_src[i], k, k_total, w_base);
+  };
+  const int steps = int((k_total + kBK - 1) / kBK);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) load(s, s);
+    __pipeline_commit();
+  }
+  for (int step = 0; step < steps; ++step) {
+    __pipeline_wait_prior(kStages - 2);  // committed: steps 0..step+kStages-2; `step` landed
+    __syncthreads();  // ... for every thread, and the stage read at step - 1 is free again
+    if (step + kStages - 1 < steps) load(step + kStages - 1, (step + kStages - 1) % kStages);
+    __pipeline_commit();
+    const int stage = step % kStages;
 #pragma unroll
     for (int ks = 0; ks < kBK; ks += 16) {
       const int ar = warp_m * 16 + g;
-      const uint32_t a[4] = {word_at(&a_tile[ar][ks + 2 * c]), word_at(&a_tile[ar + 8][ks + 2 * c]),
-                             word_at(&a_tile[ar][ks + 2 * c + 8]),
-                             word_at(&a_tile[ar + 8][ks + 2 * c + 8])};
+      const uint32_t a[4] = {word_at(&a_tile[stage][ar][ks + 2 * c]),
+                             word_at(&a_tile[stage][ar + 8][ks + 2 * c]),
+                             word_at(&a_tile[stage][ar][ks + 2 * c + 8]),
+                             word_at(&a_tile[stage][ar + 8][ks + 2 * c + 8])};
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
         for (int f = 0; f < kNF; ++f) {
           const int bn = h * kBN + warp_n * (kBN / kWN) + f * 8 + g;
-          const uint32_t b[2] = {word_at(&b_tile[bn][ks + 2 * c]),
-                                 word_at(&b_tile[bn][ks + 2 * c + 8])};
+          const uint32_t b[2] = {word_at(&b_tile[stage][bn][ks + 2 * c]),
+                                 word_at(&b_tile[stage][bn][ks + 2 * c + 8])};
           mma::mma_16816<T>(acc[h][f], a, b);
         }
       }
     }
-    __syncthreads();
   }
+  __pipeline_wait_prior(0);
 
   const Act act;
   T* out = static_cast<T*>(kGated ? p.h : p.y);

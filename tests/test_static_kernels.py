@@ -327,11 +327,10 @@ def test_fp8_conversions_are_hardware_on_hopper_software_on_ampere(cuda_binary, 
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_moe_gemm_vector_variants_stage_tiles_with_sixteen_byte_loads(cuda_binary, arch):
+def test_moe_gemm_vector_variants_stage_tiles_with_sixteen_byte_copies(cuda_binary, arch):
     # moe_gemm_kernel<T, kBM, kGated, kVec, Act>: "ELb1ENS0_" = kVec true, then the activation;
-    # 2 dtypes x 2 row tiles x (silu, gelu_tanh gate_up; down)
+    # 2 dtypes x 2 row tiles x (silu, gelu_tanh gate_up; down); tiles by 16-byte cp.async
     vec = _listings(cuda_binary, arch, "moe_gemm_kernel", "ELb1ENS0_")
     assert len(vec) == 12, sorted(vec)
     for name, sass in vec.items():
-        assert "LDG.E.128" in sass, f"{name}: no 16-byte loads"
-        assert "STS.128" in sass, f"{name}: tiles not staged with 16-byte shared stores"
+        assert "LDGSTS.E.BYPASS.128" in sass, f"{name}: tiles not staged by 16-byte cp.async"
