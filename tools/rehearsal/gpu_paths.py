@@ -37,7 +37,7 @@ def _flash_prefill_path(*, device, head_dim, block_size, fp8_cache, path):
     return PATH_CODES["sm80"] if path == PATH_CODES["sm80"] or fp8_cache else PATH_CODES["sm90"]
 
 
-HOST_ONLY = {"flash_prefill_workspace_ints", "build_info"}  # no device: the real function runs
+HOST_ONLY = {"flash_prefill_workspace_ints", "build_info", "moe_padded_rows"}  # run for real
 DEVICE_QUERIES = {
     "device_count": lambda: (1, ""),
     "compute_capability": lambda *, device: CAPABILITY,
@@ -48,6 +48,7 @@ DEVICE_QUERIES = {
 LAUNCHES = {
     "rms_norm", "silu_and_mul", "rope_and_cache", "paged_attention", "flash_prefill", "sample",
     "quant_gemm", "rejection_sample", "PagedAttentionLaunch", "FlashPrefillLaunch",
+    "moe_route", "moe_align", "moe_experts",
 }  # fmt: skip
 
 
