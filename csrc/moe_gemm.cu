@@ -14,10 +14,10 @@
  *             rows contiguously.
  *   Padding rows (sentinel pairs) load zeros and store nothing. 4 warps: kBM = 16 puts them
  *   side by side over n (16 columns each), kBM = 64 stacks them over m (16 rows each, all 64
- *   columns). K runs in steps of kBK = 32 through a kStages = 3 shared-memory pipeline: the A
- *   and B tiles of step s + 2 are in flight while step s computes (rows padded to 40 elements
- *   so the 32-bit fragment loads of the 8 rows g hit distinct banks), each step two m16n8k16
- *   mma.sync (mma_fragments.cuh; bf16/fp16 in, fp32 accumulate). kVec: 16-byte cp.async
+ *   columns). K runs in steps of kBK = 32 through a shared-memory pipeline of 4 stages
+ *   (kBM = 16) or 3: the next steps' A and B tiles are in flight while one computes (rows
+ *   padded to 40 elements so the 32-bit fragment loads of the 8 rows g hit distinct banks),
+ *   each step two m16n8k16 mma.sync (mma_fragments.cuh; bf16/fp16 in, fp32 accumulate). kVec: 16-byte cp.async
  *   copies (K % 8 == 0 and aligned rows), zero-filled past K, past N and for padding rows;
  *   else element loads stored into the same stages. Any H and I work.
  * moe_combine_kernel<T>: out[t, n] = round(sum_slot w[t, slot] * y[t*k + slot, n]) in fp32,
@@ -41,7 +41,6 @@ constexpr int kWarps = 4;
 constexpr int kBN = 64;
 constexpr int kBK = 32;
 constexpr int kLd = kBK + 8;  // shared-memory row length (elements)
-constexpr int kStages = 3;    // K steps in flight (cp.async pipeline)
 
 struct Silu {
   __device__ __forceinline__ float operator()(float g) const { return g / (1.f + __expf(-g)); }
@@ -83,6 +82,9 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gemm_kernel(const MoeExpertsP
   constexpr int kWN = kWarps / kWM;       // warps over n
   constexpr int kNF = kBN / kWN / 8;      // n8 fragments per warp
   constexpr int kHalves = kGated ? 2 : 1;
+  // K steps in flight (cp.async pipeline): 4 at the decode tile, whose CTAs are few and each
+  // must keep more weight bytes in flight; 3 at 64 rows (static shared memory < 48 KiB)
+  constexpr int kStages = kBM == 16 ? 4 : 3;
   alignas(16) __shared__ T a_tile[kStages][kBM][kLd];
   alignas(16) __shared__ T b_tile[kStages][kBRows][kLd];
   __shared__ int32_t row_pair[kBM];  // the pair of each row, -1 for padding
