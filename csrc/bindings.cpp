@@ -22,6 +22,7 @@
 #include "rejection_sampling.h"
 #include "flash_prefill.h"
 #include "quant_gemm.h"
+#include "quant_gemm_marlin.h"
 #include "moe.h"
 
 namespace py = pybind11;
@@ -540,6 +541,37 @@ PYBIND11_MODULE(_C, m) {
         py::arg("experts"), py::arg("tile_m"));
   m.def(
       "moe_route",
+  // --- quant_gemm_marlin: W4A16 on tensor cores over the tile-ordered int4 weight ----
+  m.attr("quant_gemm_marlin_tile_n") = pagedkern::kQuantGemmMarlinTileN;
+  m.attr("quant_gemm_marlin_tile_k") = pagedkern::kQuantGemmMarlinTileK;
+  m.def(
+      "quant_gemm_marlin",
+      [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t qweight, std::uintptr_t scales,
+         std::uintptr_t mins, std::uintptr_t workspace, int64_t m_rows, int64_t n, int64_t k,
+         int64_t x_stride, int64_t out_stride, int group_size, int k_splits, int dtype, int device,
+         std::uintptr_t stream) {
+        pagedkern::QuantGemmMarlinParams p;
+        p.out = as_ptr<void>(out);
+        p.x = as_ptr<const void>(x);
+        p.qweight = as_ptr<const void>(qweight);
+        p.scales = as_ptr<const void>(scales);
+        p.mins = as_ptr<const void>(mins);
+        p.workspace = as_ptr<float>(workspace);
+        p.m = m_rows;
+        p.n = n;
+        p.k = k;
+        p.x_stride = x_stride;
+        p.out_stride = out_stride;
+        p.group_size = group_size;
+        p.k_splits = k_splits;
+        p.dtype = static_cast<DType>(dtype);
+        DeviceGuard guard(device);
+        pagedkern::quant_gemm_marlin(p, as_stream(stream));
+      },
+      py::kw_only(), py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"),
+      py::arg("mins"), py::arg("workspace"), py::arg("m"), py::arg("n"), py::arg("k"),
+      py::arg("x_stride"), py::arg("out_stride"), py::arg("group_size"), py::arg("k_splits"),
+      py::arg("dtype"), py::arg("device"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
       [](std::uintptr_t ids, std::uintptr_t weights, std::uintptr_t logits, int64_t tokens,
          int64_t logits_stride, int experts, int top_k, bool renormalize, int scoring, int dtype,
          int device, std::uintptr_t stream) {

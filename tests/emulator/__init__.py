@@ -46,6 +46,7 @@ KERNELS = (
     "sampling_fused.cu",
     "sampling_split.cu",
     "quant_gemm.cu",
+    "quant_gemm_marlin.cu",  # mma.sync and ldmatrix through mma_fragments.cuh
     "moe_route.cu",
     "moe_gemm.cu",  # mma.sync through mma_fragments.cuh's warp-shuffle spelling
 )

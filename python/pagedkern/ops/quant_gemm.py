@@ -3,7 +3,8 @@
 Dispatch after validation: CPU tensors -> torch's maintained int-pack kernels
 (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu), which want bf16 activations and
 bf16 scales, so x is rounded to bf16 around the GEMM and the result returned in x's dtype;
-CUDA tensors -> csrc/quant_gemm.cu for decode-shaped M (<= 64, fp16/bf16 x), else (and with the
+CUDA tensors -> csrc/quant_gemm.cu for decode-shaped M (<= 64, fp16/bf16 x; with the variant
+quant_gemm:marlin, csrc/quant_gemm_marlin.cu for the int4 weights it takes), else (and with the
 'reference' backend) the weight dequantized into a temporary half-precision workspace and
 torch's GEMM. The float64 ground truth is pagedkern.reference.quant_gemm. CUDA inputs must be
 torch tensors (the weight is a QuantizedWeight of torch tensors)."""
@@ -13,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..reference.quant_gemm_marlin_layout import MarlinInt4, repack_int4, unsupported_reason
 from ..reference.quantized_weight import QuantizedWeight
-from . import launch
+from . import launch, variants
 from .arrays import DTYPE_CODES, view
 from .launch import launch_context
 
@@ -119,6 +121,9 @@ def _cuda(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | None) ->
     ov = view(out, "out")
     module, device, handle = launch_context([xv, ov])
     int4 = weight.format == "int4"
+    if int4 and variants.selected("quant_gemm") == "marlin" and unsupported_reason(weight) is None:
+        _marlin(module, device, handle, x, weight, out)
+        return out
     module.quant_gemm(
         out=ov.ptr,
         x=xv.ptr,
@@ -137,3 +142,50 @@ def _cuda(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | None) ->
         stream=handle,
     )
     return out
+
+
+def marlin_packed(weight: QuantizedWeight, dtype: torch.dtype) -> MarlinInt4:
+    """The tile-ordered operands of csrc/quant_gemm_marlin.cu, built once per weight and dtype."""
+    key = f"marlin-{dtype}"
+    packed = weight.packed.get(key)
+    if packed is None:
+        packed = weight.packed[key] = repack_int4(weight, dtype)
+    return packed
+
+
+def marlin_k_splits(m: int, n: int, k: int, sms: int) -> int:
+    """K slices for quant_gemm_marlin: enough blocks (N / 64 per slice) for four per SM, no
+    more slices than 64-wide K tiles, and the fp32 partial sums (8 M N bytes per slice, written
+    and read back) at most half the int4 weight's K N / 2 bytes."""
+    k_tiles = k // 64
+    wanted = -(-4 * sms // (n // 64))
+    splits = max(1, min(wanted, k_tiles, k // (32 * m), 64))
+    per_split = -(-k_tiles // splits)
+    return -(-k_tiles // per_split)  # no empty slice
+
+
+def _marlin(module, device: int, handle: int, x, weight: QuantizedWeight, out) -> None:
+    m, (n, k) = x.shape[0], weight.shape
+    packed = marlin_packed(weight, x.dtype)
+    splits = marlin_k_splits(m, n, k, launch.sm_count(module, device))
+    views = [view(x, "x"), view(out, "out")]
+    with launch.on_launch_stream(views, device, handle):  # the workspace tied to the launch
+        workspace = torch.empty(splits * m * n if splits > 1 else 0, device=x.device)
+    module.quant_gemm_marlin(
+        out=out.data_ptr(),
+        x=x.data_ptr(),
+        qweight=packed.qweight.data_ptr(),
+        scales=packed.scales.data_ptr(),
+        mins=packed.mins.data_ptr(),
+        workspace=workspace.data_ptr() if splits > 1 else 0,
+        m=m,
+        n=n,
+        k=k,
+        x_stride=x.stride(0),
+        out_stride=n,
+        group_size=weight.group_size,
+        k_splits=splits,
+        dtype=DTYPE_CODES[views[0].dtype],
+        device=device,
+        stream=handle,
+    )

@@ -105,6 +105,19 @@ VARIANTS: dict[str, OpVariants] = {
             ),
         ),
         OpVariants(
+            "quant_gemm",
+            (
+                Variant("v1", 0, "CUDA-core dot products, one warp per output channel", _RUN2),
+                Variant(
+                    "marlin",
+                    1,
+                    "int4 on mma.sync over tile-ordered weights, lop3 dequantization, 4-6 cp.async "
+                    "stages (int8 and N or K not multiples of 64: v1)",
+                    None,
+                ),
+            ),
+        ),
+        OpVariants(
             "paged_attention",
             (
                 Variant(
