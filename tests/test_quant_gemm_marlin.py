@@ -180,3 +180,19 @@ def test_marlin_machine_code(cuda_binary, arch):
             assert opcode in text, f"{name}: no {opcode}"
         assert "CALL" not in text, f"{name}: calls a routine (division?)"
         assert "I2F" not in text, f"{name}: integer-to-float conversions in the dequantization"
+
+
+@needs_emulator
+def test_marlin_variant_runs_v1_into_an_out_not_8_byte_aligned(kernels):
+    from kernel_check import assert_close_to
+
+    from pagedkern.reference.quant_gemm import quant_linear
+
+    kernels(quant_gemm="marlin")
+    qw = int4_weight(32, 64, 128, torch.Generator().manual_seed(4))
+    x = torch.randn(2, 128).half()
+    out = torch.full((2 * 64 + 1,), float("nan")).half()[1:].view(2, 64)  # 2-byte offset
+    with emulated():
+        pagedkern.ops.quant_linear(x, qw, out=out)
+    assert not qw.packed, "the marlin kernel ran on a misaligned out"
+    assert_close_to(out, quant_linear(x.double(), qw), torch.float16)

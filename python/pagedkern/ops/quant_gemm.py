@@ -121,7 +121,8 @@ def _cuda(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | None) ->
     ov = view(out, "out")
     module, device, handle = launch_context([xv, ov])
     int4 = weight.format == "int4"
-    if int4 and variants.selected("quant_gemm") == "marlin" and unsupported_reason(weight) is None:
+    marlin = int4 and variants.selected("quant_gemm") == "marlin" and out.data_ptr() % 8 == 0
+    if marlin and unsupported_reason(weight) is None:  # pair stores: out 8-byte aligned
         _marlin(module, device, handle, x, weight, out)
         return out
     module.quant_gemm(
