@@ -184,3 +184,14 @@ def test_the_row_bound_is_one_formula():
     for pairs, experts, tile_m in cases:
         want = padded_rows(pairs, experts, tile_m)
         assert module.moe_padded_rows(pairs=pairs, experts=experts, tile_m=tile_m) == want
+
+
+def test_fused_moe_chooses_the_64_row_tile_at_prefill_shapes():
+    # 40 tokens x top-4 over 4 experts: 40 rows per expert on average, past 32
+    assert moe.moe_tile_m(40, 4, 4) == 64 and moe.moe_tile_m(3, 4, 8) == 16
+    args = _operands(40, 4, 40, 24, torch.float16, seed=11)
+    with emulated():
+        out = moe.fused_moe(*args, 4)
+    want = reference.fused_moe(*args, 4)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, want) <= REL_TOLERANCE[torch.float16]
