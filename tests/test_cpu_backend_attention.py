@@ -32,10 +32,10 @@ def _paged(seq_lens, hkv, block_size, dtype, g, d=D):
     for b, n in enumerate(seq_lens):
         pages, order = order[: needed[b]], order[needed[b] :]
         tables[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        for t in range(n):
-            page, offset = pages[t // block_size], t % block_size
-            k_cache[page, :, offset] = torch.randn(hkv, d, generator=g).to(dtype)
-            v_cache[page, :, offset] = torch.randn(hkv, d, generator=g).to(dtype)
+        t = torch.arange(n)
+        page, offset = torch.tensor(pages, dtype=torch.long)[t // block_size], t % block_size
+        k_cache[page, :, offset] = torch.randn(n, hkv, d, generator=g).to(dtype)
+        v_cache[page, :, offset] = torch.randn(n, hkv, d, generator=g).to(dtype)
     return k_cache, v_cache, tables
 
 
@@ -53,7 +53,7 @@ SHAPES = [  # (hq, hkv, block size)
     (6, 6, 32),  # no GQA
 ]
 PREFILLS = [  # (chunks, seq_lens): whole prompts, chunks after a cached prefix, across tiles
-    ([1100], [1100]),
+    ([700], [700]),
     ([3, 40, 600], [700, 40, 1030]),
     ([1, 17, 5], [1, 17, 517]),
 ]
