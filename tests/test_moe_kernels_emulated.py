@@ -195,3 +195,21 @@ def test_fused_moe_chooses_the_64_row_tile_at_prefill_shapes():
     want = reference.fused_moe(*args, 4)
     assert not torch.isnan(out).any()
     assert relative_error(out, want) <= REL_TOLERANCE[torch.float16]
+
+
+def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
+    # what CUDA-graph capture forbids: a device value read by the host (all sizes come from
+    # the shapes); every way a tensor's value reaches Python raises here
+    args = _operands(6, 8, 40, 24, torch.bfloat16, seed=5)
+
+    def refuse(*_, **__):
+        raise AssertionError("a tensor's value was read on the host")
+
+    for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    with emulated():
+        out = moe.fused_moe(*args, 2)
+    with pytest.raises(AssertionError, match="read on the host"):  # the guard bites:
+        reference.fused_moe(*args, 2)  # the reference reads the expert counts
+    monkeypatch.undo()
+    assert relative_error(out, reference.fused_moe(*args, 2)) <= REL_TOLERANCE[torch.bfloat16]
