@@ -59,6 +59,7 @@ def run_rehearsal(tmp_path, files: list[str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # every benchmark suite of the stage in a pytest process; the stub: the rest
 def test_the_benchmark_stage_runs_its_gpu_branches_on_the_cpu(tmp_path):
     _extension()
     files = bench_stage_files()

@@ -407,6 +407,7 @@ def _cutlass_include() -> Path | None:
     return include if (include / "cute" / "tensor.hpp").is_file() else None
 
 
+@pytest.mark.slow  # a 15-25 s nvcc build of a host program; CI runs it
 def test_cute_layouts_on_the_host(tmp_path):
     """tests/flash_prefill_layouts.cu: accumulator coordinates, the P operand, the quads of the
     row reductions, the hand-written and TMA shared-memory addresses (about 20 s of nvcc)."""
