@@ -32,7 +32,11 @@ def test_the_table_names_every_op():
         "set_backend",
         "use_backend",
     }
-    assert set(cpu.IMPLEMENTATIONS) == public
+    missing, stale = public - set(cpu.IMPLEMENTATIONS), set(cpu.IMPLEMENTATIONS) - public
+    assert not missing, (
+        f"name {missing} in ops/cpu IMPLEMENTATIONS (a CPU implementation or the reference)"
+    )
+    assert not stale, f"ops/cpu IMPLEMENTATIONS names {stale}, which ops no longer has"
     for op, fn in cpu.IMPLEMENTATIONS.items():
         if fn is not None:
             assert getattr(cpu.implementations, op) is fn
