@@ -196,3 +196,27 @@ def test_marlin_variant_runs_v1_into_an_out_not_8_byte_aligned(kernels):
         pagedkern.ops.quant_linear(x, qw, out=out)
     assert not qw.packed, "the marlin kernel ran on a misaligned out"
     assert_close_to(out, quant_linear(x.double(), qw), torch.float16)
+
+
+@pytest.mark.static
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_marlin_k_loop_is_tensor_core_work(cuda_binary, arch):
+    # Per 64-wide K tile each warp: 4 k16 steps x 2 n8 fragments x kMT m16 tiles of HMMA, one
+    # ldmatrix.x4 per step and m16 tile, and the dequantization of 16 B registers (one
+    # subtraction of the magic number and one HFMA2 each; bf16 on sm_80 subtracts by HFMA2).
+    import re
+    from collections import Counter
+
+    from test_static_kernels import _loops
+
+    for name, sass in cuda_binary.sass(arch).items():
+        if "quant_gemm_marlin_kernel" not in name:
+            continue
+        m_tiles = int(re.search(r"Li(\d)ELi\dEEEv", name).group(1))
+        loop = max((b for b in _loops(sass) if any("HMMA" in t for t in b)), key=len)
+        ops = ("HMMA", "LDSM", "HFMA2", "HADD2", "I2F")
+        count = Counter(op for t in loop for op in ops if op in t)
+        assert count["HMMA"] == 8 * m_tiles, f"{name}: {count}"
+        assert count["LDSM"] == 4 * m_tiles, f"{name}: {count}"
+        # (the compiler may keep one more packed add or move in the loop)
+        assert 32 <= count["HFMA2"] + count["HADD2"] <= 34 and not count["I2F"], f"{name}: {count}"
