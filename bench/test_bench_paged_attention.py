@@ -106,3 +106,39 @@ def test_paged_attention(request, record, copy_gbps, device, case, impl, kernels
         measure = request.getfixturevalue("measure")  # (pytest-benchmark: only where it times)
         result = measure("paged_attention", case, impl, fn, bytes=nbytes, **notes)
     assert result.seconds > 0 and copy_gbps > 0
+
+
+# Attention options: a 4k window at 32k context reads 1/8 of the keys (the kernel's splits start
+# at the window; bytes counted for the keys read), a soft-cap costs one tanh per score.
+OPTION_CASE = ("B=2 L=100", 16) if smoke_mode() else ("B=1 L=32768", 4096)
+OPTION_IMPLS = {
+    "pagedkern window": dict(sliding_window=OPTION_CASE[1]),
+    "pagedkern softcap 50": dict(soft_cap=50.0),
+    "torch eager window": dict(sliding_window=OPTION_CASE[1]),
+}
+
+
+@pytest.mark.parametrize("impl", list(OPTION_IMPLS))
+def test_paged_attention_options(request, record, device, impl):
+    case, window = OPTION_CASE
+    q, k_cache, v_cache, tables, lens, nbytes, _ = make_data(case, device)
+    options = OPTION_IMPLS[impl]
+    if "sliding_window" in options:
+        nbytes = nbytes * min(window, int(lens[0])) // int(lens[0])
+    if impl.startswith("torch eager"):
+        fn = lambda: reference.paged_attention(q, k_cache, v_cache, tables, lens, **options)  # noqa: E731
+        fn()
+        seconds = 1.0 if smoke_mode() else time_cuda(fn, inner=3)
+        result = record("paged_attention", f"{case} options", impl, seconds, bytes=nbytes)
+    else:
+        out = torch.empty_like(q)
+
+        def fn():
+            return pagedkern.paged_attention(q, k_cache, v_cache, tables, lens, out=out, **options)
+
+        measure = request.getfixturevalue("measure")
+        target = "~1/8 of the full-attention time" if "window" in impl else "~full attention"
+        result = measure(
+            "paged_attention", f"{case} options", impl, fn, bytes=nbytes, target=target
+        )
+    assert result.seconds > 0

@@ -168,10 +168,14 @@ FlashPrefillLaunch flash_prefill_launch(
     std::uintptr_t workspace, int64_t q_stride, int64_t out_stride, int64_t block_table_stride,
     int64_t block_table_width, int64_t num_blocks, int total_q, int batch, int num_heads,
     int num_kv_heads, int head_dim, int block_size, double scale, double out_scale, int dtype,
-    bool fp8_cache, int path, bool strict, bool check_indices, int device, int variant) {
+    bool fp8_cache, int path, bool strict, bool check_indices, int device, int variant,
+    int window, double soft_cap, std::uintptr_t sinks) {
   FlashPrefillLaunch launch;
   pagedkern::FlashPrefillParams& p = launch.p;
   p.variant = variant;
+  p.window = window;
+  p.soft_cap = static_cast<float>(soft_cap);
+  p.sinks = as_ptr<const float>(sinks);
   p.fp8_cache = fp8_cache;
   p.out_scale = static_cast<float>(out_scale);
   p.cu_seqlens_q = as_ptr<const int>(cu_seqlens_q);
@@ -205,7 +209,8 @@ FlashPrefillLaunch flash_prefill_launch(
       py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),                       \
       py::arg("block_size"), py::arg("scale"), py::arg("out_scale"), py::arg("dtype"),          \
       py::arg("fp8_cache"), py::arg("path"), py::arg("strict"), py::arg("check_indices"),       \
-      py::arg("device"), py::arg("variant")
+      py::arg("device"), py::arg("variant"), py::arg("window"), py::arg("soft_cap"),          \
+      py::arg("sinks")
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -471,14 +476,15 @@ PYBIND11_MODULE(_C, m) {
          int64_t block_table_stride, int64_t block_table_width, int64_t num_blocks, int total_q,
          int batch, int num_heads, int num_kv_heads, int head_dim, int block_size, double scale,
          double out_scale, int dtype, bool fp8_cache, int path, bool strict, bool check_indices,
-         int device, int variant, std::uintptr_t stream) {
+         int device, int variant, int window, double soft_cap, std::uintptr_t sinks,
+         std::uintptr_t stream) {
         // (the parameters in the order of the py::args below: FLASH_PREFILL_PLAN_ARGS, then
         // the stream)
         const FlashPrefillLaunch launch = flash_prefill_launch(
             cu_seqlens_q, block_tables, seq_lens, workspace, q_stride, out_stride,
             block_table_stride, block_table_width, num_blocks, total_q, batch, num_heads,
             num_kv_heads, head_dim, block_size, scale, out_scale, dtype, fp8_cache, path, strict,
-            check_indices, device, variant);
+            check_indices, device, variant, window, soft_cap, sinks);
         return launch.run(q, out, k_cache, v_cache, lse, stream);
       },
       py::kw_only(), py::arg("out"), py::arg("lse"), py::arg("q"), py::arg("k_cache"),

@@ -160,10 +160,12 @@ FlashPrefillPath flash_prefill_select_path(const FlashPrefillParams& p, int devi
   PK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   // sm_90a machine code runs on sm_90 only; newer GPUs take path 1 (JIT from compute_80 PTX).
   const bool hopper = major == 9 && minor == 0;
-  const bool ok = hopper && flash::flash_prefill_sm90_supports(p);
+  const bool options = p.window > 0 || p.soft_cap > 0.f || p.sinks != nullptr;
+  const bool ok = hopper && !options && flash::flash_prefill_sm90_supports(p);
   if (requested == FlashPrefillPath::kSm90 && !ok && strict) {
     throw std::invalid_argument(
         !hopper ? "flash_prefill: path 2 (wgmma + TMA) needs an sm_90 GPU"
+        : options ? "flash_prefill: path 2 has no window, soft-cap or sinks (path 1 does)"
         : p.fp8_cache
             ? "flash_prefill: path 2 (wgmma + TMA) does not read fp8 caches (path 1 does)"
             : "flash_prefill: path 2 (TMA) needs a block size that divides or is a multiple "
@@ -188,6 +190,10 @@ FlashPrefillPath flash_prefill(const FlashPrefillParams& p, FlashPrefillPath pat
               aligned16(p.k_cache) && aligned16(p.v_cache),
           "flash_prefill: q, out and the caches need 16-byte aligned rows");
   require(p.workspace != nullptr, "flash_prefill: no workspace");
+  require(p.window >= 0 && p.soft_cap >= 0.f && std::isfinite(p.soft_cap),
+          "flash_prefill: window and soft_cap must be >= 0 (0: none), soft_cap finite");
+  require(!p.fp8_cache || (p.window == 0 && p.soft_cap == 0.f && p.sinks == nullptr),
+          "flash_prefill: the window, soft-cap and sinks kernels read 16-bit caches, not fp8");
   int device = 0;
   PK_CUDA_CHECK(cudaGetDevice(&device));
   path = flash_prefill_select_path(p, device, path, strict);

@@ -13,7 +13,11 @@ namespace pagedkern {
 // Sequence b owns query rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 (n_b rows) and seq_lens[b]
 // keys in the cache, read through block_tables[b, :]; query i of the chunk sits at position
 // seq_lens[b] - n_b + i and sees keys 0..that position. GQA: query head h reads KV head
-// h / (num_heads / num_kv_heads).
+// h / (num_heads / num_kv_heads). Options (reference.attention.ATTENTION_OPTIONS; path 1 only,
+// the dispatcher routes calls that set one there): window > 0 hides keys window or more
+// positions before the query (KV tiles wholly before a query tile's window are never loaded,
+// keys before it in the first tile are zero-filled); soft_cap > 0 turns each scaled score s
+// into soft_cap * tanh(s / soft_cap); sinks [Hq] fp32 logits join each row's denominator.
 struct FlashPrefillParams {
   void* out = nullptr;              // [total_q, num_heads, head_dim], token stride out_stride
   float* lse = nullptr;             // [total_q, num_heads] natural-log LSE, or nullptr
@@ -44,6 +48,9 @@ struct FlashPrefillParams {
   // seq_lens[b] outside [chunk length, block_table_width * block_size].
   bool check_indices = false;
   int variant = 0;  // kFlashVariantV2 or kFlashVariantV1 (kernel schedule, both paths)
+  int window = 0;                // sliding window in keys; 0: none
+  float soft_cap = 0.f;          // logit soft-cap (of the scaled scores); 0: none
+  const float* sinks = nullptr;  // [num_heads] attention-sink logits, or nullptr
 };
 
 // Kernel schedules, kept selectable until a GPU run has verified v2 (PAGEDKERN_KERNELS).

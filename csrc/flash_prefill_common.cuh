@@ -3,6 +3,8 @@
 // Python by tests/test_flash_prefill_schedule.py.
 #pragma once
 
+#include <climits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
@@ -30,6 +32,8 @@ struct KernelParams : FlashPrefillParams {
   uint32_t page_mul = 0;     // key / block_size = umulhi(key, page_mul) >> page_shift
   uint32_t page_shift = 0;   //   (page_mul = 0: block_size 1)
   float scale_log2 = 0.f;    // scale * log2(e)
+  float cap_raw = 0.f;       // soft-cap in raw-score units: soft_cap / scale
+  float inv_cap_raw = 0.f;   // scale / soft_cap
 };
 
 inline KernelParams make_kernel_params(const FlashPrefillParams& p) {
@@ -43,6 +47,10 @@ inline KernelParams make_kernel_params(const FlashPrefillParams& p) {
     k.page_shift = uint32_t(log2 - 1);
   }
   k.scale_log2 = p.scale * 1.4426950408889634f;
+  if (p.soft_cap > 0.f) {
+    k.cap_raw = p.soft_cap / p.scale;
+    k.inv_cap_raw = p.scale / p.soft_cap;
+  }
   return k;
 }
 
@@ -63,6 +71,8 @@ struct WorkTile {
   int q_pos0;     // position of query row 0 (prefix + m * kBlockM; < 0 only for invalid input)
   int n_tiles;    // KV tiles 0 .. n_tiles-1 hold visible keys
   int n_unmasked; // KV tiles 0 .. n_unmasked-1 are visible to every row: no mask needed
+  int n_visits;   // path 1 visits KV tiles n_tiles-1 down to n_tiles-n_visits (a window's)
+  int key_lo;     // keys below are before every row's window (0 without one): zero-filled
 };
 
 // Causal KV-tile bounds of a query tile whose first row sits at q_pos0 and which holds `rows`
@@ -84,7 +94,8 @@ __device__ __forceinline__ int opaque(int x) {
 // kRecomputeGroup: the group size from an opaque copy of num_heads, recomputed per call (path
 // 1's fp8 kernels: hoisted out of the persistent loop, that quotient stayed live through it and
 // spilled at 255 registers; the 16-bit kernels allocate without spills as they are).
-template <int kBlockN, bool kRecomputeGroup = false>
+// kOptions: the attention options' kernel (a window's tile range; the others read it as is).
+template <int kBlockN, bool kRecomputeGroup = false, bool kOptions = false>
 __device__ __forceinline__ WorkTile decode_work(const FlashPrefillParams& p, int work) {
   const int entry = work / p.num_heads;
   WorkTile t;
@@ -99,6 +110,13 @@ __device__ __forceinline__ WorkTile decode_work(const FlashPrefillParams& p, int
   t.rows = min(kBlockM, n - bm.y * kBlockM);
   t.q_pos0 = t.seq_len - n + bm.y * kBlockM;
   kv_tile_bounds(t.q_pos0, t.rows, t.seq_len, kBlockN, t.n_tiles, t.n_unmasked);
+  t.n_visits = t.n_tiles;
+  t.key_lo = 0;
+  if (kOptions && p.window > 0) {  // the window's lower edge cuts every tile it crosses: all masked
+    t.key_lo = max(0, t.q_pos0 + 1 - p.window);
+    t.n_visits = max(0, t.n_tiles - t.key_lo / kBlockN);
+    t.n_unmasked = 0;
+  }
   return t;
 }
 
@@ -209,34 +227,64 @@ __device__ __forceinline__ void rescale_rows(TO& o, const float (&factor)[kRows]
 // Normalises the output rows by their softmax sums and multiplies them by out_scale (v_scale);
 // lse[r] = natural-log log-sum-exp of the scaled scores (-inf, with a zero output row, for a row
 // that saw no key).
+// sink: an attention-sink logit (natural units) that joins every row's denominator, -inf for
+// none (a row without keys stays empty either way).
 template <int kRows, class TO>
 __device__ __forceinline__ void softmax_finalize(TO& o, const float (&row_max)[kRows],
                                                  const float (&row_sum)[kRows], float scale,
-                                                 float out_scale, float (&lse)[kRows]) {
+                                                 float out_scale, float (&lse)[kRows],
+                                                 float sink = -INFINITY) {
   float inv[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const float sum = quad_sum(row_sum[r]);
+    float sum = quad_sum(row_sum[r]);
     const bool empty = !(sum > 0.f);  // 0 or NaN
-    inv[r] = empty ? 1.f : out_scale / sum;
-    lse[r] = empty ? -INFINITY : row_max[r] * scale + __logf(sum);
+    float mx = row_max[r] * scale, keep = 1.f;
+    if (sink != -INFINITY && !empty) {
+      constexpr float kLog2e = 1.4426950408889634f;
+      const float m = fmaxf(mx, sink);
+      keep = fast_exp2((mx - m) * kLog2e);
+      sum = sum * keep + fast_exp2((sink - m) * kLog2e);
+      mx = m;
+    }
+    inv[r] = empty ? 1.f : out_scale * keep / sum;
+    lse[r] = empty ? -INFINITY : mx + __logf(sum);
   }
   rescale_rows(o, inv);
 }
 
+// Soft-cap of raw scores: cap * tanh(s * scale / cap) / scale (KernelParams' cap_raw), tanh as
+// 1 - 2 / (e^2x + 1) with one MUFU.EX2 and a fast reciprocal: absolute error ~1e-7 of tanh
+// (cap * 1e-7 in the logit), without tanhf's registers and denormal fix-ups.
+template <class TS>
+__device__ __forceinline__ void soft_cap_scores(TS& s, float cap_raw, float inv_cap_raw) {
+  using namespace cute;
+  const float k = 2.f * 1.4426950408889634f * inv_cap_raw;
+#pragma unroll
+  for (int i = 0; i < size(s); ++i) {
+    const float e = fast_exp2(s(i) * k);  // e^(2x), x = s / cap_raw; inf or 0 at the ends
+    s(i) = cap_raw * (1.f - __fdividef(2.f, e + 1.f));
+  }
+}
+
 // Scores of keys beyond the row's last visible key -> -inf. s and coords are rowcol views of the
 // scores and of their (row, column) coordinates in the (kBlockM, kBlockN) tile.
+// window > 0: keys window or more positions before the row's are hidden too.
 template <class TS, class TC>
-__device__ __forceinline__ void causal_mask(TS& s, const TC& coords, const WorkTile& t, int key0) {
+__device__ __forceinline__ void causal_mask(TS& s, const TC& coords, const WorkTile& t, int key0,
+                                            int window = 0) {
   using namespace cute;
   const int last_key = t.seq_len - 1;
 #pragma unroll
   for (int r = 0; r < size<0>(s); ++r) {
     // keys <= limit are visible: the row's own position, and never a key past the sequence.
-    const int limit = min(t.q_pos0 + int(get<0>(coords(r, 0))), last_key) - key0;
+    const int pos = t.q_pos0 + int(get<0>(coords(r, 0)));
+    const int limit = min(pos, last_key) - key0;
+    const int lowest = window > 0 ? pos + 1 - window - key0 : INT_MIN;
 #pragma unroll
     for (int c = 0; c < size<1>(s); ++c) {
-      if (int(get<1>(coords(r, c))) > limit) s(r, c) = -INFINITY;
+      const int col = int(get<1>(coords(r, c)));
+      if (col > limit || col < lowest) s(r, c) = -INFINITY;
     }
   }
 }

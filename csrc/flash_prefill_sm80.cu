@@ -39,6 +39,16 @@
  *    row sums parked in shared memory between tiles and coordinates from a fresh thread index
  *    (at 255 registers ptxas otherwise spilled a few words).
  *
+ * Options, flash_prefill_sm80_options_kernel<Tr> (the v2 body with kOptions; 16-bit caches;
+ *    this path only: the dispatcher routes calls that set one here, on Hopper too; a kernel of
+ *    its own so that the plain ones, at 255 registers, carry none of it): a window visits KV
+ *    tiles n_tiles-1 down to the one holding the tile's first visible key (older tiles are
+ *    never loaded), zero-fills keys below it in that tile (they may be pages a windowed model
+ *    released) and masks every tile (causal_mask with the window); the soft-cap's tanh on the
+ *    raw scores before the mask as 1 - 2 / (e^2x + 1) (one MUFU.EX2 and a fast reciprocal; a
+ *    uniform branch per tile); sinks join the denominators in softmax_finalize. No spills
+ *    (static checks); not yet verified on a GPU.
+ *
  * fp8 cache, flash_prefill_sm80_kernel<Sm80Traits<T, D, float_e4m3_t>, *> (q, out, mma in T):
  *    the same 16-byte cp.async carry 16 E4M3 elements (half the page bytes) into per-stage fp8
  *    staging buffers; each thread then converts exactly the chunks it copied (its own cp.async
@@ -123,9 +133,10 @@ __device__ __forceinline__ void gemm(Mma& mma, Acc& acc, RA& rA, RB& rB, const S
 // BN / 16 dependent ones per thread there).
 constexpr int kPageRing = 4;
 
-template <class Tr, bool kPrefetchPages>
-__global__ void __launch_bounds__(Tr::kThreads, 2)
-    flash_prefill_sm80_kernel(const KernelParams p, const int stages) {
+// kOptions: the attention options' body (window, soft-cap, sinks; v2 schedule, 16-bit caches),
+// its own kernel below: the plain kernels carry none of its code (they sit at 255 registers).
+template <class Tr, bool kPrefetchPages, bool kOptions>
+__device__ __forceinline__ void flash_prefill_sm80_body(const KernelParams& p, const int stages) {
   using T = typename Tr::T;
   using TC = typename Tr::TCache;
   constexpr int BN = Tr::kBlockN, D = Tr::kHeadDim, KV = Tr::kKVElems;
@@ -176,7 +187,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   __shared__ int works[2];
   if (tid == 0) {
     works[0] = atomicAdd(p.workspace, 1);
-    if (works[0] < total_work) tiles[0] = decode_work<BN, Tr::kFp8>(p, works[0]);
+    if (works[0] < total_work) tiles[0] = decode_work<BN, Tr::kFp8, kOptions>(p, works[0]);
   }
   __syncthreads();
   for (int parity = 0; works[parity] < total_work; parity ^= 1) {
@@ -187,10 +198,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     auto fetch_pages = [&](int i) {
       const int tid = fresh_tid();
       const int key = (t.n_tiles - 1 - i) * BN + tid;
-      if (tid < BN && i < t.n_tiles) {
+      if (tid < BN && i < (kOptions ? t.n_visits : t.n_tiles)) {
         int page, slot;
         page_of(p, key, page, slot);
-        const bool valid = key < t.seq_len;
+        const bool valid = key < t.seq_len && (!kOptions || key >= t.key_lo);
         cp_async_4(&page_ring[i % kPageRing][tid],
                    p.block_tables + int64_t(t.seq) * p.block_table_stride + (valid ? page : 0),
                    valid);
@@ -204,6 +215,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       const int tid = fresh_tid();
       const int* table = p.block_tables + int64_t(t.seq) * p.block_table_stride;
       const int seq_len = t.seq_len;
+      const int key_lo = kOptions ? t.key_lo : 0;  // (a window's: before it, released pages)
       // Key `key`'s row in the cache, its block from the prefetched ring (entry i of `ids`) or
       // the table (both copies below: fp8 staging and 16-bit tiles).
       auto row_offset = [&](int key, const int* ids, int i) -> int64_t {
@@ -221,7 +233,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
         for (int m = 0; m < Tr::kFp8Passes; ++m) {
           const int row = Tr::fp8_chunk_row(tid) + Tr::kFp8RowsPerPass * m;
           const int key = tile * BN + row;
-          const bool valid = key < seq_len;
+          const bool valid = key < seq_len && key >= key_lo;
           const int64_t offset = valid ? row_offset(key, ids, row) : 0;
           cp_async_16(dst + Tr::fp8_stage_offset(tid, m), base + offset, valid);
         }
@@ -235,7 +247,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
         for (int m = 0; m < BN / 16; ++m) {
           const int row = Tr::chunk_row(tid) + 16 * m;
           const int key = tile * BN + row;
-          const bool valid = key < seq_len;
+          const bool valid = key < seq_len && key >= key_lo;
           const int64_t offset = valid ? row_offset(key, ids, 16 * m) : 0;
 #pragma unroll
           for (int k = 0; k < kSlabs; ++k) {
@@ -259,6 +271,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     // Prologue: groups [Q + K0], V0, K1, ... V_{stages-2}, K_{stages-1}. Iteration i handles
     // KV tile n_tiles-1-i in buffer i % stages.
     const int n_tiles = t.n_tiles;
+    const int n_visits = kOptions ? t.n_visits : n_tiles;  // fewer with a window
     if constexpr (kPrefetchPages) {
       // Ids of steps 0 .. 2 * stages - 1 now; later ones with the main loop's K groups.
       for (int i = 0; i < 2 * stages; ++i) fetch_pages(i);
@@ -283,12 +296,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
         }
       }
     }
-    if (n_tiles > 0) load_kv(false, 0, n_tiles - 1);
+    if (n_visits > 0) load_kv(false, 0, n_tiles - 1);
     cp_async_commit();
     for (int s = 1; s < stages; ++s) {
-      if (s - 1 < n_tiles) load_kv(true, s - 1, n_tiles - s);
+      if (s - 1 < n_visits) load_kv(true, s - 1, n_tiles - s);
       cp_async_commit();
-      if (s < n_tiles) load_kv(false, s, n_tiles - 1 - s);
+      if (s < n_visits) load_kv(false, s, n_tiles - 1 - s);
       cp_async_commit();
     }
 
@@ -304,14 +317,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       if constexpr (kSumsInSmem) row_sums[r][fresh_tid()] = 0.f;
     }
 
-    for (int i = 0; i < t.n_tiles; ++i) {
+    for (int i = 0; i < (kOptions ? t.n_visits : t.n_tiles); ++i) {
       const int tile = t.n_tiles - 1 - i;
       const int slot = stages == 1 ? 0 : (i & 1);
       const int slot16 = Tr::kFp8 ? 0 : slot;  // the 16-bit buffer the fragments read
       cp_async_wait_tile(stages);  // K_i (and Q) have landed
       convert_kv(false, slot);     // fp8: everyone passed the last barrier, done with Q K_{i-1}^T
       __syncthreads();             // ... for every thread; and everyone is done with V_{i-1}
-      if (i + stages - 1 < t.n_tiles) load_kv(true, (i + stages - 1) % stages, tile - (stages - 1));
+      if (i + stages - 1 < (kOptions ? t.n_visits : t.n_tiles))
+        load_kv(true, (i + stages - 1) % stages, tile - (stages - 1));
       cp_async_commit();
 
       Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<BN>>{});
@@ -322,7 +336,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       gemm<true>(mma, acc_s, rQ, rK, sQ_frag, sK_frag, copy_q, copy_k, rQ_view, rK_view);
 
       Tensor s_rc = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
-      if (tile >= t.n_unmasked) causal_mask(s_rc, coords(Shape<Int<kBlockM>, Int<BN>>{}), t, tile * BN);
+      if constexpr (kOptions) {
+        if (p.soft_cap > 0.f) soft_cap_scores(s_rc, p.cap_raw, p.inv_cap_raw);
+        if (tile >= t.n_unmasked) {
+          causal_mask(s_rc, coords(Shape<Int<kBlockM>, Int<BN>>{}), t, tile * BN, p.window);
+        }
+      } else {
+        if (tile >= t.n_unmasked) causal_mask(s_rc, coords(Shape<Int<kBlockM>, Int<BN>>{}), t, tile * BN);
+      }
       float alpha[kRows];
       if constexpr (kSumsInSmem) {
         const int ftid = fresh_tid();
@@ -342,7 +363,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       cp_async_wait_tile(stages);  // V_i has landed
       convert_kv(true, slot);      // fp8: everyone passed the last barrier, done with P V_{i-1}
       __syncthreads();             // ... for every thread; and everyone is done with K_i
-      if (i + stages < t.n_tiles) load_kv(false, slot, tile - stages);
+      if (i + stages < (kOptions ? t.n_visits : t.n_tiles)) load_kv(false, slot, tile - stages);
       if constexpr (kPrefetchPages) fetch_pages(i + 2 * stages);
       cp_async_commit();
 
@@ -360,7 +381,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
 #pragma unroll
       for (int r = 0; r < kRows; ++r) row_sum[r] = row_sums[r][fresh_tid()];
     }
-    softmax_finalize(o_rc, row_max, row_sum, p.scale, p.out_scale, lse);
+    if constexpr (kOptions) {
+      softmax_finalize(o_rc, row_max, row_sum, p.scale, p.out_scale, lse,
+                       p.sinks != nullptr ? p.sinks[t.head] : -INFINITY);
+    } else {
+      softmax_finalize(o_rc, row_max, row_sum, p.scale, p.out_scale, lse);
+    }
     cp_async_wait<0>();  // only empty groups remain; Q's has landed (n_tiles == 0 included)
     __syncthreads();
     Tensor o_frag = make_tensor<T>(acc_o.layout());
@@ -398,20 +424,33 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     }
     if (tid == 0) {
       const int next = works[parity ^ 1];
-      if (next < total_work) tiles[parity ^ 1] = decode_work<BN, Tr::kFp8>(p, next);
+      if (next < total_work) tiles[parity ^ 1] = decode_work<BN, Tr::kFp8, kOptions>(p, next);
     }
     __syncthreads();  // Q's buffer is free again; the next tile is decoded
   }
 }
 
 template <class Tr, bool kPrefetchPages>
+__global__ void __launch_bounds__(Tr::kThreads, 2)
+    flash_prefill_sm80_kernel(const __grid_constant__ KernelParams p, const int stages) {
+  flash_prefill_sm80_body<Tr, kPrefetchPages, false>(p, stages);
+}
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 2)
+    flash_prefill_sm80_options_kernel(const __grid_constant__ KernelParams p, const int stages) {
+  flash_prefill_sm80_body<Tr, true, true>(p, stages);
+}
+
+template <class Tr, bool kPrefetchPages, bool kOptions = false>
 void launch(const KernelParams& p, int device, cudaStream_t stream) {
   int smem_per_sm = 0;
   PK_CUDA_CHECK(
       cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
   // Two buffers per K and V when two CTAs (the register file's limit) still fit on an SM, static
   // shared memory (v2: page-id ring and row sums, ~4 KB) and the 1 KB per-CTA reserve included.
-  const auto kernel = flash_prefill_sm80_kernel<Tr, kPrefetchPages>;
+  auto kernel = flash_prefill_sm80_kernel<Tr, kPrefetchPages>;
+  if constexpr (kOptions) kernel = flash_prefill_sm80_options_kernel<Tr>;  // (16-bit Tr only)
   cudaFuncAttributes attr{};
   PK_CUDA_CHECK(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)));
   const int stages =
@@ -450,10 +489,26 @@ void launch_variant(const KernelParams& p, int device, cudaStream_t stream) {
   }
 }
 
+// The options' kernels: v2 schedule, 16-bit caches (the host refuses fp8 with options).
+template <class T>
+void launch_options(const KernelParams& p, int device, cudaStream_t stream) {
+  if (p.head_dim == 64) {
+    launch<Sm80Traits<T, 64, T>, true, true>(p, device, stream);
+  } else {
+    launch<Sm80Traits<T, 128, T>, true, true>(p, device, stream);
+  }
+}
+
 }  // namespace
 
 void launch_flash_prefill_sm80(const KernelParams& p, int device, cudaStream_t stream) {
-  if (p.variant == kFlashVariantV1) {
+  if (p.window > 0 || p.soft_cap > 0.f || p.sinks != nullptr) {
+    if (p.dtype == DType::kFloat16) {
+      launch_options<cutlass::half_t>(p, device, stream);
+    } else {
+      launch_options<cutlass::bfloat16_t>(p, device, stream);
+    }
+  } else if (p.variant == kFlashVariantV1) {
     launch_variant<false>(p, device, stream);
   } else {
     launch_variant<true>(p, device, stream);

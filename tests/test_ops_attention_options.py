@@ -1,9 +1,9 @@
 """The attention options through ops.paged_attention / ops.flash_prefill: validated, passed to
-the reference, and sent to a kernel only where it has them (the decode kernel has all three,
-tests/test_attention_options_emulated.py; the prefill kernel none yet): for flash_prefill the
-"cuda" backend refuses, "auto" runs the reference on CUDA arrays with one warning, and the
-engine's support table marks it (CPU only: the kernel path is reached as test_kernel_support
-reaches it)."""
+the reference, and taken by both kernels (the decode kernel: tests/test_attention_options_
+emulated.py; the prefill kernel's path 1: tests/test_attention_options_gpu.py), so the support
+table and the engine's start-up policy keep both attention ops on their kernels; a fallback for
+another reason (dtype, head dim) passes the options to the reference (CPU only: the kernel
+path is reached as test_kernel_support reaches it)."""
 
 from __future__ import annotations
 
@@ -75,38 +75,41 @@ def _fake(dtype="float16"):
 
 
 @pytest.mark.parametrize(
-    "option, words",
-    [(dict(sliding_window=4), "a sliding window"), (dict(soft_cap=50.0), "logit soft-capping")],
+    "option", [dict(sliding_window=4), dict(soft_cap=50.0), dict(sinks=torch.zeros(8))]
 )
-def test_the_strict_backend_refuses_options_the_kernels_lack(option, words):
-    assert support.attention_options("paged_attention", **option) is None  # decode has them
-    with launch.use_backend("cuda"), pytest.raises(KernelUnsupportedError, match=words):
-        pagedkern.flash_prefill(cu_seqlens_q=FakeCudaArray((4,), "int32"), **_fake(), **option)
+def test_both_attention_kernels_take_every_option(option):
+    for kernel in ("paged_attention", "flash_prefill"):
+        assert support.attention_options(kernel, **option) is None
+    # the fp32 prefill kernel does not exist: the strict backend names the dtype, not the option
+    with launch.use_backend("cuda"), pytest.raises(KernelUnsupportedError, match="float32"):
+        pagedkern.flash_prefill(cu_seqlens_q=FakeCudaArray((4,), "int32"), **_fake("float32"))
 
 
-def test_auto_runs_the_reference_on_cuda_arrays_with_one_warning(monkeypatch):
+def test_auto_passes_the_options_to_the_reference_it_falls_back_to(monkeypatch):
     monkeypatch.setattr(launch, "use_reference", lambda views: False)
     monkeypatch.setattr(launch, "_warned", set())
-    q, k, v, tables, lens = _inputs(torch.bfloat16)  # a dtype the kernel covers
+    q, k, v, tables, lens = _inputs(torch.float32)  # a dtype no attention kernel covers
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cu = torch.tensor([0, 1, 2], dtype=torch.int32)
         for _ in range(3):
             out = pagedkern.flash_prefill(q, k, v, cu, tables, lens, soft_cap=3.0)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(messages) == 1 and "logit soft-capping" in messages[0]
+    assert len(messages) == 1 and "float32" in messages[0]
     expected = reference.flash_prefill(q, k, v, cu, tables, lens, soft_cap=3.0)
     assert torch.equal(out, expected)
+    assert not torch.equal(out, reference.flash_prefill(q, k, v, cu, tables, lens))
 
 
-def test_the_support_table_marks_the_prefill_kernel_only():
+def test_the_support_table_keeps_both_attention_kernels_for_options():
     plain = support.model_support("bfloat16", 128, 16, 1000)
-    assert plain["paged_attention"].supported and plain["flash_prefill"].supported
-    window = support.model_support("bfloat16", 128, 16, 1000, attention={"sliding_window": 8})
-    assert window["paged_attention"].supported
-    assert not window["flash_prefill"].supported
-    assert "sliding window" in window["flash_prefill"].reason
-    assert window["rms_norm"].supported
+    options = {"sliding_window": 8, "soft_cap": 50.0}
+    window = support.model_support("bfloat16", 128, 16, 1000, attention=options)
+    for op in ("paged_attention", "flash_prefill"):
+        assert plain[op].supported and window[op].supported
+    fp8 = support.model_support("bfloat16", 128, 16, 1000, support.FP8_KV_DTYPE, options)
+    assert fp8["paged_attention"].supported  # the decode kernel's options read fp8 pages too
+    assert not fp8["flash_prefill"].supported and "fp8" in fp8["flash_prefill"].reason
 
 
 def test_the_engine_policy_keeps_decode_graphs_for_a_soft_capped_model(monkeypatch):
@@ -114,14 +117,14 @@ def test_the_engine_policy_keeps_decode_graphs_for_a_soft_capped_model(monkeypat
 
     monkeypatch.setattr(launch, "_warned", set())
     gpu = dict(device_type="cuda", dtype="bfloat16", head_dim=128, block_size=16, vocab=1000)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        on = decode_graphs(backend="auto", requested=None, **gpu, attention={"soft_cap": 50.0})
-    assert on is True  # decode attention runs the kernel; only prefill falls back (warned)
-    assert not any("CUDA graphs are off" in str(w.message) for w in caught)
-    assert any("flash_prefill" in str(w.message) for w in caught)
-    with pytest.raises(ValueError, match="logit soft-capping"):
-        decode_graphs(backend="cuda", requested=None, **gpu, attention={"soft_cap": 50.0})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        on = decode_graphs(backend="auto", requested=None, **gpu, attention={"soft_cap": 50.0})
+        assert on is True
+        assert decode_graphs(backend="cuda", requested=None, **gpu, attention={"soft_cap": 50.0})
         assert decode_graphs(backend="auto", requested=None, **gpu, attention={}) is True
+    # a head dim the prefill kernel lacks still falls back, named as such
+    with pytest.raises(ValueError, match="head_dim 256"):
+        decode_graphs(
+            backend="cuda", requested=None, **{**gpu, "head_dim": 256}, attention={"soft_cap": 5.0}
+        )

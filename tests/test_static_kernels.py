@@ -60,6 +60,7 @@ KERNELS = (
     "rejection_sample_kernel",
     "flash_prefill_schedule_kernel",
     "flash_prefill_sm80_kernel",
+    "flash_prefill_sm80_options_kernel",  # window, soft-cap, sinks
     "flash_prefill_sm90_kernel",
     "moe_route_kernel",
     "moe_align_kernel",
@@ -159,6 +160,14 @@ def test_flash_softmax_exp_is_one_mufu(cuda_binary, kernel, arch):
         assert "MUFU.EX2" in sass, name
         fixups = re.findall(r"FSETP\.GEU\.AND [^;]*, -126, ", sass)
         assert not fixups, f"{name}: {len(fixups)} exp2f denormal fix-ups"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flash_options_kernel_is_tensor_core_work_without_exp_fixups(cuda_binary, arch):
+    # the soft-cap's tanh and the sinks' exps are ex2.approx (one MUFU.EX2 each), like the rest
+    for name, sass in _listings(cuda_binary, arch, "flash_prefill_sm80_options_kernel").items():
+        assert "HMMA.16816" in sass and "MUFU.EX2" in sass, name
+        assert not re.findall(r"FSETP\.GEU\.AND [^;]*, -126, ", sass), name
 
 
 def test_flash_sm90_v2_overlaps_softmax_with_pv(cuda_binary):

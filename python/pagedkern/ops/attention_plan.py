@@ -44,7 +44,6 @@ from .flash_prefill import (
 from .launch import kernel_or_reference, launch_context, sm_count
 from .paged_attention import (
     _check_kernel_layout,
-    check_sinks_layout,
     decode_kernel,
     launch_parameters,
     plan_length,
@@ -64,6 +63,7 @@ from .paged_kv import (
     check_kv_scales,
     check_out,
     check_scale,
+    check_sinks_layout,
     workspace_view,
 )
 from .support import attention_options
@@ -239,33 +239,43 @@ class PrefillAttention(_Plan):
         scale: float | None = None,
         k_scale: float | None = None,
         v_scale: float | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+        sinks=None,
     ) -> None:
+        """sliding_window, soft_cap, sinks: as ops.flash_prefill's, for every run."""
         qv, views = check_prefill_arguments(
             q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, out, scale, k_scale,
             v_scale,
         )  # fmt: skip
+        sv = check_attention_options(qv, sliding_window, soft_cap, sinks)
         kc, bt, sl, ov, cu = views[1], views[3], views[4], views[5], views[6]
         self._args = dict(
             cu_seqlens_q=cu_seqlens_q, block_tables=block_tables, seq_lens=seq_lens,
-            scale=scale, k_scale=k_scale, v_scale=v_scale,
+            scale=scale, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+            soft_cap=soft_cap, sinks=sinks,
         )  # fmt: skip
         self._launch = self._layouts = None
         layouts = self._planned_layouts(q, k_cache, v_cache, out)
-        decision = prefill_support(qv.dtype, qv.shape[2])
+        options = attention_options(
+            "flash_prefill", sliding_window, soft_cap, sinks, kv_dtype=kc.dtype
+        )
+        decision = options or prefill_support(qv.dtype, qv.shape[2])
         if layouts is None or not kernel_or_reference("flash_prefill", views, decision):
             return
         check_prefill_layout(views)
         check_out(qv, ov)
+        check_sinks_layout(sv)
         total, batch = qv.shape[0], cu.shape[0] - 1
         module, device, _ = launch_context(views)
         need = int(module.flash_prefill_workspace_ints(total_q=total, batch=batch))
         wv = workspace_view(None, qv, need, "int32", views)
         self._workspace = wv.obj
-        self._launch = module.FlashPrefillLaunch(
-            **prefill_launch_parameters(
-                qv, kc, cu, bt, sl, ov, wv.ptr, scale, k_scale, v_scale, device
-            )
-        )
+        params = prefill_launch_parameters(
+            qv, kc, cu, bt, sl, ov, wv.ptr, scale, k_scale, v_scale, device, sliding_window,
+            soft_cap, 0 if sv is None else sv.ptr,
+        )  # fmt: skip
+        self._launch = module.FlashPrefillLaunch(**params)
         self._layouts = layouts
 
     def run(self, q, k_cache, v_cache, out, *, stream=None):
@@ -276,7 +286,9 @@ class PrefillAttention(_Plan):
             a = self._args
             return flash_prefill_op(
                 q, k_cache, v_cache, a["cu_seqlens_q"], a["block_tables"], a["seq_lens"],
-                a["scale"], out, k_scale=a["k_scale"], v_scale=a["v_scale"], stream=stream,
+                a["scale"], out, k_scale=a["k_scale"], v_scale=a["v_scale"],
+                sliding_window=a["sliding_window"], soft_cap=a["soft_cap"], sinks=a["sinks"],
+                stream=stream,
             )  # fmt: skip
         taken = self._launch.run(
             q=q.data_ptr(), out=out.data_ptr(), k_cache=k_cache.data_ptr(),

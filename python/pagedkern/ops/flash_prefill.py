@@ -46,6 +46,7 @@ from .paged_kv import (
     check_kv_scales,
     check_rows_aligned,
     check_scale,
+    check_sinks_layout,
     workspace_view,
 )
 
@@ -68,10 +69,14 @@ def launch_parameters(
     k_scale: float | None,
     v_scale: float | None,
     device: int,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: int = 0,
 ) -> dict:
     """The kernels' parameters but the per-layer pointers (q, out, caches, lse) and the stream:
     what one launch passes and what a plan (ops/attention_plan.py) fixes for its runs. k_scale
-    is folded into the softmax scale, v_scale into the output."""
+    is folded into the softmax scale, v_scale into the output; sinks: the [Hq] float32 sink
+    logits' pointer (0: none). A call with an option runs path 1 (path 2 has none)."""
     total, num_heads, head_dim = qv.shape
     path = requested_path()
     return dict(
@@ -100,6 +105,9 @@ def launch_parameters(
         check_indices=check_indices(),
         device=device,
         variant=kernel_variant("flash_prefill"),
+        window=int(sliding_window or 0),
+        soft_cap=float(soft_cap or 0.0),
+        sinks=sinks,
     )
 
 
@@ -226,8 +234,9 @@ def flash_prefill(
     never read lengths on the host and check them (cu_seqlens_q rising from 0 to total_q,
     chunk length <= seq_lens[b] <= table capacity, block ids in the cache) only in the
     PAGEDKERN_CHECK_INDICES=1 debug mode.
-    sliding_window, soft_cap, sinks: reference.attention.ATTENTION_OPTIONS; not in the kernels
-    yet, so a call that sets one runs the reference (under "auto", with a warning on CUDA).
+    sliding_window, soft_cap, sinks: reference.attention.ATTENTION_OPTIONS, in path 1 (a call
+    that sets one runs there, on Hopper too; KV tiles before a window are never loaded), for
+    16-bit caches (with an fp8 cache such a call runs the reference).
     workspace: int32 CUDA array of at least _C.flash_prefill_workspace_ints(total_q, B) entries,
     else allocated per call."""
     qv, views = check_arguments(
@@ -235,7 +244,9 @@ def flash_prefill(
     )
     cu, kc = views[-1], views[1]
     sv = check_attention_options(qv, sliding_window, soft_cap, sinks)
-    options = support.attention_options("flash_prefill", sliding_window, soft_cap, sinks)
+    options = support.attention_options(
+        "flash_prefill", sliding_window, soft_cap, sinks, kv_dtype=kc.dtype
+    )
     decision = options or kernel_support(qv.dtype, qv.shape[2])
     if not kernel_or_reference("flash_prefill", views, decision):
         reference = reference_on_torch("flash_prefill", views if sv is None else [*views, sv])
@@ -260,6 +271,7 @@ def flash_prefill(
     kc, vc, bt, sl = views[1:5]
     total, batch = qv.shape[0], cu.shape[0] - 1
     check_kernel_layout(views)
+    check_sinks_layout(sv)
     module, device, handle = launch_context(views, stream)
     need = int(module.flash_prefill_workspace_ints(total_q=total, batch=batch))
     # on the launch stream: the per-call work list, freed on return, is reused only after the
@@ -274,6 +286,9 @@ def flash_prefill(
         k_cache=kc.ptr,
         v_cache=vc.ptr,
         stream=handle,
-        **launch_parameters(qv, kc, cu, bt, sl, ov, wv.ptr, scale, k_scale, v_scale, device),
-    )
+        **launch_parameters(
+            qv, kc, cu, bt, sl, ov, wv.ptr, scale, k_scale, v_scale, device, sliding_window,
+            soft_cap, 0 if sv is None else sv.ptr,
+        ),
+    )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -46,6 +46,7 @@ from .paged_kv import (
     check_out,
     check_rows_aligned,
     check_scale,
+    check_sinks_layout,
     workspace_view,
 )
 
@@ -243,12 +244,6 @@ def plan_length(max_seq_len: int, sliding_window: int | None) -> int:
     """The most keys one sequence's splits cover: a window's at most (the kernel's splits start
     at the window's first key)."""
     return max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
-
-
-def check_sinks_layout(sv: ArrayView | None) -> None:
-    """The kernel reads the sink logits as a contiguous float32 array."""
-    if sv is not None and sv.shape[0] > 1 and sv.strides[0] != 1:
-        raise ValueError(f"{sv.describe()} must be contiguous for the kernel")
 
 
 def _check_kernel_layout(views: list[ArrayView], wv: ArrayView | None) -> None:

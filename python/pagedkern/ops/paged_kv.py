@@ -137,6 +137,12 @@ def check_attention_options(qv: ArrayView, sliding_window, soft_cap, sinks) -> A
     return sv
 
 
+def check_sinks_layout(sv: ArrayView | None) -> None:
+    """The kernels read the sink logits as a contiguous float32 array."""
+    if sv is not None and sv.shape[0] > 1 and sv.strides[0] != 1:
+        raise ValueError(f"{sv.describe()} must be contiguous for the kernel")
+
+
 def check_scale(scale):
     if scale is None:
         return

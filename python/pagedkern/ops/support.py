@@ -80,7 +80,7 @@ ATTENTION_OPTION_NAMES = {
 }
 KERNEL_ATTENTION_OPTIONS = {
     "paged_attention": ("sliding_window", "soft_cap", "sinks"),  # both variants, every D
-    "flash_prefill": (),
+    "flash_prefill": ("sliding_window", "soft_cap", "sinks"),  # path 1, 16-bit caches
 }
 
 
@@ -89,10 +89,21 @@ def attention_options(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: object = None,
+    kv_dtype: str | None = None,
 ) -> KernelSupport | None:
     """The attention options `kernel` ("paged_attention" or "flash_prefill") lacks: a decision
-    against it naming them when one of them is set, else None (the kernel takes the rest)."""
+    against it naming them when one of them is set, else None (the kernel takes the rest).
+    flash_prefill's options kernel reads 16-bit caches: with an fp8 kv_dtype none is covered."""
     given = {"sliding_window": sliding_window, "soft_cap": soft_cap, "sinks": sinks}
+    if (
+        kernel == "flash_prefill"
+        and kv_dtype == FP8_KV_DTYPE
+        and any(v is not None for v in given.values())
+    ):
+        return KernelSupport(
+            False, "attention options with an fp8 (E4M3) KV cache (the prefill kernel's "
+            "options read 16-bit caches)",
+        )  # fmt: skip
     covered = KERNEL_ATTENTION_OPTIONS[kernel]
     used = [
         ATTENTION_OPTION_NAMES[name]
@@ -183,7 +194,7 @@ def model_support(
     attention: the attention options some layer uses, as attention_options' keywords; moe:
     whether some layer is a mixture of experts)."""
     decode_options = attention_options("paged_attention", **(attention or {}))
-    prefill_options = attention_options("flash_prefill", **(attention or {}))
+    prefill_options = attention_options("flash_prefill", **(attention or {}), kv_dtype=kv_dtype)
     moe_layers = {"fused_moe": fused_moe(dtype)} if moe else {}
     return moe_layers | {
         "rms_norm": elementwise(dtype),
