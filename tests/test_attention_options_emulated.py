@@ -117,3 +117,30 @@ def test_the_support_table_sends_windowed_decode_to_the_kernel():
     )
     assert table["paged_attention"].supported
     assert decode_kernel(4, 128) in ("simt", "mma")
+
+
+@pytest.mark.parametrize("variant", ["simt", "mma"])
+def test_paged_attention_options_over_an_fp8_cache(variant, kernels):
+    # E4M3 pages (k_scale, v_scale folded in) with every option: the options do not care how
+    # a page is stored; keys outside the window are NaN pages there too.
+    from pagedkern.reference.rope import quantize_e4m3
+
+    kernels(paged_attention=variant)
+    dtype, d, block_size, hq, hkv, seq_lens, window = torch.bfloat16, 128, 16, 8, 2, [90, 0, 33], 40
+    g = torch.Generator().manual_seed(11)
+    k_cache, v_cache, tables = _paged(seq_lens, hkv, block_size, d, torch.float32, g)
+    _poison_outside_window(k_cache, v_cache, tables, seq_lens, window)
+    k8, v8 = quantize_e4m3(k_cache, 0.02), quantize_e4m3(v_cache, 0.03)
+    q = torch.randn(len(seq_lens), hq, d, generator=g).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    options = dict(sliding_window=window, soft_cap=4.0, sinks=torch.randn(hq, generator=g))
+    out = torch.full(q.shape, math.nan, dtype=dtype)
+    with emulated():
+        pagedkern.paged_attention(
+            q, k8, v8, tables, lens, out=out, num_splits=2, k_scale=0.02, v_scale=0.03, **options
+        )
+    ref = reference.paged_attention(
+        q.double(), k8, v8, tables, lens, k_scale=0.02, v_scale=0.03, **options
+    )
+    assert not out.isnan().any()
+    assert float((out.double() - ref).norm() / ref.norm()) <= 1e-2
