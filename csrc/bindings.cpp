@@ -541,19 +541,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("out_stride"),
       py::arg("bits"), py::arg("group_size"), py::arg("dtype"), py::arg("device"),
       py::arg("stream"), py::call_guard<py::gil_scoped_release>());
-  // --- fused_moe: router, grouping by expert, the experts' grouped GEMMs ---------
-  m.attr("moe_max_experts") = pagedkern::kMoeMaxExperts;
-  m.def("moe_padded_rows", &pagedkern::moe_padded_rows, py::kw_only(), py::arg("pairs"),
-        py::arg("experts"), py::arg("tile_m"));
-  m.def(
-      "moe_route",
   // --- quant_gemm_marlin: W4A16 on tensor cores over the tile-ordered int4 weight ----
   m.attr("quant_gemm_marlin_tile_n") = pagedkern::kQuantGemmMarlinTileN;
   m.attr("quant_gemm_marlin_tile_k") = pagedkern::kQuantGemmMarlinTileK;
   m.def(
       "quant_gemm_marlin",
       [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t qweight, std::uintptr_t scales,
-         std::uintptr_t mins, std::uintptr_t workspace, int64_t m_rows, int64_t n, int64_t k,
+         std::uintptr_t mins, std::uintptr_t workspace, std::uintptr_t counters, int64_t m_rows,
+         int64_t n, int64_t k,
          int64_t x_stride, int64_t out_stride, int group_size, int k_splits, int dtype, int device,
          std::uintptr_t stream) {
         pagedkern::QuantGemmMarlinParams p;
@@ -563,6 +558,7 @@ PYBIND11_MODULE(_C, m) {
         p.scales = as_ptr<const void>(scales);
         p.mins = as_ptr<const void>(mins);
         p.workspace = as_ptr<float>(workspace);
+        p.counters = as_ptr<int>(counters);
         p.m = m_rows;
         p.n = n;
         p.k = k;
@@ -575,9 +571,16 @@ PYBIND11_MODULE(_C, m) {
         pagedkern::quant_gemm_marlin(p, as_stream(stream));
       },
       py::kw_only(), py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"),
-      py::arg("mins"), py::arg("workspace"), py::arg("m"), py::arg("n"), py::arg("k"),
+      py::arg("mins"), py::arg("workspace"), py::arg("counters"), py::arg("m"), py::arg("n"),
+      py::arg("k"),
       py::arg("x_stride"), py::arg("out_stride"), py::arg("group_size"), py::arg("k_splits"),
       py::arg("dtype"), py::arg("device"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+  // --- fused_moe: router, grouping by expert, the experts' grouped GEMMs ---------
+  m.attr("moe_max_experts") = pagedkern::kMoeMaxExperts;
+  m.def("moe_padded_rows", &pagedkern::moe_padded_rows, py::kw_only(), py::arg("pairs"),
+        py::arg("experts"), py::arg("tile_m"));
+  m.def(
+      "moe_route",
       [](std::uintptr_t ids, std::uintptr_t weights, std::uintptr_t logits, int64_t tokens,
          int64_t logits_stride, int experts, int top_k, bool renormalize, int scoring, int dtype,
          int device, std::uintptr_t stream) {

@@ -28,14 +28,16 @@
  * elements so the 8 ldmatrix rows hit distinct banks) and the scales / mins of the tile's
  * groups. Per k16 step a warp loads A by ldmatrix.x4 per m-tile, dequantizes 2 B fragments
  * and issues 2 kMT mma.sync (fp32 accumulate). With k_splits > 1 the slices write fp32 partial
- * sums to a workspace and quant_gemm_marlin_reduce_kernel adds them in slice order (the result
- * does not depend on scheduling) and rounds to T once.
+ * sums to a workspace and count themselves in counters[N tile] (threadfence, then one atomic);
+ * the last slice of an N tile to arrive adds the k_splits partials in slice order (the result
+ * does not depend on which block came last), rounds to T once, and sets the counter back to 0
+ * for the next launch: one kernel, as Marlin reduces in place.
  *
  * Traffic: N K / 2 weight bytes + 2 N K / G * 2 scale bytes, read once; x (M K) is re-read by
  * every N tile from L2. The roofline is those bytes / copy bandwidth at M <= 16.
- * Not in this version: Marlin's striped K partition with in-place global reduction (we pay a
- * second kernel and an fp32 workspace of k_splits M N floats), wgmma on sm_90a, int8 weights,
- * N or K not multiples of 64. Not yet verified on GPU.
+ * Not in this version: Marlin's striped K partition (its reduction goes through C in place; we
+ * use an fp32 workspace of k_splits M N floats), wgmma on sm_90a, int8 weights, N or K not
+ * multiples of 64. Not yet verified on GPU.
  */
 #include <cuda_pipeline_primitives.h>
 
@@ -53,7 +55,6 @@ constexpr int kXLd = kTileK + 8;  // x tile row length in shared memory (element
 // K tiles in flight: 6 for 1-2 m16 tiles (little shared memory per stage), 4 above (48 KB).
 template <int kMT>
 constexpr int kStagesFor = kMT <= 2 ? 6 : 4;
-constexpr int kReduceThreads = 256;
 
 template <typename T>
 struct Magic;
@@ -201,28 +202,33 @@ __global__ void __launch_bounds__(kWarps * 32)
               make_float2(acc[mi][nt][2 * h], acc[mi][nt][2 * h + 1]);
         }
       }
-}
+  if (p.k_splits == 1) return;
 
-// out[row, 4 i .. 4 i + 3] = round_T(sum over slices s, in order, of workspace[s, row, ...]).
-template <typename T>
-__global__ void __launch_bounds__(kReduceThreads)
-    quant_gemm_marlin_reduce_kernel(const QuantGemmMarlinParams p) {
-  const int64_t col = (int64_t(blockIdx.x) * kReduceThreads + threadIdx.x) * 4;
-  const int64_t row = blockIdx.y;
-  if (col >= p.n) return;
+  // The last slice of this N tile to finish adds the partials, in slice order.
+  __shared__ int is_last;
+  __threadfence();  // this thread's partial sums visible device-wide before the count
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(p.counters + blockIdx.x, 1) == p.k_splits - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
   const int64_t slice = p.m * p.n;
-  const float* src = p.workspace + row * p.n + col;
-  float4 sum = *reinterpret_cast<const float4*>(src);
-  for (int s = 1; s < p.k_splits; ++s) {
-    const float4 v = *reinterpret_cast<const float4*>(src + s * slice);
-    sum.x += v.x;
-    sum.y += v.y;
-    sum.z += v.z;
-    sum.w += v.w;
+  for (int i = tid; i < p.m * (kTileN / 4); i += kWarps * 32) {
+    const int64_t row = i / (kTileN / 4), col = n0 + (i % (kTileN / 4)) * 4;
+    const float* src = p.workspace + row * p.n + col;
+    float4 sum = __ldcg(reinterpret_cast<const float4*>(src));  // L2: other SMs wrote it
+    for (int s = 1; s < p.k_splits; ++s) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(src + s * slice));
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * p.out_stride + col);
+    dst[0] = mma::pack2<T>(sum.x, sum.y);
+    dst[1] = mma::pack2<T>(sum.z, sum.w);
   }
-  uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * p.out_stride + col);
-  dst[0] = mma::pack2<T>(sum.x, sum.y);
-  dst[1] = mma::pack2<T>(sum.z, sum.w);
+  if (tid == 0) p.counters[blockIdx.x] = 0;  // ready for the next launch
 }
 
 template <typename T, int kMT, int kGroupShift>
@@ -251,11 +257,6 @@ void launch(const QuantGemmMarlinParams& p, cudaStream_t stream) {
   } else {
     launch_m<T, 7>(p, tiles_per_split, stream);
   }
-  if (p.k_splits > 1) {
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.n / 4, kReduceThreads)), static_cast<unsigned>(p.m));
-    quant_gemm_marlin_reduce_kernel<T><<<grid, kReduceThreads, 0, stream>>>(p);
-    PK_CHECK_LAUNCH("quant_gemm_marlin_reduce_kernel");
-  }
 }
 
 }  // namespace
@@ -271,8 +272,9 @@ void quant_gemm_marlin(const QuantGemmMarlinParams& p, cudaStream_t stream) {
               ") must be 32 or 128 and divide k");
   require(p.k_splits >= 1 && p.k_splits <= p.k / kTileK && p.k_splits <= 65535,
           "quant_gemm_marlin: k_splits must be in 1..k / 64");
-  require(p.k_splits == 1 || p.workspace != nullptr,
-          "quant_gemm_marlin: k_splits > 1 needs a workspace of k_splits * m * n floats");
+  require(p.k_splits == 1 || (p.workspace != nullptr && p.counters != nullptr),
+          "quant_gemm_marlin: k_splits > 1 needs a workspace of k_splits * m * n floats and "
+          "n / 64 zeroed counters");
   require(aligned16(p.qweight) && aligned16(p.x) && aligned16(p.scales) && aligned16(p.mins),
           "quant_gemm_marlin: qweight, x, scales and mins must be 16-byte aligned");
   require(p.workspace == nullptr || aligned16(p.workspace),

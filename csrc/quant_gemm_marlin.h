@@ -14,8 +14,9 @@ namespace pagedkern {
 //   w[n, k] = round_T(q * scales[k / G, n] + mins[k / G, n]), q the 4-bit weight from qweight in
 //   the tile order of quant_gemm_marlin.cu, scales / mins in x's dtype T, [K / G, N].
 // k_splits > 1: the K range is cut into k_splits slices (each a whole number of 64-wide K
-// tiles); slice s writes fp32 partial sums to workspace[s, M, N] and a second kernel adds the
-// slices in order (deterministic), rounding once to T.
+// tiles); slice s writes fp32 partial sums to workspace[s, M, N], and the last slice of each
+// 64-wide N tile to finish (counted in counters[N / 64], zero before the launch and left zero
+// after it) adds the slices in order (deterministic), rounding once to T.
 struct QuantGemmMarlinParams {
   void* out = nullptr;
   const void* x = nullptr;
@@ -23,6 +24,7 @@ struct QuantGemmMarlinParams {
   const void* scales = nullptr;   // T [K / G, N]
   const void* mins = nullptr;     // T [K / G, N]
   float* workspace = nullptr;     // fp32 [k_splits, M, N] when k_splits > 1
+  int* counters = nullptr;        // int32 [N / 64], zero, when k_splits > 1
   int64_t m = 0;
   int64_t n = 0;
   int64_t k = 0;

@@ -165,6 +165,20 @@ def marlin_k_splits(m: int, n: int, k: int, sms: int) -> int:
     return -(-k_tiles // per_split)  # no empty slice
 
 
+_marlin_counter_cache: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _marlin_counters(device: torch.device, stream: int, tiles: int) -> torch.Tensor:
+    """The arrival counters of quant_gemm_marlin's K slices, one per 64-wide N tile: zeroed once
+    (on the launch stream), left zero by every launch; one set per stream, so that launches on
+    different streams never share one."""
+    counters = _marlin_counter_cache.get((device, stream))
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 256), dtype=torch.int32, device=device)
+        _marlin_counter_cache[device, stream] = counters
+    return counters
+
+
 def _marlin(module, device: int, handle: int, x, weight: QuantizedWeight, out) -> None:
     m, (n, k) = x.shape[0], weight.shape
     packed = marlin_packed(weight, x.dtype)
@@ -172,6 +186,7 @@ def _marlin(module, device: int, handle: int, x, weight: QuantizedWeight, out) -
     views = [view(x, "x"), view(out, "out")]
     with launch.on_launch_stream(views, device, handle):  # the workspace tied to the launch
         workspace = torch.empty(splits * m * n if splits > 1 else 0, device=x.device)
+        counters = _marlin_counters(x.device, handle, n // 64) if splits > 1 else None
     module.quant_gemm_marlin(
         out=out.data_ptr(),
         x=x.data_ptr(),
@@ -179,6 +194,7 @@ def _marlin(module, device: int, handle: int, x, weight: QuantizedWeight, out) -
         scales=packed.scales.data_ptr(),
         mins=packed.mins.data_ptr(),
         workspace=workspace.data_ptr() if splits > 1 else 0,
+        counters=counters.data_ptr() if splits > 1 else 0,
         m=m,
         n=n,
         k=k,
