@@ -24,8 +24,16 @@ needs_emulator = pytest.mark.skipif(
     unavailable_reason() is not None, reason=str(unavailable_reason())
 )
 
-# (group, M, N, K): M = 1, 3, 17, 64 (1 to 4 m16 tiles, partial ones), N and K multiples of 64.
-CASES = [(32, 1, 64, 128), (128, 3, 128, 256), (32, 17, 64, 192), (128, 64, 64, 128)]
+# (group, M, N, K): M = 1, 3, 17, 40, 64 (1 to 4 m16 tiles, partial ones), N and K multiples
+# of 64, both group sizes at 4 m16 tiles, a single K tile (one slice).
+CASES = [
+    (32, 1, 64, 128),
+    (128, 3, 128, 256),
+    (32, 17, 64, 192),
+    (32, 40, 128, 128),
+    (128, 64, 64, 128),
+    (32, 64, 64, 64),
+]
 
 
 @pytest.mark.parametrize("group", [32, 128])
