@@ -69,6 +69,7 @@ def _format(schema) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
+@pytest.mark.slow  # 20 schemas x 48 tokens; one schema x 16 samples stays fast (below)
 def test_twenty_schemas_parse_and_validate(engine):
     ids = []
     for i, schema in enumerate(SCHEMAS):
