@@ -30,6 +30,18 @@ BENCH_ENV = {
     "PAGEDKERN_BENCH_JSON": "also write the results table as JSON to this path.",
     "PAGEDKERN_BENCH_COMPILE": "1 adds the torch.compile baseline rows (minutes of cold inductor "
     "builds; tools/gpu_check.sh --compile sets it).",
+    "PAGEDKERN_BENCH_CPU": "1: the CPU benchmarks at full size on a machine without a GPU "
+    "(bench/test_bench_cpu_attention.py, bench/test_bench_cpu_vs_llamacpp.py).",
+    "PAGEDKERN_BENCH_GGUF": "bench/test_bench_cpu_vs_llamacpp.py: the GGUF both engines run "
+    "(default: the default model's).",
+    "PAGEDKERN_BENCH_THREADS": "bench/test_bench_cpu_vs_llamacpp.py: threads for both engines "
+    "(default: all CPUs).",
+    "PAGEDKERN_BENCH_ROUNDS": "bench/test_bench_cpu_vs_llamacpp.py: interleaved rounds "
+    "(default 2).",
+    "PAGEDKERN_BENCH_PREFILLS": "bench/test_bench_cpu_vs_llamacpp.py: prefill lengths "
+    "(default 512,2048,4000).",
+    "PAGEDKERN_BENCH_BACKENDS": "bench/test_bench_cpu_vs_llamacpp.py: pagedkern backends "
+    "(default cpu,reference).",
     "PAGEDKERN_BENCH_PROFILE": "bench/test_bench_http_frontend.py: a folder; the HTTP front end "
     "runs under a sampling profiler, writes its counts there and the bench prints CPU µs per "
     "token per component.",

@@ -115,7 +115,7 @@ def test_every_python_call_into_the_extension_uses_keywords():
     names = {"rms_norm", "silu_and_mul", "paged_attention", "rope_and_cache", "sample",
              "flash_prefill", "flash_prefill_workspace_ints", "flash_prefill_path",
              "multiprocessor_count", "pointer_device", "compute_capability",
-             "quant_gemm", "rejection_sample", "PagedAttentionLaunch",
+             "quant_gemm", "quant_gemm_marlin", "rejection_sample", "PagedAttentionLaunch",
              "FlashPrefillLaunch", "moe_route", "moe_align", "moe_experts",
              "moe_padded_rows"}  # fmt: skip
     module = extension_module()
