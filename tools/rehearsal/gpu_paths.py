@@ -47,7 +47,8 @@ DEVICE_QUERIES = {
 }
 LAUNCHES = {
     "rms_norm", "silu_and_mul", "rope_and_cache", "paged_attention", "flash_prefill", "sample",
-    "quant_gemm", "rejection_sample", "PagedAttentionLaunch", "FlashPrefillLaunch",
+    "quant_gemm", "quant_gemm_marlin", "rejection_sample", "PagedAttentionLaunch",
+    "FlashPrefillLaunch",
     "moe_route", "moe_align", "moe_experts",
 }  # fmt: skip
 
