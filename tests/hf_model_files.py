@@ -38,6 +38,49 @@ def train_tokenizer() -> Backend:
     return tok
 
 
+def add_gguf_tokenizer(writer, bos: bool = False) -> list[str]:
+    """The test tokenizer into a GGUFWriter, as llama.cpp's converter writes a BPE one (the gpt2
+    model, merges, special tokens as control, the Llama 3 template); its tokens in id order."""
+    vocab = json.loads(train_tokenizer().to_str())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    writer.add_token_merges([" ".join(m) for m in vocab["merges"]])
+    if bos:
+        writer.add_bos_token_id(tokens.index("<|begin_of_text|>"))
+    writer.add_eos_token_id(tokens.index("<|eot_id|>"))
+    writer.add_chat_template(LLAMA3_TEMPLATE)
+    return tokens
+
+
+def gguf_writer_like_llama_cpp(path, cfg, arch: str, head_dim: int):
+    """A GGUFWriter holding what llama.cpp's converter writes for every decoder of a transformers
+    config: the shape metadata (head_dim as key/value length) and the test tokenizer."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_gguf_tokenizer(w)
+    return w
+
+
+def finish_gguf(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def hf_tensors(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]

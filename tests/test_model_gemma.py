@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from hf_model_files import LLAMA3_TEMPLATE, SPECIALS, all_logits, train_tokenizer, write_tokenizer
+from hf_model_files import all_logits, finish_gguf, gguf_writer_like_llama_cpp, write_tokenizer
 from transformers_oracle import (
     assert_a_prefix_cache_hit_changes_nothing,
     assert_logprobs_follow,
@@ -252,19 +252,7 @@ def write_gguf_like_llama_cpp(path, hf, arch: str, q8: bool = False) -> None:
     no Q/K permutation, the metadata its Gemma2Model / Gemma3Model write (no attention scale:
     llama.cpp derives it from the head dim); q8: the matrices in Q8_0, as llama.cpp quantizes."""
     cfg = hf.config
-    tok = train_tokenizer()
-    vocab = json.loads(tok.to_str())["model"]
-    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    w = gguf_writer_like_llama_cpp(path, cfg, arch, cfg.head_dim)
     w.add_sliding_window(cfg.sliding_window)
     if cfg.final_logit_softcapping is not None:
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -279,13 +267,6 @@ def write_gguf_like_llama_cpp(path, hf, arch: str, q8: bool = False) -> None:
         w.add_rope_freq_base_swa(local["rope_theta"])
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full["factor"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) for m in vocab["merges"]])
-    w.add_eos_token_id(tokens.index("<|eot_id|>"))
-    w.add_chat_template(LLAMA3_TEMPLATE)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight":  # the converter skips it: Gemma ties its embeddings
@@ -298,10 +279,7 @@ def write_gguf_like_llama_cpp(path, hf, arch: str, q8: bool = False) -> None:
             w.add_tensor(gname, gguf.quants.quantize(arr, Q8), raw_dtype=Q8)
         else:
             w.add_tensor(gname, np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

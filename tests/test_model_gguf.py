@@ -4,7 +4,6 @@ and the converted-weights cache."""
 
 from __future__ import annotations
 
-import json
 import warnings
 from unittest import mock
 
@@ -13,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
-from hf_model_files import LLAMA3_TEMPLATE, SPECIALS, base_config, dense_logits, hf_tensors
-from hf_model_files import train_tokenizer as trained_tokenizer
+from hf_model_files import add_gguf_tokenizer, base_config, dense_logits, finish_gguf, hf_tensors
 
 from pagedkern.model import ModelLoadError, SequenceChunk, build_batch, load_model
 from pagedkern.model.quantized_linear import QuantizedWeight, quantize_int8
@@ -63,10 +61,6 @@ def llama_cpp_tensor_name(name: str) -> str:
 
 def write_gguf(path, cfg: dict, arch: str = "llama", skip: str = "", seed: int = 0) -> dict:
     """A GGUF of the HF-style config; returns the float64 HF-layout tensors as dequantized."""
-    tok = trained_tokenizer()
-    model = json.loads(tok.to_str())["model"]
-    tokens = sorted(model["vocab"], key=model["vocab"].get)
-    cfg["vocab_size"] = len(tokens)
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -77,14 +71,7 @@ def write_gguf(path, cfg: dict, arch: str = "llama", skip: str = "", seed: int =
     w.add_head_count_kv(nkv)
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) for m in model["merges"]])
-    w.add_bos_token_id(tokens.index("<|begin_of_text|>"))
-    w.add_eos_token_id(tokens.index("<|eot_id|>"))
-    w.add_chat_template(LLAMA3_TEMPLATE)
+    cfg["vocab_size"] = len(add_gguf_tokenizer(w, bos=True))
     expected = {}
     for name, t in hf_tensors(cfg, seed).items():
         arr = t.numpy().astype(np.float32)
@@ -100,10 +87,7 @@ def write_gguf(path, cfg: dict, arch: str = "llama", skip: str = "", seed: int =
             w.add_tensor(gname, quantize(arr, Q8), raw_dtype=Q8)
         else:
             w.add_tensor(gname, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return expected
 
 

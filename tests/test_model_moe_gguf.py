@@ -6,14 +6,12 @@ shared expert *_shexp and its gate ffn_gate_inp_shexp), load equal to the same m
 
 from __future__ import annotations
 
-import json
-
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf.quants import quantize
-from hf_model_files import LLAMA3_TEMPLATE, SPECIALS, all_logits, train_tokenizer
+from hf_model_files import all_logits, finish_gguf, gguf_writer_like_llama_cpp
 from test_model_gguf import llama_cpp_permute, llama_cpp_tensor_name
 from test_model_moe import ARCHITECTURES, _save
 from test_model_transformers import PROMPT
@@ -43,21 +41,9 @@ def write_moe_gguf(path, hf, arch: str, expert_type=None) -> None:
     tensors, plus the expert metadata and the MoE tensors under their GGUF names, the experts
     stacked [E, out, in]."""
     cfg = hf.config
-    tok = train_tokenizer()
-    vocab = json.loads(tok.to_str())["model"]
-    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    w = gguf_writer_like_llama_cpp(path, cfg, arch, head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.num_local_experts if arch == "llama" else cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if arch in ("qwen2moe", "qwen3moe"):
@@ -67,13 +53,6 @@ def write_moe_gguf(path, hf, arch: str, expert_type=None) -> None:
     norm = True if arch == "llama" else cfg.norm_topk_prob
     if norm != LLAMA_CPP_NORM[arch]:
         w.add_expert_weights_norm(norm)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) for m in vocab["merges"]])
-    w.add_eos_token_id(tokens.index("<|eot_id|>"))
-    w.add_chat_template(LLAMA3_TEMPLATE)
     for name, t in hf.state_dict().items():
         arr = np.ascontiguousarray(t.detach().float().numpy())
         moe = _moe_tensor(name, arr)
@@ -88,10 +67,7 @@ def write_moe_gguf(path, hf, arch: str, expert_type=None) -> None:
                 w.add_tensor(gname, quantize(part, expert_type), raw_dtype=expert_type)
             else:
                 w.add_tensor(gname, part)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def _moe_tensor(name: str, arr: np.ndarray) -> dict[str, np.ndarray] | None:

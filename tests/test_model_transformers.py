@@ -6,13 +6,10 @@ token for token, through the engine with chunked prefill and prefix-cache hits."
 
 from __future__ import annotations
 
-import json
-
-import gguf
 import numpy as np
 import pytest
 import torch
-from hf_model_files import LLAMA3_TEMPLATE, SPECIALS, train_tokenizer, write_tokenizer
+from hf_model_files import finish_gguf, gguf_writer_like_llama_cpp, write_tokenizer
 from test_model_gguf import llama_cpp_permute, llama_cpp_tensor_name
 from transformers_oracle import (
     assert_a_prefix_cache_hit_changes_nothing,
@@ -107,37 +104,15 @@ def write_gguf_like_llama_cpp(path, hf, arch: str) -> None:
     """The transformers model as llama.cpp's convert_hf_to_gguf.py writes it, in F32: its
     tensor names, Q/K permuted for interleaved RoPE on "llama" only, head dim as key_length."""
     cfg = hf.config
-    tok = train_tokenizer()
-    vocab = json.loads(tok.to_str())["model"]
-    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    w = gguf_writer_like_llama_cpp(path, cfg, arch, cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) for m in vocab["merges"]])
-    w.add_eos_token_id(tokens.index("<|eot_id|>"))
-    w.add_chat_template(LLAMA3_TEMPLATE)
     for name, t in hf.state_dict().items():
         arr = np.ascontiguousarray(t.float().numpy())
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             arr = llama_cpp_permute(arr, heads)
         w.add_tensor(llama_cpp_tensor_name(name), arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def test_the_gguf_llama_cpp_writes_equals_transformers(saved, tmp_path, monkeypatch):
