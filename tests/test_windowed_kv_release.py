@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_model_files import write_tokenizer
-from transformers_oracle import hf_greedy
+from transformers_oracle import assert_preemption_and_batching_change_nothing, hf_greedy
 
 import pagedkern.engine.engine as engine_module
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
@@ -171,18 +171,9 @@ def test_a_prefix_hit_after_release_reads_only_valid_blocks(mistral):
 
 
 def test_preemption_and_batching_with_release(mistral):
-    # (the shared oracle's pool of 18 blocks no longer preempts: the release makes room; here
+    # (the oracle's default pool of 18 blocks no longer preempts: the release makes room; here
     # 7 usable blocks for four 12-token prompts, each longer than the window)
     folder, hf = mistral
-    prompts = [(PROMPT[i:] + PROMPT[:i])[:12] for i in (0, 3, 7, 11)]
-    want = [hf_greedy(hf, p, 12)[0] for p in prompts]
-    engine = Engine.from_config(
-        EngineConfig(model=str(folder), backend="reference", num_blocks=8, block_size=BLOCK)
+    assert_preemption_and_batching_change_nothing(
+        folder, hf, PROMPT[:12], num_blocks=8, block_size=BLOCK
     )
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    requests = [engine.add_request(prompt_ids=p, params=params) for p in prompts]
-    got: dict[str, list[int]] = {}
-    for output in engine.run_until_done():
-        got.setdefault(output.request_id, []).extend(output.token_ids)
-    assert [got[r.request_id] for r in requests] == want
-    assert sum(r.num_preemptions for r in requests) > 0
