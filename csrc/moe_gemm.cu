@@ -31,6 +31,7 @@
 #include <cuda_pipeline_primitives.h>
 
 #include "device.cuh"
+#include "gated_activation.cuh"
 #include "mma_fragments.cuh"
 #include "moe.h"
 
@@ -42,15 +43,6 @@ constexpr int kBN = 64;
 constexpr int kBK = 32;
 constexpr int kLd = kBK + 8;  // shared-memory row length (elements)
 
-struct Silu {
-  __device__ __forceinline__ float operator()(float g) const { return g / (1.f + __expf(-g)); }
-};
-struct GeluTanh {
-  __device__ __forceinline__ float operator()(float g) const {
-    constexpr float kSqrt2OverPi = 0.7978845608028654f;
-    return 0.5f * g * (1.f + tanhf(kSqrt2OverPi * (g + 0.044715f * g * g * g)));
-  }
-};
 struct NoAct {
   __device__ __forceinline__ float operator()(float g) const { return g; }
 };

@@ -17,22 +17,11 @@
  * bandwidth.
  */
 #include "device.cuh"
+#include "gated_activation.cuh"
 #include "silu_and_mul.h"
 
 namespace pagedkern {
 namespace {
-
-struct Silu {
-  __device__ __forceinline__ float operator()(float g) const { return g / (1.f + __expf(-g)); }
-};
-
-// tanhf, not a fast approximation: the result matches torch's gelu(approximate="tanh") in fp32.
-struct GeluTanh {
-  __device__ __forceinline__ float operator()(float g) const {
-    constexpr float kSqrt2OverPi = 0.7978845608028654f;
-    return 0.5f * g * (1.f + tanhf(kSqrt2OverPi * (g + 0.044715f * g * g * g)));
-  }
-};
 
 template <typename T, typename Act>
 __global__ void __launch_bounds__(256) silu_and_mul_vec_kernel(const SiluAndMulParams p) {
