@@ -148,20 +148,24 @@ class Scheduler:
         slots_per_block = self.pool.block_size
         running = self.running
         lookahead = self.config.num_lookahead_tokens
-        i = 0 if lookahead else self._plain_decodes(batch.entries, budget)
-        budget -= i
+        entries = batch.entries
         # A running prompt's chunk leaves half the budget to the waiting requests that have a
         # seat, so a short prompt never waits behind a long one's whole prefill.
         admitting = self.waiting and len(running) < self.config.max_num_seqs
         chunk_cap = max(1, self.config.max_num_batched_tokens // 2) if admitting else budget
-        while i < len(running) and budget > 0:  # the rest: prompt chunks, new blocks, lookahead
+        i, num_running = 0, len(running)
+        append = entries.append
+        # Running requests in order. Most are plain decodes (a few hundred per step), whose
+        # whole path is the first lines and the append: 1 token, room left in the last block.
+        while i < num_running and budget > 0:
             request = running[i]
-            computed = request.num_computed_tokens
-            if request.num_pending and self._ends_with_pending(request):
+            computed, pending = request.num_computed_tokens, request.num_pending
+            if pending and self._ends_with_pending(request):
                 i += 1  # its in-flight token ends it (max_tokens / context): nothing to run
                 continue
-            total = len(request.prompt_ids) + len(request.output_ids) + request.num_pending
-            num_new = min(total - computed, budget, chunk_cap)
+            num_new = len(request.prompt_ids) + len(request.output_ids) + pending - computed
+            if num_new != 1:  # (a decode's 1 is within budget and chunk_cap)
+                num_new = min(num_new, budget, chunk_cap)
             k = self._lookahead(request, num_new, budget) if lookahead else 0
             if k and self._reserve(request, 1 + k):  # short of blocks: a plain decode instead
                 batch.lookahead[request] = k
@@ -174,11 +178,12 @@ class Scheduler:
                         budget += self._unschedule(batch, victim)
                     self._preempt(victim)
                     batch.preempted.append(victim)
+                    num_running -= 1
                     if victim is request:
                         break
                 if request.status is not RequestStatus.RUNNING:
                     continue  # running[i] is now the request after it
-            batch.entries.append((request, num_new))
+            append((request, num_new))
             budget -= num_new
             i += 1
         if batch.preempted:
@@ -207,28 +212,9 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            batch.entries.append((request, num_new))
+            entries.append((request, num_new))
             budget -= num_new
         return batch
-
-    def _plain_decodes(self, entries: list[tuple[Request, int]], budget: int) -> int:
-        """The hot loop, a few hundred decodes per step: schedule the leading running requests
-        that decode one token (one new block for one that starts a block; no one preempted;
-        with asynchronous scheduling its input may be the token in flight) until the first that
-        is not such a decode; returns how many. The general loop in `schedule` carries on from
-        there with the same policy."""
-        slots_per_block = self.pool.block_size
-        append = entries.append
-        for request in self.running[:budget]:
-            computed, pending = request.num_computed_tokens, request.num_pending
-            total = len(request.prompt_ids) + len(request.output_ids) + pending  # num_tokens
-            if total != computed + 1 or (pending and self._ends_with_pending(request)):
-                break
-            starts_block = computed >= len(request.block_table) * slots_per_block
-            if starts_block and not self._reserve(request, 1):
-                break  # no free block: the general loop preempts
-            append((request, 1))
-        return len(entries)
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Asynchronous scheduling: whether the token in flight is the request's last by
