@@ -13,13 +13,19 @@ from .errors import ModelLoadError
 @dataclass(slots=True, frozen=True)
 class RopeScaling:
     """Frequency scaling of RoPE. rope_type "linear": every frequency / factor; "llama3":
-    Llama 3.1's piecewise scaling (low frequencies / factor, high ones kept, smooth between)."""
+    Llama 3.1's piecewise scaling (low frequencies / factor, high ones kept, smooth between);
+    "yarn": YaRN (frequencies blended between kept and / factor by a ramp over the dimensions
+    that beta_fast / beta_slow bound, cos and sin times attention_factor; gpt-oss)."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: the ramp's bounds rounded to whole dimensions
+    attention_factor: float | None = None  # yarn: None = 0.1 * ln(factor) + 1
 
 
 SLIDING, FULL = "sliding", "full"  # layer_types entries
@@ -76,6 +82,16 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the top-k weights divided by their sum
     dense_layers: tuple[int, ...] = ()
     shared_expert_size: int = 0
+    # gpt-oss: a learned sink logit per query head, a router bias, routing weights softmaxed
+    # over the selected top-k ("softmax_topk"), expert biases and the clamped SwiGLU
+    # (swiglu_limit not None: gate clamped above, up to [-limit, limit], (up + 1) * gate *
+    # sigmoid(alpha * gate))
+    attn_sinks: bool = False
+    router_bias: bool = False
+    moe_scoring: str = "softmax"  # "softmax", "sigmoid", "softmax_topk"
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         sizes = (self.vocab_size, self.hidden_size, self.intermediate_size, self.num_layers)
@@ -109,6 +125,10 @@ class ModelConfig:
                 raise ValueError(f"{self.name}: expert sizes must be positive")
             if any(not 0 <= i < self.num_layers for i in self.dense_layers):
                 raise ValueError(f"{self.name}: dense_layers {self.dense_layers} out of range")
+        if self.moe_scoring not in ("softmax", "sigmoid", "softmax_topk"):
+            raise ValueError(f"{self.name}: unknown moe_scoring {self.moe_scoring!r}")
+        if self.swiglu_limit is not None and not 0 < self.swiglu_limit < math.inf:
+            raise ValueError(f"{self.name}: swiglu_limit must be positive and finite")
         if SLIDING in self.layer_types and self.sliding_window is None:
             raise ValueError(f"{self.name}: sliding layers need a sliding_window")
         for key, value in (
@@ -136,6 +156,7 @@ class ModelConfig:
         return {
             "sliding_window": self.sliding_window if SLIDING in self.layer_types else None,
             "soft_cap": self.attn_soft_cap,
+            "sinks": True if self.attn_sinks else None,
         }
 
     @property
@@ -301,6 +322,7 @@ _MOE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 _MOE_ARCHITECTURES = {arch: model_type for model_type, arch in _MOE.items()}
 _GEMMA = {"gemma2": ("Gemma2ForCausalLM", 2), "gemma3_text": ("Gemma3ForCausalLM", 6)}
@@ -323,6 +345,19 @@ def _rope_scaling_from_hf(raw: dict | None, source: str) -> RopeScaling | None:
             float(raw.get("low_freq_factor", 1.0)),
             float(raw.get("high_freq_factor", 4.0)),
             int(raw.get("original_max_position_embeddings", 8192)),
+        )
+    if rope_type == "yarn":  # transformers' defaults; truncate as it reads it (absent: True)
+        attention_factor = raw.get("attention_factor")
+        if raw.get("mscale") or raw.get("mscale_all_dim"):
+            raise ModelLoadError(source, "unsupported: yarn mscale / mscale_all_dim")
+        return RopeScaling(
+            "yarn",
+            float(raw["factor"]),
+            original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+            beta_fast=float(raw.get("beta_fast") or 32.0),
+            beta_slow=float(raw.get("beta_slow") or 1.0),
+            truncate=bool(raw.get("truncate", True)),
+            attention_factor=None if attention_factor is None else float(attention_factor),
         )
     raise ModelLoadError(source, f"unsupported rope scaling type {rope_type!r}")
 
@@ -411,6 +446,10 @@ def _llama_windows(raw: dict[str, Any], source: str) -> dict[str, Any]:
         if types is None:
             first = int(raw.get("max_window_layers", 28))
             types = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    elif model_type == "gpt_oss" or "GptOssForCausalLM" in archs:  # alternating by default
+        window = _positive(raw, "sliding_window", source, int)
+        kinds = ("sliding_attention", "full_attention")
+        types = raw.get("layer_types") or [kinds[i % 2] for i in range(layers)]
     elif model_type in ("mistral", "mixtral") or {"MistralForCausalLM", "MixtralForCausalLM"} & set(
         archs
     ):
@@ -465,7 +504,7 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         raise ModelLoadError(
             source,
             f"unsupported architecture {what!r} (supported: Llama, Qwen2, Qwen3, Mistral-style "
-            "decoders, Gemma 2, Gemma 3 text, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)",
+            "decoders, Gemma 2, Gemma 3 text, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss)",
         )
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(source, f"unsupported activation {raw['hidden_act']!r}")
@@ -504,6 +543,10 @@ def _moe_fields(raw: dict[str, Any], moe: str, source: str) -> dict[str, Any]:
             fields["qk_norm"] = True
     else:
         fields["moe_intermediate_size"] = int(raw["intermediate_size"])
+    if moe == "gpt_oss":
+        from .gpt_oss import gpt_oss_fields
+
+        fields.update(gpt_oss_fields(raw, source))
     if moe == "olmoe":
         if raw.get("clip_qkv") is not None:
             raise ModelLoadError(source, "unsupported: clip_qkv in an OLMoE config")

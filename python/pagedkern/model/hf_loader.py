@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig, config_from_hf, hf_norm_offset
 from .errors import ModelLoadError
+from .mxfp4 import dequantize_mxfp4
 from .tokenizer import Tokenizer
 from .weights import LlamaWeights, assemble_weights
 
@@ -76,6 +77,22 @@ def _open_shards(files: list[Path]) -> dict[str, tuple[Path, object]]:
     return where
 
 
+def _mxfp4_tensor(name: str, where: dict, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' parameter `name` ([E, K, rows]) from its MXFP4 <name>_blocks and
+    <name>_scales, dequantized in dtype (bf16 / fp32; else fp32, converted by the caller)."""
+    parts = []
+    for suffix in ("_blocks", "_scales"):
+        path, handle = where.get(name + suffix, (None, None))
+        if handle is None:
+            raise ModelLoadError(where[name + "_blocks"][0], f"{name}{suffix} is missing")
+        parts.append(handle.get_tensor(name + suffix))
+    out_dtype = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    try:
+        return dequantize_mxfp4(*parts, out_dtype).transpose(-1, -2)
+    except ValueError as exc:
+        raise ModelLoadError(where[name + "_blocks"][0], f"{name}: {exc}") from None
+
+
 def load_hf_folder(
     folder: str | os.PathLike,
     device: torch.device | str = "cpu",
@@ -97,6 +114,8 @@ def load_hf_folder(
                     return handle.get_tensor(key)
                 except Exception as exc:  # data past the end of a truncated file, ...
                     raise ModelLoadError(path, f"tensor {key!r} is unreadable: {exc}") from None
+        if name + "_blocks" in where:  # MXFP4 (gpt-oss experts): dequantized, see mxfp4.py
+            return _mxfp4_tensor(name, where, dtype)
         return None
 
     def locate(name: str) -> str:  # errors name the shard holding the tensor

@@ -304,6 +304,8 @@ class LlamaModel:
             options["sliding_window"] = window
         if cfg.attn_soft_cap is not None:
             options["soft_cap"] = cfg.attn_soft_cap
+        if layer.sinks is not None:  # (gpt-oss) a learned logit per head joins every softmax
+            options["sinks"] = layer.sinks
         # Head views into the fused output (token stride qkv_size): no copies.
         q = qkv[:, : cfg.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(tokens, cfg.num_kv_heads, -1)

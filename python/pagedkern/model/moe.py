@@ -1,6 +1,7 @@
-"""The mixture-of-experts MLP of a decoder layer (Mixtral, Qwen2/3-MoE, OLMoE): the router GEMM
-in the activation dtype (as transformers computes it), then ops.fused_moe over the layer's
-stacked experts, plus Qwen2-MoE's shared expert scaled by its sigmoid gate."""
+"""The mixture-of-experts MLP of a decoder layer (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss): the
+router GEMM in the activation dtype (with gpt-oss's bias, as transformers computes it), then
+ops.fused_moe over the layer's stacked experts (gpt-oss: their biases, the clamped SwiGLU, the
+softmax over the top-k), plus Qwen2-MoE's shared expert scaled by its sigmoid gate."""
 
 from __future__ import annotations
 
@@ -21,7 +22,14 @@ def moe_mlp(
 ) -> torch.Tensor:
     """[T, H] MLP output of a MoE layer for its normed input h [T, H]; `linear` is the model's
     GEMM (llama.linear)."""
-    logits = linear(h, layer.router)
+    logits = linear(h, layer.router, layer.router_bias)
+    gpt_oss = {}
+    if config.swiglu_limit is not None:
+        gpt_oss = dict(
+            activation="clamped_swiglu",
+            swiglu_alpha=config.swiglu_alpha,
+            swiglu_limit=config.swiglu_limit,
+        )
     out = ops.fused_moe(
         h,
         logits,
@@ -29,7 +37,10 @@ def moe_mlp(
         layer.experts_down,
         config.num_experts_per_tok,
         renormalize=config.norm_topk_prob,
-        activation=config.hidden_act,
+        scoring=config.moe_scoring,
+        w_gate_up_bias=layer.experts_gate_up_bias,
+        w_down_bias=layer.experts_down_bias,
+        **({"activation": config.hidden_act} | gpt_oss),
     )
     if layer.gate_up is not None:  # the shared expert, which every token goes through
         shared = linear(ops.silu_and_mul(linear(h, layer.gate_up)), layer.down)

@@ -10,6 +10,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .gpt_oss import gpt_oss_experts, gpt_oss_moe_shapes
 from .quantized_linear import QuantizedWeight, cat_rows, quantize
 
 # A linear layer's weight: a float tensor or a weight-only quantized one.
@@ -45,6 +46,12 @@ class LayerWeights:
     experts_gate_up: torch.Tensor | None = None  # [E, 2I, H]: each expert's gate rows, up rows
     experts_down: torch.Tensor | None = None  # [E, H, I]
     shared_gate: torch.Tensor | None = None  # [1, H]
+    # gpt-oss (model/gpt_oss.py): per-head sink logits (float32), the router's and the experts'
+    # biases (gate_up's in experts_gate_up's row order)
+    sinks: torch.Tensor | None = None  # [Hq] float32
+    router_bias: torch.Tensor | None = None  # [E]
+    experts_gate_up_bias: torch.Tensor | None = None  # [E, 2I]
+    experts_down_bias: torch.Tensor | None = None  # [E, H]
 
 
 @dataclass(slots=True)
@@ -62,13 +69,21 @@ class LlamaWeights:
     def to(self, device: torch.device | str, dtype: torch.dtype) -> LlamaWeights:
         """A copy on `device` in `dtype` (tensors already there are shared, ties kept)."""
 
-        def move(t: Linear | None) -> Linear | None:
+        def move(t: Linear | None, dtype: torch.dtype = dtype) -> Linear | None:
             if isinstance(t, QuantizedWeight):
                 return t.to(device)
             return None if t is None else t.to(device=device, dtype=dtype)
 
+        def field_dtype(name: str) -> torch.dtype:
+            return torch.float32 if name == "sinks" else dtype  # (the kernels read fp32 sinks)
+
         layers = [
-            LayerWeights(**{f.name: move(getattr(layer, f.name)) for f in fields(LayerWeights)})
+            LayerWeights(
+                **{
+                    f.name: move(getattr(layer, f.name), field_dtype(f.name))
+                    for f in fields(LayerWeights)
+                }
+            )
             for layer in self.layers
         ]
         embed = move(self.embed)
@@ -205,7 +220,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
         if config.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if config.is_moe_layer(n):
+        if config.attn_sinks:
+            shapes[p + "self_attn.sinks"] = (config.num_heads,)
+        if config.is_moe_layer(n) and config.expert_bias:
+            e, i = config.num_experts, config.moe_intermediate_size
+            shapes.update(gpt_oss_moe_shapes(p, e, h, i))
+        elif config.is_moe_layer(n):
             shapes.update(_moe_shapes(config, p))
         else:
             shapes[p + "mlp.gate_proj.weight"] = (i, h)
@@ -236,6 +256,10 @@ def _moe_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         shapes[x + "down_proj.weight"] = (h, s)
         shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
     return shapes
+
+
+def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
 
 
 _MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -274,7 +298,7 @@ def assemble_weights(
     weight, in fp32 before the conversion (1 for Gemma's HF checkpoints, which store w for a
     scale of 1 + w; llama.cpp's GGUFs store 1 + w already)."""
     shapes = expected_shapes(config)
-    if config.num_experts:  # Mixtral names its MoE tensors its own way
+    if config.num_experts and not config.expert_bias:  # Mixtral's own MoE tensor names
         checkpoint_get = get
 
         def get(name: str) -> Linear | None:
@@ -333,6 +357,8 @@ def assemble_weights(
 
     def experts(p: str) -> dict[str, torch.Tensor | None]:
         """A MoE layer's router and stacked experts (LayerWeights fields), {} for a dense one."""
+        if p + "mlp.router.bias" in shapes:
+            return gpt_oss_experts(p, load)
         if p + "mlp.gate.weight" not in shapes:
             return {}
         x = [f"{p}mlp.experts.{e}." for e in range(config.num_experts)]
@@ -375,6 +401,7 @@ def assemble_weights(
                 k_norm=norm(p + "self_attn.k_norm.weight"),
                 attn_out_norm=norm(norms[2]),
                 mlp_out_norm=norm(norms[3]),
+                sinks=_fp32(maybe(p + "self_attn.sinks")),
                 **experts(p),
             )
         )

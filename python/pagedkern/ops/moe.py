@@ -7,6 +7,8 @@ expert counts back to the host)."""
 
 from __future__ import annotations
 
+import sys
+
 from . import support
 from .arrays import (
     DTYPE_CODES,
@@ -22,8 +24,9 @@ from .arrays import (
 )
 from .launch import kernel_or_reference, launch_context, on_launch_stream, reference_on_torch
 
-MOE_ACTIVATIONS = ("silu", "gelu_tanh")  # csrc/silu_and_mul.h GatedActivation order
-MOE_SCORINGS = ("softmax", "sigmoid")  # csrc/moe.h MoeScoring order
+# csrc/silu_and_mul.h GatedActivation order, then gpt-oss's clamped SwiGLU (moe.h)
+MOE_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
+MOE_SCORINGS = ("softmax", "sigmoid", "softmax_topk")  # csrc/moe.h MoeScoring order
 MOE_TILES = (16, 64)  # the grouped GEMM's row tiles
 
 
@@ -47,7 +50,8 @@ def moe_route(router_logits, top_k: int, *, renormalize: bool = True, scoring="s
               stream=None):  # fmt: skip
     """(weights [T, k] float32, ids [T, k] int32) for router_logits [T, E] (any float dtype):
     each token's k experts with the largest logits (ties to the lower id), descending, weighted
-    by softmax over E (or sigmoid), divided by their sum if `renormalize`
+    by softmax over E (or sigmoid; softmax_topk: softmax over the k selected logits), divided
+    by their sum if `renormalize`
     (reference.moe_route: the ids agree exactly)."""
     rv = view(router_logits, "router_logits")
     check_dtype(rv, FLOAT_DTYPES)
@@ -57,7 +61,10 @@ def moe_route(router_logits, top_k: int, *, renormalize: bool = True, scoring="s
         raise ValueError(f"{rv.describe()} must have at least one expert")
     _check_top_k(top_k, experts)
     _check_scoring(scoring)
-    if not kernel_or_reference("moe_route", [rv], support.moe_route(experts)):
+    decision = support.moe_route(experts)
+    if scoring == "softmax_topk":  # (the kernel's next step)
+        decision = support.KernelSupport(False, "softmax_topk routing (not in the kernel yet)")
+    if not kernel_or_reference("moe_route", [rv], decision):
         reference_on_torch("moe_route", [rv])  # (torch tensors only)
         from ..reference.moe import moe_route as route
 
@@ -134,6 +141,12 @@ def _launch_align(module, iv, sorted_pairs, tile_expert, experts, tile_m, device
     )
 
 
+def _quantized(weight) -> bool:
+    """Whether `weight` is a QuantizedWeight (whose module, and torch, are then imported)."""
+    module = sys.modules.get("pagedkern.reference.quantized_weight")
+    return module is not None and isinstance(weight, module.QuantizedWeight)
+
+
 def fused_moe(
     hidden,
     router_logits,
@@ -144,14 +157,29 @@ def fused_moe(
     renormalize: bool = True,
     activation: str = "silu",
     scoring: str = "softmax",
+    w_gate_up_bias=None,
+    w_down_bias=None,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
     tile_m: int | None = None,
     stream=None,
 ):
     """[T, H] out for hidden [T, H], router_logits [T, E] (any float dtype; routing in fp32),
     w_gate_up [E, 2I, H] (gate rows then up rows) and w_down [E, H, I], both in hidden's dtype:
     each token through its top_k experts (renormalize: their weights divided by their sum),
-    summed by weight. See reference/moe.py for the exact semantics. tile_m: the grouped GEMM's
-    row tile (16 or 64; None: moe_tile_m's choice)."""
+    summed by weight. w_gate_up_bias [E, 2I] / w_down_bias [E, H] (hidden's dtype, optional):
+    each expert's biases (gpt-oss), added before each GEMM's rounding; activation
+    "clamped_swiglu": gpt-oss's, with swiglu_alpha and swiglu_limit. See reference/moe.py for
+    the exact semantics. tile_m: the grouped GEMM's row tile (16 or 64; None: moe_tile_m's)."""
+    if _quantized(w_gate_up) or _quantized(w_down):  # stacked QuantizedWeights: ops/moe_quant.py
+        from .moe_quant import fused_moe_quantized
+
+        return fused_moe_quantized(
+            hidden, router_logits, w_gate_up, w_down, top_k, renormalize=renormalize,
+            activation=activation, scoring=scoring, w_gate_up_bias=w_gate_up_bias,
+            w_down_bias=w_down_bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+            tile_m=tile_m, stream=stream,
+        )  # fmt: skip
     hv, rv = view(hidden, "hidden"), view(router_logits, "router_logits")
     gv, dv = view(w_gate_up, "w_gate_up"), view(w_down, "w_down")
     for v in (hv, rv, gv, dv):
@@ -171,6 +199,20 @@ def fused_moe(
     _check_top_k(top_k, experts)
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+    for name, value in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    biases = []
+    for name, b, rows in (("w_gate_up_bias", w_gate_up_bias, 2 * inter), ("w_down_bias",
+                          w_down_bias, h)):  # fmt: skip
+        if b is not None:
+            bv = view(b, name)
+            check_shape(bv, (experts, rows))
+            check_same_dtype(hv, bv)
+            check_contiguous(bv)
+            biases.append(bv)
+        else:
+            biases.append(None)
     _check_scoring(scoring)
     if tile_m is not None and tile_m not in MOE_TILES:
         raise ValueError(f"tile_m must be one of {MOE_TILES} or None, got {tile_m!r}")
@@ -179,12 +221,27 @@ def fused_moe(
             f"{hv.describe()}, {rv.describe()}, {gv.describe()} and {dv.describe()} must be on "
             "the same device"
         )
-    views = (hv, rv, gv, dv)
-    if not kernel_or_reference("fused_moe", views, support.fused_moe(hv.dtype, experts)):
+    views = (hv, rv, gv, dv, *(b for b in biases if b is not None))
+    if len({str(v.device) for v in views}) > 1:
+        raise ValueError("the expert biases must be on hidden's device")
+    decision = support.fused_moe(hv.dtype, experts)
+    gpt_oss = [
+        what
+        for what, used in (
+            ("expert biases", any(b is not None for b in biases)),
+            ("clamped SwiGLU", activation == "clamped_swiglu"),
+            ("softmax_topk routing", scoring == "softmax_topk"),
+        )
+        if used
+    ]
+    if gpt_oss:  # (the kernels' next step)
+        decision = support.KernelSupport(False, f"{', '.join(gpt_oss)} (not in the kernel yet)")
+    if not kernel_or_reference("fused_moe", views, decision):
         reference = reference_on_torch("fused_moe", views)
         return reference.fused_moe(
-            hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation, scoring
-        )
+            hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation, scoring,
+            w_gate_up_bias, w_down_bias, swiglu_alpha, swiglu_limit,
+        )  # fmt: skip
     check_contiguous(gv)
     check_contiguous(dv)
     _, hidden_stride = rows_of(hv)

@@ -1,9 +1,11 @@
-"""Mixture-of-experts MLP: the router (softmax over experts, top-k, optional renormalisation)
-and the experts' gated MLPs applied to the tokens routed to them, combined by routing weight.
+"""Mixture-of-experts MLP: the router (softmax over experts, top-k, optional renormalisation;
+or gpt-oss's softmax over the top-k logits) and the experts' gated MLPs applied to the tokens
+routed to them, combined by routing weight.
 
 Operands: hidden [T, H]; router_logits [T, E]; w_gate_up [E, 2I, H] (each expert's gate rows
-then up rows, the halves silu_and_mul expects); w_down [E, H, I]. Tokens are grouped by expert
-with one sort (no loop over tokens); the loop runs over the experts that received tokens only.
+then up rows, the halves silu_and_mul expects); w_down [E, H, I]; optional expert biases
+[E, 2I] and [E, H] (gpt-oss). Tokens are grouped by expert with one sort (no loop over
+tokens); the loop runs over the experts that received tokens only.
 """
 
 from __future__ import annotations
@@ -17,15 +19,36 @@ ACTIVATIONS = {
 }
 
 
-SCORINGS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid", "softmax_topk")
+GATED_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
+
+
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0
+) -> torch.Tensor:
+    """gpt-oss's activation (transformers' GptOssExperts._apply_gate), in gate's dtype: gate
+    clamped above at limit, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def gated(activation: str, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """act(gate) * up of a [N, 2I] gate|up block (fp32 in, fp32 out)."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    if activation == "clamped_swiglu":
+        return clamped_swiglu(gate, up, alpha, limit)
+    return ACTIVATIONS[activation](gate) * up
 
 
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k] int64): each token's k experts with the
-    largest scores, softmax over the E experts in fp32 (or a sigmoid per expert), divided by
-    their sum if `renormalize` (Mixtral; Qwen's norm_topk_prob).
+    largest scores, softmax over the E experts in fp32 (or a sigmoid per expert; or
+    "softmax_topk": softmax over the k selected logits only, gpt-oss), divided by their sum if
+    `renormalize` (Mixtral; Qwen's norm_topk_prob).
 
     Selection and ties: both scorings are monotone in the logit, so the k largest scores are the
     k largest fp32 logits; they are chosen on the logits (a stable descending sort: equal logits
@@ -37,6 +60,8 @@ def moe_route(
         weights = torch.softmax(logits, dim=-1).gather(-1, ids)
     elif scoring == "sigmoid":
         weights = torch.sigmoid(logits.gather(-1, ids))
+    elif scoring == "softmax_topk":
+        weights = torch.softmax(logits.gather(-1, ids), dim=-1)
     else:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
     if renormalize:
@@ -96,26 +121,34 @@ def fused_moe(
     renormalize: bool = True,
     activation: str = "silu",
     scoring: str = "softmax",
+    w_gate_up_bias: torch.Tensor | None = None,
+    w_down_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """out[t] = sum over t's top-k experts e of weight[t, e] * down_e(act(gate_e(x)) * up_e(x)),
-    [T, H] in hidden's dtype. The GEMMs run in hidden's dtype (as the dense MLP's do), the
-    activation in fp32 rounded once, the weighted sum in fp32 rounded once at the end."""
+    [T, H] in hidden's dtype. The GEMMs run in hidden's dtype (as the dense MLP's do), each
+    with its bias (if given) added before its one rounding, the activation in fp32 rounded
+    once, the weighted sum in fp32 rounded once at the end. "clamped_swiglu": gpt-oss's
+    (clamped_swiglu) with swiglu_alpha and swiglu_limit."""
     tokens, num_experts = hidden.shape[0], w_gate_up.shape[0]
-    inter = w_down.shape[-1]
     weights, ids = moe_route(router_logits, top_k, renormalize, scoring)
     order, counts = group_by_expert(ids, num_experts)
     token_of = order // top_k
     x = hidden[token_of]  # [T*k, H], grouped by expert
     out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    act = ACTIVATIONS[activation]
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {GATED_ACTIVATIONS}, got {activation!r}")
     start = 0
     for e, n in enumerate(counts.tolist()):  # (host sync: fine for the reference)
         if n == 0:
             continue
         rows = slice(start, start + n)
-        gate_up = F.linear(x[rows], w_gate_up[e]).float()
-        h = (act(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype)
-        y = F.linear(h, w_down[e]).float()
+        bias = None if w_gate_up_bias is None else w_gate_up_bias[e]
+        gate_up = F.linear(x[rows], w_gate_up[e], bias).float()
+        h = gated(activation, gate_up, swiglu_alpha, swiglu_limit).to(hidden.dtype)
+        bias = None if w_down_bias is None else w_down_bias[e]
+        y = F.linear(h, w_down[e], bias).float()
         y *= weights.reshape(-1)[order[rows], None]
         out.index_add_(0, token_of[rows], y)
         start += n

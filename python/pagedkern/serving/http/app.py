@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import signal
@@ -342,11 +341,11 @@ def sampling(
 ) -> SamplingParams:
     """The request's SamplingParams; a 400 naming the field for a bad value (SamplingParams'
     own checks), an unknown token id (logit_bias, allowed_token_ids, bad_words) or schema."""
+    words = None
+    if tokenizer is not None and req.bad_word_strings():
+        words = [ids for w in req.bad_word_strings() for ids in bad_word_ids(tokenizer, w)]
     try:
-        params = req.sampling_params(default_max_tokens, defaults or {})
-        if tokenizer is not None and req.bad_word_strings():
-            words = [ids for w in req.bad_word_strings() for ids in bad_word_ids(tokenizer, w)]
-            params = dataclasses.replace(params, bad_words=[*params.bad_words, *words])
+        params = req.sampling_params(default_max_tokens, defaults or {}, words)
     except (ValueError, TypeError) as exc:  # SamplingParams' own checks
         raise APIError(400, str(exc), param=_field_named(str(exc))) from exc
     if vocab_size is not None:

@@ -2,8 +2,10 @@
 request to the engine's SamplingParams, and the mapping of finish reasons and errors.
 
 Requests are parsed strictly (`"max_tokens": "8"` or `true` is a 400, an int where a float is
-expected is fine); numbers are bounded to what the engine's int32/int64 fields hold and floats
-must be finite (400 beyond). Every OpenAI field is in exactly one of three lists:
+expected is fine; floats must be finite). The pydantic models check the JSON's shape and types
+only: the values' ranges are SamplingParams' to check, once, with the same messages as for the
+CLI and Python (`sampling_params` builds it; a ValueError naming the field is a 400 with that
+`param`). Every OpenAI field is in exactly one of three lists:
 IMPLEMENTED (mapped to SamplingParams or the response), UNSUPPORTED (known, would change the
 answer's meaning: a 400 naming the field when set) and everything else (unknown: ignored, as vLLM
 does).
@@ -11,7 +13,6 @@ does).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -24,12 +25,7 @@ from .errors import APIError
 # --- requests --------------------------------------------------------------------------------
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-INT32 = 2**31 - 1
-INT64 = 2**63 - 1
-Int32 = Annotated[int, Field(ge=-INT32 - 1, le=INT32)]
-TokenId = Annotated[int, Field(ge=0, le=INT32)]
-Seed = Annotated[int, Field(ge=-INT64 - 1, le=INT64)]
-Count = Annotated[int, Field(ge=1, le=INT32)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]  # /detokenize's (no SamplingParams there)
 # Fields a server-wide default (the CLI's sampling flags) fills in when a request leaves them out.
 DEFAULTABLE = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty",
@@ -107,25 +103,25 @@ class _SamplingFields(BaseModel):
 
     model_config = _STRICT
     model: str
-    max_tokens: Count | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Int32 = 0  # <= 0 (OpenAI clients send -1): off
-    seed: Seed | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # <= 0 (OpenAI clients send -1): off
+    seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] = []
+    stop_token_ids: list[int] = []
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Count = 1
+    n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     min_p: float = 0.0
-    min_tokens: Annotated[int, Field(ge=0, le=INT32)] = 0
-    allowed_token_ids: list[TokenId] | None = None
-    bad_words: list[str] | list[list[TokenId]] = []
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | list[list[int]] = []
     response_format: dict | None = None
     user: str | None = None
     tools: Any = None  # (a chat field: spec.py checks it; refused by /v1/completions)
@@ -166,9 +162,15 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None):
-        """The engine's SamplingParams; `defaults` (the server's) fill the DEFAULTABLE fields
-        this request did not set."""
+    def sampling_params(
+        self,
+        default_max_tokens: int,
+        defaults: dict | None = None,
+        bad_word_ids: list[list[int]] | None = None,
+    ) -> SamplingParams:
+        """The engine's SamplingParams (their checks are the request's: ValueError / TypeError
+        naming the field); `defaults` (the server's) fill the DEFAULTABLE fields this request
+        did not set; bad_word_ids: the server's tokenization of bad_word_strings()."""
         for name, value in self.unsupported().items():
             raise APIError(400, f"'{name}'={value!r} is not supported", param=name)
         if self.stream_options is not None and not self.stream:
@@ -183,10 +185,8 @@ class _SamplingFields(BaseModel):
                 param="response_format",
             )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stop):
-            raise APIError(400, "stop strings must not be empty", param="stop")
         fields = dict(
-            max_tokens=self.max_tokens or default_max_tokens,
+            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -210,8 +210,13 @@ class _SamplingFields(BaseModel):
             min_p=self.min_p,
             min_tokens=self.min_tokens,
             allowed_token_ids=self.allowed_token_ids,
-            bad_words=[w for w in self.bad_words if not isinstance(w, str)],
+            bad_words=[w for w in self.bad_words if not isinstance(w, str)] + (bad_word_ids or []),
+            prompt_logprobs=self.num_prompt_logprobs(),
         )
+
+    def num_prompt_logprobs(self) -> int | None:
+        """None, or the number of top alternatives per prompt token (echo with logprobs)."""
+        return None
 
     def bad_word_strings(self) -> list[str]:
         """bad_words given as text (vLLM's form): tokenized by the server."""
@@ -224,8 +229,9 @@ class _SamplingFields(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
-    max_completion_tokens: Count | None = None  # newer name of max_tokens
+    max_completion_tokens: int | None = None  # newer name of max_tokens
     logprobs: bool = False
+    # (bounded here: SamplingParams' error would name its own field, logprobs)
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     def num_logprobs(self) -> int | None:
@@ -233,26 +239,23 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None):
+    def sampling_params(self, default_max_tokens: int, defaults=None, bad_word_ids=None):
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens  # counts as set (model_fields_set)
-        return super().sampling_params(default_max_tokens, defaults)
+        return super().sampling_params(default_max_tokens, defaults, bad_word_ids)
 
 
 class CompletionRequest(_SamplingFields):
     refused: ClassVar[tuple[str, ...]] = UNSUPPORTED + CHAT_ONLY
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: str | list[str] | list[int] | list[list[int]]  # (ids: PromptPreparer checks them)
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    logprobs: int | None = None
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None):
-        params = super().sampling_params(default_max_tokens, defaults)
-        if self.echo and self.logprobs is not None:  # the prompt's tokens get logprobs too
-            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
-        return params
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None  # the prompt's tokens get logprobs too
 
     def engine_prompts(self) -> list[dict]:
         """add_request arguments per prompt: {"prompt": text} or {"prompt_ids": ids}."""
