@@ -165,9 +165,10 @@ def test_a_prefix_cache_hit_changes_nothing(saved):
 
 def test_preemption_and_batching_change_nothing(saved):
     # Four sequences in a pool that holds two: preempted, recomputed (their prompts and
-    # generated tokens prefilled again, past the window), batched with each other.
+    # generated tokens prefilled again, past the window), batched with each other; one block
+    # table for every layer (per-kind tables: test_hybrid_kv_tables.py)
     folder, hf = saved
-    assert_preemption_and_batching_change_nothing(folder, hf, PROMPT)
+    assert_preemption_and_batching_change_nothing(folder, hf, PROMPT, kv_per_kind_tables=False)
 
 
 def test_the_static_buffer_and_piecewise_paths_change_nothing(saved, monkeypatch):

@@ -14,7 +14,8 @@ never allocated, freed or cached, that the attention kernels never read (a windo
 it). A released block that was cached keeps its hash like any freed block: its K/V for those
 tokens stay valid until allocation evicts it (and then its hash goes with it), so a later prefix
 hit on it is correct for every layer: one pool serves all layers, none of which has dropped it
-alone.
+alone. Hybrid local/global models give each layer group its own table over this one pool
+(engine/hybrid_tables.py), their blocks cached under group-salted hashes.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ class BlockPool:
             del self._free[0]
             self.blocks[0].ref_count = 1  # permanently in use: never allocated nor freed
         self._cached: dict[bytes, int] = {}
+        # Blocks in use per layer kind (0 full, 1 sliding: engine/hybrid_tables.py), now and
+        # at most so far; a block's kind is the one it was allocated for (the null one's none).
+        self._kind = bytearray(num_blocks)
+        self.used_by_kind = [0, 0]
+        self.peak_by_kind = [0, 0]
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found in the cache
 
@@ -122,6 +128,10 @@ class BlockPool:
                 found.append(block_id)
         return found
 
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The block holding the prefix `block_hash`, if cached (not yet acquired)."""
+        return self._cached.get(block_hash) if self.enable_prefix_caching else None
+
     def acquire(self, block_ids: Iterable[int]) -> None:
         """Take a reference on cached blocks (prefix hits; null entries are skipped)."""
         for block_id in block_ids:
@@ -130,13 +140,16 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
+                self._count_use(self._kind[block_id], 1)
             block.ref_count += 1
 
-    def allocate(self, n: int) -> list[int] | None:
-        """n fresh blocks (evicting cached free ones as needed), or None if fewer are free."""
+    def allocate(self, n: int, kind: int = 0) -> list[int] | None:
+        """n fresh blocks (evicting cached free ones as needed), or None if fewer are free;
+        kind: the layer kind they serve (counted in used_by_kind)."""
         if n > len(self._free):
             return None
         taken = []
+        kinds = self._kind
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
@@ -145,8 +158,15 @@ class BlockPool:
                     del self._cached[block.block_hash]
                 block.block_hash = None
             block.ref_count = 1
+            kinds[block_id] = kind
             taken.append(block_id)
+        self._count_use(kind, n)
         return taken
+
+    def _count_use(self, kind: int, n: int) -> None:
+        used = self.used_by_kind[kind] = self.used_by_kind[kind] + n
+        if used > self.peak_by_kind[kind]:
+            self.peak_by_kind[kind] = used
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per block; blocks reaching zero become free (cached ones stay
@@ -159,6 +179,7 @@ class BlockPool:
                 raise RuntimeError(f"block {block_id} freed more often than taken")
             block.ref_count -= 1
             if block.ref_count == 0:
+                self.used_by_kind[self._kind[block_id]] -= 1
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)  # evict uncached ones first
@@ -191,3 +212,10 @@ class BlockPool:
             assert (block.ref_count == 0) == (block.block_id in self._free), "free list mismatch"
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash, "stale prefix-cache entry"
+        for kind, used in enumerate(self.used_by_kind):
+            held = sum(
+                1
+                for b in self.blocks
+                if b.ref_count and self._kind[b.block_id] == kind and b.block_id != self.null_block
+            )
+            assert used == held, f"kind {kind}: {used} counted in use, {held} held"

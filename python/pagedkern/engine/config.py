@@ -81,6 +81,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = _setting(
         True, "split long prompts into chunks that share steps with decodes"
     )
+    kv_per_kind_tables: bool = _setting(
+        True,
+        "hybrid local/global models (Gemma 2/3): a block table per layer kind, the sliding "
+        "layers keeping only their window's KV blocks (off under CUDA graphs, tensor "
+        "parallelism and draft-model speculation)",
+    )
     cuda_graphs: bool | None = _setting(
         None,
         "replay decode steps from CUDA graphs (default: where the kernels run on a GPU; True on "
@@ -191,6 +197,7 @@ class EngineConfig:
             check_int("max_model_len", self.max_model_len, 1, INT32_MAX)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        check_bool("kv_per_kind_tables", self.kv_per_kind_tables)
         if self.cuda_graphs is not None:
             check_bool("cuda_graphs", self.cuda_graphs)
         if self.piecewise_cuda_graphs is not None:

@@ -44,8 +44,15 @@ from .admission import Admission
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .forward import IsolatingForward
+from .hybrid_tables import KIND_NAMES, per_kind_groups
 from .kernel_policy import pick_device, step_graphs
-from .kv_budget import allocate_kv_cache, kv_cache_blocks, release_device_memory
+from .kv_budget import (
+    KVCacheMemoryError,
+    allocate_kv_cache,
+    context_that_fits,
+    kv_cache_blocks,
+    release_device_memory,
+)
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .overlap import InFlight, Overlap
@@ -99,15 +106,26 @@ class Engine:
         self.broken: TensorParallelError | None = None  # the TP group failed: nothing runs
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
             draft = load_draft(config, model)  # its weights and KV cache count in the budget
+            # hybrid local/global models: a block table per layer kind (engine/hybrid_tables.py)
+            groups = per_kind_groups(model.config, config, model.tp.size, graphs or piecewise)
             num_blocks = config.num_blocks or kv_cache_blocks(
-                model, config, context, None if draft is None else draft[0]
+                model, config, context, None if draft is None else draft[0], groups
             )
             # A sequence can never outgrow the whole cache: one that did would be preempted
             # forever.
             self.max_model_len = min(context, num_blocks * config.block_size)
+            if groups is not None:  # every group's blocks, less the null block
+                self.max_model_len = context_that_fits(
+                    groups, num_blocks - 1, config.block_size, config.max_num_batched_tokens,
+                    context,
+                )  # fmt: skip
+                if self.max_model_len < 2:
+                    raise KVCacheMemoryError(
+                        f"{num_blocks} KV blocks hold no sequence of this model's layer groups"
+                    )
             if model.tp.size > 1:  # the workers allocate their shares of the same blocks
                 model.tp.share_cache_shape(num_blocks, config.block_size)
-            self.kv_cache = allocate_kv_cache(model, num_blocks, config.block_size)
+            self.kv_cache = allocate_kv_cache(model, num_blocks, config.block_size, groups)
             self.runner = ModelRunner(
                 model,
                 self.kv_cache,
@@ -117,11 +135,16 @@ class Engine:
                 piecewise_tokens=config.max_num_batched_tokens if piecewise else None,
             )
         kv_window = released_kv_window(model.config, config)
+        group_windows = () if groups is None else groups.windows[1:]
         self.pool = BlockPool(
-            num_blocks, config.block_size, config.enable_prefix_caching, kv_window is not None
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            kv_window is not None or any(w is not None for w in group_windows),
         )
         self.scheduler = Scheduler(
-            self.pool, SchedulerConfig.from_engine(config, self.max_model_len, kv_window)
+            self.pool,
+            SchedulerConfig.from_engine(config, self.max_model_len, kv_window, group_windows),
         )
         self.forward = IsolatingForward(self.runner, self.backend, self.shadow)
         # async_scheduling: steps run on a worker thread, the next scheduled meanwhile
@@ -185,6 +208,12 @@ class Engine:
             num_waiting=len(scheduler.waiting),
             num_blocks_total=pool.num_blocks,
             num_blocks_used=pool.num_used,
+            kv_blocks_by_kind=tuple(
+                (name, pool.used_by_kind[k], pool.peak_by_kind[k])
+                for k, name in enumerate(KIND_NAMES)
+            )
+            if scheduler.hybrid is not None
+            else (),
             num_blocks_free=pool.num_free,
             block_size=pool.block_size,
             prefix_cache_queries=pool.prefix_queries,

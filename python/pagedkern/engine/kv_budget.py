@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import LlamaModel, SequenceChunk, build_batch, kv_block_bytes
+from ..model import KVLayerGroups, LlamaModel, SequenceChunk, build_batch, kv_block_bytes
 from .config import EngineConfig
 
 GIB = 2**30
@@ -114,12 +114,17 @@ def profile_peak_bytes(
 
 
 def kv_cache_blocks(
-    model: LlamaModel, config: EngineConfig, max_model_len: int, draft: LlamaModel | None = None
+    model: LlamaModel,
+    config: EngineConfig,
+    max_model_len: int,
+    draft: LlamaModel | None = None,
+    groups: KVLayerGroups | None = None,
 ) -> int:
     """Blocks of the target's cache, and of the draft model's beside it (as many blocks, over
-    the same block tables), that the budget holds together."""
+    the same block tables), that the budget holds together; `groups`: per-kind tables, whose
+    blocks span one group's layers (more, smaller blocks: model/kv_cache.py)."""
     cfg, bs, dtype = model.config, config.block_size, model.kv_dtype
-    block_bytes = kv_block_bytes(cfg, bs, dtype)
+    block_bytes = kv_block_bytes(cfg, bs, dtype, groups)
     if draft is not None:
         block_bytes += kv_block_bytes(draft.config, bs, draft.kv_dtype)
     where = ""
@@ -142,14 +147,34 @@ def kv_cache_blocks(
     return blocks
 
 
-def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int):
+def context_that_fits(
+    groups: KVLayerGroups, capacity: int, block_size: int, chunk: int, context: int
+) -> int:
+    """The longest sequence (at most `context` tokens) whose blocks over every group fit in
+    `capacity` blocks, prefilled `chunk` tokens per step (two steps in flight: as
+    engine/hybrid_tables.py bounds it); 0 if none does."""
+    lo, hi = 0, context
+    while lo < hi:  # blocks_for grows with the length
+        mid = (lo + hi + 1) // 2
+        if groups.blocks_for(mid, block_size, 2 * chunk) <= capacity:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def allocate_kv_cache(
+    model: LlamaModel, num_blocks: int, block_size: int, groups: KVLayerGroups | None = None
+):
     """model.allocate_kv_cache, with a refusal of the device reported as a KVCacheMemoryError
     that names the sizes (requested, free, reserved) instead of an out-of-memory traceback."""
     try:
-        return model.allocate_kv_cache(num_blocks, block_size)
+        if groups is None:
+            return model.allocate_kv_cache(num_blocks, block_size)
+        return model.allocate_kv_cache(num_blocks, block_size, groups)
     except torch.cuda.OutOfMemoryError:
         pass  # outside the handler: the error below does not chain the allocator's traceback
-    want = num_blocks * kv_block_bytes(model.config, block_size, model.kv_dtype)
+    want = num_blocks * kv_block_bytes(model.config, block_size, model.kv_dtype, groups)
     memory = read_memory(model.device)
     raise KVCacheMemoryError(
         f"the KV cache of {num_blocks} blocks x {block_size} tokens ({_gib(want)}) does not fit "

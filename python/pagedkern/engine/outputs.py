@@ -299,6 +299,8 @@ class EngineStats:
     num_spec_steps: int = 0  # request-steps that verified at least one proposal
     num_spec_proposed: int = 0  # proposed tokens
     num_spec_accepted: int = 0  # of those, accepted
+    # per-kind block tables (hybrid local/global models): (kind, blocks in use, peak so far)
+    kv_blocks_by_kind: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -43,6 +43,8 @@ class Request:
     prompt_text: str | None = None
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    # hybrid KV groups 1.. (per-kind tables, model/kv_cache.py): as long as block_table
+    group_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, found in the prefix cache at admission

@@ -158,8 +158,8 @@ class ModelRunner:
         scheduling): request -> its row in the previous step's sampled ids, for the requests
         whose input token that step is still sampling; their rows are placeholders that
         `execute` fills, and the sampling inputs are built here too."""
-        if not proposals and not forks:
-            decode = self.batch.decode_step(entries, pending)
+        if not proposals and not forks and self.kv_cache.groups is None:
+            decode = self.batch.decode_step(entries, pending)  # (one table per row)
             if decode is not None:
                 return self._decode_step(entries, decode, pending is not None)
         return self.prepare_chunks(entries, forks, proposals, pending)
@@ -198,6 +198,7 @@ class ModelRunner:
                 r.ids_between(r.num_computed_tokens, r.num_computed_tokens + n),
                 r.num_computed_tokens,
                 r.block_table,
+                r.group_tables,
             )
             for r, n in ordered
         ]
@@ -215,7 +216,10 @@ class ModelRunner:
         for r in speculating:
             last = r.ids_between(r.num_computed_tokens, r.num_computed_tokens + 1)
             chunk = SequenceChunk(
-                [*last, *proposals[r].token_ids], r.num_computed_tokens, r.block_table
+                [*last, *proposals[r].token_ids],
+                r.num_computed_tokens,
+                r.block_table,
+                r.group_tables,
             )
             rows += range(len(chunks), len(chunks) + 1 + len(proposals[r].token_ids))
             chunks += verification_rows(chunk)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from ..model.config import SLIDING, ModelConfig
 from .block_pool import BlockPool
 from .config import EngineConfig
+from .hybrid_tables import HybridTables
 from .request import Request, RequestStatus
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -71,6 +72,9 @@ class SchedulerConfig:
     # Every layer's sliding window (None: some layer attends to everything): blocks wholly
     # older than any future query's window are released (release_outside_window).
     kv_window: int | None = None
+    # Hybrid local/global models with per-kind tables (engine/hybrid_tables.py): the windows
+    # of layer groups 1.. (None: full attention; group 0 is full). (): one table.
+    group_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) < 1:
@@ -78,10 +82,15 @@ class SchedulerConfig:
 
     @classmethod
     def from_engine(
-        cls, config: EngineConfig, max_model_len: int, kv_window: int | None = None
+        cls,
+        config: EngineConfig,
+        max_model_len: int,
+        kv_window: int | None = None,
+        group_windows: tuple[int | None, ...] = (),
     ) -> SchedulerConfig:
         return cls(
             kv_window=kv_window,
+            group_windows=group_windows,
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -121,6 +130,10 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.hybrid: HybridTables | None = None  # per-kind tables, if any
+        if config.group_windows:
+            windows = (config.kv_window, *config.group_windows)
+            self.hybrid = HybridTables(pool, windows, config.max_num_batched_tokens)
 
     def add(self, request: Request) -> None:
         limit = self.config.max_model_len
@@ -129,7 +142,9 @@ class Scheduler:
                 f"request {request.request_id}: {request.num_tokens} prompt tokens leave no room "
                 f"in a context of {limit} tokens (the model's, or what the KV cache holds)"
             )
-        if self.pool.blocks_for(request.num_tokens + 1) > self.pool.capacity:
+        hybrid = self.hybrid
+        needed = (hybrid.blocks_needed if hybrid else self.pool.blocks_for)(request.num_tokens + 1)
+        if needed > self.pool.capacity:
             raise RequestRejected(
                 f"request {request.request_id}: {request.num_tokens} prompt tokens need more KV "
                 f"blocks than the whole cache holds "
@@ -247,15 +262,22 @@ class Scheduler:
         max_blocks = (request.num_tokens - 1) // self.pool.block_size
         if request.params.prompt_logprobs is not None:
             max_blocks = 0  # every prompt position is computed (engine/prompt_logprobs.py)
-        hits = self.pool.lookup_prefix(request.block_hashes, max_blocks)
-        self.pool.acquire(hits)
-        request.block_table = list(hits)  # right after acquire: a release frees exactly these
+        if self.hybrid is not None:  # every group's tables set, all their blocks acquired
+            hits, num_hit = self.hybrid.prefix_hits(request, max_blocks)
+        else:
+            hits = self.pool.lookup_prefix(request.block_hashes, max_blocks)
+            self.pool.acquire(hits)
+            request.block_table = list(hits)  # right after acquire: a release frees these
+            num_hit = len(hits)
         self.pool.prefix_queries += request.num_tokens
-        self.pool.prefix_hits += len(hits) * self.pool.block_size
-        request.num_computed_tokens = request.num_cached_tokens = len(hits) * self.pool.block_size
+        self.pool.prefix_hits += num_hit * self.pool.block_size
+        request.num_computed_tokens = request.num_cached_tokens = num_hit * self.pool.block_size
         return hits
 
     def _reserve(self, request: Request, num_new: int) -> bool:
+        if self.hybrid is not None:
+            blocks = self.pool.blocks_for(request.num_computed_tokens + num_new)
+            return self.hybrid.reserve(request, blocks)
         needed = self.pool.blocks_for(request.num_computed_tokens + num_new) - len(
             request.block_table
         )
@@ -302,8 +324,11 @@ class Scheduler:
             self.waiting.append(request)
 
     def _release(self, request: Request) -> None:
-        self.pool.free(request.block_table)
-        request.block_table = []
+        if self.hybrid is not None:
+            self.hybrid.release(request)
+        else:
+            self.pool.free(request.block_table)
+            request.block_table = []
         request.num_computed_tokens = 0
 
     def on_step_done(self, batch: ScheduledBatch) -> None:
@@ -368,6 +393,9 @@ class Scheduler:
         Released entries form a prefix of the table: the walk stops at the first null one.
         Safe with a step in flight (asynchronous scheduling): its queries sit at or past
         `computed`; a block reallocated meanwhile is written only by a later step."""
+        if self.hybrid is not None:
+            self.hybrid.release_outside_window(request, computed)
+            return
         window = self.config.kv_window
         if window is None:
             return
@@ -386,7 +414,9 @@ class Scheduler:
         for proposals never made); slots past num_computed_tokens in the kept last block are
         simply overwritten by the next step."""
         keep = self.pool.blocks_for(end)
-        if len(request.block_table) > keep:
+        if self.hybrid is not None:
+            self.hybrid.roll_back(request, keep)
+        elif len(request.block_table) > keep:
             self.pool.free(request.block_table[keep:])
             del request.block_table[keep:]
 
@@ -403,6 +433,9 @@ class Scheduler:
             if accepted and len(ids) < end - start:
                 ids = [*ids, *accepted][: end - start]
             pool.extend_hashes(hashes, ids)
+        if self.hybrid is not None:
+            self.hybrid.register(request, first, full)
+            return
         table = request.block_table
         for j in range(first, full):
             pool.register(table[j], hashes[j])
@@ -418,7 +451,7 @@ class Scheduler:
         full = prompt_len // bs
         copy = None
         table = list(leader.block_table[:full])
-        if len(self.running) >= self.config.max_num_seqs:
+        if len(self.running) >= self.config.max_num_seqs or self.hybrid is not None:
             self.add(sample)
             return None
         if prompt_len % bs:
@@ -446,4 +479,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
 
     def block_tables(self) -> list[list[int]]:
+        """Every running request's tables (every group's with per-kind tables)."""
+        if self.hybrid is not None:
+            return self.hybrid.all_tables(self.running)
         return [r.block_table for r in self.running]

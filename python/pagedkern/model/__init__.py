@@ -22,7 +22,14 @@ from .config import PRESETS, ModelConfig, RopeScaling
 from .errors import ModelLoadError
 from .gguf_loader import load_gguf, read_gguf_tokenizer
 from .hf_loader import load_hf_folder
-from .kv_cache import KVCache, allocate_kv_cache, kv_block_bytes, num_blocks_for_bytes
+from .kv_cache import (
+    KVCache,
+    KVLayerGroups,
+    allocate_kv_cache,
+    kv_block_bytes,
+    kv_layer_groups,
+    num_blocks_for_bytes,
+)
 from .llama import LlamaModel
 from .loading import default_dtype, default_model_path, load_model
 from .synthetic import synthetic_weights
@@ -36,6 +43,7 @@ __all__ = [
     "AttentionMetadata",
     "BatchLayout",
     "KVCache",
+    "KVLayerGroups",
     "LayerWeights",
     "LlamaModel",
     "LlamaWeights",
@@ -50,6 +58,7 @@ __all__ = [
     "default_dtype",
     "default_model_path",
     "kv_block_bytes",
+    "kv_layer_groups",
     "layout_batch",
     "load_gguf",
     "load_hf_folder",

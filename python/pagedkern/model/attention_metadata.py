@@ -9,7 +9,7 @@ and paged_attention on the rest.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate, chain, repeat
 from operator import add, attrgetter, le, mul, sub
 
@@ -37,6 +37,9 @@ class AttentionMetadata:
     num_prefills          B_p, sequences run by flash_prefill.
     num_prefill_tokens    cu_seqlens[B_p], rows run by flash_prefill.
     max_query_len, max_seq_len   host-side maxima (kernel launch sizes without a device sync).
+    group_block_tables, group_slot_mappings   a hybrid cache's per-kind tables (model/kv_cache.py
+                           KVLayerGroups): [B, M] and [T] of groups 1.. (group 0's are the
+                           fields above); empty for one table.
     """
 
     positions: torch.Tensor
@@ -49,6 +52,18 @@ class AttentionMetadata:
     num_prefill_tokens: int
     max_query_len: int
     max_seq_len: int
+    group_block_tables: tuple[torch.Tensor, ...] = ()
+    group_slot_mappings: tuple[torch.Tensor, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV group `group` reads: its block tables and slots."""
+        if group == 0:
+            return self
+        return replace(
+            self,
+            block_tables=self.group_block_tables[group - 1],
+            slot_mapping=self.group_slot_mappings[group - 1],
+        )
 
     @property
     def num_seqs(self) -> int:
@@ -72,6 +87,7 @@ class SequenceChunk:
     token_ids: Sequence[int]
     num_computed: int
     block_table: Sequence[int]
+    group_tables: Sequence[Sequence[int]] = ()  # a hybrid cache's groups 1.. (as long)
 
 
 @dataclass(slots=True)
@@ -92,6 +108,8 @@ class BatchLayout:
     num_prefills: int
     max_query_len: int
     _packed: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # a hybrid cache's groups 1..: per group (block tables row-major [B, width], slots [T])
+    groups: Sequence[tuple[Sequence[int], Sequence[int]]] = ()
 
     def upload(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, AttentionMetadata]:
         """input_ids and metadata on `device`, from ONE int32 host buffer (pinned for CUDA) and
@@ -109,8 +127,10 @@ class BatchLayout:
         """input_ids and metadata as CPU tensors sharing the host arrays (those of
         layout_batch are int32 views already: nothing is copied, no packed tensor is split)."""
         parts = [np.asarray(p, dtype=np.int32) for p in self._parts()]
-        parts[4] = parts[4].reshape(len(parts[5]), self.width)
-        ids, positions, slots, cu, tables, seq_lens, logits = map(torch.from_numpy, parts)
+        b = len(parts[5])
+        parts[4] = parts[4].reshape(b, self.width)
+        parts[7::2] = [p.reshape(b, self.width) for p in parts[7::2]]
+        ids, positions, slots, cu, tables, seq_lens, logits, *groups = map(torch.from_numpy, parts)
         meta = AttentionMetadata(
             positions=positions,
             slot_mapping=slots,
@@ -122,11 +142,13 @@ class BatchLayout:
             num_prefill_tokens=int(parts[3][self.num_prefills]),
             max_query_len=self.max_query_len,
             max_seq_len=int(parts[5].max()),
+            group_block_tables=tuple(groups[0::2]),
+            group_slot_mappings=tuple(groups[1::2]),
         )
         return ids, meta
 
     def _parts(self) -> tuple[Sequence[int], ...]:
-        """The fields in pack() order."""
+        """The fields in pack() order (a hybrid cache's group tables and slots last)."""
         return (
             self.input_ids,
             self.positions,
@@ -135,12 +157,16 @@ class BatchLayout:
             self.block_tables,
             self.seq_lens,
             self.logits_indices,
+            *(part for group in self.groups for part in group),
         )
 
     def sizes(self) -> list[int]:
         """Lengths of the packed buffer's parts, in pack() order."""
         t, b = len(self.input_ids), len(self.seq_lens)
-        return [t, t, t, b + 1, b * self.width, b, len(self.logits_indices)]
+        return [t, t, t, b + 1, b * self.width, b, len(self.logits_indices)] + [
+            b * self.width,
+            t,
+        ] * len(self.groups)
 
     def pack(self) -> torch.Tensor:
         """The one int32 host buffer: input_ids, positions, slot_mapping, cu_seqlens,
@@ -178,7 +204,8 @@ def unpack_batch(
     max_seq_len: int,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """input_ids [T] and AttentionMetadata as views of a packed buffer (BatchLayout.pack), from
-    its part sizes and host-side counts (a TP worker gets these in the step header)."""
+    its part sizes and host-side counts (a TP worker gets these in the step header); parts
+    past the seventh are a hybrid cache's (group tables, group slots) pairs."""
     views = flat.split(sizes)
     meta = AttentionMetadata(
         positions=views[1],
@@ -191,6 +218,8 @@ def unpack_batch(
         num_prefill_tokens=num_prefill_tokens,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
+        group_block_tables=tuple(v.view(num_seqs, width) for v in views[7::2]),
+        group_slot_mappings=tuple(views[8::2]),
     )
     return views[0], meta
 
@@ -201,9 +230,9 @@ def verification_rows(chunk: SequenceChunk) -> list[SequenceChunk]:
     to seq_len = num_computed + j + 1 tokens, the K/V of rows < j included (every row's K/V
     is written before attention runs). The decode-style path for short chunks: paged_attention
     fills no 128-row Q tile with 1 + k rows (kernel notes in csrc/paged_attention.cu)."""
-    table = chunk.block_table
+    table, groups = chunk.block_table, chunk.group_tables
     return [
-        SequenceChunk(chunk.token_ids[j : j + 1], chunk.num_computed + j, table)
+        SequenceChunk(chunk.token_ids[j : j + 1], chunk.num_computed + j, table, groups)
         for j in range(len(chunk.token_ids))
     ]
 
@@ -279,6 +308,7 @@ def layout_batch(
         rows = table_rows.reshape(b, width)
         seq = np.repeat(np.arange(b), lens)
         slots[:] = rows[seq, positions // bs] * np.int64(bs) + positions % bs
+    groups = _group_parts(chunks, width, bs, positions, lens) if chunks[0].group_tables else ()
     return BatchLayout(
         input_ids=ids,
         positions=positions,
@@ -291,7 +321,38 @@ def layout_batch(
         num_prefills=num_prefills,
         max_query_len=max(lens),
         _packed=packed,
+        groups=groups,
     )
+
+
+def _group_parts(
+    chunks: Sequence[SequenceChunk],
+    width: int,
+    block_size: int,
+    positions: np.ndarray,
+    lens: list[int],
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A hybrid cache's groups 1..: (tables padded to `width`, row-major; slots of the rows at
+    `positions`) per group. Every chunk has as many group tables as block_table's length."""
+    num_groups = len(chunks[0].group_tables)
+    b = len(chunks)
+    seq = np.repeat(np.arange(b), lens)
+    block, offset = positions // block_size, positions % block_size
+    parts = []
+    for g in range(num_groups):
+        rows = np.zeros((b, width), np.int32)
+        for i, chunk in enumerate(chunks):
+            if len(chunk.group_tables) != num_groups or len(chunk.group_tables[g]) != len(
+                chunk.block_table
+            ):
+                raise ValueError(
+                    f"sequence {i}: needs {num_groups} group tables as long as its block table"
+                )
+            table = chunk.group_tables[g]
+            rows[i, : len(table)] = table
+        slots = (rows[seq, block].astype(np.int64) * block_size + offset).astype(np.int32)
+        parts.append((rows.reshape(-1), slots))
+    return parts
 
 
 def split_packed(packed: np.ndarray, sizes: list[int]) -> list[np.ndarray]:

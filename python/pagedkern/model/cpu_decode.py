@@ -70,6 +70,7 @@ def applies(model, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
         or model.dtype != torch.float32
         or model.tp.size != 1
         or model._kv_amax is not None
+        or kv_cache.groups is not None  # its gather reads one block table for every layer
         or launch.get_backend() == "cuda"  # which never runs CPU tensors on the reference
     ):
         return False

@@ -23,7 +23,7 @@ from . import cpu_decode
 from .attention_metadata import AttentionMetadata
 from .collectives import SINGLE, Collectives
 from .config import ModelConfig
-from .kv_cache import FP8, KV_CACHE_DTYPES, KVCache, allocate_kv_cache
+from .kv_cache import FP8, KV_CACHE_DTYPES, KVCache, KVLayerGroups, allocate_kv_cache
 from .moe import moe_mlp
 from .quantized_linear import QuantizedWeight
 from .rope import rope_table
@@ -110,11 +110,14 @@ class LlamaModel:
         # decode-only CPU steps through cpu_decode (the engine sets EngineConfig.cpu_fast_decode)
         self.fast_cpu_decode = False
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
-        """A KV cache for this model on its device, in kv_dtype (fp8: with per-layer scales)."""
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int = 16, groups: KVLayerGroups | None = None
+    ) -> KVCache:
+        """A KV cache for this model on its device, in kv_dtype (fp8: with per-layer scales);
+        groups: per-kind block tables (model/kv_cache.py)."""
         scales = self.kv_scales() if self.kv_dtype == FP8 else None
         return allocate_kv_cache(
-            self.local, num_blocks, block_size, self.device, self.kv_dtype, scales
+            self.local, num_blocks, block_size, self.device, self.kv_dtype, scales, groups
         )
 
     def kv_scales(self, tokens: int = 256) -> list[tuple[float, float]]:
@@ -204,12 +207,14 @@ class LlamaModel:
             tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device
         )
         scales = kv_cache.scales or [None] * cfg.num_layers
+        metas, group_of = _layer_metas(meta, kv_cache)
         for i, (layer, (k_cache, v_cache), kv_scale) in enumerate(
             zip(w.layers, kv_cache.layers, scales, strict=True)
         ):
             shadow.enter_layer(i)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
-            self._attention(qkv, layer, meta, k_cache, v_cache, attn, kv_scale, i)
+            layer_meta = metas[group_of[i]] if group_of else meta
+            self._attention(qkv, layer, layer_meta, k_cache, v_cache, attn, kv_scale, i)
             h, residual = self.layer_tail(attn, residual, layer, self.next_norm(i))
         shadow.enter_layer(None)  # the LM head belongs to no layer
         return h
@@ -364,6 +369,22 @@ class LlamaModel:
             index = next(i for i, w in enumerate(self.weights.layers) if w is layer)
             self._layer_index[id(layer)] = index
         return index
+
+
+def _layer_metas(
+    meta: AttentionMetadata, kv_cache: KVCache
+) -> tuple[list[AttentionMetadata], tuple[int, ...]]:
+    """A hybrid cache's per-group metadata (model/kv_cache.py KVLayerGroups) and each layer's
+    group; ([meta], ()) for a cache with one table."""
+    groups = kv_cache.groups
+    if groups is None:
+        return [meta], ()
+    if len(meta.group_block_tables) != groups.num_groups - 1:
+        raise ValueError(
+            f"the KV cache has {groups.num_groups} layer groups, the batch "
+            f"{1 + len(meta.group_block_tables)} block tables"
+        )
+    return [meta.for_group(g) for g in range(groups.num_groups)], groups.layer_group
 
 
 def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -232,6 +232,13 @@ def build_parser() -> Parser:
         ),
     )
     e.add_argument(
+        "--no-kv-per-kind-tables",
+        action="store_true",
+        help=_field_help(
+            EngineConfig, "kv_per_kind_tables", "one KV block table for every layer kind"
+        ),
+    )
+    e.add_argument(
         "--no-cpu-fast-decode",
         action="store_true",
         help=_field_help(
@@ -377,6 +384,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        kv_per_kind_tables=not args.no_kv_per_kind_tables,
         cpu_fast_decode=not args.no_cpu_fast_decode,
         max_queue=args.max_queue,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -135,6 +135,8 @@ def _answer(engine: Engine, single, requests, defaults: dict, stats: bool) -> in
         status = _run_many(engine, requests, stats)
     if stats and engine.config.speculative != "none":
         _say(_speculation_stats(engine))
+    if stats and engine.stats().kv_blocks_by_kind:
+        _say(_kv_kind_stats(engine))
     return status
 
 
@@ -281,6 +283,13 @@ def _speculation_stats(engine: Engine) -> str:
         f"{s.num_spec_accepted} accepted ({s.spec_acceptance_rate:.1%}), "
         f"{s.spec_mean_accepted_length:.2f} accepted per step over {s.num_spec_steps} steps"
     )
+
+
+def _kv_kind_stats(engine: Engine) -> str:
+    """Per-kind block tables: the KV blocks each layer kind holds now and held at most."""
+    s = engine.stats()
+    kinds = ", ".join(f"{kind} {used} (peak {peak})" for kind, used, peak in s.kv_blocks_by_kind)
+    return f"KV blocks in use per layer kind: {kinds}, of {s.num_blocks_total}"
 
 
 def _logprob_line(engine: Engine, lp) -> str:
