@@ -81,14 +81,6 @@ number = _Check("number", _finite, lambda v: True, "a finite number")
 top_logprobs = _Check("logprobs", int, lambda v: 0 <= v <= 20, "an integer in 0..20")
 
 
-def check_int(name: str, value, low: int, high: int) -> None:
-    """The same bounds for a JSON stdin line's fields as for the flags (ValueError)."""
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high
-    ):
-        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-
-
 # --- help ------------------------------------------------------------------------------------
 
 

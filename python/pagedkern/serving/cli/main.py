@@ -29,7 +29,7 @@ from typing import NoReturn
 from ...engine import Engine, FinishReason, RequestOutput, SamplingParams, ShadowDivergence
 from ...processes import launcher_rank
 from . import args as cli_args
-from .args import INT32, INT64, PROG
+from .args import PROG
 
 _JSON_FIELDS = (
     "max_tokens",
@@ -141,13 +141,8 @@ def _answer(engine: Engine, single, requests, defaults: dict, stats: bool) -> in
 
 
 def _params(fields: dict) -> SamplingParams:
-    cli_args.check_int("seed", fields.get("seed"), -INT64 - 1, INT64)
-    cli_args.check_int("top_k", fields.get("top_k"), -INT32 - 1, INT32)
-    for token in fields.get("stop_token_ids") or []:
-        cli_args.check_int("stop_token_ids", token, 0, INT32)
-    stop = fields.get("stop")
-    if stop is not None and not isinstance(stop, (str, list)):
-        raise BadInput(f"stop must be a string or a list of strings, got {stop!r}")
+    """The flags' and a stdin line's fields as SamplingParams, whose checks are the only ones
+    (ValueError / TypeError naming the field: the line's error)."""
     return SamplingParams(**fields)
 
 
