@@ -266,3 +266,23 @@ def test_preemption_and_batching_with_per_kind_tables(saved):
     assert_preemption_and_batching_change_nothing(
         folder, hf, PROMPT, num_blocks=num_blocks, block_size=BLOCK, max_num_batched_tokens=8
     )
+
+
+def test_stats_and_metrics_report_blocks_per_kind(saved, capsys):
+    from pagedkern.serving.cli import main
+    from pagedkern.serving.core.messages import EngineGauges
+    from pagedkern.serving.core.metrics import ServerMetrics
+
+    folder, _ = saved
+    args = ["--model", str(folder), "--max-tokens", "4", "--ignore-eos", "--backend",
+            "reference", "--raw", "--stats", "--block-size", "4", "--num-blocks", "64"]  # fmt: skip
+    assert main([*args, "a prompt longer than the window of six"]) in (0, None)
+    line = [s for s in capsys.readouterr().err.splitlines() if "per layer kind" in s]
+    assert len(line) == 1 and "full 0 (peak " in line[0] and "sliding 0 (peak " in line[0]
+    assert main([*args, "--no-kv-per-kind-tables", "a prompt"]) in (0, None)
+    assert "per layer kind" not in capsys.readouterr().err
+    gauges = EngineGauges(1, 0, 9, 64, kv_blocks_by_kind=[["full", 6, 8], ["sliding", 3, 5]])
+    text = ServerMetrics().render(gauges, "m")
+    assert 'pagedkern_kv_blocks_used_by_kind{kind="sliding"} 3' in text
+    assert 'pagedkern_kv_blocks_peak_by_kind{kind="full"} 8' in text
+    assert "by_kind" not in ServerMetrics().render(EngineGauges(1, 0, 9, 64), "m")

@@ -89,6 +89,7 @@ def gauges(engine: Engine) -> EngineGauges:
         s.num_spec_proposed,
         s.num_spec_accepted,
         None if engine.shadow is None else engine.shadow.rows(),
+        [list(kind) for kind in s.kv_blocks_by_kind] or None,
     )
 
 

@@ -184,6 +184,9 @@ class EngineGauges:
     # shadow mode (ops/shadow.py ShadowReport.rows): [op, layer or -1, calls, max relative
     # error, divergences] per op and layer; None when it is off
     shadow: list | None = None
+    # per-kind KV block tables (hybrid local/global models): [kind, blocks in use, peak] per
+    # layer kind; None with one table
+    kv_blocks_by_kind: list | None = None
 
 
 def _gauges_to_wire(gauges: EngineGauges | None) -> list | None:

@@ -150,6 +150,16 @@ class ServerMetrics:
                 ("kv_blocks_total", gauges.kv_blocks_total, "KV cache blocks in the pool."),
             ):
                 metric(name, "gauge", help_, [f"{p}{name} {value}"])
+            if gauges.kv_blocks_by_kind:  # per-kind tables: the blocks each layer kind holds
+                for name, column, help_ in (
+                    ("kv_blocks_used_by_kind", 1, "KV cache blocks held, per layer kind."),
+                    ("kv_blocks_peak_by_kind", 2, "Most KV cache blocks held, per layer kind."),
+                ):
+                    samples = [
+                        f'{p}{name}{{kind="{row[0]}"}} {row[column]}'
+                        for row in gauges.kv_blocks_by_kind
+                    ]
+                    metric(name, "gauge", help_, samples)
             for name, value, help_ in (
                 ("spec_decode_num_steps_total", gauges.spec_steps, "Speculative steps."),
                 ("spec_decode_num_draft_tokens_total", gauges.spec_proposed, "Proposed tokens."),
