@@ -286,3 +286,18 @@ def test_stats_and_metrics_report_blocks_per_kind(saved, capsys):
     assert 'pagedkern_kv_blocks_used_by_kind{kind="sliding"} 3' in text
     assert 'pagedkern_kv_blocks_peak_by_kind{kind="full"} 8' in text
     assert "by_kind" not in ServerMetrics().render(EngineGauges(1, 0, 9, 64), "m")
+
+
+def test_qwen2_max_window_layers_gets_per_kind_tables(tmp_path):
+    from test_model_transformers import _qwen2_sliding
+
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(_qwen2_sliding()).float().eval()  # layer 0 full
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    write_tokenizer(tmp_path)
+    engine = _engine(tmp_path, max_num_batched_tokens=8)
+    assert engine.kv_cache.groups.windows[0] is None and WINDOW in engine.kv_cache.groups.windows
+    (got,), (outputs,) = _greedy(engine, [PROMPT], 16)
+    want_tokens, want_logits = hf_greedy(hf, PROMPT, 16)
+    assert_logprobs_follow(outputs, want_tokens, want_logits)
+    assert engine.pool.peak_by_kind[1] < engine.pool.peak_by_kind[0]
