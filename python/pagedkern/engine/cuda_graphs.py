@@ -7,8 +7,11 @@ The forward pass of a pure-decode batch is therefore captured once per batch siz
 size: padding rows have sequence length 0 (attention reads nothing, writes zeros) and slot -1 (no
 cache write). Inputs live in one static int32 device buffer at fixed offsets, filled each step
 from one pinned host buffer with one copy; block tables are padded to the widest a sequence can
-need, so the attention launch (split plan included) is the same for every replay. Steps that
-carry a prefill chunk replay piecewise graphs instead (engine/piecewise_graphs.py).
+need, so the attention launch (split plan included) is the same for every replay: each size's
+attention is planned once, by the eager warm-up before its capture, into workspaces its
+StepAttention owns for the graph's lifetime (model/step_attention.py), and the graph captures
+the layers' runs only. Steps that carry a prefill chunk replay piecewise graphs instead
+(engine/piecewise_graphs.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 
 from ..model import AttentionMetadata, BatchLayout, KVCache, LlamaModel
+from ..model.step_attention import StepAttention
 from ..ops import launch
 
 
@@ -62,6 +66,9 @@ class DecodeGraphs:
         self._np = [h.numpy() for h in self._h]  # numpy views: a step writes no torch op
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        # per size: ids, metadata (views of the static buffer) and its planned attention,
+        # which lives as long as the graph (the graph's launches hold its workspaces)
+        self._static: dict[int, tuple[torch.Tensor, AttentionMetadata, StepAttention]] = {}
 
     def bucket(self, num_seqs: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
@@ -81,6 +88,15 @@ class DecodeGraphs:
             max_seq_len=self.width * self.kv_cache.block_size,
         )
         return ids[:size], meta
+
+    def static_step(self, size: int) -> tuple[torch.Tensor, AttentionMetadata, StepAttention]:
+        """ids, metadata and attention plans of the graph of `size` (made once: the first
+        forward over them plans, every later one, and the capture, only runs)."""
+        step = self._static.get(size)
+        if step is None:
+            ids, meta = self._meta(size)
+            step = self._static[size] = (ids, meta, StepAttention(meta))
+        return step
 
     def _fill(self, layout: BatchLayout | None) -> None:
         """Write a decode batch (or, with None, all padding) into the host buffer and upload it."""
@@ -106,15 +122,16 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         for size in reversed(self.sizes):
-            ids, meta = self._meta(size)
+            ids, meta, attention = self.static_step(size)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.model(ids, meta, self.kv_cache)
+                for _ in range(2):  # the first plans the attention (its workspaces included)
+                    self.model(ids, meta, self.kv_cache, attention)
             torch.cuda.current_stream().wait_stream(side)
+            attention.frozen = True  # the graph captures runs only; a plan here would raise
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[size] = self.model(ids, meta, self.kv_cache)
+                self._logits[size] = self.model(ids, meta, self.kv_cache, attention)
             self._graphs[size] = graph
         torch.cuda.synchronize()
 
@@ -129,5 +146,7 @@ class DecodeGraphs:
             self._graphs[size].replay()
             launch.record_launch("graph_replay")
             return self._logits[size][:n]
-        ids, meta = self._meta(size)  # not captured (CPU, or capture skipped): same path, eager
-        return self.model(ids, meta, self.kv_cache)[:n]
+        # not captured (CPU, or capture skipped): the same path eagerly, the size's plans
+        # made by its first step and run by every later one, as a replay runs them
+        ids, meta, attention = self.static_step(size)
+        return self.model(ids, meta, self.kv_cache, attention)[:n]

@@ -14,7 +14,8 @@ buffers padded to T rows:
 
 Attention (rope_and_cache, flash_prefill, paged_attention: model._attention) runs eagerly
 between the pieces on the first n rows of the same static buffers, with the step's own
-metadata: exactly the launches, shapes and split plan of the eager forward. Padding rows n..T
+metadata, planned once per step (model/step_attention.py): exactly the launches, shapes and
+split plan of the eager forward. Padding rows n..T
 (id 0, position 0, slot -1) go through the pieces only; every piece op is row-wise (GEMM rows,
 norms, SiLU), so they never reach a real row, and nothing reads them back. The LM head runs on
 min(T, max_num_seqs) rows (the most a step without speculation samples), padded with row 0.
@@ -46,6 +47,7 @@ import torch
 from ..model import BatchLayout, KVCache, LlamaModel
 from ..model.attention_metadata import AttentionMetadata
 from ..model.llama import linear
+from ..model.step_attention import StepAttention
 from ..ops import launch
 from .cuda_graphs import StaticInputs
 
@@ -216,14 +218,16 @@ class PiecewiseGraphs:
         pieces = replays or self.pieces(size)  # not captured (CPU): the same path, eagerly
         scales = self.kv_cache.scales or [None] * len(self.kv_cache.layers)
         layers = self.model.weights.layers
+        attention = StepAttention(meta)  # planned by the first layer, run by every layer
         logits = None
         for i, piece in enumerate(pieces):
             if i:  # attention of layer i - 1, eagerly, on the step's real rows
                 k_cache, v_cache = self.kv_cache.layers[i - 1]
                 qkv, attn = self.qkv[:n], self.attn[:n]
                 self.model._attention(
-                    qkv, layers[i - 1], meta, k_cache, v_cache, attn, scales[i - 1]
-                )
+                    qkv, layers[i - 1], meta, k_cache, v_cache, attn, scales[i - 1], i - 1,
+                    attention,
+                )  # fmt: skip
             logits = piece()
             if replays:
                 launch.record_launch("graph_replay")

@@ -27,6 +27,7 @@ from .kv_cache import FP8, KV_CACHE_DTYPES, KVCache, KVLayerGroups, allocate_kv_
 from .moe import moe_mlp
 from .quantized_linear import QuantizedWeight
 from .rope import rope_table
+from .step_attention import StepAttention
 from .weights import LayerWeights, Linear, LlamaWeights
 
 _mm_out_dtype_works: bool | None = None  # torch.mm(..., out_dtype=) on CUDA, probed once
@@ -144,11 +145,16 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        attention: StepAttention | None = None,
     ) -> torch.Tensor:
         """input_ids [T] int32 (rows laid out as `meta` says); writes this step's k/v into
-        kv_cache; returns float32 logits for the rows meta.logits_indices selects."""
-        hidden = self.hidden_states(input_ids, meta, kv_cache)
+        kv_cache; returns float32 logits for the rows meta.logits_indices selects.
+        attention: the step's planned attention over `meta` (default: planned here)."""
+        hidden = self.hidden_states(input_ids, meta, kv_cache, attention)
         return self.tp.gather_logits(self.compute_logits(hidden[meta.logits_indices]))
 
     __call__ = forward
@@ -191,15 +197,22 @@ class LlamaModel:
         )
 
     def hidden_states(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        attention: StepAttention | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states of every row, [T, H] in the model dtype."""
+        """Final-normed hidden states of every row, [T, H] in the model dtype (attention: as
+        forward's)."""
         cfg, w = self.local, self.weights
         if kv_cache.num_layers != cfg.num_layers:
             raise ValueError(f"KV cache has {kv_cache.num_layers} layers, model {cfg.num_layers}")
         if self.fast_cpu_decode and cpu_decode.applies(self, meta, kv_cache):
             return cpu_decode.hidden_states(self, input_ids, meta, kv_cache)
         self._cpu_decode_kv = None  # its K/V go to the cache only; the copy's memory goes back
+        if attention is None:
+            attention = StepAttention(meta)  # planned by each kind's first layer, run by all
         tokens = input_ids.shape[0]
         shadow.enter_layer(0)  # (shadow mode: which layer the op calls that follow belong to)
         h, residual = self.embed_and_norm(input_ids, w.layers[0].input_norm)
@@ -214,7 +227,7 @@ class LlamaModel:
             shadow.enter_layer(i)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             layer_meta = metas[group_of[i]] if group_of else meta
-            self._attention(qkv, layer, layer_meta, k_cache, v_cache, attn, kv_scale, i)
+            self._attention(qkv, layer, layer_meta, k_cache, v_cache, attn, kv_scale, i, attention)
             h, residual = self.layer_tail(attn, residual, layer, self.next_norm(i))
         shadow.enter_layer(None)  # the LM head belongs to no layer
         return h
@@ -294,10 +307,12 @@ class LlamaModel:
         out: torch.Tensor,
         kv_scale: tuple[float, float] | None = None,
         index: int | None = None,
+        attention: StepAttention | None = None,
     ) -> None:
         """Attention of one layer (`index`, else found from `layer`): its q/k norms, RoPE and
         cache write, then flash_prefill on the prefill rows and paged_attention on the rest,
-        with the layer's window and the model's scale and soft-cap."""
+        with the layer's window and the model's scale and soft-cap, through the step's
+        `attention` (planned by its first layer of each kind, run by the others)."""
         cfg = self.local
         tokens = qkv.shape[0]
         if index is None:
@@ -337,30 +352,10 @@ class LlamaModel:
             q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping, **scales,
             **norms,
         )  # fmt: skip
-        p, rows = meta.num_prefills, meta.num_prefill_tokens
-        if p:
-            ops.flash_prefill(  # fp8 too: the kernel reads E4M3 pages
-                q[:rows],
-                k_cache,
-                v_cache,
-                meta.cu_seqlens[: p + 1],
-                meta.block_tables[:p],
-                meta.seq_lens[:p],
-                out=out[:rows],
-                **scales,
-                **options,
-            )
-        if rows < tokens:
-            ops.paged_attention(
-                q[rows:],
-                k_cache,
-                v_cache,
-                meta.block_tables[p:],
-                meta.seq_lens[p:],
-                out=out[rows:],
-                **scales,
-                **options,
-            )
+        if attention is None:  # (a caller outside a forward pass: plans for this call only)
+            attention = StepAttention(meta)
+        # fp8 too: E4M3 pages; a hybrid cache's layer reads its group's tables
+        attention(q, k_cache, v_cache, out, block_tables=meta.block_tables, **scales, **options)
 
     def _index_of(self, layer: LayerWeights) -> int:
         """The layer number of `layer` (one of self.weights.layers)."""

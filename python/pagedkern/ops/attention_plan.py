@@ -41,7 +41,7 @@ from .flash_prefill import (
 from .flash_prefill import (
     launch_parameters as prefill_launch_parameters,
 )
-from .launch import kernel_or_reference, launch_context, sm_count
+from .launch import count_launches, kernel_or_reference, launch_context, record_launch, sm_count
 from .paged_attention import (
     _check_kernel_layout,
     decode_kernel,
@@ -81,6 +81,7 @@ class _Plan:
     v_cache, out), the launch object, and the one-shot fallback."""
 
     _NAMES = ("q", "k_cache", "v_cache", "out")
+    _OP = ""  # the op a run launches (count_launches)
 
     def __init__(self) -> None:
         self._launch = None  # the extension's launch object; None: the one-shot op path
@@ -107,6 +108,17 @@ class _Plan:
                 raise ValueError(f"{name} must start at a 16-byte boundary for the kernel")
         return True
 
+    @property
+    def workspace(self):
+        """The workspace the plan owns (None: its kernel needs none, or the reference runs)."""
+        return self._workspace
+
+    def _use_kernel(self, views, decision) -> bool:
+        """kernel_or_reference for the plan, which is no launch: its count is dropped (every
+        run counts one, as every one-shot call does)."""
+        with count_launches():
+            return kernel_or_reference(self._OP, views, decision)
+
     def _planned_layouts(self, q, k_cache, v_cache, out) -> tuple | None:
         layouts = tuple(_layout(t) for t in (q, k_cache, v_cache, out))
         return None if None in layouts else layouts
@@ -125,6 +137,8 @@ class DecodeAttention(_Plan):
     """paged_attention (one query per sequence) planned once per batch: see the module's doc.
     plan() takes the same arguments as ops.paged_attention, with `out` required (runs write into
     it); run() takes a layer's q, caches and out, of the planned layout."""
+
+    _OP = "paged_attention"
 
     def __init__(self, workspace=None) -> None:
         """workspace: a float32 CUDA array for split-KV partials that the plan uses instead of
@@ -173,7 +187,7 @@ class DecodeAttention(_Plan):
         options = attention_options("paged_attention", sliding_window, soft_cap, sinks)
         decision = options or decode_support(qv.dtype, head_dim, block_size, kc.dtype)
         layouts = self._planned_layouts(q, k_cache, v_cache, out)
-        if layouts is None or not kernel_or_reference("paged_attention", views, decision):
+        if layouts is None or not self._use_kernel(views, decision):
             return  # the one-shot op with these arguments, at every run
         _check_kernel_layout(views, None)
         check_sinks_layout(sv)
@@ -209,6 +223,7 @@ class DecodeAttention(_Plan):
                 sliding_window=a["sliding_window"], soft_cap=a["soft_cap"], sinks=a["sinks"],
                 stream=stream,
             )  # fmt: skip
+        record_launch("paged_attention")
         self._launch.run(
             q=q.data_ptr(), out=out.data_ptr(), k_cache=k_cache.data_ptr(),
             v_cache=v_cache.data_ptr(), lse=0, stream=self._current_stream(q, stream),
@@ -220,6 +235,8 @@ class PrefillAttention(_Plan):
     """flash_prefill (causal varlen prefill over the paged cache) planned once per batch: see
     the module's doc. plan() takes the same arguments as ops.flash_prefill, with `out`
     required; the plan owns the int32 workspace the kernel schedules its tiles in."""
+
+    _OP = "flash_prefill"
 
     def __init__(self) -> None:
         super().__init__()
@@ -260,8 +277,8 @@ class PrefillAttention(_Plan):
         options = attention_options(
             "flash_prefill", sliding_window, soft_cap, sinks, kv_dtype=kc.dtype
         )
-        decision = options or prefill_support(qv.dtype, qv.shape[2])
-        if layouts is None or not kernel_or_reference("flash_prefill", views, decision):
+        decision = options or prefill_support(qv.dtype, qv.shape[2], kc.dtype)
+        if layouts is None or not self._use_kernel(views, decision):
             return
         check_prefill_layout(views)
         check_out(qv, ov)
@@ -290,6 +307,7 @@ class PrefillAttention(_Plan):
                 sliding_window=a["sliding_window"], soft_cap=a["soft_cap"], sinks=a["sinks"],
                 stream=stream,
             )  # fmt: skip
+        record_launch("flash_prefill")
         taken = self._launch.run(
             q=q.data_ptr(), out=out.data_ptr(), k_cache=k_cache.data_ptr(),
             v_cache=v_cache.data_ptr(), lse=0, stream=self._current_stream(q, stream),

@@ -158,6 +158,12 @@ class ShadowReport:
         return "\n".join(lines)
 
 
+def shadowing() -> bool:
+    """Whether this thread's op calls are shadowed now (callers that bypass the `ops` entries,
+    e.g. the model's planned attention, take them instead)."""
+    return _report.get() is not None
+
+
 def enter_layer(layer: int | None) -> None:
     """The model's layer loop: the op calls that follow belong to `layer` (a no-op unless a
     shadowed forward runs)."""

@@ -130,6 +130,19 @@ VARIANTS: dict[str, OpVariants] = {
                 Variant("mma", 1, "mma.sync tensor cores wherever D is 64 or 128", _RUN2),
             ),
         ),
+        OpVariants(
+            "attention_plan",  # how the engine's model calls the attention kernels
+            (
+                Variant(
+                    "on",
+                    0,
+                    "plan once per step, run per layer (ops/attention_plan.py); decode graphs "
+                    "capture the runs",
+                    None,
+                ),
+                Variant("off", 1, "the one-shot ops, planning inside every layer's call", _RUN2),
+            ),
+        ),
     )
 }
 

@@ -1,0 +1,135 @@
+"""One step's attention, planned once and run by every layer (ops/attention_plan.py's wrappers).
+
+The model builds a StepAttention per forward pass from the step's AttentionMetadata; each
+layer calls it with its q, caches and output. Layers share a plan when they share what a plan
+fixes: the attention options (scale, sliding window, soft-cap, sinks), the fp8 dequantization
+scales and the block tables. A Llama step has one such kind, Gemma 2/3 two (sliding and global
+layers); an fp8 cache has one per layer (each layer's calibrated scales), as have per-layer
+sinks. The first layer of a kind plans
+its PrefillAttention (rows [0, num_prefill_tokens)) and DecodeAttention (the rest); every layer
+then only runs: on CUDA a layout compare and the launch, no planning, no allocation. Decode
+plans of one window need the same split-KV workspace, so they share one.
+
+On CPU tensors (the reference and cpu backends) a run calls the one-shot op with the planned
+arguments, so the CPU paths are unchanged. Two cases keep the one-shot ops: shadow mode (its
+wrappers replace `pagedkern.ops` entries, which the one-shot calls go through) and
+PAGEDKERN_KERNELS=attention_plan:off (the path before plan/run, kept selectable until a GPU
+has run this one).
+
+CUDA graphs (engine/cuda_graphs.py) keep one StepAttention per captured batch size: planned
+by the eager warm-up on the static metadata buffers, frozen for the capture (a plan inside it
+raises), and alive as long as the graph, whose launches hold its workspaces' addresses. The
+plan depends only on host values fixed per size (batch, the block tables' width) and on the
+static buffers' addresses, so a replay needs no new plan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..ops import shadow
+from ..ops.attention_plan import DecodeAttention, PrefillAttention
+from ..ops.variants import selected
+from .attention_metadata import AttentionMetadata
+
+
+class StepAttention:
+    """The attention of one forward pass over `meta`; call it per layer (see the module doc)."""
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        # kind -> (prefill plan or None, decode plan or None)
+        self._plans: dict[tuple, tuple[PrefillAttention | None, DecodeAttention | None]] = {}
+        self._workspaces: dict[int | None, object] = {}  # window -> shared split-KV workspace
+        self.one_shot = selected("attention_plan") == "off"
+        self.frozen = False  # set while a CUDA graph captures: planning would be captured
+
+    @property
+    def num_plans(self) -> int:
+        """Kinds planned so far (one per kind of layer that ran)."""
+        return len(self._plans)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        sinks: torch.Tensor | None = None,
+        block_tables: torch.Tensor | None = None,
+    ) -> None:
+        """Attention of one layer's rows into `out`: flash_prefill on the prefill rows,
+        paged_attention on the decode rows. sinks: the layer's sink logits (a plan reads them
+        by address: layers share a plan only with the same tensor). block_tables: this layer's
+        (a hybrid cache's group table; default meta.block_tables), likewise by identity."""
+        meta = self.meta
+        tables = meta.block_tables if block_tables is None else block_tables
+        options = dict(
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+            v_scale=v_scale, sinks=sinks,
+        )  # fmt: skip
+        if self.one_shot or shadow.shadowing():
+            self._one_shot(q, k_cache, v_cache, out, tables, options)
+            return
+        key = (scale, sliding_window, soft_cap, k_scale, v_scale, id(sinks), id(tables))
+        plans = self._plans.get(key)
+        if plans is None:
+            plans = self._plan(key, q, k_cache, v_cache, out, tables, options)
+        prefill, decode = plans
+        rows = meta.num_prefill_tokens
+        if prefill is not None:
+            prefill.run(q[:rows], k_cache, v_cache, out[:rows])
+        if decode is not None:
+            if rows:
+                decode.run(q[rows:], k_cache, v_cache, out[rows:])
+            else:
+                decode.run(q, k_cache, v_cache, out)
+
+    def _plan(self, key, q, k_cache, v_cache, out, tables, options) -> tuple:
+        if self.frozen:
+            raise RuntimeError(
+                "attention planned during a CUDA-graph capture: run the step eagerly first "
+                "(the warm-up plans it)"
+            )
+        meta = self.meta
+        p, rows = meta.num_prefills, meta.num_prefill_tokens
+        prefill = decode = None
+        if p:
+            prefill = PrefillAttention()
+            prefill.plan(
+                q[:rows], k_cache, v_cache, meta.cu_seqlens[: p + 1], tables[:p],
+                meta.seq_lens[:p], out[:rows], **options,
+            )  # fmt: skip
+        if rows < q.shape[0]:
+            window = options["sliding_window"]
+            decode = DecodeAttention(workspace=self._workspaces.get(window))
+            decode.plan(
+                q[rows:], k_cache, v_cache, tables[p:], meta.seq_lens[p:], out[rows:], **options
+            )
+            if decode.workspace is not None:
+                self._workspaces.setdefault(window, decode.workspace)
+        self._plans[key] = plans = (prefill, decode)
+        return plans
+
+    def _one_shot(self, q, k_cache, v_cache, out, tables, options) -> None:
+        """The ops called per layer, planning inside each call (shadow mode, attention_plan:off)."""
+        meta = self.meta
+        options = {k: v for k, v in options.items() if v is not None}
+        p, rows = meta.num_prefills, meta.num_prefill_tokens
+        if p:
+            ops.flash_prefill(  # fp8 too: the kernel reads E4M3 pages
+                q[:rows], k_cache, v_cache, meta.cu_seqlens[: p + 1], tables[:p],
+                meta.seq_lens[:p], out=out[:rows], **options,
+            )  # fmt: skip
+        if rows < q.shape[0]:
+            ops.paged_attention(
+                q[rows:], k_cache, v_cache, tables[p:], meta.seq_lens[p:], out=out[rows:],
+                **options,
+            )  # fmt: skip
