@@ -126,3 +126,59 @@ def test_plan_run_host_cost(stub, record, smoke, monkeypatch, batch, hq, hkv, d,
     case = f"B={batch} L={max_len} Hq/Hkv={hq}/{hkv} D={d}"
     record("paged_attention host", case, "plan/run per run", seconds, plan_us=planning * 1e6)
     assert StubLaunch.runs == (3 if smoke else 15) * (20 if smoke else 2000)
+
+
+# (decode rows, prefill chunk lengths) of a step; layers per step
+STEP_CASES = [(64, ()), (62, (100, 100))]
+STEP_LAYERS = 32
+
+
+@pytest.mark.parametrize("decodes,prefills", STEP_CASES)
+def test_step_attention_host_cost(stub, record, smoke, monkeypatch, decodes, prefills):
+    """The engine's attention per step (model/step_attention.py): 32 layers through plan/run
+    (one plan, 32 runs) against the one-shot ops (PAGEDKERN_KERNELS=attention_plan:off: 32
+    planned calls), extension stubbed, torch CPU tensors on the kernel path, q a view into a
+    fused QKV output as in the model. The two alternate round by round (the host is shared)."""
+    import torch
+
+    from pagedkern.model import SequenceChunk, layout_batch
+    from pagedkern.model.step_attention import StepAttention
+
+    stub.PagedAttentionLaunch = stub.FlashPrefillLaunch = StubLaunch
+    stub.flash_prefill = lambda **kwargs: 1
+    stub.flash_prefill_workspace_ints = lambda *, total_q, batch: 64 + total_q + batch
+    monkeypatch.setattr(launch_module, "use_reference", lambda views: False)
+    monkeypatch.setattr(launch_module, "current_stream", lambda views, device, stream=None: 0)
+    hq, hkv, d, bs, context = 32, 8, 128, 16, 2048
+    width = context // bs
+    chunks = [
+        SequenceChunk([1] * n, context - n, list(range(i * width, (i + 1) * width)))
+        for i, n in enumerate([*prefills, *[1] * decodes])
+    ]
+    _, meta = layout_batch(chunks, bs).upload()
+    tokens = meta.num_tokens
+    qkv = torch.empty(tokens, (hq + 2 * hkv) * d, dtype=torch.float16)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    out = torch.empty(tokens, hq, d, dtype=torch.float16)
+    cache = torch.empty(len(chunks) * width + 1, hkv, bs, d, dtype=torch.float16)
+
+    def step(one_shot: bool) -> None:
+        attention = StepAttention(meta)
+        attention.one_shot = one_shot
+        for _ in range(STEP_LAYERS):
+            attention(q, cache, cache, out, scale=d**-0.5)
+
+    calls, rounds = (2, 3) if smoke else (20, 15)
+    samples: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for one_shot in (True, False):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                step(one_shot)
+            samples[one_shot].append((time.perf_counter() - t0) / calls)
+    one_shot_s, planned_s = (sorted(samples[k])[rounds // 2] for k in (True, False))
+    case = f"{decodes} decodes + prefills {list(prefills)}, {STEP_LAYERS} layers"
+    record("attention per step host", case, "one-shot ops", one_shot_s)
+    record(
+        "attention per step host", case, "plan/run", planned_s, vs_one_shot=planned_s / one_shot_s
+    )
