@@ -8,7 +8,9 @@ I = 14336), bf16, side by side with the ceilings measured in this run.
 Decode (T = 1..64): GB/s of the bytes the layer must read, the routed experts' weights
 (3*H*I*2 bytes each distinct expert) plus activations; target >= 70% of copy bandwidth.
 Prefill (T = 2048): TFLOP/s of 6*T*k*H*I; target >= 60% of the bf16 GEMM ceiling. In smoke
-mode (no GPU) a tiny case runs once on the CPU, where fused_moe is the reference."""
+mode (no GPU) a tiny case runs once on the CPU, where fused_moe is the reference.
+Quantized experts (int4 G = 32 / 128, int8): GB/s over the routed experts' code and scale
+bytes (test_fused_moe_quantized), beside the bf16 rows."""
 
 from __future__ import annotations
 
@@ -107,5 +109,53 @@ def test_fused_moe(measure, device, gemm_tflops, model, tokens, impl):
         bytes=None if prefill else nbytes,
         flops=flops,
         **notes,
+    )
+    assert result.seconds > 0
+
+
+# Quantized experts (csrc/moe_gemm_quant.cu, W4A16 / W8A16): the same layers, the experts
+# quantized at load; decode GB/s over the bytes actually read (the routed experts' codes and
+# scales, plus activations), prefill TFLOP/s; the bf16 rows above are the comparison.
+QUANT_FORMATS = {"int4 g32": ("int4", 32), "int4 g128": ("int4", 128), "int8": ("int8", 0)}
+_quantized: dict = {}
+
+
+def quantized_layer(model: str, device: str, fmt: str, group: int):
+    from pagedkern.model.quantized_linear import quantize_experts
+
+    key = (model, fmt, group)
+    if key not in _quantized:
+        _quantized.clear()
+        w_gate_up, w_down = layer(model, device)
+        _quantized[key] = tuple(quantize_experts(w, fmt, group or 32) for w in (w_gate_up, w_down))
+    return _quantized[key]
+
+
+@pytest.mark.parametrize("quant", list(QUANT_FORMATS))
+@pytest.mark.parametrize("tokens", DECODE + PREFILL)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_fused_moe_quantized(measure, device, model, tokens, quant):
+    experts, top_k, hidden, inter = MODELS[model]
+    fmt, group = QUANT_FORMATS[quant]
+    if fmt == "int4" and (hidden % group or inter % group):
+        pytest.skip(f"H {hidden}, I {inter} not multiples of G {group}")
+    w_gate_up, w_down = quantized_layer(model, device, fmt, group)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+    logits = torch.randn(tokens, experts, generator=gen, device=device)
+    routed = int(reference.moe_route(logits, top_k, True)[1].unique().numel())
+    per_expert = (w_gate_up.nbytes + w_down.nbytes) // experts  # codes + scales (+ mins)
+    nbytes = routed * per_expert + 2 * x.numel() * x.element_size() + logits.numel() * 4
+    prefill = tokens in PREFILL
+    result = measure(
+        "fused_moe",
+        f"{model} T={tokens} {'prefill' if prefill else 'decode'}",
+        f"pagedkern {quant}",
+        lambda: ops.fused_moe(x, logits, w_gate_up, w_down, top_k),
+        bytes=None if prefill else nbytes,
+        flops=6 * tokens * top_k * hidden * inter,
+        target=">= 60% of GEMM" if prefill else ">= 70% of copy",
+        experts=routed,
     )
     assert result.seconds > 0

@@ -24,6 +24,7 @@
 #include "quant_gemm.h"
 #include "quant_gemm_marlin.h"
 #include "moe.h"
+#include "moe_quant.h"
 
 namespace py = pybind11;
 using pagedkern::DeviceGuard;
@@ -658,4 +659,49 @@ PYBIND11_MODULE(_C, m) {
       py::arg("experts"), py::arg("top_k"), py::arg("tile_m"), py::arg("activation"),
       py::arg("dtype"), py::arg("device"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "moe_experts_quant",
+      [](std::uintptr_t out, std::uintptr_t h, std::uintptr_t y, std::uintptr_t hidden,
+         std::uintptr_t gate_up_q, std::uintptr_t gate_up_scales, std::uintptr_t down_q,
+         std::uintptr_t down_scales, std::uintptr_t weights, std::uintptr_t sorted_pairs,
+         std::uintptr_t tile_expert, int64_t tokens, int64_t hidden_size, int64_t inter_size,
+         int64_t hidden_stride, int64_t out_stride, int64_t padded_rows, int experts, int top_k,
+         int tile_m, int activation, int bits, int group_size, int dtype, int device,
+         std::uintptr_t stream) {
+        pagedkern::MoeExpertsQuantParams p;
+        p.out = as_ptr<void>(out);
+        p.h = as_ptr<void>(h);
+        p.y = as_ptr<void>(y);
+        p.hidden = as_ptr<const void>(hidden);
+        p.gate_up_q = as_ptr<const void>(gate_up_q);
+        p.gate_up_scales = as_ptr<const void>(gate_up_scales);
+        p.down_q = as_ptr<const void>(down_q);
+        p.down_scales = as_ptr<const void>(down_scales);
+        p.weights = as_ptr<const float>(weights);
+        p.sorted_pairs = as_ptr<const int32_t>(sorted_pairs);
+        p.tile_expert = as_ptr<const int32_t>(tile_expert);
+        p.tokens = tokens;
+        p.hidden_size = hidden_size;
+        p.inter_size = inter_size;
+        p.hidden_stride = hidden_stride;
+        p.out_stride = out_stride;
+        p.padded_rows = padded_rows;
+        p.experts = experts;
+        p.top_k = top_k;
+        p.tile_m = tile_m;
+        p.activation = activation;
+        p.bits = bits;
+        p.group_size = group_size;
+        p.dtype = static_cast<DType>(dtype);
+        DeviceGuard guard(device);
+        pagedkern::moe_experts_quant(p, as_stream(stream));
+      },
+      py::kw_only(), py::arg("out"), py::arg("h"), py::arg("y"), py::arg("hidden"),
+      py::arg("gate_up_q"), py::arg("gate_up_scales"), py::arg("down_q"),
+      py::arg("down_scales"), py::arg("weights"), py::arg("sorted_pairs"),
+      py::arg("tile_expert"), py::arg("tokens"), py::arg("hidden_size"), py::arg("inter_size"),
+      py::arg("hidden_stride"), py::arg("out_stride"), py::arg("padded_rows"),
+      py::arg("experts"), py::arg("top_k"), py::arg("tile_m"), py::arg("activation"),
+      py::arg("bits"), py::arg("group_size"), py::arg("dtype"), py::arg("device"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 }

@@ -42,6 +42,7 @@
 #include <cuda_pipeline_primitives.h>
 
 #include "device.cuh"
+#include "int4_dequant.cuh"
 #include "mma_fragments.cuh"
 #include "quant_gemm_marlin.h"
 
@@ -55,44 +56,6 @@ constexpr int kXLd = kTileK + 8;  // x tile row length in shared memory (element
 // K tiles in flight: 6 for 1-2 m16 tiles (little shared memory per stage), 4 above (48 KB).
 template <int kMT>
 constexpr int kStagesFor = kMT <= 2 ? 6 : 4;
-
-template <typename T>
-struct Magic;
-template <>
-struct Magic<__half> {
-  static constexpr uint32_t kBits = 0x64006400u;  // 1024.0 in both halves
-};
-template <>
-struct Magic<__nv_bfloat16> {
-  static constexpr uint32_t kBits = 0x43004300u;  // 128.0 in both halves
-};
-
-// The pair (q at bits 0-3, q at bits 16-19 of `word`) as T2 bits: round_T(q * s + mn) each.
-template <typename T>
-__device__ __forceinline__ uint32_t dequant_pair(uint32_t word, T s, T mn) {
-#ifdef __CUDA_ARCH__
-  uint32_t biased;  // (word & 0x000f000f) | magic in one LOP3
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;"
-      : "=r"(biased)
-      : "r"(word), "n"(0x000f000f), "n"(Magic<T>::kBits));
-  if constexpr (std::is_same_v<T, __half>) {
-    const uint32_t magic = Magic<T>::kBits;
-    const __half2 q = __hsub2(*reinterpret_cast<const __half2*>(&biased),
-                              *reinterpret_cast<const __half2*>(&magic));
-    const __half2 w = __hfma2(q, __half2half2(s), __half2half2(mn));
-    return *reinterpret_cast<const uint32_t*>(&w);
-  } else {
-    const uint32_t magic = Magic<T>::kBits;
-    const __nv_bfloat162 q = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&biased),
-                                     *reinterpret_cast<const __nv_bfloat162*>(&magic));
-    const __nv_bfloat162 w = __hfma2(q, __bfloat162bfloat162(s), __bfloat162bfloat162(mn));
-    return *reinterpret_cast<const uint32_t*>(&w);
-  }
-#else  // the emulator: the same single rounding through fp32
-  const float sf = to_float(s), mf = to_float(mn);
-  return mma::pack2<T>(fmaf(float(word & 15u), sf, mf), fmaf(float((word >> 16) & 15u), sf, mf));
-#endif
-}
 
 template <typename T, int kMT, int kGroupShift>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -175,8 +138,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       for (int nt = 0; nt < 2; ++nt) {
         const int col = warp * 16 + nt * 8 + g;
         const T s = s_tile[stage][0][slot][col], mn = s_tile[stage][1][slot][col];
-        const uint32_t b[2] = {dequant_pair<T>(words[ks] >> (8 * nt), s, mn),
-                               dequant_pair<T>(words[ks] >> (8 * nt + 4), s, mn)};
+        const uint32_t b[2] = {dequant_int4_pair<T>(words[ks] >> (8 * nt), s, mn),
+                               dequant_int4_pair<T>(words[ks] >> (8 * nt + 4), s, mn)};
 #pragma unroll
         for (int mi = 0; mi < kMT; ++mi) mma::mma_16816<T>(acc[mi][nt], a[mi], b);
       }

@@ -194,11 +194,6 @@ def test_routing_every_token_to_the_same_experts(tmp_path, arch):
 
 def test_moe_models_refuse_what_does_not_cover_experts(saved):
     folder, _, _ = saved
-    from pagedkern.model import ModelLoadError
-
-    for mode in ("int8", "int4"):
-        with pytest.raises(ModelLoadError, match="mixture-of-experts"):
-            load_model(str(folder), "cpu", torch.float32, quantization=mode)
     from pagedkern.parallel.shard import TensorParallelConfigError, check_tp_size
 
     model, _ = load_model(str(folder), "cpu", torch.float32)

@@ -35,11 +35,12 @@ _MOE_TENSORS = {
 }
 
 
-def write_moe_gguf(path, hf, arch: str, expert_type=None) -> None:
+def write_moe_gguf(path, hf, arch: str, expert_type=None, dense_type=None) -> None:
     """The MoE model as llama.cpp's converter writes it, in F32 (experts whose rows are whole
-    32-blocks in `expert_type` if given): write_gguf_like_llama_cpp's metadata and dense
-    tensors, plus the expert metadata and the MoE tensors under their GGUF names, the experts
-    stacked [E, out, in]."""
+    32-blocks in `expert_type` if given; so the layers' other matrices in `dense_type`, but the
+    router, as llama.cpp keeps it): write_gguf_like_llama_cpp's metadata and dense tensors,
+    plus the expert metadata and the MoE tensors under their GGUF names, the experts stacked
+    [E, out, in]."""
     cfg = hf.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf_writer_like_llama_cpp(path, cfg, arch, head_dim)
@@ -60,14 +61,25 @@ def write_moe_gguf(path, hf, arch: str, expert_type=None) -> None:
             if arch == "llama" and ("q_proj" in name or "k_proj" in name):
                 heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
                 arr = llama_cpp_permute(arr, heads)
+            if dense_type is not None and name.startswith("model.layers.") and _blocks(arr):
+                w.add_tensor(llama_cpp_tensor_name(name), quantize(arr, dense_type),
+                             raw_dtype=dense_type)  # fmt: skip
+                continue
             w.add_tensor(llama_cpp_tensor_name(name), arr)
             continue
         for gname, part in moe.items():
             if "_exps." in gname and expert_type is not None and part.shape[-1] % 32 == 0:
                 w.add_tensor(gname, quantize(part, expert_type), raw_dtype=expert_type)
+            elif dense_type is not None and "_shexp." in gname and _blocks(part):
+                w.add_tensor(gname, quantize(part, dense_type), raw_dtype=dense_type)
             else:
                 w.add_tensor(gname, part)
     finish_gguf(w)
+
+
+def _blocks(arr: np.ndarray) -> bool:
+    """A matrix whose rows are whole 32-blocks (what llama.cpp quantizes)."""
+    return arr.ndim == 2 and arr.shape[-1] % 32 == 0
 
 
 def _moe_tensor(name: str, arr: np.ndarray) -> dict[str, np.ndarray] | None:

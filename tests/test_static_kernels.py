@@ -66,6 +66,8 @@ KERNELS = (
     "moe_align_kernel",
     "moe_gemm_kernel",
     "moe_combine_kernel",
+    "moe_gemm_quant_kernel",  # W4A16 / W8A16 experts
+    "moe_quant_combine_kernel",
     "quant_gemm_marlin_kernel",
 )
 # Kernel -> tensor-core instruction its design needs, per architecture: flash_prefill's path 1
@@ -80,6 +82,8 @@ TENSOR_CORE_OPS = (
     # the MoE grouped GEMMs (gate_up + activation, down): every variant on mma.sync
     ("moe_gemm_kernel", "sm_80", "HMMA.16816"),
     ("moe_gemm_kernel", "sm_90a", "HMMA.16816"),
+    ("moe_gemm_quant_kernel", "sm_80", "HMMA.16816"),
+    ("moe_gemm_quant_kernel", "sm_90a", "HMMA.16816"),
     # W4A16 over tile-ordered int4 weights (quant_gemm:marlin)
     ("quant_gemm_marlin_kernel", "sm_80", "HMMA.16816"),
     ("quant_gemm_marlin_kernel", "sm_90a", "HMMA.16816"),

@@ -49,6 +49,7 @@ KERNELS = (
     "quant_gemm_marlin.cu",  # mma.sync and ldmatrix through mma_fragments.cuh
     "moe_route.cu",
     "moe_gemm.cu",  # mma.sync through mma_fragments.cuh's warp-shuffle spelling
+    "moe_gemm_quant.cu",  # W4A16 / W8A16 experts, the same mma.sync spelling
 )
 LAUNCH = re.compile(
     r"(?P<kern>[A-Za-z_][\w:]*(?:<[^;<>]*>)?)\s*<<<(?P<cfg>[^;]*?)>>>\s*\((?P<args>[^;]*)\)\s*;"

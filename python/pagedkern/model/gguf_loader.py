@@ -8,8 +8,9 @@ and K projections of "llama" models permuted for its interleaved RoPE (pairs 2i,
 loader undoes that so every model uses rotate-half RoPE (halves i, i + D/2). The converted model
 is cached (weights_cache), so only the first load of a file pays for parsing and dequantizing.
 Mixtures of experts (Mixtral as "llama" with expert_count, qwen2moe, qwen3moe, olmoe): each
-expert's weights are slices of the stacked ffn_{gate,up,down}_exps tensors, dequantized to float
-at load (ops.fused_moe takes float experts; Q4/Q8 experts are not kept quantized yet).
+expert's weights are slices of the stacked ffn_{gate,up,down}_exps tensors, mapped as the layer
+weights are (Q4_0/Q4_1/Q4_K experts onto int4 G = 32 in int4 mode, Q8_0 onto int8 in int8 mode,
+kept stacked [E, N, K] for ops.fused_moe), else dequantized to float at load.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ import torch
 from .config import FULL, SLIDING, ModelConfig, RopeScaling
 from .errors import ModelLoadError
 from .gguf_tokenizer import tokenizer_from_gguf
-from .quantized_linear import DEFAULT_INT4_GROUP, gguf_to_int4, gguf_to_int8, permute_rows
+from .quantized_linear import (
+    DEFAULT_INT4_GROUP,
+    QuantizedWeight,
+    as_experts,
+    gguf_to_int4,
+    gguf_to_int8,
+    permute_rows,
+)
 from .tokenizer import Tokenizer
 from .weights import LM_HEAD_MODE, LlamaWeights, assemble_weights, quantize_weights
 from .weights_cache import cached_default, file_sha256, load_entry, store_default, store_entry
@@ -293,15 +301,16 @@ def _convert(
         t = tensors.get(name)
         if t is None:
             return None
-        if quantization != "none" and len(t.shape) == 2:  # no fp32 detour where it maps
-            n, k = (int(x) for x in reversed(t.shape))
+        if quantization != "none" and len(t.shape) in (2, 3):  # no fp32 detour where it maps
+            *outer, k = (int(x) for x in reversed(t.shape))  # [E,] N, K
+            n = int(np.prod(outer))  # (stacked experts: their rows one after the other)
             direct = None
             if name in int8_tensors or (quantization == "int8" and name not in float_tensors):
                 direct = gguf_to_int8(t.tensor_type.name, t.data, n, k)  # Q8_0
             elif quantization == "int4" and group_size == 32 and name not in float_tensors:
                 direct = gguf_to_int4(t.tensor_type.name, t.data, n, k)
             if direct is not None:
-                return direct
+                return as_experts(direct, outer[0]) if len(outer) == 2 else direct
         try:
             arr = dequantize(t.data, t.tensor_type)
         except Exception as exc:
@@ -317,7 +326,7 @@ def _convert(
     stacks: dict[str, torch.Tensor | None] = {}  # the current MoE layer's stacked experts
 
     def get(hf_name: str) -> torch.Tensor | None:
-        if (stacked := expert_slice(hf_name)) is not None:  # (experts dequantized: float)
+        if (stacked := expert_slice(hf_name)) is not None:
             stack_name, e = stacked
             if stack_name not in stacks:
                 layer = stack_name.split(".")[1]
@@ -325,7 +334,9 @@ def _convert(
                     stacks.clear()  # one layer's stacks at a time
                 stacks[stack_name] = read(stack_name)
             w = stacks[stack_name]
-            return None if w is None or e >= w.shape[0] else w[e]
+            if w is None or e >= w.shape[0]:
+                return None
+            return w.expert(e) if isinstance(w, QuantizedWeight) else w[e]
         w = read(name(hf_name))
         if w is not None and hf_name.endswith("mlp.shared_expert_gate.weight") and w.ndim == 1:
             w = w.reshape(1, -1)
@@ -348,10 +359,8 @@ def _convert(
 def gguf_default_quantization(path: str | os.PathLike) -> str:
     """'int4' when every layer weight is a 4-bit block that maps onto int4 without loss
     (Q4_0 / Q4_1 / Q4_K, e.g. the default model), else 'none' (reads the tensor table only);
-    'none' for a mixture of experts (quantized experts are dequantized at load)."""
+    a mixture of experts' stacked experts count as layer weights."""
     reader, _ = _open(os.fspath(path))
-    if any("_exps." in t.name for t in reader.tensors):
-        return "none"  # mixtures of experts: experts dequantized at load (kernels take float)
     kinds = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.")}
     kinds.discard("F32")  # norms
     return "int4" if kinds and kinds <= {"Q4_0", "Q4_1", "Q4_K"} else "none"

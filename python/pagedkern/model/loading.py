@@ -112,12 +112,6 @@ def load_model(
     if path.is_dir():
         dtype = dtype or default_dtype(device, "hf", hf_checkpoint_dtype(path))
         config, weights, tokenizer = load_hf_folder(path, device, dtype)
-        if quantization not in (None, "none") and config.num_experts:
-            raise ModelLoadError(
-                path,
-                f"quantization {quantization!r} does not cover mixture-of-experts models yet "
-                "(their experts stay in float); use quantization 'none'",
-            )
         if quantization not in (None, "none"):
             weights = quantize_weights(weights, quantization, group_size)
     elif path.is_file():

@@ -67,6 +67,50 @@ def permute_rows(qw: QuantizedWeight, permute) -> QuantizedWeight:
     )
 
 
+def stack_experts(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Experts' [N, K] weights (same format, shape and group) as one stacked [E, N, K] weight."""
+    first = parts[0]
+    kind = (first.format, tuple(first.shape), first.group_size)
+    if any((p.format, tuple(p.shape), p.group_size) != kind for p in parts):
+        raise ValueError("stacked experts must share format, shape and group size")
+    mins = None if first.mins is None else torch.stack([p.mins for p in parts])
+    return QuantizedWeight(
+        first.format,
+        (len(parts), *first.shape),
+        torch.stack([p.qweight for p in parts]),
+        torch.stack([p.scales for p in parts]),
+        mins,
+        first.group_size,
+    )
+
+
+def as_experts(qw: QuantizedWeight, experts: int) -> QuantizedWeight:
+    """A [E * N, K] weight (stacked experts' rows, one after the other) as [E, N, K]."""
+    rows, k = qw.shape
+    n = rows // experts
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(experts, n, *t.shape[1:])
+
+    mins = None if qw.mins is None else split(qw.mins)
+    return QuantizedWeight(
+        qw.format, (experts, n, k), split(qw.qweight), split(qw.scales), mins, qw.group_size
+    )
+
+
+def quantizable(k: int, mode: str, group_size: int = DEFAULT_INT4_GROUP) -> bool:
+    """Whether weights of k in-features can be held in `mode` (int8: K % 32; int4: K % G)."""
+    return k % (group_size if mode == "int4" else K_MULTIPLE) == 0 and k % K_MULTIPLE == 0
+
+
+def quantize_experts(
+    w: torch.Tensor, mode: str, group_size: int = DEFAULT_INT4_GROUP
+) -> QuantizedWeight:
+    """Stacked float experts [E, N, K] in `mode`, each row quantized as quantize() does it."""
+    e, n, k = w.shape
+    return as_experts(quantize(w.reshape(e * n, k), mode, group_size), e)
+
+
 K_MULTIPLE = 32  # in-features of every quantized weight (torch's int8 CPU kernel needs 16)
 
 

@@ -11,7 +11,14 @@ import torch
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gpt_oss import gpt_oss_experts, gpt_oss_moe_shapes
-from .quantized_linear import QuantizedWeight, cat_rows, quantize
+from .quantized_linear import (
+    QuantizedWeight,
+    cat_rows,
+    quantizable,
+    quantize,
+    quantize_experts,
+    stack_experts,
+)
 
 # A linear layer's weight: a float tensor or a weight-only quantized one.
 Linear = torch.Tensor | QuantizedWeight
@@ -43,8 +50,9 @@ class LayerWeights:
     # stacked at load, as ops.fused_moe takes them. gate_up / down then hold the shared expert
     # (Qwen2-MoE), whose output is scaled by sigmoid(shared_gate . x).
     router: torch.Tensor | None = None  # [E, H]
-    experts_gate_up: torch.Tensor | None = None  # [E, 2I, H]: each expert's gate rows, up rows
-    experts_down: torch.Tensor | None = None  # [E, H, I]
+    # (float, or stacked QuantizedWeights [E, N, K] when the layers are quantized)
+    experts_gate_up: Linear | None = None  # [E, 2I, H]: each expert's gate rows, up rows
+    experts_down: Linear | None = None  # [E, H, I]
     shared_gate: torch.Tensor | None = None  # [1, H]
     # gpt-oss (model/gpt_oss.py): per-head sink logits (float32), the router's and the experts'
     # biases (gate_up's in experts_gate_up's row order)
@@ -151,12 +159,8 @@ def quantize_weights(
     """Every layer's linear weights in `mode` ('none' / 'int8' / 'int4') and the LM head in
     head_mode (default: LM_HEAD_MODE[mode]); weights already in the target format are kept as
     they are, others are requantized from their floats ('none': dequantized to fp32). A tied
-    embedding follows the head (its rows are dequantized at lookup)."""
-
-    if mode != "none" and any(layer.router is not None for layer in weights.layers):
-        raise ValueError(
-            f"quantization {mode!r} does not cover mixture-of-experts models yet; use 'none'"
-        )
+    embedding follows the head (its rows are dequantized at lookup). A MoE layer's stacked
+    experts follow the layers' mode (convert_experts)."""
 
     def convert(w: Linear | None, mode: str = mode) -> Linear | None:
         if w is None:  # (a MoE layer's absent dense MLP)
@@ -170,6 +174,25 @@ def quantize_weights(
     def plain(w: Linear) -> torch.Tensor:
         return w.dequantize_rows() if isinstance(w, QuantizedWeight) else w
 
+    def convert_experts(layer: LayerWeights) -> dict[str, Linear | None]:
+        """The stacked experts in `mode`: both GEMMs or neither (they stay float where an
+        in-features count does not divide into the mode's blocks)."""
+        pair = {"experts_gate_up": layer.experts_gate_up, "experts_down": layer.experts_down}
+        if layer.experts_gate_up is None:
+            return pair
+        if mode == "none" or not all(
+            quantizable(w.shape[-1], mode, group_size) for w in pair.values()
+        ):
+            return {name: plain(w).float() for name, w in pair.items()}
+        return {
+            name: w
+            if isinstance(w, QuantizedWeight)
+            and w.format == mode
+            and (mode == "int8" or w.group_size == group_size)
+            else quantize_experts(plain(w), mode, group_size)
+            for name, w in pair.items()
+        }
+
     layers = [
         LayerWeights(
             **{
@@ -177,6 +200,7 @@ def quantize_weights(
                 for f in fields(LayerWeights)
                 for v in [getattr(layer, f.name)]
             }
+            | convert_experts(layer)
         )
         for layer in weights.layers
     ]
@@ -355,23 +379,36 @@ def assemble_weights(
         ]
         return torch.cat(plain)
 
-    def experts(p: str) -> dict[str, torch.Tensor | None]:
+    def floats(t: Linear) -> torch.Tensor:
+        return t.dequantize_rows(dtype=dtype) if isinstance(t, QuantizedWeight) else t
+
+    def experts(p: str) -> dict[str, Linear | None]:
         """A MoE layer's router and stacked experts (LayerWeights fields), {} for a dense one."""
         if p + "mlp.router.bias" in shapes:
             return gpt_oss_experts(p, load)
         if p + "mlp.gate.weight" not in shapes:
             return {}
+        # Quantized experts stay quantized (stacked [E, N, K]) when all of them are, in one
+        # format; else every one is dequantized (ops.fused_moe takes both GEMMs in one form).
         x = [f"{p}mlp.experts.{e}." for e in range(config.num_experts)]
-        plain = (torch.Tensor,)
-        for name in (p + "mlp.gate.weight", x[0] + "gate_proj.weight"):
-            if not isinstance(get(name), plain + (type(None),)):
-                raise ModelLoadError(where(name), "quantized experts are not supported yet")
+        gate_up = [[load(e + "gate_proj.weight"), load(e + "up_proj.weight")] for e in x]
+        down = [load(e + "down_proj.weight") for e in x]
+        parts = [w for pair in gate_up for w in pair] + down
+        kinds = {
+            (w.format, w.group_size) if isinstance(w, QuantizedWeight) else None for w in parts
+        }
+        if len(kinds) == 1 and None not in kinds:
+            stacked_gate_up: Linear = stack_experts([cat_rows(pair) for pair in gate_up])
+            stacked_down: Linear = stack_experts(down)
+        else:
+            stacked_gate_up = torch.stack(
+                [torch.cat([floats(w) for w in pair]) for pair in gate_up]
+            )
+            stacked_down = torch.stack([floats(w) for w in down])
         return dict(
-            router=load(p + "mlp.gate.weight"),
-            experts_gate_up=torch.stack(
-                [torch.cat([load(e + "gate_proj.weight"), load(e + "up_proj.weight")]) for e in x]
-            ),
-            experts_down=torch.stack([load(e + "down_proj.weight") for e in x]),
+            router=floats(load(p + "mlp.gate.weight")),
+            experts_gate_up=stacked_gate_up,
+            experts_down=stacked_down,
             shared_gate=maybe(p + "mlp.shared_expert_gate.weight"),
         )
 

@@ -11,7 +11,8 @@ What is compared (the op's output against reference(copies of its inputs)), with
 tolerance ||out - ref|| / ||ref|| of the kernels' tests: float32 1e-4, float16 2e-3,
 bfloat16 1e-2 (fp8 KV caches: 6e-2, the E4M3 step; quant_linear at least 1e-2: its kernels
 multiply bf16 activations). Outputs: rms_norm, silu_and_mul, gelu_tanh_and_mul,
-quant_linear, paged_attention, flash_prefill; fused_add_rms_norm's x and residual;
+quant_linear, paged_attention, flash_prefill, fused_moe (float or quantized experts, 4e-2
+for the latter; and its routing, moe_route's ids exactly); fused_add_rms_norm's x and residual;
 rope_and_cache's q, k and the K/V rows it wrote (the reference writes into a small cache of its
 own, so the real cache is never copied whole). `sample` and `rejection_sample` draw from a
 distribution (a kernel need not draw the same ids as the reference) and are not compared.
@@ -41,9 +42,11 @@ COMPARED = (
     "paged_attention",
     "flash_prefill",
     "quant_linear",
+    "fused_moe",
 )
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 FP8_TOLERANCE = 6e-2
+QUANTIZED_MOE_TOLERANCE = 4e-2  # two quantized GEMMs on bf16 activations (quant_linear: 1e-2)
 
 _report: ContextVar[ShadowReport | None] = ContextVar("pagedkern_shadow", default=None)
 _layer: ContextVar[int | None] = ContextVar("pagedkern_shadow_layer", default=None)
@@ -223,6 +226,8 @@ def _shadow_call(name: str, fn: Callable, args, kwargs, report: ShadowReport):
     arguments = _bind(fn, args, kwargs)
     if name == "rope_and_cache":
         return _shadow_rope(fn, args, kwargs, arguments, report)
+    if name == "fused_moe":
+        return _shadow_moe(fn, args, kwargs, arguments, report)
     if name == "fused_add_rms_norm":
         x0, r0 = arguments["x"].clone(), arguments["residual"].clone()
         result = fn(*args, **kwargs)
@@ -283,6 +288,35 @@ def _shadow_rope(fn: Callable, args, kwargs, arguments: dict, report: ShadowRepo
             (stored(k_cache), k_own[rows, :, 0].float(), cache_tol),
             (stored(v_cache), v_own[rows, :, 0].float(), cache_tol),
         ],
+    )
+    return result
+
+
+def _shadow_moe(fn: Callable, args, kwargs, arguments: dict, report: ShadowReport):
+    """fused_moe: its output against the reference's (quantized experts: the float MLP over the
+    dequantized experts, within QUANTIZED_MOE_TOLERANCE: the CPU int kernels multiply bf16
+    activations), and the routing on its own as "moe_route": ops.moe.moe_route (the router
+    kernel on a GPU) on a copy of the logits, its ids exactly, its weights in fp32."""
+    from .. import reference
+    from ..reference.moe_quantized import fused_moe_quantized
+    from .moe import _quantized, moe_route
+
+    copies = {k: _clone(v) for k, v in arguments.items()}
+    result = fn(*args, **kwargs)
+    options = _reference_kwargs(reference.fused_moe, copies)
+    quantized = _quantized(arguments["w_gate_up"])
+    want = (fused_moe_quantized if quantized else reference.fused_moe)(**options)
+    tolerance = _tolerance(result.dtype)
+    if quantized:
+        tolerance = max(tolerance, QUANTIZED_MOE_TOLERANCE)
+    report.record("fused_moe", [(result, want, tolerance)])
+    route = {k: options[k] for k in ("top_k", "renormalize", "scoring")}
+    weights, ids = moe_route(copies["router_logits"], **route)
+    want_w, want_ids = reference.moe_route(copies["router_logits"], *route.values())
+    ids_exact = 0.0
+    report.record(
+        "moe_route",
+        [(weights, want_w, TOLERANCE[torch.float32]), (ids.float(), want_ids.float(), ids_exact)],
     )
     return result
 

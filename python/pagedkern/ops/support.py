@@ -170,6 +170,25 @@ def fused_moe(dtype: str, experts: int | None = None) -> KernelSupport:
     return _YES
 
 
+def fused_moe_quantized(
+    dtype: str, experts: int, fmt: str, group_size: int, hidden: int, inter: int, activation: str
+) -> KernelSupport:
+    """The MoE MLP over stacked quantized experts (csrc/moe_gemm_quant.cu): fused_moe's cover,
+    int4 (G = 32 or 128) or int8 experts with H and I multiples of 32 and of G, silu or
+    gelu_tanh."""
+    base = fused_moe(dtype, experts)
+    if not base.supported:
+        return base
+    multiple = group_size if fmt == "int4" else 32
+    if fmt == "int4" and group_size not in (32, 128):
+        return KernelSupport(False, f"int4 experts with group size {group_size} (32 or 128)")
+    if hidden % multiple or inter % multiple or multiple % 32:
+        return KernelSupport(False, f"H {hidden} and I {inter} not multiples of {multiple}")
+    if activation not in ("silu", "gelu_tanh"):
+        return KernelSupport(False, f"activation {activation!r} over quantized experts")
+    return _YES
+
+
 def moe_route(experts: int) -> KernelSupport:
     """The router alone: logits of every float dtype, up to 512 experts."""
     if experts > MOE_MAX_EXPERTS:

@@ -7,6 +7,10 @@ which is also what the weights cache stores:
         scales, mins fp16 [N, K/G] (G = group_size, 32 or 128)
                                                           w[n, k] = scales[n, g] * q + mins[n, g]
 
+Stacked experts (a mixture of experts' [E, N, K] weights, as ops.fused_moe takes them): the
+same formats with a leading expert dimension on every part (qweight [E, N, K/2] or [E, N, K],
+scales and mins [E, N, K/G] or [E, N]); expert(e) is expert e's [N, K] weight (views).
+
 Kernel-specific packed forms (torch's CPU int4pack, bf16 scales) are built once per weight by
 ops.quant_gemm and kept in `packed`. How weights get into this form (quantize-at-load, GGUF
 blocks) is the model's business: model/quantized_linear.py.
@@ -22,7 +26,7 @@ import torch
 @dataclass(slots=True, eq=False)
 class QuantizedWeight:
     format: str  # "int8" | "int4"
-    shape: tuple[int, int]  # [N, K] of the weight it stands for
+    shape: tuple[int, ...]  # [N, K] of the weight it stands for ([E, N, K]: stacked experts)
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
@@ -51,6 +55,22 @@ class QuantizedWeight:
             self.group_size,
         )
 
+    @property
+    def num_experts(self) -> int | None:
+        """E of stacked experts, None for one [N, K] weight."""
+        return self.shape[0] if len(self.shape) == 3 else None
+
+    def expert(self, e: int) -> QuantizedWeight:
+        """Expert e's [N, K] weight (views of the stacked parts), the same object on every call,
+        so the packed forms the kernels build for it are kept."""
+        experts = self.packed.setdefault("experts", {})
+        if e not in experts:
+            mins = None if self.mins is None else self.mins[e]
+            experts[e] = QuantizedWeight(
+                self.format, self.shape[1:], self.qweight[e], self.scales[e], mins, self.group_size
+            )
+        return experts[e]
+
     def unpacked_int4(self) -> torch.Tensor:
         """int4: q values as uint8 [N, K] (0..15)."""
         lo, hi = self.qweight & 15, self.qweight >> 4
@@ -59,7 +79,14 @@ class QuantizedWeight:
     def dequantize_rows(
         self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
-        """The float weight (or only `rows` of it: an embedding lookup), in `dtype`."""
+        """The float weight (or only `rows` of it: an embedding lookup), in `dtype`; stacked
+        experts: [E, N, K] (rows not taken)."""
+        if self.num_experts is not None:
+            if rows is not None:
+                raise ValueError("dequantize_rows takes no rows for stacked experts")
+            return torch.stack(
+                [self.expert(e).dequantize_rows(dtype=dtype) for e in range(self.shape[0])]
+            )
         sel = slice(None) if rows is None else rows.long()
         if self.format == "int8":
             q = self.qweight[sel].to(torch.float32)
@@ -74,7 +101,7 @@ class QuantizedWeight:
         return w.reshape(-1, k).to(dtype)
 
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
-        bits = 8 if self.format == "int8" else 4  # qmeta: bits, group size, N, K
+        bits = 8 if self.format == "int8" else 4  # qmeta: bits, group size, [E,] N, K
         meta = torch.tensor([bits, self.group_size, *self.shape])
         out = {f"{prefix}.qweight": self.qweight, f"{prefix}.scales": self.scales}
         out[f"{prefix}.qmeta"] = meta
@@ -87,7 +114,7 @@ class QuantizedWeight:
         meta = sd.get(f"{prefix}.qmeta")
         if meta is None:
             return None
-        bits, group, n, k = (int(x) for x in meta.tolist())
+        bits, group, *shape = (int(x) for x in meta.tolist())
         fmt = {8: "int8", 4: "int4"}[bits]
         parts = (sd[f"{prefix}.qweight"], sd[f"{prefix}.scales"], sd.get(f"{prefix}.mins"))
-        return cls(fmt, (n, k), *parts, group)
+        return cls(fmt, tuple(shape), *parts, group)

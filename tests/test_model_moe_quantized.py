@@ -1,0 +1,182 @@
+"""Quantized experts kept quantized: GGUF MoE files whose layer matrices are Q4_0 / Q4_1
+(experts included) load in int4 mode with the experts as stacked int4 QuantizedWeights (the
+codes and scales of the file, no float detour), Q8_0 experts in int8 mode as int8; the model on
+the CPU int kernels equals the same file dequantized at load within those kernels' tolerance
+(bf16 activations), and transformers' model over the same (dequantized) weights, greedy tokens
+equal. HF folders quantize their experts at load in int4 / int8 mode, as the dense layers."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+from hf_model_files import all_logits
+from test_model_moe import _save
+from test_model_moe_gguf import write_moe_gguf
+from test_model_transformers import PROMPT
+from transformers_oracle import engine_greedy, hf_greedy, hf_logits, relative
+
+from pagedkern.model import load_model
+from pagedkern.model.gguf_loader import gguf_default_quantization
+from pagedkern.reference.quantized_weight import QuantizedWeight
+
+transformers = pytest.importorskip("transformers")
+
+Q = gguf.GGMLQuantizationType
+COMMON = dict(
+    vocab_size=400, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, initializer_range=0.2,
+)  # fmt: skip
+# Every layer matrix a whole number of 32-blocks (the expert, dense and shared sizes)
+CONFIGS = {
+    "qwen3moe": (lambda **kw: transformers.Qwen3MoeConfig(**({
+        "head_dim": 32, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 6,
+        "num_experts_per_tok": 3, "norm_topk_prob": True, "mlp_only_layers": [1]} | COMMON | kw),
+    ), "Qwen3MoeForCausalLM"),
+    "llama": (lambda: transformers.MixtralConfig(
+        intermediate_size=64, num_local_experts=5, num_experts_per_tok=2, **COMMON,
+    ), "MixtralForCausalLM"),
+    "qwen2moe": (lambda: transformers.Qwen2MoeConfig(
+        intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, **COMMON,
+    ), "Qwen2MoeForCausalLM"),
+}  # fmt: skip
+# The int kernels multiply bf16 activations in every GEMM of the 3 layers (and the int4
+# model's LM head is int8, requantized from F32): its logits against the same weights in fp32,
+# relative (a misplaced code or scale costs O(1))
+KERNEL_TOLERANCE = 5e-2
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _representable(hf, kind) -> None:
+    """Round every matrix the file will hold in `kind` (the layers' 32-block matrices but the
+    router) through it, so transformers' model holds the weights the file stands for."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            last = p.shape[-1]
+            if not name.startswith("model.layers.") or p.dim() < 2 or last % 32:
+                continue
+            if name.endswith("mlp.gate.weight"):  # the router stays F32
+                continue
+            arr = p.detach().float().numpy().reshape(-1, last)
+            p.copy_(torch.from_numpy(dequantize(quantize(arr, kind), kind).reshape(p.shape)))
+
+
+def _gguf(tmp_path, arch, kind):
+    make_config, model_class = CONFIGS[arch]
+    hf = _save(tmp_path / "hf", make_config, model_class, lambda m: _representable(m, kind))
+    path = tmp_path / f"{arch}-{kind.name}.gguf"
+    write_moe_gguf(path, hf, arch, expert_type=kind, dense_type=kind)
+    return path, hf
+
+
+def _moe_layers(model):
+    return [layer for layer in model.weights.layers if layer.router is not None]
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_q4_experts_load_as_int4_and_match_the_dequantized_model(tmp_path, arch):
+    path, hf = _gguf(tmp_path, arch, Q.Q4_0)
+    assert gguf_default_quantization(path) == "int4"
+    quantized, _ = load_model(str(path), "cpu", torch.float32, quantization=None)
+    plain, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
+    for got, want in zip(_moe_layers(quantized), _moe_layers(plain), strict=True):
+        for field in ("experts_gate_up", "experts_down"):
+            w = getattr(got, field)
+            assert isinstance(w, QuantizedWeight) and w.format == "int4" and w.group_size == 32
+            assert w.shape == tuple(getattr(want, field).shape)
+            # the file's codes: dequantized they are the float model's weights, exactly
+            assert torch.equal(w.dequantize_rows(), getattr(want, field)), field
+    got = all_logits(quantized, PROMPT).double()
+    want = all_logits(plain, PROMPT).double()
+    assert relative(got, want) < KERNEL_TOLERANCE
+    assert relative(want, hf_logits(hf, PROMPT)) < 1e-5  # the dequantized model is exact
+    assert relative(got, hf_logits(hf, PROMPT)) < KERNEL_TOLERANCE
+
+
+def test_q4_1_experts_map_onto_int4_too(tmp_path):
+    # (Q4_K goes through the same gguf_to_int4, tested on its own in test_quant_gemm: gguf has
+    # no Q4_K quantizer to write a model with)
+    path, _ = _gguf(tmp_path, "qwen3moe", Q.Q4_1)
+    quantized, _ = load_model(str(path), "cpu", torch.float32, quantization="int4")
+    plain, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
+    layer, float_layer = _moe_layers(quantized)[0], _moe_layers(plain)[0]
+    assert isinstance(layer.experts_down, QuantizedWeight)
+    assert torch.equal(layer.experts_down.dequantize_rows(), float_layer.experts_down)
+    got = all_logits(quantized, PROMPT).double()
+    assert relative(got, all_logits(plain, PROMPT).double()) < KERNEL_TOLERANCE
+
+
+def test_greedy_tokens_equal_transformers(tmp_path):
+    path, hf = _gguf(tmp_path, "qwen3moe", Q.Q4_0)
+    want, _ = hf_greedy(hf, PROMPT, 8)
+    outputs = engine_greedy(path, PROMPT, 8, quantization="int4")
+    assert [t for out in outputs for t in out.token_ids] == want
+
+
+def test_q8_0_experts_load_as_int8(tmp_path):
+    path, hf = _gguf(tmp_path, "llama", Q.Q8_0)
+    assert gguf_default_quantization(path) == "none"  # (Q8_0 is not a lossless int4)
+    quantized, _ = load_model(str(path), "cpu", torch.float32, quantization="int8")
+    plain, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
+    layer = _moe_layers(quantized)[0]
+    assert isinstance(layer.experts_gate_up, QuantizedWeight)
+    assert layer.experts_gate_up.format == "int8" and layer.experts_gate_up.shape == (5, 128, 64)
+    # per-channel int8 from Q8_0's per-32 scales: a requantization, within int8's step
+    error = relative(layer.experts_gate_up.dequantize_rows().double(),
+                     _moe_layers(plain)[0].experts_gate_up.double())  # fmt: skip
+    assert 0 < error < 1e-2
+    got = all_logits(quantized, PROMPT).double()
+    assert relative(got, all_logits(plain, PROMPT).double()) < KERNEL_TOLERANCE
+
+
+def test_hf_folders_quantize_their_experts_at_load(tmp_path):
+    make_config, model_class = CONFIGS["qwen2moe"]
+    _save(tmp_path, make_config, model_class)
+    plain, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    float_experts = plain.weights.layers[0].experts_down.double()
+    # quantization noise of the weights: int8 per channel ~0.4%, int4 (G = 32) ~11%
+    for mode, noise in (("int8", 1e-2), ("int4", 0.15)):
+        model, _ = load_model(str(tmp_path), "cpu", torch.float32, quantization=mode)
+        layer = model.weights.layers[0]
+        assert layer.experts_gate_up.format == mode and layer.experts_down.format == mode
+        assert layer.experts_gate_up.shape == (4, 64, 64) and layer.experts_down.shape == (
+            4,
+            64,
+            32,
+        )
+        assert isinstance(layer.gate_up, QuantizedWeight)  # the shared expert: a dense MLP
+        assert relative(layer.experts_down.dequantize_rows().double(), float_experts) < noise
+        if mode == "int8":  # (int4's noise moves these peaked logits by tens of percent)
+            got = all_logits(model, PROMPT).double()
+            assert relative(got, all_logits(plain, PROMPT).double()) < 0.1
+
+
+def test_experts_whose_sizes_do_not_divide_stay_float(tmp_path):
+    # I = 40: the down projection's rows are not whole 32-blocks; neither GEMM is quantized
+    cfg = lambda: transformers.MixtralConfig(  # noqa: E731
+        intermediate_size=40, num_local_experts=4, num_experts_per_tok=2, **COMMON
+    )
+    _save(tmp_path, cfg, "MixtralForCausalLM")
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32, quantization="int8")
+    layer = model.weights.layers[0]
+    assert isinstance(layer.qkv, QuantizedWeight)
+    assert isinstance(layer.experts_gate_up, torch.Tensor)
+    assert layer.experts_down.dtype == torch.float32
+
+
+def test_stacked_experts_survive_the_weights_cache(tmp_path):
+    path, _ = _gguf(tmp_path, "qwen3moe", Q.Q4_0)
+    first, _ = load_model(str(path), "cpu", torch.float32, quantization="int4")
+    again, _ = load_model(str(path), "cpu", torch.float32, quantization="int4")  # a cache hit
+    a, b = _moe_layers(first)[0].experts_down, _moe_layers(again)[0].experts_down
+    assert isinstance(b, QuantizedWeight) and b.shape == a.shape
+    assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
+    assert np.array_equal(a.mins.numpy(), b.mins.numpy())
