@@ -60,3 +60,15 @@ def test_kernels_guide_example_runs_on_the_cpu():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "torch.Size([4, 512])"
+
+
+def test_readme_kernels_example_runs_on_the_cpu():
+    """The README's "The kernels in your own model": plan/run decode over two layers."""
+    section = README.split("### The kernels in your own model\n", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "torch.Size([4, 8, 64])"

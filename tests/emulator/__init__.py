@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -133,6 +134,18 @@ def build() -> Path:
     if target.exists():
         return target
     out.mkdir(parents=True, exist_ok=True)
+    # One builder per directory: test processes started together (pytest-xdist's workers, two
+    # runs in one checkout) wait for the first one's build instead of writing the same files.
+    with open(out / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():  # (built while this process waited)
+            _build_into(out, target, sources, includes, suffix)
+    return target
+
+
+def _build_into(
+    out: Path, target: Path, sources: list[Path], includes: list[str], suffix: str
+) -> None:
     jobs = []
     for src in sources:
         if src.suffix == ".cu":
@@ -160,7 +173,6 @@ def build() -> Path:
     tmp = out / f"_C.tmp{suffix}"
     subprocess.run(["g++", "-shared", "-o", str(tmp), *map(str, objs)], check=True)
     tmp.rename(target)
-    return target
 
 
 def load():
