@@ -178,7 +178,7 @@ def fused_moe(
             hidden, router_logits, w_gate_up, w_down, top_k, renormalize=renormalize,
             activation=activation, scoring=scoring, w_gate_up_bias=w_gate_up_bias,
             w_down_bias=w_down_bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-            tile_m=tile_m, stream=stream,
+            tile_m=tile_m, stream=stream, routing=sys.modules[__name__],
         )  # fmt: skip
     hv, rv = view(hidden, "hidden"), view(router_logits, "router_logits")
     gv, dv = view(w_gate_up, "w_gate_up"), view(w_down, "w_down")

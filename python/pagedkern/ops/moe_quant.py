@@ -14,6 +14,8 @@ The float64 ground truth is reference.fused_moe over the dequantized experts
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from ..reference.moe import ACTIVATIONS, group_by_expert
@@ -75,18 +77,20 @@ def fused_moe_quantized(
     swiglu_limit: float = 7.0,
     tile_m: int | None = None,
     stream=None,
+    routing: ModuleType,
 ) -> torch.Tensor:
     """ops.fused_moe for quantized experts (same arguments and result; the expert biases and
-    the clamped SwiGLU run on the host path)."""
-    from .moe import MOE_ACTIVATIONS, MOE_SCORINGS, MOE_TILES, moe_tile_m
-
+    the clamped SwiGLU run on the host path). routing: ops.moe, which calls this (its option
+    names, the row tile's choice and the router and grouping launches; passed in, so neither
+    module imports the other in a cycle)."""
     experts, h, inter = check_experts(hidden, router_logits, w_gate_up, w_down, top_k)
-    if activation not in MOE_ACTIVATIONS:
-        raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
-    if scoring not in MOE_SCORINGS:
-        raise ValueError(f"scoring must be one of {MOE_SCORINGS}, got {scoring!r}")
-    if tile_m is not None and tile_m not in MOE_TILES:
-        raise ValueError(f"tile_m must be one of {MOE_TILES} or None, got {tile_m!r}")
+    for name, value, allowed in (
+        ("activation", activation, routing.MOE_ACTIVATIONS),
+        ("scoring", scoring, routing.MOE_SCORINGS),
+        ("tile_m", tile_m, (*routing.MOE_TILES, None)),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     hv, rv = view(hidden, "hidden"), view(router_logits, "router_logits")
     codes = [view(w.qweight, name) for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down))]
     fmt, group = w_gate_up.format, w_gate_up.group_size
@@ -97,20 +101,20 @@ def fused_moe_quantized(
                 f"{name} {tuple(b.shape)} must be [{experts}, {rows}] on {hidden.device}"
             )
     can = support.fused_moe_quantized(hv.dtype, experts, fmt, group, h, inter, activation)
-    if can.supported and any(b is not None for b in biases):
-        can = support.KernelSupport(False, "expert biases over quantized experts")
+    if can.supported and (any(b is not None for b in biases) or scoring == "softmax_topk"):
+        can = support.KernelSupport(False, "gpt-oss's biases or routing over quantized experts")
     if not kernel_or_reference("fused_moe", [hv, rv, *codes], can):
         swiglu = (swiglu_alpha, swiglu_limit)
         return experts_on_host(hidden, router_logits, w_gate_up, w_down, top_k, renormalize,
                                activation, scoring, biases, swiglu)  # fmt: skip
     tokens = hv.shape[0]
-    tile = tile_m or moe_tile_m(tokens, top_k, experts)
+    tile = tile_m or routing.moe_tile_m(tokens, top_k, experts)
     if hidden.stride(1) != 1 or hidden.stride(0) % 8 or hidden.data_ptr() % 16:
         hidden = hidden.contiguous()  # the kernel stages 16-byte rows
         if hidden.data_ptr() % 16:
             hidden = hidden.clone()
     return _launch(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation,
-                   scoring, tile, stream)  # fmt: skip
+                   scoring, tile, stream, routing)  # fmt: skip
 
 
 def experts_on_host(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation,
@@ -171,8 +175,10 @@ def kernel_operands(
 
 
 def _launch(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation, scoring,
-            tile, stream) -> torch.Tensor:  # fmt: skip
-    from .moe import MOE_ACTIVATIONS, _align_outputs, _launch_align, _launch_route
+            tile, stream, routing: ModuleType) -> torch.Tensor:  # fmt: skip
+    _align_outputs, _launch_align, _launch_route = (
+        routing._align_outputs, routing._launch_align, routing._launch_route
+    )  # fmt: skip
 
     hv, rv = view(hidden, "hidden"), view(router_logits, "router_logits")
     tokens, h = hv.shape
@@ -214,7 +220,7 @@ def _launch(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activa
         experts=experts,
         top_k=top_k,
         tile_m=tile,
-        activation=MOE_ACTIVATIONS.index(activation),
+        activation=routing.MOE_ACTIVATIONS.index(activation),
         bits=4 if w_gate_up.format == "int4" else 8,
         group_size=w_gate_up.group_size,
         dtype=DTYPE_CODES[hv.dtype],
