@@ -180,3 +180,18 @@ def test_stacked_experts_survive_the_weights_cache(tmp_path):
     assert isinstance(b, QuantizedWeight) and b.shape == a.shape
     assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
     assert np.array_equal(a.mins.numpy(), b.mins.numpy())
+
+
+def test_graph_policy_knows_which_quantized_experts_the_kernel_covers(tmp_path):
+    # (on a GPU, experts outside the W4A16 / W8A16 kernel run a host loop: no decode graphs)
+    from pagedkern.engine.kernel_policy import quantized_experts_support
+
+    make_config, model_class = CONFIGS["qwen2moe"]  # H = 64, I = 32
+    _save(tmp_path, make_config, model_class)
+    plain, _ = load_model(str(tmp_path), "cpu", torch.bfloat16)
+    assert quantized_experts_support(plain) is None  # float experts: the float kernel's table
+    covered, _ = load_model(str(tmp_path), "cpu", torch.bfloat16, quantization="int4")
+    assert quantized_experts_support(covered).supported
+    fp32, _ = load_model(str(tmp_path), "cpu", torch.float32, quantization="int8")
+    decision = quantized_experts_support(fp32)
+    assert not decision.supported and "float32" in decision.reason

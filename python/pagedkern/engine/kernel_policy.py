@@ -123,6 +123,30 @@ def piecewise_graphs(*, decode_graphs: bool, requested: bool | None) -> bool:
     return decode_graphs if requested is None else requested
 
 
+def quantized_experts_support(model: LlamaModel) -> support.KernelSupport | None:
+    """The quantized-experts MoE kernel's decision for the model's stacked quantized experts
+    (csrc/moe_gemm_quant.cu; outside it ops.fused_moe runs a host loop that reads the expert
+    counts back, which capture forbids), None where the experts are float."""
+    from ..model.quantized_linear import QuantizedWeight
+
+    layer = next(
+        (x for x in model.weights.layers if isinstance(x.experts_gate_up, QuantizedWeight)), None
+    )
+    if layer is None:
+        return None
+    cfg, w = model.config, layer.experts_gate_up
+    activation = "clamped_swiglu" if cfg.swiglu_limit is not None else cfg.hidden_act
+    decision = support.fused_moe_quantized(
+        str(model.dtype).removeprefix("torch."), w.shape[0], w.format, w.group_size,
+        w.shape[2], w.shape[1] // 2, activation,
+    )  # fmt: skip
+    if decision.supported and (
+        layer.experts_gate_up_bias is not None or cfg.moe_scoring == "softmax_topk"
+    ):
+        return support.KernelSupport(False, "gpt-oss's biases or routing")
+    return decision
+
+
 def step_graphs(model: LlamaModel, config: EngineConfig, shadowed: bool) -> tuple[bool, bool]:
     """(decode graphs, piecewise graphs) for an engine: on by default where the kernels run on
     a GPU, refused or off (with a warning) where a kernel does not cover this model and cache;
@@ -141,6 +165,13 @@ def step_graphs(model: LlamaModel, config: EngineConfig, shadowed: bool) -> tupl
         moe=bool(model.config.num_experts),
     )
     graphs = graphs and model.tp.size == 1 and not shadowed
+    experts = quantized_experts_support(model)
+    if graphs and model.device.type == "cuda" and experts is not None and not experts.supported:
+        reason = f"quantized experts run fused_moe's host path ({experts.reason})"
+        if config.cuda_graphs:
+            raise ValueError(f"cuda_graphs=True, but decode steps cannot be captured: {reason}")
+        warnings.warn(f"pagedkern: CUDA graphs are off: {reason}", RuntimeWarning, stacklevel=2)
+        graphs = False
     if graphs and model.config.num_experts and model.device.type != "cuda":
         # the CPU's static-path test mode (on a GPU the support table above decided): MoE
         # layers run ops.fused_moe's reference, which reads expert counts back to the host
