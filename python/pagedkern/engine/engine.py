@@ -181,7 +181,12 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig, tracer: Tracer | None = None) -> Engine:
         device = torch.device(config.device) if config.device else pick_device(config.backend)
-        model, tokenizer = config.model_spec().load(device)
+        shard = None
+        if config.tensor_parallel_size > 1:  # this rank reads its part of the checkpoint only
+            from ..parallel.engine_group import this_rank_shard
+
+            shard = this_rank_shard(config.tensor_parallel_size)
+        model, tokenizer = config.model_spec().load(device, shard)
         if config.tensor_parallel_size > 1:
             from ..parallel.engine_group import start_tensor_parallel
 

@@ -23,6 +23,7 @@ import torch
 
 from .config import FULL, SLIDING, ModelConfig, RopeScaling
 from .errors import ModelLoadError
+from .gguf_shard import narrow_columns, shard_tensors
 from .gguf_tokenizer import tokenizer_from_gguf
 from .quantized_linear import (
     DEFAULT_INT4_GROUP,
@@ -32,6 +33,7 @@ from .quantized_linear import (
     gguf_to_int8,
     permute_rows,
 )
+from .tensor_shard import TensorShard
 from .tokenizer import Tokenizer
 from .weights import LM_HEAD_MODE, LlamaWeights, assemble_weights, quantize_weights
 from .weights_cache import cached_default, file_sha256, load_entry, store_default, store_entry
@@ -122,6 +124,12 @@ def gguf_name(hf_name: str, sandwich: bool = False) -> str:
         if rest.startswith(hf):
             return f"blk.{layer}.{gg}{rest[len(hf) :]}"
     raise KeyError(hf_name)
+
+
+def _holder(hf_name: str, config: ModelConfig) -> str:
+    """The GGUF tensor holding an HF tensor (an expert's: its layer's stack)."""
+    stacked = expert_slice(hf_name)
+    return stacked[0] if stacked else gguf_name(hf_name, config.sandwich_norms)
 
 
 def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -280,13 +288,17 @@ def _gemma_fields(
 
 
 def _convert(
-    path: str, quantization: str, group_size: int
+    path: str, quantization: str, group_size: int, shard: TensorShard | None = None
 ) -> tuple[ModelConfig, LlamaWeights, Tokenizer]:
     from gguf.quants import dequantize
 
     reader, meta = _open(path)
     tensors = {t.name: t for t in reader.tensors}
     config, permuted = _config(meta, tensors, path)
+    narrow = {}  # a shard's parts are cut from the mapped tensors before anything is read
+    if shard is not None:
+        shard.check(config)
+        narrow = shard_tensors(tensors, config, shard, lambda n: _holder(n, config))
     tokenizer = tokenizer_from_gguf(meta, path)
 
     # Tensors whose target format is int8 whatever the layers': the LM head (and a tied
@@ -341,7 +353,7 @@ def _convert(
         if w is not None and hf_name.endswith("mlp.shared_expert_gate.weight") and w.ndim == 1:
             w = w.reshape(1, -1)
         if w is not None and permuted and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
-            heads = config.num_heads if ".q_proj" in hf_name else config.num_kv_heads
+            heads = w.shape[0] // config.head_dim  # (a shard's heads only)
             if w.shape[0] % (2 * heads) == 0:  # else let the shape check report it
                 if isinstance(w, torch.Tensor):
                     w = unpermute_rope(w, heads)
@@ -352,7 +364,15 @@ def _convert(
     factors = read("rope_freqs.weight")
     # Shapes are checked and reported in torch order [out, in] (GGUF lists dims reversed).
     # (Gemma's norms as stored: llama.cpp's converter added the 1 of 1 + w already)
-    weights = assemble_weights(config, get, path, "cpu", torch.float32, factors, name)
+
+    def get_part(hf_name: str, part=None) -> torch.Tensor | None:  # (part: cut already)
+        w = get(hf_name)
+        cut = narrow.get(_holder(hf_name, config))
+        return w if w is None or cut is None else narrow_columns(w, *cut, name(hf_name))
+
+    weights = assemble_weights(
+        config, get_part, path, "cpu", torch.float32, factors, name, shard=shard
+    )
     return config, quantize_weights(weights, quantization, group_size), tokenizer
 
 
@@ -381,13 +401,20 @@ def load_gguf(
     use_cache: bool = True,
     quantization: str | None = "none",
     group_size: int = DEFAULT_INT4_GROUP,
+    shard: TensorShard | None = None,
 ) -> tuple[ModelConfig, LlamaWeights, Tokenizer]:
     """Config, weights (on `device`; float ones in `dtype`, linear layers in `quantization`,
     None: gguf_default_quantization) and tokenizer of a GGUF model file. The cache keeps one
-    entry per quantization mode (and remembers the default, so a hit never parses the file)."""
+    entry per quantization mode (and remembers the default, so a hit never parses the file).
+    shard: one tensor-parallel rank's weights, its parts of the tensors only (gguf_shard); the
+    cache, which holds whole models, is then not used."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModelLoadError(path, "no such file")
+    if shard is not None and shard.size > 1:
+        quantization = quantization or gguf_default_quantization(path)
+        config, weights, tokenizer = _convert(path, quantization, group_size, shard)
+        return config, weights.to(device, dtype), tokenizer
     digest = file_sha256(path) if use_cache else None
     if quantization is None:
         quantization = cached_default(digest) if digest else None

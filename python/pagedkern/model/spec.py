@@ -12,6 +12,7 @@ import torch
 from .. import ops
 from .llama import LlamaModel
 from .loading import load_model
+from .tensor_shard import TensorShard
 from .tokenizer import Tokenizer
 
 
@@ -26,7 +27,10 @@ class ModelSpec:
     backend: str = "auto"  # the op backend the load's own ops run under
     cpu_fast_decode: bool = True
 
-    def load(self, device: torch.device) -> tuple[LlamaModel, Tokenizer]:
+    def load(
+        self, device: torch.device, shard: TensorShard | None = None
+    ) -> tuple[LlamaModel, Tokenizer]:
+        """The model (one tensor-parallel rank's with a shard: loading.load_model)."""
         with ops.use_backend(self.backend):
             model, tokenizer = load_model(
                 self.model,
@@ -36,6 +40,7 @@ class ModelSpec:
                 max_positions=self.max_positions,
                 quantization=self.quantization,
                 kv_cache_dtype=self.kv_cache_dtype,
+                shard=shard,
             )
         model.fast_cpu_decode = self.cpu_fast_decode
         return model, tokenizer

@@ -19,6 +19,7 @@ from .quantized_linear import (
     quantize_experts,
     stack_experts,
 )
+from .tensor_shard import TensorShard
 
 # A linear layer's weight: a float tensor or a weight-only quantized one.
 Linear = torch.Tensor | QuantizedWeight
@@ -315,13 +316,17 @@ def assemble_weights(
     rope_freq_factors: torch.Tensor | None = None,
     describe: Callable[[str], str] = str,
     norm_offset: float = 0.0,
+    shard: TensorShard | None = None,
 ) -> LlamaWeights:
     """Check every tensor's presence and shape, convert to `dtype` on `device`, fuse QKV and
     gate/up (one GEMM each in the forward). Errors name the tensor as describe(HF name) and
     `source` (or source(HF name): the file holding it). norm_offset is added to every norm
     weight, in fp32 before the conversion (1 for Gemma's HF checkpoints, which store w for a
-    scale of 1 + w; llama.cpp's GGUFs store 1 + w already)."""
+    scale of 1 + w; llama.cpp's GGUFs store 1 + w already). shard: one tensor-parallel rank's
+    weights, reading its parts only (`get` then takes get(name, part): TensorShard.reader)."""
     shapes = expected_shapes(config)
+    if shard is not None:
+        get, shapes = shard.reader(config, get, shapes)
     if config.num_experts and not config.expert_bias:  # Mixtral's own MoE tensor names
         checkpoint_get = get
 

@@ -21,13 +21,23 @@ __all__ = [
 
 
 def shard_model(model, group: TPGroup):
-    """This rank's LlamaModel: its weight shard, its local shape, the group as its TP hooks."""
+    """This rank's LlamaModel: its weight shard, its local shape, the group as its TP hooks.
+    `model` is whole (its weights are cut here) or already this rank's shard, as
+    load_model(shard=...) reads it."""
     from ..model.llama import LlamaModel
 
     config = model.config
     group.vocab_size = config.vocab_size
     local = shard_config(config, group.rank, group.size)
-    weights = shard_weights(model.weights, config, group.rank, group.size)
+    if model.local is model.config:
+        weights = shard_weights(model.weights, config, group.rank, group.size)
+    else:
+        if model.local != local:
+            raise TensorParallelConfigError(
+                f"the model was loaded as another rank's shard ({model.local.num_heads} heads, "
+                f"vocabulary {model.local.vocab_size}) than rank {group.rank} of {group.size}'s"
+            )
+        weights = model.weights
     return LlamaModel(
         config, weights, model.max_positions, model.kv_cache_dtype, tp=group, local=local
     )

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 
 from ..processes import launched_by_launcher
 from .group import TPGroup
-from .shard import TensorParallelConfigError, check_tp_size
+from .shard import TensorParallelConfigError, TensorShard, check_tp_size
+
+
+def this_rank_shard(size: int) -> TensorShard:
+    """The shard this process loads before the group starts: rank 0's, or the launcher's RANK
+    (a torchrun rank > 0 loads its own part, then joins as a worker)."""
+    return TensorShard(int(os.environ["RANK"]) if launched_by_launcher() else 0, size)
 
 
 def start_tensor_parallel(model, config):
     """Check the split, start (or join) the group, hand the workers the model's spec, and
-    return rank 0's shard of `model`. A process a launcher started as rank > 0 runs the worker
-    loop here instead and exits when rank 0 stops it."""
+    return rank 0's shard of `model` (whole, or loaded as this_rank_shard's part). A process
+    a launcher started as rank > 0 runs the worker loop here instead and exits when rank 0
+    stops it."""
     from . import shard_model
     from .worker import serve
 

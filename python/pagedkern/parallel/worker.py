@@ -50,10 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ..model.spec import ModelSpec
     from . import shard_model
+    from .shard import TensorShard
 
     group = TPGroup.start(int(os.environ["WORLD_SIZE"]), torch.device(args.device))
     spec = ModelSpec(**group.share_settings(None))
-    model, _ = spec.load(group.device)
+    model, _ = spec.load(group.device, TensorShard(group.rank, group.size))  # its part only
     serve(shard_model(model, group), group, spec.backend)
     return 0
 

@@ -1,0 +1,134 @@
+"""One rank's shard of weights already loaded whole (fused QKV and gate/up, stacked experts): the
+parts tensor_shard.TensorShard names, cut out of the fused tensors. Used where a model exists
+whole in memory (synthetic weights, a model loaded before its group started); the checkpoint
+loaders read the same parts straight from the file instead.
+
+Quantized weights are sliced in their packed form: int8 (per output channel) along rows or
+columns; int4 along rows, or along columns at group boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import torch
+
+from .config import ModelConfig
+from .quantized_linear import QuantizedWeight
+from .tensor_shard import TensorParallelConfigError, TensorShard
+from .weights import LayerWeights, Linear, LlamaWeights
+
+
+def _index(*ranges: range) -> torch.Tensor:
+    return torch.cat([torch.arange(r.start, r.stop) for r in ranges])
+
+
+def rows(w: Linear, index: torch.Tensor) -> Linear:
+    """Rows `index` of w [N, K] (or of every expert's, stacked [E, N, K])."""
+    if not isinstance(w, QuantizedWeight):
+        return w[..., index, :].contiguous()
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        rows_last = t.dim() < w.qweight.dim()  # int8's one scale per row
+        return (t[..., index] if rows_last else t[..., index, :]).contiguous()
+
+    shape = (*w.shape[:-2], len(index), w.shape[-1])
+    return QuantizedWeight(
+        w.format, shape, cut(w.qweight), cut(w.scales), cut(w.mins), w.group_size
+    )
+
+
+def cols(w: Linear, start: int, stop: int, what: str) -> Linear:
+    """Columns [start, stop) of w [N, K] (or of every expert's, stacked [E, N, K])."""
+    if not isinstance(w, QuantizedWeight):
+        return w[..., start:stop].contiguous()
+    shape = (*w.shape[:-1], stop - start)
+    if w.format == "int8":  # one scale per output row: unchanged by a column slice
+        return QuantizedWeight("int8", shape, w.qweight[..., start:stop].contiguous(), w.scales)
+    g = w.group_size
+    if start % g or stop % g:
+        raise TensorParallelConfigError(
+            f"{what}: an int4 column shard [{start}, {stop}) does not fall on group boundaries "
+            f"(group size {g}); use --quantization int8 or none with this tensor_parallel_size"
+        )
+    return QuantizedWeight(
+        "int4",
+        shape,
+        w.qweight[..., start // 2 : stop // 2].contiguous(),
+        w.scales[..., start // g : stop // g].contiguous(),
+        w.mins[..., start // g : stop // g].contiguous(),
+        g,
+    )
+
+
+def _bias(b: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    return None if b is None else b[index].contiguous()
+
+
+def shard_weights(weights: LlamaWeights, config: ModelConfig, rank: int, size: int) -> LlamaWeights:
+    """Rank `rank`'s slice of every weight (the input is left untouched)."""
+    shard = TensorShard(rank, size)
+    shard.check(config)
+    if size == 1:
+        return weights
+    q_rows, kv_rows = shard.q_rows(config), shard.kv_rows(config)
+    k_off, v_off = config.q_size, config.q_size + config.kv_size
+    qkv = _index(
+        q_rows,
+        range(kv_rows.start + k_off, kv_rows.stop + k_off),
+        range(kv_rows.start + v_off, kv_rows.stop + v_off),
+    )
+
+    def gate_up(intermediate: int) -> torch.Tensor:
+        part = shard.mlp_rows(intermediate)
+        return _index(part, range(part.start + intermediate, part.stop + intermediate))
+
+    def layer(w: LayerWeights, n: int) -> LayerWeights:
+        moe = w.router is not None
+        mlp = shard.mlp_rows(config.shared_expert_size if moe else config.intermediate_size)
+        mlp_index = gate_up(config.shared_expert_size if moe else config.intermediate_size)
+        out = LayerWeights(
+            input_norm=w.input_norm,
+            qkv=rows(w.qkv, qkv),
+            o=cols(w.o, q_rows.start, q_rows.stop, f"layer {n} o_proj"),
+            post_norm=w.post_norm,
+            gate_up=None if w.gate_up is None else rows(w.gate_up, mlp_index),
+            down=None
+            if w.down is None
+            else cols(w.down, mlp.start, mlp.stop, f"layer {n} down_proj"),
+            qkv_bias=_bias(w.qkv_bias, qkv),
+            o_bias=w.o_bias if rank == 0 else None,  # added once, before the all-reduce
+            gate_up_bias=_bias(w.gate_up_bias, mlp_index),
+            down_bias=w.down_bias if rank == 0 else None,
+            q_norm=w.q_norm,  # per head: every rank's heads take the same weights
+            k_norm=w.k_norm,
+            attn_out_norm=w.attn_out_norm,  # of the all-reduced output: whole on every rank
+            mlp_out_norm=w.mlp_out_norm,
+        )
+        if moe:  # the router and the shared expert's gate replicated, every expert sliced
+            experts = shard.mlp_rows(config.moe_intermediate_size)
+            out.router, out.shared_gate = w.router, w.shared_gate
+            out.experts_gate_up = rows(w.experts_gate_up, gate_up(config.moe_intermediate_size))
+            out.experts_down = cols(w.experts_down, experts.start, experts.stop, "experts")
+        rank0_only = ("o_bias", "down_bias")
+        unsplit = [f.name for f in fields(w) if getattr(out, f.name) is None]
+        unsplit = [x for x in unsplit if x not in rank0_only]
+        if any(getattr(w, name) is not None for name in unsplit):  # (no rule for them yet)
+            raise TensorParallelConfigError(
+                f"layer {n}: tensor parallelism has no rule to split "
+                f"{', '.join(x for x in unsplit if getattr(w, x) is not None)}"
+            )
+        return out
+
+    vocab = _index(shard.vocab(config))
+    embed = rows(weights.embed, vocab)
+    head = embed if weights.tied else rows(weights.lm_head, vocab)
+    return LlamaWeights(
+        embed,
+        [layer(w, n) for n, w in enumerate(weights.layers)],
+        weights.norm,
+        head,
+        weights.rope_freq_factors,
+    )
