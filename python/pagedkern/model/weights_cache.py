@@ -90,8 +90,13 @@ def store_entry(
             warnings.warn(f"pagedkern: could not cache converted model: {exc}", stacklevel=2)
 
 
+# The remembered defaults' own version (cheap to recompute: the tensor table only). 3: a
+# mixture of experts' Q4 experts count as layer weights (such files default to int4)
+DEFAULTS_FORMAT = 3
+
+
 def _default_file(digest: str) -> Path:
-    return cache_root() / f"defaults-v{CACHE_FORMAT}" / digest
+    return cache_root() / f"defaults-v{DEFAULTS_FORMAT}" / digest
 
 
 def cached_default(digest: str) -> str | None:
