@@ -1,0 +1,105 @@
+"""Peak resident memory of rank 0 and of a worker when an engine starts at tensor_parallel_size 2
+on the CPU (gloo), for a random Llama-shaped HF folder of ~500 MB (fp32 safetensors, built once
+in a child process): the memory a rank needs to load its part of the checkpoint.
+
+    python bench/tp_shard_rss.py [--folder DIR] [--size 2]
+
+Each engine starts in a fresh process (peak RSS is per process); rank 0's peak is its own
+ru_maxrss, a worker's its VmHWM read from /proc while it runs. Also printed: the peak of a
+process that only imports the package (the interpreter and torch), the file's size and each
+rank's weight bytes. Compare two checkouts by running this with PYTHONPATH=<checkout>/python
+(each line names the package it loaded)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Llama-shaped: 12 layers of hidden 768, 12 query / 4 KV heads, MLP 2048, vocabulary 32000
+CONFIG = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    max_position_embeddings=512,
+)
+
+
+def build(folder: Path) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_model_files import base_config, write_folder
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_folder(folder, base_config(**CONFIG))
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # (KiB on Linux)
+
+
+def vm_hwm_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM for {pid}")
+
+
+def measure(folder: Path, size: int) -> dict:
+    import pagedkern
+    from pagedkern.engine import LLM
+
+    settings = dict(device="cpu", quantization="none", num_blocks=16, block_size=16)
+    with LLM(str(folder), tensor_parallel_size=size, **settings) as llm:
+        model = llm.engine.model
+        workers = model.tp.procs
+        out = {
+            "package": os.path.dirname(pagedkern.__file__),
+            "rank0_peak_mib": round(peak_mib()),
+            "worker_peak_mib": [round(vm_hwm_mib(p.pid)) for p in workers.values()],
+            "rank0_weights_mib": round(model.weights.nbytes / 2**20),
+        }
+    return out
+
+
+def baseline() -> dict:
+    import pagedkern.engine  # noqa: F401  (what every rank imports)
+
+    return {"import_peak_mib": round(peak_mib())}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", type=Path, default=Path("/tmp/pagedkern-tp-rss-model"))
+    parser.add_argument("--size", type=int, default=2)
+    parser.add_argument("--phase", choices=["build", "measure", "baseline"], default=None)
+    args = parser.parse_args()
+    if args.phase == "build":
+        build(args.folder)
+        return 0
+    if args.phase is not None:
+        result = baseline() if args.phase == "baseline" else measure(args.folder, args.size)
+        print(json.dumps(result))
+        return 0
+    if not (args.folder / "config.json").is_file():
+        subprocess.run([sys.executable, __file__, "--phase", "build", "--folder", str(args.folder)],
+                       check=True)  # fmt: skip
+    file_mib = sum(f.stat().st_size for f in args.folder.glob("*.safetensors")) / 2**20
+    print(f"checkpoint: {args.folder} ({file_mib:.0f} MiB fp32), tensor_parallel_size {args.size}")
+    for phase in ("baseline", "measure"):
+        command = [sys.executable, __file__, "--phase", phase, "--folder", str(args.folder)]
+        done = subprocess.run(command + ["--size", str(args.size)], check=True,
+                              capture_output=True, text=True)  # fmt: skip
+        print(phase, done.stdout.strip().splitlines()[-1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
