@@ -1,5 +1,6 @@
 """Tensor parallelism over torch.distributed: the process group (group.py), weight slicing
-(shard.py), the worker loop (worker.py). See docs/ARCHITECTURE.md, "Processes"."""
+(shard.py), the worker loop (worker.py); one MoE layer's expert-parallel dispatch and combine
+(expert_parallel.py, not in the engine yet). See docs/ARCHITECTURE.md, "Processes"."""
 
 from __future__ import annotations
 
