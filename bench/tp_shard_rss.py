@@ -1,8 +1,9 @@
 """Peak resident memory of rank 0 and of a worker when an engine starts at tensor_parallel_size 2
-on the CPU (gloo), for a random Llama-shaped HF folder of ~500 MB (fp32 safetensors, built once
-in a child process): the memory a rank needs to load its part of the checkpoint.
+on the CPU (gloo), for a random Llama-shaped HF folder of ~500 MB (fp32 safetensors) or, with
+--format gguf, a Q8_0 GGUF of its layers (built once in a child process): the memory a rank
+needs to load its part of the checkpoint.
 
-    python bench/tp_shard_rss.py [--folder DIR] [--size 2]
+    python bench/tp_shard_rss.py [--folder DIR] [--size 2] [--format hf|gguf]
 
 Each engine starts in a fresh process (peak RSS is per process); rank 0's peak is its own
 ru_maxrss, a worker's its VmHWM read from /proc while it runs. Also printed: the peak of a
@@ -33,12 +34,21 @@ CONFIG = dict(
 )
 
 
-def build(folder: Path) -> None:
+def build(folder: Path, kind: str) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from hf_model_files import base_config, write_folder
 
     folder.mkdir(parents=True, exist_ok=True)
-    write_folder(folder, base_config(**CONFIG))
+    if kind == "gguf":  # (the test tokenizer's vocabulary: the layers make the size)
+        from test_model_gguf import write_gguf
+
+        write_gguf(folder / "model.gguf", base_config(**CONFIG))
+    else:
+        write_folder(folder, base_config(**CONFIG))
+
+
+def checkpoint(folder: Path, kind: str) -> Path:
+    return folder / "model.gguf" if kind == "gguf" else folder
 
 
 def peak_mib() -> float:
@@ -52,12 +62,15 @@ def vm_hwm_mib(pid: int) -> float:
     raise RuntimeError(f"no VmHWM for {pid}")
 
 
-def measure(folder: Path, size: int) -> dict:
+def measure(path: Path, size: int) -> dict:
+    import tempfile
+
+    os.environ["PAGEDKERN_CACHE_DIR"] = tempfile.mkdtemp()  # a GGUF converts on every run
     import pagedkern
     from pagedkern.engine import LLM
 
     settings = dict(device="cpu", quantization="none", num_blocks=16, block_size=16)
-    with LLM(str(folder), tensor_parallel_size=size, **settings) as llm:
+    with LLM(str(path), tensor_parallel_size=size, **settings) as llm:
         model = llm.engine.model
         workers = model.tp.procs
         out = {
@@ -79,22 +92,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", type=Path, default=Path("/tmp/pagedkern-tp-rss-model"))
     parser.add_argument("--size", type=int, default=2)
+    parser.add_argument("--format", choices=["hf", "gguf"], default="hf")
     parser.add_argument("--phase", choices=["build", "measure", "baseline"], default=None)
     args = parser.parse_args()
+    path = checkpoint(args.folder, args.format)
     if args.phase == "build":
-        build(args.folder)
+        build(args.folder, args.format)
         return 0
     if args.phase is not None:
-        result = baseline() if args.phase == "baseline" else measure(args.folder, args.size)
+        result = baseline() if args.phase == "baseline" else measure(path, args.size)
         print(json.dumps(result))
         return 0
-    if not (args.folder / "config.json").is_file():
-        subprocess.run([sys.executable, __file__, "--phase", "build", "--folder", str(args.folder)],
-                       check=True)  # fmt: skip
-    file_mib = sum(f.stat().st_size for f in args.folder.glob("*.safetensors")) / 2**20
-    print(f"checkpoint: {args.folder} ({file_mib:.0f} MiB fp32), tensor_parallel_size {args.size}")
+    common = ["--folder", str(args.folder), "--format", args.format]
+    if not (path / "config.json" if args.format == "hf" else path).is_file():
+        subprocess.run([sys.executable, __file__, "--phase", "build", *common], check=True)
+    files = [path] if args.format == "gguf" else list(args.folder.glob("*.safetensors"))
+    file_mib = sum(f.stat().st_size for f in files) / 2**20
+    print(f"checkpoint: {path} ({file_mib:.0f} MiB), tensor_parallel_size {args.size}")
     for phase in ("baseline", "measure"):
-        command = [sys.executable, __file__, "--phase", phase, "--folder", str(args.folder)]
+        command = [sys.executable, __file__, "--phase", phase, *common]
         done = subprocess.run(command + ["--size", str(args.size)], check=True,
                               capture_output=True, text=True)  # fmt: skip
         print(phase, done.stdout.strip().splitlines()[-1])
