@@ -301,3 +301,26 @@ def test_qwen2_max_window_layers_gets_per_kind_tables(tmp_path):
     want_tokens, want_logits = hf_greedy(hf, PROMPT, 16)
     assert_logprobs_follow(outputs, want_tokens, want_logits)
     assert engine.pool.peak_by_kind[1] < engine.pool.peak_by_kind[0]
+
+
+def test_the_batch_layout_carries_every_groups_tables_and_slots():
+    from pagedkern.model import SequenceChunk, layout_batch
+
+    prefill = SequenceChunk([1, 2, 3, 4, 5], 3, [7, 8], [[10, 9], [16, 11]])  # positions 3..7
+    decode = SequenceChunk([6], 5, [4, 5], [[12, 13], [14, 15]])  # position 5
+    layout = layout_batch([prefill, decode], BLOCK)
+    _, meta = layout.upload("cpu")
+    _, packed = layout.unpack(layout.pack())  # the path of a CUDA upload
+    for m in (meta, packed):
+        assert m.slot_mapping.tolist() == [7 * 4 + 3, 8 * 4, 8 * 4 + 1, 8 * 4 + 2, 8 * 4 + 3, 21]
+        tables = [t.tolist() for t in m.group_block_tables]
+        assert tables == [[[10, 9], [12, 13]], [[16, 11], [14, 15]]]
+        assert [s.tolist() for s in m.group_slot_mappings] == [
+            [43, 36, 37, 38, 39, 53],
+            [67, 44, 45, 46, 47, 61],
+        ]
+        assert m.for_group(0) is m
+        g2 = m.for_group(2)
+        assert g2.block_tables is m.group_block_tables[1] and g2.seq_lens is m.seq_lens
+    with pytest.raises(ValueError, match="group tables"):
+        layout_batch([SequenceChunk([1], 0, [3], [[4, 5]])], BLOCK)
