@@ -159,3 +159,46 @@ def test_fused_moe_quantized(measure, device, model, tokens, quant):
         experts=routed,
     )
     assert result.seconds > 0
+
+
+# gpt-oss's mode (softmax over the top-k, expert biases in both epilogues, the clamped SwiGLU):
+# gpt-oss-20b's experts, against the reference on the same weights
+GPT_OSS = {"tiny": (8, 2, 64, 32)} if smoke_mode() else {"gpt-oss-20b": (32, 4, 2880, 2880)}
+
+
+@pytest.mark.parametrize("impl", ["pagedkern", "torch eager"])
+@pytest.mark.parametrize("tokens", DECODE + PREFILL)
+@pytest.mark.parametrize("model", list(GPT_OSS))
+def test_fused_moe_gpt_oss(measure, device, model, tokens, impl):
+    experts, top_k, hidden, inter = GPT_OSS[model]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(tokens)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    w_gate_up, w_down = (
+        randn(experts, 2 * inter, hidden, scale=hidden**-0.5),
+        randn(experts, hidden, inter, scale=inter**-0.5),
+    )
+    x, logits = randn(tokens, hidden), torch.randn(tokens, experts, generator=gen, device=device)
+    kwargs = dict(
+        renormalize=False, scoring="softmax_topk", activation="clamped_swiglu",
+        w_gate_up_bias=randn(experts, 2 * inter, scale=0.1),
+        w_down_bias=randn(experts, hidden, scale=0.1),
+    )  # fmt: skip
+    args = (x, logits, w_gate_up, w_down, top_k)
+    impls = {"pagedkern": ops.fused_moe, "torch eager": reference.fused_moe}
+    routed = int(reference.moe_route(logits, top_k, False, "softmax_topk")[1].unique().numel())
+    weight_bytes = routed * (3 * hidden * inter + 3 * inter + hidden) * x.element_size()
+    prefill = tokens in PREFILL
+    result = measure(
+        "fused_moe gpt-oss",
+        f"{model} T={tokens} {'prefill' if prefill else 'decode'}",
+        impl,
+        lambda: impls[impl](*args, **kwargs),
+        bytes=None if prefill else weight_bytes + 2 * x.numel() * x.element_size(),
+        flops=6 * tokens * top_k * hidden * inter,
+        experts=routed,
+    )
+    assert result.seconds > 0

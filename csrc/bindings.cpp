@@ -623,10 +623,11 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "moe_experts",
       [](std::uintptr_t out, std::uintptr_t h, std::uintptr_t y, std::uintptr_t hidden,
-         std::uintptr_t w_gate_up, std::uintptr_t w_down, std::uintptr_t weights,
-         std::uintptr_t sorted_pairs, std::uintptr_t tile_expert, int64_t tokens,
-         int64_t hidden_size, int64_t inter_size, int64_t hidden_stride, int64_t out_stride,
-         int64_t padded_rows, int experts, int top_k, int tile_m, int activation, int dtype,
+         std::uintptr_t w_gate_up, std::uintptr_t w_down, std::uintptr_t gate_up_bias,
+         std::uintptr_t down_bias, std::uintptr_t weights, std::uintptr_t sorted_pairs,
+         std::uintptr_t tile_expert, int64_t tokens, int64_t hidden_size, int64_t inter_size,
+         int64_t hidden_stride, int64_t out_stride, int64_t padded_rows, int experts, int top_k,
+         int tile_m, int activation, float swiglu_alpha, float swiglu_limit, int dtype,
          int device, std::uintptr_t stream) {
         pagedkern::MoeExpertsParams p;
         p.out = as_ptr<void>(out);
@@ -635,6 +636,8 @@ PYBIND11_MODULE(_C, m) {
         p.hidden = as_ptr<const void>(hidden);
         p.w_gate_up = as_ptr<const void>(w_gate_up);
         p.w_down = as_ptr<const void>(w_down);
+        p.gate_up_bias = as_ptr<const void>(gate_up_bias);
+        p.down_bias = as_ptr<const void>(down_bias);
         p.weights = as_ptr<const float>(weights);
         p.sorted_pairs = as_ptr<const int32_t>(sorted_pairs);
         p.tile_expert = as_ptr<const int32_t>(tile_expert);
@@ -648,16 +651,19 @@ PYBIND11_MODULE(_C, m) {
         p.top_k = top_k;
         p.tile_m = tile_m;
         p.activation = activation;
+        p.swiglu_alpha = swiglu_alpha;
+        p.swiglu_limit = swiglu_limit;
         p.dtype = static_cast<DType>(dtype);
         DeviceGuard guard(device);
         pagedkern::moe_experts(p, as_stream(stream));
       },
       py::kw_only(), py::arg("out"), py::arg("h"), py::arg("y"), py::arg("hidden"),
-      py::arg("w_gate_up"), py::arg("w_down"), py::arg("weights"), py::arg("sorted_pairs"),
-      py::arg("tile_expert"), py::arg("tokens"), py::arg("hidden_size"), py::arg("inter_size"),
-      py::arg("hidden_stride"), py::arg("out_stride"), py::arg("padded_rows"),
-      py::arg("experts"), py::arg("top_k"), py::arg("tile_m"), py::arg("activation"),
-      py::arg("dtype"), py::arg("device"), py::arg("stream"),
+      py::arg("w_gate_up"), py::arg("w_down"), py::arg("gate_up_bias"), py::arg("down_bias"),
+      py::arg("weights"), py::arg("sorted_pairs"), py::arg("tile_expert"), py::arg("tokens"),
+      py::arg("hidden_size"), py::arg("inter_size"), py::arg("hidden_stride"),
+      py::arg("out_stride"), py::arg("padded_rows"), py::arg("experts"), py::arg("top_k"),
+      py::arg("tile_m"), py::arg("activation"), py::arg("swiglu_alpha"),
+      py::arg("swiglu_limit"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "moe_experts_quant",

@@ -18,12 +18,14 @@ namespace pagedkern {
 // Experts a router / grouping launch takes (shared-memory tables are sized by it).
 constexpr int kMoeMaxExperts = 512;
 
-enum class MoeScoring : int { kSoftmax = 0, kSigmoid = 1 };
+// kSoftmaxTopk (gpt-oss): the softmax over the k selected logits only (they sum to 1).
+enum class MoeScoring : int { kSoftmax = 0, kSigmoid = 1, kSoftmaxTopk = 2 };
 
 // Per token t: score[e] = softmax(logits[t])[e] (fp32) or sigmoid(logits[t, e]); the k experts
 // with the largest logits (the score is monotone in the logit, so this is the k largest
 // scores), ties to the lower expert id, in descending order; weights = their scores, divided
-// by their sum if `renormalize`. NaN logits: undefined.
+// by their sum if `renormalize` (kSoftmaxTopk: expf(l - max) of the selected, divided by their
+// sum, whatever `renormalize` says). NaN logits: undefined.
 struct MoeRouteParams {
   int32_t* ids = nullptr;      // [T, k]
   float* weights = nullptr;    // [T, k]
@@ -61,8 +63,10 @@ struct MoeAlignParams {
 void moe_align(const MoeAlignParams& p, cudaStream_t stream);
 
 // out[t] = sum_slot weights[t, slot] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = ids[t, slot],
-// with the reference's roundings: gate/up and each expert's down output rounded to dtype, the
-// activation in fp32 rounded once, the weighted sum in fp32 (slot order) rounded once.
+// with the reference's roundings: gate/up and each expert's down output (each plus its bias,
+// if given, in fp32) rounded to dtype, the activation in fp32 rounded once, the weighted sum
+// in fp32 (slot order) rounded once. Activation 2 (gpt-oss's clamped SwiGLU) replaces
+// act(gate) * up by (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
 struct MoeExpertsParams {
   void* out = nullptr;             // [T, H], rows out_stride apart
   void* h = nullptr;               // workspace [padded_rows, I] (dtype), row = sorted position
@@ -70,6 +74,8 @@ struct MoeExpertsParams {
   const void* hidden = nullptr;    // [T, H], rows hidden_stride apart
   const void* w_gate_up = nullptr;  // [E, 2I, H] contiguous: gate rows, then up rows
   const void* w_down = nullptr;     // [E, H, I] contiguous
+  const void* gate_up_bias = nullptr;  // [E, 2I] contiguous (dtype), or none
+  const void* down_bias = nullptr;     // [E, H] contiguous (dtype), or none
   const float* weights = nullptr;   // [T, k]
   const int32_t* sorted_pairs = nullptr;  // moe_align's, for this tile_m
   const int32_t* tile_expert = nullptr;
@@ -82,7 +88,9 @@ struct MoeExpertsParams {
   int experts = 0;
   int top_k = 0;
   int tile_m = 16;  // 16 or 64
-  int activation = 0;  // GatedActivation: 0 silu, 1 gelu_tanh
+  int activation = 0;  // GatedActivation: 0 silu, 1 gelu_tanh; 2 clamped SwiGLU (gpt-oss)
+  float swiglu_alpha = 1.702f;  // activation 2's
+  float swiglu_limit = 7.0f;
   DType dtype = DType::kBFloat16;
 };
 void moe_experts(const MoeExpertsParams& p, cudaStream_t stream);

@@ -5,11 +5,13 @@
  * moe_gemm_kernel<T, kBM, kGated, kVec, Act>: grid (ceil(N / kBN), padded_rows / kBM); block
  *   (n tile, m tile) reads its tile's expert from tile_expert (-1: an unused tile, exit) and
  *   computes a kBM x kBN tile of
- *     kGated: h[row, n] = act(round(x_t . wg_e[n])) * round(x_t . wu_e[n])   (N = I, K = H)
+ *     kGated: h[row, n] = act(round(x_t . wg_e[n] + bg), round(x_t . wu_e[n] + bu))
+ *             (N = I, K = H; act(g, u) = act(g) * u, or gpt-oss's clamped SwiGLU; the
+ *             expert's biases, if any, added in fp32 before the rounding)
  *             rows gathered from hidden by token t = pair / k; h indexed by sorted position;
  *             the gate and up tiles (rows n and I + n of w_gate_up[e]) in the same block, so
  *             the activation is fused into the epilogue and gate_up never reaches memory.
- *     down:   y[pair, n] = round(h[row] . wd_e[n])                            (N = H, K = I)
+ *     down:   y[pair, n] = round(h[row] . wd_e[n] + bd)                       (N = H, K = I)
  *             rows of h in place; y indexed by pair, so the combine reads each token's k
  *             rows contiguously.
  *   Padding rows (sentinel pairs) load zeros and store nothing. 4 warps: kBM = 16 puts them
@@ -30,6 +32,8 @@
  */
 #include <cuda_pipeline_primitives.h>
 
+#include <type_traits>
+
 #include "device.cuh"
 #include "gated_activation.cuh"
 #include "mma_fragments.cuh"
@@ -43,9 +47,25 @@ constexpr int kBN = 64;
 constexpr int kBK = 32;
 constexpr int kLd = kBK + 8;  // shared-memory row length (elements)
 
-struct NoAct {
-  __device__ __forceinline__ float operator()(float g) const { return g; }
+struct NoAct {  // (the down GEMM: no activation)
+  __device__ __forceinline__ float operator()(float g, float) const { return g; }
 };
+
+// act(gate) * up for the one-argument activations (gated_activation.cuh)
+template <typename F>
+struct TimesUp {
+  F f;
+  __device__ __forceinline__ float operator()(float g, float u) const { return f(g) * u; }
+};
+
+template <typename Act>
+__device__ __forceinline__ Act make_act(const MoeExpertsParams& p) {
+  if constexpr (std::is_same_v<Act, ClampedSwiGLU>) {
+    return ClampedSwiGLU{p.swiglu_alpha, p.swiglu_limit};
+  } else {
+    return Act{};
+  }
+}
 
 // Eight elements k0 .. k0+7 of row `src` (nullptr: zeros) into shared memory. kVec: one
 // 16-byte cp.async (zero-filled past the row or for padding; `dummy` is any aligned address,
@@ -177,9 +197,12 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gemm_kernel(const MoeExpertsP
   }
   __pipeline_wait_prior(0);
 
-  const Act act;
+  const Act act = make_act<Act>(p);
   T* out = static_cast<T*>(kGated ? p.h : p.y);
   const int64_t out_stride = kGated ? p.inter_size : p.hidden_size;
+  // this expert's biases ([2I]: gate then up; [H]), or none
+  const T* bias = static_cast<const T*>(kGated ? p.gate_up_bias : p.down_bias);
+  if (bias != nullptr) bias += int64_t(expert) * (kGated ? 2 * n_total : n_total);
 #pragma unroll
   for (int f = 0; f < kNF; ++f) {
 #pragma unroll
@@ -192,12 +215,14 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gemm_kernel(const MoeExpertsP
       for (int j = 0; j < 2; ++j) {
         const int64_t n = n0 + warp_n * (kBN / kWN) + f * 8 + 2 * c + j;
         if (n >= n_total) continue;
-        float v = to_float(from_float<T>(acc[0][f][2 * half + j]));
+        float v = acc[0][f][2 * half + j];
+        if (bias != nullptr) v += to_float(bias[n]);
+        v = to_float(from_float<T>(v));
         if constexpr (kGated) {
-          v = act(v) * to_float(from_float<T>(acc[kHalves - 1][f][2 * half + j]));
-        } else {
-          v = act(v);  // NoAct: the down projection's value as rounded
-        }
+          float u = acc[kHalves - 1][f][2 * half + j];
+          if (bias != nullptr) u += to_float(bias[n_total + n]);
+          v = act(v, to_float(from_float<T>(u)));
+        }  // (down: the projection's value as rounded)
         out[out_row * out_stride + n] = from_float<T>(v);
       }
     }
@@ -235,10 +260,12 @@ void launch_all(const MoeExpertsParams& p, cudaStream_t stream) {
   const bool vec_gate_up = p.hidden_size % 8 == 0 && p.hidden_stride % 8 == 0 &&
                            aligned16(p.hidden) && aligned16(p.w_gate_up);
   const bool vec_down = p.inter_size % 8 == 0 && aligned16(p.h) && aligned16(p.w_down);
-  if (p.activation == 1) {
-    launch_gemm<T, kBM, true, GeluTanh>(p, vec_gate_up, stream);
+  if (p.activation == 2) {
+    launch_gemm<T, kBM, true, ClampedSwiGLU>(p, vec_gate_up, stream);
+  } else if (p.activation == 1) {
+    launch_gemm<T, kBM, true, TimesUp<GeluTanh>>(p, vec_gate_up, stream);
   } else {
-    launch_gemm<T, kBM, true, Silu>(p, vec_gate_up, stream);
+    launch_gemm<T, kBM, true, TimesUp<Silu>>(p, vec_gate_up, stream);
   }
   launch_gemm<T, kBM, false, NoAct>(p, vec_down, stream);
   const int threads = int(std::min<int64_t>(256, (p.hidden_size + 31) / 32 * 32));
@@ -260,7 +287,7 @@ void moe_experts(const MoeExpertsParams& p, cudaStream_t stream) {
   require(p.padded_rows / p.tile_m <= 65535, "moe_experts: too many row tiles");
   require(p.hidden_stride >= p.hidden_size && p.out_stride >= p.hidden_size,
           "moe_experts: strides must be >= hidden_size");
-  require(p.activation == 0 || p.activation == 1, "moe_experts: activation must be 0 or 1");
+  require(p.activation >= 0 && p.activation <= 2, "moe_experts: activation must be 0, 1 or 2");
   if (p.tokens == 0) return;
   auto run = [&](auto tag) {
     using T = decltype(tag);

@@ -9,8 +9,10 @@
  *   larger key wins, equal keys go to the lower expert id (the reference's stable descending
  *   sort). Taken experts are a per-lane bit mask, so -inf logits still tie correctly. Softmax:
  *   max and sum of expf(l - max) over all E by warp shuffles; a weight is expf(l - max) / sum.
- *   Sigmoid: 1 / (1 + expf(-l)). Renormalisation divides by the sum of the k weights (slot
- *   order). Traffic: T*E logits read once, T*k*8 bytes written; latency bound at decode.
+ *   Sigmoid: 1 / (1 + expf(-l)). Softmax over the top-k (gpt-oss): expf(l - max) of each
+ *   selected logit (max = the first selected), always renormalised. Renormalisation divides by
+ *   the sum of the k weights (slot order). Traffic: T*E logits read once, T*k*8 bytes
+ *   written; latency bound at decode.
  *
  * moe_align_kernel: the (token, slot) pairs grouped by expert and padded to the GEMM row tile,
  *   in one block of 8 warps, stable (each expert's pairs in increasing pair index, as the
@@ -53,15 +55,18 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const MoeRo
     max_key = fmaxf(max_key, key[j]);
   }
   float sum = 0.f;
-  if (p.scoring == MoeScoring::kSoftmax) {
+  if (p.scoring != MoeScoring::kSigmoid) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1)
       max_key = fmaxf(max_key, __shfl_xor_sync(0xffffffffu, max_key, offset));
+  }
+  if (p.scoring == MoeScoring::kSoftmax) {
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j)
       if (lane + 32 * j < p.experts) sum += expf(key[j] - max_key);
     sum = warp_sum(sum);
   }
+  const bool renormalize = p.renormalize || p.scoring == MoeScoring::kSoftmaxTopk;
   uint32_t taken = 0;
   float total = 0.f;
   float my_weight = 0.f;  // lane s keeps slot s's weight (k <= E <= 512: slots past 31 below)
@@ -90,8 +95,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const MoeRo
       }
     }
     if ((best_e & 31) == lane) taken |= 1u << (best_e >> 5);
-    const float w = p.scoring == MoeScoring::kSoftmax ? expf(best - max_key) / sum
-                                                      : 1.f / (1.f + expf(-best));
+    const float w = p.scoring == MoeScoring::kSoftmax   ? expf(best - max_key) / sum
+                    : p.scoring == MoeScoring::kSigmoid ? 1.f / (1.f + expf(-best))
+                                                        : expf(best - max_key);
     total += w;
     if (lane == 0) ids[s] = best_e;
     if (lane == (s & 31)) my_weight = w;
@@ -100,7 +106,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const MoeRo
       if (lane <= s - s0) weights[s0 + lane] = my_weight;
     }
   }
-  if (p.renormalize) {
+  if (renormalize) {
     __syncwarp();
     for (int s = lane; s < p.top_k; s += 32) weights[s] = weights[s] / total;
   }
@@ -178,6 +184,7 @@ void moe_route(const MoeRouteParams& p, cudaStream_t stream) {
   require(p.tokens >= 0 && p.tokens <= (int64_t(1) << 31) - kRouteWarps,
           "moe_route: tokens out of range");
   require(p.logits_stride >= p.experts, "moe_route: logits_stride must be >= experts");
+  require(int(p.scoring) >= 0 && int(p.scoring) <= 2, "moe_route: scoring must be 0, 1 or 2");
   if (p.tokens == 0) return;
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);

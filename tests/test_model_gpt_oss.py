@@ -175,7 +175,9 @@ def test_a_prefix_cache_hit_changes_nothing(saved):
 
 def test_preemption_and_batching_change_nothing(saved):
     folder, hf = saved
-    assert_preemption_and_batching_change_nothing(folder, hf, LONG_PROMPT, num_blocks=24)
+    # four sequences of 41 tokens (11 blocks each) in 28 blocks, prefilled in 8-token chunks
+    args = dict(num_blocks=28, max_num_batched_tokens=8)
+    assert_preemption_and_batching_change_nothing(folder, hf, LONG_PROMPT, **args)
 
 
 def test_llm_and_cli_answer_as_transformers(saved, capsys):

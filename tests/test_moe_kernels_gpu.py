@@ -97,3 +97,29 @@ def test_fused_moe_captured_in_a_cuda_graph():
         torch.cuda.synchronize()
         want = reference.fused_moe(x, logits, gu, down, 4)
         assert relative_error(out, want) <= REL_TOLERANCE[torch.bfloat16]
+
+
+# gpt-oss: softmax over the top-k, expert biases, the clamped SwiGLU (gpt-oss-20b's experts:
+# 32 of 2880 x 2880, top-4; gpt-oss-120b's: 128, top-4)
+GPT_OSS_CASES = [(1, 32, 4, 2880, 2880), (17, 8, 8, 37, 23), (256, 128, 4, 2880, 2880)]
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", GPT_OSS_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpt_oss_mode_equals_the_reference(tokens, experts, top_k, hidden, inter, dtype):
+    x, logits, gu, down = _operands(tokens, experts, hidden, inter, dtype, seed=tokens)
+    g = torch.Generator(device="cuda").manual_seed(experts)
+    gub = (torch.randn(experts, 2 * inter, generator=g, device="cuda") * 0.5).to(dtype)
+    db = (torch.randn(experts, hidden, generator=g, device="cuda") * 0.5).to(dtype)
+    kwargs = dict(
+        renormalize=False, scoring="softmax_topk", activation="clamped_swiglu",
+        swiglu_alpha=1.702, swiglu_limit=1.0, w_gate_up_bias=gub, w_down_bias=db,
+    )  # fmt: skip
+    weights, ids = moe.moe_route(logits, top_k, scoring="softmax_topk")
+    want_w, want_ids = reference.moe_route(logits, top_k, False, "softmax_topk")
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-7)
+    out = moe.fused_moe(x, logits, gu * 3, down, top_k, **kwargs)  # gate/up past the limit
+    want = reference.fused_moe(x, logits, gu * 3, down, top_k, **kwargs)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, want) <= REL_TOLERANCE[dtype]

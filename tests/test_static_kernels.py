@@ -346,10 +346,10 @@ def test_fp8_conversions_are_hardware_on_hopper_software_on_ampere(cuda_binary, 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_moe_gemm_vector_variants_stage_tiles_with_sixteen_byte_copies(cuda_binary, arch):
     # moe_gemm_kernel<T, kBM, kGated, kVec, Act>: "ELb1EN" = kVec true, then the activation's
-    # nested name; 2 dtypes x 2 row tiles x (silu, gelu_tanh gate_up; down); tiles by 16-byte
-    # cp.async
+    # nested name; 2 dtypes x 2 row tiles x (silu, gelu_tanh, clamped SwiGLU gate_up; down);
+    # tiles by 16-byte cp.async
     vec = _listings(cuda_binary, arch, "moe_gemm_kernel", "ELb1EN")
-    assert len(vec) == 12, sorted(vec)
+    assert len(vec) == 16, sorted(vec)
     for name, sass in vec.items():
         assert "LDGSTS.E.BYPASS.128" in sass, f"{name}: tiles not staged by 16-byte cp.async"
 

@@ -61,10 +61,7 @@ def moe_route(router_logits, top_k: int, *, renormalize: bool = True, scoring="s
         raise ValueError(f"{rv.describe()} must have at least one expert")
     _check_top_k(top_k, experts)
     _check_scoring(scoring)
-    decision = support.moe_route(experts)
-    if scoring == "softmax_topk":  # (the kernel's next step)
-        decision = support.KernelSupport(False, "softmax_topk routing (not in the kernel yet)")
-    if not kernel_or_reference("moe_route", [rv], decision):
+    if not kernel_or_reference("moe_route", [rv], support.moe_route(experts)):
         reference_on_torch("moe_route", [rv])  # (torch tensors only)
         from ..reference.moe import moe_route as route
 
@@ -224,19 +221,7 @@ def fused_moe(
     views = (hv, rv, gv, dv, *(b for b in biases if b is not None))
     if len({str(v.device) for v in views}) > 1:
         raise ValueError("the expert biases must be on hidden's device")
-    decision = support.fused_moe(hv.dtype, experts)
-    gpt_oss = [
-        what
-        for what, used in (
-            ("expert biases", any(b is not None for b in biases)),
-            ("clamped SwiGLU", activation == "clamped_swiglu"),
-            ("softmax_topk routing", scoring == "softmax_topk"),
-        )
-        if used
-    ]
-    if gpt_oss:  # (the kernels' next step)
-        decision = support.KernelSupport(False, f"{', '.join(gpt_oss)} (not in the kernel yet)")
-    if not kernel_or_reference("fused_moe", views, decision):
+    if not kernel_or_reference("fused_moe", views, support.fused_moe(hv.dtype, experts)):
         reference = reference_on_torch("fused_moe", views)
         return reference.fused_moe(
             hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation, scoring,
@@ -266,6 +251,8 @@ def fused_moe(
         hidden=hv.ptr,
         w_gate_up=gv.ptr,
         w_down=dv.ptr,
+        gate_up_bias=0 if biases[0] is None else biases[0].ptr,
+        down_bias=0 if biases[1] is None else biases[1].ptr,
         weights=wv.ptr,
         sorted_pairs=view(sorted_pairs, "sorted_pairs").ptr,
         tile_expert=view(tile_expert, "tile_expert").ptr,
@@ -279,6 +266,8 @@ def fused_moe(
         top_k=top_k,
         tile_m=tile,
         activation=MOE_ACTIVATIONS.index(activation),
+        swiglu_alpha=float(swiglu_alpha),
+        swiglu_limit=float(swiglu_limit),
         dtype=DTYPE_CODES[hv.dtype],
         device=device,
         stream=handle,

@@ -162,7 +162,8 @@ MOE_MAX_EXPERTS = 512  # csrc/moe.h kMoeMaxExperts (shared-memory tables)
 def fused_moe(dtype: str, experts: int | None = None) -> KernelSupport:
     """The MoE MLP (csrc/moe_route.cu, csrc/moe_gemm.cu): float16/bfloat16 activations and
     experts, up to 512 experts, any T, H, I and top_k <= E; softmax or sigmoid routing, silu
-    or gelu_tanh. Not in the kernel: float32, quantized experts, biases and clamped SwiGLU."""
+    or gelu_tanh; gpt-oss's softmax over the top-k, expert biases and clamped SwiGLU. Not in
+    the kernel: float32, quantized experts."""
     if bad := _dtype(dtype, HALF_DTYPES):
         return bad
     if experts is not None and experts > MOE_MAX_EXPERTS:
