@@ -333,25 +333,27 @@ def _group_parts(
     lens: list[int],
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """A hybrid cache's groups 1..: (tables padded to `width`, row-major; slots of the rows at
-    `positions`) per group. Every chunk has as many group tables as block_table's length."""
+    `positions`) per group. Every chunk has as many group tables as block_table's length.
+    One C-level pass per group builds its rows (as layout_batch builds block_tables)."""
     num_groups = len(chunks[0].group_tables)
     b = len(chunks)
+    table_lens = list(map(len, map(_block_table, chunks)))
     seq = np.repeat(np.arange(b), lens)
     block, offset = positions // block_size, positions % block_size
+    pads = list(map(mul, repeat([0]), map(sub, repeat(width), table_lens)))
+    bad = ValueError(f"every sequence needs {num_groups} group tables as long as its table")
+    if any(len(chunk.group_tables) != num_groups for chunk in chunks):
+        raise bad
     parts = []
     for g in range(num_groups):
-        rows = np.zeros((b, width), np.int32)
-        for i, chunk in enumerate(chunks):
-            if len(chunk.group_tables) != num_groups or len(chunk.group_tables[g]) != len(
-                chunk.block_table
-            ):
-                raise ValueError(
-                    f"sequence {i}: needs {num_groups} group tables as long as its block table"
-                )
-            table = chunk.group_tables[g]
-            rows[i, : len(table)] = table
-        slots = (rows[seq, block].astype(np.int64) * block_size + offset).astype(np.int32)
-        parts.append((rows.reshape(-1), slots))
+        tables = [chunk.group_tables[g] for chunk in chunks]
+        if list(map(len, tables)) != table_lens:
+            raise bad
+        rows = np.fromiter(
+            chain.from_iterable(map(add, map(list, tables), pads)), np.int32, b * width
+        )
+        slots = rows.reshape(b, width)[seq, block].astype(np.int64) * block_size + offset
+        parts.append((rows, slots.astype(np.int32)))
     return parts
 
 
