@@ -35,10 +35,11 @@ _MOE_TENSORS = {
 }
 
 
-def write_moe_gguf(path, hf, arch: str, expert_type=None, dense_type=None) -> None:
+def write_moe_gguf(path, hf, arch: str, expert_type=None, dense_type=None, down_type=None) -> None:
     """The MoE model as llama.cpp's converter writes it, in F32 (experts whose rows are whole
     32-blocks in `expert_type` if given; so the layers' other matrices in `dense_type`, but the
-    router, as llama.cpp keeps it): write_gguf_like_llama_cpp's metadata and dense tensors,
+    router, as llama.cpp keeps it; the experts' down projections in `down_type` if given, as
+    llama.cpp's Q4_K_M puts them in Q6_K): write_gguf_like_llama_cpp's metadata and dense tensors,
     plus the expert metadata and the MoE tensors under their GGUF names, the experts stacked
     [E, out, in]."""
     cfg = hf.config
@@ -68,8 +69,9 @@ def write_moe_gguf(path, hf, arch: str, expert_type=None, dense_type=None) -> No
             w.add_tensor(llama_cpp_tensor_name(name), arr)
             continue
         for gname, part in moe.items():
-            if "_exps." in gname and expert_type is not None and part.shape[-1] % 32 == 0:
-                w.add_tensor(gname, quantize(part, expert_type), raw_dtype=expert_type)
+            kind = down_type if "ffn_down_exps" in gname and down_type else expert_type
+            if "_exps." in gname and kind is not None and part.shape[-1] % 32 == 0:
+                w.add_tensor(gname, quantize(part, kind), raw_dtype=kind)
             elif dense_type is not None and "_shexp." in gname and _blocks(part):
                 w.add_tensor(gname, quantize(part, dense_type), raw_dtype=dense_type)
             else:

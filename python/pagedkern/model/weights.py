@@ -393,23 +393,26 @@ def assemble_weights(
             return gpt_oss_experts(p, load)
         if p + "mlp.gate.weight" not in shapes:
             return {}
-        # Quantized experts stay quantized (stacked [E, N, K]) when all of them are, in one
-        # format; else every one is dequantized (ops.fused_moe takes both GEMMs in one form).
+        # Each projection's experts stay quantized (stacked [E, N, K]) when all of its parts
+        # are, in one format, else float; quantize_weights then puts both in the layers' mode
+        # (convert_experts: ops.fused_moe takes both GEMMs in one form).
         x = [f"{p}mlp.experts.{e}." for e in range(config.num_experts)]
-        gate_up = [[load(e + "gate_proj.weight"), load(e + "up_proj.weight")] for e in x]
-        down = [load(e + "down_proj.weight") for e in x]
-        parts = [w for pair in gate_up for w in pair] + down
-        kinds = {
-            (w.format, w.group_size) if isinstance(w, QuantizedWeight) else None for w in parts
-        }
-        if len(kinds) == 1 and None not in kinds:
-            stacked_gate_up: Linear = stack_experts([cat_rows(pair) for pair in gate_up])
-            stacked_down: Linear = stack_experts(down)
-        else:
-            stacked_gate_up = torch.stack(
-                [torch.cat([floats(w) for w in pair]) for pair in gate_up]
-            )
-            stacked_down = torch.stack([floats(w) for w in down])
+
+        def stacked(pairs: list[list[Linear]]) -> Linear:
+            parts = [w for pair in pairs for w in pair]
+            kinds = {
+                (w.format, w.group_size) if isinstance(w, QuantizedWeight) else None for w in parts
+            }
+            if len(kinds) == 1 and None not in kinds:
+                return stack_experts(
+                    [cat_rows(pair) if len(pair) > 1 else pair[0] for pair in pairs]
+                )
+            return torch.stack([torch.cat([floats(w) for w in pair]) for pair in pairs])
+
+        stacked_gate_up = stacked(
+            [[load(e + "gate_proj.weight"), load(e + "up_proj.weight")] for e in x]
+        )
+        stacked_down = stacked([[load(e + "down_proj.weight")] for e in x])
         return dict(
             router=floats(load(p + "mlp.gate.weight")),
             experts_gate_up=stacked_gate_up,
