@@ -194,16 +194,33 @@ def _greedy(engine: Engine, prompts, steps):
 
 @pytest.mark.parametrize(
     "args",
-    [{}, {"max_num_batched_tokens": 8}, {"max_num_batched_tokens": 8, "async_scheduling": True}],
-    ids=["whole prefill", "chunked prefill", "chunked asynchronous"],
+    [
+        {},
+        {"max_num_batched_tokens": 8},
+        {"max_num_batched_tokens": 8, "async_scheduling": True},
+        {"max_num_batched_tokens": 8, "cuda_graphs": True},  # (on the CPU: static buffers)
+    ],
+    ids=["whole prefill", "chunked prefill", "chunked asynchronous", "graph buffers"],
 )
-def test_per_kind_tables_change_no_token_or_logprob(saved, args):
+def test_per_kind_tables_change_no_token_or_logprob(saved, args, monkeypatch):
+    from pagedkern.engine.cuda_graphs import DecodeGraphs
+    from pagedkern.engine.piecewise_graphs import PiecewiseGraphs
+
     folder, hf = saved
     steps = 24
     prompts = [PROMPT, PROMPT[7:] + PROMPT[:7]]
     engine = _engine(folder, **args)
     assert engine.scheduler.hybrid is not None and engine.kv_cache.groups is not None
+    runs = []
+    if args.get("cuda_graphs"):  # both static-buffer paths run the per-kind tables
+        assert engine.runner.graphs.num_groups == engine.runner.piecewise.num_groups > 0
+        for cls in (DecodeGraphs, PiecewiseGraphs):
+            run = cls.run
+            monkeypatch.setattr(
+                cls, "run", lambda s, lay, r=run, c=cls: runs.append(c) or r(s, lay)
+            )
     per_kind, outputs = _greedy(engine, prompts, steps)
+    assert set(runs) == ({DecodeGraphs, PiecewiseGraphs} if args.get("cuda_graphs") else set())
     one_table, _ = _greedy(_engine(folder, kv_per_kind_tables=False, **args), prompts, steps)
     assert per_kind == one_table
     want_tokens, want_logits = hf_greedy(hf, PROMPT, steps)

@@ -84,8 +84,8 @@ class EngineConfig:
     kv_per_kind_tables: bool = _setting(
         True,
         "hybrid local/global models (Gemma 2/3): a block table per layer kind, the sliding "
-        "layers keeping only their window's KV blocks (off under CUDA graphs, tensor "
-        "parallelism and draft-model speculation)",
+        "layers keeping only their window's KV blocks (off under tensor parallelism and "
+        "draft-model speculation)",
     )
     cuda_graphs: bool | None = _setting(
         None,

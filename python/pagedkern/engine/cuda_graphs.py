@@ -58,8 +58,12 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         self.width = -(-max_model_len // kv_cache.block_size)  # blocks of the longest sequence
         b, m = self.max_batch, self.width
+        # a hybrid cache's per-kind tables: groups 1..'s (tables, slots) after the others
+        groups = kv_cache.groups
+        self.num_groups = 0 if groups is None else groups.num_groups - 1
         # ids, positions, slot_mapping, cu_seqlens, block_tables, seq_lens, logits_indices
-        self._inputs = StaticInputs([b, b, b, b + 1, b * m, b, b], model.device)
+        lengths = [b, b, b, b + 1, b * m, b, b] + [b * m, b] * self.num_groups
+        self._inputs = StaticInputs(lengths, model.device)
         self._h, self._d = self._inputs.host, self._inputs.device
         self._h[3].copy_(torch.arange(b + 1, dtype=torch.int32))  # one row per sequence
         self._h[6].copy_(torch.arange(b, dtype=torch.int32))
@@ -74,7 +78,7 @@ class DecodeGraphs:
         return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
     def _meta(self, size: int) -> tuple[torch.Tensor, AttentionMetadata]:
-        ids, positions, slots, cu, tables, seq_lens, logits_indices = self._d
+        ids, positions, slots, cu, tables, seq_lens, logits_indices, *groups = self._d
         meta = AttentionMetadata(
             positions=positions[:size],
             slot_mapping=slots[:size],
@@ -86,6 +90,10 @@ class DecodeGraphs:
             num_prefill_tokens=0,
             max_query_len=1,
             max_seq_len=self.width * self.kv_cache.block_size,
+            group_block_tables=tuple(
+                t[: size * self.width].view(size, self.width) for t in groups[0::2]
+            ),
+            group_slot_mappings=tuple(g[:size] for g in groups[1::2]),
         )
         return ids[:size], meta
 
@@ -100,18 +108,23 @@ class DecodeGraphs:
 
     def _fill(self, layout: BatchLayout | None) -> None:
         """Write a decode batch (or, with None, all padding) into the host buffer and upload it."""
-        ids, positions, slots, _, tables, seq_lens, _ = self._np
+        ids, positions, slots, _, tables, seq_lens, _, *groups = self._np
         n = 0 if layout is None else len(layout.seq_lens)
         if n:
             ids[:n] = layout.input_ids
             positions[:n] = layout.positions
-            slots[:n] = layout.slot_mapping
             seq_lens[:n] = layout.seq_lens
-            rows = tables.reshape(self.max_batch, self.width)
-            rows[:n, : layout.width] = np.reshape(layout.block_tables, (n, layout.width))
+            written = [(layout.block_tables, layout.slot_mapping), *layout.groups]
+            for (table, slot), (static_table, static_slot) in zip(
+                written, [(tables, slots), *zip(groups[0::2], groups[1::2])], strict=True
+            ):
+                static_slot[:n] = slot
+                rows = static_table.reshape(self.max_batch, self.width)
+                rows[:n, : layout.width] = np.reshape(table, (n, layout.width))
         ids[n:] = 0
         positions[n:] = 0
-        slots[n:] = -1  # padding rows write nothing to the cache
+        for static_slot in (slots, *groups[1::2]):
+            static_slot[n:] = -1  # padding rows write nothing to the cache
         seq_lens[n:] = 0  # ... and read nothing from it
         self._inputs.upload()
 

@@ -107,7 +107,7 @@ class Engine:
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
             draft = load_draft(config, model)  # its weights and KV cache count in the budget
             # hybrid local/global models: a block table per layer kind (engine/hybrid_tables.py)
-            groups = per_kind_groups(model.config, config, model.tp.size, graphs or piecewise)
+            groups = per_kind_groups(model.config, config, model.tp.size)
             num_blocks = config.num_blocks or kv_cache_blocks(
                 model, config, context, None if draft is None else draft[0], groups
             )

@@ -41,12 +41,12 @@ def group_key(block_hash: bytes, group: int) -> bytes:
 
 
 def per_kind_groups(
-    model_config: ModelConfig, config: EngineConfig, tp_size: int, graphs: bool
+    model_config: ModelConfig, config: EngineConfig, tp_size: int
 ) -> KVLayerGroups | None:
     """The layer groups of per-kind tables for a hybrid model, or None: one table for every
     layer (not hybrid, kv_per_kind_tables off, a draft model reading the target's tables,
-    tensor parallelism or CUDA graphs, whose static buffers hold one table)."""
-    if not config.kv_per_kind_tables or config.speculative == "draft" or tp_size > 1 or graphs:
+    tensor parallelism, whose workers' step header knows one table)."""
+    if not config.kv_per_kind_tables or config.speculative == "draft" or tp_size > 1:
         return None
     return kv_layer_groups(model_config)
 

@@ -113,8 +113,12 @@ class PiecewiseGraphs:
         t, b, cfg, device = self.max_tokens, max_num_seqs, model.local, model.device
         # ids and logit rows at fixed offsets (the pieces read them); the rest only the eager
         # attention reads, laid out as the step's own metadata: one host buffer, one copy.
-        # ids, logits_indices, positions, slot_mapping, cu_seqlens, block_tables, seq_lens
-        self._inputs = StaticInputs([t, min(t, b), t, t, b + 1, b * self.width, b], device)
+        # ids, logits_indices, positions, slot_mapping, cu_seqlens, block_tables, seq_lens,
+        # then a hybrid cache's per-kind (block_tables, slot_mapping) of groups 1..
+        groups = kv_cache.groups
+        self.num_groups = 0 if groups is None else groups.num_groups - 1
+        lengths = [t, min(t, b), t, t, b + 1, b * self.width, b]
+        self._inputs = StaticInputs(lengths + [b * self.width, t] * self.num_groups, device)
         self._h = [part.numpy() for part in self._inputs.host]
         self._d = self._inputs.device
         # The activations that cross piece boundaries.
@@ -145,7 +149,7 @@ class PiecewiseGraphs:
     def _fill(self, layout: BatchLayout, size: int) -> AttentionMetadata:
         """Upload the step (padded to `size` rows) and return its attention metadata: views of
         the static buffer holding the same values as the eager path's."""
-        ids, rows, positions, slots, cu, tables, seq_lens = self._h
+        ids, rows, positions, slots, cu, tables, seq_lens, *groups = self._h
         n, b, w = len(layout.input_ids), len(layout.seq_lens), layout.width
         num_rows = len(layout.logits_indices)
         ids[:n], ids[n:size] = layout.input_ids, 0
@@ -155,8 +159,13 @@ class PiecewiseGraphs:
         cu[: b + 1] = layout.cu_seqlens
         tables[: b * w] = layout.block_tables
         seq_lens[:b] = layout.seq_lens
+        for (table, slot), static_table, static_slot in zip(
+            layout.groups, groups[0::2], groups[1::2], strict=True
+        ):
+            static_slot[:n], static_slot[n:size] = slot, -1
+            static_table[: b * w] = table
         self._inputs.upload()
-        _, d_rows, d_positions, d_slots, d_cu, d_tables, d_seq_lens = self._d
+        _, d_rows, d_positions, d_slots, d_cu, d_tables, d_seq_lens, *d_groups = self._d
         p = layout.num_prefills
         return AttentionMetadata(
             positions=d_positions[:n],
@@ -169,6 +178,8 @@ class PiecewiseGraphs:
             num_prefill_tokens=int(layout.cu_seqlens[p]),
             max_query_len=layout.max_query_len,
             max_seq_len=int(np.max(layout.seq_lens)),
+            group_block_tables=tuple(t[: b * w].view(b, w) for t in d_groups[0::2]),
+            group_slot_mappings=tuple(g[:n] for g in d_groups[1::2]),
         )
 
     def pieces(self, size: int) -> list[Piece]:
@@ -219,14 +230,17 @@ class PiecewiseGraphs:
         scales = self.kv_cache.scales or [None] * len(self.kv_cache.layers)
         layers = self.model.weights.layers
         attention = StepAttention(meta)  # planned by the first layer, run by every layer
+        groups = self.kv_cache.groups  # a hybrid cache: each layer reads its group's tables
+        metas = [meta.for_group(g) for g in range(1 + self.num_groups)]
         logits = None
         for i, piece in enumerate(pieces):
             if i:  # attention of layer i - 1, eagerly, on the step's real rows
                 k_cache, v_cache = self.kv_cache.layers[i - 1]
                 qkv, attn = self.qkv[:n], self.attn[:n]
+                layer_meta = metas[groups.layer_group[i - 1]] if groups else meta
                 self.model._attention(
-                    qkv, layers[i - 1], meta, k_cache, v_cache, attn, scales[i - 1], i - 1,
-                    attention,
+                    qkv, layers[i - 1], layer_meta, k_cache, v_cache, attn, scales[i - 1],
+                    i - 1, attention,
                 )  # fmt: skip
             logits = piece()
             if replays:
