@@ -92,3 +92,21 @@ def test_what_the_kernel_does_not_cover_is_refused_by_the_strict_backend():
     args = quantized_operands(2, 4, 32, 32, torch.float32, "int4", 32, seed=0)
     with emulated(expect_launch=False), pytest.raises(KernelUnsupportedError, match="float32"):
         moe.fused_moe(*args, 2)
+
+
+def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
+    # what CUDA-graph capture forbids: a device value read by the host (the operands' one-time
+    # repack included: it runs on the first call)
+    args = quantized_operands(6, 8, 64, 32, torch.bfloat16, "int4", 32, seed=5)
+
+    def refuse(*_, **__):
+        raise AssertionError("a tensor's value was read on the host")
+
+    for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    with emulated():
+        out = moe.fused_moe(*args, 2)
+    with pytest.raises(AssertionError, match="read on the host"):  # the guard bites:
+        moe_quant.experts_on_host(*args, 2, True, "silu", "softmax")  # (reads expert counts)
+    monkeypatch.undo()
+    assert relative_error(out, expected(*args, 2)) <= REL_TOLERANCE[torch.bfloat16]
