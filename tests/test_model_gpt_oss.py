@@ -4,7 +4,7 @@ top-2 with a router bias, expert biases and the clamped SwiGLU at a limit low en
 saved by transformers and loaded by pagedkern from the folder: prefill and decode logits within
 fp32 tolerance over a prompt longer than the window, greedy tokens equal through the Engine
 (whole and chunked prefill, a prefix-cache hit, preemption and batching), through LLM and the
-CLI; the same model with its experts in MXFP4 (as released checkpoints store them) loads equal
+CLI; every token routed to the same two experts (the others idle); the same model with its experts in MXFP4 (as released checkpoints store them) loads equal
 to it."""
 
 from __future__ import annotations
@@ -193,6 +193,26 @@ def test_llm_and_cli_answer_as_transformers(saved, capsys):
             "--raw"]  # fmt: skip
     assert main([*args, "the capital of France is"]) in (0, None)
     assert capsys.readouterr().out.strip() == out.text.strip()
+
+
+def _route_every_token_to_experts_4_and_1(hf):
+    # router weights zero, its bias picks experts 4 then 1 for every token (no tie to break):
+    # one pair of experts takes every token, the other four none
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.router.weight.zero_()
+            layer.mlp.router.bias.copy_(torch.tensor([0.0, 1.5, -1.0, 0.5, 2.0, -2.0]))
+
+
+def test_every_token_routed_to_the_same_two_experts(tmp_path):
+    hf = save(tmp_path, _route_every_token_to_experts_4_and_1)
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([LONG_PROMPT])).logits[0].double()
+    assert relative(all_logits(model, LONG_PROMPT).double(), want) < 1e-5
+    tokens, want_steps = hf_greedy(hf, LONG_PROMPT, 8)
+    got_steps = decode_logits(model, LONG_PROMPT, tokens[:-1]).double()
+    assert max(relative(g, w) for g, w in zip(got_steps, want_steps.double(), strict=True)) < 1e-5
 
 
 def _mxfp4_experts(hf):
