@@ -9,7 +9,10 @@ fp8) over the same keys stored as E4M3, against path 1 over the bf16 cache (targ
 the conversion pass costs ALU work, the pages half the bytes) and the PyTorch reference over the
 fp8 cache (batches of sequences up to 4096 keys: its scores are materialised). The skewed
 batch (one long sequence and many short ones) has no SDPA counterpart (it needs a varlen
-interface). In smoke mode (CPU, tiny shapes)
+interface). D = 256 rows (Gemma 3 shaped: 16 query and 8 KV heads): path 1, which serves that
+head dim in 64-row work items (path 2 has D 64 and 128), plain and with Gemma 3's 1024-key
+sliding window (its FLOPs count the keys the window leaves), against SDPA flash and cuDNN
+(not yet measured on a GPU). In smoke mode (CPU, tiny shapes)
 pagedkern runs its reference and SDPA its math backend; the numbers mean nothing.
 """
 
@@ -63,12 +66,24 @@ TARGETS = {
     "pagedkern path 1 fp8": ">= 0.9 x path 1 (bf16 cache)",
 }
 REFERENCE_MAX_KEYS = 4096  # the reference materialises [chunk, Hq, keys] fp32 scores
+# Head dim 256: (D, Hq, Hkv), cases, implementations (path 1 plain and windowed, SDPA).
+SHAPE_256 = (256, 4, 2) if smoke_mode() else (256, 16, 8)
+CASES_256 = (
+    {"D=256 1x256": [(256, 0)]}
+    if smoke_mode()
+    else {"D=256 4x4096": [(4096, 0)] * 4, "D=256 16x1024": [(1024, 0)] * 16}
+)
+WINDOW_256 = 64 if smoke_mode() else 1024  # Gemma 3's local layers
+IMPLS_256 = ["pagedkern path 1", "pagedkern path 1 window", "torch sdpa flash", "torch sdpa cudnn"]
 _data: dict = {}
 
 
-def causal_flops(pairs) -> int:
-    keys = sum(n * p + n * (n + 1) // 2 for n, p in pairs)  # query i of a chunk sees p + i + 1
-    return 4 * NUM_HEADS * HEAD_DIM * keys
+def causal_flops(pairs, shape=None, window=None) -> int:
+    """4 Hq D x the visible keys summed over the queries (query i of a chunk sees p + i + 1
+    keys, at most `window`)."""
+    head_dim, num_heads, _ = shape or (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS)
+    keys = sum(min(p + i + 1, window or p + i + 1) for n, p in pairs for i in range(n))
+    return 4 * num_heads * head_dim * keys
 
 
 def make_data(name: str, device: str):
@@ -76,12 +91,14 @@ def make_data(name: str, device: str):
     if name in _data:
         return _data[name]
     _data.clear()
-    pairs = CASES[name]
+    heads = SHAPE_256 if name in CASES_256 else (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS)
+    head_dim, num_heads, num_kv_heads = heads
+    pairs = {**CASES, **CASES_256}[name]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
     seq_lens = [n + p for n, p in pairs]
     pages = [-(-s // BLOCK_SIZE) for s in seq_lens]
-    shape = (sum(pages), NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    shape = (sum(pages), num_kv_heads, BLOCK_SIZE, head_dim)
     k_cache = torch.zeros(shape, device=device, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     perm = torch.randperm(sum(pages), generator=g, device=device).int()
@@ -94,15 +111,15 @@ def make_data(name: str, device: str):
         kv = []
         for cache in (k_cache, v_cache):
             x = torch.randn(
-                NUM_KV_HEADS, n_pages * BLOCK_SIZE, HEAD_DIM, generator=g, device=device
+                num_kv_heads, n_pages * BLOCK_SIZE, head_dim, generator=g, device=device
             )
             x = x.to(dtype)
-            cache[blocks.long()] = x.view(NUM_KV_HEADS, n_pages, BLOCK_SIZE, -1).transpose(0, 1)
+            cache[blocks.long()] = x.view(num_kv_heads, n_pages, BLOCK_SIZE, -1).transpose(0, 1)
             kv.append(x[:, :seq_len])
         keys.append(kv[0])
         values.append(kv[1])
     total = sum(n for n, _ in pairs)
-    q = torch.randn(total, NUM_HEADS, HEAD_DIM, generator=g, device=device).to(dtype)
+    q = torch.randn(total, num_heads, head_dim, generator=g, device=device).to(dtype)
     chunks = torch.tensor([0] + [n for n, _ in pairs], device=device)
     cu = torch.cumsum(chunks, 0).to(torch.int32)
     seq = torch.tensor(seq_lens, dtype=torch.int32, device=device)
@@ -110,12 +127,12 @@ def make_data(name: str, device: str):
     contiguous = None
     if len({(n, p) for n, p in pairs}) == 1 and pairs[0][1] == 0:
         # SDPA: [B, Hq, L, D], fresh prompts of one length (its causal mask is the prefill's).
-        n, group = pairs[0][0], NUM_HEADS // NUM_KV_HEADS
-        qs = q.view(len(pairs), n, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+        n, group = pairs[0][0], num_heads // num_kv_heads
+        qs = q.view(len(pairs), n, num_heads, head_dim).transpose(1, 2).contiguous()
         ks = torch.stack(keys).repeat_interleave(group, 1).contiguous()
         vs = torch.stack(values).repeat_interleave(group, 1).contiguous()
         contiguous = (qs, ks, vs)
-    _data[name] = (paged, contiguous, causal_flops(pairs))
+    _data[name] = (paged, contiguous, causal_flops(pairs, heads))
     return _data[name]
 
 
@@ -195,4 +212,33 @@ def test_flash_prefill(measure, gemm_tflops, device, monkeypatch, case, impl):
     result = measure(
         "flash_prefill", case, impl, fn, flops=flops, baseline=BASELINES.get(impl), **extra
     )
+    assert result.seconds > 0 and gemm_tflops > 0
+
+
+@pytest.mark.parametrize("impl", IMPLS_256)
+@pytest.mark.parametrize("case", list(CASES_256))
+def test_flash_prefill_head_dim_256(measure, gemm_tflops, device, monkeypatch, case, impl):
+    paged, contiguous, flops = make_data(case, device)
+    extra = {}
+    if impl.startswith("pagedkern"):
+        options = {}
+        if impl.endswith("window"):
+            options = dict(sliding_window=WINDOW_256)
+            flops = causal_flops(CASES_256[case], SHAPE_256, WINDOW_256)
+        if gpu_paths():
+            monkeypatch.setenv(fp_module.PATH_ENV, "sm80")
+            index = torch.cuda.current_device()
+            assert fp_module.kernel_path(index, 256, BLOCK_SIZE, "auto") == "sm80"
+        out = torch.empty_like(paged[0])
+
+        def fn():
+            return pagedkern.flash_prefill(*paged, out=out, **options)
+
+        extra["target"] = ">= sdpa flash"
+    else:
+        fn = sdpa_fn(impl, contiguous, device)
+        if smoke_mode():
+            extra["backend"] = "math (smoke)"
+    baseline = "torch sdpa flash" if impl.startswith("pagedkern") else None
+    result = measure("flash_prefill", case, impl, fn, flops=flops, baseline=baseline, **extra)
     assert result.seconds > 0 and gemm_tflops > 0

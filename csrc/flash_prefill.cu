@@ -17,7 +17,10 @@
  * flash_prefill_sm80.cu); a caller can force path 1 (the Python layer reads
  * PAGEDKERN_FLASH_PREFILL_PATH). An fp8 (E4M3) cache always runs path 1, on Hopper too: path 2
  * would need its TMA fp8 tiles converted into a 16-bit stage before wgmma (not written yet), so
- * an fp8 cache costs Hopper the path-2 speedup.
+ * an fp8 cache costs Hopper the path-2 speedup. Calls with a window, soft-cap or sinks run
+ * path 1 unless the sm90_options variant (kFlashVariantSm90Options) selects path 2's options
+ * kernel (not yet verified on a GPU). Head dim 256 runs path 1 (path 2 has 64 and
+ * 128), in 64-row work items (two per list tile: flash_prefill_sm80.cu).
  */
 #include <cmath>
 #include <mutex>
@@ -160,12 +163,17 @@ FlashPrefillPath flash_prefill_select_path(const FlashPrefillParams& p, int devi
   PK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   // sm_90a machine code runs on sm_90 only; newer GPUs take path 1 (JIT from compute_80 PTX).
   const bool hopper = major == 9 && minor == 0;
-  const bool options = p.window > 0 || p.soft_cap > 0.f || p.sinks != nullptr;
-  const bool ok = hopper && !options && flash::flash_prefill_sm90_supports(p);
+  // Path 2's options kernel runs under its own variant only, until a GPU has verified it.
+  const bool options = (p.window > 0 || p.soft_cap > 0.f || p.sinks != nullptr) &&
+                       p.variant != kFlashVariantSm90Options;
+  const bool head_dim_ok = p.head_dim != 256;  // path 2: D 64 and 128
+  const bool ok = hopper && !options && head_dim_ok && flash::flash_prefill_sm90_supports(p);
   if (requested == FlashPrefillPath::kSm90 && !ok && strict) {
     throw std::invalid_argument(
         !hopper ? "flash_prefill: path 2 (wgmma + TMA) needs an sm_90 GPU"
-        : options ? "flash_prefill: path 2 has no window, soft-cap or sinks (path 1 does)"
+        : !head_dim_ok ? "flash_prefill: path 2 covers head_dim 64 and 128 (path 1 takes 256)"
+        : options ? "flash_prefill: path 2 runs a window, soft-cap or sinks only under "
+                    "PAGEDKERN_KERNELS=flash_prefill:sm90_options (not yet verified on a GPU)"
         : p.fp8_cache
             ? "flash_prefill: path 2 (wgmma + TMA) does not read fp8 caches (path 1 does)"
             : "flash_prefill: path 2 (TMA) needs a block size that divides or is a multiple "
@@ -176,7 +184,10 @@ FlashPrefillPath flash_prefill_select_path(const FlashPrefillParams& p, int devi
 
 FlashPrefillPath flash_prefill(const FlashPrefillParams& p, FlashPrefillPath path, bool strict,
                                cudaStream_t stream) {
-  require(p.head_dim == 64 || p.head_dim == 128, "flash_prefill: head_dim must be 64 or 128");
+  require(p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256,
+          "flash_prefill: head_dim must be 64, 128 or 256");
+  require(!p.fp8_cache || p.head_dim != 256,
+          "flash_prefill: an fp8 cache at head_dim 256 is not in the kernels (64 and 128 are)");
   require(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16,
           "flash_prefill: dtype must be float16 or bfloat16");
   require(p.scale > 0.f && p.out_scale > 0.f && std::isfinite(p.scale) &&

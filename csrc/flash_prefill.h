@@ -13,9 +13,9 @@ namespace pagedkern {
 // Sequence b owns query rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 (n_b rows) and seq_lens[b]
 // keys in the cache, read through block_tables[b, :]; query i of the chunk sits at position
 // seq_lens[b] - n_b + i and sees keys 0..that position. GQA: query head h reads KV head
-// h / (num_heads / num_kv_heads). Options (reference.attention.ATTENTION_OPTIONS; path 1 only,
-// the dispatcher routes calls that set one there): window > 0 hides keys window or more
-// positions before the query (KV tiles wholly before a query tile's window are never loaded,
+// h / (num_heads / num_kv_heads). Options (reference.attention.ATTENTION_OPTIONS; path 1, and
+// path 2 under kFlashVariantSm90Options only, the dispatcher routes the rest): window > 0
+// hides keys window or more positions before the query (KV tiles wholly before a query tile's window are never loaded,
 // keys before it in the first tile are zero-filled); soft_cap > 0 turns each scaled score s
 // into soft_cap * tanh(s / soft_cap); sinks [Hq] fp32 logits join each row's denominator.
 struct FlashPrefillParams {
@@ -58,6 +58,9 @@ struct FlashPrefillParams {
 // v1: the first schedule (table lookups on the copy path, one P buffer).
 constexpr int kFlashVariantV2 = 0;
 constexpr int kFlashVariantV1 = 1;
+// v2, and calls with a window, soft-cap or sinks run path 2 where it can run (Hopper): its
+// options kernel, not yet verified on a GPU (v2 sends them to path 1).
+constexpr int kFlashVariantSm90Options = 2;
 
 // Path 1: mma.sync + cp.async (sm_80 and newer). Path 2: wgmma + TMA, warp specialised (sm_90).
 enum class FlashPrefillPath : int { kAuto = 0, kSm80 = 1, kSm90 = 2 };

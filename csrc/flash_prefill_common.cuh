@@ -65,7 +65,7 @@ struct WorkTile {
   int head;
   int kv_head;
   int q_row0;     // first query row of the tile in q / out
-  int rows;       // valid query rows, 1..kBlockM
+  int rows;       // valid query rows, 1..kBlockM (<= 0: an empty part of a split tile)
   int seq;        // sequence index b
   int seq_len;    // keys of the sequence in the cache
   int q_pos0;     // position of query row 0 (prefix + m * kBlockM; < 0 only for invalid input)
@@ -95,21 +95,31 @@ __device__ __forceinline__ int opaque(int x) {
 // 1's fp8 kernels: hoisted out of the persistent loop, that quotient stayed live through it and
 // spilled at 255 registers; the 16-bit kernels allocate without spills as they are).
 // kOptions: the attention options' kernel (a window's tile range; the others read it as is).
-template <int kBlockN, bool kRecomputeGroup = false, bool kOptions = false>
+// kItemRows < kBlockM (path 1 at D = 256): each list tile splits into kBlockM / kItemRows work
+// items of kItemRows rows (item w: tile w / (num_heads * split), part w / num_heads % split,
+// head w % num_heads); a part past the chunk's last row is empty (rows <= 0, no KV tile).
+template <int kBlockN, bool kRecomputeGroup = false, bool kOptions = false,
+          int kItemRows = kBlockM>
 __device__ __forceinline__ WorkTile decode_work(const FlashPrefillParams& p, int work) {
-  const int entry = work / p.num_heads;
+  constexpr int kSplit = kBlockM / kItemRows;
+  static_assert(kSplit * kItemRows == kBlockM);
+  const int entry = work / (p.num_heads * kSplit);
+  const int rest = work - entry * p.num_heads * kSplit;
+  const int part = kSplit > 1 ? rest / p.num_heads : 0;
   WorkTile t;
-  t.head = work - entry * p.num_heads;
+  t.head = rest - part * p.num_heads;
   t.kv_head = t.head / ((kRecomputeGroup ? opaque(p.num_heads) : p.num_heads) / p.num_kv_heads);
   const int2 bm = reinterpret_cast<const int2*>(p.workspace + kWorkListHeader)[entry];
   t.seq = bm.x;
   const int start = p.cu_seqlens_q[bm.x];
   const int n = p.cu_seqlens_q[bm.x + 1] - start;
+  const int row0 = bm.y * kBlockM + part * kItemRows;  // first row within the chunk
   t.seq_len = p.seq_lens[bm.x];
-  t.q_row0 = start + bm.y * kBlockM;
-  t.rows = min(kBlockM, n - bm.y * kBlockM);
-  t.q_pos0 = t.seq_len - n + bm.y * kBlockM;
+  t.q_row0 = start + row0;
+  t.rows = min(kItemRows, n - row0);
+  t.q_pos0 = t.seq_len - n + row0;
   kv_tile_bounds(t.q_pos0, t.rows, t.seq_len, kBlockN, t.n_tiles, t.n_unmasked);
+  if (kSplit > 1 && t.rows <= 0) t.n_tiles = t.n_unmasked = 0;
   t.n_visits = t.n_tiles;
   t.key_lo = 0;
   if (kOptions && p.window > 0) {  // the window's lower edge cuts every tile it crosses: all masked

@@ -49,6 +49,14 @@
  *    uniform branch per tile); sinks join the denominators in softmax_finalize. No spills
  *    (static checks); not yet verified on a GPU.
  *
+ * Head dim 256 (Gemma 3; 16-bit caches; every schedule and the options): 128 x 256 fp32 output
+ *    accumulators are 256 registers per thread on 4 warps, so each 128-row scheduler tile is two
+ *    work items of 64 rows (decode_work's split; the second is empty under 65 rows): one m16
+ *    tile per warp, 128 accumulator registers per thread as at D = 128, kBlockN = 64, Q [64, 256]
+ *    + one K and V stage = 96 KiB, which fits sm_86/89 too (an 8-warp 128-row tile would need
+ *    128 KiB). The price: each KV tile is read twice per 128 query rows (from L2). Not yet
+ *    verified on a GPU.
+ *
  * fp8 cache, flash_prefill_sm80_kernel<Sm80Traits<T, D, float_e4m3_t>, *> (q, out, mma in T):
  *    the same 16-byte cp.async carry 16 E4M3 elements (half the page bytes) into per-stage fp8
  *    staging buffers; each thread then converts exactly the chunks it copied (its own cp.async
@@ -139,7 +147,7 @@ template <class Tr, bool kPrefetchPages, bool kOptions>
 __device__ __forceinline__ void flash_prefill_sm80_body(const KernelParams& p, const int stages) {
   using T = typename Tr::T;
   using TC = typename Tr::TCache;
-  constexpr int BN = Tr::kBlockN, D = Tr::kHeadDim, KV = Tr::kKVElems;
+  constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, D = Tr::kHeadDim, KV = Tr::kKVElems;
   constexpr int kSlabs = D / 64;
   extern __shared__ __align__(128) unsigned char smem[];
   // The current and the next work tile, decoded once by thread 0: shared, not held in every
@@ -178,16 +186,16 @@ __device__ __forceinline__ void flash_prefill_sm80_body(const KernelParams& p, c
     Tensor c = mma.get_thread_slice(fresh_tid()).partition_C(make_identity_tensor(tile_shape));
     return make_tensor(c.data(), rowcol_layout(c.layout()));
   };
-  using OShape = Shape<Int<kBlockM>, Int<D>>;
+  using OShape = Shape<Int<BM>, Int<D>>;
   constexpr int kRows = decltype(size<0>(coords(OShape{})))::value;
   constexpr bool kSumsInSmem = true;
   __shared__ float row_sums[kSumsInSmem ? kRows : 1][Tr::kThreads];
 
-  const int total_work = p.workspace[1] * p.num_heads;
+  const int total_work = p.workspace[1] * p.num_heads * Tr::kItemsPerTile;
   __shared__ int works[2];
   if (tid == 0) {
     works[0] = atomicAdd(p.workspace, 1);
-    if (works[0] < total_work) tiles[0] = decode_work<BN, Tr::kFp8, kOptions>(p, works[0]);
+    if (works[0] < total_work) tiles[0] = decode_work<BN, Tr::kFp8, kOptions, BM>(p, works[0]);
   }
   __syncthreads();
   for (int parity = 0; works[parity] < total_work; parity ^= 1) {
@@ -285,13 +293,13 @@ __device__ __forceinline__ void flash_prefill_sm80_body(const KernelParams& p, c
       const T* q = static_cast<const T*>(p.q) + int64_t(t.q_row0) * p.q_stride + t.head * D;
       const int rows = t.rows;
 #pragma unroll
-      for (int m = 0; m < kBlockM / 16; ++m) {
+      for (int m = 0; m < BM / 16; ++m) {
         const int row = Tr::chunk_row(tid) + 16 * m;
         const bool valid = row < rows;
         const T* src = q + (valid ? row * p.q_stride : 0) + Tr::chunk_col(tid);
 #pragma unroll
         for (int k = 0; k < kSlabs; ++k) {
-          cp_async_16(q_smem + Tr::chunk_offset(tid) + m * 1024 + k * kBlockM * 64, src + k * 64,
+          cp_async_16(q_smem + Tr::chunk_offset(tid) + m * 1024 + k * BM * 64, src + k * 64,
                       valid);
         }
       }
@@ -305,7 +313,7 @@ __device__ __forceinline__ void flash_prefill_sm80_body(const KernelParams& p, c
       cp_async_commit();
     }
 
-    Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<D>>{});
+    Tensor acc_o = partition_fragment_C(mma, Shape<Int<BM>, Int<D>>{});
     Tensor o_rc = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
     clear(acc_o);
     // kSumsInSmem: the row sums wait in shared memory between tiles (one per thread and row,
@@ -328,7 +336,7 @@ __device__ __forceinline__ void flash_prefill_sm80_body(const KernelParams& p, c
         load_kv(true, (i + stages - 1) % stages, tile - (stages - 1));
       cp_async_commit();
 
-      Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<BN>>{});
+      Tensor acc_s = partition_fragment_C(mma, Shape<Int<BM>, Int<BN>>{});
       clear(acc_s);
       const int ftid = fresh_tid();
       Tensor sQ_frag = copy_q.get_thread_slice(ftid).partition_S(sQ);
@@ -339,10 +347,10 @@ __device__ __forceinline__ void flash_prefill_sm80_body(const KernelParams& p, c
       if constexpr (kOptions) {
         if (p.soft_cap > 0.f) soft_cap_scores(s_rc, p.cap_raw, p.inv_cap_raw);
         if (tile >= t.n_unmasked) {
-          causal_mask(s_rc, coords(Shape<Int<kBlockM>, Int<BN>>{}), t, tile * BN, p.window);
+          causal_mask(s_rc, coords(Shape<Int<BM>, Int<BN>>{}), t, tile * BN, p.window);
         }
       } else {
-        if (tile >= t.n_unmasked) causal_mask(s_rc, coords(Shape<Int<kBlockM>, Int<BN>>{}), t, tile * BN);
+        if (tile >= t.n_unmasked) causal_mask(s_rc, coords(Shape<Int<BM>, Int<BN>>{}), t, tile * BN);
       }
       float alpha[kRows];
       if constexpr (kSumsInSmem) {
@@ -410,21 +418,21 @@ __device__ __forceinline__ void flash_prefill_sm80_body(const KernelParams& p, c
       T* out = static_cast<T*>(p.out) + int64_t(t.q_row0) * p.out_stride + t.head * D;
       const int rows = t.rows;
 #pragma unroll
-      for (int m = 0; m < kBlockM / 16; ++m) {
+      for (int m = 0; m < BM / 16; ++m) {
         const int row = Tr::chunk_row(tid) + 16 * m;
         if (row < rows) {
 #pragma unroll
           for (int k = 0; k < kSlabs; ++k) {
             *reinterpret_cast<uint4*>(out + row * p.out_stride + Tr::chunk_col(tid) + k * 64) =
                 *reinterpret_cast<const uint4*>(q_smem + Tr::chunk_offset(tid) + m * 1024 +
-                                                k * kBlockM * 64);
+                                                k * BM * 64);
           }
         }
       }
     }
     if (tid == 0) {
       const int next = works[parity ^ 1];
-      if (next < total_work) tiles[parity ^ 1] = decode_work<BN, Tr::kFp8, kOptions>(p, next);
+      if (next < total_work) tiles[parity ^ 1] = decode_work<BN, Tr::kFp8, kOptions, BM>(p, next);
     }
     __syncthreads();  // Q's buffer is free again; the next tile is decoded
   }
@@ -444,28 +452,39 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
 
 template <class Tr, bool kPrefetchPages, bool kOptions = false>
 void launch(const KernelParams& p, int device, cudaStream_t stream) {
-  int smem_per_sm = 0;
+  int smem_per_sm = 0, smem_per_block = 0;
   PK_CUDA_CHECK(
       cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  // Two buffers per K and V when two CTAs (the register file's limit) still fit on an SM, static
-  // shared memory (v2: page-id ring and row sums, ~4 KB) and the 1 KB per-CTA reserve included.
+  PK_CUDA_CHECK(
+      cudaDeviceGetAttribute(&smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   auto kernel = flash_prefill_sm80_kernel<Tr, kPrefetchPages>;
   if constexpr (kOptions) kernel = flash_prefill_sm80_options_kernel<Tr>;  // (16-bit Tr only)
   cudaFuncAttributes attr{};
   PK_CUDA_CHECK(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)));
-  const int stages =
-      2 * (Tr::smem_bytes(2) + attr.sharedSizeBytes + 1024) <= size_t(smem_per_sm) ? 2 : 1;
+  // The most CTAs per SM (two: the register file's limit), then the most buffers per K and V;
+  // static shared memory (v2: page-id ring and row sums, ~4 KB) and the 1 KB per-CTA reserve
+  // included. H100/H200: two stages at D = 64 / 128, one (and two CTAs) at D = 256; A100: one
+  // stage at D = 128, two (and one CTA) at D = 256; sm_86/89 (99 KiB): one CTA.
+  auto fits = [&](int ctas, int stages) {
+    const size_t bytes = Tr::smem_bytes(stages) + attr.sharedSizeBytes;
+    return bytes <= size_t(smem_per_block) && ctas * (bytes + 1024) <= size_t(smem_per_sm);
+  };
+  const int stages = fits(2, 2) ? 2 : fits(2, 1) ? 1 : fits(1, 2) ? 2 : 1;
   const size_t smem = Tr::smem_bytes(stages);
-  const int grid = persistent_grid(reinterpret_cast<const void*>(kernel), Tr::kThreads, smem,
-                                   device, max_tiles(p.total_q, p.batch) * p.num_heads);
+  const int grid =
+      persistent_grid(reinterpret_cast<const void*>(kernel), Tr::kThreads, smem, device,
+                      max_tiles(p.total_q, p.batch) * p.num_heads * Tr::kItemsPerTile);
   kernel<<<grid, Tr::kThreads, smem, stream>>>(p, stages);
   PK_CHECK_LAUNCH("flash_prefill_sm80_kernel");
 }
 
+// D = 256: 16-bit caches only (the host refuses an fp8 cache there).
 template <class T, class TCache, bool kPrefetchPages>
 void launch_dtype(const KernelParams& p, int device, cudaStream_t stream) {
   if (p.head_dim == 64) {
     launch<Sm80Traits<T, 64, TCache>, kPrefetchPages>(p, device, stream);
+  } else if (std::is_same_v<T, TCache> && p.head_dim == 256) {
+    launch<Sm80Traits<T, 256, T>, kPrefetchPages>(p, device, stream);
   } else {
     launch<Sm80Traits<T, 128, TCache>, kPrefetchPages>(p, device, stream);
   }
@@ -494,6 +513,8 @@ template <class T>
 void launch_options(const KernelParams& p, int device, cudaStream_t stream) {
   if (p.head_dim == 64) {
     launch<Sm80Traits<T, 64, T>, true, true>(p, device, stream);
+  } else if (p.head_dim == 256) {
+    launch<Sm80Traits<T, 256, T>, true, true>(p, device, stream);
   } else {
     launch<Sm80Traits<T, 128, T>, true, true>(p, device, stream);
   }

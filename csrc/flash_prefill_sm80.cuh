@@ -25,6 +25,11 @@ struct Sm80Traits {
   static constexpr bool kFp8 = std::is_same_v<TCache, cutlass::float_e4m3_t>;
   static_assert(kFp8 || std::is_same_v<TCache, T>, "a 16-bit cache is in q's dtype");
   static constexpr int kHeadDim = kHeadDim_;
+  // Query rows per work item: the scheduler's 128-row tile, or at D = 256 each half of it (its
+  // own work item): 64 x 256 fp32 output accumulators over 4 warps are 128 registers per thread,
+  // as at D = 128, and Q + one K and V stage (96 KiB) fit the 99 KiB of sm_86/89 too.
+  static constexpr int kBlockM = kHeadDim == 256 ? 64 : flash::kBlockM;
+  static constexpr int kItemsPerTile = flash::kBlockM / kBlockM;
   static constexpr int kBlockN = kHeadDim == 64 ? 128 : 64;
   static constexpr int kThreads = 128;
   using MmaOp = std::conditional_t<std::is_same_v<T, cutlass::half_t>,
@@ -122,7 +127,8 @@ struct Sm80Traits {
     }
   }
 
-  static_assert(kHeadDim == 64 || kHeadDim == 128);
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256);
+  static_assert(kBlockM * kItemsPerTile == flash::kBlockM);
   static_assert(size(TiledMma{}) == kThreads);
   static_assert(cosize(SmemLayoutQ{}) == kQElems && cosize(SmemLayoutKV{}) == kKVElems);
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0, "whole copy passes and MMA tiles");

@@ -36,6 +36,16 @@
  *    between the wait and every TMA); V's tail is zeroed by warpgroup 0 only, ordered before
  *    warpgroup 1's wgmma by the turn barrier or a named barrier (v1: both warpgroups wrote it).
  *    Not yet considered: sharing the O staging buffer with Q for a third K/V stage at D = 128.
+ * Options, flash_prefill_sm90_options_kernel<Tr> (the v2 body with kOptions; selected only by
+ *    the sm90_options variant, PAGEDKERN_KERNELS=flash_prefill:sm90_options, until a GPU run has
+ *    verified it; otherwise calls with an option run path 1): a window visits KV tiles n_tiles-1
+ *    down to the one holding the tile's first visible key (key_lo); in that oldest tile the
+ *    producer loads no TMA box lying wholly before key_lo (its pages may be released) and the
+ *    consumers zero V's rows before key_lo as they zero its tail (same barriers), so P = 0
+ *    never meets stale or non-finite values; every tile is masked (causal_mask with the window).
+ *    The soft-cap's tanh (one MUFU.EX2) precedes the mask inside both arms of v2's mask branch,
+ *    so the exps still precede the wait for P V; sinks join the denominators in
+ *    softmax_finalize. Not yet verified on a GPU.
  *
  * FLOPs and bytes as path 1. Target on H200 (causal, D = 128, 16k tokens): >= 600 TFLOP/s
  * (FlashAttention-3 ~620 on an H100), ahead of cuDNN's SDPA.
@@ -82,7 +92,10 @@ __device__ __forceinline__ void wgmma(Mma& mma, const TA& a, const TB& b, TC& c)
 
 // kV2 (producer): the next work item decoded and each tile's page ids looked up one tile ahead,
 // before the waits on the empty barriers. v1: after them, as first built.
-template <class Tr, bool kV2>
+// kOptions (with kV2): a window's tiles only (n_visits of them), and in the oldest one no box
+// that lies wholly before the window (its pages may be released): the consumers mask those
+// keys and zero those V rows.
+template <class Tr, bool kV2, bool kOptions = false>
 __device__ __forceinline__ void producer(const Sm90Params& params,
                                          typename Tr::SharedStorage& s) {
   using T = typename Tr::T;
@@ -96,9 +109,13 @@ __device__ __forceinline__ void producer(const Sm90Params& params,
   auto boxes_of = [&](const WorkTile& t, int j) {
     return (min(BN, t.seq_len - j * BN) + box_rows - 1) / box_rows;
   };
+  // The first box of KV tile j holding a key inside the window (0 without options).
+  auto first_box = [&](const WorkTile& t, int j) {
+    return kOptions ? max(0, t.key_lo - j * BN) / box_rows : 0;
+  };
   // The cache block holding lane i's box of KV tile j (or 0 where the box holds no key).
   auto block_of = [&](const WorkTile& t, int j) {
-    if (lane >= boxes_of(t, j)) return 0;
+    if (lane >= boxes_of(t, j) || lane < first_box(t, j)) return 0;
     int page, slot;
     page_of(p, j * BN + lane * box_rows, page, slot);
     return p.block_tables[int64_t(t.seq) * p.block_table_stride + page];
@@ -109,10 +126,12 @@ __device__ __forceinline__ void producer(const Sm90Params& params,
   auto load_kv = [&](const CUtensorMap* map, T* buf, uint64_t* full, const WorkTile& t, int j,
                      int block) {
     const int key0 = j * BN;
-    const int boxes = boxes_of(t, j);
-    if (lane == 0) mbar_arrive_expect_tx(full, uint32_t(boxes * kSlabs * box_rows * 128));
+    const int boxes = boxes_of(t, j), first = first_box(t, j);
+    if (lane == 0) {
+      mbar_arrive_expect_tx(full, uint32_t((boxes - first) * kSlabs * box_rows * 128));
+    }
     __syncwarp();
-    if (lane < boxes) {
+    if (lane < boxes && lane >= first) {
       int page, slot;
       page_of(p, key0 + lane * box_rows, page, slot);
       if constexpr (!kV2) block = p.block_tables[int64_t(t.seq) * p.block_table_stride + page];
@@ -133,7 +152,7 @@ __device__ __forceinline__ void producer(const Sm90Params& params,
     int block_next = 0;  // kV2: the page of this lane's box of the next K/V tile to load
     if constexpr (kV2) {  // the loads of the work list and the first table entry overlap the wait
       if (work < total_work) {
-        t = decode_work<BN>(p, work);
+        t = decode_work<BN, false, kOptions>(p, work);
         if (t.n_tiles > 0) block_next = block_of(t, t.n_tiles - 1);
       }
     }
@@ -160,10 +179,11 @@ __device__ __forceinline__ void producer(const Sm90Params& params,
     // In the consumers' order: K_0, K_1, V_0, K_2, V_1, ..., V_{n-1} (step i = KV tile n-1-i).
     // kV2: V of a tile reuses the page ids of its K; the next tile's are loaded before the waits.
     int block_k = 0, block_v = 0;
-    for (int i = 0; i <= t.n_tiles; ++i) {
-      if (i < t.n_tiles) {
+    const int visits = kOptions ? t.n_visits : t.n_tiles;
+    for (int i = 0; i <= visits; ++i) {
+      if (i < visits) {
         block_k = block_next;
-        if (kV2 && i + 1 < t.n_tiles) block_next = block_of(t, t.n_tiles - 2 - i);
+        if (kV2 && i + 1 < visits) block_next = block_of(t, t.n_tiles - 2 - i);
         mbar_wait(&s.k_empty[k_stage], k_phase ^ 1);
         load_kv(&params.tma_k, s.k + k_stage * Tr::kKVTileElems, &s.k_full[k_stage], t,
                 t.n_tiles - 1 - i, block_k);
@@ -180,7 +200,10 @@ __device__ __forceinline__ void producer(const Sm90Params& params,
   }
 }
 
-template <class Tr, bool kV2>
+// kOptions (with kV2): the window's tiles only, each masked (the window's lower edge too) and
+// soft-capped before the softmax; V rows before the window zeroed in the oldest tile, as the
+// tail past seq_len; sinks in softmax_finalize.
+template <class Tr, bool kV2, bool kOptions = false>
 __device__ __forceinline__ void consumer(const Sm90Params& params,
                                          typename Tr::SharedStorage& s) {
   using T = typename Tr::T;
@@ -227,16 +250,30 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
   // (generic -> async proxy); warpgroup 1's wgmma is ordered after that by the turn barrier
   // (in_turn: warpgroup 0 zeroes before it hands over the turn) or, in the last P V of a
   // one-tile item, which takes no turns, by named barrier kBarVTail (both warpgroups sync).
-  auto zero_v_tail = [&](const WorkTile& t, int j, int stage, bool in_turn) {
+  // The window's first key, recomputed from q_pos0 (live anyway) where used: held through the
+  // main loop, t.key_lo and the visit count cost the options kernel spills at D = 128.
+  auto key_lo = [&](const WorkTile& t) {
+    return p.window > 0 ? max(0, opaque(t.q_pos0) + 1 - p.window) : 0;
+  };
+  // kHead (kOptions): rows before the window's first key too, in the oldest tile visited.
+  auto zero_v_tail = [&](const WorkTile& t, int j, int stage, bool in_turn, auto head) {
+    constexpr bool kHead = kOptions && decltype(head)::value;
     const int first = t.seq_len - j * BN;
-    if (first >= BN) return;
+    const int before = kHead ? min(key_lo(t) - j * BN, BN) : 0;  // rows 0 .. before-1
+    if (first >= BN && before <= 0) return;
     if (kV2 && wg == 1) {
       if (!in_turn) named_sync(kBarVTail, 256);
       return;
     }
-    for (int c = ct % 128; c < (BN - first) * (D / 8); c += 128) {
+    for (int c = ct % 128; c < max(BN - first, 0) * (D / 8); c += 128) {
       *reinterpret_cast<uint4*>(&sV(first + c / (D / 8), c % (D / 8) * 8, stage)) =
           make_uint4(0, 0, 0, 0);
+    }
+    if constexpr (kHead) {
+      for (int c = ct % 128; c < max(before, 0) * (D / 8); c += 128) {
+        *reinterpret_cast<uint4*>(&sV(c / (D / 8), c % (D / 8) * 8, stage)) =
+            make_uint4(0, 0, 0, 0);
+      }
     }
     fence_async_shared();
     named_sync(kBarWarpgroup0 + wg, 128);
@@ -250,6 +287,13 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
     if (s.work < 0) return;
     const WorkTile t = s.tile;  // copied before Q is released: the producer rewrites it then
     const int n = t.n_tiles;
+    // KV tiles n-1 down to n-visits (decode_work's n_visits, recomputed where used)
+    auto visits = [&] { return kOptions ? max(0, n - key_lo(t) / BN) : n; };
+    // The options' score transform: soft-cap, then the causal mask with the window.
+    auto cap_and_mask = [&](auto& s_rc, int tile) {
+      if (p.soft_cap > 0.f) soft_cap_scores(s_rc, p.cap_raw, p.inv_cap_raw);
+      causal_mask(s_rc, cS_rc, t, tile * BN, p.window);
+    };
 
     Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<D>>{});
     Tensor o_rc = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
@@ -258,7 +302,7 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
 #pragma unroll
     for (int r = 0; r < kRows; ++r) row_max[r] = -INFINITY, row_sum[r] = 0.f;
 
-    if (n == 0) {
+    if (visits() == 0) {
       release(&s.q_empty);
     } else {
       {  // KV tile n-1: S = Q K^T alone
@@ -269,9 +313,13 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
         warpgroup_fence_operand(acc_s);
         release(&s.k_empty[k_stage]);
         next_k();
-        if (n == 1) release(&s.q_empty);
+        if (visits() == 1) release(&s.q_empty);
         Tensor s_rc = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
-        if (n - 1 >= t.n_unmasked) causal_mask(s_rc, cS_rc, t, (n - 1) * BN);
+        if constexpr (kOptions) {
+          cap_and_mask(s_rc, n - 1);
+        } else {
+          if (n - 1 >= t.n_unmasked) causal_mask(s_rc, cS_rc, t, (n - 1) * BN);
+        }
         softmax_step(s_rc, row_max, row_sum, alpha, p.scale_log2);
         convert_storage(acc_s, rP);
       }
@@ -284,16 +332,25 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
         named_sync(kBarTurn0 + wg, 256);  // our turn to issue
         wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, k_stage), acc_s);
         mbar_wait(&s.v_full[v_stage], v_phase);
-        if (i == 1) zero_v_tail(t, n - 1, v_stage, true);
+        if (i == 1) zero_v_tail(t, n - 1, v_stage, true, cute::false_type{});
         wgmma<false>(mma_pv, rP, tOrV(_, _, _, v_stage), acc_o);
         named_arrive(kBarTurn0 + (1 - wg), 256);  // the other warpgroup's turn
         warpgroup_wait<1>();  // S_i is ready, P_{i-1} V_{i-1} may still run
         warpgroup_fence_operand(acc_s);
         release(&s.k_empty[k_stage]);
         next_k();
-        if (i == n - 1) release(&s.q_empty);  // the tile's last Q K^T is done
+        if (i == visits() - 1) release(&s.q_empty);  // the tile's last Q K^T is done
         Tensor s_rc = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
-        if constexpr (kV2) {
+        if constexpr (kOptions) {  // every tile masked (n_unmasked = 0 under a window)
+          if (tile >= t.n_unmasked) {
+            cap_and_mask(s_rc, tile);
+            softmax_step(s_rc, row_max, row_sum, alpha, p.scale_log2);
+          } else {
+            if (p.soft_cap > 0.f) soft_cap_scores(s_rc, p.cap_raw, p.inv_cap_raw);
+            softmax_step(s_rc, row_max, row_sum, alpha, p.scale_log2);
+          }
+          warpgroup_fence_operand(acc_s);
+        } else if constexpr (kV2) {
           // The softmax inside both arms of the mask branch: ptxas hoists the wait below to the
           // top of its basic block, so it must not share one with the exps.
           if (tile >= t.n_unmasked) {
@@ -315,9 +372,11 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
         rescale_rows(o_rc, alpha);
         convert_storage(acc_s, rP);
       };
-      auto last_pv = [&] {  // KV tile 0: the last P V
+      auto last_pv = [&] {  // KV tile n - visits (0 without a window): the last P V
         mbar_wait(&s.v_full[v_stage], v_phase);
-        if (n == 1) zero_v_tail(t, 0, v_stage, false);
+        if (kOptions || n == 1) {
+          zero_v_tail(t, n - visits(), v_stage, false, cute::true_type{});
+        }
         wgmma<false>(mma_pv, rP, tOrV(_, _, _, v_stage), acc_o);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
@@ -325,13 +384,18 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
         release(&s.v_empty[v_stage]);
         next_v();
       };
-      for (int i = 1; i < n; ++i) step(i);
+      for (int i = 1; i < visits(); ++i) step(i);
       last_pv();
     }
 
     // Epilogue, per warpgroup (its 64 rows of sO).
     float lse[kRows];
-    softmax_finalize(o_rc, row_max, row_sum, p.scale, p.out_scale, lse);
+    if constexpr (kOptions) {
+      softmax_finalize(o_rc, row_max, row_sum, p.scale, p.out_scale, lse,
+                       p.sinks != nullptr ? p.sinks[t.head] : -INFINITY);
+    } else {
+      softmax_finalize(o_rc, row_max, row_sum, p.scale, p.out_scale, lse);
+    }
     named_sync(kBarWarpgroup0 + wg, 128);  // done reading sO for the previous tile
     {
       Tensor o_frag = make_tensor<T>(acc_o.layout());
@@ -364,9 +428,8 @@ __device__ __forceinline__ void consumer(const Sm90Params& params,
 
 #endif  // sm_90a or host
 
-template <class Tr, bool kV2>
-__global__ void __launch_bounds__(Tr::kThreads, 1)
-    flash_prefill_sm90_kernel(const __grid_constant__ Sm90Params params) {
+template <class Tr, bool kV2, bool kOptions>
+__device__ __forceinline__ void flash_prefill_sm90_body(const Sm90Params& params) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __trap();  // never launched: path 2 is chosen on sm_90 only
 #else
@@ -389,12 +452,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   __syncthreads();
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    if (threadIdx.x < 32) producer<Tr, kV2>(params, s);
+    if (threadIdx.x < 32) producer<Tr, kV2, kOptions>(params, s);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-    consumer<Tr, kV2>(params, s);
+    consumer<Tr, kV2, kOptions>(params, s);
   }
 #endif
+}
+
+template <class Tr, bool kV2>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    flash_prefill_sm90_kernel(const __grid_constant__ Sm90Params params) {
+  flash_prefill_sm90_body<Tr, kV2, false>(params);
+}
+
+// The attention options (window, soft-cap, sinks; v2 schedule): a kernel of its own, so the
+// plain ones carry none of it. Selected by the sm90_options variant only until a GPU run has
+// verified it (the dispatcher sends calls with an option to path 1 otherwise).
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    flash_prefill_sm90_options_kernel(const __grid_constant__ Sm90Params params) {
+  flash_prefill_sm90_body<Tr, true, true>(params);
 }
 
 // ---- host --------------------------------------------------------------------------------------
@@ -439,7 +517,7 @@ CUtensorMap tensor_map(CUtensorMapDataType type, const void* base, const uint64_
   return map;
 }
 
-template <class Tr, bool kV2>
+template <class Tr, bool kV2, bool kOptions = false>
 void launch(const KernelParams& p, int device, cudaStream_t stream) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim;
@@ -457,7 +535,8 @@ void launch(const KernelParams& p, int device, cudaStream_t stream) {
   params.tma_k = tensor_map(type, p.k_cache, page_dims, page_strides, {64, box_rows, 1});
   params.tma_v = tensor_map(type, p.v_cache, page_dims, page_strides, {64, box_rows, 1});
 
-  const auto kernel = flash_prefill_sm90_kernel<Tr, kV2>;
+  auto kernel = flash_prefill_sm90_kernel<Tr, kV2>;
+  if constexpr (kOptions) kernel = flash_prefill_sm90_options_kernel<Tr>;
   const int grid = persistent_grid(reinterpret_cast<const void*>(kernel), Tr::kThreads,
                                    Tr::kSmemBytes, device,
                                    max_tiles(p.total_q, p.batch) * p.num_heads);
@@ -465,21 +544,21 @@ void launch(const KernelParams& p, int device, cudaStream_t stream) {
   PK_CHECK_LAUNCH("flash_prefill_sm90_kernel");
 }
 
-template <class T, bool kV2>
+template <class T, bool kV2, bool kOptions = false>
 void launch_dtype(const KernelParams& p, int device, cudaStream_t stream) {
   if (p.head_dim == 64) {
-    launch<Sm90Traits<T, 64>, kV2>(p, device, stream);
+    launch<Sm90Traits<T, 64>, kV2, kOptions>(p, device, stream);
   } else {
-    launch<Sm90Traits<T, 128>, kV2>(p, device, stream);
+    launch<Sm90Traits<T, 128>, kV2, kOptions>(p, device, stream);
   }
 }
 
-template <bool kV2>
+template <bool kV2, bool kOptions = false>
 void launch_variant(const KernelParams& p, int device, cudaStream_t stream) {
   if (p.dtype == DType::kFloat16) {
-    launch_dtype<cutlass::half_t, kV2>(p, device, stream);
+    launch_dtype<cutlass::half_t, kV2, kOptions>(p, device, stream);
   } else {
-    launch_dtype<cutlass::bfloat16_t, kV2>(p, device, stream);
+    launch_dtype<cutlass::bfloat16_t, kV2, kOptions>(p, device, stream);
   }
 }
 
@@ -494,7 +573,9 @@ bool flash_prefill_sm90_supports(const FlashPrefillParams& p) {
 }
 
 void launch_flash_prefill_sm90(const KernelParams& p, int device, cudaStream_t stream) {
-  if (p.variant == kFlashVariantV1) {
+  if (p.window > 0 || p.soft_cap > 0.f || p.sinks != nullptr) {
+    launch_variant<true, true>(p, device, stream);  // (the sm90_options variant only)
+  } else if (p.variant == kFlashVariantV1) {
     launch_variant<false>(p, device, stream);
   } else {
     launch_variant<true>(p, device, stream);

@@ -88,9 +88,8 @@ void check_accumulators(const char* name, int threads) {
 
 template <class Tr>
 void check_sm80(const char* name) {
-  constexpr int BN = Tr::kBlockN, D = Tr::kHeadDim;
-  check_accumulators<typename Tr::TiledMma, typename Tr::TiledMma, kBlockM, BN, D>(name,
-                                                                                 Tr::kThreads);
+  constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, D = Tr::kHeadDim;  // BM 64 at D = 256
+  check_accumulators<typename Tr::TiledMma, typename Tr::TiledMma, BM, BN, D>(name, Tr::kThreads);
   typename Tr::SmemLayoutQ q_layout;
   typename Tr::SmemLayoutKV kv_layout;
   typename Tr::SmemLayoutVt vt_layout;
@@ -105,10 +104,10 @@ void check_sm80(const char* name) {
         }
       }
     }
-    for (int m = 0; m < kBlockM / 16; ++m) {
+    for (int m = 0; m < BM / 16; ++m) {
       for (int k = 0; k < D / 64; ++k) {
         const int row = Tr::chunk_row(t) + 16 * m, col = Tr::chunk_col(t) + 64 * k;
-        CHECK(q_layout(row, col) == Tr::chunk_offset(t) + m * 1024 + k * kBlockM * 64,
+        CHECK(q_layout(row, col) == Tr::chunk_offset(t) + m * 1024 + k * BM * 64,
               "%s: Q chunk t=%d m=%d k=%d", name, t, m, k);
       }
     }
@@ -240,6 +239,8 @@ int main() {
   check_sm80<Sm80Traits<cutlass::bfloat16_t, 64>>("sm80 D=64");
   check_sm80<Sm80Traits<cutlass::bfloat16_t, 128>>("sm80 D=128");
   check_sm80<Sm80Traits<cutlass::half_t, 128, cutlass::float_e4m3_t>>("sm80 fp8 D=128");
+  check_sm80<Sm80Traits<cutlass::bfloat16_t, 256>>("sm80 D=256");
+  check_sm80<Sm80Traits<cutlass::half_t, 256>>("sm80 f16 D=256");
   using cutlass::bfloat16_t, cutlass::float_e4m3_t, cutlass::half_t;
   check_sm80_fp8<Sm80Traits<bfloat16_t, 64, float_e4m3_t>>("sm80 fp8 bf16 D=64", 1);
   check_sm80_fp8<Sm80Traits<bfloat16_t, 128, float_e4m3_t>>("sm80 fp8 bf16 D=128", 2);

@@ -36,14 +36,17 @@ def assert_same_e4m3(got: torch.Tensor, want: torch.Tensor) -> None:
     )
 
 
-def every_variant(op: str):
+def every_variant(op: str, skip: tuple[str, ...] = ()):
     """An autouse fixture running each test of a module once per kernel variant of `op`
-    (pagedkern.ops.variants.VARIANTS), selected through the `kernels` fixture."""
+    (pagedkern.ops.variants.VARIANTS) but those in `skip` (variants that run the same kernels
+    as another for every call of the module), selected through the `kernels` fixture."""
     import pytest
 
     from pagedkern.ops.variants import VARIANTS
 
-    @pytest.fixture(params=list(VARIANTS[op].names), autouse=True, ids=lambda name: f"{op}-{name}")
+    names = [name for name in VARIANTS[op].names if name not in skip]
+
+    @pytest.fixture(params=names, autouse=True, ids=lambda name: f"{op}-{name}")
     def kernel_variant(request, kernels):
         kernels(**{op: request.param})
         return request.param

@@ -1,8 +1,10 @@
 """The attention options (sliding window, soft-cap, sinks) and the fused QK-norm in the CUDA
 kernels on a GPU, against the reference: paged_attention (both variants, split-KV on and off),
-flash_prefill (path 1, where every call with an option runs: chunks, prefixes, windows smaller
-and larger than a tile), rope_and_cache with q_norm / k_norm. Keys a window hides are NaN in
-the cache (a windowed model's released pages hold anything), outputs are poisoned beforehand.
+flash_prefill (path 1, where every call with an option runs, and path 2's options kernel on
+Hopper under the sm90_options variant: chunks, prefixes, windows smaller and larger than a
+tile, head dims 64, 128 and 256), rope_and_cache with q_norm / k_norm. Keys a
+window hides are NaN in the cache (a windowed model's released pages hold anything), outputs
+are poisoned beforehand.
 Skipped without a GPU (pytest.mark.gpu)."""
 
 from __future__ import annotations
@@ -62,12 +64,20 @@ PREFILL = [  # (D, block size, Hq, Hkv, (chunk, prefix) pairs, window, soft_cap,
     (64, 16, 12, 4, [(1023, 0), (64, 64), (5, 3)], 1, 20.0, True),
     (128, 32, 4, 4, [(200, 300), (129, 0)], 1000, 50.0, True),
     (64, 16, 8, 1, [(513, 16)], 70, None, True),
+    # D = 256 (Gemma 3: window and QK-norm; 64-row work items, an empty second half under 65)
+    (256, 16, 8, 2, [(1, 0), (65, 0), (300, 40), (129, 1000), (64, 7)], 60, None, True),
+    (256, 32, 4, 1, [(513, 16), (3, 0)], 1024, 30.0, False),
 ]
 
 
+@pytest.mark.parametrize("variant", ["v2", "sm90_options"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", range(len(PREFILL)))
-def test_flash_prefill_options_on_the_gpu(case, dtype):
+def test_flash_prefill_options_on_the_gpu(case, dtype, variant, kernels):
+    # sm90_options: path 2's options kernel on Hopper (D 64 / 128; D = 256 stays on path 1)
+    if variant == "sm90_options" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("path 2 needs an sm_90 GPU")
+    kernels(flash_prefill=variant)
     d, block_size, hq, hkv, pairs, window, cap, with_sinks = PREFILL[case]
     g = torch.Generator().manual_seed(50 + case)
     lengths = [c + p for c, p in pairs]

@@ -5,7 +5,8 @@ in the input dtype, plus the dtype's rounding at the output's magnitude.
 One varlen batch holds every (chunk, prefix) pair of chunk lengths {1, 7, 113, 1023, 4096} and
 cached prefixes {0, 15, 16, 1000} (fresh prompts, chunked prefill, prefix-cache hits; one long
 sequence among short ones), swept over GQA ratios {1, 3, 4, 8}, head dims {64, 128}, both dtypes
-and both kernel paths (path 2 on Hopper only; PAGEDKERN_FLASH_PREFILL_PATH forces a path). The
+and both kernel paths (path 2 on Hopper only; PAGEDKERN_FLASH_PREFILL_PATH forces a path); head
+dim 256 (path 1 only) in a test of its own. The
 cache outside the sequences' keys is NaN and the block tables' unused entries point at a NaN
 page, so any read past seq_len or past the table shows up; outputs are poisoned before the call.
 """
@@ -26,7 +27,8 @@ from pagedkern import reference
 fp_module = importlib.import_module("pagedkern.ops.flash_prefill")
 
 pytestmark = pytest.mark.gpu
-kernel_variant = every_variant("flash_prefill")  # every test on every variant of the kernel
+# every test on every variant of the kernel (sm90_options: v2 for calls without options)
+kernel_variant = every_variant("flash_prefill", skip=("sm90_options",))
 
 CHUNKS = (1, 7, 113, 1023, 4096)
 PREFIXES = (0, 15, 16, 1000)
@@ -187,6 +189,28 @@ def test_fewer_query_rows_than_one_tile(path, pairs, head_dim):
     out32, lse32, low = references(("few", tuple(pairs), head_dim), *batch, head_dim**-0.5)
     assert_flash_rule(out, out32, low)
     torch.testing.assert_close(lse, lse32, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ratio", (1, 4))
+def test_head_dim_256_on_path_1(ratio, dtype, monkeypatch):
+    """D = 256 (Gemma 3) runs path 1 on every GPU, each 128-row tile as two 64-row work items:
+    chunks of 1, 64, 65, 127, 128 and 129 rows (empty and partial second halves), prefixes,
+    GQA; forcing path 2 is a clear error."""
+    pairs = [(1, 0), (7, 15), (64, 0), (65, 16), (113, 1000), (127, 0), (128, 3), (129, 0)]
+    pairs += [(1023, 16), (2000, 0)]
+    batch = make_batch(pairs, NUM_KV_HEADS * ratio, 256, dtype, 16, seed=ratio)
+    device = batch[0].device.index
+    assert fp_module.kernel_path(device, 256, 16, "auto") == "sm80"
+    out32, lse32, low = references(("d256", ratio, dtype), *batch, 256**-0.5)
+    out = poisoned(batch[0].shape, dtype, DEVICE)
+    _, lse = pagedkern.flash_prefill(*batch, out=out, return_lse=True)
+    assert_flash_rule(out, out32, low)
+    torch.testing.assert_close(lse, lse32, atol=2e-3, rtol=0)
+    if hopper():
+        monkeypatch.setenv(fp_module.PATH_ENV, "sm90")
+        with pytest.raises(ValueError, match="head_dim"):
+            pagedkern.flash_prefill(*batch)
 
 
 def test_forced_paths_and_selection(monkeypatch):

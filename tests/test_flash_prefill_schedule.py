@@ -28,7 +28,8 @@ from build_env import cuda_build_required
 from pagedkern.reference.attention import _gather
 
 BLOCK_M = 128  # flash::kBlockM
-BLOCK_N = {"sm80 D=64": 128, "sm80 D=128": 64, "sm90": 128}
+BLOCK_N = {"sm80 D=64": 128, "sm80 D=128": 64, "sm80 D=256": 64, "sm90": 128}
+ITEM_ROWS = {"sm80 D=256": 64}  # Sm80Traits::kBlockM where it is not BLOCK_M: split list tiles
 COST_BINS, KEYS_PER_BIN = 2048, 64  # flash_prefill.cu
 HEADER = 4  # flash::kWorkListHeader
 
@@ -85,19 +86,27 @@ def schedule(cu_seqlens: list[int], seq_lens: list[int], total_q: int, shuffle=N
     return workspace
 
 
-def decode_work(workspace, cu_seqlens, seq_lens, num_heads, num_kv_heads, block_n, work):
-    """flash::decode_work."""
-    entry, head = divmod(work, num_heads)
+def decode_work(
+    workspace, cu_seqlens, seq_lens, num_heads, num_kv_heads, block_n, work, item_rows=BLOCK_M
+):
+    """flash::decode_work (item_rows < BLOCK_M: each list tile is BLOCK_M / item_rows items,
+    heads innermost; a part past the chunk is empty: rows <= 0, no KV tile)."""
+    split = BLOCK_M // item_rows
+    entry, rest = divmod(work, num_heads * split)
+    part, head = divmod(rest, num_heads)
     b, m = workspace[HEADER + 2 * entry : HEADER + 2 * entry + 2]
     n = cu_seqlens[b + 1] - cu_seqlens[b]
-    q_pos0 = seq_lens[b] - n + m * BLOCK_M
-    rows = min(BLOCK_M, n - m * BLOCK_M)
+    row0 = m * BLOCK_M + part * item_rows
+    q_pos0 = seq_lens[b] - n + row0
+    rows = min(item_rows, n - row0)
     n_tiles, n_unmasked = kv_tile_bounds(q_pos0, rows, seq_lens[b], block_n)
+    if rows <= 0:
+        n_tiles = n_unmasked = 0
     return dict(
         seq=b,
         head=head,
         kv_head=head // (num_heads // num_kv_heads),
-        q_row0=cu_seqlens[b] + m * BLOCK_M,
+        q_row0=cu_seqlens[b] + row0,
         rows=rows,
         q_pos0=q_pos0,
         n_tiles=n_tiles,
@@ -138,13 +147,17 @@ def test_schedule_covers_every_query_row_and_head_once(seed):
     cu, seq_lens = random_batch(rng, batch, rng.choice([1, 7, 130, 700]), rng.choice([0, 50, 999]))
     num_kv_heads = rng.choice([1, 2])
     num_heads = num_kv_heads * rng.choice([1, 3, 4])
-    block_n = rng.choice(list(BLOCK_N.values()))
+    kernel = list(BLOCK_N)[seed % len(BLOCK_N)]
+    block_n, item_rows = BLOCK_N[kernel], ITEM_ROWS.get(kernel, BLOCK_M)
     ws = schedule(cu, seq_lens, cu[-1], shuffle=rng.shuffle)
     assert ws[0] == 0 and ws[1] <= max_tiles(cu[-1], batch)
     seen = {}
-    for work in range(ws[1] * num_heads):
-        t = decode_work(ws, cu, seq_lens, num_heads, num_kv_heads, block_n, work)
-        assert 1 <= t["rows"] <= BLOCK_M and t["kv_head"] < num_kv_heads
+    for work in range(ws[1] * num_heads * (BLOCK_M // item_rows)):
+        t = decode_work(ws, cu, seq_lens, num_heads, num_kv_heads, block_n, work, item_rows)
+        assert t["rows"] <= item_rows and t["kv_head"] < num_kv_heads
+        if t["rows"] <= 0:  # the empty second half of a short tile: no work
+            assert item_rows < BLOCK_M and t["n_tiles"] == 0
+            continue
         for row in range(t["q_row0"], t["q_row0"] + t["rows"]):
             key = (row, t["head"])
             assert key not in seen, f"query row {row} head {t['head']} scheduled twice"
@@ -238,6 +251,36 @@ def test_kv_tile_bounds_match_brute_force():
                     assert n_tiles == (int(seen.max()) // block_n + 1 if len(seen) else 0)
                     full = visible.reshape(rows, -1, block_n).all(2).all(0)
                     assert full[:n_tiles].tolist() == [j < n_unmasked for j in range(n_tiles)]
+
+
+def window_visits(q_pos0: int, n_tiles: int, block_n: int, window: int) -> tuple[int, int]:
+    """flash::decode_work's options part: (key_lo, n_visits) for a window > 0."""
+    key_lo = max(0, q_pos0 + 1 - window)
+    return key_lo, max(0, n_tiles - key_lo // block_n)
+
+
+@pytest.mark.parametrize("item_rows,block_n", [(128, 64), (128, 128), (64, 64)])
+def test_window_tile_range_matches_brute_force(item_rows, block_n):
+    # Every key some row of the item sees lies in the visited tiles and at or after key_lo;
+    # keys before key_lo are seen by no row; the oldest visited tile holds a seen key.
+    rng = random.Random(item_rows + block_n)
+    for _ in range(300):
+        n = rng.randint(1, 400)
+        seq_len = n + rng.choice([0, 1, 63, 64, 65, 1000])
+        window = rng.choice([1, 2, 63, 64, 65, 100, 129, 5000])
+        for row0 in range(0, n, item_rows):
+            rows, q_pos0 = min(item_rows, n - row0), seq_len - n + row0
+            n_tiles, _ = kv_tile_bounds(q_pos0, rows, seq_len, block_n)
+            key_lo, visits = window_visits(q_pos0, n_tiles, block_n, window)
+            seen = {
+                k
+                for pos in range(q_pos0, q_pos0 + rows)
+                for k in range(max(0, pos + 1 - window), min(pos, seq_len - 1) + 1)
+            }
+            first_tile = n_tiles - visits
+            assert all(first_tile * block_n <= k < n_tiles * block_n for k in seen)
+            assert min(seen) == key_lo  # the first row's window starts there
+            assert any(first_tile * block_n <= k < (first_tile + 1) * block_n for k in seen)
 
 
 def test_causal_mask_matches_reference_visibility():

@@ -30,7 +30,10 @@ def test_each_op_has_an_explicit_decision_with_a_reason():
         supported, reason = support.paged_attention(*args)
         assert not supported and words in reason
     assert support.flash_prefill("float16", 64).supported
-    assert "head_dim 256" in support.flash_prefill("bfloat16", 256).reason
+    assert "head_dim 96" in support.flash_prefill("bfloat16", 96).reason
+    assert support.flash_prefill("bfloat16", 256).supported  # path 1's 64-row work items
+    assert "fp8" in support.flash_prefill("bfloat16", 256, "float8_e4m3fn").reason
+    assert support.flash_prefill("float16", 128, "float8_e4m3fn").supported
     assert support.sample("float32", 128256).supported
     assert not support.sample("float32", 1 << 23).supported
     assert support.elementwise("float32").supported
@@ -64,8 +67,8 @@ def test_cuda_backend_raises_instead_of_falling_back(changes, reason):
     assert "paged_attention" in str(info.value) and reason in str(info.value)
     args = _attention_args(**changes)
     with launch.use_backend("cuda"), pytest.raises(KernelUnsupportedError, match="flash_prefill"):
-        if changes.get("block_size") == 24:  # flash prefill covers any block size: D = 256
-            args = _attention_args(d=256)
+        if changes.get("block_size") == 24:  # flash prefill covers any block size: D = 96
+            args = _attention_args(d=96)
         pagedkern.flash_prefill(cu_seqlens_q=FakeCudaArray((4,), "int32"), **args)
 
 
@@ -163,10 +166,11 @@ def test_engine_policy_auto_turns_graphs_off_with_a_warning(monkeypatch):
 
 
 def test_engine_policy_prefill_only_gap_keeps_graphs(monkeypatch):
-    # D = 256: decode has a kernel, prefill does not; decode graphs stay on, prefill warns.
+    # D = 256 over an fp8 cache: decode has a kernel, prefill does not; decode graphs stay on,
+    # prefill warns.
     monkeypatch.setattr(launch, "_warned", set())
     with pytest.warns(RuntimeWarning, match="flash_prefill runs the PyTorch reference") as caught:
-        assert _policy(head_dim=256) is True
+        assert _policy(head_dim=256, kv_cache_dtype="fp8") is True
     assert not any("CUDA graphs are off" in str(w.message) for w in caught)
 
 

@@ -123,8 +123,11 @@ def test_the_engine_policy_keeps_decode_graphs_for_a_soft_capped_model(monkeypat
         assert on is True
         assert decode_graphs(backend="cuda", requested=None, **gpu, attention={"soft_cap": 50.0})
         assert decode_graphs(backend="auto", requested=None, **gpu, attention={}) is True
-    # a head dim the prefill kernel lacks still falls back, named as such
-    with pytest.raises(ValueError, match="head_dim 256"):
+    # a head dim the prefill kernel lacks still falls back, named as such (256 is covered)
+    assert decode_graphs(
+        backend="cuda", requested=None, **{**gpu, "head_dim": 256}, attention={"soft_cap": 5.0}
+    )
+    with pytest.raises(ValueError, match="head_dim 96"):
         decode_graphs(
-            backend="cuda", requested=None, **{**gpu, "head_dim": 256}, attention={"soft_cap": 5.0}
+            backend="cuda", requested=None, **{**gpu, "head_dim": 96}, attention={"soft_cap": 5.0}
         )

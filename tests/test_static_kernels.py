@@ -42,6 +42,7 @@ VECTOR_ACCESS = {
     # flash_prefill: K/V pages by 16-byte cp.async (path 1) or TMA (path 2), out with STG.128.
     "flash_prefill_sm80_kernel": ("LDGSTS.E.BYPASS", "STG.E.128"),
     "flash_prefill_sm90_kernel": ("UTMALDG.3D", "STG.E.128"),
+    "flash_prefill_sm90_options_kernel": ("UTMALDG.3D", "STG.E.128"),
 }
 # Every operator's kernels (substring of the mangled name) must be in the binary.
 KERNELS = (
@@ -62,6 +63,7 @@ KERNELS = (
     "flash_prefill_sm80_kernel",
     "flash_prefill_sm80_options_kernel",  # window, soft-cap, sinks
     "flash_prefill_sm90_kernel",
+    "flash_prefill_sm90_options_kernel",  # path 2's options (variant flash_prefill:sm90_options)
     "moe_route_kernel",
     "moe_align_kernel",
     "moe_gemm_kernel",
@@ -77,6 +79,7 @@ TENSOR_CORE_OPS = (
     ("flash_prefill_sm80_kernel", "sm_80", "HMMA.16816"),
     ("flash_prefill_sm80_kernel", "sm_90a", "HMMA.16816"),
     ("flash_prefill_sm90_kernel", "sm_90a", "HGMMA"),
+    ("flash_prefill_sm90_options_kernel", "sm_90a", "HGMMA"),
     ("paged_attention_mma_kernel", "sm_80", "HMMA.16816"),
     ("paged_attention_mma_kernel", "sm_90a", "HMMA.16816"),
     # the MoE grouped GEMMs (gate_up + activation, down): every variant on mma.sync
@@ -138,6 +141,7 @@ FLASH_KERNELS = (
     ("flash_prefill_sm80_kernel", "sm_80"),
     ("flash_prefill_sm80_kernel", "sm_90a"),
     ("flash_prefill_sm90_kernel", "sm_90a"),
+    ("flash_prefill_sm90_options_kernel", "sm_90a"),
 )
 
 
@@ -171,6 +175,36 @@ def test_flash_options_kernel_is_tensor_core_work_without_exp_fixups(cuda_binary
     for name, sass in _listings(cuda_binary, arch, "flash_prefill_sm80_options_kernel").items():
         assert "HMMA.16816" in sass and "MUFU.EX2" in sass, name
         assert not re.findall(r"FSETP\.GEU\.AND [^;]*, -126, ", sass), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flash_head_dim_256_runs_path_1_on_tensor_cores(cuda_binary, arch):
+    # D = 256 (64-row work items): both schedules and the options kernel, both dtypes, 16-bit
+    # caches only (no fp8 instance), on mma.sync with 16-byte cp.async pages; none spills
+    # (test_no_spills covers every kernel).
+    plain = _listings(cuda_binary, arch, "flash_prefill_sm80_kernel", "Li256E")
+    options = _listings(cuda_binary, arch, "flash_prefill_sm80_options_kernel", "Li256E")
+    assert len(plain) == 4 and len(options) == 2, sorted(plain) + sorted(options)
+    for name, sass in {**plain, **options}.items():
+        assert "float_e4m3" not in name, name
+        assert "HMMA.16816" in sass and "STG.E.128" in sass, name
+        # 16-byte cp.async around L1 (ptxas may add an L2 prefetch hint: .LTC128B)
+        assert re.search(r"LDGSTS\.E\.BYPASS(\.LTC128B)?\.128", sass), name
+
+
+def test_flash_sm90_options_kernel_overlaps_softmax_with_pv(cuda_binary):
+    # The options' soft-cap and mask sit inside the arms of the mask branch with the softmax,
+    # so the exps still run while P V is in flight (as v2's).
+    for name, sass in _listings(cuda_binary, "sm_90a", "flash_prefill_sm90_options_kernel").items():
+        inside, between = False, 0
+        for ins in _instructions(sass):
+            if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in ins:
+                inside = True
+            elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in ins:
+                inside = False
+            elif "MUFU.EX2" in ins and inside:
+                between += 1
+        assert between >= 66, f"{name}: only {between} MUFU.EX2 overlap the P V product"
 
 
 def test_flash_sm90_v2_overlaps_softmax_with_pv(cuda_binary):

@@ -76,7 +76,8 @@ def launch_parameters(
     """The kernels' parameters but the per-layer pointers (q, out, caches, lse) and the stream:
     what one launch passes and what a plan (ops/attention_plan.py) fixes for its runs. k_scale
     is folded into the softmax scale, v_scale into the output; sinks: the [Hq] float32 sink
-    logits' pointer (0: none). A call with an option runs path 1 (path 2 has none)."""
+    logits' pointer (0: none). A call with an option runs path 1 (path 2's options kernel only
+    under the flash_prefill:sm90_options variant, not yet verified on GPU)."""
     total, num_heads, head_dim = qv.shape
     path = requested_path()
     return dict(
@@ -133,9 +134,9 @@ def kernel_path(
     return PATH_NAMES[code]
 
 
-def kernel_support(dtype: str, head_dim: int) -> support.KernelSupport:
+def kernel_support(dtype: str, head_dim: int, kv_dtype: str | None = None) -> support.KernelSupport:
     """(supported, reason): whether the CUDA kernels cover these arguments (ops/support.py)."""
-    return support.flash_prefill(dtype, head_dim)
+    return support.flash_prefill(dtype, head_dim, kv_dtype)
 
 
 def check_arguments(
@@ -226,16 +227,18 @@ def flash_prefill(
 
     The CUDA kernels cover float16/bfloat16 q with caches of q's dtype or float8_e4m3fn (an
     fp8 cache with float32 q: the reference, like float32 q with a float32 cache), and
-    D in {64, 128} (`kernel_support`); k_scale, v_scale: dequantization scales of an fp8 cache's
-    stored K and V, None meaning 1 (as in paged_attention and rope_and_cache; defined in
-    reference.flash_prefill; the kernel folds them into the softmax scale and the output).
+    D in {64, 128, 256} (256: path 1, 16-bit caches; `kernel_support`); k_scale, v_scale:
+    dequantization scales of an fp8 cache's stored K and V, None meaning 1 (as in
+    paged_attention and rope_and_cache; defined in reference.flash_prefill; the kernel folds
+    them into the softmax scale and the output).
     Other CUDA torch inputs run on the reference with a warning under the "auto" backend and raise
     KernelUnsupportedError under "cuda". The reference checks the indices' contents; the kernels
     never read lengths on the host and check them (cu_seqlens_q rising from 0 to total_q,
     chunk length <= seq_lens[b] <= table capacity, block ids in the cache) only in the
     PAGEDKERN_CHECK_INDICES=1 debug mode.
     sliding_window, soft_cap, sinks: reference.attention.ATTENTION_OPTIONS, in path 1 (a call
-    that sets one runs there, on Hopper too; KV tiles before a window are never loaded), for
+    that sets one runs there, on Hopper too unless PAGEDKERN_KERNELS=flash_prefill:sm90_options
+    selects path 2's options kernel; KV tiles before a window are never loaded), for
     16-bit caches (with an fp8 cache such a call runs the reference).
     workspace: int32 CUDA array of at least _C.flash_prefill_workspace_ints(total_q, B) entries,
     else allocated per call."""
@@ -247,7 +250,7 @@ def flash_prefill(
     options = support.attention_options(
         "flash_prefill", sliding_window, soft_cap, sinks, kv_dtype=kc.dtype
     )
-    decision = options or kernel_support(qv.dtype, qv.shape[2])
+    decision = options or kernel_support(qv.dtype, qv.shape[2], kc.dtype)
     if not kernel_or_reference("flash_prefill", views, decision):
         reference = reference_on_torch("flash_prefill", views if sv is None else [*views, sv])
         check_block_table_contents(block_tables, seq_lens, kc.shape[0], kc.shape[2])

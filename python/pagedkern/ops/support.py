@@ -17,7 +17,8 @@ from .arrays import FLOAT_DTYPES
 HALF_DTYPES = ("float16", "bfloat16")
 FP8_KV_DTYPE = "float8_e4m3fn"  # the fp8 KV cache's element (E4M3)
 PAGED_ATTENTION_HEAD_DIMS = (64, 128, 256)
-FLASH_PREFILL_HEAD_DIMS = (64, 128)
+FLASH_PREFILL_HEAD_DIMS = (64, 128, 256)
+FLASH_PREFILL_FP8_HEAD_DIMS = (64, 128)  # fp8 (E4M3) caches: not at D = 256 yet
 MAX_SAMPLE_VOCAB = (1 << 23) - 1  # fixed-point masses: 2^23 tokens x 2^40 stay below 2^63
 
 
@@ -63,13 +64,19 @@ def paged_attention(
     return _kv_cache(dtype, kv_dtype) or _YES
 
 
-def flash_prefill(dtype: str, head_dim: int) -> KernelSupport:
-    """Prefill attention: float16/bfloat16, D in {64, 128}; any block size (path 1)."""
+def flash_prefill(dtype: str, head_dim: int, kv_dtype: str | None = None) -> KernelSupport:
+    """Prefill attention: float16/bfloat16, D in {64, 128, 256} (256: path 1, 64-row work
+    items; not yet verified on a GPU); any block size (path 1); fp8 (E4M3) caches at D 64 and
+    128."""
     if bad := _dtype(dtype, HALF_DTYPES):
         return bad
     if head_dim not in FLASH_PREFILL_HEAD_DIMS:
-        return KernelSupport(False, f"head_dim {head_dim} (the kernel covers 64, 128)")
-    return _YES
+        return KernelSupport(False, f"head_dim {head_dim} (the kernel covers 64, 128, 256)")
+    if kv_dtype == FP8_KV_DTYPE and head_dim not in FLASH_PREFILL_FP8_HEAD_DIMS:
+        return KernelSupport(
+            False, f"head_dim {head_dim} with an fp8 (E4M3) KV cache (the kernel covers 64, 128)"
+        )
+    return _kv_cache(dtype, kv_dtype) or _YES
 
 
 # The attention options (reference.attention.ATTENTION_OPTIONS) each attention kernel covers.
@@ -221,6 +228,6 @@ def model_support(
         "silu_and_mul": elementwise(dtype),
         "rope_and_cache": rope_and_cache(dtype, kv_dtype),
         "paged_attention": decode_options or paged_attention(dtype, head_dim, block_size, kv_dtype),
-        "flash_prefill": prefill_options or flash_prefill(dtype, head_dim),
+        "flash_prefill": prefill_options or flash_prefill(dtype, head_dim, kv_dtype),
         "sample": sample("float32", vocab),  # the engine samples fp32 logits
     }

@@ -68,6 +68,13 @@ VARIANTS: dict[str, OpVariants] = {
                     _RUN2,
                 ),
                 Variant("v1", 1, "the first schedule", _RUN2),
+                Variant(
+                    "sm90_options",
+                    2,
+                    "v2; calls with a window, soft-cap or sinks run path 2's options kernel "
+                    "on Hopper (v2 runs them on path 1)",
+                    None,
+                ),
             ),
         ),
         OpVariants(
