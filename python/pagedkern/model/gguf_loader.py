@@ -10,7 +10,8 @@ is cached (weights_cache), so only the first load of a file pays for parsing and
 Mixtures of experts (Mixtral as "llama" with expert_count, qwen2moe, qwen3moe, olmoe): each
 expert's weights are slices of the stacked ffn_{gate,up,down}_exps tensors, mapped as the layer
 weights are (Q4_0/Q4_1/Q4_K experts onto int4 G = 32 in int4 mode, Q8_0 onto int8 in int8 mode,
-kept stacked [E, N, K] for ops.fused_moe), else dequantized to float at load.
+kept stacked [E, N, K] for ops.fused_moe), else dequantized to float at load. gpt-oss
+("gpt-oss"): gguf_gpt_oss.py (its MXFP4 experts dequantized to float at load).
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ import torch
 
 from .config import FULL, SLIDING, ModelConfig, RopeScaling
 from .errors import ModelLoadError
+from .gguf_gpt_oss import ARCH as GPT_OSS
+from .gguf_gpt_oss import (
+    gpt_oss_gguf_fields,
+    gpt_oss_gguf_name,
+    gpt_oss_gguf_tensor,
+    yarn_from_gguf,
+)
 from .gguf_shard import narrow_columns, shard_tensors
 from .gguf_tokenizer import tokenizer_from_gguf
 from .quantized_linear import (
@@ -49,10 +57,12 @@ _ARCHITECTURES = {
     "qwen2moe": False,
     "qwen3moe": False,
     "olmoe": False,
+    GPT_OSS: False,
 }
 # Mixtures of experts: whether llama.cpp renormalises the top-k weights for an arch whose file
 # has no expert_weights_norm (its graph builders hard-code it: Mixtral and Qwen3-MoE do)
 _MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
+_MOE_NORM_TOPK[GPT_OSS] = False  # (its softmax over the top-k sums to 1 already)
 # Gemma: its local:global layer pattern and the layer count of its 27B size, whose attention
 # scale llama.cpp takes from hidden / heads instead of the head dim (the GGUF does not store it)
 _GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
@@ -108,13 +118,15 @@ def expert_slice(hf_name: str) -> tuple[str, int] | None:
     return f"blk.{parts[2]}.{_EXPERT_NAMES[parts[6]]}.{parts[7]}", int(parts[5])
 
 
-def gguf_name(hf_name: str, sandwich: bool = False) -> str:
+def gguf_name(hf_name: str, sandwich: bool = False, gpt_oss: bool = False) -> str:
     """HF tensor name -> GGUF name: model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight
     (sandwich: Gemma's norm names; an expert's weight: its stacked tensor, "[e]" appended)."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     if (stacked := expert_slice(hf_name)) is not None:
         return f"{stacked[0]}[{stacked[1]}]"
+    if gpt_oss and (own := gpt_oss_gguf_name(hf_name)) is not None:
+        return own
     _, _, layer, rest = hf_name.split(".", 3)
     if rest in _MOE_NAMES:
         return f"blk.{layer}.{_MOE_NAMES[rest]}"
@@ -129,7 +141,7 @@ def gguf_name(hf_name: str, sandwich: bool = False) -> str:
 def _holder(hf_name: str, config: ModelConfig) -> str:
     """The GGUF tensor holding an HF tensor (an expert's: its layer's stack)."""
     stacked = expert_slice(hf_name)
-    return stacked[0] if stacked else gguf_name(hf_name, config.sandwich_norms)
+    return stacked[0] if stacked else gguf_name(hf_name, config.sandwich_norms, config.attn_sinks)
 
 
 def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -183,6 +195,8 @@ def _config(meta: dict[str, Any], tensors: dict, path: str) -> tuple[ModelConfig
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type == "linear":
         scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
+    elif scaling_type == "yarn":
+        scaling = yarn_from_gguf(meta, arch, path)
     elif scaling_type != "none":
         raise ModelLoadError(path, f"unsupported rope scaling type {scaling_type!r}")
     layers = int(get("block_count"))
@@ -190,6 +204,8 @@ def _config(meta: dict[str, Any], tensors: dict, path: str) -> tuple[ModelConfig
         _gemma_fields(meta, arch, layers, hidden, heads, head_dim, path) if arch in _GEMMA else {}
     )
     moe = _moe_fields(meta, arch, tensors, layers, path) if meta.get(f"{arch}.expert_count") else {}
+    if arch == GPT_OSS:
+        moe |= gpt_oss_gguf_fields(meta, layers, path)
     try:
         config = ModelConfig(
             name=str(meta.get("general.name") or os.path.basename(path)),
@@ -309,11 +325,12 @@ def _convert(
     int8_tensors = {head} if head_int8 else set()
     float_tensors = set() if tied else {"token_embd.weight"}
 
-    def read(name: str):
+    def read(name: str, mapped: bool = True):
         t = tensors.get(name)
         if t is None:
             return None
-        if quantization != "none" and len(t.shape) in (2, 3):  # no fp32 detour where it maps
+        # (no fp32 detour where it maps)
+        if mapped and quantization != "none" and len(t.shape) in (2, 3):
             *outer, k = (int(x) for x in reversed(t.shape))  # [E,] N, K
             n = int(np.prod(outer))  # (stacked experts: their rows one after the other)
             direct = None
@@ -333,11 +350,15 @@ def _convert(
         return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
     def name(hf_name: str) -> str:
-        return gguf_name(hf_name, config.sandwich_norms)
+        return gguf_name(hf_name, config.sandwich_norms, config.attn_sinks)
 
     stacks: dict[str, torch.Tensor | None] = {}  # the current MoE layer's stacked experts
 
     def get(hf_name: str) -> torch.Tensor | None:
+        if config.attn_sinks:  # gpt-oss: its experts rebuilt in the checkpoint's layout
+            w = gpt_oss_gguf_tensor(hf_name, lambda n: read(n, mapped=False))
+            if w is not NotImplemented:
+                return w
         if (stacked := expert_slice(hf_name)) is not None:
             stack_name, e = stacked
             if stack_name not in stacks:
