@@ -1,4 +1,5 @@
-"""Builds pagedkern._C with CMake + Ninja (metadata lives in pyproject.toml).
+"""Builds pagedkern._C with CMake + Ninja, and pagedkern._cpu (csrc/cpu/, the CPU backend's C++
+kernels) with the host C++ compiler through setuptools (metadata lives in pyproject.toml).
 
 Build environment variables (declared in BUILD_ENV below, parsed with the package's rules from
 python/pagedkern/envs.py, loaded here by path since the package is not built yet; the package
@@ -116,6 +117,7 @@ def _tool(module: str, attr: str, name: str) -> str | None:
 
 class CMakeBuild(build_ext):
     def run(self) -> None:
+        inplace = self.inplace  # (setuptools clears it while building)
         try:
             super().run()
         except Exception as exc:  # noqa: BLE001 - any build failure becomes a warning unless required
@@ -125,8 +127,19 @@ class CMakeBuild(build_ext):
                 f"pagedkern: the CUDA extension was not built ({exc}). pagedkern will run on its "
                 "PyTorch reference ops; set PAGEDKERN_REQUIRE_CUDA=1 to make this an error."
             )
+            if inplace:  # the CPU kernels built before the failure still go into the source tree
+                self._copy_inplace(CPU_EXTENSION)
+
+    def _copy_inplace(self, ext: Extension) -> None:
+        fullname = self.get_ext_fullname(ext.name)
+        built = Path(self.build_lib) / self.get_ext_filename(fullname)
+        package_dir = self.get_finalized_command("build_py").get_package_dir("pagedkern")
+        if built.is_file():
+            self.copy_file(str(built), str(Path(package_dir) / built.name))
 
     def build_extension(self, ext: Extension) -> None:
+        if ext.name == CPU_EXTENSION.name:
+            return self._build_cpu_extension(ext)
         if not BUILD_ENV["PAGEDKERN_BUILD_CUDA"].get():
             raise RuntimeError("PAGEDKERN_BUILD_CUDA=0 was set")
         nvcc = _find_nvcc()
@@ -170,11 +183,48 @@ class CMakeBuild(build_ext):
         subprocess.run(configure, check=True)
         subprocess.run([cmake, "--build", str(build_dir), "--", f"-j{jobs}"], check=True)
 
+    def _build_cpu_extension(self, ext: Extension) -> None:
+        """pagedkern._cpu with the host C++ compiler; without one (or on a failure) the package
+        installs without it and the CPU backend keeps torch's kernels."""
+        msvc = self.compiler.compiler_type == "msvc"
+        ext.extra_compile_args = (
+            ["/O2", "/std:c++17", "/fp:precise"]
+            if msvc
+            else ["-O3", "-std=c++17", "-ffp-contract=off"]
+        )
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001 - optional: torch's CPU kernels stand in
+            self.warn(
+                f"pagedkern: the CPU kernels (pagedkern._cpu) were not built ({exc}); the CPU "
+                "backend's quantized GEMMs will run torch's int-pack kernels. Install a C++ "
+                "compiler (g++ or clang++) and reinstall to build them."
+            )
+
+
+def _cpu_extension() -> Extension:
+    """pagedkern._cpu: csrc/cpu/ (x86 ISA paths chosen at run time), pybind11, no libtorch."""
+    try:
+        import pybind11
+
+        include = [pybind11.get_include()]
+    except ImportError:
+        include = []
+    return Extension(
+        "pagedkern._cpu",
+        sources=["csrc/cpu/quant_gemv.cpp"],
+        include_dirs=include,
+        extra_link_args=[] if os.name == "nt" else ["-pthread"],
+        language="c++",
+    )
+
+
+CPU_EXTENSION = _cpu_extension()
 
 # setuptools runs this file as __main__ (pip's build backend too); the tests load it by path
 # for BUILD_ENV and cuda_build_required.
 if __name__ == "__main__":
     setup(
-        ext_modules=[Extension("pagedkern._C", sources=[])],
+        ext_modules=[CPU_EXTENSION, Extension("pagedkern._C", sources=[])],
         cmdclass={"build_ext": CMakeBuild},
     )

@@ -27,10 +27,12 @@ MAX_TOKENS = 8  # CI budget: 4 modes x 32 prompts
 # path on, which changes no bit): int8 27/32 = 0.844 and 0.037, int4 27/32 and 0.024, fp8 KV
 # 22/32 = 0.688 and 0.048. The bounds allow one more flipped answer (other CPUs run other
 # kernel variants) and ~1.35x the measured |dlogprob|; all above the required 0.60 for int4 and
-# fp8 KV.
+# fp8 KV. The log-probabilities are computed on the CPU backend, whose quantized GEMM rounds
+# activations to int8 per block of 32 (ops/cpu/quant_gemv.py): int4 then measured 27/32 and
+# 0.033 (0.024 with torch's bf16-activation kernels, the same answers).
 BOUNDS = {
     ("int8", "auto"): (0.80, 0.05),
-    ("int4", "auto"): (0.80, 0.033),
+    ("int4", "auto"): (0.80, 0.045),
     ("none", "fp8"): (0.65, 0.065),
 }
 

@@ -24,6 +24,14 @@ from pagedkern.reference.quant_gemm import quant_linear as ref_quant_linear
 FORMATS = [("int8", 0), ("int4", 32), ("int4", 128)]
 
 
+@pytest.fixture(autouse=True)
+def _torch_int_pack():
+    """These tests are of torch's int-pack path, which the reference backend runs (the CPU
+    backend's own GEMV: tests/test_cpu_backend_quant_gemv.py)."""
+    with ops.use_backend("reference"):
+        yield
+
+
 def make(fmt: str, group: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, QuantizedWeight]:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05 + 0.01 * torch.randn(n, 1, generator=g)

@@ -13,7 +13,8 @@ This path computes the plain forward's (llama.py) function with ~20 ops a layer:
   step's new K/V go into the copy as well as the cache, so the copy is then what a fresh
   gather would read;
 - per layer: residual add and RMSNorm (torch's fused rms_norm), the GEMMs on the prepacked
-  weights (quantized: torch's int-pack kernels with bf16 activations, as ops.quant_linear),
+  weights (quantized: the backend's, as ops.quant_linear runs them: the CPU backend's GEMV,
+  or torch's int-pack kernels with bf16 activations),
   RoPE of q and k in place (rotate-half as roll, multiply, add), the new k/v written into the
   gathered copy (one index_copy_; an fp8 cache: as the cache stores them, k / k_scale and
   v / v_scale in E4M3, read back), attention as the CPU backend's decode rows compute it
@@ -44,7 +45,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..ops import cpu as cpu_ops
 from ..ops import launch
+from ..ops.cpu import quant_gemv
 from ..ops.cpu.attention import key_tile, tiled_attention
 from ..ops.quant_gemm import cpu_packed
 from ..reference.attention import MIN_GEMM_ROWS, decode_bias, gather_decode_kv
@@ -160,19 +163,22 @@ def _table_weights(width: int) -> torch.Tensor:
 
 
 def _gemm(weight, bias: torch.Tensor | None = None) -> Gemm:
-    """x [M, K] fp32 -> x @ W.T (+ bias): bf16 in and out for quantized weights (the int-pack
-    kernels), fp32 for fp32 weights."""
+    """x [M, K] -> x @ W.T (+ bias) as the plain path's linear computes it under the backend in
+    effect at the call: quantized weights on the CPU backend through its quant_linear (fp32 in,
+    x's dtype out), else torch's int-pack kernels (bf16 in and out; x arrives in bf16, see
+    _gemm_dtype); fp32 weights by F.linear."""
     if isinstance(weight, QuantizedWeight):
-        w, scales = cpu_packed(weight)
+        host = cpu_ops.implementation_of("quant_linear")
         n = weight.shape[0]
-        if weight.format == "int8":
-            mm = lambda x: torch.ops.aten._weight_int8pack_mm(x, w, scales)  # noqa: E731
-        else:
-            group, padded = weight.group_size, w.shape[0] != n  # packing pads N to 16
 
-            def mm(x):
-                out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, scales)
-                return out[:, :n] if padded else out
+        def mm(x):
+            if x.dtype == torch.float32:  # the CPU backend's (_gemm_dtype)
+                return host(x, weight)
+            w, scales = cpu_packed(weight)
+            if weight.format == "int8":
+                return torch.ops.aten._weight_int8pack_mm(x, w, scales)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, weight.group_size, scales)
+            return out[:, :n] if out.shape[1] != n else out
     else:
         mm = lambda x: F.linear(x, weight)  # noqa: E731
     if bias is None:
@@ -221,7 +227,12 @@ def _prepare(model):
 
 
 def _gemm_dtype(weight) -> torch.dtype:
-    return torch.bfloat16 if isinstance(weight, QuantizedWeight) else torch.float32
+    """What the plain path's linear rounds x to: bf16 for quantized weights on torch's int-pack
+    kernels (the reference backend, or the CPU backend without its built GEMV), else fp32."""
+    if not isinstance(weight, QuantizedWeight):
+        return torch.float32
+    on_gemv = launch.get_backend() != "reference" and quant_gemv.available()
+    return torch.float32 if on_gemv else torch.bfloat16
 
 
 def hidden_states(

@@ -1,6 +1,8 @@
 """quant_linear: x @ W.T for a weight-only quantized W (int8 per channel, int4 per group).
 
-Dispatch after validation: CPU tensors -> torch's maintained int-pack kernels
+Dispatch after validation: CPU tensors under the "cpu" backend (and "auto") -> the CPU
+backend's implementation (ops/cpu/quant_linear.py: int8-activation GEMV in C++); under
+"reference" -> torch's maintained int-pack kernels
 (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu), which want bf16 activations and
 bf16 scales, so x is rounded to bf16 around the GEMM and the result returned in x's dtype;
 CUDA tensors -> csrc/quant_gemm.cu for decode-shaped M (<= 64, fp16/bf16 x; with the variant
@@ -84,18 +86,24 @@ def _quant_linear(x, weight, bias, out):
     xv = view(x, "x")
     if not launch.use_reference([xv]):  # via the module: the emulator patches it there
         out = _cuda(x, weight, out)
+    elif launch.host_backend([xv]) == "cpu":  # the CPU backend's (ops/cpu/quant_linear.py)
+        return launch.host_ops([xv]).quant_linear(x, weight, bias)
     elif x.device.type == "cpu":
-        w, scales = cpu_packed(weight)
-        xb = x.to(torch.bfloat16).contiguous()
-        if weight.format == "int8":
-            out = torch.ops.aten._weight_int8pack_mm(xb, w, scales)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, weight.group_size, scales)
-            out = out[:, : weight.shape[0]]
+        out = torch_int_pack_mm(x, weight)
     else:
         out = _dequantized_matmul(x, weight)
     out = out.to(x.dtype)
     return out if bias is None else out.add_(bias)
+
+
+def torch_int_pack_mm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x @ W.T by torch's int-pack CPU kernels: x rounded to bf16, bf16 [M, N] out."""
+    w, scales = cpu_packed(weight)
+    xb = x.to(torch.bfloat16).contiguous()
+    if weight.format == "int8":
+        return torch.ops.aten._weight_int8pack_mm(xb, w, scales)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, weight.group_size, scales)
+    return out[:, : weight.shape[0]]
 
 
 def _dequantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ... import reference
-from . import attention, norm
+from . import attention, norm, quant_linear
 
 # op -> its CPU implementation; the reference's own function where the CPU has no faster one
 IMPLEMENTATIONS = {
@@ -22,7 +22,7 @@ IMPLEMENTATIONS = {
     "fused_moe": reference.fused_moe,
     "sample": reference.sample,
     "rejection_sample": reference.rejection_sample,
-    "quant_linear": None,  # ops.quant_linear's own CPU path (torch's int-pack kernels)
+    "quant_linear": quant_linear.quant_linear,  # int8-activation GEMV (csrc/cpu/quant_gemv.cpp)
 }
 
 # What ops receive from launch.host_ops: the table's functions as attributes

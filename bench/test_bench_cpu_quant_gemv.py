@@ -1,0 +1,83 @@
+"""The CPU backend's quantized GEMM (csrc/cpu/quant_gemv.cpp: int8 activations, VNNI/AVX2
+integer dots) against torch's int-pack CPU kernels (aten._weight_int4pack_mm_for_cpu,
+aten._weight_int8pack_mm: bf16 activations), at the default model's shapes (SmolLM2-135M: QKV,
+gate/up, down int4 G = 32, the int8 LM head) over M = 1 .. 512, interleaved (each case times
+both before the next), one thread by default (PAGEDKERN_BENCH_THREADS). Prints microseconds,
+the weight bytes read per second at M = 1 beside the copy bandwidth measured in the same run
+(the ceiling a GEMV approaches), and torch / gemv: where the ratio falls below 1 is the
+crossover. Full sizes with PAGEDKERN_BENCH_CPU=1 (or PAGEDKERN_BENCH_SMOKE=0) on a machine
+without a GPU; smoke mode runs tiny shapes once."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from measure import smoke_mode
+
+from pagedkern.model.quantized_linear import quantize_int4, quantize_int8
+from pagedkern.ops.cpu import quant_gemv
+from pagedkern.ops.quant_gemm import torch_int_pack_mm
+
+FULL = not smoke_mode() or os.environ.get("PAGEDKERN_BENCH_CPU") == "1"
+if FULL and torch.cuda.is_available():
+    pytest.skip("a CPU benchmark; this machine has a GPU", allow_module_level=True)
+THREADS = int(os.environ.get("PAGEDKERN_BENCH_THREADS", 1))
+SHAPES = (
+    [("qkv", "int4", 960, 576), ("gate_up", "int4", 3072, 576), ("down", "int4", 576, 1536),
+     ("lm_head", "int8", 49152, 576)]
+    if FULL else [("tiny", "int4", 64, 64), ("tiny", "int8", 64, 64)]
+)  # fmt: skip
+MS = (1, 2, 4, 8, 16, 64, 256, 512) if FULL else (1, 3)
+MAX_LM_HEAD_M = 64  # the LM head runs on the sampled rows only
+
+
+def _best_us(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(3 if FULL else 1):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best * 1e6
+
+
+def _copy_gbs() -> float:
+    src = torch.empty(64 << 20 if FULL else 1 << 16, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / _best_us(lambda: dst.copy_(src), 5) / 1e3
+
+
+@pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
+def test_cpu_quant_gemv(capsys):
+    torch.set_num_threads(THREADS)
+    lines = []
+    for name, fmt, n, k in SHAPES:
+        w = torch.randn(n, k)
+        qw = quantize_int4(w) if fmt == "int4" else quantize_int8(w)
+        nbytes = n * k // (2 if fmt == "int4" else 1)
+        for m in MS:
+            if name == "lm_head" and m > MAX_LM_HEAD_M:
+                continue
+            x = torch.randn(m, k)
+            reps = max(2, int(3e8 / (n * k * m))) if FULL else 1
+            ours = _best_us(lambda: quant_gemv.quant_gemv(x, qw), reps)  # noqa: B023
+            theirs = _best_us(lambda: torch_int_pack_mm(x, qw), reps)  # noqa: B023
+            gbs = f"{nbytes / ours / 1e3:7.1f}" if m == 1 else " " * 7
+            lines.append(
+                f"  {name:8s} {fmt} M={m:<4d} {ours:10.1f} {theirs:10.1f} {gbs} "
+                f"{theirs / ours:9.2f}x"
+            )
+    with capsys.disabled():
+        print(
+            f"\nCPU quantized GEMM, {THREADS} thread(s), path {quant_gemv.best_path()}, "
+            f"copy bandwidth {_copy_gbs():.1f} GB/s; microseconds (best of 3)"
+        )
+        print(
+            f"  {'weight':13s} {'M':6s} {'gemv':>10s} {'torch':>10s} {'GB/s':>7s} "
+            f"{'torch/gemv':>10s}"
+        )
+        print("\n".join(lines))

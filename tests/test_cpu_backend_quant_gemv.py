@@ -1,0 +1,139 @@
+"""The CPU backend's quantized GEMM (csrc/cpu/quant_gemv.cpp through ops/cpu/quant_gemv.py)
+against the float64 reference, as kernels are tested: fresh random inputs, odd shapes, the
+output poisoned with NaN, on every ISA path this machine runs (forced by argument). The
+activations are quantized to int8 per block of 32, so the bound is that rounding's worst case
+(half a step of each block, times the block's |w|) plus fp32 accumulation; every path must
+give the same bits, and a row's result must not depend on M, the other rows or the threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_check import poisoned
+
+from pagedkern import ops
+from pagedkern.model.quantized_linear import quantize_int4, quantize_int8
+from pagedkern.ops.cpu import quant_gemv
+from pagedkern.ops.cpu import quant_linear as cpu_quant_linear
+from pagedkern.reference.quant_gemm import dequantize
+from pagedkern.reference.quant_gemm import quant_linear as ref_quant_linear
+
+pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
+
+FORMATS = [("int8", 0), ("int4", 32), ("int4", 128)]
+SHAPES = [(1, 37, 64), (3, 960, 256), (5, 16, 128), (17, 50, 384), (64, 33, 32)]
+
+
+def _paths() -> list[str]:
+    return quant_gemv.supported_paths() if quant_gemv.available() else []
+
+
+def _weight(fmt: str, group: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05 + 0.01 * torch.randn(n, 1, generator=g)
+    return quantize_int8(w) if fmt == "int8" else quantize_int4(w, group)
+
+
+def _bound(x: torch.Tensor, qw) -> torch.Tensor:
+    """Worst case of per-block int8 activation rounding (|dx q - x| <= dx / 2 with dx = the
+    block's max |x| / 127) plus fp32 accumulation slack (K terms of 2^-24 relative)."""
+    m, k = x.shape
+    w = dequantize(qw).abs()  # [N, K] float64
+    half_step = (x.double().abs().view(m, k // 32, 32).amax(-1) / 254).repeat_interleave(32, 1)
+    terms = x.double().abs() @ w.T
+    return half_step @ w.T * 1.001 + terms * (k + 8) * 2**-24 + 1e-30
+
+
+@pytest.mark.parametrize("path", _paths())
+@pytest.mark.parametrize("fmt,group", FORMATS)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_matches_the_reference_within_the_activation_rounding(path, fmt, group, m, n, k):
+    if fmt == "int4":
+        k = -(-k // group) * group  # whole groups
+    qw = _weight(fmt, group, n, k, seed=m * 131 + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n + k)) * 2.0
+    out = poisoned((m, n), torch.float32, "cpu")
+    got = quant_gemv.quant_gemv(x, qw, path=path, out=out)
+    assert got is out and not torch.isnan(out).any()
+    want = ref_quant_linear(x.double(), qw)
+    assert ((got.double() - want).abs() <= _bound(x, qw)).all()
+
+
+@pytest.mark.parametrize("fmt,group", FORMATS)
+def test_every_path_gives_the_same_bits(fmt, group):
+    qw = _weight(fmt, group, 75, 256, seed=3)
+    x = torch.randn(6, 256)
+    results = [quant_gemv.quant_gemv(x, qw, path=p) for p in _paths()]
+    assert "portable" in _paths() and len(results) >= 1
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
+
+
+@pytest.mark.parametrize("path", _paths())
+@pytest.mark.parametrize("fmt,group", FORMATS)
+def test_a_row_does_not_depend_on_its_batch_or_the_threads(path, fmt, group):
+    qw = _weight(fmt, group, 100, 256, seed=5)
+    x = torch.randn(9, 256)
+    whole = quant_gemv.quant_gemv(x, qw, path=path, threads=1)
+    for i in range(9):
+        alone = quant_gemv.quant_gemv(x[i : i + 1], qw, path=path, threads=2)
+        assert torch.equal(alone[0], whole[i])
+    assert torch.equal(quant_gemv.quant_gemv(x[2:7], qw, path=path, threads=3), whole[2:7])
+    strided = torch.zeros(9, 400)
+    strided[:, 8:264] = x  # rows of stride 400, unit stride along K
+    assert torch.equal(quant_gemv.quant_gemv(strided[:, 8:264], qw, path=path), whole)
+
+
+@pytest.mark.parametrize("fmt,group", FORMATS)
+def test_nan_in_a_row_reaches_its_outputs_only(fmt, group):
+    qw = _weight(fmt, group, 40, 128, seed=7)
+    x = torch.randn(3, 128)
+    x[1, 70] = float("nan")
+    for path in _paths():
+        got = quant_gemv.quant_gemv(x, qw, path=path)
+        assert torch.isnan(got[1]).all()
+        assert torch.isfinite(got[[0, 2]]).all()
+
+
+def test_the_backend_runs_it_and_the_reference_backend_does_not(monkeypatch):
+    qw = _weight("int4", 32, 48, 64, seed=1)
+    x = torch.randn(2, 64)
+    calls = []
+    real = quant_gemv.quant_gemv
+    monkeypatch.setattr(quant_gemv, "quant_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    bias = torch.randn(48)
+    with ops.use_backend("cpu"):
+        got = ops.quant_linear(x, qw, bias)
+    assert calls == [1]
+    assert torch.equal(got, real(x, qw) + bias)
+    with ops.use_backend("reference"):
+        ops.quant_linear(x, qw)  # torch's int-pack kernels
+    assert calls == [1]
+    half = ops.quant_linear(x.bfloat16(), qw)  # fp32 inside, rounded once to x's dtype
+    want = real(x.bfloat16().float(), qw).bfloat16()
+    assert half.dtype == torch.bfloat16 and torch.equal(half, want)
+
+
+def test_without_the_module_torch_int_pack_runs_with_a_warning(monkeypatch):
+    qw = _weight("int8", 0, 32, 64, seed=2)
+    x = torch.randn(3, 64)
+    monkeypatch.setattr(quant_gemv, "_probe", lambda: (None, "pagedkern._cpu is not built"))
+    monkeypatch.setattr(cpu_quant_linear, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="not built"), ops.use_backend("cpu"):
+        got = ops.quant_linear(x, qw)
+    with ops.use_backend("reference"):
+        assert torch.equal(got, ops.quant_linear(x, qw))
+    with pytest.raises(RuntimeError, match="not built"):
+        quant_gemv.quant_gemv(x, qw)
+
+
+def test_arguments_are_checked():
+    qw = _weight("int4", 32, 16, 64, seed=0)
+    with pytest.raises(ValueError, match="K must equal"):
+        quant_gemv.quant_gemv(torch.randn(2, 32), qw)
+    with pytest.raises(ValueError, match="float32"):
+        quant_gemv.quant_gemv(torch.randn(2, 64).double(), qw)
+    with pytest.raises(ValueError, match="path"):
+        quant_gemv.quant_gemv(torch.randn(2, 64), qw, path="avx9")
+    with pytest.raises(ValueError, match="out"):
+        quant_gemv.quant_gemv(torch.randn(2, 64), qw, out=torch.empty(2, 15))
