@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from .config import FULL, SLIDING, RopeScaling
+from .config import FULL, SLIDING, ModelConfig, RopeScaling
 from .errors import ModelLoadError
 from .gpt_oss import gpt_oss_fields
+from .tensor_shard import Part, TensorShard
 
 ARCH = "gpt-oss"
 
@@ -80,6 +81,23 @@ def gpt_oss_gguf_tensor(hf_name: str, read: Callable[[str], torch.Tensor | None]
         return None  # (reported as the stacked tensor's shape)
     both = torch.stack([gate, up], dim=2).flatten(1, 2)  # [E, 2I(, H)] interleaved
     return both.transpose(1, 2).contiguous() if both.dim() == 3 else both
+
+
+def gpt_oss_gguf_parts(config: ModelConfig, shard: TensorShard) -> dict[str, Part]:
+    """A tensor-parallel rank's parts of the GGUF expert tensors (gguf_shard.cut_tensors' dims:
+    rows / columns of the last two): its slice of the intermediate size, the rows of
+    ffn_gate_exps / ffn_up_exps [E, I, H], the columns of their biases [E, I] and of
+    ffn_down_exps [E, H, I] (whose bias is rank 0's: TensorShard drops it elsewhere)."""
+    inter = config.moe_intermediate_size
+    rows = shard.mlp_rows(inter)
+    parts: dict[str, Part] = {}
+    for n in range(config.num_layers):
+        if config.is_moe_layer(n):
+            for proj in ("ffn_gate_exps", "ffn_up_exps"):
+                parts[f"blk.{n}.{proj}.weight"] = Part(0, rows.start, rows.stop, inter)
+                parts[f"blk.{n}.{proj}.bias"] = Part(1, rows.start, rows.stop, inter)
+            parts[f"blk.{n}.ffn_down_exps.weight"] = Part(1, rows.start, rows.stop, inter)
+    return parts
 
 
 def gpt_oss_gguf_fields(meta: dict[str, Any], layers: int, path: str) -> dict[str, Any]:

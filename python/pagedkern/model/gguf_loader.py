@@ -28,10 +28,11 @@ from .gguf_gpt_oss import ARCH as GPT_OSS
 from .gguf_gpt_oss import (
     gpt_oss_gguf_fields,
     gpt_oss_gguf_name,
+    gpt_oss_gguf_parts,
     gpt_oss_gguf_tensor,
     yarn_from_gguf,
 )
-from .gguf_shard import narrow_columns, shard_tensors
+from .gguf_shard import cut_tensors, narrow_columns, shard_tensors
 from .gguf_tokenizer import tokenizer_from_gguf
 from .quantized_linear import (
     DEFAULT_INT4_GROUP,
@@ -312,8 +313,11 @@ def _convert(
     tensors = {t.name: t for t in reader.tensors}
     config, permuted = _config(meta, tensors, path)
     narrow = {}  # a shard's parts are cut from the mapped tensors before anything is read
+    experts_narrow = {}  # (gpt-oss's experts, narrowed as read, before their rebuild)
     if shard is not None:
         shard.check(config)
+        if config.attn_sinks:
+            experts_narrow = cut_tensors(tensors, gpt_oss_gguf_parts(config, shard))
         narrow = shard_tensors(tensors, config, shard, lambda n: _holder(n, config))
     tokenizer = tokenizer_from_gguf(meta, path)
 
@@ -352,11 +356,15 @@ def _convert(
     def name(hf_name: str) -> str:
         return gguf_name(hf_name, config.sandwich_norms, config.attn_sinks)
 
+    def read_expert(name: str) -> torch.Tensor | None:
+        w, cut = read(name, mapped=False), experts_narrow.get(name)
+        return w if w is None or cut is None else narrow_columns(w, *cut, name)
+
     stacks: dict[str, torch.Tensor | None] = {}  # the current MoE layer's stacked experts
 
     def get(hf_name: str) -> torch.Tensor | None:
         if config.attn_sinks:  # gpt-oss: its experts rebuilt in the checkpoint's layout
-            w = gpt_oss_gguf_tensor(hf_name, lambda n: read(n, mapped=False))
+            w = gpt_oss_gguf_tensor(hf_name, read_expert)
             if w is not NotImplemented:
                 return w
         if (stacked := expert_slice(hf_name)) is not None:

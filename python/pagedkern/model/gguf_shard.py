@@ -51,6 +51,18 @@ def shard_tensors(
     return narrow
 
 
+def cut_tensors(tensors: dict, parts: dict[str, Part]) -> dict[str, tuple[int, int]]:
+    """As shard_tensors, for parts given by GGUF name (dims counted as in _cut: rows and columns
+    of the last two dimensions), for tensors that do not map one-to-one onto a HF one."""
+    narrow: dict[str, tuple[int, int]] = {}
+    for name, part in parts.items():
+        if name in tensors and not isinstance(tensors[name], TensorPart):
+            cut = _cut(tensors, name, part)
+            if cut is not None:
+                narrow[name] = cut
+    return narrow
+
+
 def _cut(tensors: dict, name: str, part: Part) -> tuple[int, int] | None:
     from gguf.constants import GGML_QUANT_SIZES
 

@@ -54,9 +54,14 @@ def gpt_oss_moe_shapes(p: str, experts: int, h: int, i: int) -> dict[str, tuple[
     }
 
 
-def gpt_oss_experts(p: str, load: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+def gpt_oss_experts(
+    p: str,
+    load: Callable[[str], torch.Tensor],
+    maybe: Callable[[str], torch.Tensor | None],
+) -> dict[str, torch.Tensor | None]:
     """LayerWeights' router and expert fields of layer prefix p, in pagedkern's layout, from
-    `load` (the checked, converted tensor of a HF name)."""
+    `load` (the checked, converted tensor of a HF name) and `maybe` (the same, None for one
+    this rank does not hold: a tensor-parallel rank's down bias is rank 0's)."""
     x = p + "mlp.experts."
     gate_up = load(x + "gate_up_proj").transpose(1, 2)  # [E, 2I, H], rows interleaved
     bias = load(x + "gate_up_proj_bias")
@@ -66,5 +71,5 @@ def gpt_oss_experts(p: str, load: Callable[[str], torch.Tensor]) -> dict[str, to
         experts_gate_up=torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1).contiguous(),
         experts_gate_up_bias=torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1).contiguous(),
         experts_down=load(x + "down_proj").transpose(1, 2).contiguous(),
-        experts_down_bias=load(x + "down_proj_bias"),
+        experts_down_bias=maybe(x + "down_proj_bias"),
     )

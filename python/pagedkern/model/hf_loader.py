@@ -102,9 +102,7 @@ def _read_part(handle, key: str, part: Part) -> torch.Tensor:
     shape = sliced.get_shape()
     if len(shape) <= part.dim or shape[part.dim] != part.length:
         return handle.get_tensor(key)
-    if part.dim == 0:
-        return sliced[part.start : part.stop]
-    return sliced[:, part.start : part.stop]
+    return sliced[(slice(None),) * part.dim + (slice(part.start, part.stop),)]
 
 
 def load_hf_folder(
@@ -133,7 +131,10 @@ def load_hf_folder(
                 except Exception as exc:  # data past the end of a truncated file, ...
                     raise ModelLoadError(path, f"tensor {key!r} is unreadable: {exc}") from None
         if name + "_blocks" in where:  # MXFP4 (gpt-oss experts): dequantized, see mxfp4.py
-            return _mxfp4_tensor(name, where, dtype)
+            whole = _mxfp4_tensor(name, where, dtype)  # (a rank's part: cut after dequantizing)
+            if part is None or whole.shape[part.dim] != part.length:
+                return whole
+            return whole.narrow(part.dim, part.start, part.stop - part.start).contiguous()
         return None
 
     def locate(name: str) -> str:  # errors name the shard holding the tensor

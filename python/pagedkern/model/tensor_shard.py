@@ -8,8 +8,11 @@ moe_intermediate_size) and of the shared expert (its own size). Row-parallel (in
 split): O and down, whose partial outputs the forward all-reduces (after the experts' combine in
 a MoE layer: the combine and the shared expert's gate are linear in them); their biases stay on
 rank 0 only, so the sum adds them once. Vocab-parallel: rank r holds embedding / LM head rows
-[r*ceil(V/N), (r+1)*ceil(V/N)). Norms, RoPE factors, routers and the shared-expert gate are
-replicated.
+[r*ceil(V/N), (r+1)*ceil(V/N)). Norms, RoPE factors, routers (gpt-oss's bias too) and the
+shared-expert gate are replicated. gpt-oss: each rank holds its query heads' sinks; its stacked
+experts (checkpoint layout [E, H, 2I] with gate / up columns interleaved, their bias [E, 2I],
+down [E, I, H]) are cut along the intermediate size as every expert is (interleaved, a rank's
+slice is one run of columns [2a, 2b)); the down bias is rank 0's.
 
 KV heads: with num_kv_heads >= N each rank holds num_kv_heads / N of them; with fewer (as vLLM
 does) each rank holds the one KV head its query heads read, replicated over N / num_kv_heads
@@ -32,7 +35,8 @@ class TensorParallelConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Part:
-    """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor `length` long along `dim`."""
+    """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor `length` long along `dim`
+    (dim 2: the columns of a stacked checkpoint tensor [E, rows, columns], gpt-oss's)."""
 
     dim: int
     start: int
@@ -113,6 +117,11 @@ class TensorShard:
         head = self.rank * hkv // size
         return range(head, head + 1)
 
+    def heads(self, config: ModelConfig) -> range:
+        """The global query head ids this rank holds."""
+        per = config.num_heads // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
     def q_rows(self, config: ModelConfig) -> range:
         per = config.num_heads // self.size * config.head_dim
         return range(self.rank * per, (self.rank + 1) * per)
@@ -148,6 +157,12 @@ class TensorShard:
         if parts[:2] != ["model", "layers"]:
             return None  # the final norm
         proj, kind = parts[-2], parts[-1]
+        if proj == "router":  # gpt-oss's router, weight and bias
+            return None
+        if kind == "sinks":  # one per query head
+            return _part(0, self.heads(config), config.num_heads)
+        if proj == "experts" and kind in _GPT_OSS_EXPERTS:  # gpt-oss's stacked experts
+            return self._gpt_oss_expert_part(config, kind)
         proj = _MIXTRAL_EXPERT.get(proj, proj) if ".experts." in name else proj
         if proj in _REPLICATED and kind == "weight":
             return None
@@ -175,6 +190,16 @@ class TensorShard:
         if kind == "bias":
             return None if self.rank == 0 else DROPPED
         return _part(1, self.mlp_rows(intermediate), intermediate)
+
+    def _gpt_oss_expert_part(self, config: ModelConfig, kind: str) -> Part | str | None:
+        inter = config.moe_intermediate_size
+        rows = self.mlp_rows(inter)
+        if kind == "down_proj_bias":
+            return None if self.rank == 0 else DROPPED
+        if kind == "down_proj":  # [E, I, H]
+            return Part(1, rows.start, rows.stop, inter)
+        dim = 2 if kind == "gate_up_proj" else 1  # [E, H, 2I] / bias [E, 2I]
+        return Part(dim, 2 * rows.start, 2 * rows.stop, 2 * inter)
 
     def reader(
         self, config: ModelConfig, get: Callable, shapes: dict[str, tuple[int, ...]]
@@ -211,6 +236,7 @@ _REPLICATED = {
     "gate",  # the router
     "shared_expert_gate",
 }
+_GPT_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 

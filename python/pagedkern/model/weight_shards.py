@@ -106,13 +106,19 @@ def shard_weights(weights: LlamaWeights, config: ModelConfig, rank: int, size: i
             k_norm=w.k_norm,
             attn_out_norm=w.attn_out_norm,  # of the all-reduced output: whole on every rank
             mlp_out_norm=w.mlp_out_norm,
+            sinks=_bias(w.sinks, _index(shard.heads(config))),  # (gpt-oss) its query heads'
         )
         if moe:  # the router and the shared expert's gate replicated, every expert sliced
             experts = shard.mlp_rows(config.moe_intermediate_size)
             out.router, out.shared_gate = w.router, w.shared_gate
             out.experts_gate_up = rows(w.experts_gate_up, gate_up(config.moe_intermediate_size))
             out.experts_down = cols(w.experts_down, experts.start, experts.stop, "experts")
-        rank0_only = ("o_bias", "down_bias")
+            out.router_bias = w.router_bias  # (gpt-oss) replicated with the router
+            if w.experts_gate_up_bias is not None:  # [E, 2I]
+                index = gate_up(config.moe_intermediate_size)
+                out.experts_gate_up_bias = w.experts_gate_up_bias[:, index].contiguous()
+            out.experts_down_bias = w.experts_down_bias if rank == 0 else None
+        rank0_only = ("o_bias", "down_bias", "experts_down_bias")
         unsplit = [f.name for f in fields(w) if getattr(out, f.name) is None]
         unsplit = [x for x in unsplit if x not in rank0_only]
         if any(getattr(w, name) is not None for name in unsplit):  # (no rule for them yet)

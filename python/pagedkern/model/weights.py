@@ -390,7 +390,7 @@ def assemble_weights(
     def experts(p: str) -> dict[str, Linear | None]:
         """A MoE layer's router and stacked experts (LayerWeights fields), {} for a dense one."""
         if p + "mlp.router.bias" in shapes:
-            return gpt_oss_experts(p, load)
+            return gpt_oss_experts(p, load, maybe)
         if p + "mlp.gate.weight" not in shapes:
             return {}
         # Each projection's experts stay quantized (stacked [E, N, K]) when all of its parts
