@@ -221,3 +221,28 @@ def test_the_http_server_reports_shadow_mode_in_metrics():
     assert all(float(line.rsplit(" ", 1)[1]) > 0 for line in calls)
     errors = [line for line in lines if line.startswith("pagedkern_shadow_max_relative_error")]
     assert errors and all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in errors)
+
+
+@pytest.mark.parametrize("head_dim", [64, 30])
+def test_qk_norm_in_rope_and_cache_is_checked_with_the_norm(head_dim):
+    """The op normalises q and k's heads before rotating them (Qwen3, Gemma 3, OLMoE): the shadow
+    reference must too, or every such layer reports a divergence."""
+    torch.manual_seed(0)
+    tokens, hq, hkv, blocks, bs = 5, 4, 2, 3, 4
+    q = torch.randn(tokens, hq, head_dim) * 3
+    k = torch.randn(tokens, hkv, head_dim) * 3
+    v = torch.randn(tokens, hkv, head_dim)
+    cache = torch.zeros(blocks, hkv, bs, head_dim)
+    from pagedkern.reference import cos_sin_cache
+
+    cos_sin = cos_sin_cache(head_dim, 16)
+    positions = torch.arange(tokens, dtype=torch.int32)
+    slots = torch.tensor([0, 1, -1, 5, 9], dtype=torch.int32)
+    q_norm, k_norm = torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5
+    report = shadow.ShadowReport()
+    with report.active(step=0):
+        ops.rope_and_cache(
+            q, k, v, positions, cos_sin, cache, cache.clone(), slots, q_norm=q_norm, k_norm=k_norm
+        )
+    assert report.stats[("rope_and_cache", None)].calls == 1
+    assert report.first is None, report.summary()

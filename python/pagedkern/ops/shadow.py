@@ -258,6 +258,11 @@ def _shadow_rope(fn: Callable, args, kwargs, arguments: dict, report: ShadowRepo
     from .. import reference
 
     q0, k0 = arguments["q"].clone(), arguments["k"].clone()
+    q_norm, k_norm = arguments.get("q_norm"), arguments.get("k_norm")
+    if q_norm is not None:  # QK-norm first, as the op's reference path does
+        eps = arguments.get("norm_eps", 1e-6)
+        q0.copy_(reference.rms_norm(q0, q_norm, eps))
+        k0.copy_(reference.rms_norm(k0, k_norm, eps))
     slots = arguments["slot_mapping"]
     k_cache, v_cache = arguments["k_cache"], arguments["v_cache"]
     result = fn(*args, **kwargs)
