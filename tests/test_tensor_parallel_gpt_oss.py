@@ -4,14 +4,18 @@ and from its GGUF (F32, and MXFP4 experts whose per-rank columns fall inside a 3
 rank reading its part of the checkpoint: its query heads' sinks and q/k/v biases, every
 expert's slice of the intermediate size with its gate/up biases, the o and down biases on rank
 0 only, the router and its bias whole. A rank's sharded load equals the whole model cut by
-shard_weights."""
+shard_weights (an MXFP4 folder's rank reading only the blocks covering its part: rows of
+gate_up's, the 32-block holding its 16 columns of down's)."""
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
+from mxfp4_quantizer import quantize_mxfp4
+from safetensors.torch import load_file, save_file
 from tensor_parallel_cases import LOGITS_ATOL, SETTINGS, greedy, prompts, record_logits
 from test_model_gguf_gpt_oss import MXFP4, ROPE, _llama_cpp_experts, write_gpt_oss_gguf
 from test_model_gpt_oss import save
@@ -33,13 +37,20 @@ def private_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{"folder": HF folder, "f32": GGUF, "mxfp4": GGUF with MXFP4 experts} of one model."""
+    """{"folder": HF folder, "mxfp4_folder": the same with MXFP4 experts, "f32": GGUF,
+    "mxfp4": GGUF with MXFP4 experts} of one model."""
     root = tmp_path_factory.mktemp("gpt_oss_tp")
     hf = save(root / "hf", _llama_cpp_experts, swiglu_limit=7.0, rope_parameters=ROPE)
+    shutil.copytree(root / "hf", root / "hf_mxfp4")
+    tensors = load_file(str(root / "hf_mxfp4" / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2))  # rows = outputs
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, str(root / "hf_mxfp4" / "model.safetensors"), metadata={"format": "pt"})
     write_gpt_oss_gguf(root / "f32.gguf", hf)
     write_gpt_oss_gguf(root / "mxfp4.gguf", hf, MXFP4)
-    return {"folder": str(root / "hf"), "f32": str(root / "f32.gguf"),
-            "mxfp4": str(root / "mxfp4.gguf")}  # fmt: skip
+    return {"folder": str(root / "hf"), "mxfp4_folder": str(root / "hf_mxfp4"),
+            "f32": str(root / "f32.gguf"), "mxfp4": str(root / "mxfp4.gguf")}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["folder", "mxfp4"])
@@ -64,14 +75,14 @@ def test_tp2_greedy_tokens_and_logits_equal_tp1(checkpoints, kind):
     assert worst <= LOGITS_ATOL, worst
 
 
-@pytest.mark.parametrize("kind", ["folder", "f32", "mxfp4"])
+@pytest.mark.parametrize("kind", ["folder", "mxfp4_folder", "f32", "mxfp4"])
 def test_a_ranks_sharded_load_equals_the_whole_model_cut(checkpoints, kind):
     path = checkpoints[kind]
     whole, _ = load_model(path, "cpu", torch.float32, quantization="none")
     config = whole.config
     for rank in range(2):
         shard = TensorShard(rank, 2)
-        if kind == "folder":
+        if kind.endswith("folder"):
             _, part, _ = load_hf_folder(path, "cpu", torch.float32, shard=shard)
         else:
             _, part, _ = load_gguf(path, "cpu", torch.float32, quantization="none", shard=shard)

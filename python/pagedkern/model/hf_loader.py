@@ -78,20 +78,41 @@ def _open_shards(files: list[Path]) -> dict[str, tuple[Path, object]]:
     return where
 
 
-def _mxfp4_tensor(name: str, where: dict, dtype: torch.dtype) -> torch.Tensor:
+def _mxfp4_tensor(
+    name: str, where: dict, dtype: torch.dtype, part: Part | None = None
+) -> torch.Tensor:
     """transformers' parameter `name` ([E, K, rows]) from its MXFP4 <name>_blocks and
-    <name>_scales, dequantized in dtype (bf16 / fp32; else fp32, converted by the caller)."""
-    parts = []
+    <name>_scales, dequantized in dtype (bf16 / fp32; else fp32, converted by the caller).
+    part (of the parameter: its last dim = the blocks' rows, the one before = K): only the
+    blocks covering it are read (whole 32-blocks along K), and the result narrowed to it."""
+    handles = []
     for suffix in ("_blocks", "_scales"):
         path, handle = where.get(name + suffix, (None, None))
         if handle is None:
             raise ModelLoadError(where[name + "_blocks"][0], f"{name}{suffix} is missing")
-        parts.append(handle.get_tensor(name + suffix))
+        handles.append((handle, handle.get_slice(name + suffix), name + suffix))
+    shape = handles[1][1].get_shape()  # scales [..., rows, K/32]
+    index, offset = None, None
+    if part is not None and part.dim >= len(shape) - 2 and part.dim < len(shape):
+        # the parameter's dim d is the blocks' dim (last: rows) or (one before: K / 32)
+        rows = part.dim == len(shape) - 1
+        axis = len(shape) - 2 if rows else len(shape) - 1
+        length = shape[axis] if rows else shape[axis] * 32
+        if length == part.length:
+            start, stop = part.start, part.stop
+            if not rows:  # whole 32-blocks
+                start, stop = start // 32, -(-stop // 32)
+            index = (slice(None),) * axis + (slice(start, stop),)
+            offset = None if rows else part.start - start * 32
+    parts = [s[index] if index is not None else h.get_tensor(key) for h, s, key in handles]
     out_dtype = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
     try:
-        return dequantize_mxfp4(*parts, out_dtype).transpose(-1, -2)
+        whole = dequantize_mxfp4(*parts, out_dtype).transpose(-1, -2)
     except ValueError as exc:
         raise ModelLoadError(where[name + "_blocks"][0], f"{name}: {exc}") from None
+    if offset is None:
+        return whole
+    return whole.narrow(part.dim, offset, part.stop - part.start).contiguous()
 
 
 def _read_part(handle, key: str, part: Part) -> torch.Tensor:
@@ -131,10 +152,7 @@ def load_hf_folder(
                 except Exception as exc:  # data past the end of a truncated file, ...
                     raise ModelLoadError(path, f"tensor {key!r} is unreadable: {exc}") from None
         if name + "_blocks" in where:  # MXFP4 (gpt-oss experts): dequantized, see mxfp4.py
-            whole = _mxfp4_tensor(name, where, dtype)  # (a rank's part: cut after dequantizing)
-            if part is None or whole.shape[part.dim] != part.length:
-                return whole
-            return whole.narrow(part.dim, part.start, part.stop - part.start).contiguous()
+            return _mxfp4_tensor(name, where, dtype, part)
         return None
 
     def locate(name: str) -> str:  # errors name the shard holding the tensor
