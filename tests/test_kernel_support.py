@@ -230,7 +230,7 @@ def test_the_engine_consults_the_policy_at_start(monkeypatch):
         vocab=cfg.vocab_size,
         requested=None,
         kv_cache_dtype="auto",
-        attention={"sliding_window": None, "soft_cap": None},
+        attention={"sliding_window": None, "soft_cap": None, "sinks": None},
         moe=False,
     )
 

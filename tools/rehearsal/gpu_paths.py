@@ -33,8 +33,10 @@ class RehearsalError(AssertionError):
 
 def _flash_prefill_path(*, device, head_dim, block_size, fp8_cache, path):
     # flash_prefill_select_path on the pretended Hopper (block size and alignment assumed fine):
-    # path 1 when asked for, or for an fp8 cache (path 2 does not read fp8), else path 2.
-    return PATH_CODES["sm80"] if path == PATH_CODES["sm80"] or fp8_cache else PATH_CODES["sm90"]
+    # path 1 when asked for, for an fp8 cache (path 2 does not read fp8) or head dim 256 (path 2
+    # covers 64 and 128), else path 2.
+    path_1 = path == PATH_CODES["sm80"] or fp8_cache or head_dim == 256
+    return PATH_CODES["sm80"] if path_1 else PATH_CODES["sm90"]
 
 
 HOST_ONLY = {"flash_prefill_workspace_ints", "build_info", "moe_padded_rows"}  # run for real
@@ -49,7 +51,7 @@ LAUNCHES = {
     "rms_norm", "silu_and_mul", "rope_and_cache", "paged_attention", "flash_prefill", "sample",
     "quant_gemm", "quant_gemm_marlin", "rejection_sample", "PagedAttentionLaunch",
     "FlashPrefillLaunch",
-    "moe_route", "moe_align", "moe_experts",
+    "moe_route", "moe_align", "moe_experts", "moe_experts_quant",
 }  # fmt: skip
 
 
