@@ -60,7 +60,8 @@ def engines(request, tmp_path_factory):
         write_tokenizer(folder)
         spec = str(folder)
     settings = dict(SETTINGS, quantization="none")
-    reference = LLM(spec, **settings)
+    # TP runs one block table for all layers: so does its reference (same blocks, same slots)
+    reference = LLM(spec, kv_per_kind_tables=False, **settings)
     with LLM(spec, tensor_parallel_size=size, **settings) as parallel:
         yield reference, parallel, size
 
