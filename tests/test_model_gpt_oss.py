@@ -4,8 +4,8 @@ top-2 with a router bias, expert biases and the clamped SwiGLU at a limit low en
 saved by transformers and loaded by pagedkern from the folder: prefill and decode logits within
 fp32 tolerance over a prompt longer than the window, greedy tokens equal through the Engine
 (whole and chunked prefill, a prefix-cache hit, preemption and batching), through LLM and the
-CLI; every token routed to the same two experts (the others idle); the same model with its experts in MXFP4 (as released checkpoints store them) loads equal
-to it."""
+CLI; every token routed to the same two experts (the others idle); the same model with its
+experts in MXFP4 (as released checkpoints store them) loads equal to it."""
 
 from __future__ import annotations
 
