@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import shutil
 
+import gguf
 import pytest
 import torch
+from hf_model_files import base_config
 from safetensors.torch import save_file
 
 from pagedkern.model import ModelLoadError, default_model_path, load_model
@@ -76,16 +78,40 @@ def test_unknown_preset():
     assert "huge" in str(err) and "tiny" in err.problem
 
 
-@needs_default
-@pytest.mark.parametrize("keep", [100, 4 << 20, 60 << 20])
-def test_truncated_gguf(tmp_path, keep, monkeypatch):
-    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "cache"))
+def check_truncated(tmp_path, source, keep: int) -> None:
+    """The first `keep` bytes of the GGUF `source` fail to load, naming the file; nothing cached."""
     path = tmp_path / "cut.gguf"
-    with open(default_model_path(), "rb") as src:
+    with open(source, "rb") as src:
         path.write_bytes(src.read(keep))
     err = load_error(path)
     assert err.source == str(path)
     assert not list((tmp_path / "cache").glob("*/*/complete"))  # nothing cached
+
+
+@pytest.mark.parametrize("where", ["header", "metadata", "tensor data"])
+def test_truncated_gguf(tmp_path, where, monkeypatch):
+    """A small GGUF (test_model_gguf's writer) cut in its header, in its metadata (the
+    tokenizer's vocabulary) and in its tensor data."""
+    from test_model_gguf import write_gguf
+
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "whole.gguf"
+    write_gguf(source, base_config())
+    reader = gguf.GGUFReader(str(source))
+    size = source.stat().st_size
+    keep = {"header": 100, "metadata": reader.data_offset // 2}.get(
+        where, (reader.data_offset + size) // 2
+    )
+    assert keep < size
+    check_truncated(tmp_path, source, keep)
+
+
+@needs_default
+@pytest.mark.slow  # (test_truncated_gguf: the same cuts in a small file)
+@pytest.mark.parametrize("keep", [100, 4 << 20, 60 << 20])
+def test_truncated_default_model_gguf(tmp_path, keep, monkeypatch):
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "cache"))
+    check_truncated(tmp_path, default_model_path(), keep)
 
 
 def test_corrupted_gguf_header(tmp_path):
