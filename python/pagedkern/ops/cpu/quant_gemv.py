@@ -20,6 +20,9 @@ import torch
 from ...reference.quantized_weight import QuantizedWeight
 
 PATHS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}  # csrc/cpu/quant_gemv.cpp's Path
+# Multiply-adds below which a call runs on the calling thread alone: waking the GEMM's own pool
+# while torch's OpenMP threads spin between ops cost a 2-thread decode 20x on a 2-vCPU host.
+PARALLEL_MIN_MACS = 1 << 26
 _PACKED_KEY = "cpu-gemv"
 
 
@@ -82,6 +85,10 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
     return tiles
 
 
+def _threads(macs: int) -> int:
+    return torch.get_num_threads() if macs >= PARALLEL_MIN_MACS else 1
+
+
 def quant_gemv(
     x: torch.Tensor,
     weight: QuantizedWeight,
@@ -91,7 +98,8 @@ def quant_gemv(
 ) -> torch.Tensor:
     """x [M, K] float32 CPU (rows of unit stride) -> [M, N] float32 (into `out` if given:
     contiguous [M, N] float32). path: one of PATHS (default: the best this CPU runs; a path it
-    does not run raises RuntimeError); threads: default torch.get_num_threads()."""
+    does not run raises RuntimeError); threads: default torch.get_num_threads() from
+    PARALLEL_MIN_MACS multiply-adds, else 1 (the bits are the same for any count)."""
     module = _module()
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be a 2-D float32 CPU tensor, got {tuple(x.shape)} {x.dtype}")
@@ -113,7 +121,7 @@ def quant_gemv(
     args = dict(
         y=out.data_ptr(), y_stride=n, x=x.data_ptr(), x_stride=x.stride(0),
         packed=tiles.data_ptr(), m=m, n=n, k=k,
-        threads=threads or torch.get_num_threads(), path=-1 if path is None else PATHS[path],
+        threads=threads or _threads(m * n * k), path=-1 if path is None else PATHS[path],
     )  # fmt: skip
     if weight.format == "int4":
         module.gemv_int4(**args)
