@@ -19,7 +19,7 @@ from measure import smoke_mode
 
 from pagedkern.model.quantized_linear import quantize_int4, quantize_int8
 from pagedkern.ops.cpu import quant_gemv
-from pagedkern.ops.quant_gemm import torch_int_pack_mm
+from pagedkern.ops.cpu.int_pack import torch_int_pack_mm
 
 FULL = not smoke_mode() or os.environ.get("PAGEDKERN_BENCH_CPU") == "1"
 if FULL and torch.cuda.is_available():

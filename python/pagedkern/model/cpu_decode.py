@@ -49,7 +49,7 @@ from ..ops import cpu as cpu_ops
 from ..ops import launch
 from ..ops.cpu import quant_gemv
 from ..ops.cpu.attention import key_tile, tiled_attention
-from ..ops.quant_gemm import cpu_packed
+from ..ops.cpu.int_pack import cpu_packed
 from ..reference.attention import MIN_GEMM_ROWS, decode_bias, gather_decode_kv
 from ..reference.rope import quantize_e4m3
 from .attention_metadata import AttentionMetadata

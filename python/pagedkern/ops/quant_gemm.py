@@ -14,12 +14,12 @@ torch tensors (the weight is a QuantizedWeight of torch tensors)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..reference.quant_gemm_marlin_layout import MarlinInt4, repack_int4, unsupported_reason
 from ..reference.quantized_weight import QuantizedWeight
 from . import launch, variants
 from .arrays import DTYPE_CODES, view
+from .cpu.int_pack import torch_int_pack_mm
 from .launch import launch_context
 
 QUANT_GEMM_MAX_M = 64  # csrc/quant_gemm.h kQuantGemmMaxM: larger M dequantizes (prefill)
@@ -37,25 +37,6 @@ def _check(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) 
         raise ValueError(f"x is on {x.device}, the weight on {weight.device}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
-
-
-def cpu_packed(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed weight, bf16 scales[/zeros]) for the CPU kernels, built once per weight."""
-    packed = weight.packed.get("cpu")
-    if packed is None:
-        if weight.format == "int8":
-            if weight.qweight.data_ptr() % 64:  # the int8 kernel crashes on unaligned weights
-                weight.qweight = weight.qweight.clone()  # (e.g. views into a safetensors file)
-            packed = (weight.qweight, weight.scales.to(torch.bfloat16))
-        else:  # the packing wants N % 16 == 0: pad with zero rows, sliced off the output
-            pad = -weight.shape[0] % 16
-            q = F.pad(weight.unpacked_int4().to(torch.int32), (0, 0, 0, pad))
-            w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
-            zeros = weight.mins.float() + 8 * weight.scales.float()  # w = (q - 8) * s + zero
-            sz = F.pad(torch.stack([weight.scales.float(), zeros], dim=-1), (0, 0, 0, 0, 0, pad))
-            packed = (w, sz.transpose(0, 1).contiguous().to(torch.bfloat16))  # [K/G, N, 2]
-        weight.packed["cpu"] = packed
-    return packed
 
 
 def quant_linear(
@@ -94,16 +75,6 @@ def _quant_linear(x, weight, bias, out):
         out = _dequantized_matmul(x, weight)
     out = out.to(x.dtype)
     return out if bias is None else out.add_(bias)
-
-
-def torch_int_pack_mm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x @ W.T by torch's int-pack CPU kernels: x rounded to bf16, bf16 [M, N] out."""
-    w, scales = cpu_packed(weight)
-    xb = x.to(torch.bfloat16).contiguous()
-    if weight.format == "int8":
-        return torch.ops.aten._weight_int8pack_mm(xb, w, scales)
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, weight.group_size, scales)
-    return out[:, : weight.shape[0]]
 
 
 def _dequantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

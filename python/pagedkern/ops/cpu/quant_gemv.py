@@ -47,16 +47,16 @@ def unavailable_reason() -> str:
 
 
 def _module() -> ModuleType:
-    module, reason = _probe()
-    if module is None:
+    cpu_kernels, reason = _probe()
+    if cpu_kernels is None:
         raise RuntimeError(reason)
-    return module
+    return cpu_kernels
 
 
 def supported_paths() -> list[str]:
     """The ISA paths this CPU runs (portable always), best last."""
-    module = _module()
-    return [name for name, code in PATHS.items() if module.path_supported(code)]
+    cpu_kernels = _module()
+    return [name for name, code in PATHS.items() if cpu_kernels.path_supported(path=code)]
 
 
 def best_path() -> str:
@@ -68,19 +68,19 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
     """The weight's 16-row tiles (uint8), built once per weight and kept in weight.packed."""
     tiles = weight.packed.get(_PACKED_KEY)
     if tiles is None:
-        module, (n, k) = _module(), weight.shape
+        cpu_kernels, (n, k) = _module(), weight.shape
         if weight.format == "int4":
-            tiles = torch.empty(module.int4_packed_bytes(n, k), dtype=torch.uint8)
+            tiles = torch.empty(cpu_kernels.int4_packed_bytes(n=n, k=k), dtype=torch.uint8)
             qweight, scales = weight.qweight.contiguous(), weight.scales.half().contiguous()
             mins = weight.mins.half().contiguous()
-            module.pack_int4(
+            cpu_kernels.pack_int4(
                 out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(),
                 mins=mins.data_ptr(), n=n, k=k, group=weight.group_size,
             )  # fmt: skip
         else:
-            tiles = torch.empty(module.int8_packed_bytes(n, k), dtype=torch.uint8)
+            tiles = torch.empty(cpu_kernels.int8_packed_bytes(n=n, k=k), dtype=torch.uint8)
             qweight = weight.qweight.contiguous()
-            module.pack_int8(out=tiles.data_ptr(), qweight=qweight.data_ptr(), n=n, k=k)
+            cpu_kernels.pack_int8(out=tiles.data_ptr(), qweight=qweight.data_ptr(), n=n, k=k)
         weight.packed[_PACKED_KEY] = tiles
     return tiles
 
@@ -100,7 +100,7 @@ def quant_gemv(
     contiguous [M, N] float32). path: one of PATHS (default: the best this CPU runs; a path it
     does not run raises RuntimeError); threads: default torch.get_num_threads() from
     PARALLEL_MIN_MACS multiply-adds, else 1 (the bits are the same for any count)."""
-    module = _module()
+    cpu_kernels = _module()
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be a 2-D float32 CPU tensor, got {tuple(x.shape)} {x.dtype}")
     m, k = x.shape
@@ -124,10 +124,10 @@ def quant_gemv(
         threads=threads or _threads(m * n * k), path=-1 if path is None else PATHS[path],
     )  # fmt: skip
     if weight.format == "int4":
-        module.gemv_int4(**args)
+        cpu_kernels.gemv_int4(**args)
     else:
         scales = weight.packed.get("cpu-gemv-scales")
         if scales is None:
             scales = weight.packed["cpu-gemv-scales"] = weight.scales.float().contiguous()
-        module.gemv_int8(scales=scales.data_ptr(), **args)
+        cpu_kernels.gemv_int8(scales=scales.data_ptr(), **args)
     return out

@@ -14,6 +14,7 @@ import torch
 
 from ...reference.quantized_weight import QuantizedWeight
 from . import quant_gemv
+from .int_pack import torch_int_pack_mm
 
 _warned = False
 
@@ -28,8 +29,6 @@ def quant_linear(
         if not _warned:
             warnings.warn(quant_gemv.unavailable_reason(), RuntimeWarning, stacklevel=2)
             _warned = True
-        from ..quant_gemm import torch_int_pack_mm
-
         out = torch_int_pack_mm(x, weight)
     else:
         out = quant_gemv.quant_gemv(x.float(), weight)
