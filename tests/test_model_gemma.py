@@ -317,7 +317,7 @@ def test_the_gguf_llama_cpp_writes_equals_transformers(arch, tmp_path, monkeypat
 )  # fmt: skip
 def test_the_gemma_presets_have_the_published_shapes(preset, hf_config):
     from pagedkern.model import PRESETS
-    from pagedkern.model.config import config_from_hf
+    from pagedkern.model.hf_config import config_from_hf
 
     kind = hf_config.pop("model_type")
     make = transformers.Gemma2Config if kind == "gemma2" else transformers.Gemma3TextConfig

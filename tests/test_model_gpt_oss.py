@@ -114,7 +114,7 @@ def test_config_reads_every_gpt_oss_feature(saved):
 
 @pytest.mark.parametrize("truncate", [True, False])
 def test_yarn_table_equals_transformers_rotary_embedding(truncate):
-    from pagedkern.model.config import config_from_hf
+    from pagedkern.model.hf_config import config_from_hf
     from pagedkern.model.rope import rope_table
 
     hf_config = _config(rope_parameters={**_config().rope_parameters, "truncate": truncate})

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig, config_from_hf, hf_norm_offset
+from .config import ModelConfig
 from .errors import ModelLoadError
+from .hf_config import config_from_hf, hf_norm_offset
 from .mxfp4 import dequantize_mxfp4
 from .tensor_shard import Part, TensorShard
 from .tokenizer import Tokenizer
