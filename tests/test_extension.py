@@ -116,7 +116,7 @@ def test_every_python_call_into_the_extension_uses_keywords():
              "flash_prefill", "flash_prefill_workspace_ints", "flash_prefill_path",
              "multiprocessor_count", "pointer_device", "compute_capability",
              "quant_gemm", "quant_gemm_marlin", "rejection_sample", "PagedAttentionLaunch",
-             "FlashPrefillLaunch", "moe_route", "moe_align", "moe_experts",
+             "FlashPrefillLaunch", "moe_route", "moe_align", "moe_experts", "moe_experts_quant",
              "moe_padded_rows"}  # fmt: skip
     module = extension_module()
     if module is not None:

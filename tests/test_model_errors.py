@@ -150,7 +150,7 @@ def test_config_missing_key(tmp_path):
         ("olmoe", {"num_experts": 4, "clip_qkv": 8.0}),  # clamped q/k/v: not ignored
         ("llama", {"hidden_act": "gelu"}),
         ("llama", {"sliding_window": 4096}),  # transformers' Llama has none: not ignored
-        ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
+        ("llama", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}),
     ],
 )
 def test_unsupported_architecture(tmp_path, model_type, extra):
@@ -158,6 +158,12 @@ def test_unsupported_architecture(tmp_path, model_type, extra):
     err = load_error(hf_folder(tmp_path, config))
     assert err.source.endswith("config.json")
     assert "unsupported" in err.problem
+
+
+def test_yarn_without_its_original_length_names_the_key(tmp_path):
+    extra = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    err = load_error(hf_folder(tmp_path, {**CONFIG, "model_type": "llama", **extra}))
+    assert "original_max_position_embeddings" in err.problem
 
 
 @pytest.mark.parametrize(

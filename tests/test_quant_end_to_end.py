@@ -16,6 +16,7 @@ import pytest
 import torch
 from quant_agreement import agreement, greedy_answers, prompt_ids, token_logprobs
 
+import pagedkern.ops as ops
 from pagedkern.engine import LLM
 from pagedkern.model import LlamaModel, SequenceChunk, build_batch, default_model_path, load_model
 from pagedkern.model.quantized_linear import QuantizedWeight
@@ -104,10 +105,23 @@ def test_default_model_defaults_to_int4_and_caches_it_quantized(tmp_path, monkey
     assert torch.equal(again.weights.layers[3].down.qweight, model.weights.layers[3].down.qweight)
 
 
+# Relative error of the whole forward against the dense model of the dequantized weights: the
+# reference backend (torch's int kernels) rounds activations to bf16 around each GEMM; the cpu
+# backend's GEMM (ops/cpu/quant_gemv.py) quantizes them to int8 per block of 32, as llama.cpp
+# does (measured 0.027 / 0.022 for int8 / int4 weights, against < 0.02 on the reference).
+FORWARD_BOUND = {"reference": 0.02, "cpu": 0.04}
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_synthetic_model_quantizes_at_load(quantization):
+def test_synthetic_model_quantizes_at_load(quantization, backend):
     """The quantized model computes what a dense model of its dequantized weights computes, up
-    to the bf16 rounding around each GEMM."""
+    to the rounding of the activations around each GEMM (the backend's: FORWARD_BOUND)."""
+    with ops.use_backend(backend):
+        _synthetic_model_quantizes_at_load(quantization, FORWARD_BOUND[backend])
+
+
+def _synthetic_model_quantizes_at_load(quantization, bound):
     dense, _ = load_model("synthetic:tiny", quantization="none")
     quant, _ = load_model("synthetic:tiny", quantization=quantization)
     assert quant.quantization == quantization and dense.quantization == "none"
@@ -120,7 +134,7 @@ def test_synthetic_model_quantizes_at_load(quantization):
         batch, meta = build_batch([SequenceChunk(ids, 0, [0, 1, 2])], 16)
         outs.append(model(batch, meta, kv))
     rel = (outs[0] - outs[1]).norm() / outs[0].norm()
-    assert torch.isfinite(outs[1]).all() and rel < 0.02
+    assert torch.isfinite(outs[1]).all() and rel < bound
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

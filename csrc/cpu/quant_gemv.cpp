@@ -49,7 +49,7 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
-#define PAGEDKERN_X86 1
+#define QUANT_GEMV_X86 1
 #include <immintrin.h>
 #endif
 
@@ -65,7 +65,7 @@ enum Path { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 
 bool path_supported(int path) {
   if (path == kPortable) return true;
-#if PAGEDKERN_X86
+#if QUANT_GEMV_X86
   __builtin_cpu_init();
   if (path == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                             __builtin_cpu_supports("f16c");
@@ -207,7 +207,7 @@ void int8_tile_portable(const Args& a, int tile, int r0, int rc) {
   }
 }
 
-#if PAGEDKERN_X86
+#if QUANT_GEMV_X86
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
@@ -370,12 +370,12 @@ AVX512_TARGET void int8_tile_avx512(const Args& a, int tile, int r0, int rc) {
                             _mm512_mul_ps(acc[i], s));
   }
 }
-#endif  // PAGEDKERN_X86
+#endif  // QUANT_GEMV_X86
 
 using TileFn = void (*)(const Args&, int, int, int);
 
 TileFn tile_fn(bool int4, int path) {
-#if PAGEDKERN_X86
+#if QUANT_GEMV_X86
   if (path == kAvx512Vnni) return int4 ? int4_tile_avx512 : int8_tile_avx512;
   if (path == kAvx2) return int4 ? int4_tile_avx2 : int8_tile_avx2;
 #endif
@@ -417,7 +417,7 @@ class Pool {
     for (;;) {
       for (int spin = 0; spin < 20000 && generation_.load(std::memory_order_acquire) == seen;
            ++spin) {
-#if PAGEDKERN_X86
+#if QUANT_GEMV_X86
         _mm_pause();
 #endif
       }
