@@ -15,6 +15,7 @@ from pagedkern import ops
 from pagedkern.model.quantized_linear import quantize_int4, quantize_int8
 from pagedkern.ops.cpu import quant_gemv
 from pagedkern.ops.cpu import quant_linear as cpu_quant_linear
+from pagedkern.ops.variants import use_kernels
 from pagedkern.reference.quant_gemm import dequantize
 from pagedkern.reference.quant_gemm import quant_linear as ref_quant_linear
 
@@ -93,6 +94,26 @@ def test_nan_in_a_row_reaches_its_outputs_only(fmt, group):
         got = quant_gemv.quant_gemv(x, qw, path=path)
         assert torch.isnan(got[1]).all()
         assert torch.isfinite(got[[0, 2]]).all()
+
+
+@pytest.fixture(autouse=True)
+def _int8_activations():
+    """The C++ GEMM is the cpu backend's `cpu_quant_linear:int8_activations` variant."""
+    with use_kernels(cpu_quant_linear="int8_activations"):
+        yield
+
+
+def test_the_default_variant_runs_torch_int_pack(monkeypatch):
+    qw = _weight("int4", 32, 48, 64, seed=1)
+    x = torch.randn(2, 64)
+    calls = []
+    real = quant_gemv.quant_gemv
+    monkeypatch.setattr(quant_gemv, "quant_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with use_kernels(cpu_quant_linear="int_pack"), ops.use_backend("cpu"):
+        got = ops.quant_linear(x, qw)
+    assert calls == []
+    with ops.use_backend("reference"):
+        assert torch.equal(got, ops.quant_linear(x, qw))
 
 
 def test_the_backend_runs_it_and_the_reference_backend_does_not(monkeypatch):

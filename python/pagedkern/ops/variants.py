@@ -150,6 +150,25 @@ VARIANTS: dict[str, OpVariants] = {
                 Variant("off", 1, "the one-shot ops, planning inside every layer's call", _RUN2),
             ),
         ),
+        OpVariants(
+            "cpu_quant_linear",  # the cpu backend's quant_linear (no GPU involved)
+            (
+                Variant(
+                    "int_pack",
+                    0,
+                    "torch's int-pack kernels, bf16 activations: the default model keeps its "
+                    "answers",
+                    None,
+                ),
+                Variant(
+                    "int8_activations",
+                    1,
+                    "csrc/cpu/quant_gemv.cpp: activations int8 per block of 32 (llama.cpp's "
+                    "method), 1.7-3.2x faster, ~1% error a GEMM",
+                    None,
+                ),
+            ),
+        ),
     )
 }
 
