@@ -14,6 +14,10 @@ import os
 import pytest
 
 os.environ.setdefault("PAGEDKERN_CHECK_INDICES", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one torch thread a worker: the workers fill the cores
+    import torch
+
+    torch.set_num_threads(1)
 
 from build_env import cuda_build_required
 
