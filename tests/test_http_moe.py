@@ -1,7 +1,7 @@
 """A mixture-of-experts model through the HTTP server with the official openai client: a tiny
 Qwen3-MoE folder saved by transformers (QK-norm, one dense layer, top-3 of 6 experts), served, its
 greedy completions (whole and streamed, n = 2 in one request) equal to the offline engine's on the
-same folder, token for token, and its chat endpoint answering through the folder's template.
+same folder (text and token count), and its chat endpoint answering through the folder's template.
 One server for the module."""
 
 from __future__ import annotations
