@@ -1,9 +1,12 @@
-"""A Qwen3-MoE-shaped model end to end on the CPU: pagedkern's engine (the cpu backend) against HF
-transformers' own Qwen3-MoE implementation on the same random weights (one folder saved by
-transformers), greedy generation at batch 1 and 16, tokens per second, interleaved rounds in one
-run (median), and the ratio. Both run fp32 on the same threads; transformers generates with its
-own cache (`generate`, no sampling). The first steps' tokens of both are checked equal, so the
-two compute the same model. In smoke mode a tiny model runs once."""
+"""The architectures beyond Llama end to end on the CPU: Qwen3-shaped (QK-norm), Gemma-3-shaped
+(5 local layers per global one, a window shorter than the context) and Qwen3-MoE-shaped (128
+experts, top 8) random models, pagedkern's engine (the cpu backend) against HF transformers' own
+implementation on the same weights (one folder saved by transformers): greedy generation at
+batch 1 and 16, tokens per second, interleaved rounds in one run (median), the ratio, and the KV
+bytes pagedkern holds per sequence at the end (its peak blocks in use; Gemma 3's local layers
+keep only their window). Both run fp32 on the same threads; transformers generates with its
+own cache (`generate`, no sampling). The first tokens of both are checked equal, so the two
+compute the same model. In smoke mode tiny models run once."""
 
 from __future__ import annotations
 
@@ -22,37 +25,52 @@ transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = smoke_mode()
-# Qwen3-30B-A3B's routing (128 experts, top 8, renormalised) at a width this CPU runs in seconds
-SHAPE = dict(
+COMMON = dict(
     hidden_size=64 if SMOKE else 512,
     num_hidden_layers=2 if SMOKE else 6,
     num_attention_heads=4 if SMOKE else 8,
     num_key_value_heads=2 if SMOKE else 4,
     head_dim=16 if SMOKE else 64,
     intermediate_size=96 if SMOKE else 1536,
-    moe_intermediate_size=32 if SMOKE else 192,
-    num_experts=8 if SMOKE else 128,
-    num_experts_per_tok=2 if SMOKE else 8,
-    norm_topk_prob=True,
     vocab_size=400,  # the test tokenizer's
     max_position_embeddings=512,
     tie_word_embeddings=False,
+    initializer_range=0.2,
 )
+FAMILIES = {  # name -> (config class, model class, the family's own fields)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(sliding_window=8 if SMOKE else 32, sliding_window_pattern=6, query_pre_attn_scalar=64),
+    ),
+    "qwen3_moe": (  # Qwen3-30B-A3B's routing at a width this CPU runs in seconds
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            moe_intermediate_size=32 if SMOKE else 192,
+            num_experts=8 if SMOKE else 128,
+            num_experts_per_tok=2 if SMOKE else 8,
+            norm_topk_prob=True,
+        ),
+    ),
+}
 PROMPT, NEW = (8, 4) if SMOKE else (48, 32)
 ROUNDS = 1 if SMOKE else 3
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def folder(request, tmp_path_factory) -> tuple[Path, str]:
     sys.path.insert(0, str(ROOT / "tests"))
     from hf_model_files import write_tokenizer
 
-    folder = tmp_path_factory.mktemp("qwen3_moe_e2e")
+    config_class, model_class, fields = FAMILIES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(initializer_range=0.2, **SHAPE)
-    transformers.Qwen3MoeForCausalLM(config).float().eval().save_pretrained(folder)
+    config = getattr(transformers, config_class)(**COMMON, **fields)
+    getattr(transformers, model_class)(config).float().eval().save_pretrained(folder)
     write_tokenizer(folder)
-    return folder
+    return folder, request.param
 
 
 def _prompts(batch: int) -> list[list[int]]:
@@ -77,10 +95,11 @@ def _transformers(model, prompts) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("batch", [1, 16])
-def test_qwen3_moe_end_to_end_against_transformers(record, folder, batch):
+def test_end_to_end_against_transformers(record, folder, batch):
+    path, family = folder
     engine = Engine.from_config(
         EngineConfig(
-            model=str(folder),
+            model=str(path),
             backend="cpu",
             device="cpu",
             enable_prefix_caching=False,
@@ -88,7 +107,7 @@ def test_qwen3_moe_end_to_end_against_transformers(record, folder, batch):
             max_num_batched_tokens=1024,
         )  # fmt: skip
     )
-    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    hf = getattr(transformers, FAMILIES[family][1]).from_pretrained(path, dtype=torch.float32)
     hf.eval()
     prompts = _prompts(batch)
     runs = {
@@ -107,10 +126,13 @@ def test_qwen3_moe_end_to_end_against_transformers(record, folder, batch):
             run()
             seconds[name].append(time.perf_counter() - start)
     rate = {name: batch * NEW / statistics.median(s) for name, s in seconds.items()}
-    case = f"{SHAPE['num_experts']} experts top {SHAPE['num_experts_per_tok']}, batch {batch}"
-    case += f", {PROMPT}+{NEW} tokens, {torch.get_num_threads()} threads"
+    cache = engine.kv_cache.data
+    block_bytes = cache.nbytes // cache.shape[2]
+    kv_per_seq = sum(engine.pool.peak_by_kind) * block_bytes / batch
+    case = f"{family}, batch {batch}, {PROMPT}+{NEW} tokens, {torch.get_num_threads()} threads"
     for name, tok_s in rate.items():
         notes = {"tok_s": f"{tok_s:.1f}"}
         if name == "pagedkern":
             notes["vs_transformers"] = f"{tok_s / rate['transformers']:.2f}x"
-        record("qwen3-moe e2e cpu", case, name, statistics.median(seconds[name]), **notes)
+            notes["kv_kib_per_seq"] = f"{kv_per_seq / 1024:.0f}"
+        record("e2e cpu", case, name, statistics.median(seconds[name]), **notes)
