@@ -232,18 +232,10 @@ def fused_moe(
     _, hidden_stride = rows_of(hv)
     tile = tile_m or moe_tile_m(tokens, top_k, experts)
     module, device, handle = launch_context(views, stream)
-    pairs = tokens * top_k
-    with on_launch_stream(views, device, handle):
-        ids = empty_like(hv, (tokens, top_k), "int32")
-        weights = empty_like(hv, (tokens, top_k), "float32")
-        sorted_pairs, tile_expert = _align_outputs(hv, pairs, experts, tile)
-        h_rows = sorted_pairs.shape[0]
-        h_buf = empty_like(hv, (h_rows, inter))  # the activation's rows, by sorted position
-        y_buf = empty_like(hv, (pairs, h))  # each pair's down projection, by pair
-        out = empty_like(hv, (tokens, h))
-    iv, wv = view(ids, "ids"), view(weights, "weights")
-    _launch_route(module, rv, iv, wv, top_k, renormalize, scoring, device, handle)
-    _launch_align(module, iv, sorted_pairs, tile_expert, experts, tile, device, handle)
+    wv, sorted_pairs, tile_expert, h_buf, y_buf, out = routed_buffers(
+        module, device, handle, views, hv, rv, top_k, experts, inter, tile, renormalize, scoring
+    )
+    h_rows = sorted_pairs.shape[0]
     module.moe_experts(
         out=view(out, "out").ptr,
         h=view(h_buf, "h").ptr,
@@ -273,3 +265,23 @@ def fused_moe(
         stream=handle,
     )
     return out
+
+
+def routed_buffers(module, device, handle, views, hv, rv, top_k: int, experts: int, inter: int,
+                   tile: int, renormalize: bool, scoring: str) -> tuple:  # fmt: skip
+    """Route and group the tokens on the launch stream (the router and grouping kernels), and
+    make the buffers both grouped GEMMs use: (the routing weights' view, sorted pairs, each
+    tile's expert, h [padded rows, inter], y [pairs, H], out [T, H])."""
+    tokens, h = hv.shape
+    pairs = tokens * top_k
+    with on_launch_stream(views, device, handle):
+        ids = empty_like(hv, (tokens, top_k), "int32")
+        weights = empty_like(hv, (tokens, top_k), "float32")
+        sorted_pairs, tile_expert = _align_outputs(hv, pairs, experts, tile)
+        h_buf = empty_like(hv, (sorted_pairs.shape[0], inter))  # activation rows, sorted order
+        y_buf = empty_like(hv, (pairs, h))  # each pair's down projection, by pair
+        out = empty_like(hv, (tokens, h))
+    iv, wv = view(ids, "ids"), view(weights, "weights")
+    _launch_route(module, rv, iv, wv, top_k, renormalize, scoring, device, handle)
+    _launch_align(module, iv, sorted_pairs, tile_expert, experts, tile, device, handle)
+    return wv, sorted_pairs, tile_expert, h_buf, y_buf, out

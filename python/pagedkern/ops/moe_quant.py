@@ -22,8 +22,8 @@ from ..reference.moe import ACTIVATIONS, group_by_expert
 from ..reference.moe import moe_route as route_reference
 from ..reference.quantized_weight import QuantizedWeight
 from . import support
-from .arrays import DTYPE_CODES, check_dtype, check_ndim, check_shape, empty_like, view
-from .launch import kernel_or_reference, launch_context, on_launch_stream
+from .arrays import DTYPE_CODES, check_dtype, check_ndim, check_shape, view
+from .launch import kernel_or_reference, launch_context
 from .quant_gemm import quant_linear
 
 
@@ -176,10 +176,6 @@ def kernel_operands(
 
 def _launch(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation, scoring,
             tile, stream, routing: ModuleType) -> torch.Tensor:  # fmt: skip
-    _align_outputs, _launch_align, _launch_route = (
-        routing._align_outputs, routing._launch_align, routing._launch_route
-    )  # fmt: skip
-
     hv, rv = view(hidden, "hidden"), view(router_logits, "router_logits")
     tokens, h = hv.shape
     experts, inter = w_gate_up.shape[0], w_down.shape[-1]
@@ -187,18 +183,10 @@ def _launch(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activa
     down_q, down_s = kernel_operands(w_down, hidden.dtype)
     views = (hv, rv)
     module, device, handle = launch_context(views, stream)
-    pairs = tokens * top_k
-    with on_launch_stream(views, device, handle):
-        ids = empty_like(hv, (tokens, top_k), "int32")
-        weights = empty_like(hv, (tokens, top_k), "float32")
-        sorted_pairs, tile_expert = _align_outputs(hv, pairs, experts, tile)
-        h_rows = sorted_pairs.shape[0]
-        h_buf = empty_like(hv, (h_rows, inter))  # the activation's rows, by sorted position
-        y_buf = empty_like(hv, (pairs, h))  # each pair's down projection, by pair
-        out = empty_like(hv, (tokens, h))
-    iv, wv = view(ids, "ids"), view(weights, "weights")
-    _launch_route(module, rv, iv, wv, top_k, renormalize, scoring, device, handle)
-    _launch_align(module, iv, sorted_pairs, tile_expert, experts, tile, device, handle)
+    wv, sorted_pairs, tile_expert, h_buf, y_buf, out = routing.routed_buffers(
+        module, device, handle, views, hv, rv, top_k, experts, inter, tile, renormalize, scoring
+    )
+    h_rows = sorted_pairs.shape[0]
     module.moe_experts_quant(
         out=view(out, "out").ptr,
         h=view(h_buf, "h").ptr,
