@@ -11,6 +11,7 @@ import pytest
 import torch
 from emulator import emulated, unavailable_reason
 from kernel_check import REL_TOLERANCE, relative_error
+from support.moe_buffers import poison_moe_buffers
 
 from pagedkern import reference
 from pagedkern.ops import moe
@@ -20,14 +21,7 @@ pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(una
 
 @pytest.fixture(autouse=True)
 def poisoned_allocations(monkeypatch):
-    real = moe.empty_like
-
-    def poisoned(a, shape, dtype=None, name="out"):
-        out = real(a, shape, dtype, name)
-        out.fill_(-7 if str(out.dtype).startswith("torch.int") else float("nan"))
-        return out
-
-    monkeypatch.setattr(moe, "empty_like", poisoned)
+    poison_moe_buffers(monkeypatch)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 17])

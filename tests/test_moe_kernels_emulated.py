@@ -12,6 +12,7 @@ import pytest
 import torch
 from emulator import emulated, unavailable_reason
 from kernel_check import REL_TOLERANCE, relative_error
+from support.moe_buffers import poison_moe_buffers
 
 from pagedkern import reference
 from pagedkern.ops import moe
@@ -22,14 +23,7 @@ pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(una
 
 @pytest.fixture(autouse=True)
 def poisoned_allocations(monkeypatch):
-    real = moe.empty_like
-
-    def poisoned(a, shape, dtype=None, name="out"):
-        out = real(a, shape, dtype, name)
-        out.fill_(-7 if str(out.dtype).startswith("torch.int") else float("nan"))
-        return out
-
-    monkeypatch.setattr(moe, "empty_like", poisoned)
+    poison_moe_buffers(monkeypatch)
 
 
 def _logits(tokens, experts, dtype, seed):

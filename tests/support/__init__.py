@@ -1,2 +1,3 @@
 """Test harnesses that the product code does not carry: `serving` (an HTTP server on a thread of
-the test process, with its engine core on another, reachable between steps)."""
+the test process, with its engine core on another, reachable between steps) and `moe_buffers`
+(the MoE kernels' buffers poisoned for the emulated tests)."""
