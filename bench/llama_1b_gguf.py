@@ -1,0 +1,174 @@
+"""A ~1B-parameter Llama-shaped GGUF with random weights, quantized Q4_0 by llama.cpp's own
+tools, for comparing pagedkern with llama.cpp where memory bandwidth, not per-op dispatch,
+decides a decode token (bench/test_bench_cpu_vs_llamacpp.py).
+
+The shape is Llama 3.2 1B's (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, intermediate
+8192, tied embeddings) with the default model's vocabulary (SmolLM2's 49152 tokens; its
+tokenizer rebuilt from the GGUF, which llama.cpp's converter recognises as "smollm"): ~1.07B
+parameters, ~0.6 GB as Q4_0. The weights are N(0, 0.02) and the norms 1, so activations and
+logits stay finite through the 16 layers.
+
+Built once through llama.cpp's real path: an HF folder (config.json, the tokenizer, one f16
+safetensors file) -> convert_hf_to_gguf.py --outtype f16 -> llama-quantize Q4_0. The result is
+cached (PAGEDKERN_BENCH_CACHE, else <pagedkern's cache>/bench); the ~2 GB intermediates are
+deleted once the Q4_0 file exists. A build takes a few minutes and ~5 GB of RAM on 2 CPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+# Bump when the shape or the weights change, so a cached file is never a stale model.
+VERSION = 1
+NAME = f"llama-1b-random-v{VERSION}-q4_0.gguf"
+SHAPE = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "intermediate_size": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+}
+_STD = 0.02
+_SEED = 1234
+# Runs convert_hf_to_gguf.py (argv[1]). Its Llama converter imports sentencepiece before it looks
+# for tokenizer.model; this model has none (a byte-level BPE tokenizer.json), so where the
+# package is absent that lookup is made to fail first, as it would with the package installed
+# (FileNotFoundError), and the converter falls through to the BPE vocabulary.
+_CONVERT = """
+import os, runpy, sys
+sys.argv = sys.argv[1:]
+tree = os.path.dirname(os.path.abspath(sys.argv[0]))
+sys.path[:0] = [tree, os.path.join(tree, "gguf-py")]  # the tree's gguf, as the script takes it
+import conversion
+read_sentencepiece = conversion.TextModel._create_vocab_sentencepiece
+def create_vocab_sentencepiece(self):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError(self.dir_model / "tokenizer.model")
+    return read_sentencepiece(self)
+conversion.TextModel._create_vocab_sentencepiece = create_vocab_sentencepiece
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def cache_folder() -> Path:
+    """PAGEDKERN_BENCH_CACHE, else the bench folder of pagedkern's own cache."""
+    override = os.environ.get("PAGEDKERN_BENCH_CACHE")
+    if override:
+        return Path(override)
+    from pagedkern.model.weights_cache import cache_root
+
+    return cache_root() / "bench"
+
+
+def converter_script(llama_bin: Path) -> Path | None:
+    """convert_hf_to_gguf.py of the llama.cpp tree llama_bin was built in (<tree>/build/bin)."""
+    for parent in llama_bin.resolve().parents:
+        script = parent / "convert_hf_to_gguf.py"
+        if script.is_file():
+            return script
+    return None
+
+
+def can_build(llama_bin: Path) -> bool:
+    return (llama_bin / "llama-quantize").exists() and converter_script(llama_bin) is not None
+
+
+def llama_1b_q4_0(llama_bin: Path, folder: Path | None = None) -> Path:
+    """The cached Q4_0 GGUF, built first if absent (llama_bin: llama-quantize's folder)."""
+    folder = folder or cache_folder()
+    target = folder / NAME
+    if target.is_file():
+        return target
+    script = converter_script(llama_bin)
+    if script is None or not (llama_bin / "llama-quantize").exists():
+        raise FileNotFoundError(
+            f"{llama_bin}: no llama-quantize, or no convert_hf_to_gguf.py above it"
+        )
+    work = folder / f"{NAME}.build"
+    shutil.rmtree(work, ignore_errors=True)
+    hf = work / "hf"
+    try:
+        write_hf_folder(hf)
+        f16 = work / "model-f16.gguf"
+        convert = [sys.executable, "-c", _CONVERT, str(script), str(hf)]
+        convert += ["--outtype", "f16", "--outfile", str(f16)]
+        subprocess.run(convert, check=True, capture_output=True, text=True)
+        shutil.rmtree(hf)  # ~2 GB: gone before the quantized copy is written
+        partial = work / NAME
+        quantize = [str(llama_bin / "llama-quantize"), str(f16), str(partial), "Q4_0"]
+        subprocess.run(quantize, check=True, capture_output=True, text=True)
+        partial.replace(target)  # atomic: a half-written file is never taken for the model
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"{exc.cmd[:2]} failed:\n{exc.stderr[-3000:]}") from exc
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def write_hf_folder(folder: Path) -> None:
+    """config.json, the default model's tokenizer and random f16 weights, in HF's layout."""
+    from safetensors.torch import save_file
+
+    from pagedkern.model.gguf_loader import read_gguf_tokenizer
+    from pagedkern.model.loading import default_model_path
+
+    tokenizer = read_gguf_tokenizer(default_model_path())
+    tokenizer.save(folder)
+    # Load it back as a plain fast tokenizer (what the converter's AutoTokenizer must see).
+    config_path = folder / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tok_config, ensure_ascii=False))
+    vocab = tokenizer.vocab_size
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_act": "silu",
+        "torch_dtype": "float16",
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        **SHAPE,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(_random_weights(vocab), str(folder / "model.safetensors"))
+
+
+def _random_weights(vocab: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(_SEED)
+    h, inter = SHAPE["hidden_size"], SHAPE["intermediate_size"]
+    q = SHAPE["num_attention_heads"] * SHAPE["head_dim"]
+    kv = SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * _STD).to(torch.float16)
+
+    weights = {"model.embed_tokens.weight": normal(vocab, h)}
+    weights["model.norm.weight"] = torch.ones(h, dtype=torch.float16)
+    for i in range(SHAPE["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.float16)
+        weights[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.float16)
+        weights[p + "self_attn.q_proj.weight"] = normal(q, h)
+        weights[p + "self_attn.k_proj.weight"] = normal(kv, h)
+        weights[p + "self_attn.v_proj.weight"] = normal(kv, h)
+        weights[p + "self_attn.o_proj.weight"] = normal(h, q)
+        weights[p + "mlp.gate_proj.weight"] = normal(inter, h)
+        weights[p + "mlp.up_proj.weight"] = normal(inter, h)
+        weights[p + "mlp.down_proj.weight"] = normal(h, inter)
+    return weights
+
+
+if __name__ == "__main__":  # python bench/llama_1b_gguf.py $LLAMA_CPP_BIN: build it alone
+    print(llama_1b_q4_0(Path(sys.argv[1])))
