@@ -147,6 +147,14 @@ class EngineConfig:
         "ranks the model is split over (torch.distributed: gloo on the CPU, NCCL on CUDA); "
         "rank 0 is this process, ranks 1..N-1 workers it spawns (or torchrun starts)",
     )
+    expert_parallel: bool = _setting(
+        False,
+        "MoE models over tensor_parallel_size N ranks: each rank holds E/N whole experts (the "
+        "first E mod N ranks one more) instead of a slice of every expert; tokens go to their "
+        "experts' ranks and back by all-to-all; attention, dense MLPs and the router stay "
+        "tensor-parallel (a no-op for dense models and at N = 1, as in vLLM)",
+        cli={"action": "store_true"},
+    )
     # Speculative decoding (engine/speculative/): propose k tokens cheaply, verify them in one
     # forward pass of the target model.
     speculative: str = _setting(
@@ -210,6 +218,7 @@ class EngineConfig:
             )
         check_int("grammar_compile_workers", self.grammar_compile_workers, 1, 1024)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
+        check_bool("expert_parallel", self.expert_parallel)
         check_bool("async_scheduling", self.async_scheduling)
         self.shadow = _shadow(self.shadow)
         if self.speculative not in SPECULATIVE_METHODS:

@@ -185,7 +185,7 @@ class Engine:
         if config.tensor_parallel_size > 1:  # this rank reads its part of the checkpoint only
             from ..parallel.engine_group import this_rank_shard
 
-            shard = this_rank_shard(config.tensor_parallel_size)
+            shard = this_rank_shard(config.tensor_parallel_size, config.expert_parallel)
         model, tokenizer = config.model_spec().load(device, shard)
         if config.tensor_parallel_size > 1:
             from ..parallel.engine_group import start_tensor_parallel

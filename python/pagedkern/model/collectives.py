@@ -30,6 +30,14 @@ class Collectives:
         """Sum of x over the ranks, in place."""
         return x
 
+    expert_parallel: bool = False  # MoE layers hold whole experts (routed_experts below)
+
+    def routed_experts(self, hidden, router_logits, w_gate_up, w_down, top_k: int, **moe):
+        """Expert parallel: this rank's share of the routed experts' output for hidden [T, H]
+        (every rank's the same), which the caller's all-reduce completes; `moe`: the options of
+        ops.fused_moe (model/moe.py). parallel/ implements it."""
+        raise NotImplementedError("expert parallelism needs a process group (parallel/)")
+
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
         """[N, vocab_shard-or-less] fp32 logits of this rank's vocabulary rows -> the full
         [N, vocab] on rank 0, None on the other ranks (they never sample)."""

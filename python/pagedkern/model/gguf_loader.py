@@ -32,7 +32,7 @@ from .gguf_gpt_oss import (
     gpt_oss_gguf_tensor,
     yarn_from_gguf,
 )
-from .gguf_shard import cut_tensors, narrow_columns, shard_tensors
+from .gguf_shard import cut_experts, cut_tensors, narrow_columns, shard_tensors
 from .gguf_tokenizer import tokenizer_from_gguf
 from .quantized_linear import (
     DEFAULT_INT4_GROUP,
@@ -316,6 +316,7 @@ def _convert(
     experts_narrow = {}  # (gpt-oss's experts, narrowed as read, before their rebuild)
     if shard is not None:
         shard.check(config)
+        cut_experts(tensors, config, shard)  # (expert parallel: before the other cuts)
         if config.attn_sinks:
             experts_narrow = cut_tensors(tensors, gpt_oss_gguf_parts(config, shard))
         narrow = shard_tensors(tensors, config, shard, lambda n: _holder(n, config))
@@ -369,6 +370,7 @@ def _convert(
                 return w
         if (stacked := expert_slice(hf_name)) is not None:
             stack_name, e = stacked
+            e -= getattr(tensors.get(stack_name), "first_expert", 0)  # (expert parallel)
             if stack_name not in stacks:
                 layer = stack_name.split(".")[1]
                 if any(k.split(".")[1] != layer for k in stacks):

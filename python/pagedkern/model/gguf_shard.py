@@ -5,6 +5,10 @@ converts only its part.
 Rows are whole rows of blocks. Columns of a block-quantized tensor are whole blocks along each
 row: a part whose edges fall inside a block (Q4_K's 256 at Qwen3-30B-A3B's 768 / 2) reads the
 blocks covering it, and the converted tensor is narrowed to the part (narrow_columns).
+
+Expert parallelism: a MoE layer's stacked `*_exps` tensors ([E, rows, ...] in numpy order, their
+biases [E, rows] too) are cut along the expert dim to the rank's experts (cut_experts), whole
+rows of blocks, before any other cut; the part remembers its first expert id.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class TensorPart:
     tensor_type: Any  # GGMLQuantizationType
     shape: tuple[int, ...]  # GGUF order (reversed)
     data: np.ndarray  # a view of the mapped file: [..., rows, elements or bytes]
+    first_expert: int = 0  # a stack cut to some experts (expert parallelism): the first's id
 
 
 def shard_tensors(
@@ -49,6 +54,23 @@ def shard_tensors(
         if cut is not None:
             narrow[name] = cut
     return narrow
+
+
+def cut_experts(tensors: dict, config: ModelConfig, shard: TensorShard) -> None:
+    """Under expert parallelism, replace every stacked expert tensor (blk.N.ffn_*_exps.*) in
+    `tensors` by the rank's experts (TensorShard.experts); nothing otherwise."""
+    if not shard.expert_parallel or shard.size == 1 or not config.num_experts:
+        return
+    ids = shard.experts(config)
+    for name, t in list(tensors.items()):
+        if "_exps." not in name or isinstance(t, TensorPart):
+            continue
+        logical = [int(x) for x in reversed(t.shape)]  # numpy order: [E, ...]
+        if logical[0] != config.num_experts:
+            continue  # read whole: the shape check reports it
+        logical[0] = len(ids)
+        data = t.data[ids.start : ids.stop]
+        tensors[name] = TensorPart(name, t.tensor_type, tuple(reversed(logical)), data, ids.start)
 
 
 def cut_tensors(tensors: dict, parts: dict[str, Part]) -> dict[str, tuple[int, int]]:

@@ -105,6 +105,8 @@ def _mxfp4_tensor(
                 start, stop = start // 32, -(-stop // 32)
             index = (slice(None),) * axis + (slice(start, stop),)
             offset = None if rows else part.start - start * 32
+    elif part is not None and part.dim == 0 and shape[0] == part.length:  # experts (EP)
+        index = (slice(part.start, part.stop),)
     parts = [s[index] if index is not None else h.get_tensor(key) for h, s, key in handles]
     out_dtype = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
     try:

@@ -267,7 +267,7 @@ class LlamaModel:
             h = ops.rms_norm(h, layer.attn_out_norm, eps)
         h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
         if layer.router is not None:  # a mixture-of-experts layer
-            h = moe_mlp(h, layer, cfg, linear)
+            h = moe_mlp(h, layer, cfg, linear, self.tp)
         else:
             gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
             if cfg.hidden_act == "gelu_tanh":

@@ -114,7 +114,7 @@ def load_model(
         if quantization not in (None, "none"):
             weights = quantize_weights(weights, quantization, group_size)
         if shard is not None:
-            weights = shard_weights(weights, config, shard.rank, shard.size)
+            weights = shard_weights(weights, config, shard.rank, shard.size, shard.expert_parallel)
         model = _model(config, weights, max_positions, kv_cache_dtype, device, dtype, shard)
         return model, synthetic_tokenizer(config.vocab_size)
 

@@ -1,7 +1,8 @@
 """The mixture-of-experts MLP of a decoder layer (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss): the
 router GEMM in the activation dtype (with gpt-oss's bias, as transformers computes it), then
 ops.fused_moe over the layer's stacked experts (gpt-oss: their biases, the clamped SwiGLU, the
-softmax over the top-k), plus Qwen2-MoE's shared expert scaled by its sigmoid gate."""
+softmax over the top-k), plus Qwen2-MoE's shared expert scaled by its sigmoid gate; under expert
+parallelism the routed experts go through the group's dispatch and combine instead."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from .. import ops
+from .collectives import SINGLE, Collectives
 from .config import ModelConfig
 from .weights import LayerWeights
 
@@ -19,9 +21,12 @@ def moe_mlp(
     layer: LayerWeights,
     config: ModelConfig,
     linear: Callable[..., torch.Tensor],
+    tp: Collectives = SINGLE,
 ) -> torch.Tensor:
     """[T, H] MLP output of a MoE layer for its normed input h [T, H]; `linear` is the model's
-    GEMM (llama.linear)."""
+    GEMM (llama.linear). Expert parallel (tp.expert_parallel): the layer holds this rank's
+    experts whole, and tp.routed_experts dispatches the tokens to theirs; the output is then
+    this rank's share, which the model's all-reduce after the MLP completes."""
     logits = linear(h, layer.router, layer.router_bias)
     gpt_oss = {}
     if config.swiglu_limit is not None:
@@ -30,7 +35,8 @@ def moe_mlp(
             swiglu_alpha=config.swiglu_alpha,
             swiglu_limit=config.swiglu_limit,
         )
-    out = ops.fused_moe(
+    experts = ops.fused_moe if not tp.expert_parallel else tp.routed_experts
+    out = experts(
         h,
         logits,
         layer.experts_gate_up,

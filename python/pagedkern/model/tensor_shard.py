@@ -17,6 +17,12 @@ slice is one run of columns [2a, 2b)); the down bias is rank 0's.
 KV heads: with num_kv_heads >= N each rank holds num_kv_heads / N of them; with fewer (as vLLM
 does) each rank holds the one KV head its query heads read, replicated over N / num_kv_heads
 ranks.
+
+Expert parallel (expert_parallel=True, over the same N ranks): attention, dense MLPs, the shared
+expert and the vocabulary are split as above, but a MoE layer's experts are not cut: rank r holds
+experts expert_range(E, r, N) whole (E not divisible by N: the first E mod N ranks hold one more,
+vLLM's linear placement), their biases with them; the router stays replicated. Every other
+expert's tensors are DROPPED (never read); gpt-oss's stacked tensors are read along dim 0.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 
 from .config import ModelConfig
 
-DROPPED = "dropped"  # TensorShard.part: a row-parallel bias this rank leaves to rank 0
+DROPPED = "dropped"  # TensorShard.part: a row-parallel bias left to rank 0, another rank's expert
 
 
 class TensorParallelConfigError(ValueError):
@@ -48,8 +54,17 @@ class Part:
         return tuple(self.stop - self.start if d == self.dim else n for d, n in enumerate(full))
 
 
-def check_tp_size(config: ModelConfig, size: int) -> None:
-    """Refuse a size the heads (or an MLP's size) do not divide, naming the counts."""
+def expert_range(num_experts: int, rank: int, size: int) -> range:
+    """The expert ids rank `rank` of `size` holds under expert parallelism: E // N each, the
+    first E % N ranks one more (contiguous, in rank order)."""
+    base, extra = divmod(num_experts, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def check_tp_size(config: ModelConfig, size: int, expert_parallel: bool = False) -> None:
+    """Refuse a size the heads (or an MLP's size) do not divide, naming the counts; under
+    expert parallelism, fewer experts than ranks."""
     hq, hkv = config.num_heads, config.num_kv_heads
     if size < 1:
         raise TensorParallelConfigError(f"tensor_parallel_size must be >= 1, got {size}")
@@ -70,9 +85,16 @@ def check_tp_size(config: ModelConfig, size: int) -> None:
             f"{config.name}'s QK-norm spans the whole projection (OLMoE), which tensor "
             "parallelism does not split yet; use tensor_parallel_size 1"
         )
+    if expert_parallel and 0 < config.num_experts < size:
+        raise TensorParallelConfigError(
+            f"expert parallelism over {size} ranks: {config.name} has only "
+            f"{config.num_experts} experts (a rank would hold none); use at most "
+            f"{config.num_experts} ranks or tensor parallelism alone"
+        )
     dense = not config.num_experts or config.dense_layers
     sizes = [("intermediate size", config.intermediate_size if dense else 0)]
-    sizes += [("experts' intermediate size", config.moe_intermediate_size)]
+    if not expert_parallel:  # (whole experts: their size is not split)
+        sizes += [("experts' intermediate size", config.moe_intermediate_size)]
     sizes += [("shared expert's intermediate size", config.shared_expert_size)]
     for what, n in sizes:
         if n % size:
@@ -83,13 +105,15 @@ def check_tp_size(config: ModelConfig, size: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class TensorShard:
-    """Rank `rank` of `size`: its config and the part of each checkpoint tensor it reads."""
+    """Rank `rank` of `size`: its config and the part of each checkpoint tensor it reads
+    (expert_parallel: whole experts, expert_range's, in MoE layers)."""
 
     rank: int
     size: int
+    expert_parallel: bool = False
 
     def check(self, config: ModelConfig) -> None:
-        check_tp_size(config, self.size)
+        check_tp_size(config, self.size, self.expert_parallel)
         if not 0 <= self.rank < self.size:
             raise TensorParallelConfigError(f"rank {self.rank} out of range for size {self.size}")
 
@@ -102,7 +126,8 @@ class TensorShard:
             num_heads=config.num_heads // self.size,
             num_kv_heads=max(1, config.num_kv_heads // self.size),
             intermediate_size=config.intermediate_size // self.size,
-            moe_intermediate_size=config.moe_intermediate_size // self.size,
+            moe_intermediate_size=config.moe_intermediate_size
+            // (1 if self.expert_parallel else self.size),
             shared_expert_size=config.shared_expert_size // self.size,
             vocab_size=len(self.vocab(config)),
         )
@@ -135,6 +160,12 @@ class TensorShard:
         per = intermediate // self.size
         return range(self.rank * per, (self.rank + 1) * per)
 
+    def experts(self, config: ModelConfig) -> range:
+        """The expert ids this rank holds (all of them unless expert parallel)."""
+        if not self.expert_parallel:
+            return range(config.num_experts)
+        return expert_range(config.num_experts, self.rank, self.size)
+
     def vocab(self, config: ModelConfig) -> range:
         shard = -(-config.vocab_size // self.size)
         rows = range(self.rank * shard, min(config.vocab_size, (self.rank + 1) * shard))
@@ -147,7 +178,8 @@ class TensorShard:
     # --- checkpoint tensors (HF names) --------------------------------------------------------
     def part(self, config: ModelConfig, name: str) -> Part | str | None:
         """The part of checkpoint tensor `name` (HF names, Mixtral's expert names too) this
-        rank reads: a Part, None (all of it) or DROPPED (a row-parallel bias: rank 0's).
+        rank reads: a Part, None (all of it) or DROPPED (a row-parallel bias: rank 0's; under
+        expert parallelism, another rank's expert).
         Raises for a layer tensor no rule covers (a model tensor parallelism does not split)."""
         if self.size == 1:
             return None
@@ -162,7 +194,12 @@ class TensorShard:
         if kind == "sinks":  # one per query head
             return _part(0, self.heads(config), config.num_heads)
         if proj == "experts" and kind in _GPT_OSS_EXPERTS:  # gpt-oss's stacked experts
+            if self.expert_parallel:  # [E, ...]: this rank's experts, biases too
+                return _part(0, self.experts(config), config.num_experts)
             return self._gpt_oss_expert_part(config, kind)
+        if self.expert_parallel and ".experts." in name:  # one expert's tensor: its or none
+            e = int(name.split(".experts.")[1].split(".")[0])
+            return None if e in self.experts(config) else DROPPED
         proj = _MIXTRAL_EXPERT.get(proj, proj) if ".experts." in name else proj
         if proj in _REPLICATED and kind == "weight":
             return None

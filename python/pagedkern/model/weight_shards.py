@@ -4,7 +4,8 @@ whole in memory (synthetic weights, a model loaded before its group started); th
 loaders read the same parts straight from the file instead.
 
 Quantized weights are sliced in their packed form: int8 (per output channel) along rows or
-columns; int4 along rows, or along columns at group boundaries.
+columns; int4 along rows, or along columns at group boundaries; stacked experts (expert
+parallelism) along the expert dim, whole.
 """
 
 from __future__ import annotations
@@ -63,13 +64,35 @@ def cols(w: Linear, start: int, stop: int, what: str) -> Linear:
     )
 
 
+def experts(w: Linear, ids: range) -> Linear:
+    """Experts `ids` of a stacked [E, N, K] weight, whole (a float tensor or a QuantizedWeight,
+    whose packed parts are stacked the same way)."""
+    if not isinstance(w, QuantizedWeight):
+        return w[ids.start : ids.stop].contiguous()
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[ids.start : ids.stop].contiguous()
+
+    shape = (len(ids), *w.shape[1:])
+    return QuantizedWeight(
+        w.format, shape, cut(w.qweight), cut(w.scales), cut(w.mins), w.group_size
+    )
+
+
 def _bias(b: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
     return None if b is None else b[index].contiguous()
 
 
-def shard_weights(weights: LlamaWeights, config: ModelConfig, rank: int, size: int) -> LlamaWeights:
-    """Rank `rank`'s slice of every weight (the input is left untouched)."""
-    shard = TensorShard(rank, size)
+def shard_weights(
+    weights: LlamaWeights,
+    config: ModelConfig,
+    rank: int,
+    size: int,
+    expert_parallel: bool = False,
+) -> LlamaWeights:
+    """Rank `rank`'s slice of every weight (the input is left untouched); expert_parallel: a
+    MoE layer's experts whole, this rank's (TensorShard.experts)."""
+    shard = TensorShard(rank, size, expert_parallel)
     shard.check(config)
     if size == 1:
         return weights
@@ -108,11 +131,21 @@ def shard_weights(weights: LlamaWeights, config: ModelConfig, rank: int, size: i
             mlp_out_norm=w.mlp_out_norm,
             sinks=_bias(w.sinks, _index(shard.heads(config))),  # (gpt-oss) its query heads'
         )
-        if moe:  # the router and the shared expert's gate replicated, every expert sliced
-            experts = shard.mlp_rows(config.moe_intermediate_size)
+        if moe and expert_parallel:  # this rank's experts whole, with their biases
+            ids = shard.experts(config)
+            out.router, out.shared_gate, out.router_bias = w.router, w.shared_gate, w.router_bias
+            out.experts_gate_up = experts(w.experts_gate_up, ids)
+            out.experts_down = experts(w.experts_down, ids)
+            for name in ("experts_gate_up_bias", "experts_down_bias"):  # (gpt-oss) [E, rows]
+                b = getattr(w, name)
+                setattr(out, name, None if b is None else b[ids.start : ids.stop].contiguous())
+        elif moe:  # the router and the shared expert's gate replicated, every expert sliced
+            experts_rows = shard.mlp_rows(config.moe_intermediate_size)
             out.router, out.shared_gate = w.router, w.shared_gate
             out.experts_gate_up = rows(w.experts_gate_up, gate_up(config.moe_intermediate_size))
-            out.experts_down = cols(w.experts_down, experts.start, experts.stop, "experts")
+            out.experts_down = cols(
+                w.experts_down, experts_rows.start, experts_rows.stop, "experts"
+            )
             out.router_bias = w.router_bias  # (gpt-oss) replicated with the router
             if w.experts_gate_up_bias is not None:  # [E, 2I]
                 index = gate_up(config.moe_intermediate_size)

@@ -397,6 +397,7 @@ def assemble_weights(
         # are, in one format, else float; quantize_weights then puts both in the layers' mode
         # (convert_experts: ops.fused_moe takes both GEMMs in one form).
         x = [f"{p}mlp.experts.{e}." for e in range(config.num_experts)]
+        x = [e for e in x if e + "down_proj.weight" in shapes]  # (expert parallel: its own)
 
         def stacked(pairs: list[list[Linear]]) -> Linear:
             parts = [w for pair in pairs for w in pair]

@@ -1,6 +1,6 @@
 """Tensor parallelism over torch.distributed: the process group (group.py), weight slicing
-(shard.py), the worker loop (worker.py); one MoE layer's expert-parallel dispatch and combine
-(expert_parallel.py, not in the engine yet). See docs/ARCHITECTURE.md, "Processes"."""
+(shard.py), the worker loop (worker.py); expert parallelism's dispatch and combine for MoE
+layers (expert_parallel.py). See docs/ARCHITECTURE.md, "Processes"."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ def shard_model(model, group: TPGroup):
 
     config = model.config
     group.vocab_size = config.vocab_size
-    local = shard_config(config, group.rank, group.size)
+    ep = group.expert_parallel
+    local = shard_config(config, group.rank, group.size, ep)
     if model.local is model.config:
-        weights = shard_weights(model.weights, config, group.rank, group.size)
+        weights = shard_weights(model.weights, config, group.rank, group.size, ep)
     else:
         if model.local != local:
             raise TensorParallelConfigError(

@@ -1,5 +1,6 @@
 """The model's tensor-parallel hook (model/collectives.py) over torch.distributed: the sum of a
-row-parallel output and the gather of the LM head's vocabulary shards to rank 0. The process
+row-parallel output, the gather of the LM head's vocabulary shards to rank 0, and (expert
+parallel) a MoE layer's dispatch and combine. The process
 group itself (joining, workers, broadcasting steps, failures) is TPGroup in group.py."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class TPContext(Collectives):
     size: int = 1
     vocab_size: int = 0  # the full vocabulary (0 at size 1: unused)
     exit_on_failure: bool = False  # TPGroup: exit the process once a rank's failure is answered
+    expert_parallel: bool = False  # MoE layers: whole experts per rank (expert_parallel.py)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the ranks, in place (identity at size 1)."""
@@ -27,6 +29,13 @@ class TPContext(Collectives):
 
             dist.all_reduce(x)
         return x
+
+    def routed_experts(self, hidden, router_logits, w_gate_up, w_down, top_k: int, **moe):
+        """This rank's share of the routed experts' output (expert_parallel.py), all-reduced by
+        the caller."""
+        from .expert_parallel import replicated_tokens_moe
+
+        return replicated_tokens_moe(hidden, router_logits, w_gate_up, w_down, top_k, **moe)
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
         """[N, vocab_shard-or-less] fp32 logits of this rank's vocabulary rows -> the full

@@ -19,9 +19,11 @@ __all__ = [
 ]
 
 
-def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
+def shard_config(
+    config: ModelConfig, rank: int, size: int, expert_parallel: bool = False
+) -> ModelConfig:
     """The shape one rank computes: its heads, its MLP slices, its vocabulary rows."""
-    return TensorShard(rank, size).config(config)
+    return TensorShard(rank, size, expert_parallel).config(config)
 
 
 def kv_heads_of_rank(config: ModelConfig, rank: int, size: int) -> range:

@@ -53,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     from .shard import TensorShard
 
     group = TPGroup.start(int(os.environ["WORLD_SIZE"]), torch.device(args.device))
-    spec = ModelSpec(**group.share_settings(None))
-    model, _ = spec.load(group.device, TensorShard(group.rank, group.size))  # its part only
+    settings = group.share_settings(None)
+    group.expert_parallel = settings.pop("expert_parallel", False)
+    spec = ModelSpec(**settings)
+    shard = TensorShard(group.rank, group.size, group.expert_parallel)
+    model, _ = spec.load(group.device, shard)  # its part only
     serve(shard_model(model, group), group, spec.backend)
     return 0
 
