@@ -245,6 +245,11 @@ class RequestContext:
         await self.app(scope, receive, send_with_id)
 
 
+def request_id(http: Request) -> str:
+    """The request's id: its X-Request-Id header, or one made up by RequestContext."""
+    return http.scope.get("state", {}).get("request_id") or "-"
+
+
 async def _send_error(send: Send, error: APIError, request_id: str | None) -> None:
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
