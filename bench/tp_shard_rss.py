@@ -9,7 +9,13 @@ Each engine starts in a fresh process (peak RSS is per process); rank 0's peak i
 ru_maxrss, a worker's its VmHWM read from /proc while it runs. Also printed: the peak of a
 process that only imports the package (the interpreter and torch), the file's size and each
 rank's weight bytes. Compare two checkouts by running this with PYTHONPATH=<checkout>/python
-(each line names the package it loaded)."""
+(each line names the package it loaded).
+
+    python bench/tp_shard_rss.py --model qwen3-moe [--format hf|gguf]
+
+A Qwen3-MoE-shaped folder instead (transformers builds it; 431 MiB fp32, two thirds of it the
+experts), each engine started twice: tensor parallelism (every expert's intermediate size split) and
+--expert-parallel (each rank whole experts, half of them), one fresh process each."""
 
 from __future__ import annotations
 
@@ -34,12 +40,50 @@ CONFIG = dict(
 )
 
 
-def build(folder: Path, kind: str) -> None:
+# Qwen3-MoE-shaped: 6 layers of hidden 512, 8 query / 4 KV heads of 64, 32 experts of 256, top-8
+MOE_CONFIG = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    num_experts=32,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=32000,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+def build_moe(folder: Path, kind: str) -> None:
+    import torch
+    import transformers
+    from hf_model_files import write_tokenizer
+
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**MOE_CONFIG)).float()
+    if kind == "gguf":  # Q8_0 experts and layers, as llama.cpp's converter writes them
+        import gguf
+        from test_model_moe_gguf import write_moe_gguf
+
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        write_moe_gguf(folder / "model.gguf", hf, "qwen3moe", q8, dense_type=q8)
+    else:
+        hf.save_pretrained(folder, safe_serialization=True)
+        write_tokenizer(folder)
+
+
+def build(folder: Path, kind: str, model: str = "llama") -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from hf_model_files import base_config, write_folder
 
     folder.mkdir(parents=True, exist_ok=True)
-    if kind == "gguf":  # (the test tokenizer's vocabulary: the layers make the size)
+    if model == "qwen3-moe":
+        build_moe(folder, kind)
+    elif kind == "gguf":  # (the test tokenizer's vocabulary: the layers make the size)
         from test_model_gguf import write_gguf
 
         write_gguf(folder / "model.gguf", base_config(**CONFIG))
@@ -62,7 +106,7 @@ def vm_hwm_mib(pid: int) -> float:
     raise RuntimeError(f"no VmHWM for {pid}")
 
 
-def measure(path: Path, size: int) -> dict:
+def measure(path: Path, size: int, expert_parallel: bool = False) -> dict:
     import tempfile
 
     os.environ["PAGEDKERN_CACHE_DIR"] = tempfile.mkdtemp()  # a GGUF converts on every run
@@ -70,6 +114,7 @@ def measure(path: Path, size: int) -> dict:
     from pagedkern.engine import LLM
 
     settings = dict(device="cpu", quantization="none", num_blocks=16, block_size=16)
+    settings["expert_parallel"] = expert_parallel
     with LLM(str(path), tensor_parallel_size=size, **settings) as llm:
         model = llm.engine.model
         workers = model.tp.procs
@@ -93,27 +138,39 @@ def main() -> int:
     parser.add_argument("--folder", type=Path, default=Path("/tmp/pagedkern-tp-rss-model"))
     parser.add_argument("--size", type=int, default=2)
     parser.add_argument("--format", choices=["hf", "gguf"], default="hf")
+    parser.add_argument("--model", choices=["llama", "qwen3-moe"], default="llama")
+    parser.add_argument("--expert-parallel", action="store_true", help="(--phase measure)")
     parser.add_argument("--phase", choices=["build", "measure", "baseline"], default=None)
     args = parser.parse_args()
+    if args.model == "qwen3-moe" and args.folder == parser.get_default("folder"):
+        args.folder = Path(f"/tmp/pagedkern-ep-rss-{args.format}")
     path = checkpoint(args.folder, args.format)
     if args.phase == "build":
-        build(args.folder, args.format)
+        build(args.folder, args.format, args.model)
         return 0
     if args.phase is not None:
-        result = baseline() if args.phase == "baseline" else measure(path, args.size)
+        if args.phase == "baseline":
+            result = baseline()
+        else:
+            result = measure(path, args.size, args.expert_parallel)
         print(json.dumps(result))
         return 0
-    common = ["--folder", str(args.folder), "--format", args.format]
+    common = ["--folder", str(args.folder), "--format", args.format, "--model", args.model]
     if not (path / "config.json" if args.format == "hf" else path).is_file():
         subprocess.run([sys.executable, __file__, "--phase", "build", *common], check=True)
     files = [path] if args.format == "gguf" else list(args.folder.glob("*.safetensors"))
     file_mib = sum(f.stat().st_size for f in files) / 2**20
     print(f"checkpoint: {path} ({file_mib:.0f} MiB), tensor_parallel_size {args.size}")
-    for phase in ("baseline", "measure"):
-        command = [sys.executable, __file__, "--phase", phase, *common]
+    runs = [("baseline", [])]
+    if args.model == "qwen3-moe":  # both splits of the experts
+        runs += [("measure tp", []), ("measure ep", ["--expert-parallel"])]
+    else:
+        runs += [("measure", [])]
+    for name, extra in runs:
+        command = [sys.executable, __file__, "--phase", name.split()[0], *common, *extra]
         done = subprocess.run(command + ["--size", str(args.size)], check=True,
                               capture_output=True, text=True)  # fmt: skip
-        print(phase, done.stdout.strip().splitlines()[-1])
+        print(name, done.stdout.strip().splitlines()[-1])
     return 0
 
 
