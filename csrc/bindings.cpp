@@ -628,8 +628,12 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t tile_expert, int64_t tokens, int64_t hidden_size, int64_t inter_size,
          int64_t hidden_stride, int64_t out_stride, int64_t padded_rows, int experts, int top_k,
          int tile_m, int activation, float swiglu_alpha, float swiglu_limit, int dtype,
-         int device, std::uintptr_t stream) {
+         int device, std::uintptr_t stream, std::uintptr_t workspace, int gate_up_splits,
+         int down_splits) {
         pagedkern::MoeExpertsParams p;
+        p.workspace = as_ptr<float>(workspace);
+        p.gate_up_splits = gate_up_splits;
+        p.down_splits = down_splits;
         p.out = as_ptr<void>(out);
         p.h = as_ptr<void>(h);
         p.y = as_ptr<void>(y);
@@ -664,6 +668,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("out_stride"), py::arg("padded_rows"), py::arg("experts"), py::arg("top_k"),
       py::arg("tile_m"), py::arg("activation"), py::arg("swiglu_alpha"),
       py::arg("swiglu_limit"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
+      py::arg("workspace") = 0, py::arg("gate_up_splits") = 1, py::arg("down_splits") = 1,
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "moe_experts_quant",
@@ -673,8 +678,11 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t tile_expert, int64_t tokens, int64_t hidden_size, int64_t inter_size,
          int64_t hidden_stride, int64_t out_stride, int64_t padded_rows, int experts, int top_k,
          int tile_m, int activation, int bits, int group_size, int dtype, int device,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, std::uintptr_t workspace, int gate_up_splits, int down_splits) {
         pagedkern::MoeExpertsQuantParams p;
+        p.workspace = as_ptr<float>(workspace);
+        p.gate_up_splits = gate_up_splits;
+        p.down_splits = down_splits;
         p.out = as_ptr<void>(out);
         p.h = as_ptr<void>(h);
         p.y = as_ptr<void>(y);
@@ -709,5 +717,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("hidden_stride"), py::arg("out_stride"), py::arg("padded_rows"),
       py::arg("experts"), py::arg("top_k"), py::arg("tile_m"), py::arg("activation"),
       py::arg("bits"), py::arg("group_size"), py::arg("dtype"), py::arg("device"),
-      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("stream"), py::arg("workspace") = 0, py::arg("gate_up_splits") = 1,
+      py::arg("down_splits") = 1, py::call_guard<py::gil_scoped_release>());
 }

@@ -4,7 +4,8 @@
 //   moe_route    router logits [T, E] -> expert ids [T, k] int32, weights [T, k] fp32
 //   moe_align    ids -> the (token, slot) pairs sorted by expert, padded to the GEMM row tile
 //   moe_experts  grouped GEMM gate_up + activation, grouped GEMM down, weighted combine
-// Kernels: moe_route.cu (route, align), moe_gemm.cu (experts).
+// Kernels: moe_route.cu (route, align), moe_gemm.cu (experts; the pipeline shared with the
+// quantized experts in moe_gemm_pipeline.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,6 +18,8 @@ namespace pagedkern {
 
 // Experts a router / grouping launch takes (shared-memory tables are sized by it).
 constexpr int kMoeMaxExperts = 512;
+// K splits a grouped GEMM takes (moe_experts' gate_up_splits, down_splits).
+constexpr int kMoeMaxSplits = 64;
 
 // kSoftmaxTopk (gpt-oss): the softmax over the k selected logits only (they sum to 1).
 enum class MoeScoring : int { kSoftmax = 0, kSigmoid = 1, kSoftmaxTopk = 2 };
@@ -67,10 +70,15 @@ void moe_align(const MoeAlignParams& p, cudaStream_t stream);
 // if given, in fp32) rounded to dtype, the activation in fp32 rounded once, the weighted sum
 // in fp32 (slot order) rounded once. Activation 2 (gpt-oss's clamped SwiGLU) replaces
 // act(gate) * up by (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+// gate_up_splits / down_splits > 1: that GEMM's K split over as many blocks, fp32 partial sums
+// in `workspace` (at least max(gate_up_splits * padded_rows * 2I, down_splits * T*k * H)
+// floats) added in split order before the rounding (moe_gemm_pipeline.cuh); 1: no split, no
+// workspace needed.
 struct MoeExpertsParams {
   void* out = nullptr;             // [T, H], rows out_stride apart
   void* h = nullptr;               // workspace [padded_rows, I] (dtype), row = sorted position
   void* y = nullptr;               // workspace [T*k, H] (dtype), row = pair
+  float* workspace = nullptr;      // split-K partial sums (see above), or none
   const void* hidden = nullptr;    // [T, H], rows hidden_stride apart
   const void* w_gate_up = nullptr;  // [E, 2I, H] contiguous: gate rows, then up rows
   const void* w_down = nullptr;     // [E, H, I] contiguous
@@ -88,6 +96,8 @@ struct MoeExpertsParams {
   int experts = 0;
   int top_k = 0;
   int tile_m = 16;  // 16 or 64
+  int gate_up_splits = 1;  // K splits of each grouped GEMM, 1..kMoeMaxSplits
+  int down_splits = 1;
   int activation = 0;  // GatedActivation: 0 silu, 1 gelu_tanh; 2 clamped SwiGLU (gpt-oss)
   float swiglu_alpha = 1.702f;  // activation 2's
   float swiglu_limit = 7.0f;

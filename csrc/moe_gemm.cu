@@ -1,255 +1,128 @@
 /*
- * The MoE experts (parameters in moe.h): two grouped GEMMs on tensor cores and a combine,
- * over the pairs moe_align sorted by expert and padded to the row tile kBM (16 or 64).
+ * The MoE experts over bf16/fp16 weights (parameters in moe.h): two grouped GEMMs on tensor
+ * cores and a combine, over the pairs moe_align sorted by expert and padded to the row tile kBM
+ * (16 or 64). The pipeline, the work split, split-K and the epilogue are moe_gemm_pipeline.cuh's
+ * (shared with the quantized experts, moe_gemm_quant.cu); this file has the dense B loader and
+ * the passes after the GEMMs, which both files launch.
  *
- * moe_gemm_kernel<T, kBM, kGated, kVec, Act>: grid (ceil(N / kBN), padded_rows / kBM); block
- *   (n tile, m tile) reads its tile's expert from tile_expert (-1: an unused tile, exit) and
- *   computes a kBM x kBN tile of
- *     kGated: h[row, n] = act(round(x_t . wg_e[n] + bg), round(x_t . wu_e[n] + bu))
- *             (N = I, K = H; act(g, u) = act(g) * u, or gpt-oss's clamped SwiGLU; the
- *             expert's biases, if any, added in fp32 before the rounding)
- *             rows gathered from hidden by token t = pair / k; h indexed by sorted position;
- *             the gate and up tiles (rows n and I + n of w_gate_up[e]) in the same block, so
- *             the activation is fused into the epilogue and gate_up never reaches memory.
- *     down:   y[pair, n] = round(h[row] . wd_e[n] + bd)                       (N = H, K = I)
- *             rows of h in place; y indexed by pair, so the combine reads each token's k
- *             rows contiguously.
- *   Padding rows (sentinel pairs) load zeros and store nothing. 4 warps: kBM = 16 puts them
- *   side by side over n (16 columns each), kBM = 64 stacks them over m (16 rows each, all 64
- *   columns). K runs in steps of kBK = 32 through a shared-memory pipeline of 4 stages
- *   (kBM = 16) or 3: the next steps' A and B tiles are in flight while one computes (rows
- *   padded to 40 elements so the 32-bit fragment loads of the 8 rows g hit distinct banks),
- *   each step two m16n8k16 mma.sync (mma_fragments.cuh; bf16/fp16 in, fp32 accumulate). kVec: 16-byte cp.async
- *   copies (K % 8 == 0 and aligned rows), zero-filled past K, past N and for padding rows;
- *   else element loads stored into the same stages. Any H and I work.
+ * moe_gemm_kernel<T, kBM, kGated, kVec, Act> = moe_gemm_body over DenseB: per K step each
+ *   weight row's 32 elements staged in shared memory (rows padded to 40 elements so the 32-bit
+ *   B fragment loads of the 8 rows g hit distinct banks), 4 stages at kBM = 16 (few CTAs, each
+ *   must keep more weight bytes in flight) or 3 (kBM = 64: static shared memory < 48 KiB).
+ *   kVec: 16-byte cp.async copies (K % 8 == 0 and aligned rows), zero-filled past K, past N
+ *   and for padding rows; else element loads stored into the same stages. Any H and I work.
+ *   The expert's biases (gpt-oss), if any, are added in fp32 before the rounding; activation 2
+ *   is gpt-oss's clamped SwiGLU.
+ * moe_reduce_gate_up_kernel<T, Act> (gate_up split over K only): h[row, n] = act(round(sum_z
+ *   gate partial), round(sum_z up partial)), split order, for the real rows of sorted_pairs.
  * moe_combine_kernel<T>: out[t, n] = round(sum_slot w[t, slot] * y[t*k + slot, n]) in fp32,
- *   slot order: a deterministic reduce (no atomics), the same result on every run.
+ *   slot order (a deterministic reduce, no atomics); y read from the down GEMM's output, or
+ *   with the down GEMM split, rounded from its partials' sum (y never written).
  *
  * Traffic at decode (T*k pairs on distinct experts): each routed expert's weights are read once
- * (3*H*I elements); the floor is those bytes / copy bandwidth. At prefill the FLOPs are
- * 6*T*k*H*I. Not in this version: ldmatrix, wgmma/TMA on sm_90a, split-K for decode shapes
- * with few CTAs, quantized experts. Not yet verified on GPU.
+ * (3*H*I elements); the floor is those bytes / copy bandwidth. Split-K multiplies the blocks
+ * streaming them (ops/moe.py's moe_split_k chooses the splits) for an fp32 partial of each real
+ * row (a few KiB at decode) written and read once. At prefill the FLOPs are 6*T*k*H*I.
+ * Not in this version: ldmatrix, wgmma/TMA on sm_90a. Not yet verified on GPU.
  */
-#include <cuda_pipeline_primitives.h>
-
-#include <type_traits>
-
-#include "device.cuh"
-#include "gated_activation.cuh"
-#include "mma_fragments.cuh"
 #include "moe.h"
+#include "moe_gemm_pipeline.cuh"
 
 namespace pagedkern {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kBN = 64;
-constexpr int kBK = 32;
-constexpr int kLd = kBK + 8;  // shared-memory row length (elements)
+using namespace moe_gemm;
 
-struct NoAct {  // (the down GEMM: no activation)
-  __device__ __forceinline__ float operator()(float g, float) const { return g; }
-};
+// bf16/fp16 weight rows [E, weight rows, K]: the tile's kBRows rows (gate then up for gate_up)
+template <typename T_, int kBM, int kBRows, bool kVec_>
+struct DenseB {
+  using T = T_;
+  static constexpr bool kVec = kVec_;
+  static constexpr bool kChannelScales = false;
+  static constexpr int kStages = kBM == 16 ? 4 : 3;
+  struct alignas(16) Stage {
+    T rows[kBRows][kLd];
+  };
+  static constexpr int kLoads = kBRows / 32;
+  const T* src[kLoads];  // this thread's rows (tid / 4 + 32 i) from K = 0, or nullptr: zeros
+  int64_t k_total;
+  const void* dummy;
 
-// act(gate) * up for the one-argument activations (gated_activation.cuh)
-template <typename F>
-struct TimesUp {
-  F f;
-  __device__ __forceinline__ float operator()(float g, float u) const { return f(g) * u; }
-};
-
-template <typename Act>
-__device__ __forceinline__ Act make_act(const MoeExpertsParams& p) {
-  if constexpr (std::is_same_v<Act, ClampedSwiGLU>) {
-    return ClampedSwiGLU{p.swiglu_alpha, p.swiglu_limit};
-  } else {
-    return Act{};
-  }
-}
-
-// Eight elements k0 .. k0+7 of row `src` (nullptr: zeros) into shared memory. kVec: one
-// 16-byte cp.async (zero-filled past the row or for padding; `dummy` is any aligned address,
-// never read), waited for by the pipeline; else element loads and stores, done on return.
-template <typename T, bool kVec>
-__device__ __forceinline__ void stage8(T* dst, const T* src, int64_t k0, int64_t k,
-                                       const T* dummy) {
-  if constexpr (kVec) {
-    const bool valid = src != nullptr && k0 < k;
-    __pipeline_memcpy_async(dst, valid ? src + k0 : dummy, 16, valid ? 0 : 16);
-  } else {
+  __device__ __forceinline__ DenseB(const Args& p, int expert, int64_t n0, int tid)
+      : k_total(p.k_total), dummy(p.b) {
+    const int64_t w_rows = kBRows > kBN ? 2 * p.n_total : p.n_total;
+    const T* w = static_cast<const T*>(p.b) + int64_t(expert) * w_rows * p.k_total;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      dst[j] = src != nullptr && k0 + j < k ? src[k0 + j] : from_float<T>(0.f);
+    for (int i = 0; i < kLoads; ++i) {
+      const int r = tid / 4 + 32 * i;
+      const int64_t n = n0 + (r % kBN);
+      src[i] = n < p.n_total ? w + (r >= kBN ? p.n_total + n : n) * p.k_total : nullptr;
+    }
   }
-}
-
-__device__ __forceinline__ uint32_t word_at(const void* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
-}
+  __device__ __forceinline__ void load(Stage& s, int step, int tid) const {
+    const int col = (tid % 4) * 8;
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i)
+      stage8<T, kVec>(&s.rows[tid / 4 + 32 * i][col], src[i], int64_t(step) * kBK + col,
+                      k_total, dummy);
+  }
+  __device__ __forceinline__ void fragment(const Stage& s, int bn, int ks, int c,
+                                           uint32_t (&b)[2]) const {
+    b[0] = word_at(&s.rows[bn][ks + 2 * c]);
+    b[1] = word_at(&s.rows[bn][ks + 2 * c + 8]);
+  }
+};
 
 template <typename T, int kBM, bool kGated, bool kVec, typename Act>
-__global__ void __launch_bounds__(kWarps * 32) moe_gemm_kernel(const MoeExpertsParams p) {
-  constexpr int kBRows = kGated ? 2 * kBN : kBN;
-  constexpr int kWM = kBM / 16;           // warps over m
-  constexpr int kWN = kWarps / kWM;       // warps over n
-  constexpr int kNF = kBN / kWN / 8;      // n8 fragments per warp
-  constexpr int kHalves = kGated ? 2 : 1;
-  // K steps in flight (cp.async pipeline): 4 at the decode tile, whose CTAs are few and each
-  // must keep more weight bytes in flight; 3 at 64 rows (static shared memory < 48 KiB)
-  constexpr int kStages = kBM == 16 ? 4 : 3;
-  alignas(16) __shared__ T a_tile[kStages][kBM][kLd];
-  alignas(16) __shared__ T b_tile[kStages][kBRows][kLd];
-  __shared__ int32_t row_pair[kBM];  // the pair of each row, -1 for padding
-  __shared__ const T* row_a[kBM];    // its A row (hidden's token row or h's row), or nullptr
+__global__ void __launch_bounds__(kWarps * 32) moe_gemm_kernel(const Args p) {
+  moe_gemm_body<kBM, kGated, DenseB<T, kBM, kGated ? 2 * kBN : kBN, kVec>, Act>(p);
+}
 
-  const int tile = blockIdx.y;
-  const int expert = p.tile_expert[tile];
-  if (expert < 0) return;  // whole block: no barrier reached
-  const int tid = threadIdx.x;
-  const int lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, c = lane & 3;
-  const int warp_m = warp / kWN, warp_n = warp % kWN;
-  const int64_t pairs = p.tokens * p.top_k;
-  const int64_t n_total = kGated ? p.inter_size : p.hidden_size;
-  const int64_t k_total = kGated ? p.hidden_size : p.inter_size;
-  const int64_t n0 = int64_t(blockIdx.x) * kBN;
-  const int64_t row0 = int64_t(tile) * kBM;
-  const T* a_base = static_cast<const T*>(kGated ? p.hidden : p.h);
-  for (int r = tid; r < kBM; r += kWarps * 32) {
-    const int32_t pair = p.sorted_pairs[row0 + r];
-    row_pair[r] = pair < pairs ? pair : -1;
-    row_a[r] = pair >= pairs ? nullptr
-               : kGated      ? a_base + int64_t(pair / p.top_k) * p.hidden_stride
-                             : a_base + (row0 + r) * p.inter_size;
+template <typename T, typename Act>
+__global__ void __launch_bounds__(256) moe_reduce_gate_up_kernel(const MoeFinishParams p) {
+  const int64_t row = blockIdx.y;
+  const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= p.inter_size || p.sorted_pairs[row] >= p.tokens * p.top_k) return;  // padding
+  const int64_t width = 2 * p.inter_size, plane = p.padded_rows * width;
+  const float* part = p.partials + row * width + n;
+  float gate = 0.f, up = 0.f;
+  for (int z = 0; z < p.splits; ++z) {
+    gate += part[z * plane];
+    up += part[z * plane + p.inter_size];
   }
-  __syncthreads();
-
-  const T* w_base = static_cast<const T*>(kGated ? p.w_gate_up : p.w_down) +
-                    int64_t(expert) * (kGated ? 2 * n_total : n_total) * k_total;
-
-  float acc[kHalves][kNF][4];
-#pragma unroll
-  for (int h = 0; h < kHalves; ++h)
-#pragma unroll
-    for (int f = 0; f < kNF; ++f)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[h][f][i] = 0.f;
-
-  // This thread's 16-byte chunks of each K step: column (tid % 4) * 8 of rows tid / 4 + 32 i,
-  // their row pointers fixed for the whole K loop (nullptr: zeros)
-  constexpr int kALoads = (kBM + 31) / 32, kBLoads = kBRows / 32;
-  const int col = (tid % 4) * 8;
-  const T* a_src[kALoads];
-  const T* b_src[kBLoads];
-#pragma unroll
-  for (int i = 0; i < kALoads; ++i) {
-    const int r = tid / 4 + 32 * i;
-    a_src[i] = r < kBM ? row_a[r] : nullptr;
-  }
-#pragma unroll
-  for (int i = 0; i < kBLoads; ++i) {
-    const int r = tid / 4 + 32 * i;
-    const int64_t n = n0 + (r % kBN);
-    b_src[i] = n < n_total ? w_base + (r >= kBN ? n_total + n : n) * k_total : nullptr;
-  }
-  // K step `step` into stage `stage` (cp.async, or plain stores for the element path)
-  auto load = [&](int step, int stage) {
-    const int64_t k = int64_t(step) * kBK + col;
-#pragma unroll
-    for (int i = 0; i < kALoads; ++i) {
-      const int r = tid / 4 + 32 * i;
-      if (r < kBM) stage8<T, kVec>(&a_tile[stage][r][col], a_src[i], k, k_total, w_base);
-    }
-#pragma unroll
-    for (int i = 0; i < kBLoads; ++i)
-      stage8<T, kVec>(&b_tile[stage][tid / 4 + 32 * i][col], b_src[i], k, k_total, w_base);
-  };
-  const int steps = int((k_total + kBK - 1) / kBK);
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < steps) load(s, s);
-    __pipeline_commit();
-  }
-  for (int step = 0; step < steps; ++step) {
-    __pipeline_wait_prior(kStages - 2);  // committed: steps 0..step+kStages-2; `step` landed
-    __syncthreads();  // ... for every thread, and the stage read at step - 1 is free again
-    if (step + kStages - 1 < steps) load(step + kStages - 1, (step + kStages - 1) % kStages);
-    __pipeline_commit();
-    const int stage = step % kStages;
-#pragma unroll
-    for (int ks = 0; ks < kBK; ks += 16) {
-      const int ar = warp_m * 16 + g;
-      const uint32_t a[4] = {word_at(&a_tile[stage][ar][ks + 2 * c]),
-                             word_at(&a_tile[stage][ar + 8][ks + 2 * c]),
-                             word_at(&a_tile[stage][ar][ks + 2 * c + 8]),
-                             word_at(&a_tile[stage][ar + 8][ks + 2 * c + 8])};
-#pragma unroll
-      for (int h = 0; h < kHalves; ++h) {
-#pragma unroll
-        for (int f = 0; f < kNF; ++f) {
-          const int bn = h * kBN + warp_n * (kBN / kWN) + f * 8 + g;
-          const uint32_t b[2] = {word_at(&b_tile[stage][bn][ks + 2 * c]),
-                                 word_at(&b_tile[stage][bn][ks + 2 * c + 8])};
-          mma::mma_16816<T>(acc[h][f], a, b);
-        }
-      }
-    }
-  }
-  __pipeline_wait_prior(0);
-
-  const Act act = make_act<Act>(p);
-  T* out = static_cast<T*>(kGated ? p.h : p.y);
-  const int64_t out_stride = kGated ? p.inter_size : p.hidden_size;
-  // this expert's biases ([2I]: gate then up; [H]), or none
-  const T* bias = static_cast<const T*>(kGated ? p.gate_up_bias : p.down_bias);
-  if (bias != nullptr) bias += int64_t(expert) * (kGated ? 2 * n_total : n_total);
-#pragma unroll
-  for (int f = 0; f < kNF; ++f) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = warp_m * 16 + g + 8 * half;
-      const int32_t pair = row_pair[r];
-      if (pair < 0) continue;
-      const int64_t out_row = kGated ? row0 + r : pair;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int64_t n = n0 + warp_n * (kBN / kWN) + f * 8 + 2 * c + j;
-        if (n >= n_total) continue;
-        float v = acc[0][f][2 * half + j];
-        if (bias != nullptr) v += to_float(bias[n]);
-        v = to_float(from_float<T>(v));
-        if constexpr (kGated) {
-          float u = acc[kHalves - 1][f][2 * half + j];
-          if (bias != nullptr) u += to_float(bias[n_total + n]);
-          v = act(v, to_float(from_float<T>(u)));
-        }  // (down: the projection's value as rounded)
-        out[out_row * out_stride + n] = from_float<T>(v);
-      }
-    }
-  }
+  const Act act = make_act<Act>(p.swiglu_alpha, p.swiglu_limit);
+  static_cast<T*>(p.h)[row * p.inter_size + n] = finish<T, true>(act, gate, up);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) moe_combine_kernel(const MoeExpertsParams p) {
+__global__ void __launch_bounds__(256) moe_combine_kernel(const MoeFinishParams p) {
   const int64_t n = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   if (n >= p.hidden_size) return;
-  const int64_t t = blockIdx.x;
-  const T* y = static_cast<const T*>(p.y) + t * p.top_k * p.hidden_size + n;
+  const int64_t t = blockIdx.x, pairs = p.tokens * p.top_k;
   const float* w = p.weights + t * p.top_k;
   float sum = 0.f;
-  for (int s = 0; s < p.top_k; ++s) sum += to_float(y[s * p.hidden_size]) * w[s];
+  for (int s = 0; s < p.top_k; ++s) {
+    const int64_t at = (t * p.top_k + s) * p.hidden_size + n;
+    float y;
+    if (p.splits == 1) {
+      y = to_float(static_cast<const T*>(p.y)[at]);
+    } else {
+      float pre = 0.f;
+      for (int z = 0; z < p.splits; ++z) pre += p.partials[z * pairs * p.hidden_size + at];
+      y = to_float(from_float<T>(pre));
+    }
+    sum += y * w[s];
+  }
   static_cast<T*>(p.out)[t * p.out_stride + n] = from_float<T>(sum);
 }
 
 template <typename T, int kBM, bool kGated, typename Act>
-void launch_gemm(const MoeExpertsParams& p, bool vec, cudaStream_t stream) {
-  const int64_t n_total = kGated ? p.inter_size : p.hidden_size;
-  const dim3 grid(static_cast<unsigned>(ceil_div(n_total, kBN)),
-                  static_cast<unsigned>(p.padded_rows / kBM));
+void launch_gemm(const Args& a, const MoeExpertsParams& p, bool vec, cudaStream_t stream) {
+  const dim3 grid = gemm_grid(a, p.padded_rows, kBM);
   if (vec) {
-    moe_gemm_kernel<T, kBM, kGated, true, Act><<<grid, kWarps * 32, 0, stream>>>(p);
+    moe_gemm_kernel<T, kBM, kGated, true, Act><<<grid, kWarps * 32, 0, stream>>>(a);
   } else {
-    moe_gemm_kernel<T, kBM, kGated, false, Act><<<grid, kWarps * 32, 0, stream>>>(p);
+    moe_gemm_kernel<T, kBM, kGated, false, Act><<<grid, kWarps * 32, 0, stream>>>(a);
   }
   PK_CHECK_LAUNCH(kGated ? "moe_gemm_kernel (gate_up)" : "moe_gemm_kernel (down)");
 }
@@ -260,34 +133,81 @@ void launch_all(const MoeExpertsParams& p, cudaStream_t stream) {
   const bool vec_gate_up = p.hidden_size % 8 == 0 && p.hidden_stride % 8 == 0 &&
                            aligned16(p.hidden) && aligned16(p.w_gate_up);
   const bool vec_down = p.inter_size % 8 == 0 && aligned16(p.h) && aligned16(p.w_down);
-  if (p.activation == 2) {
-    launch_gemm<T, kBM, true, ClampedSwiGLU>(p, vec_gate_up, stream);
-  } else if (p.activation == 1) {
-    launch_gemm<T, kBM, true, TimesUp<GeluTanh>>(p, vec_gate_up, stream);
-  } else {
-    launch_gemm<T, kBM, true, TimesUp<Silu>>(p, vec_gate_up, stream);
+  Args gate_up = gemm_args(p, true), down = gemm_args(p, false);
+  gate_up.b = p.w_gate_up;
+  gate_up.bias = p.gate_up_bias;
+  down.b = p.w_down;
+  down.bias = p.down_bias;
+  for (Args* a : {&gate_up, &down}) {
+    a->swiglu_alpha = p.swiglu_alpha;
+    a->swiglu_limit = p.swiglu_limit;
   }
-  launch_gemm<T, kBM, false, NoAct>(p, vec_down, stream);
-  const int threads = int(std::min<int64_t>(256, (p.hidden_size + 31) / 32 * 32));
-  const dim3 grid(static_cast<unsigned>(p.tokens),
-                  static_cast<unsigned>(ceil_div(p.hidden_size, threads)));
-  moe_combine_kernel<T><<<grid, threads, 0, stream>>>(p);
-  PK_CHECK_LAUNCH("moe_combine_kernel");
+  if (p.activation == 2) {
+    launch_gemm<T, kBM, true, ClampedSwiGLU>(gate_up, p, vec_gate_up, stream);
+  } else if (p.activation == 1) {
+    launch_gemm<T, kBM, true, TimesUp<GeluTanh>>(gate_up, p, vec_gate_up, stream);
+  } else {
+    launch_gemm<T, kBM, true, TimesUp<Silu>>(gate_up, p, vec_gate_up, stream);
+  }
+  MoeFinishParams f = finish_params(p);
+  f.swiglu_alpha = p.swiglu_alpha;
+  f.swiglu_limit = p.swiglu_limit;
+  if (p.gate_up_splits > 1) moe_reduce_gate_up(f, stream);
+  launch_gemm<T, kBM, false, NoAct>(down, p, vec_down, stream);
+  f.splits = p.down_splits;
+  moe_combine(f, stream);
+}
+
+template <typename T, typename Act>
+void launch_reduce(const MoeFinishParams& p, cudaStream_t stream) {
+  const int threads = int(std::min<int64_t>(256, (p.inter_size + 31) / 32 * 32));
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.inter_size, threads)),
+                  static_cast<unsigned>(p.padded_rows));
+  moe_reduce_gate_up_kernel<T, Act><<<grid, threads, 0, stream>>>(p);
+  PK_CHECK_LAUNCH("moe_reduce_gate_up_kernel");
+}
+
+template <typename T>
+void launch_reduce_for(const MoeFinishParams& p, cudaStream_t stream) {
+  if (p.activation == 2) {
+    launch_reduce<T, ClampedSwiGLU>(p, stream);
+  } else if (p.activation == 1) {
+    launch_reduce<T, TimesUp<GeluTanh>>(p, stream);
+  } else {
+    launch_reduce<T, TimesUp<Silu>>(p, stream);
+  }
 }
 
 }  // namespace
+
+void moe_reduce_gate_up(const MoeFinishParams& p, cudaStream_t stream) {
+  if (p.dtype == DType::kFloat16) {
+    launch_reduce_for<__half>(p, stream);
+  } else {
+    launch_reduce_for<__nv_bfloat16>(p, stream);
+  }
+}
+
+void moe_combine(const MoeFinishParams& p, cudaStream_t stream) {
+  const int threads = int(std::min<int64_t>(256, (p.hidden_size + 31) / 32 * 32));
+  const dim3 grid(static_cast<unsigned>(p.tokens),
+                  static_cast<unsigned>(ceil_div(p.hidden_size, threads)));
+  if (p.dtype == DType::kFloat16) {
+    moe_combine_kernel<__half><<<grid, threads, 0, stream>>>(p);
+  } else {
+    moe_combine_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(p);
+  }
+  PK_CHECK_LAUNCH("moe_combine_kernel");
+}
 
 void moe_experts(const MoeExpertsParams& p, cudaStream_t stream) {
   require(p.tile_m == 16 || p.tile_m == 64, "moe_experts: tile_m must be 16 or 64");
   require(p.experts > 0 && p.top_k >= 1 && p.top_k <= p.experts, "moe_experts: top_k/experts");
   require(p.hidden_size > 0 && p.inter_size > 0, "moe_experts: sizes must be positive");
-  require(p.tokens >= 0 && p.tokens <= 0x7fffffff, "moe_experts: tokens out of range");
-  require(p.padded_rows == moe_padded_rows(p.tokens * p.top_k, p.experts, p.tile_m),
-          "moe_experts: padded_rows must be moe_padded_rows(T*k, E, tile_m)");
-  require(p.padded_rows / p.tile_m <= 65535, "moe_experts: too many row tiles");
   require(p.hidden_stride >= p.hidden_size && p.out_stride >= p.hidden_size,
           "moe_experts: strides must be >= hidden_size");
   require(p.activation >= 0 && p.activation <= 2, "moe_experts: activation must be 0, 1 or 2");
+  require_common(p, "moe_experts");
   if (p.tokens == 0) return;
   auto run = [&](auto tag) {
     using T = decltype(tag);

@@ -23,6 +23,7 @@ struct MoeExpertsQuantParams {
   void* out = nullptr;             // [T, H], rows out_stride apart
   void* h = nullptr;               // workspace [padded_rows, I] (dtype), 16-byte aligned
   void* y = nullptr;               // workspace [T*k, H] (dtype), row = pair
+  float* workspace = nullptr;      // split-K partial sums, as MoeExpertsParams', or none
   const void* hidden = nullptr;    // [T, H], rows hidden_stride apart, 16-byte aligned rows
   const void* gate_up_q = nullptr;
   const void* gate_up_scales = nullptr;
@@ -40,6 +41,8 @@ struct MoeExpertsQuantParams {
   int experts = 0;
   int top_k = 0;
   int tile_m = 16;     // 16 or 64
+  int gate_up_splits = 1;  // K splits, as MoeExpertsParams'
+  int down_splits = 1;
   int activation = 0;  // 0 silu, 1 gelu_tanh
   int bits = 4;        // 4 or 8
   int group_size = 32;  // int4: 32 or 128

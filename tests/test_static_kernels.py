@@ -67,9 +67,9 @@ KERNELS = (
     "moe_route_kernel",
     "moe_align_kernel",
     "moe_gemm_kernel",
-    "moe_combine_kernel",
+    "moe_reduce_gate_up_kernel",  # gate_up's split-K sum (float and quantized experts)
+    "moe_combine_kernel",  # (float and quantized experts)
     "moe_gemm_quant_kernel",  # W4A16 / W8A16 experts
-    "moe_quant_combine_kernel",
     "quant_gemm_marlin_kernel",
 )
 # Kernel -> tensor-core instruction its design needs, per architecture: flash_prefill's path 1

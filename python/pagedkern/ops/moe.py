@@ -7,6 +7,7 @@ expert counts back to the host)."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 from . import support
@@ -22,12 +23,75 @@ from .arrays import (
     rows_of,
     view,
 )
-from .launch import kernel_or_reference, launch_context, on_launch_stream, reference_on_torch
+from .launch import (
+    kernel_or_reference,
+    kernel_variant,
+    launch_context,
+    on_launch_stream,
+    reference_on_torch,
+    sm_count,
+)
 
 # csrc/silu_and_mul.h GatedActivation order, then gpt-oss's clamped SwiGLU (moe.h)
 MOE_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 MOE_SCORINGS = ("softmax", "sigmoid", "softmax_topk")  # csrc/moe.h MoeScoring order
 MOE_TILES = (16, 64)  # the grouped GEMM's row tiles
+
+
+MOE_MAX_SPLITS = 64  # csrc/moe.h kMoeMaxSplits
+MOE_STEP_K = 32  # the grouped GEMMs' K step (moe_gemm_pipeline.cuh kBK)
+MOE_TILE_N = 64  # ... and N tile (kBN)
+SPLIT_BLOCKS_PER_SM = 4  # blocks a split-K grid aims for per SM (4 warps each)
+SPLIT_MAX = 16  # splits moe_split_k chooses at most
+SPLIT_MIN_STEPS = 4  # K steps each split keeps at least (a pipeline's depth)
+
+
+def moe_split_k(tokens: int, top_k: int, experts: int, n: int, k: int, tile_m: int,
+                sms: int) -> int:  # fmt: skip
+    """K splits for one grouped GEMM of N output columns over K: at decode the blocks (row
+    tiles x N tiles) under-fill the SMs while each streams a long K of weights. The row tiles
+    are estimated from the shapes alone (no host sync): the experts T tokens are expected to
+    reach under uniform routing, or T*k / tile_m if more. Enough splits for
+    SPLIT_BLOCKS_PER_SM blocks per SM, at most SPLIT_MAX, each of SPLIT_MIN_STEPS K steps or
+    more, none empty; 1 once the grid fills the GPU (prefill)."""
+    pairs = tokens * top_k
+    if pairs == 0:
+        return 1
+    reached = experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+    blocks = max(reached, pairs / tile_m) * -(-n // MOE_TILE_N)
+    target = SPLIT_BLOCKS_PER_SM * sms
+    if blocks >= target:
+        return 1
+    steps = -(-k // MOE_STEP_K)
+    splits = max(1, min(math.ceil(target / blocks), SPLIT_MAX, steps // SPLIT_MIN_STEPS))
+    per_split = -(-steps // splits)
+    return -(-steps // per_split)  # no empty split
+
+
+def moe_splits(tokens: int, top_k: int, experts: int, hidden: int, inter: int, tile_m: int,
+               sms: int) -> tuple[int, int]:  # fmt: skip
+    """(gate_up splits, down splits) the kernels run: moe_split_k's for gate_up (N = I, K = H)
+    and down (N = H, K = I), or (1, 1) under the variant moe_gemm:no_split_k."""
+    if kernel_variant("moe_gemm") == 1:  # no_split_k
+        return 1, 1
+    return (moe_split_k(tokens, top_k, experts, inter, hidden, tile_m, sms),
+            moe_split_k(tokens, top_k, experts, hidden, inter, tile_m, sms))  # fmt: skip
+
+
+def check_split_k(split_k) -> tuple[int, int] | None:
+    if split_k is None:
+        return None
+    pair = split_k if isinstance(split_k, tuple) else (split_k, split_k)
+
+    def bad(s) -> bool:
+        return isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= MOE_MAX_SPLITS
+
+    if len(pair) != 2 or any(bad(s) for s in pair):
+        raise ValueError(
+            f"split_k must be None, an int in [1, {MOE_MAX_SPLITS}] or a (gate_up, down) pair "
+            f"of them, got {split_k!r}"
+        )
+    return pair
 
 
 def moe_tile_m(tokens: int, top_k: int, experts: int) -> int:
@@ -159,6 +223,7 @@ def fused_moe(
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
     tile_m: int | None = None,
+    split_k: int | tuple[int, int] | None = None,
     stream=None,
 ):
     """[T, H] out for hidden [T, H], router_logits [T, E] (any float dtype; routing in fp32),
@@ -167,7 +232,9 @@ def fused_moe(
     summed by weight. w_gate_up_bias [E, 2I] / w_down_bias [E, H] (hidden's dtype, optional):
     each expert's biases (gpt-oss), added before each GEMM's rounding; activation
     "clamped_swiglu": gpt-oss's, with swiglu_alpha and swiglu_limit. See reference/moe.py for
-    the exact semantics. tile_m: the grouped GEMM's row tile (16 or 64; None: moe_tile_m's)."""
+    the exact semantics. tile_m: the grouped GEMM's row tile (16 or 64; None: moe_tile_m's).
+    split_k: K splits of the (gate_up, down) grouped GEMMs, or one for both (None: moe_splits's
+    choice; split-K is not yet verified on GPU, moe_gemm:no_split_k keeps 1)."""
     if _quantized(w_gate_up) or _quantized(w_down):  # stacked QuantizedWeights: ops/moe_quant.py
         from .moe_quant import fused_moe_quantized
 
@@ -175,7 +242,7 @@ def fused_moe(
             hidden, router_logits, w_gate_up, w_down, top_k, renormalize=renormalize,
             activation=activation, scoring=scoring, w_gate_up_bias=w_gate_up_bias,
             w_down_bias=w_down_bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-            tile_m=tile_m, stream=stream, routing=sys.modules[__name__],
+            tile_m=tile_m, split_k=split_k, stream=stream, routing=sys.modules[__name__],
         )  # fmt: skip
     hv, rv = view(hidden, "hidden"), view(router_logits, "router_logits")
     gv, dv = view(w_gate_up, "w_gate_up"), view(w_down, "w_down")
@@ -213,6 +280,7 @@ def fused_moe(
     _check_scoring(scoring)
     if tile_m is not None and tile_m not in MOE_TILES:
         raise ValueError(f"tile_m must be one of {MOE_TILES} or None, got {tile_m!r}")
+    forced_splits = check_split_k(split_k)
     if len({str(v.device) for v in (hv, rv, gv, dv)}) > 1:
         raise ValueError(
             f"{hv.describe()}, {rv.describe()}, {gv.describe()} and {dv.describe()} must be on "
@@ -236,6 +304,9 @@ def fused_moe(
         module, device, handle, views, hv, rv, top_k, experts, inter, tile, renormalize, scoring
     )
     h_rows = sorted_pairs.shape[0]
+    splits = forced_splits or moe_splits(tokens, top_k, experts, h, inter, tile,
+                                         sm_count(module, device))  # fmt: skip
+    workspace = split_workspace(views, device, handle, hv, splits, h_rows, top_k, inter)
     module.moe_experts(
         out=view(out, "out").ptr,
         h=view(h_buf, "h").ptr,
@@ -263,6 +334,9 @@ def fused_moe(
         dtype=DTYPE_CODES[hv.dtype],
         device=device,
         stream=handle,
+        workspace=0 if workspace is None else view(workspace, "workspace").ptr,
+        gate_up_splits=splits[0],
+        down_splits=splits[1],
     )
     return out
 
@@ -285,3 +359,16 @@ def routed_buffers(module, device, handle, views, hv, rv, top_k: int, experts: i
     _launch_route(module, rv, iv, wv, top_k, renormalize, scoring, device, handle)
     _launch_align(module, iv, sorted_pairs, tile_expert, experts, tile, device, handle)
     return wv, sorted_pairs, tile_expert, h_buf, y_buf, out
+
+
+def split_workspace(views, device, handle, hv, splits: tuple[int, int], padded: int,
+                    top_k: int, inter: int):  # fmt: skip
+    """The grouped GEMMs' split-K fp32 partial sums (csrc/moe.h: gate_up's [splits, padded
+    rows, 2I], then down's [splits, T*k, H] in the same buffer), sized from the shapes; None
+    without a split."""
+    if splits == (1, 1):
+        return None
+    tokens, h = hv.shape
+    floats = max(splits[0] * padded * 2 * inter, splits[1] * tokens * top_k * h)
+    with on_launch_stream(views, device, handle):
+        return empty_like(hv, (floats,), "float32")

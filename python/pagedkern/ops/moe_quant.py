@@ -76,6 +76,7 @@ def fused_moe_quantized(
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
     tile_m: int | None = None,
+    split_k: int | tuple[int, int] | None = None,
     stream=None,
     routing: ModuleType,
 ) -> torch.Tensor:
@@ -91,6 +92,7 @@ def fused_moe_quantized(
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    forced_splits = routing.check_split_k(split_k)
     hv, rv = view(hidden, "hidden"), view(router_logits, "router_logits")
     codes = [view(w.qweight, name) for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down))]
     fmt, group = w_gate_up.format, w_gate_up.group_size
@@ -114,7 +116,7 @@ def fused_moe_quantized(
         if hidden.data_ptr() % 16:
             hidden = hidden.clone()
     return _launch(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation,
-                   scoring, tile, stream, routing)  # fmt: skip
+                   scoring, tile, forced_splits, stream, routing)  # fmt: skip
 
 
 def experts_on_host(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation,
@@ -175,7 +177,7 @@ def kernel_operands(
 
 
 def _launch(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation, scoring,
-            tile, stream, routing: ModuleType) -> torch.Tensor:  # fmt: skip
+            tile, forced_splits, stream, routing: ModuleType) -> torch.Tensor:  # fmt: skip
     hv, rv = view(hidden, "hidden"), view(router_logits, "router_logits")
     tokens, h = hv.shape
     experts, inter = w_gate_up.shape[0], w_down.shape[-1]
@@ -187,6 +189,9 @@ def _launch(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activa
         module, device, handle, views, hv, rv, top_k, experts, inter, tile, renormalize, scoring
     )
     h_rows = sorted_pairs.shape[0]
+    splits = forced_splits or routing.moe_splits(tokens, top_k, experts, h, inter, tile,
+                                                 routing.sm_count(module, device))  # fmt: skip
+    workspace = routing.split_workspace(views, device, handle, hv, splits, h_rows, top_k, inter)
     module.moe_experts_quant(
         out=view(out, "out").ptr,
         h=view(h_buf, "h").ptr,
@@ -214,5 +219,8 @@ def _launch(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activa
         dtype=DTYPE_CODES[hv.dtype],
         device=device,
         stream=handle,
+        workspace=0 if workspace is None else workspace.data_ptr(),
+        gate_up_splits=splits[0],
+        down_splits=splits[1],
     )
     return out

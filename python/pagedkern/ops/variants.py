@@ -151,6 +151,21 @@ VARIANTS: dict[str, OpVariants] = {
             ),
         ),
         OpVariants(
+            "moe_gemm",  # fused_moe's grouped GEMMs, float and quantized experts
+            (
+                Variant(
+                    "split_k",
+                    0,
+                    "K split over blocks where the grid under-fills the SMs (decode), fp32 "
+                    "partials summed in order before the epilogue",
+                    None,
+                ),
+                Variant(
+                    "no_split_k", 1, "one block per row tile and N tile (the first grid)", None
+                ),
+            ),
+        ),
+        OpVariants(
             "cpu_quant_linear",  # the cpu backend's quant_linear (no GPU involved)
             (
                 Variant(
