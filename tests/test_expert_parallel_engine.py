@@ -126,3 +126,17 @@ def test_fewer_experts_than_ranks_is_refused(tmp_path):
     _save(tmp_path, make_config, model_class)
     with pytest.raises(TensorParallelConfigError, match="only 3 experts"):
         load_model(str(tmp_path), "cpu", torch.float32, shard=TensorShard(0, 4, True))
+
+
+def test_the_cli_flag_and_the_config_field():
+    from pagedkern.engine import EngineConfig
+    from pagedkern.engine.validation import ParameterTypeError
+    from pagedkern.serving.cli.args import build_parser, engine_config
+
+    parse = build_parser().parse_args
+    args = parse(["--model", "m", "--tensor-parallel-size", "2", "--expert-parallel"])
+    config = engine_config(args)
+    assert config.expert_parallel is True and config.tensor_parallel_size == 2
+    assert engine_config(parse(["--model", "m"])).expert_parallel is False
+    with pytest.raises(ParameterTypeError, match="expert_parallel"):
+        EngineConfig(expert_parallel="yes")
