@@ -149,3 +149,25 @@ def test_a_gpt_oss_rank_reads_its_experts_and_their_biases(tmp_path, kind):
             tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
         save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     assert_loads_as_cut(str(path), 2, **({"quantization": "none"} if kind.endswith("gguf") else {}))
+
+
+def test_a_synthetic_model_cut_by_experts():
+    # weights made whole (synthetic) and cut: the rank's experts whole, the shared expert and
+    # the attention halved, the router whole
+    from pagedkern.model import PRESETS
+
+    config = PRESETS["tiny"].replace(
+        num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24, dense_layers=(1,),
+        shared_expert_size=40, norm_topk_prob=False,
+    )  # fmt: skip
+    whole, _ = load_model(config, "cpu", torch.float32, seed=3)
+    model, _ = load_model(config, "cpu", torch.float32, seed=3, shard=TensorShard(1, 2, True))
+    for w, part in zip(whole.weights.layers, model.weights.layers, strict=True):
+        if w.router is None:  # the dense layer: tensor-parallel
+            assert part.gate_up.shape[0] * 2 == w.gate_up.shape[0]
+            continue
+        assert torch.equal(part.router, w.router)
+        assert torch.equal(part.experts_gate_up, w.experts_gate_up[3:5])
+        assert torch.equal(part.experts_down, w.experts_down[3:5])
+        assert part.down.shape[1] * 2 == w.down.shape[1]  # the shared expert's columns
+        assert part.qkv.shape[0] * 2 == w.qkv.shape[0]
