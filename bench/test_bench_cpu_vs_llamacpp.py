@@ -170,6 +170,13 @@ def _measures() -> dict[str, tuple]:
     return table
 
 
+def _note(best: dict, name: str, who: str, tps: float, r: int, capsys) -> None:
+    """Keep the best of `who` at `name`, and print it as it goes (a long run shows progress)."""
+    best[name, who] = max(best.get((name, who), 0.0), tps)
+    with capsys.disabled():
+        print(f"  round {r + 1}: {name}, {who}: {tps:.1f} tok/s", flush=True)
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_cpu_vs_llamacpp(model, capsys):
     if not FULL and model != MODELS[0]:
@@ -185,11 +192,9 @@ def test_cpu_vs_llamacpp(model, capsys):
     for r in range(ROUNDS):  # interleaved: every candidate of every measure once a round
         for name, (ours, theirs) in _measures().items():
             for backend, engine in engines.items():
-                tps = ours(engine, r + 1)
-                best[name, backend] = max(best.get((name, backend), 0.0), tps)
+                _note(best, name, backend, ours(engine, r + 1), r, capsys)
             if binary is not None:
-                tps = theirs(binary, gguf)
-                best[name, "llama.cpp"] = max(best.get((name, "llama.cpp"), 0.0), tps)
+                _note(best, name, "llama.cpp", theirs(binary, gguf), r, capsys)
     with capsys.disabled():
         model = gguf or "synthetic:tiny (smoke)"
         print(f"\npagedkern vs llama.cpp, {Path(model).name}, {THREADS} threads, tokens/s")
