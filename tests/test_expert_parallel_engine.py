@@ -39,9 +39,9 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def assert_ep2_equals_tp1(path, count: int = 6, tokens: int = 8, **settings) -> LLM:
-    """EP = 2's greedy tokens and sampled-row logits equal TP = 1's on `count` prompts; returns
-    nothing useful but checks each rank's experts on the way."""
+def assert_ep2_equals_tp1(path, count: int = 6, tokens: int = 8, **settings) -> None:
+    """EP = 2's greedy tokens and sampled-row logits equal TP = 1's on `count` prompts (and rank
+    0 holds whole experts, half of them rounded up, with attention split)."""
     settings = dict(SETTINGS_NONE, **settings)
     reference = LLM(path, **settings)
     ids = prompts(reference.engine.vocab_size)[:count]
@@ -50,7 +50,7 @@ def assert_ep2_equals_tp1(path, count: int = 6, tokens: int = 8, **settings) -> 
     full = reference.engine.model.config
     with LLM(path, tensor_parallel_size=2, expert_parallel=True, **settings) as parallel:
         model = parallel.engine.model
-        assert model.tp.expert_parallel
+        assert model.tp.expert_parallel and "with whole experts" in model.describe()
         assert model.local.moe_intermediate_size == full.moe_intermediate_size  # whole experts
         assert model.local.num_heads * 2 == full.num_heads  # attention still split
         moe = [w for w in model.weights.layers if w.router is not None]
