@@ -10,7 +10,8 @@ Decode (T = 1..64): GB/s of the bytes the layer must read, the routed experts' w
 Prefill (T = 2048): TFLOP/s of 6*T*k*H*I; target >= 60% of the bf16 GEMM ceiling. In smoke
 mode (no GPU) a tiny case runs once on the CPU, where fused_moe is the reference.
 Quantized experts (int4 G = 32 / 128, int8): GB/s over the routed experts' code and scale
-bytes (test_fused_moe_quantized), beside the bf16 rows."""
+bytes (test_fused_moe_quantized), beside the bf16 rows; split-K against one split
+(test_fused_moe_quantized_split_k, GPU only)."""
 
 from __future__ import annotations
 
@@ -158,6 +159,46 @@ def test_fused_moe_quantized(measure, device, model, tokens, quant):
         target=">= 60% of GEMM" if prefill else ">= 70% of copy",
         experts=routed,
     )
+    assert result.seconds > 0
+
+
+# Split-K against one split over quantized experts at decode (GPU only; the float rows are
+# test_fused_moe_gemm_variants'): GB/s over the routed experts' codes and scales plus
+# activations, against copy bandwidth, with the splits moe_split_k chose for (gate_up, down).
+@pytest.mark.parametrize("variant", ["split_k", "no_split_k"])
+@pytest.mark.parametrize("quant", list(QUANT_FORMATS))
+@pytest.mark.parametrize("tokens", DECODE)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_fused_moe_quantized_split_k(measure, device, model, tokens, quant, variant):
+    from pagedkern.ops import moe
+    from pagedkern.ops.variants import use_kernels
+
+    if smoke_mode():
+        pytest.skip("split-K needs a GPU (on the CPU fused_moe is the reference)")
+    experts, top_k, hidden, inter = MODELS[model]
+    fmt, group = QUANT_FORMATS[quant]
+    if fmt == "int4" and (hidden % group or inter % group):
+        pytest.skip(f"H {hidden}, I {inter} not multiples of G {group}")
+    w_gate_up, w_down = quantized_layer(model, device, fmt, group)
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(torch.bfloat16)
+    logits = torch.randn(tokens, experts, generator=gen, device=device)
+    routed = int(reference.moe_route(logits, top_k, True)[1].unique().numel())
+    per_expert = (w_gate_up.nbytes + w_down.nbytes) // experts  # codes + scales (+ mins)
+    nbytes = routed * per_expert + 2 * x.numel() * x.element_size() + logits.numel() * 4
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    with use_kernels(moe_gemm=variant):
+        splits = moe.moe_splits(tokens, top_k, experts, hidden, inter, 16, sms)
+        result = measure(
+            "fused_moe split-K",
+            f"{model} T={tokens} decode {quant}",
+            f"pagedkern {variant}",
+            lambda: ops.fused_moe(x, logits, w_gate_up, w_down, top_k),
+            bytes=nbytes,
+            flops=6 * tokens * top_k * hidden * inter,
+            target=">= 70% of copy",
+            splits=f"{splits[0]}/{splits[1]}",
+        )
     assert result.seconds > 0
 
 

@@ -2,7 +2,8 @@
 on the same CUDA tensors: router ids exactly, the grouping's layout exactly, the layer within
 the dtype's tolerance at odd and model shapes (Qwen3-30B-A3B's and Mixtral's experts), on a
 side stream, and captured in a CUDA graph (no host synchronisation) and replayed with new
-inputs. Skipped without a GPU."""
+inputs; split-K at forced (uneven) and chosen factors and under moe_gemm:no_split_k. Skipped
+without a GPU."""
 
 from __future__ import annotations
 
@@ -123,3 +124,61 @@ def test_gpt_oss_mode_equals_the_reference(tokens, experts, top_k, hidden, inter
     want = reference.fused_moe(x, logits, gu * 3, down, top_k, **kwargs)
     assert not torch.isnan(out).any()
     assert relative_error(out, want) <= REL_TOLERANCE[dtype]
+
+
+# Split-K (csrc/moe_gemm_pipeline.cuh): forced split factors, including ones that do not divide
+# the K steps evenly, at Qwen3-30B-A3B's decode shapes and odd ones; the default (moe_split_k's
+# choice) and the moe_gemm:no_split_k variant at the same shapes.
+SPLIT_CASES = [  # tokens, experts, top_k, hidden, inter, (gate_up, down) splits
+    (1, 128, 8, 2048, 768, (6, 3)),  # Qwen3-30B-A3B decode, moe_split_k's choice
+    (3, 128, 8, 2048, 768, (5, 7)),  # 64 / 24 K steps: uneven splits
+    (64, 128, 8, 2048, 768, (2, 2)),
+    (3, 60, 60, 200, 136, (3, 5)),  # k = E, E not a power of two; 7 / 5 K steps
+    (1, 7, 2, 37, 23, (2, 1)),  # element loads
+]
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, splits", SPLIT_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_k_equals_the_reference(tokens, experts, top_k, hidden, inter, splits, dtype):
+    args = _operands(tokens, experts, hidden, inter, dtype, seed=tokens + experts)
+    out = moe.fused_moe(*args, top_k, split_k=splits)
+    again = moe.fused_moe(*args, top_k, split_k=splits)
+    want = reference.fused_moe(*args, top_k)
+    assert not torch.isnan(out).any()
+    assert torch.equal(out, again)  # split order: deterministic
+    assert relative_error(out, want) <= REL_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("variant", ["split_k", "no_split_k"])
+@pytest.mark.parametrize("tokens", [1, 4, 16, 64])
+def test_decode_shapes_under_each_split_variant(kernels, variant, tokens):
+    kernels(moe_gemm=variant)
+    args = _operands(tokens, 128, 2048, 768, torch.bfloat16, seed=tokens)
+    out = moe.fused_moe(*args, 8)
+    want = reference.fused_moe(*args, 8)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, want) <= REL_TOLERANCE[torch.bfloat16]
+
+
+def test_split_k_with_gpt_oss_biases_captured_in_a_cuda_graph():
+    x, logits, gu, down = _operands(2, 32, 2880, 2880, torch.bfloat16, seed=3)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    kwargs = dict(
+        renormalize=False, scoring="softmax_topk", activation="clamped_swiglu",
+        w_gate_up_bias=(torch.randn(32, 5760, generator=g, device="cuda") * 0.5).bfloat16(),
+        w_down_bias=(torch.randn(32, 2880, generator=g, device="cuda") * 0.5).bfloat16(),
+    )  # fmt: skip
+    moe.fused_moe(x, logits, gu, down, 4, split_k=(4, 3), **kwargs)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = moe.fused_moe(x, logits, gu, down, 4, split_k=(4, 3), **kwargs)
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
+        logits.copy_(torch.randn(logits.shape, generator=g, device="cuda") * 2)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.fused_moe(x, logits, gu, down, 4, **kwargs)
+        assert relative_error(out, want) <= REL_TOLERANCE[torch.bfloat16]

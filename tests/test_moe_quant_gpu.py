@@ -1,7 +1,8 @@
 """The quantized-experts MoE kernel on the GPU (csrc/moe_gemm_quant.cu, W4A16 / W8A16) against
 the float reference over the weights it multiplies (moe_quant_check), run on the same CUDA
 tensors: odd and model shapes (Qwen3-30B-A3B's experts at decode and prefill), both row tiles,
-int4 at G = 32 and 128, int8; on a side stream (deterministic), and captured in a CUDA graph.
+int4 at G = 32 and 128, int8; on a side stream (deterministic), and captured in a CUDA graph;
+split-K at forced (uneven) factors and under both moe_gemm split variants.
 Skipped without a GPU. Not yet run on one."""
 
 from __future__ import annotations
@@ -69,3 +70,29 @@ def test_captured_in_a_cuda_graph():
         assert (
             relative_error(out, expected(x, logits, gu, down, 4)) <= REL_TOLERANCE[torch.bfloat16]
         )
+
+
+# Split-K (csrc/moe_gemm_pipeline.cuh) over quantized experts: forced uneven split factors at
+# Qwen3-30B-A3B's decode shapes, int4 at both group sizes (groups across split edges) and int8
+# (the channel scale applied to each split's partial); the default against moe_gemm:no_split_k.
+@pytest.mark.parametrize("tokens, splits", [(1, (6, 3)), (3, (5, 7)), (64, (2, 2))])
+@pytest.mark.parametrize("fmt, group", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_k_equals_the_reference(tokens, splits, fmt, group, dtype):
+    args = quantized_operands(tokens, 128, 2048, 768, dtype, fmt, group or 32, seed=tokens,
+                              device="cuda")  # fmt: skip
+    out = moe.fused_moe(*args, 8, split_k=splits)
+    assert not torch.isnan(out).any()
+    assert torch.equal(out, moe.fused_moe(*args, 8, split_k=splits))
+    assert relative_error(out, expected(*args, 8)) <= REL_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("variant", ["split_k", "no_split_k"])
+@pytest.mark.parametrize("fmt, group", FORMATS)
+def test_decode_under_each_split_variant(kernels, variant, fmt, group):
+    kernels(moe_gemm=variant)
+    args = quantized_operands(4, 128, 2048, 768, torch.bfloat16, fmt, group or 32, seed=4,
+                              device="cuda")  # fmt: skip
+    out = moe.fused_moe(*args, 8)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, expected(*args, 8)) <= REL_TOLERANCE[torch.bfloat16]
