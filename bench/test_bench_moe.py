@@ -243,3 +243,41 @@ def test_fused_moe_gpt_oss(measure, device, model, tokens, impl):
         experts=routed,
     )
     assert result.seconds > 0
+
+
+# The moe_gemm variants side by side on the same layers and tokens (GPU only): the mma.sync
+# kernels (split_k, the default, and no_split_k) against the wgmma + TMA ones (sm90_wgmma, on
+# sm_90 only; not yet verified on GPU). Decode GB/s over the routed experts' weights and the
+# activations, prefill TFLOP/s, as test_fused_moe's pagedkern rows.
+MOE_GEMM_VARIANTS = ["split_k", "no_split_k", "sm90_wgmma"]
+
+
+@pytest.mark.parametrize("variant", MOE_GEMM_VARIANTS)
+@pytest.mark.parametrize("tokens", DECODE + PREFILL)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_fused_moe_gemm_variants(measure, device, model, tokens, variant):
+    from pagedkern.ops.variants import use_kernels
+
+    if smoke_mode():
+        pytest.skip("the kernel variants need a GPU (on the CPU fused_moe is the reference)")
+    if variant == "sm90_wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm90_wgmma runs on sm_90 only")
+    experts, top_k, hidden, inter = MODELS[model]
+    w_gate_up, w_down = layer(model, device)
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(w_gate_up.dtype)
+    logits = torch.randn(tokens, experts, generator=gen, device=device)
+    routed = int(reference.moe_route(logits, top_k, True)[1].unique().numel())
+    nbytes = routed * 3 * hidden * inter * x.element_size() + 2 * x.numel() * x.element_size()
+    prefill = tokens in PREFILL
+    with use_kernels(moe_gemm=variant):
+        result = measure(
+            "fused_moe moe_gemm variants",
+            f"{model} T={tokens} {'prefill' if prefill else 'decode'}",
+            f"pagedkern {variant}",
+            lambda: ops.fused_moe(x, logits, w_gate_up, w_down, top_k),
+            bytes=None if prefill else nbytes + logits.numel() * 4,
+            flops=6 * tokens * top_k * hidden * inter,
+            experts=routed,
+        )
+    assert result.seconds > 0

@@ -105,4 +105,10 @@ struct MoeExpertsParams {
 };
 void moe_experts(const MoeExpertsParams& p, cudaStream_t stream);
 
+// moe_experts on wgmma + TMA (moe_gemm_sm90.cu; the moe_gemm:sm90_wgmma variant, not yet
+// verified on GPU): the same contract at tile_m 64, for sm_90 GPUs only (elsewhere
+// std::invalid_argument), H and I multiples of 8, 16-byte aligned operands and hidden rows,
+// one K split (gate_up_splits = down_splits = 1).
+void moe_experts_sm90(const MoeExpertsParams& p, cudaStream_t stream);
+
 }  // namespace pagedkern

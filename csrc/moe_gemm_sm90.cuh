@@ -1,7 +1,7 @@
-// The sm_90a grouped GEMM of fused_moe (moe_gemm_sm90.cu): tile shapes, the wgmma atom and the
-// shared-memory layouts, in a header so the host layout check (tests/moe_gemm_sm90_layouts.cu)
-// verifies the very types the kernel uses. The TMA, mbarrier and fence primitives are
-// flash_prefill_sm90.cuh's (the ones its H200 runs verified).
+// The sm_90a grouped GEMM of fused_moe (moe_gemm_sm90.cu): tile shapes, the wgmma atom, the
+// shared-memory layouts and the gather's cp.async, in a header so the host layout check
+// (tests/moe_gemm_sm90_layouts.cu) verifies the very types the kernel uses. The TMA, mbarrier
+// and fence primitives are flash_prefill_sm90.cuh's (the ones its H200 runs verified).
 #pragma once
 
 #include "flash_prefill_sm90.cuh"
@@ -62,6 +62,39 @@ struct Traits {
                 "every stage starts on a 1024-byte swizzle atom");
   static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KiB a Hopper CTA may use");
 };
+
+// ---- the gather's cp.async and the wgmma batch (sm_90a pass and host pass only) --------------
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+using flash::smem_u32;
+
+// 16 bytes global -> shared, bypassing L1; src_bytes 0 writes zeros (src is not read then).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+// One arrival on `bar` once this thread's cp.async copies so far have landed (counted in the
+// barrier's expected arrivals: noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar))
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// acc += A B over one K stage, issued as one wgmma batch and not waited for.
+template <class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void wgmma_ss(Mma& mma, const TA& a, const TB& b, TC& c) {
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+}
+
+#endif
 
 }  // namespace moe_sm90
 }  // namespace pagedkern

@@ -43,6 +43,7 @@ VECTOR_ACCESS = {
     "flash_prefill_sm80_kernel": ("LDGSTS.E.BYPASS", "STG.E.128"),
     "flash_prefill_sm90_kernel": ("UTMALDG.3D", "STG.E.128"),
     "flash_prefill_sm90_options_kernel": ("UTMALDG.3D", "STG.E.128"),
+    "moe_gemm_sm90_kernel": ("UTMALDG.3D",),  # MoE experts on Hopper: weights by TMA
 }
 # Every operator's kernels (substring of the mangled name) must be in the binary.
 KERNELS = (
@@ -70,6 +71,8 @@ KERNELS = (
     "moe_reduce_gate_up_kernel",  # gate_up's split-K sum (float and quantized experts)
     "moe_combine_kernel",  # (float and quantized experts)
     "moe_gemm_quant_kernel",  # W4A16 / W8A16 experts
+    "moe_gemm_sm90_kernel",  # the experts on wgmma + TMA (variant moe_gemm:sm90_wgmma)
+    "moe_combine_sm90_kernel",
     "quant_gemm_marlin_kernel",
 )
 # Kernel -> tensor-core instruction its design needs, per architecture: flash_prefill's path 1
@@ -87,6 +90,7 @@ TENSOR_CORE_OPS = (
     ("moe_gemm_kernel", "sm_90a", "HMMA.16816"),
     ("moe_gemm_quant_kernel", "sm_80", "HMMA.16816"),
     ("moe_gemm_quant_kernel", "sm_90a", "HMMA.16816"),
+    ("moe_gemm_sm90_kernel", "sm_90a", "HGMMA.64x128x16.F32"),  # (sm_80: an empty stub)
     # W4A16 over tile-ordered int4 weights (quant_gemm:marlin)
     ("quant_gemm_marlin_kernel", "sm_80", "HMMA.16816"),
     ("quant_gemm_marlin_kernel", "sm_90a", "HMMA.16816"),
@@ -396,3 +400,16 @@ def test_quant_gemm_marlin_loop_has_no_division_routine(cuda_binary, arch):
     assert len(listings) == 16, sorted(listings)  # 2 dtypes x 4 m16 tile counts x 2 group sizes
     for name, sass in listings.items():
         assert not re.search(r"\bRET\b", sass), f"{name}: calls a subroutine (a division?)"
+
+
+def test_moe_gemm_sm90_gathers_gate_up_rows_and_keeps_one_wgmma_batch_in_flight(cuda_binary):
+    # moe_gemm_sm90_kernel<Traits<T, consumers>, kGated>: "Lb1EEEv" = gate_up. Both GEMMs
+    # release a stage when the batch before the one just issued completes (a wait for all but
+    # one); gate_up gathers hidden's rows by 16-byte cp.async arriving on the stage's mbarrier,
+    # down loads h's rows by TMA (no cp.async).
+    listings = _listings(cuda_binary, "sm_90a", "moe_gemm_sm90_kernel")
+    assert len(listings) == 8, sorted(listings)  # 2 dtypes x 1 or 2 consumers x 2 GEMMs
+    for name, sass in listings.items():
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, f"{name}: no wgmma batch left in flight"
+        gathers = "LDGSTS.E.BYPASS.128" in sass and "LDGSTSBAR.64.ARVCNT" in sass
+        assert gathers == ("Lb1EEEv" in name), f"{name}: gather by cp.async {gathers}"

@@ -51,7 +51,7 @@ LAUNCHES = {
     "rms_norm", "silu_and_mul", "rope_and_cache", "paged_attention", "flash_prefill", "sample",
     "quant_gemm", "quant_gemm_marlin", "rejection_sample", "PagedAttentionLaunch",
     "FlashPrefillLaunch",
-    "moe_route", "moe_align", "moe_experts", "moe_experts_quant",
+    "moe_route", "moe_align", "moe_experts", "moe_experts_quant", "moe_experts_sm90",
 }  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 
-from . import support
+from . import moe_sm90, support
 from .arrays import (
     DTYPE_CODES,
     FLOAT_DTYPES,
@@ -232,7 +232,8 @@ def fused_moe(
     summed by weight. w_gate_up_bias [E, 2I] / w_down_bias [E, H] (hidden's dtype, optional):
     each expert's biases (gpt-oss), added before each GEMM's rounding; activation
     "clamped_swiglu": gpt-oss's, with swiglu_alpha and swiglu_limit. See reference/moe.py for
-    the exact semantics. tile_m: the grouped GEMM's row tile (16 or 64; None: moe_tile_m's).
+    the exact semantics. tile_m: the grouped GEMM's row tile (16 or 64; None: moe_tile_m's;
+    the moe_gemm:sm90_wgmma variant's kernels take 64, see ops/moe_sm90.py).
     split_k: K splits of the (gate_up, down) grouped GEMMs, or one for both (None: moe_splits's
     choice; split-K is not yet verified on GPU, moe_gemm:no_split_k keeps 1)."""
     if _quantized(w_gate_up) or _quantized(w_down):  # stacked QuantizedWeights: ops/moe_quant.py
@@ -298,16 +299,17 @@ def fused_moe(
     check_contiguous(gv)
     check_contiguous(dv)
     _, hidden_stride = rows_of(hv)
-    tile = tile_m or moe_tile_m(tokens, top_k, experts)
+    wgmma = moe_sm90.takes(hv, gv, dv, hidden_stride)  # variant moe_gemm:sm90_wgmma
+    tile = moe_sm90.TILE_M if wgmma else tile_m or moe_tile_m(tokens, top_k, experts)
     module, device, handle = launch_context(views, stream)
     wv, sorted_pairs, tile_expert, h_buf, y_buf, out = routed_buffers(
         module, device, handle, views, hv, rv, top_k, experts, inter, tile, renormalize, scoring
     )
     h_rows = sorted_pairs.shape[0]
-    splits = forced_splits or moe_splits(tokens, top_k, experts, h, inter, tile,
-                                         sm_count(module, device))  # fmt: skip
+    splits = (1, 1) if wgmma else forced_splits or moe_splits(
+        tokens, top_k, experts, h, inter, tile, sm_count(module, device))  # fmt: skip
     workspace = split_workspace(views, device, handle, hv, splits, h_rows, top_k, inter)
-    module.moe_experts(
+    (module.moe_experts_sm90 if wgmma else module.moe_experts)(
         out=view(out, "out").ptr,
         h=view(h_buf, "h").ptr,
         y=view(y_buf, "y").ptr,

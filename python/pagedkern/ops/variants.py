@@ -163,6 +163,13 @@ VARIANTS: dict[str, OpVariants] = {
                 Variant(
                     "no_split_k", 1, "one block per row tile and N tile (the first grid)", None
                 ),
+                Variant(
+                    "sm90_wgmma",
+                    2,
+                    "float experts on wgmma + TMA (csrc/moe_gemm_sm90.cu), sm_90 only; quantized "
+                    "experts, and H or I not multiples of 8, run split_k's",
+                    None,
+                ),
             ),
         ),
         OpVariants(
