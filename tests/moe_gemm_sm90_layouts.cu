@@ -1,6 +1,7 @@
 // Host-side check of the layout assumptions of the sm_90a MoE grouped GEMM (csrc/moe_gemm_sm90.cu)
 // on the very types it uses (no GPU): where TMA's SWIZZLE_128B boxes put each element against
-// the CuTe layouts the wgmma descriptors and the cp.async gather address; that the gather's
+// the CuTe layouts the wgmma descriptors and the cp.async gather address; each stage's and K
+// slice's descriptor offset; that the gather's
 // thread assignment covers the A tile exactly once; which accumulator element holds which
 // (row, column), with gate column c and its up value at c + 64 in the same thread. Built and run
 // by tests/test_moe_sm90.py (needs nvcc); prints "ok" or the first mismatches.
@@ -105,6 +106,28 @@ void check(const char* name) {
     }
   }
   CHECK(int(seen.size()) == BM * BR, "%s: %d accumulator elements", name, int(seen.size()));
+  // The wgmma descriptors of K slice k (16 columns) of stage st: the fragments' layouts (types
+  // only: building the descriptors needs a shared-memory address) advance the start address by
+  // the stage's bytes plus 32 bytes a slice, in the descriptors' 16-byte units.
+  using FragA = decltype(typename Tr::TiledMma{}.get_thread_slice(0).partition_fragment_A(sA));
+  using FragB = decltype(typename Tr::TiledMma{}.get_thread_slice(0).partition_fragment_B(sB));
+  typename FragA::layout_type frag_a{};
+  typename FragB::layout_type frag_b{};
+  CHECK(size<1>(frag_a) == 1 && size<2>(frag_a) == BK / 16 && size<3>(frag_a) == S,
+        "%s: A fragment shape", name);
+  CHECK(size<1>(frag_b) == 1 && size<2>(frag_b) == BK / 16 && size<3>(frag_b) == S,
+        "%s: B fragment shape", name);
+  for (int st = 0; st < S; ++st) {
+    for (int k = 0; k < BK / 16; ++k) {
+      const int a = int(frag_a(0, 0, k, st)), b = int(frag_b(0, 0, k, st));
+      const int want_a = (st * Tr::kATileElems * int(sizeof(T)) + 32 * k) / 16;
+      const int want_b = (st * Tr::kBTileElems * int(sizeof(T)) + 32 * k) / 16;
+      CHECK(a == want_a, "%s: A descriptor (k %d, stage %d) at %d, want %d", name, k, st, a,
+            want_a);
+      CHECK(b == want_b, "%s: B descriptor (k %d, stage %d) at %d, want %d", name, k, st, b,
+            want_b);
+    }
+  }
   // Every buffer of the shared storage on a 1024-byte boundary.
   using Storage = typename Tr::SharedStorage;
   CHECK(offsetof(Storage, a) % 1024 == 0 && offsetof(Storage, b) % 1024 == 0 &&
