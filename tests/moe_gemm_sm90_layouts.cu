@@ -1,10 +1,10 @@
 // Host-side check of the layout assumptions of the sm_90a MoE grouped GEMM (csrc/moe_gemm_sm90.cu)
 // on the very types it uses (no GPU): where TMA's SWIZZLE_128B boxes put each element against
 // the CuTe layouts the wgmma descriptors and the cp.async gather address; each stage's and K
-// slice's descriptor offset; that the gather's
-// thread assignment covers the A tile exactly once; which accumulator element holds which
-// (row, column), with gate column c and its up value at c + 64 in the same thread. Built and run
-// by tests/test_moe_sm90.py (needs nvcc); prints "ok" or the first mismatches.
+// slice's descriptor offset; that the gather's thread assignment covers the A tile exactly
+// once; which accumulator element holds which (row, column), with gate column c and its up
+// value at c + 64 in the same thread. Built and run by tests/test_moe_sm90.py (needs nvcc);
+// prints "ok" or the first mismatches.
 #include <cstddef>
 #include <cstdio>
 #include <set>
