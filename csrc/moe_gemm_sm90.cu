@@ -14,17 +14,18 @@
  *   (roundings, activations and biases as moe_gemm.cu's epilogue; the activation a run-time
  *   switch there, outside the K loop).
  *  Warp specialisation (flash_prefill_sm90's scheme): warpgroup 0 produces, warpgroups 1..C
- *   consume; a ring of kStages (8 for C = 1, 5 for C = 2) K steps of 64, each with a full
- *   mbarrier (TMA transaction bytes + producer arrivals) and an empty one (one arrival per
- *   consumer warp).
+ *   consume (C = 1 at decode, T*k < 32 E: twice the CTAs over the weights; else C = 2); a ring
+ *   of kStages (8 for C = 1, 5 for C = 2) K steps of 64, each with a full mbarrier (TMA
+ *   transaction bytes + producer arrivals) and an empty one (one arrival per consumer warp).
  *  B (weights, [E, N rows, K] with K contiguous): TMA, a 3-D tensor map (K, rows, E) with
  *   128-byte swizzle, boxes of 64 K columns into each consumer's own 128-row tile: down, 128
  *   rows of wd_e; gate_up, 64 gate rows n.. and the same columns' 64 up rows I + n.., so one
  *   m64n128k16 wgmma gives a thread both halves of its columns (accumulator column c and
  *   c + 64) and the activation is fused in registers. Rows and K past the tensor are zeros
  *   (TMA's out-of-bounds fill); a consumer whose columns all lie past N gets no box.
- *  A (activations): down reads h in sorted order, so TMA loads its 64 rows (a 2-D map). The
- *   gate_up rows are hidden's token rows gathered by pair / top_k: TMA cannot gather rows, so
+ *  A (activations): down reads h in sorted order, so TMA loads its 64 rows (a map over h; its
+ *   padding rows, never written, reach only the product's padding rows, which are not stored).
+ *   gate_up's rows are hidden's token rows gathered by pair / top_k: TMA cannot gather rows, so
  *   the producer warpgroup's 128 threads copy them with 16-byte cp.async (zero-fill past K and
  *   for padding rows) into the same swizzled layout (addresses from the CuTe layout the wgmma
  *   descriptors use) and arrive with cp.async.mbarrier.arrive.noinc. Pre-permuting hidden into
@@ -40,6 +41,8 @@
  *   rounding; deterministic, no atomics), so the variant's output equals the default's up to
  *   the GEMMs' summation order.
  *
+ * Traffic and targets as moe_gemm.cu's (decode: the routed experts' weights once, >= 70% of copy
+ * bandwidth; prefill: 6*T*k*H*I FLOPs, >= 60% of the bf16 GEMM ceiling); not measured yet.
  * Needs H and I multiples of 8 (TMA strides), 16-byte aligned operands and hidden rows
  * (ops/moe.py runs the default kernels otherwise). Not in this version: 128-row tiles (two
  * consumers on one expert's rows, half the B traffic per FLOP at prefill), persistent CTAs,
