@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import torch
 from build_env import cuda_build_required
 
+from pagedkern._extension import extension_module
 from pagedkern.ops import moe_sm90
 from pagedkern.ops.arrays import view
 
@@ -46,6 +48,19 @@ def test_only_the_selected_variant_takes_calls(kernels):
 def test_shapes_tma_cannot_address_run_the_default(kernels, hidden, inter, offset, stride):
     kernels(moe_gemm="sm90_wgmma")
     assert not moe_sm90.takes(*_views(hidden, inter, offset, stride))
+
+
+def test_the_entry_point_takes_moe_experts_arguments():
+    # ops/moe.py calls one or the other with the same keywords
+    module = extension_module()
+    if module is None:
+        pytest.skip("the CUDA extension is not built")
+
+    def names(entry) -> list[str]:
+        return re.findall(r"(\w+): ", entry.__doc__.splitlines()[0])
+
+    assert names(module.moe_experts_sm90) == names(module.moe_experts)
+    assert "stream" in names(module.moe_experts) and "down_splits" in names(module.moe_experts)
 
 
 def _nvcc() -> str | None:
