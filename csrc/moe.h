@@ -1,6 +1,6 @@
-// fused_moe: the mixture-of-experts MLP as four launches, all on the caller's stream and with
-// every size fixed by the shapes (no host synchronisation, so a decode step can be captured in
-// a CUDA graph):
+// fused_moe: the mixture-of-experts MLP as five kernel launches (six with gate_up's K split),
+// all on the caller's stream and with every size fixed by the shapes (no host synchronisation,
+// so a decode step can be captured in a CUDA graph):
 //   moe_route    router logits [T, E] -> expert ids [T, k] int32, weights [T, k] fp32
 //   moe_align    ids -> the (token, slot) pairs sorted by expert, padded to the GEMM row tile
 //   moe_experts  grouped GEMM gate_up + activation, grouped GEMM down, weighted combine

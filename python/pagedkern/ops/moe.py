@@ -1,9 +1,9 @@
 """fused_moe: the mixture-of-experts MLP (router top-k, tokens grouped by expert, each expert's
 gated MLP, the weighted combine), and its first two stages as ops of their own (moe_route,
-moe_align). Validation here, then csrc/moe_route.cu and csrc/moe_gemm.cu (four launches on the
-caller's stream, every size fixed by the shapes: no host synchronisation, so a decode step can
-be captured in a CUDA graph) or the PyTorch reference (reference/moe.py, which reads the
-expert counts back to the host)."""
+moe_align). Validation here, then csrc/moe_route.cu and csrc/moe_gemm.cu (five launches on the
+caller's stream, six with gate_up's K split; every size, the splits included, fixed by the
+shapes: no host synchronisation, so a decode step can be captured in a CUDA graph) or the
+PyTorch reference (reference/moe.py, which reads the expert counts back to the host)."""
 
 from __future__ import annotations
 

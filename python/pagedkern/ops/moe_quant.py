@@ -4,7 +4,8 @@ them here). Validation, then
 
   CUDA tensors: csrc/moe_route.cu and csrc/moe_gemm_quant.cu (W4A16 / W8A16 grouped GEMMs over
       the QuantizedWeight codes, the int4 scales repacked once per weight and dtype:
-      kernel_operands), four launches on the caller's stream, no host synchronisation;
+      kernel_operands; ops.moe's split-K choice), five or six launches on the caller's stream,
+      no host synchronisation;
   CPU tensors (and what the kernel does not cover): the tokens grouped by expert with one sort
       and a loop over the experts that received tokens, each expert's GEMMs through
       quant_linear (torch's CPU int4/int8 kernels, the dense layers' own; on a GPU its kernels).
