@@ -20,7 +20,7 @@ import pagedkern.ops as ops
 from pagedkern.engine import LLM
 from pagedkern.model import LlamaModel, SequenceChunk, build_batch, default_model_path, load_model
 from pagedkern.model.quantized_linear import QuantizedWeight
-from pagedkern.model.weights import quantize_weights
+from pagedkern.model.weight_quantization import quantize_weights
 from pagedkern.ops.variants import use_kernels
 
 MAX_TOKENS = 8  # CI budget: 4 modes x 32 prompts

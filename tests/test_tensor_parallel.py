@@ -26,7 +26,7 @@ from tensor_parallel_cases import (
 from pagedkern.engine import LLM, SamplingParams
 from pagedkern.model import PRESETS, load_model
 from pagedkern.model.quantized_linear import quantize
-from pagedkern.model.weights import quantize_weights
+from pagedkern.model.weight_quantization import quantize_weights
 from pagedkern.parallel import TensorParallelConfigError, shard_weights
 from pagedkern.parallel.shard import kv_heads_of_rank
 

