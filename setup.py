@@ -187,13 +187,19 @@ class CMakeBuild(build_ext):
         """pagedkern._cpu with the host C++ compiler; without one (or on a failure) the package
         installs without it and the CPU backend keeps torch's kernels."""
         msvc = self.compiler.compiler_type == "msvc"
-        ext.extra_compile_args = (
-            ["/O2", "/std:c++17", "/fp:precise"]
-            if msvc
-            else ["-O3", "-std=c++17", "-ffp-contract=off"]
-        )
+        flags = ["/O2", "/std:c++17", "/fp:precise"] if msvc else ["-O3", "-std=c++17"]
+        flags += [] if msvc else ["-ffp-contract=off"]
+        # OpenMP: the GEMV's threads are torch's (libgomp); without it, one thread.
+        openmp = [] if msvc or sys.platform == "darwin" else ["-fopenmp"]
+        link = list(ext.extra_link_args)
         try:
-            super().build_extension(ext)
+            for omp in (openmp, []) if openmp else ([],):
+                ext.extra_compile_args, ext.extra_link_args = flags + omp, link + omp
+                try:
+                    return super().build_extension(ext)
+                except Exception:  # noqa: BLE001 - retried without OpenMP
+                    if not omp:
+                        raise
         except Exception as exc:  # noqa: BLE001 - optional: torch's CPU kernels stand in
             self.warn(
                 f"pagedkern: the CPU kernels (pagedkern._cpu) were not built ({exc}); the CPU "
@@ -212,7 +218,8 @@ def _cpu_extension() -> Extension:
         include = []
     return Extension(
         "pagedkern._cpu",
-        sources=["csrc/cpu/quant_gemv.cpp"],
+        sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.cpp")),
+        depends=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.[hi]*")),
         include_dirs=include,
         extra_link_args=[] if os.name == "nt" else ["-pthread"],
         language="c++",

@@ -1,12 +1,12 @@
-"""The CPU backend's quantized GEMM (csrc/cpu/quant_gemv.cpp: int8 activations, VNNI/AVX2
+"""The CPU backend's quantized GEMM (csrc/cpu/: 16-bit and 8-bit activations, VNNI/AVX2
 integer dots) against torch's int-pack CPU kernels (aten._weight_int4pack_mm_for_cpu,
 aten._weight_int8pack_mm: bf16 activations), at the default model's shapes (SmolLM2-135M: QKV,
 gate/up, down int4 G = 32, the int8 LM head) over M = 1 .. 512, interleaved (each case times
-both before the next), one thread by default (PAGEDKERN_BENCH_THREADS). Prints microseconds,
-the weight bytes read per second at M = 1 beside the copy bandwidth measured in the same run
-(the ceiling a GEMV approaches), and torch / gemv: where the ratio falls below 1 is the
-crossover. Full sizes with PAGEDKERN_BENCH_CPU=1 (or PAGEDKERN_BENCH_SMOKE=0) on a machine
-without a GPU; smoke mode runs tiny shapes once."""
+all three before the next), one thread by default (PAGEDKERN_BENCH_THREADS). Prints
+microseconds, the weight bytes read per second at M = 1 (16-bit activations) beside the copy
+bandwidth measured in the same run (the ceiling a GEMV approaches), and torch / gemv16: where
+the ratio falls below 1 is the crossover. Full sizes with PAGEDKERN_BENCH_CPU=1 (or
+PAGEDKERN_BENCH_SMOKE=0) on a machine without a GPU; smoke mode runs tiny shapes once."""
 
 from __future__ import annotations
 
@@ -65,11 +65,15 @@ def test_cpu_quant_gemv(capsys):
             x = torch.randn(m, k)
             reps = max(2, int(3e8 / (n * k * m))) if FULL else 1
             ours = _best_us(lambda: quant_gemv.quant_gemv(x, qw), reps)  # noqa: B023
+            ours8 = _best_us(
+                lambda: quant_gemv.quant_gemv(x, qw, activation_bits=8),  # noqa: B023
+                reps,
+            )
             theirs = _best_us(lambda: torch_int_pack_mm(x, qw), reps)  # noqa: B023
             gbs = f"{nbytes / ours / 1e3:7.1f}" if m == 1 else " " * 7
             lines.append(
-                f"  {name:8s} {fmt} M={m:<4d} {ours:10.1f} {theirs:10.1f} {gbs} "
-                f"{theirs / ours:9.2f}x"
+                f"  {name:8s} {fmt} M={m:<4d} {ours:10.1f} {ours8:10.1f} {theirs:10.1f} {gbs} "
+                f"{theirs / ours:9.2f}x {ours / ours8:9.2f}x"
             )
     with capsys.disabled():
         print(
@@ -77,7 +81,7 @@ def test_cpu_quant_gemv(capsys):
             f"copy bandwidth {_copy_gbs():.1f} GB/s; microseconds (best of 3)"
         )
         print(
-            f"  {'weight':13s} {'M':6s} {'gemv':>10s} {'torch':>10s} {'GB/s':>7s} "
-            f"{'torch/gemv':>10s}"
+            f"  {'weight':13s} {'M':6s} {'gemv16':>10s} {'gemv8':>10s} {'torch':>10s} "
+            f"{'GB/s':>7s} {'torch/gemv16':>10s} {'gemv16/gemv8':>10s}"
         )
         print("\n".join(lines))

@@ -1,9 +1,10 @@
-"""The CPU backend's quantized GEMM (csrc/cpu/quant_gemv.cpp through ops/cpu/quant_gemv.py)
-against the float64 reference, as kernels are tested: fresh random inputs, odd shapes, the
-output poisoned with NaN, on every ISA path this machine runs (forced by argument). The
-activations are quantized to int8 per block of 32, so the bound is that rounding's worst case
-(half a step of each block, times the block's |w|) plus fp32 accumulation; every path must
-give the same bits, and a row's result must not depend on M, the other rows or the threads."""
+"""The CPU backend's quantized GEMM (csrc/cpu/ through ops/cpu/quant_gemv.py) against the
+float64 reference, as kernels are tested: fresh random inputs, odd shapes, the output poisoned
+with NaN, on every ISA path this machine runs (forced by argument and by the cpu_gemv_isa
+variant), with 16-bit and 8-bit activations. The activations are quantized per block of 32, so
+the bound is that rounding's worst case (half a step of each block, times the block's |w|) plus
+fp32 accumulation; every path must give the same bits, and a row's result must not depend on
+M, the other rows or the threads."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kernel_check import poisoned
 
 from pagedkern import ops
 from pagedkern.model.quantized_linear import quantize_int4, quantize_int8
+from pagedkern.ops import variants
 from pagedkern.ops.cpu import quant_gemv
 from pagedkern.ops.cpu import quant_linear as cpu_quant_linear
 from pagedkern.ops.variants import use_kernels
@@ -22,6 +24,7 @@ from pagedkern.reference.quant_gemm import quant_linear as ref_quant_linear
 pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
 
 FORMATS = [("int8", 0), ("int4", 32), ("int4", 128)]
+QMAX = {8: 127, 16: 32639}  # the largest quantized activation (csrc/cpu/activations.cpp)
 SHAPES = [(1, 37, 64), (3, 960, 256), (5, 16, 128), (17, 50, 384), (64, 33, 32)]
 
 
@@ -35,39 +38,93 @@ def _weight(fmt: str, group: int, n: int, k: int, seed: int):
     return quantize_int8(w) if fmt == "int8" else quantize_int4(w, group)
 
 
-def _bound(x: torch.Tensor, qw) -> torch.Tensor:
-    """Worst case of per-block int8 activation rounding (|dx q - x| <= dx / 2 with dx = the
-    block's max |x| / 127) plus fp32 accumulation slack (K terms of 2^-24 relative)."""
+def _bound(x: torch.Tensor, qw, bits: int = 8) -> torch.Tensor:
+    """Worst case of per-block activation rounding (|dx q - x| <= dx / 2 with dx = the block's
+    max |x| / QMAX) plus fp32 accumulation slack (K terms of 2^-24 relative)."""
     m, k = x.shape
     w = dequantize(qw).abs()  # [N, K] float64
-    half_step = (x.double().abs().view(m, k // 32, 32).amax(-1) / 254).repeat_interleave(32, 1)
+    step = x.double().abs().view(m, k // 32, 32).amax(-1) / QMAX[bits]
+    half_step = (step / 2).repeat_interleave(32, 1)
     terms = x.double().abs() @ w.T
     return half_step @ w.T * 1.001 + terms * (k + 8) * 2**-24 + 1e-30
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("path", _paths())
 @pytest.mark.parametrize("fmt,group", FORMATS)
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_matches_the_reference_within_the_activation_rounding(path, fmt, group, m, n, k):
+def test_matches_the_reference_within_the_activation_rounding(path, fmt, group, m, n, k, bits):
     if fmt == "int4":
         k = -(-k // group) * group  # whole groups
     qw = _weight(fmt, group, n, k, seed=m * 131 + n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n + k)) * 2.0
+    x[0, :32] = 0.0  # an all-zero block (scale 0)
     out = poisoned((m, n), torch.float32, "cpu")
-    got = quant_gemv.quant_gemv(x, qw, path=path, out=out)
+    got = quant_gemv.quant_gemv(x, qw, path=path, out=out, activation_bits=bits)
     assert got is out and not torch.isnan(out).any()
     want = ref_quant_linear(x.double(), qw)
-    assert ((got.double() - want).abs() <= _bound(x, qw)).all()
+    assert ((got.double() - want).abs() <= _bound(x, qw, bits)).all()
 
 
 @pytest.mark.parametrize("fmt,group", FORMATS)
-def test_every_path_gives_the_same_bits(fmt, group):
+def test_16_bit_activations_are_closer_than_bf16(fmt, group):
+    """The default width's error is far below bf16 activations' (torch's int-pack kernels)."""
+    qw = _weight(fmt, group, 96, 512, seed=11)
+    x = torch.randn(4, 512)
+    want = ref_quant_linear(x.double(), qw)
+    err16 = (quant_gemv.quant_gemv(x, qw).double() - want).abs().max()
+    err8 = (quant_gemv.quant_gemv(x, qw, activation_bits=8).double() - want).abs().max()
+    err_bf16 = (ref_quant_linear(x.bfloat16().double(), qw) - want).abs().max()
+    assert err16 * 20 < err_bf16 and err16 * 100 < err8
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("fmt,group", FORMATS)
+def test_every_path_gives_the_same_bits(fmt, group, bits):
     qw = _weight(fmt, group, 75, 256, seed=3)
     x = torch.randn(6, 256)
-    results = [quant_gemv.quant_gemv(x, qw, path=p) for p in _paths()]
+    x[1, 40] = x[1, 32:64].abs().max() * -1.0  # a block's extreme: q = -QMAX
+    results = [quant_gemv.quant_gemv(x, qw, path=p, activation_bits=bits) for p in _paths()]
     assert "portable" in _paths() and len(results) >= 1
     for other in results[1:]:
         assert torch.equal(other, results[0])
+
+
+def test_the_isa_variant_forces_a_path(monkeypatch):
+    qw = _weight("int4", 32, 40, 64, seed=4)
+    x = torch.randn(2, 64)
+    seen = []
+    module = quant_gemv._module()
+    real_gemv = module.gemv
+    monkeypatch.setattr(
+        quant_gemv,
+        "_module",
+        lambda: _Spy(module, lambda **kw: seen.append(kw["path"]) or real_gemv(**kw)),
+    )
+    for path in _paths():
+        with use_kernels(cpu_gemv_isa=path):
+            assert quant_gemv.best_path() == path
+            quant_gemv.quant_gemv(x, qw)
+    assert seen == [module.PATHS[p] for p in _paths()]
+    with use_kernels(cpu_gemv_isa="auto"):
+        assert quant_gemv.best_path() == _paths()[-1]
+
+
+class _Spy:
+    def __init__(self, module, gemv):
+        self._module, self.gemv = module, gemv
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def test_a_path_this_cpu_lacks_is_an_error_not_a_crash():
+    missing = [p for p in quant_gemv.PATHS if p not in _paths()]
+    if not missing:
+        pytest.skip("this CPU runs every path")
+    qw = _weight("int4", 32, 16, 64, seed=0)
+    with pytest.raises(RuntimeError, match=missing[0]):
+        quant_gemv.quant_gemv(torch.randn(1, 64), qw, path=missing[0])
 
 
 @pytest.mark.parametrize("path", _paths())
@@ -76,10 +133,15 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(path, fmt, group):
     qw = _weight(fmt, group, 100, 256, seed=5)
     x = torch.randn(9, 256)
     whole = quant_gemv.quant_gemv(x, qw, path=path, threads=1)
-    for i in range(9):
-        alone = quant_gemv.quant_gemv(x[i : i + 1], qw, path=path, threads=2)
-        assert torch.equal(alone[0], whole[i])
-    assert torch.equal(quant_gemv.quant_gemv(x[2:7], qw, path=path, threads=3), whole[2:7])
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the GEMV's threads are torch's OpenMP team
+        for i in range(9):
+            alone = quant_gemv.quant_gemv(x[i : i + 1], qw, path=path, threads=2)
+            assert torch.equal(alone[0], whole[i])
+        assert torch.equal(quant_gemv.quant_gemv(x[2:7], qw, path=path, threads=3), whole[2:7])
+    finally:
+        torch.set_num_threads(previous)
     strided = torch.zeros(9, 400)
     strided[:, 8:264] = x  # rows of stride 400, unit stride along K
     assert torch.equal(quant_gemv.quant_gemv(strided[:, 8:264], qw, path=path), whole)
@@ -97,13 +159,12 @@ def test_nan_in_a_row_reaches_its_outputs_only(fmt, group):
 
 
 @pytest.fixture(autouse=True)
-def _int8_activations():
-    """The C++ GEMM is the cpu backend's `cpu_quant_linear:int8_activations` variant."""
-    with use_kernels(cpu_quant_linear="int8_activations"):
-        yield
+def _defaults(monkeypatch):
+    """The variants at their defaults (the C++ GEMM with 16-bit activations, the best path)."""
+    monkeypatch.delenv(variants.ENV_NAME, raising=False)
 
 
-def test_the_default_variant_runs_torch_int_pack(monkeypatch):
+def test_the_int_pack_variant_runs_torch_int_pack(monkeypatch):
     qw = _weight("int4", 32, 48, 64, seed=1)
     x = torch.randn(2, 64)
     calls = []
@@ -158,3 +219,12 @@ def test_arguments_are_checked():
         quant_gemv.quant_gemv(torch.randn(2, 64), qw, path="avx9")
     with pytest.raises(ValueError, match="out"):
         quant_gemv.quant_gemv(torch.randn(2, 64), qw, out=torch.empty(2, 15))
+
+
+def test_the_int8_variant_runs_8_bit_activations():
+    qw = _weight("int4", 32, 48, 64, seed=6)
+    x = torch.randn(3, 64)
+    with use_kernels(cpu_quant_linear="int8_activations"), ops.use_backend("cpu"):
+        got = ops.quant_linear(x, qw)
+    assert torch.equal(got, quant_gemv.quant_gemv(x, qw, activation_bits=8))
+    assert not torch.equal(got, quant_gemv.quant_gemv(x, qw))

@@ -176,19 +176,35 @@ VARIANTS: dict[str, OpVariants] = {
             "cpu_quant_linear",  # the cpu backend's quant_linear (no GPU involved)
             (
                 Variant(
+                    "int16_activations",
+                    2,
+                    "csrc/cpu/: activations int16 per block of 32 as two int8 planes (VNNI "
+                    "dots), ~250x closer to fp32 than llama.cpp's int8, closer than bf16",
+                    None,
+                ),
+                Variant(
                     "int_pack",
                     0,
-                    "torch's int-pack kernels, bf16 activations: the default model keeps its "
-                    "answers",
+                    "torch's int-pack kernels, bf16 activations and bf16 out",
                     None,
                 ),
                 Variant(
                     "int8_activations",
                     1,
-                    "csrc/cpu/quant_gemv.cpp: activations int8 per block of 32 (llama.cpp's "
-                    "method), 1.7-3.2x faster, ~1% error a GEMM",
+                    "csrc/cpu/: activations int8 per block of 32 (llama.cpp's Q8 method), "
+                    "~0.5-1% error a GEMM",
                     None,
                 ),
+            ),
+        ),
+        OpVariants(
+            "cpu_gemv_isa",  # which instruction set csrc/cpu/'s GEMV runs (the same bits)
+            (
+                Variant("auto", -1, "the best this CPU runs", None),
+                Variant("avx512_vnni", 3, "AVX-512 VNNI vpdpbusd zmm", None),
+                Variant("avx_vnni", 2, "AVX-VNNI vpdpbusd ymm", None),
+                Variant("avx2", 1, "AVX2 vpmaddubsw + vpmaddwd", None),
+                Variant("portable", 0, "plain C++", None),
             ),
         ),
     )

@@ -1,9 +1,10 @@
-"""The CPU backend's quantized GEMM: csrc/cpu/quant_gemv.cpp (pagedkern._cpu, host-compiled),
-x [M, K] fp32 against an int4 or int8 QuantizedWeight repacked once into its 16-row tiles,
-activations quantized to int8 per block of 32 on the fly (llama.cpp's technique). Not the
-reference's function bit for bit (x is rounded to int8 per block): tested against it with a
-tolerance. Every path (AVX-512 VNNI, AVX2, portable C++) returns the same bits, and a row's
-result depends on its own x row only (never on M or the other rows).
+"""The CPU backend's quantized GEMM: csrc/cpu/ (pagedkern._cpu, host-compiled), x [M, K] fp32
+against an int4 or int8 QuantizedWeight repacked once into its 16-row tiles, activations
+quantized on the fly per block of 32 (llama.cpp's technique), to 16 bits by default (two int8
+planes, ~250x closer to the fp32 product than llama.cpp's 8 bits, closer than bf16) or 8 bits
+(llama.cpp's Q8). Not the reference's function bit for bit: tested against it with a
+tolerance. Every ISA path (AVX-512 VNNI, AVX-VNNI, AVX2, portable C++) returns the same bits,
+and a row's result depends on its own x row only (never on M, the other rows or the threads).
 
 Without the module (built by setup.py with the host's C++ compiler; missing when there was no
 compiler) `available()` is False with the reason, and ops.quant_linear keeps torch's int-pack
@@ -18,11 +19,14 @@ from types import ModuleType
 import torch
 
 from ...reference.quantized_weight import QuantizedWeight
+from .. import variants
 
-PATHS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}  # csrc/cpu/quant_gemv.cpp's Path
-# Multiply-adds below which a call runs on the calling thread alone: waking the GEMM's own pool
-# while torch's OpenMP threads spin between ops cost a 2-thread decode 20x on a 2-vCPU host.
-PARALLEL_MIN_MACS = 1 << 26
+# The ISA paths (csrc/cpu/quant_gemv.h's Path), worst to best; the cpu_gemv_isa variant forces one.
+PATHS = ("portable", "avx2", "avx_vnni", "avx512_vnni")
+ACTIVATION_BITS = (8, 16)
+# Multiply-adds below which a call runs on the calling thread alone. The threads are torch's
+# own OpenMP team (csrc/cpu/gemv.cpp), which spins between ops, so waking it costs ~1 us.
+PARALLEL_MIN_MACS = 1 << 16
 _PACKED_KEY = "cpu-gemv"
 
 
@@ -54,14 +58,19 @@ def _module() -> ModuleType:
 
 
 def supported_paths() -> list[str]:
-    """The ISA paths this CPU runs (portable always), best last."""
+    """The ISA paths this CPU (and this build) runs, portable first, best last."""
     cpu_kernels = _module()
-    return [name for name, code in PATHS.items() if cpu_kernels.path_supported(path=code)]
+    return [name for name in PATHS if cpu_kernels.path_supported(path=cpu_kernels.PATHS[name])]
 
 
 def best_path() -> str:
+    """The path quant_gemv runs by default: the `cpu_gemv_isa` kernel variant where it names
+    one (PAGEDKERN_KERNELS=cpu_gemv_isa:avx2, for example), else the best this CPU runs."""
+    forced = variants.selected("cpu_gemv_isa")
+    if forced != "auto":
+        return forced
     code = _module().best_path()
-    return next(name for name, c in PATHS.items() if c == code)
+    return next(name for name, c in _module().PATHS.items() if c == code)
 
 
 def packed(weight: QuantizedWeight) -> torch.Tensor:
@@ -95,11 +104,13 @@ def quant_gemv(
     path: str | None = None,
     threads: int | None = None,
     out: torch.Tensor | None = None,
+    activation_bits: int = 16,
 ) -> torch.Tensor:
     """x [M, K] float32 CPU (rows of unit stride) -> [M, N] float32 (into `out` if given:
-    contiguous [M, N] float32). path: one of PATHS (default: the best this CPU runs; a path it
-    does not run raises RuntimeError); threads: default torch.get_num_threads() from
-    PARALLEL_MIN_MACS multiply-adds, else 1 (the bits are the same for any count)."""
+    contiguous [M, N] float32). path: one of PATHS (default: best_path(); a path this CPU does
+    not run raises RuntimeError); threads: default torch.get_num_threads() from
+    PARALLEL_MIN_MACS multiply-adds, else 1 (the bits are the same for any count);
+    activation_bits: 16 (default) or 8 (llama.cpp's Q8 activations)."""
     cpu_kernels = _module()
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be a 2-D float32 CPU tensor, got {tuple(x.shape)} {x.dtype}")
@@ -110,7 +121,9 @@ def quant_gemv(
     if weight.format not in ("int4", "int8"):
         raise ValueError(f"weight format {weight.format!r} (int4 or int8)")
     if path is not None and path not in PATHS:
-        raise ValueError(f"path must be one of {tuple(PATHS)}, got {path!r}")
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if activation_bits not in ACTIVATION_BITS:
+        raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits!r}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if out is None:
@@ -118,16 +131,16 @@ def quant_gemv(
     elif tuple(out.shape) != (m, n) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be contiguous ({m}, {n}) fp32")
     tiles = packed(weight)
-    args = dict(
-        y=out.data_ptr(), y_stride=n, x=x.data_ptr(), x_stride=x.stride(0),
-        packed=tiles.data_ptr(), m=m, n=n, k=k,
-        threads=threads or _threads(m * n * k), path=-1 if path is None else PATHS[path],
+    scales = 0
+    if weight.format == "int8":
+        per_channel = weight.packed.get("cpu-gemv-scales")
+        if per_channel is None:
+            per_channel = weight.packed["cpu-gemv-scales"] = weight.scales.float().contiguous()
+        scales = per_channel.data_ptr()
+    cpu_kernels.gemv(
+        int4=weight.format == "int4", y=out.data_ptr(), y_stride=n, x=x.data_ptr(),
+        x_stride=x.stride(0), packed=tiles.data_ptr(), scales=scales, m=m, n=n, k=k,
+        threads=threads or _threads(m * n * k),
+        path=cpu_kernels.PATHS[path or best_path()], activation_bits=activation_bits,
     )  # fmt: skip
-    if weight.format == "int4":
-        cpu_kernels.gemv_int4(**args)
-    else:
-        scales = weight.packed.get("cpu-gemv-scales")
-        if scales is None:
-            scales = weight.packed["cpu-gemv-scales"] = weight.scales.float().contiguous()
-        cpu_kernels.gemv_int8(scales=scales.data_ptr(), **args)
     return out

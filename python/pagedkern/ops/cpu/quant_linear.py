@@ -1,14 +1,15 @@
 """The CPU backend's quant_linear, by the `cpu_quant_linear` kernel variant (ops/variants.py):
-- `int_pack` (default): torch's int-pack kernels, bf16 activations.
-- `int8_activations`: the GEMV/GEMM of csrc/cpu/quant_gemv.cpp (ops/cpu/quant_gemv.py) at every
-  M, activations quantized to int8 per block of 32, fp32 out, rounded once to x's dtype.
-  Measured faster than torch's int-pack kernels at every M tried (1 to 512, SmolLM2-135M's
-  shapes and its 49152-row LM head: 1.4-5x, docs/guides/cpu-backend.md), so there is no
-  crossover to switch at; one kernel at every M also keeps a row's result independent of its
-  batch. Not the default: its ~1% error a GEMM (the int8 activations, exactly what the kernel
-  means to compute) turns the default int4 model's answer to "What is the capital of France?"
-  from Paris to a list of French words. Without the built module it falls back to int_pack,
-  with a warning once."""
+- `int16_activations` (default): the GEMV/GEMM of csrc/cpu/ (ops/cpu/quant_gemv.py) at every
+  M, activations quantized to 16 bits per block of 32, fp32 out, rounded once to x's dtype.
+  Faster than torch's int-pack kernels at every M measured (SmolLM2-135M's shapes and its
+  49152-row LM head, bench/test_bench_cpu_quant_gemv.py), so there is no crossover to switch
+  at; one kernel at every M also keeps a row's result independent of its batch. Its error a
+  GEMM is ~1e-5 relative: below bf16 activations' (int_pack) and llama.cpp's int8 ones.
+- `int_pack`: torch's int-pack kernels, bf16 activations.
+- `int8_activations`: the same C++ GEMM with llama.cpp's int8 activations (~0.5-1% error a
+  GEMM; on the default model it answers as llama.cpp does, which differs from the fp32
+  reference's answer where that is a near tie).
+Without the built module the C++ variants fall back to int_pack, with a warning once."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def quant_linear(
 ) -> torch.Tensor:
     """x [M, K] float CPU -> x @ W.T (+ bias) [M, N] in x's dtype (arguments validated by
     ops.quant_linear)."""
-    if variants.selected("cpu_quant_linear") == "int_pack":
+    variant = variants.selected("cpu_quant_linear")
+    if variant == "int_pack":
         out = torch_int_pack_mm(x, weight)
     elif not quant_gemv.available():
         global _warned
@@ -38,6 +40,7 @@ def quant_linear(
             _warned = True
         out = torch_int_pack_mm(x, weight)
     else:
-        out = quant_gemv.quant_gemv(x.float(), weight)
+        bits = 8 if variant == "int8_activations" else 16
+        out = quant_gemv.quant_gemv(x.float(), weight, activation_bits=bits)
     out = out.to(x.dtype)
     return out if bias is None else out.add_(bias)

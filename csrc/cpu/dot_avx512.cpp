@@ -1,0 +1,121 @@
+// AVX-512 VNNI tile kernels: a tile's 16 rows are one zmm of 32-bit lanes; kRowChunk
+// activation rows share each weight load (prefill, batched decode). vpdpbusd takes u8 x s8:
+// int4 nibbles are u8 as they are, int8 weights are stored biased (q + 128) and the bias
+// comes off as 128 * sum(q) a block.
+
+#include "quant_gemv.h"
+
+#if QUANT_GEMV_X86
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace pagedkern_cpu {
+namespace {
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+
+AVX512_TARGET inline __m512i x4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int P>
+AVX512_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
+  const int blocks = a.k / kBlock;
+  const uint8_t* base = a.packed + size_t(tile) * blocks * kInt4TileBlockBytes;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int live = std::min(kRows, a.n - tile * kRows);
+  const __mmask16 mask = __mmask16((1u << live) - 1);
+  for (; rc > 0; r0 += kRowChunk, rc -= kRowChunk) {
+    const int rows = std::min(rc, kRowChunk);
+    __m512 acc[kRowChunk];
+    for (int i = 0; i < kRowChunk; ++i) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; ++b) {
+      const uint8_t* t = base + size_t(b) * kInt4TileBlockBytes;
+      __m512i wl[4], wh[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i w = _mm512_loadu_si512(t + 64 * j);
+        wl[j] = _mm512_and_si512(w, low);
+        wh[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+      }
+      const uint8_t* dm = t + kRows * kBlock / 2;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
+      const __m512 mn =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + 32)));
+      for (int i = 0; i < rows; ++i) {
+        const int r = r0 + i;
+        const int8_t* xb = a.xq->block(r, b);
+        __m512i lo[P], hi[P];  // per plane: low-nibble and high-nibble chains
+        for (int p = 0; p < P; ++p) lo[p] = hi[p] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j)
+          for (int p = 0; p < P; ++p) {
+            lo[p] = _mm512_dpbusd_epi32(lo[p], wl[j], x4(xb + p * kBlock + 4 * j));
+            hi[p] = _mm512_dpbusd_epi32(hi[p], wh[j], x4(xb + p * kBlock + 16 + 4 * j));
+          }
+        __m512i isum = _mm512_add_epi32(lo[0], hi[0]);
+        if (P == 2)
+          isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 8), _mm512_add_epi32(lo[1], hi[1]));
+        const __m512 dx = _mm512_set1_ps(a.xq->dx[a.xq->at(r, b)]);
+        const __m512 sx = _mm512_set1_ps(a.xq->sx[a.xq->at(r, b)]);
+        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), acc[i]);
+        acc[i] = _mm512_fmadd_ps(mn, sx, acc[i]);
+      }
+    }
+    for (int i = 0; i < rows; ++i)
+      _mm512_mask_storeu_ps(a.y + (r0 + i) * a.y_stride + tile * kRows, mask, acc[i]);
+  }
+}
+
+template <int P>
+AVX512_TARGET void int8_tile(const Args& a, int tile, int r0, int rc) {
+  const int blocks = a.k / kBlock;
+  const uint8_t* base = a.packed + size_t(tile) * blocks * kInt8TileBlockBytes;
+  const int live = std::min(kRows, a.n - tile * kRows);
+  const __mmask16 mask = __mmask16((1u << live) - 1);
+  const __m512 s = _mm512_maskz_loadu_ps(mask, a.scales + tile * kRows);
+  for (; rc > 0; r0 += kRowChunk, rc -= kRowChunk) {
+    const int rows = std::min(rc, kRowChunk);
+    __m512 acc[kRowChunk];
+    for (int i = 0; i < kRowChunk; ++i) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; ++b) {
+      const uint8_t* t = base + size_t(b) * kInt8TileBlockBytes;
+      __m512i part[kRowChunk][P];
+      for (int i = 0; i < kRowChunk; ++i)
+        for (int p = 0; p < P; ++p) part[i][p] = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = _mm512_loadu_si512(t + 64 * j);
+        for (int i = 0; i < rows; ++i)
+          for (int p = 0; p < P; ++p)
+            part[i][p] = _mm512_dpbusd_epi32(part[i][p], w,
+                                             x4(a.xq->block(r0 + i, b) + p * kBlock + 4 * j));
+      }
+      for (int i = 0; i < rows; ++i) {
+        const size_t at = a.xq->at(r0 + i, b);
+        __m512i isum = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(part[i][0], 8), part[i][P - 1])
+                              : part[i][0];
+        isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(kInt8Bias * a.xq->qsum[at]));
+        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a.xq->dx[at]), _mm512_cvtepi32_ps(isum), acc[i]);
+      }
+    }
+    for (int i = 0; i < rows; ++i)
+      _mm512_mask_storeu_ps(a.y + (r0 + i) * a.y_stride + tile * kRows, mask,
+                            _mm512_mul_ps(acc[i], s));
+  }
+}
+
+}  // namespace
+
+TileFn avx512_tile(bool int4, int planes) {
+  if (planes == 2) return int4 ? int4_tile<2> : int8_tile<2>;
+  return int4 ? int4_tile<1> : int8_tile<1>;
+}
+
+}  // namespace pagedkern_cpu
+#else
+namespace pagedkern_cpu {
+TileFn avx512_tile(bool, int) { return nullptr; }
+}  // namespace pagedkern_cpu
+#endif

@@ -1,0 +1,104 @@
+// The portable tile kernels: plain C++ (built everywhere, compiled without FP contraction),
+// the same integer sums and the same fp32 operations in the same order as the SIMD paths
+// (quant_gemv.h), so they return the same bits.
+
+#include <cmath>
+#include <cstring>
+
+#include "quant_gemv.h"
+
+namespace pagedkern_cpu {
+
+// IEEE half -> float, exact (the SIMD paths' vcvtph2ps).
+float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalise
+    int e = -1;
+    do {
+      man <<= 1;
+      ++e;
+    } while (!(man & 0x400));
+    bits = sign | uint32_t(112 - e) << 23 | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+namespace {
+
+// sum over the planes of a block: 8 bits q, 16 bits 256 hi + lo
+template <int P, typename Dot>
+int32_t planes_dot(const int8_t* xb, Dot dot) {
+  return P == 2 ? 256 * dot(xb) + dot(xb + kBlock) : dot(xb);
+}
+
+template <int P>
+void int4_tile(const Args& a, int tile, int r0, int rc) {
+  const int blocks = a.k / kBlock;
+  const uint8_t* base = a.packed + size_t(tile) * blocks * kInt4TileBlockBytes;
+  for (int r = r0; r < r0 + rc; ++r) {
+    float acc[kRows] = {};
+    for (int b = 0; b < blocks; ++b) {
+      const uint8_t* t = base + size_t(b) * kInt4TileBlockBytes;
+      const uint16_t* d16 = reinterpret_cast<const uint16_t*>(t + kRows * kBlock / 2);
+      const float dx = a.xq->dx[a.xq->at(r, b)], sx = a.xq->sx[a.xq->at(r, b)];
+      for (int row = 0; row < kRows; ++row) {
+        const int32_t isum = planes_dot<P>(a.xq->block(r, b), [&](const int8_t* xb) {
+          int32_t s = 0;
+          for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = t[64 * j + 4 * row + i];
+              s += int(byte & 0x0F) * xb[4 * j + i] + int(byte >> 4) * xb[16 + 4 * j + i];
+            }
+          return s;
+        });
+        const float d = half_to_float(d16[row]), mn = half_to_float(d16[kRows + row]);
+        const float ddx = d * dx;
+        acc[row] = std::fma(ddx, float(isum), acc[row]);
+        acc[row] = std::fma(mn, sx, acc[row]);
+      }
+    }
+    for (int row = 0; row < kRows && tile * kRows + row < a.n; ++row)
+      a.y[r * a.y_stride + tile * kRows + row] = acc[row];
+  }
+}
+
+template <int P>
+void int8_tile(const Args& a, int tile, int r0, int rc) {
+  const int blocks = a.k / kBlock;
+  const uint8_t* base = a.packed + size_t(tile) * blocks * kInt8TileBlockBytes;
+  for (int r = r0; r < r0 + rc; ++r) {
+    float acc[kRows] = {};
+    for (int b = 0; b < blocks; ++b) {
+      const uint8_t* t = base + size_t(b) * kInt8TileBlockBytes;
+      const float dx = a.xq->dx[a.xq->at(r, b)];
+      for (int row = 0; row < kRows; ++row) {
+        const int32_t isum = planes_dot<P>(a.xq->block(r, b), [&](const int8_t* xb) {
+          int32_t s = 0;
+          for (int j = 0; j < 8; ++j)
+            for (int i = 0; i < 4; ++i) s += (int(t[64 * j + 4 * row + i]) - kInt8Bias) * xb[4 * j + i];
+          return s;
+        });
+        acc[row] = std::fma(dx, float(isum), acc[row]);
+      }
+    }
+    for (int row = 0; row < kRows && tile * kRows + row < a.n; ++row)
+      a.y[r * a.y_stride + tile * kRows + row] = acc[row] * a.scales[tile * kRows + row];
+  }
+}
+
+}  // namespace
+
+TileFn portable_tile(bool int4, int planes) {
+  if (planes == 2) return int4 ? int4_tile<2> : int8_tile<2>;
+  return int4 ? int4_tile<1> : int8_tile<1>;
+}
+
+}  // namespace pagedkern_cpu

@@ -1,0 +1,120 @@
+// pagedkern._cpu: quantized GEMV/GEMM on the CPU, y[M, N] = x[M, K] @ W[N, K].T, fp32 in and out,
+// for the weight formats of reference/quantized_weight.py: int4 (w = d * q + m, q in 0..15, d
+// and m fp16 per group of 32 or 128 along K) and int8 per output channel (w = s * q, q in
+// -127..127, s fp32).
+//
+// Design (llama.cpp's technique for Q4_1 x Q8_1 and Q8_0 x Q8_0, written for these formats):
+// - Weights are repacked once at load (pack.cpp) into tiles of 16 rows, block by block of 32 K:
+//   a 32-bit lane holds 4 consecutive weights of one row, so one 64-byte load feeds 16 rows.
+//   int4: 4 loads of 64 bytes a block, low nibbles k-quad j (k = 4j..4j+3), high nibbles k-quad
+//   j + 4 (k = 16 + 4j..), then the block's 16 d and 16 m (fp16; G = 128 repeats a group's pair
+//   over its four blocks). int8: 8 loads of 64 bytes a block, k-quad j in load j, each weight
+//   stored biased as q + 128 (u8: the unsigned operand of vpdpbusd).
+// - Activations are quantized on the fly (activations.cpp), per row and per block of 32, to
+//   8 or 16 bits: dx = max|x| / Q, q = round-to-nearest-even(x / dx) in -Q..Q (Q = 127, or
+//   32639 for 16 bits), sx = dx * sum(q). A 16-bit q is held as two int8 planes, q = 256 hi +
+//   lo (hi in -127..127, lo in -128..127), so the same u8 x s8 dot products serve both
+//   widths: 8 bits is llama.cpp's Q8 (its error, ~0.5% a GEMM); 16 bits costs a second dot a
+//   weight load and is ~250x closer to the fp32 product (closer than bf16 activations).
+// - A block's integer dot products of 16 rows at once (dot_*.cpp): AVX-512 VNNI vpdpbusd,
+//   AVX-VNNI (256-bit vpdpbusd), AVX2 vpmaddubsw + vpmaddwd (pairs fit in s16: int8 weights
+//   take the sign trick |x| x sign(x) w), or plain C++. Integer sums are exact, so every path
+//   gives the same integers: isum = sum(w q) (int8's bias removed as 128 * sum(q)).
+// - Per row and block, in K order, in fp32 with explicit fused multiply-adds:
+//     int4: acc = fma(d * dx, isum, acc); acc = fma(m, sx, acc)      y = acc
+//     int8: acc = fma(dx, isum, acc)                                 y = acc * s
+//   The same operations in the same order on every path (the portable one compiled without FP
+//   contraction, std::fma), so every path returns the same bits, and a row's result depends
+//   only on its own x row and the weights: never on M, the other rows, the thread count or the
+//   split of N across threads.
+// - Run-time ISA dispatch (isa.cpp, cpuid): the x86 kernels are compiled per function with
+//   target attributes, so the module loads and runs on any x86-64 (and builds the portable
+//   path alone elsewhere); a path asked for explicitly that the CPU lacks is an error, never
+//   SIGILL.
+// - Threads (gemv.cpp): the N tiles split into contiguous ranges over OpenMP's threads, which
+//   are torch's intra-op threads (the same libgomp, loaded by torch first): no second pool
+//   competing with torch's spinning workers on a small host.
+//
+// Pointers are passed as integers (as the CUDA extension takes them); the Python side
+// (ops/cpu/quant_gemv.py) validates shapes, dtypes and contiguity.
+
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace pagedkern_cpu {
+
+constexpr int kRows = 16;   // weight rows a tile
+constexpr int kBlock = 32;  // K a block
+constexpr int kInt4TileBlockBytes = kRows * kBlock / 2 + kRows * 2 * 2;  // nibbles, d, m
+constexpr int kInt8TileBlockBytes = kRows * kBlock;
+constexpr int kRowChunk = 4;  // activation rows computed together over one weight tile
+constexpr int kInt8Bias = 128;  // int8 weights are stored as q + 128
+
+enum Path { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3, kNumPaths = 4 };
+
+bool path_supported(int path);
+int best_path();
+const char* path_name(int path);
+
+// M rows of x, quantized per block of 32 into `planes` int8 planes (1: 8 bits, 2: 16 bits).
+struct QuantizedRows {
+  int planes = 1, blocks = 0;
+  std::vector<int8_t> q;      // [M, blocks, planes, 32]: plane 0 = hi (16 bits) or q (8 bits)
+  std::vector<float> dx;      // [M, blocks]
+  std::vector<float> sx;      // [M, blocks]: dx * sum(q)
+  std::vector<int32_t> qsum;  // [M, blocks]: sum(q)
+  const int8_t* block(int row, int b) const {
+    return &q[(size_t(row) * blocks + b) * planes * kBlock];
+  }
+  size_t at(int row, int b) const { return size_t(row) * blocks + b; }
+  void resize(int m, int k, int planes);
+};
+
+// Rows [r0, r1) of x into `out` (resized for all M rows beforehand). simd: with AVX2 (the
+// x86 SIMD paths; the same bits as the plain C++ the portable path runs).
+void quantize_rows(const float* x, int64_t x_stride, int r0, int r1, bool simd,
+                   QuantizedRows& out);
+
+struct Args {
+  float* y;
+  int64_t y_stride;
+  const QuantizedRows* xq;
+  const uint8_t* packed;
+  const float* scales;  // int8: per output channel
+  int m, n, k;
+};
+
+// Rows [r0, r0 + rc) of x against weight tile `tile` (16 rows of W), written into y.
+using TileFn = void (*)(const Args&, int tile, int r0, int rc);
+TileFn portable_tile(bool int4, int planes);
+TileFn avx2_tile(bool int4, int planes);     // nullptr where not built (not x86)
+TileFn avxvnni_tile(bool int4, int planes);  // nullptr where not built (old compiler)
+TileFn avx512_tile(bool int4, int planes);   // nullptr where not built
+
+float half_to_float(uint16_t h);
+
+int64_t int4_packed_bytes(int n, int k);
+int64_t int8_packed_bytes(int n, int k);
+void pack_int4(uint8_t* out, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
+               int n, int k, int group);
+void pack_int8(uint8_t* out, const int8_t* qweight, int n, int k);
+
+// y[M, N] (row stride y_stride) = x[M, K] (row stride x_stride) @ W.T; path -1: the best.
+void gemv(bool int4, float* y, int64_t y_stride, const float* x, int64_t x_stride,
+          const uint8_t* packed, const float* scales, int m, int n, int k, int threads, int path,
+          int activation_bits);
+
+}  // namespace pagedkern_cpu
+
+// x86 kernels need GCC/clang target attributes (MSVC builds the portable path alone)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define QUANT_GEMV_X86 1
+#endif
+// AVX-VNNI's 256-bit vpdpbusd needs GCC 11 / clang 12 (and their target names)
+#if QUANT_GEMV_X86 && ((defined(__clang__) && __clang_major__ >= 12) || \
+                       (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define QUANT_GEMV_AVXVNNI 1
+#endif
