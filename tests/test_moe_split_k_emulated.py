@@ -81,24 +81,28 @@ def test_gpt_oss_biases_and_clamped_swiglu_under_split_k(splits):
     assert relative_error(out, want) <= REL_TOLERANCE[torch.bfloat16]
 
 
-QUANT_CASES = [  # tokens, experts, top_k, hidden, inter, format, group, splits
-    (1, 8, 2, 160, 96, "int4", 32, (2, 2)),  # 5 K steps in 2 splits: 3, 2; 3 in 2: 2, 1
-    (3, 6, 6, 128, 128, "int4", 128, (3, 4)),  # k = E; G = 128 groups across split edges
-    (64, 7, 2, 160, 64, "int8", 0, (4, 2)),  # T = 64, E = 7; 5 steps in 4: 2, 2, 1, 0
-    (3, 60, 8, 96, 64, "int8", 0, (3, 1)),  # experts without tokens
+QUANT_CASES = [  # tokens, experts, top_k, hidden, inter, format, group, tile_m, splits
+    (1, 8, 2, 160, 96, "int4", 32, 16, (2, 2)),  # 5 K steps in 2 splits: 3, 2; 3 in 2: 2, 1
+    (3, 6, 6, 128, 128, "int4", 128, 16, (3, 4)),  # k = E; G = 128 groups across split edges
+    (64, 7, 2, 160, 64, "int8", 0, 16, (4, 2)),  # T = 64, E = 7; 5 steps in 4: 2, 2, 1, 0
+    (64, 5, 3, 96, 64, "int4", 32, 64, (2, 3)),  # the 64-row tile
+    (3, 60, 8, 96, 64, "int8", 0, 16, (3, 1)),  # experts without tokens
 ]
 
 
 @emulator
-@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, fmt, group, splits", QUANT_CASES)
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, hidden, inter, fmt, group, tile_m, splits", QUANT_CASES
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_quantized_experts_split_k_equals_the_reference(tokens, experts, top_k, hidden, inter,
-                                                        fmt, group, splits, dtype):  # fmt: skip
+                                                        fmt, group, tile_m, splits,
+                                                        dtype):  # fmt: skip
     args = quantized_operands(tokens, experts, hidden, inter, dtype, fmt, group or 32,
                               seed=tokens * experts + hidden)  # fmt: skip
     before = launches()
     with emulated():
-        out = moe.fused_moe(*args, top_k, split_k=splits)
+        out = moe.fused_moe(*args, top_k, tile_m=tile_m, split_k=splits)
     assert launches() - before == 5 + (splits[0] > 1)
     want = expected(*args, top_k)
     assert out.dtype == dtype and out.shape == (tokens, hidden)
