@@ -175,7 +175,7 @@ def main(quantization: str, max_tokens: int = 8) -> None:
         # that an earlier one computed with other GEMMs
         return LLM(
             quantization=mode, backend="reference", device="cpu", max_num_seqs=32,
-            kv_cache_gib=0.25, cpu_fast_decode=False, enable_prefix_caching=False,
+            kv_cache_gib=0.25, enable_prefix_caching=False,
         )  # fmt: skip
 
     base = engine("none")

@@ -163,9 +163,9 @@ def main(lever: str) -> None:
 
     def measure(name: str, head, layers=None, logits=None, gemms=None) -> None:
         model.weights = LlamaWeights(head, layers or w8.layers, w8.norm, head, w8.rope_freq_factors)
-        model.compute_logits, model._cpu_decode = logits or plain_logits, None
-        if gemms is not None:  # fp32 GEMMs: the plain path (the fast path calls the kernels)
-            llama.linear, model.fast_cpu_decode = gemms, False
+        model.compute_logits = logits or plain_logits
+        if gemms is not None:  # fp32 GEMMs (the model's own linear too: the CPU backend's)
+            llama.linear = model._linear = gemms
         try:
             got = agreement(ids, logp, llm, MAX_TOKENS)
             print(
@@ -175,7 +175,8 @@ def main(lever: str) -> None:
                 flush=True,
             )
         finally:
-            llama.linear, model.fast_cpu_decode, model.weights = kernels, True, w8
+            llama.linear, model.weights = kernels, w8
+            model.__dict__.pop("_linear", None)
 
     q8 = w8.lm_head
     measure("int8 head, torch's int8 kernel (bf16 logits)", q8)

@@ -45,7 +45,8 @@ def test_the_table_names_every_op():
         if fn not in (None, getattr(reference, op, None))
     }
     assert faster == {
-        "flash_prefill", "paged_attention", "rms_norm", "fused_add_rms_norm", "quant_linear"
+        "flash_prefill", "paged_attention", "rms_norm", "fused_add_rms_norm", "quant_linear",
+        "rope_and_cache",
     }  # fmt: skip
 
 

@@ -27,8 +27,9 @@ from transformers_oracle import (
     relative,
 )
 
+from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
-from pagedkern.model import ModelLoadError, cpu_decode, load_model
+from pagedkern.model import ModelLoadError, load_model
 
 transformers = pytest.importorskip("transformers")
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -124,26 +125,11 @@ def test_decode_steps_logits_equal_transformers(saved):
     folder, hf = saved
     tokens, want = hf_greedy(hf, PROMPT, STEPS)
     model, _ = load_model(str(folder), "cpu", torch.float32)
-    model.fast_cpu_decode = True  # as the engine sets it: it must decline these models
-    got = decode_logits(model, PROMPT, tokens[:-1]).double()
+    with ops.use_backend("cpu"):  # its decode plan (global layers; sliding: the one-shot op)
+        got = decode_logits(model, PROMPT, tokens[:-1]).double()
     errors = [relative(g, w) for g, w in zip(got, want.double(), strict=True)]
     assert max(errors) < 1e-5, errors
     assert got.argmax(-1).tolist() == tokens
-    assert model._cpu_decode is False  # the fast CPU decode path declined the model
-
-
-def test_the_fast_cpu_decode_path_declines_every_gemma_option(saved):
-    folder, _ = saved
-    model, _ = load_model(str(folder), "cpu", torch.float32)
-    assert not cpu_decode._computes(model.config)
-    plain = model.config.replace(
-        hidden_act="silu", sandwich_norms=False, embed_scale=None, attn_scale=None,
-        attn_soft_cap=None, final_soft_cap=None, sliding_window=None, layer_types=(),
-        rope_local_theta=None,
-    )  # fmt: skip
-    assert cpu_decode._computes(plain)
-    for field in ("embed_scale", "attn_scale", "attn_soft_cap", "final_soft_cap"):
-        assert not cpu_decode._computes(plain.replace(**{field: 2.0}))
 
 
 @pytest.mark.parametrize(

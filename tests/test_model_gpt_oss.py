@@ -26,6 +26,7 @@ from transformers_oracle import (
     relative,
 )
 
+from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import load_model
 from pagedkern.model.config import FULL, SLIDING
@@ -136,8 +137,8 @@ def test_prefill_and_decode_logits_equal_transformers(saved):
     assert relative(got, want) < 1e-5, relative(got, want)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     tokens, want_steps = hf_greedy(hf, LONG_PROMPT, STEPS)
-    model.fast_cpu_decode = True  # as the engine sets it: it must decline gpt-oss
-    got_steps = decode_logits(model, LONG_PROMPT, tokens[:-1]).double()
+    with ops.use_backend("cpu"):  # sinks and windows: the CPU backend's one-shot ops
+        got_steps = decode_logits(model, LONG_PROMPT, tokens[:-1]).double()
     errors = [relative(g, w) for g, w in zip(got_steps, want_steps.double(), strict=True)]
     assert max(errors) < 1e-5, errors
 

@@ -21,6 +21,7 @@ from transformers_oracle import (
     relative,
 )
 
+from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig
 from pagedkern.model import load_model
 
@@ -134,8 +135,8 @@ def test_prefill_and_decode_logits_equal_transformers(saved):
     assert relative(got, want) < 1e-5, relative(got, want)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     tokens, want_steps = hf_greedy(hf, PROMPT, STEPS)
-    model.fast_cpu_decode = True  # as the engine sets it: it must decline MoE models
-    got_steps = decode_logits(model, PROMPT, tokens[:-1]).double()
+    with ops.use_backend("cpu"):  # the CPU backend's decode plan beside the MoE layers
+        got_steps = decode_logits(model, PROMPT, tokens[:-1]).double()
     errors = [relative(g, w) for g, w in zip(got_steps, want_steps.double(), strict=True)]
     assert max(errors) < 1e-5, errors
 

@@ -122,12 +122,6 @@ class EngineConfig:
     kv_cache_dtype: str = _setting(
         "auto", "KV cache dtype: auto (the model's dtype) or fp8 (E4M3, per-layer scales)"
     )
-    cpu_fast_decode: bool = _setting(
-        True,
-        "CPU: run decode-only steps through model/cpu_decode.py (~2x faster single-stream "
-        "decode, the plain path's logits bit for bit, so outputs never depend on which path a "
-        "step took)",
-    )
     async_scheduling: bool = _setting(
         False,
         "overlap scheduling with execution: while step N runs on the engine's worker thread, "
@@ -258,7 +252,6 @@ def _model_spec(config: EngineConfig):
         quantization=config.quantization,
         kv_cache_dtype=config.kv_cache_dtype,
         backend=config.backend,
-        cpu_fast_decode=config.cpu_fast_decode,
     )
 
 

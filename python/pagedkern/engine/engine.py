@@ -100,8 +100,6 @@ class Engine:
         # shadow mode checks each op call on the host: every step runs eagerly, through ops
         shadow = config.shadow or envs.get("PAGEDKERN_SHADOW")
         self.shadow = None if shadow == "off" else ShadowReport(shadow == "strict")
-        if self.shadow is not None:
-            model.fast_cpu_decode = False
         graphs, piecewise = step_graphs(model, config, shadowed=self.shadow is not None)
         self.broken: TensorParallelError | None = None  # the TP group failed: nothing runs
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops

@@ -6,6 +6,12 @@ through slot_mapping), flash_prefill on the prefill rows and paged_attention on 
 O GEMM, fused add+RMSNorm, one fused gate/up GEMM, silu_and_mul, down GEMM. Then the final norm
 and the LM head on the requested rows only. Norm statistics, softmax and logits are fp32.
 
+Each op runs its backend's implementation (`--backend`: the CUDA kernels, the CPU backend's
+ops/cpu/, the reference). On the CPU backend a step resolves the table once (`_step_ops`): its
+arguments are the model's own tensors, so the step's indices are checked once and every layer
+calls ops/cpu/'s functions without the ops layer's per-call validation, and its decode rows
+attend over float32 K/V copies that outlive the step (ops/cpu/decode_attention.py).
+
 Gemma 2 / 3 on the same loop: embeddings times sqrt(hidden), QK-norm (Gemma 3), the attention
 scale, soft-cap and sliding window of each layer passed to the attention ops, its own RoPE
 table for sliding layers (Gemma 3), an RMSNorm of the attention output and of the MLP output
@@ -18,8 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..ops import cpu as cpu_ops
 from ..ops import launch, shadow
-from . import cpu_decode
+from ..ops.cpu.decode_attention import DecodeCopies
+from ..ops.index_checks import check_rope_indices
 from .attention_metadata import AttentionMetadata
 from .collectives import SINGLE, Collectives
 from .config import ModelConfig
@@ -106,10 +114,9 @@ class LlamaModel:
         self._embed_scale = None if scale is None else float(torch.tensor(scale, dtype=self.dtype))
         self._layer_index: dict[int, int] = {}  # id(LayerWeights) -> its layer (_attention)
         self._lm_head_fp32: torch.Tensor | None = None  # fallback for fp32 logits, made lazily
-        self._cpu_decode: list | bool | None = None  # cpu_decode's prepared GEMMs, made lazily
-        self._cpu_decode_kv = None  # cpu_decode.GatheredKV: the last fast step's K/V copy
-        # decode-only CPU steps through cpu_decode (the engine sets EngineConfig.cpu_fast_decode)
-        self.fast_cpu_decode = False
+        # CPU backend: the decode rows' K/V copies kept between steps (StepAttention's)
+        self._decode_copies = DecodeCopies()
+        self._ops = ops  # the step's op table (_step_ops)
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int = 16, groups: KVLayerGroups | None = None
@@ -210,11 +217,10 @@ class LlamaModel:
         cfg, w = self.local, self.weights
         if kv_cache.num_layers != cfg.num_layers:
             raise ValueError(f"KV cache has {kv_cache.num_layers} layers, model {cfg.num_layers}")
-        if self.fast_cpu_decode and cpu_decode.applies(self, meta, kv_cache):
-            return cpu_decode.hidden_states(self, input_ids, meta, kv_cache)
-        self._cpu_decode_kv = None  # its K/V go to the cache only; the copy's memory goes back
-        if attention is None:
-            attention = StepAttention(meta)  # planned by each kind's first layer, run by all
+        self._ops = self._step_ops(meta, kv_cache)
+        if attention is None:  # planned by each kind's first layer, run by all
+            copies = self._decode_copies if self.device.type == "cpu" else None
+            attention = StepAttention(meta, copies)
         tokens = input_ids.shape[0]
         shadow.enter_layer(0)  # (shadow mode: which layer the op calls that follow belong to)
         h, residual = self.embed_and_norm(input_ids, w.layers[0].input_norm)
@@ -227,7 +233,7 @@ class LlamaModel:
             zip(w.layers, kv_cache.layers, scales, strict=True)
         ):
             shadow.enter_layer(i)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)
+            qkv = self._linear(h, layer.qkv, layer.qkv_bias)
             layer_meta = metas[group_of[i]] if group_of else meta
             self._attention(qkv, layer, layer_meta, k_cache, v_cache, attn, kv_scale, i, attention)
             h, residual = self.layer_tail(attn, residual, layer, self.next_norm(i))
@@ -244,7 +250,29 @@ class LlamaModel:
         residual = self._embed(input_ids)
         if self._embed_scale is not None:
             residual.mul_(self._embed_scale)
-        return ops.rms_norm(residual, norm, self.local.rms_norm_eps), residual
+        return self._ops.rms_norm(residual, norm, self.local.rms_norm_eps), residual
+
+    def _step_ops(self, meta: AttentionMetadata, kv_cache: KVCache):
+        """The step's op table: on the CPU backend (CPU tensors under "cpu" or "auto"; not in
+        shadow mode, whose wrappers replace `pagedkern.ops` entries) ops/cpu/'s functions
+        themselves, the step's positions and slots checked here once; else `pagedkern.ops`."""
+        if (
+            self.device.type != "cpu"
+            or launch.get_backend() not in ("auto", "cpu")
+            or shadow.shadowing()
+        ):
+            return ops
+        slots = kv_cache.data.shape[2] * kv_cache.block_size
+        check_rope_indices(meta.positions, meta.slot_mapping, self.max_positions, slots)
+        cpu_ops.rope.begin_step()  # its layers share the step's RoPE rows and slots
+        return cpu_ops.implementations
+
+    def _linear(self, x: torch.Tensor, weight: Linear, bias: torch.Tensor | None = None):
+        """linear() through the step's op table."""
+        if self._ops is ops or not isinstance(weight, QuantizedWeight):
+            return linear(x, weight, bias)
+        launch.record_launch("gemm")
+        return self._ops.quant_linear(x, weight, bias)
 
     def next_norm(self, layer: int) -> torch.Tensor:
         """The norm after layer `layer`: the next layer's input norm, the final norm last."""
@@ -262,25 +290,25 @@ class LlamaModel:
         GELU-tanh), down GEMM, residual add + `next_norm`; with sandwich norms the O and down
         outputs are normed before their adds. residual is updated in place; returns (h,
         residual)."""
-        cfg, eps = self.local, self.local.rms_norm_eps
-        h = linear(attn.view(attn.shape[0], cfg.q_size), layer.o, layer.o_bias)
+        cfg, eps, o = self.local, self.local.rms_norm_eps, self._ops
+        h = self._linear(attn.view(attn.shape[0], cfg.q_size), layer.o, layer.o_bias)
         h = self.tp.all_reduce(h)  # row-parallel O: sum the ranks' partial outputs
         if layer.attn_out_norm is not None:
-            h = ops.rms_norm(h, layer.attn_out_norm, eps)
-        h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
+            h = o.rms_norm(h, layer.attn_out_norm, eps)
+        h, residual = o.fused_add_rms_norm(h, residual, layer.post_norm, eps)
         if layer.router is not None:  # a mixture-of-experts layer
-            h = moe_mlp(h, layer, cfg, linear, self.tp)
+            h = moe_mlp(h, layer, cfg, self._linear, self.tp)
         else:
-            gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
+            gate_up = self._linear(h, layer.gate_up, layer.gate_up_bias)
             if cfg.hidden_act == "gelu_tanh":
-                act = ops.gelu_tanh_and_mul(gate_up)
+                act = o.gelu_tanh_and_mul(gate_up)
             else:
-                act = ops.silu_and_mul(gate_up)
-            h = linear(act, layer.down, layer.down_bias)
+                act = o.silu_and_mul(gate_up)
+            h = self._linear(act, layer.down, layer.down_bias)
         h = self.tp.all_reduce(h)  # row-parallel down, likewise
         if layer.mlp_out_norm is not None:
-            h = ops.rms_norm(h, layer.mlp_out_norm, eps)
-        return ops.fused_add_rms_norm(h, residual, next_norm, eps)
+            h = o.rms_norm(h, layer.mlp_out_norm, eps)
+        return o.fused_add_rms_norm(h, residual, next_norm, eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows; vocab-parallel: this rank's rows, zeros elsewhere, all-reduced."""
@@ -350,14 +378,18 @@ class LlamaModel:
         # paged_attention folds k_scale into the softmax scale and v_scale into its output:
         # attention over the dequantized cache, in the CUDA kernels on a GPU.
         scales = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
-        ops.rope_and_cache(
+        self._ops.rope_and_cache(
             q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping, **scales,
             **norms,
         )  # fmt: skip
         if attention is None:  # (a caller outside a forward pass: plans for this call only)
             attention = StepAttention(meta)
-        # fp8 too: E4M3 pages; a hybrid cache's layer reads its group's tables
-        attention(q, k_cache, v_cache, out, block_tables=meta.block_tables, **scales, **options)
+        # fp8 too: E4M3 pages; a hybrid cache's layer reads its group's tables; k and v as
+        # cached (the CPU backend's decode copies take them)
+        attention(
+            q, k_cache, v_cache, out, block_tables=meta.block_tables, k=k, v=v, **scales,
+            **options,
+        )  # fmt: skip
 
     def _index_of(self, layer: LayerWeights) -> int:
         """The layer number of `layer` (one of self.weights.layers)."""

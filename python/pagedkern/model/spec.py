@@ -25,7 +25,6 @@ class ModelSpec:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     backend: str = "auto"  # the op backend the load's own ops run under
-    cpu_fast_decode: bool = True
 
     def load(
         self, device: torch.device, shard: TensorShard | None = None
@@ -42,7 +41,6 @@ class ModelSpec:
                 kv_cache_dtype=self.kv_cache_dtype,
                 shard=shard,
             )
-        model.fast_cpu_decode = self.cpu_fast_decode
         return model, tokenizer
 
     def settings(self) -> dict:

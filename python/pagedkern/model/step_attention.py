@@ -10,9 +10,12 @@ its PrefillAttention (rows [0, num_prefill_tokens)) and DecodeAttention (the res
 then only runs: on CUDA a layout compare and the launch, no planning, no allocation. Decode
 plans of one window need the same split-KV workspace, so they share one.
 
-On CPU tensors (the reference and cpu backends) a run calls the one-shot op with the planned
-arguments, so the CPU paths are unchanged. Two cases keep the one-shot ops: shadow mode (its
-wrappers replace `pagedkern.ops` entries, which the one-shot calls go through) and
+On CPU tensors under the reference backend a run calls the one-shot op with the planned
+arguments. Under the CPU backend the decode rows get its own plan (ops/cpu/decode_attention.py):
+each layer's float32 K/V copy of the rows, kept to the next step (the model's DecodeCopies) and
+appended to there instead of gathered again; the layers pass their new k/v rows for it.
+Two cases keep the one-shot ops: shadow mode (its wrappers replace `pagedkern.ops` entries,
+which the one-shot calls go through) and
 PAGEDKERN_KERNELS=attention_plan:off (the path before plan/run, kept selectable until a GPU
 has run this one).
 
@@ -28,8 +31,9 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..ops import shadow
+from ..ops import launch, shadow
 from ..ops.attention_plan import DecodeAttention, PrefillAttention
+from ..ops.cpu.decode_attention import CpuDecodeAttention, DecodeCopies, DecodeRows
 from ..ops.variants import selected
 from .attention_metadata import AttentionMetadata
 
@@ -37,8 +41,14 @@ from .attention_metadata import AttentionMetadata
 class StepAttention:
     """The attention of one forward pass over `meta`; call it per layer (see the module doc)."""
 
-    def __init__(self, meta: AttentionMetadata) -> None:
+    def __init__(self, meta: AttentionMetadata, copies: DecodeCopies | None = None) -> None:
+        """copies: the CPU backend's decode K/V copies kept between steps (the model's); this
+        step begins with it (None: a copy lives for the step only)."""
         self.meta = meta
+        self._copies = copies
+        if copies is not None:
+            copies.begin_step()
+        self._rows: dict[int, DecodeRows] = {}  # id(block tables) -> the CPU decode rows
         # kind -> (prefill plan or None, decode plan or None)
         self._plans: dict[tuple, tuple[PrefillAttention | None, DecodeAttention | None]] = {}
         self._workspaces: dict[int | None, object] = {}  # window -> shared split-KV workspace
@@ -64,11 +74,15 @@ class StepAttention:
         v_scale: float | None = None,
         sinks: torch.Tensor | None = None,
         block_tables: torch.Tensor | None = None,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
     ) -> None:
         """Attention of one layer's rows into `out`: flash_prefill on the prefill rows,
         paged_attention on the decode rows. sinks: the layer's sink logits (a plan reads them
         by address: layers share a plan only with the same tensor). block_tables: this layer's
-        (a hybrid cache's group table; default meta.block_tables), likewise by identity."""
+        (a hybrid cache's group table; default meta.block_tables), likewise by identity. k, v:
+        the layer's new k/v rows as rope_and_cache cached them (the CPU decode plan appends
+        them to its copy; None: read back from the cache)."""
         meta = self.meta
         tables = meta.block_tables if block_tables is None else block_tables
         options = dict(
@@ -86,7 +100,11 @@ class StepAttention:
         rows = meta.num_prefill_tokens
         if prefill is not None:
             prefill.run(q[:rows], k_cache, v_cache, out[:rows])
-        if decode is not None:
+        if isinstance(decode, CpuDecodeAttention):
+            if rows and k is not None:
+                k, v = k[rows:], v[rows:]
+            decode.run(q[rows:] if rows else q, k_cache, v_cache, out[rows:] if rows else out, k, v)
+        elif decode is not None:
             if rows:
                 decode.run(q[rows:], k_cache, v_cache, out[rows:])
             else:
@@ -107,7 +125,12 @@ class StepAttention:
                 q[:rows], k_cache, v_cache, meta.cu_seqlens[: p + 1], tables[:p],
                 meta.seq_lens[:p], out[:rows], **options,
             )  # fmt: skip
-        if rows < q.shape[0]:
+        if rows < q.shape[0] and self._on_cpu_backend(options, k_cache):
+            decode = CpuDecodeAttention(
+                self._decode_rows(tables[p:], k_cache, tables), options["scale"],
+                options["soft_cap"], options["k_scale"], options["v_scale"],
+            )  # fmt: skip
+        elif rows < q.shape[0]:
             window = options["sliding_window"]
             decode = DecodeAttention(workspace=self._workspaces.get(window))
             decode.plan(
@@ -117,6 +140,30 @@ class StepAttention:
                 self._workspaces.setdefault(window, decode.workspace)
         self._plans[key] = plans = (prefill, decode)
         return plans
+
+    def _on_cpu_backend(self, options: dict, k_cache: torch.Tensor) -> bool:
+        """Whether the decode rows run the CPU backend's plan (CPU tensors under "cpu" or
+        "auto", options it computes, every row a written sequence)."""
+        if k_cache.device.type != "cpu" or launch.get_backend() not in ("auto", "cpu"):
+            return False
+        meta, rows = self.meta, self.meta.num_prefill_tokens
+        return not CpuDecodeAttention.declines(
+            options["sliding_window"], options["sinks"], meta.seq_lens[meta.num_prefills :],
+            meta.slot_mapping[rows:],
+        )  # fmt: skip
+
+    def _decode_rows(self, tables, k_cache, whole_tables) -> DecodeRows:
+        """The decode rows over `tables` (one per block table the step's layers read: planned
+        by the first layer reading it, shared by every kind of layer that does)."""
+        found = self._rows.get(id(whole_tables))
+        if found is None:
+            meta, p = self.meta, self.meta.num_prefills
+            copies = self._copies if self._copies is not None else DecodeCopies()
+            found = self._rows[id(whole_tables)] = DecodeRows(
+                copies, len(self._rows), tables, meta.seq_lens[p:],
+                meta.positions[meta.num_prefill_tokens :], k_cache.shape[2],
+            )  # fmt: skip
+        return found
 
     def _one_shot(self, q, k_cache, v_cache, out, tables, options) -> None:
         """The ops called per layer, planning inside each call (shadow mode, attention_plan:off)."""

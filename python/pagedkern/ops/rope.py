@@ -15,7 +15,13 @@ from .arrays import (
     view,
 )
 from .index_checks import check_rope_indices
-from .launch import check_indices, kernel_or_reference, kernel_variant, launch_context
+from .launch import (
+    check_indices,
+    host_backend,
+    kernel_or_reference,
+    kernel_variant,
+    launch_context,
+)
 from .paged_kv import FP8_KV_DTYPE, check_heads, check_kv_cache, check_kv_scales
 
 
@@ -89,6 +95,15 @@ def rope_and_cache(
         from ..reference import rope_and_cache as reference
 
         check_rope_indices(positions, slot_mapping, cv.shape[0], kc.shape[0] * kc.shape[2])
+        if host_backend(views) == "cpu":  # the CPU backend's (ops/cpu/rope.py), norms fused
+            from .cpu import implementations, rope
+
+            rope.begin_step()  # (this call's tensors may be another step's, refilled in place)
+            implementations.rope_and_cache(
+                q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
+            )  # fmt: skip
+            return
         if norms:  # in place, as the kernel: the heads of q and k normalised, then rotated
             q.copy_(rms_norm(q, q_norm, norm_eps))
             k.copy_(rms_norm(k, k_norm, norm_eps))

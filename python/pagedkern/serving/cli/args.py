@@ -231,13 +231,6 @@ def build_parser() -> Parser:
         ),
     )
     e.add_argument(
-        "--no-cpu-fast-decode",
-        action="store_true",
-        help=_field_help(
-            EngineConfig, "cpu_fast_decode", "decode steps through the plain reference-op path"
-        ),
-    )
-    e.add_argument(
         "--enforce-eager",
         action="store_true",
         help=_field_help(
@@ -377,7 +370,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         kv_per_kind_tables=not args.no_kv_per_kind_tables,
-        cpu_fast_decode=not args.no_cpu_fast_decode,
         max_queue=args.max_queue,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,

@@ -1,0 +1,94 @@
+"""The CPU backend's rope_and_cache (ops/cpu/rope.py) against reference.rope_and_cache: q, k and
+the cache pages bit for bit (the same products and sums), over odd shapes, q/k/v as views of
+one fused QKV output and as separate tensors, skipped slots, fp8 caches, QK-norm, and a step's
+rows reused by its later layers but never by a call with other positions or slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkern import ops, reference
+from pagedkern.ops.cpu import rope
+
+BLOCK = 16
+
+
+def _case(tokens, hq, hkv, d, fused, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    if fused:
+        qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g).to(dtype)
+        q = qkv[:, : hq * d].view(tokens, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
+    else:
+        q, k, v = (torch.randn(tokens, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    positions = torch.randint(0, 300, (tokens,), generator=g, dtype=torch.int32)
+    slots = torch.randperm(7 * BLOCK, generator=g)[:tokens].to(torch.int32)
+    return q, k, v, positions, slots
+
+
+def _caches(hkv, d, dtype):
+    data = torch.full((2, 7, hkv, BLOCK, d), float("nan")).to(dtype)  # poisoned: unwritten NaN
+    return data, data[0], data[1]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize(
+    ("tokens", "hq", "hkv", "d"), [(1, 9, 3, 64), (5, 4, 4, 16), (13, 6, 2, 32)]
+)
+@pytest.mark.parametrize("cache", ["same", "fp8"])
+def test_matches_the_reference(fused, tokens, hq, hkv, d, cache):
+    q, k, v, positions, slots = _case(tokens, hq, hkv, d, fused, tokens * hq + d)
+    slots[tokens // 2] = -1  # a row not written
+    cos_sin = reference.cos_sin_cache(d, 512)
+    dtype = torch.float8_e4m3fn if cache == "fp8" else torch.float32
+    scales = dict(k_scale=0.37, v_scale=1.9) if cache == "fp8" else {}
+    want_q, want_k, want_v = q.clone(), k.clone(), v.clone()
+    want_data, want_kc, want_vc = _caches(hkv, d, dtype)
+    reference.rope_and_cache(
+        want_q, want_k, want_v, positions, cos_sin, want_kc, want_vc, slots, **scales
+    )
+    got_data, got_kc, got_vc = _caches(hkv, d, dtype)
+    rope.rope_and_cache(q, k, v, positions, cos_sin, got_kc, got_vc, slots, **scales)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, want_v)
+    torch.testing.assert_close(got_data.float(), want_data.float(), rtol=0, atol=0, equal_nan=True)
+    assert got_data.float().isnan().any()  # the poison stayed where nothing was written
+
+
+def test_qk_norm_and_half_precision_through_the_op():
+    q, k, v, positions, slots = _case(6, 4, 2, 32, True, 3, torch.bfloat16)
+    cos_sin = reference.cos_sin_cache(32, 512)
+    q_norm, k_norm = torch.rand(32).bfloat16() + 0.5, torch.rand(32).bfloat16() + 0.5
+    want = [t.clone() for t in (q, k, v)]
+    want_data, want_kc, want_vc = _caches(2, 32, torch.bfloat16)
+    with ops.use_backend("reference"):
+        ops.rope_and_cache(
+            *want, positions, cos_sin, want_kc, want_vc, slots, q_norm=q_norm, k_norm=k_norm
+        )
+    got_data, got_kc, got_vc = _caches(2, 32, torch.bfloat16)
+    with ops.use_backend("cpu"):
+        ops.rope_and_cache(
+            q, k, v, positions, cos_sin, got_kc, got_vc, slots, q_norm=q_norm, k_norm=k_norm
+        )
+    for got, ref in zip((q, k, got_data), (want[0], want[1], want_data), strict=True):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+def test_a_steps_rows_are_reused_within_the_step_only():
+    q, k, v, positions, slots = _case(4, 4, 2, 16, True, 5)
+    cos_sin = reference.cos_sin_cache(16, 512)
+    _, kc, vc = _caches(2, 16, torch.float32)
+    rope.begin_step()
+    rope.rope_and_cache(q, k, v, positions, cos_sin, kc, vc, slots)
+    first = rope._rows(positions, cos_sin, slots, BLOCK)
+    rope.rope_and_cache(q, k, v, positions, cos_sin, kc, vc, slots)
+    assert rope._rows(positions, cos_sin, slots, BLOCK) is first  # a later layer: the same
+    positions[0] += 1  # refilled in place for another step
+    want_q, want_k, want_v = q.clone(), k.clone(), v.clone()
+    want_data, want_kc, want_vc = _caches(2, 16, torch.float32)
+    reference.rope_and_cache(want_q, want_k, want_v, positions, cos_sin, want_kc, want_vc, slots)
+    with ops.use_backend("cpu"):  # the op starts a step on every call
+        ops.rope_and_cache(q, k, v, positions, cos_sin, kc, vc, slots)
+    assert rope._rows(positions, cos_sin, slots, BLOCK) is not first
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
