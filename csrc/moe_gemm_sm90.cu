@@ -37,7 +37,7 @@
  *   registers, bf16/fp16 in), one batch left in flight: the previous stage is released when
  *   it completes. Epilogue from registers: 4-byte stores of column pairs; padding rows store
  *   nothing. kGated writes h by sorted position, down writes y by pair.
- * moe_combine_sm90_kernel<T>: moe_gemm.cu's combine (sum over slots in fp32, slot order, one
+ * Then moe_gemm.cu's combine (moe_combine: the sum over slots in fp32, slot order, one
  *   rounding; deterministic, no atomics), so the variant's output equals the default's up to
  *   the GEMMs' summation order.
  *
@@ -57,6 +57,7 @@
 #include "device.cuh"
 #include "gated_activation.cuh"
 #include "moe.h"
+#include "moe_gemm_pipeline.cuh"  // moe_combine
 #include "moe_gemm_sm90.cuh"
 
 namespace pagedkern {
@@ -272,19 +273,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #endif
 }
 
-// out[t, n] = round(sum_slot w[t, slot] * y[t*k + slot, n]): moe_gemm.cu's combine.
-template <typename R>
-__global__ void __launch_bounds__(256) moe_combine_sm90_kernel(const MoeExpertsParams p) {
-  const int64_t n = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
-  if (n >= p.hidden_size) return;
-  const int64_t t = blockIdx.x;
-  const R* y = static_cast<const R*>(p.y) + t * p.top_k * p.hidden_size + n;
-  const float* w = p.weights + t * p.top_k;
-  float sum = 0.f;
-  for (int s = 0; s < p.top_k; ++s) sum += to_float(y[s * p.hidden_size]) * w[s];
-  static_cast<R*>(p.out)[t * p.out_stride + n] = from_float<R>(sum);
-}
-
 // ---- host --------------------------------------------------------------------------------------
 
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
@@ -364,7 +352,7 @@ void launch_gemm(const MoeExpertsParams& p, int device, cudaStream_t stream) {
   PK_CHECK_LAUNCH(kGated ? "moe_gemm_sm90_kernel (gate_up)" : "moe_gemm_sm90_kernel (down)");
 }
 
-template <class T, class R>
+template <class T>
 void launch_all(const MoeExpertsParams& p, int device, cudaStream_t stream) {
   // Decode-sized calls (fewer than 32 rows per expert on average, moe_tile_m's rule): one
   // consumer per CTA, twice the CTAs over the weights; prefill: two, A read once per 256 rows.
@@ -375,10 +363,7 @@ void launch_all(const MoeExpertsParams& p, int device, cudaStream_t stream) {
     launch_gemm<Traits<T, 2>, true>(p, device, stream);
     launch_gemm<Traits<T, 2>, false>(p, device, stream);
   }
-  const int threads = int(std::min<int64_t>(256, (p.hidden_size + 31) / 32 * 32));
-  const dim3 grid(unsigned(p.tokens), unsigned(ceil_div(p.hidden_size, threads)));
-  moe_combine_sm90_kernel<R><<<grid, threads, 0, stream>>>(p);
-  PK_CHECK_LAUNCH("moe_combine_sm90_kernel");
+  moe_combine(moe_gemm::finish_params(p), stream);  // (one split: it reads y)
 }
 
 }  // namespace
@@ -419,9 +404,9 @@ void moe_experts_sm90(const MoeExpertsParams& p, cudaStream_t stream) {
           "moe_experts_sm90: activation must be 0, 1 or 2");
   if (p.tokens == 0) return;
   switch (p.dtype) {
-    case DType::kFloat16: moe_sm90::launch_all<cutlass::half_t, __half>(p, device, stream); break;
+    case DType::kFloat16: moe_sm90::launch_all<cutlass::half_t>(p, device, stream); break;
     case DType::kBFloat16:
-      moe_sm90::launch_all<cutlass::bfloat16_t, __nv_bfloat16>(p, device, stream);
+      moe_sm90::launch_all<cutlass::bfloat16_t>(p, device, stream);
       break;
     default: throw std::invalid_argument("moe_experts_sm90: dtype must be float16 or bfloat16");
   }

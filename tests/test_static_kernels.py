@@ -72,7 +72,6 @@ KERNELS = (
     "moe_combine_kernel",  # (float and quantized experts)
     "moe_gemm_quant_kernel",  # W4A16 / W8A16 experts
     "moe_gemm_sm90_kernel",  # the experts on wgmma + TMA (variant moe_gemm:sm90_wgmma)
-    "moe_combine_sm90_kernel",
     "quant_gemm_marlin_kernel",
 )
 # Kernel -> tensor-core instruction its design needs, per architecture: flash_prefill's path 1
