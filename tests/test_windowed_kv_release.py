@@ -14,7 +14,7 @@ import torch
 from hf_model_files import write_tokenizer
 from transformers_oracle import assert_preemption_and_batching_change_nothing, hf_greedy
 
-import pagedkern.engine.engine as engine_module
+import pagedkern.engine.kv_setup as kv_setup_module
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.engine.block_pool import BlockPool
 from pagedkern.engine.request import Request
@@ -106,7 +106,7 @@ def _run(folder, prompts, steps, release=True, monkeypatch=None, **engine_args):
     """(outputs per prompt: tokens and logprobs, the most blocks in use after any step, the
     engine), running `prompts` together."""
     if not release:
-        monkeypatch.setattr(engine_module, "released_kv_window", lambda *a: None)
+        monkeypatch.setattr(kv_setup_module, "released_kv_window", lambda *a: None)
     engine = Engine.from_config(
         EngineConfig(
             model=str(folder), backend="reference", dtype="float32", block_size=BLOCK,

@@ -9,7 +9,8 @@ each with its own state:
 
 - `Admission` (admission.py): add_request's arguments -> checked Requests, one per sample,
   each carrying its own state (stop ids, detokenizer, deadline, the samples that fork from it).
-- `Scheduler` (scheduler.py) over the `BlockPool` (block_pool.py): what runs each step.
+- `Scheduler` (scheduler.py) over the `BlockPool` (block_pool.py): what runs each step; both
+  made with the KV cache they hand out (`KVCacheSetup`, kv_setup.py: its size and context).
 - `IsolatingForward` (forward.py) over the `ModelRunner` (runner.py): the forward pass and
   sampling, with a failure pinned on the request that caused it.
 - `OutputProcessor` (output_processor.py): the running requests; appends sampled tokens, runs
@@ -41,24 +42,18 @@ from ..model import LlamaModel, Tokenizer
 from ..ops.shadow import ShadowDivergence, ShadowReport
 from ..parallel import TensorParallelError
 from .admission import Admission
-from .block_pool import BlockPool
 from .config import EngineConfig
 from .forward import IsolatingForward
-from .hybrid_tables import KIND_NAMES, per_kind_groups
+from .hybrid_tables import KIND_NAMES
 from .kernel_policy import pick_device, step_graphs
-from .kv_budget import (
-    KVCacheMemoryError,
-    allocate_kv_cache,
-    context_that_fits,
-    kv_cache_blocks,
-    release_device_memory,
-)
+from .kv_budget import release_device_memory
+from .kv_setup import KVCacheSetup
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .overlap import InFlight, Overlap
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
-from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig, released_kv_window
+from .scheduler import ScheduledBatch
 from .speculative import load_draft, make_proposer
 from .speculative.speculation import Speculation
 from .trace import Tracer
@@ -104,26 +99,8 @@ class Engine:
         self.broken: TensorParallelError | None = None  # the TP group failed: nothing runs
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
             draft = load_draft(config, model)  # its weights and KV cache count in the budget
-            # hybrid local/global models: a block table per layer kind (engine/hybrid_tables.py)
-            groups = per_kind_groups(model.config, config, model.tp.size)
-            num_blocks = config.num_blocks or kv_cache_blocks(
-                model, config, context, None if draft is None else draft[0], groups
-            )
-            # A sequence can never outgrow the whole cache: one that did would be preempted
-            # forever.
-            self.max_model_len = min(context, num_blocks * config.block_size)
-            if groups is not None:  # every group's blocks, less the null block
-                self.max_model_len = context_that_fits(
-                    groups, num_blocks - 1, config.block_size, config.max_num_batched_tokens,
-                    context,
-                )  # fmt: skip
-                if self.max_model_len < 2:
-                    raise KVCacheMemoryError(
-                        f"{num_blocks} KV blocks hold no sequence of this model's layer groups"
-                    )
-            if model.tp.size > 1:  # the workers allocate their shares of the same blocks
-                model.tp.share_cache_shape(num_blocks, config.block_size)
-            self.kv_cache = allocate_kv_cache(model, num_blocks, config.block_size, groups)
+            kv = KVCacheSetup.allocate(model, config, context, None if draft is None else draft[0])
+            self.kv_cache, self.max_model_len = kv.kv_cache, kv.max_model_len
             self.runner = ModelRunner(
                 model,
                 self.kv_cache,
@@ -132,18 +109,8 @@ class Engine:
                 cuda_graphs=graphs,
                 piecewise_tokens=config.max_num_batched_tokens if piecewise else None,
             )
-        kv_window = released_kv_window(model.config, config)
-        group_windows = () if groups is None else groups.windows[1:]
-        self.pool = BlockPool(
-            num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            kv_window is not None or any(w is not None for w in group_windows),
-        )
-        self.scheduler = Scheduler(
-            self.pool,
-            SchedulerConfig.from_engine(config, self.max_model_len, kv_window, group_windows),
-        )
+        self.scheduler = kv.scheduler(model, config)
+        self.pool = self.scheduler.pool
         self.forward = IsolatingForward(self.runner, self.backend, self.shadow)
         # async_scheduling: steps run on a worker thread, the next scheduled meanwhile
         self.overlap = (
