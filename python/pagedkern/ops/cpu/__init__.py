@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ... import reference
-from . import attention, norm, quant_linear, rope
+from . import attention, moe, norm, quant_linear, rope
 
 # op -> its CPU implementation; the reference's own function where the CPU has no faster one
 IMPLEMENTATIONS = {
@@ -19,7 +19,7 @@ IMPLEMENTATIONS = {
     "silu_and_mul": reference.silu_and_mul,  # already one fused silu and one multiply
     "gelu_tanh_and_mul": reference.gelu_tanh_and_mul,
     "rope_and_cache": rope.rope_and_cache,  # per step RoPE rows, q and k rotated together
-    "fused_moe": reference.fused_moe,
+    "fused_moe": moe.fused_moe,  # the GEMMs grouped over all experts, one call each
     "sample": reference.sample,
     "rejection_sample": reference.rejection_sample,
     "quant_linear": quant_linear.quant_linear,  # int8-activation GEMV (csrc/cpu/quant_gemv.cpp)
