@@ -1,5 +1,5 @@
 """ModelConfig: the shape of a Llama-family model, and its presets (`hf_config` reads config.json,
-`gguf_loader` a GGUF's metadata)."""
+`gguf_config` a GGUF's metadata)."""
 
 from __future__ import annotations
 
