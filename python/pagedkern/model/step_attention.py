@@ -85,16 +85,16 @@ class StepAttention:
         them to its copy; None: read back from the cache)."""
         meta = self.meta
         tables = meta.block_tables if block_tables is None else block_tables
-        options = dict(
-            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
-            v_scale=v_scale, sinks=sinks,
-        )  # fmt: skip
-        if self.one_shot or shadow.shadowing():
-            self._one_shot(q, k_cache, v_cache, out, tables, options)
-            return
         key = (scale, sliding_window, soft_cap, k_scale, v_scale, id(sinks), id(tables))
-        plans = self._plans.get(key)
+        plans = None if self.one_shot or shadow.shadowing() else self._plans.get(key)
         if plans is None:
+            options = dict(
+                scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+                v_scale=v_scale, sinks=sinks,
+            )  # fmt: skip
+            if self.one_shot or shadow.shadowing():
+                self._one_shot(q, k_cache, v_cache, out, tables, options)
+                return
             plans = self._plan(key, q, k_cache, v_cache, out, tables, options)
         prefill, decode = plans
         rows = meta.num_prefill_tokens

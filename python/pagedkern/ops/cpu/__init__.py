@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ... import reference
-from . import attention, moe, norm, quant_linear, rope
+from . import activation, attention, moe, norm, quant_linear, rope
 
 # op -> its CPU implementation; the reference's own function where the CPU has no faster one
 IMPLEMENTATIONS = {
@@ -16,7 +16,7 @@ IMPLEMENTATIONS = {
     "paged_attention": attention.paged_attention,  # the same tiles, one-token chunks
     "rms_norm": norm.rms_norm,
     "fused_add_rms_norm": norm.fused_add_rms_norm,
-    "silu_and_mul": reference.silu_and_mul,  # already one fused silu and one multiply
+    "silu_and_mul": activation.silu_and_mul,  # fp32: one silu, one in-place multiply
     "gelu_tanh_and_mul": reference.gelu_tanh_and_mul,
     "rope_and_cache": rope.rope_and_cache,  # per step RoPE rows, q and k rotated together
     "fused_moe": moe.fused_moe,  # the GEMMs grouped over all experts, one call each

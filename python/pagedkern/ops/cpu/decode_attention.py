@@ -237,6 +237,7 @@ class CpuDecodeAttention:
         self.v_scale = None if v_scale == 1.0 else v_scale
         self._scale = scale
         self._k_scale = 1.0 if k_scale is None else k_scale
+        self._scales_of: dict[int, tuple] = {}  # head dim -> _scales
         self.workspace = None  # (StepAttention shares split-KV workspaces: none here)
 
     @staticmethod
@@ -245,6 +246,16 @@ class CpuDecodeAttention:
         if sliding_window is not None or sinks is not None or seq_lens.numel() == 0:
             return True
         return int(seq_lens.min()) < 1 or int(slot_mapping.min()) < 0
+
+    def _scales(self, d: int) -> tuple[float | None, float | None]:
+        """(the scale folded into q, the scale of the scores): a power of two (D = 64, 256)
+        commutes with every rounding, so it rides on q as the op folds it."""
+        found = self._scales_of.get(d)
+        if found is None:
+            scale = (d**-0.5 if self._scale is None else self._scale) * self._k_scale
+            folds = self.soft_cap is None and math.frexp(scale)[0] == 0.5
+            found = self._scales_of[d] = (scale, None) if folds else (None, scale)
+        return found
 
     def run(self, q, k_cache, v_cache, out, k=None, v=None):
         """Attention of one layer's decode rows q [G, Hq, D] into out [G, Hq, D]; k, v: this
@@ -255,17 +266,14 @@ class CpuDecodeAttention:
         group = hq // hkv
         keys, values = r.operands(k_cache, v_cache, k, v)
         q_flat, q_real, hide = r.buffers(hkv, group, d)
-        scale = (d**-0.5 if self._scale is None else self._scale) * self._k_scale
+        folded, scale = self._scales(d)
         q_heads = q.view(g_rows, hkv, group, d).transpose(0, 1)
-        if self.soft_cap is None and math.frexp(scale)[0] == 0.5:
-            # a power of two commutes with every rounding: folded into q, as the op folds it
-            if q.dtype == torch.float32:
-                torch.mul(q_heads, scale, out=q_real)
-            else:
-                q_real.copy_(q_heads).mul_(scale)
-            scale = None
-        else:
+        if folded is None:
             q_real.copy_(q_heads)
+        elif q.dtype == torch.float32:
+            torch.mul(q_heads, folded, out=q_real)
+        else:
+            q_real.copy_(q_heads).mul_(folded)
         o, _ = tiled_attention(
             q_flat, keys, values, scale, hide, r.padded, r.tile, self.soft_cap,
             open_until=r.nearest, alive_until=1,
