@@ -265,11 +265,11 @@ class LlamaModel:
         slots = kv_cache.data.shape[2] * kv_cache.block_size
         check_rope_indices(meta.positions, meta.slot_mapping, self.max_positions, slots)
         cpu_ops.rope.begin_step()  # its layers share the step's RoPE rows and slots
-        return cpu_ops.implementations
+        return cpu_ops.step_implementations()
 
     def _linear(self, x: torch.Tensor, weight: Linear, bias: torch.Tensor | None = None):
         """linear() through the step's op table."""
-        if self._ops is ops or not isinstance(weight, QuantizedWeight):
+        if not isinstance(weight, QuantizedWeight) or self._ops is ops:
             return linear(x, weight, bias)
         launch.record_launch("gemm")
         return self._ops.quant_linear(x, weight, bias)

@@ -29,6 +29,14 @@ IMPLEMENTATIONS = {
 implementations = SimpleNamespace(**{op: f for op, f in IMPLEMENTATIONS.items() if f is not None})
 
 
+def step_implementations() -> SimpleNamespace:
+    """`implementations` for the calls of one forward step whose arguments the caller vouches
+    for (the model's own tensors): quant_linear with its variant and GEMM path resolved once."""
+    table = SimpleNamespace(**vars(implementations))
+    table.quant_linear = quant_linear.for_step()
+    return table
+
+
 def implementation_of(op: str):
     """The function `op` runs on the CPU backend (KeyError for an op outside the table)."""
     return IMPLEMENTATIONS[op]

@@ -44,3 +44,23 @@ def quant_linear(
         out = quant_gemv.quant_gemv(x.float(), weight, activation_bits=bits)
     out = out.to(x.dtype)
     return out if bias is None else out.add_(bias)
+
+
+def for_step():
+    """quant_linear with the variant and the C++ GEMM's ISA path resolved once, for the calls of
+    one forward step (the model's CPU-backend op table): the same function, without reading
+    PAGEDKERN_KERNELS and probing the module at each of its ~120 GEMMs."""
+    variant = variants.selected("cpu_quant_linear")
+    if variant == "int_pack" or not quant_gemv.available():
+        return quant_linear
+    bits = 8 if variant == "int8_activations" else 16
+    path = quant_gemv.best_path()
+    gemv = quant_gemv.quant_gemv
+
+    def linear(
+        x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = gemv(x.float(), weight, path=path, activation_bits=bits).to(x.dtype)
+        return out if bias is None else out.add_(bias)
+
+    return linear
