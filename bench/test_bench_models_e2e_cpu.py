@@ -5,8 +5,11 @@ implementation on the same weights (one folder saved by transformers): greedy ge
 batch 1 and 16, tokens per second, interleaved rounds in one run (median), the ratio, and the KV
 bytes pagedkern holds per sequence at the end (its peak blocks in use; Gemma 3's local layers
 keep only their window). Both run fp32 on the same threads; transformers generates with its
-own cache (`generate`, no sampling). The first tokens of both are checked equal, so the two
-compute the same model. In smoke mode tiny models run once."""
+own cache (`generate`, no sampling; its MoE runs transformers' default experts implementation,
+grouped_mm on this torch). The first tokens of both are checked equal, so the two compute the
+same model. MoE families add a row of pagedkern with the reference's fused_moe (a loop over the
+experts) in place of the CPU backend's (ops/cpu/moe.py), in the same rounds. In smoke mode tiny
+models run once."""
 
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ import pytest
 import torch
 from measure import smoke_mode
 
+from pagedkern import reference
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
+from pagedkern.ops import cpu
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,6 +90,16 @@ def _pagedkern(engine: Engine, prompts) -> list[list[int]]:
     return [list(finals[i].output_token_ids) for i in ids]
 
 
+def _with_reference_moe(run):
+    """run() with the CPU backend's fused_moe swapped for the reference's (the loop)."""
+    fast = cpu.implementations.fused_moe
+    cpu.implementations.fused_moe = reference.fused_moe
+    try:
+        return run()
+    finally:
+        cpu.implementations.fused_moe = fast
+
+
 def _transformers(model, prompts) -> list[list[int]]:
     with torch.inference_mode():
         out = model.generate(
@@ -114,12 +129,15 @@ def test_end_to_end_against_transformers(record, folder, batch):
         "pagedkern": lambda: _pagedkern(engine, prompts),
         "transformers": lambda: _transformers(hf, prompts),
     }
+    if family.endswith("_moe"):
+        runs["pagedkern, reference MoE"] = lambda: _with_reference_moe(runs["pagedkern"])
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     tokens = {}
     for name, run in runs.items():  # warm-up
         tokens[name] = run()
     # random weights: the first tokens agree (later ones may part at a near-tie)
-    assert [t[:2] for t in tokens["pagedkern"]] == [t[:2] for t in tokens["transformers"]]
+    for name in tokens:
+        assert [t[:2] for t in tokens[name]] == [t[:2] for t in tokens["transformers"]], name
     for _ in range(ROUNDS):
         for name, run in runs.items():  # interleaved: both see the same load
             start = time.perf_counter()
@@ -132,7 +150,8 @@ def test_end_to_end_against_transformers(record, folder, batch):
     case = f"{family}, batch {batch}, {PROMPT}+{NEW} tokens, {torch.get_num_threads()} threads"
     for name, tok_s in rate.items():
         notes = {"tok_s": f"{tok_s:.1f}"}
-        if name == "pagedkern":
+        if name.startswith("pagedkern"):
             notes["vs_transformers"] = f"{tok_s / rate['transformers']:.2f}x"
+        if name == "pagedkern":
             notes["kv_kib_per_seq"] = f"{kv_per_seq / 1024:.0f}"
         record("e2e cpu", case, name, statistics.median(seconds[name]), **notes)
