@@ -24,9 +24,12 @@ from .. import variants
 # The ISA paths (csrc/cpu/quant_gemv.h's Path), worst to best; the cpu_gemv_isa variant forces one.
 PATHS = ("portable", "avx2", "avx_vnni", "avx512_vnni")
 ACTIVATION_BITS = (8, 16)
-# Multiply-adds below which a call runs on the calling thread alone. The threads are torch's
-# own OpenMP team (csrc/cpu/gemv.cpp), which spins between ops, so waking it costs ~1 us.
-PARALLEL_MIN_MACS = 1 << 16
+# Multiply-adds below which a call runs on the calling thread alone. The threads are torch's own
+# OpenMP team (csrc/cpu/gemv.cpp), but every parallel region ends in a barrier, and on a busy
+# host (2 vCPUs, load ~15) a barrier waits for a descheduled thread: with decode's GEMVs (<= 2M
+# multiply-adds, ~120 a token) split, a 2-thread decode fell to 0.5 tok/s against 1.4-3.0 with
+# torch's int-pack kernels. From 2^24 (the LM head, prefill chunks) the split pays for it.
+PARALLEL_MIN_MACS = 1 << 24
 _PACKED_KEY = "cpu-gemv"
 
 
