@@ -16,6 +16,7 @@ from pagedkern.engine import (
     EngineConfig,
     FinishReason,
     ParameterTypeError,
+    RequestRejected,
     SamplingParams,
 )
 from pagedkern.engine.sampling_params import MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
@@ -320,3 +321,18 @@ def test_any_prompt_ids_are_refused_or_served(engine, ids, seed):
     outputs = [o for o in engine.run_until_done() if o.request_id == request.request_id]
     assert outputs[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
     assert engine.pool.num_used == 0
+
+
+def test_without_chunked_prefill_a_prompt_over_the_step_budget_is_refused_not_queued():
+    """Without chunked prefill a prompt runs in one step: one longer than the token budget is
+    refused at once and the context ends at the budget (a preempted sequence's recompute
+    fits one step too). Before, it sat at the queue's head forever and nobody behind it ran."""
+    engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=16)
+    assert engine.max_model_len == 16
+    with pytest.raises(RequestRejected, match="16 tokens"):
+        engine.add_request(prompt_ids=PROMPT, params=GREEDY)  # 24 > 16
+    short = engine.add_request(
+        prompt_ids=PROMPT[:5], params=dataclasses.replace(GREEDY, max_tokens=40)
+    )
+    outputs = run(engine)[short.request_id]
+    assert len(ids_of(outputs)) == 16 - 5 and outputs[-1].finish_reason is FinishReason.CONTEXT

@@ -53,6 +53,11 @@ class KVCacheSetup:
                 raise KVCacheMemoryError(
                     f"{num_blocks} KV blocks hold no sequence of this model's layer groups"
                 )
+        if not config.enable_chunked_prefill:
+            # Without chunks a sequence's prompt, or its recompute after a preemption, runs in
+            # one step: a longer one would wait at the queue's head forever, and everyone
+            # behind it.
+            max_model_len = min(max_model_len, config.max_num_batched_tokens)
         if model.tp.size > 1:  # the workers allocate their shares of the same blocks
             model.tp.share_cache_shape(num_blocks, config.block_size)
         kv_cache = allocate_kv_cache(model, num_blocks, config.block_size, groups)

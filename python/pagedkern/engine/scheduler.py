@@ -66,7 +66,8 @@ class Scheduler:
         if request.num_tokens >= limit:
             raise RequestRejected(
                 f"request {request.request_id}: {request.num_tokens} prompt tokens leave no room "
-                f"in a context of {limit} tokens (the model's, or what the KV cache holds)"
+                f"in a context of {limit} tokens (the model's, or what the KV cache holds, or "
+                "without chunked prefill the token budget of a step)"
             )
         needed = self.tables.blocks_needed(request.num_tokens + 1)
         if needed > self.pool.capacity:

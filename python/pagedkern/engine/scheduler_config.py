@@ -44,6 +44,12 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) < 1:
             raise ValueError(f"scheduler limits must be >= 1: {self}")
+        if not self.enable_chunked_prefill and self.max_model_len > self.max_num_batched_tokens:
+            raise ValueError(
+                f"without chunked prefill max_model_len ({self.max_model_len}) must not exceed "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}): a longer sequence "
+                "could never be scheduled again after a preemption"
+            )
 
     @classmethod
     def from_engine(
