@@ -4,8 +4,10 @@ over all the routed rows, so no Python runs per expert.
 
 Why. The reference loops over the experts that received tokens, about ten torch calls each
 (slice, GEMM, cast, activation, cast, GEMM, cast, weight, index_add). A Qwen3-MoE-shaped decode
-step at batch 16 routes 128 pairs to ~80 of 128 experts: ~800 small calls a layer whose Python
-and dispatch cost more than the GEMMs themselves (bench/results/2026-12-05-xeon-moe-cpu.md).
+step at batch 16 routes 128 pairs to ~89 of 128 experts: ~900 small calls a layer, each an
+OpenMP region that on a loaded host costs far more than its arithmetic (end to end the loop
+ran at 0.82x of this path on a quiet host, 0.26-0.38x under load:
+bench/results/2026-12-05-xeon-moe-cpu.md).
 
 Design. The (token, slot) pairs sorted by expert (one stable sort) are rows of one [P, H] block;
 expert e owns rows [offs[e-1], offs[e]). Each GEMM is torch._grouped_mm over that block against
