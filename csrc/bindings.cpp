@@ -212,6 +212,62 @@ FlashPrefillLaunch flash_prefill_launch(
       py::arg("fp8_cache"), py::arg("path"), py::arg("strict"), py::arg("check_indices"),       \
       py::arg("device"), py::arg("variant"), py::arg("window"), py::arg("soft_cap"),          \
       py::arg("sinks")
+
+// moe_experts and moe_experts_sm90: one keyword signature, one MoeExpertsParams, two launchers.
+void def_moe_experts(py::module_& m, const char* name,
+                     void (*launch)(const pagedkern::MoeExpertsParams&, cudaStream_t)) {
+  m.def(
+      name,
+      [launch](std::uintptr_t out, std::uintptr_t h, std::uintptr_t y, std::uintptr_t hidden,
+         std::uintptr_t w_gate_up, std::uintptr_t w_down, std::uintptr_t gate_up_bias,
+         std::uintptr_t down_bias, std::uintptr_t weights, std::uintptr_t sorted_pairs,
+         std::uintptr_t tile_expert, int64_t tokens, int64_t hidden_size, int64_t inter_size,
+         int64_t hidden_stride, int64_t out_stride, int64_t padded_rows, int experts, int top_k,
+         int tile_m, int activation, float swiglu_alpha, float swiglu_limit, int dtype,
+         int device, std::uintptr_t stream, std::uintptr_t workspace, int gate_up_splits,
+         int down_splits) {
+        pagedkern::MoeExpertsParams p;
+        p.workspace = as_ptr<float>(workspace);
+        p.gate_up_splits = gate_up_splits;
+        p.down_splits = down_splits;
+        p.out = as_ptr<void>(out);
+        p.h = as_ptr<void>(h);
+        p.y = as_ptr<void>(y);
+        p.hidden = as_ptr<const void>(hidden);
+        p.w_gate_up = as_ptr<const void>(w_gate_up);
+        p.w_down = as_ptr<const void>(w_down);
+        p.gate_up_bias = as_ptr<const void>(gate_up_bias);
+        p.down_bias = as_ptr<const void>(down_bias);
+        p.weights = as_ptr<const float>(weights);
+        p.sorted_pairs = as_ptr<const int32_t>(sorted_pairs);
+        p.tile_expert = as_ptr<const int32_t>(tile_expert);
+        p.tokens = tokens;
+        p.hidden_size = hidden_size;
+        p.inter_size = inter_size;
+        p.hidden_stride = hidden_stride;
+        p.out_stride = out_stride;
+        p.padded_rows = padded_rows;
+        p.experts = experts;
+        p.top_k = top_k;
+        p.tile_m = tile_m;
+        p.activation = activation;
+        p.swiglu_alpha = swiglu_alpha;
+        p.swiglu_limit = swiglu_limit;
+        p.dtype = static_cast<DType>(dtype);
+        DeviceGuard guard(device);
+        launch(p, as_stream(stream));
+      },
+      py::kw_only(), py::arg("out"), py::arg("h"), py::arg("y"), py::arg("hidden"),
+      py::arg("w_gate_up"), py::arg("w_down"), py::arg("gate_up_bias"), py::arg("down_bias"),
+      py::arg("weights"), py::arg("sorted_pairs"), py::arg("tile_expert"), py::arg("tokens"),
+      py::arg("hidden_size"), py::arg("inter_size"), py::arg("hidden_stride"),
+      py::arg("out_stride"), py::arg("padded_rows"), py::arg("experts"), py::arg("top_k"),
+      py::arg("tile_m"), py::arg("activation"), py::arg("swiglu_alpha"),
+      py::arg("swiglu_limit"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
+      py::arg("workspace") = 0, py::arg("gate_up_splits") = 1, py::arg("down_splits") = 1,
+      py::call_guard<py::gil_scoped_release>());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -581,56 +637,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("moe_padded_rows", &pagedkern::moe_padded_rows, py::kw_only(), py::arg("pairs"),
         py::arg("experts"), py::arg("tile_m"));
   // The experts on wgmma + TMA (moe_gemm:sm90_wgmma): moe_experts' arguments, splits 1 only.
-  m.def(
-      "moe_experts_sm90",
-      [](std::uintptr_t out, std::uintptr_t h, std::uintptr_t y, std::uintptr_t hidden,
-         std::uintptr_t w_gate_up, std::uintptr_t w_down, std::uintptr_t gate_up_bias,
-         std::uintptr_t down_bias, std::uintptr_t weights, std::uintptr_t sorted_pairs,
-         std::uintptr_t tile_expert, int64_t tokens, int64_t hidden_size, int64_t inter_size,
-         int64_t hidden_stride, int64_t out_stride, int64_t padded_rows, int experts, int top_k,
-         int tile_m, int activation, float swiglu_alpha, float swiglu_limit, int dtype,
-         int device, std::uintptr_t stream, std::uintptr_t workspace, int gate_up_splits,
-         int down_splits) {
-        pagedkern::MoeExpertsParams p;
-        p.workspace = as_ptr<float>(workspace);
-        p.gate_up_splits = gate_up_splits;
-        p.down_splits = down_splits;
-        p.out = as_ptr<void>(out);
-        p.h = as_ptr<void>(h);
-        p.y = as_ptr<void>(y);
-        p.hidden = as_ptr<const void>(hidden);
-        p.w_gate_up = as_ptr<const void>(w_gate_up);
-        p.w_down = as_ptr<const void>(w_down);
-        p.gate_up_bias = as_ptr<const void>(gate_up_bias);
-        p.down_bias = as_ptr<const void>(down_bias);
-        p.weights = as_ptr<const float>(weights);
-        p.sorted_pairs = as_ptr<const int32_t>(sorted_pairs);
-        p.tile_expert = as_ptr<const int32_t>(tile_expert);
-        p.tokens = tokens;
-        p.hidden_size = hidden_size;
-        p.inter_size = inter_size;
-        p.hidden_stride = hidden_stride;
-        p.out_stride = out_stride;
-        p.padded_rows = padded_rows;
-        p.experts = experts;
-        p.top_k = top_k;
-        p.tile_m = tile_m;
-        p.activation = activation;
-        p.swiglu_alpha = swiglu_alpha;
-        p.swiglu_limit = swiglu_limit;
-        p.dtype = static_cast<DType>(dtype);
-        DeviceGuard guard(device);
-        pagedkern::moe_experts_sm90(p, as_stream(stream));
-      },
-      py::kw_only(), py::arg("out"), py::arg("h"), py::arg("y"), py::arg("hidden"),
-      py::arg("w_gate_up"), py::arg("w_down"), py::arg("gate_up_bias"), py::arg("down_bias"),
-      py::arg("weights"), py::arg("sorted_pairs"), py::arg("tile_expert"), py::arg("tokens"),
-      py::arg("hidden_size"), py::arg("inter_size"), py::arg("hidden_stride"),
-      py::arg("out_stride"), py::arg("padded_rows"), py::arg("experts"), py::arg("top_k"),
-      py::arg("tile_m"), py::arg("activation"), py::arg("swiglu_alpha"),
-      py::arg("swiglu_limit"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
-      py::arg("workspace") = 0, py::arg("gate_up_splits") = 1, py::arg("down_splits") = 1,
-      py::call_guard<py::gil_scoped_release>());
+  def_moe_experts(m, "moe_experts_sm90", &pagedkern::moe_experts_sm90);
   m.def(
       "moe_route",
       [](std::uintptr_t ids, std::uintptr_t weights, std::uintptr_t logits, int64_t tokens,
@@ -671,56 +678,7 @@ PYBIND11_MODULE(_C, m) {
       py::kw_only(), py::arg("sorted_pairs"), py::arg("tile_expert"), py::arg("ids"),
       py::arg("pairs"), py::arg("experts"), py::arg("tile_m"), py::arg("device"),
       py::arg("stream"), py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "moe_experts",
-      [](std::uintptr_t out, std::uintptr_t h, std::uintptr_t y, std::uintptr_t hidden,
-         std::uintptr_t w_gate_up, std::uintptr_t w_down, std::uintptr_t gate_up_bias,
-         std::uintptr_t down_bias, std::uintptr_t weights, std::uintptr_t sorted_pairs,
-         std::uintptr_t tile_expert, int64_t tokens, int64_t hidden_size, int64_t inter_size,
-         int64_t hidden_stride, int64_t out_stride, int64_t padded_rows, int experts, int top_k,
-         int tile_m, int activation, float swiglu_alpha, float swiglu_limit, int dtype,
-         int device, std::uintptr_t stream, std::uintptr_t workspace, int gate_up_splits,
-         int down_splits) {
-        pagedkern::MoeExpertsParams p;
-        p.workspace = as_ptr<float>(workspace);
-        p.gate_up_splits = gate_up_splits;
-        p.down_splits = down_splits;
-        p.out = as_ptr<void>(out);
-        p.h = as_ptr<void>(h);
-        p.y = as_ptr<void>(y);
-        p.hidden = as_ptr<const void>(hidden);
-        p.w_gate_up = as_ptr<const void>(w_gate_up);
-        p.w_down = as_ptr<const void>(w_down);
-        p.gate_up_bias = as_ptr<const void>(gate_up_bias);
-        p.down_bias = as_ptr<const void>(down_bias);
-        p.weights = as_ptr<const float>(weights);
-        p.sorted_pairs = as_ptr<const int32_t>(sorted_pairs);
-        p.tile_expert = as_ptr<const int32_t>(tile_expert);
-        p.tokens = tokens;
-        p.hidden_size = hidden_size;
-        p.inter_size = inter_size;
-        p.hidden_stride = hidden_stride;
-        p.out_stride = out_stride;
-        p.padded_rows = padded_rows;
-        p.experts = experts;
-        p.top_k = top_k;
-        p.tile_m = tile_m;
-        p.activation = activation;
-        p.swiglu_alpha = swiglu_alpha;
-        p.swiglu_limit = swiglu_limit;
-        p.dtype = static_cast<DType>(dtype);
-        DeviceGuard guard(device);
-        pagedkern::moe_experts(p, as_stream(stream));
-      },
-      py::kw_only(), py::arg("out"), py::arg("h"), py::arg("y"), py::arg("hidden"),
-      py::arg("w_gate_up"), py::arg("w_down"), py::arg("gate_up_bias"), py::arg("down_bias"),
-      py::arg("weights"), py::arg("sorted_pairs"), py::arg("tile_expert"), py::arg("tokens"),
-      py::arg("hidden_size"), py::arg("inter_size"), py::arg("hidden_stride"),
-      py::arg("out_stride"), py::arg("padded_rows"), py::arg("experts"), py::arg("top_k"),
-      py::arg("tile_m"), py::arg("activation"), py::arg("swiglu_alpha"),
-      py::arg("swiglu_limit"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
-      py::arg("workspace") = 0, py::arg("gate_up_splits") = 1, py::arg("down_splits") = 1,
-      py::call_guard<py::gil_scoped_release>());
+  def_moe_experts(m, "moe_experts", &pagedkern::moe_experts);
   m.def(
       "moe_experts_quant",
       [](std::uintptr_t out, std::uintptr_t h, std::uintptr_t y, std::uintptr_t hidden,
