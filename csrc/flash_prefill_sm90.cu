@@ -56,6 +56,7 @@
 #include <string>
 
 #include "flash_prefill_sm90.cuh"
+#include "tma_descriptor.cuh"
 
 namespace pagedkern {
 namespace flash {
@@ -477,44 +478,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
 // ---- host --------------------------------------------------------------------------------------
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// cuTensorMapEncodeTiled from the driver at run time: the module links the CUDA runtime only, so
-// it still imports on machines without a driver.
-EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    PK_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                   cudaEnableDefault, &status));
-    if (status != cudaDriverEntryPointSuccess || ptr == nullptr) {
-      throw std::runtime_error("flash_prefill: the CUDA driver has no cuTensorMapEncodeTiled");
-    }
-    return reinterpret_cast<EncodeTiled>(ptr);
-  }();
-  return fn;
-}
-
 // A rank-3 tensor map with 128-byte swizzle; dims and box innermost first, strides in bytes.
 CUtensorMap tensor_map(CUtensorMapDataType type, const void* base, const uint64_t (&dims)[3],
                        const uint64_t (&strides)[2], const uint32_t (&box)[3]) {
-  CUtensorMap map;
-  const cuuint64_t d[3] = {dims[0], dims[1], dims[2]};
-  const cuuint64_t st[2] = {strides[0], strides[1]};
-  const cuuint32_t b[3] = {box[0], box[1], box[2]};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = encode_tiled()(&map, type, 3, const_cast<void*>(base), d, st, b, elem_strides,
-                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    throw std::runtime_error("flash_prefill: cuTensorMapEncodeTiled failed with error " +
-                             std::to_string(int(r)));
-  }
-  return map;
+  return tma::tensor_map("flash_prefill", type, base, dims, strides, box);
 }
 
 template <class Tr, bool kV2, bool kOptions = false>

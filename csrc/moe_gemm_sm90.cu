@@ -59,6 +59,7 @@
 #include "moe.h"
 #include "moe_gemm_pipeline.cuh"  // moe_combine
 #include "moe_gemm_sm90.cuh"
+#include "tma_descriptor.cuh"
 
 namespace pagedkern {
 namespace moe_sm90 {
@@ -275,45 +276,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
 // ---- host --------------------------------------------------------------------------------------
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// cuTensorMapEncodeTiled from the driver at run time (the module links the CUDA runtime only).
-EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    PK_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                   cudaEnableDefault, &status));
-    if (status != cudaDriverEntryPointSuccess || ptr == nullptr) {
-      throw std::runtime_error("moe_experts_sm90: the CUDA driver has no cuTensorMapEncodeTiled");
-    }
-    return reinterpret_cast<EncodeTiled>(ptr);
-  }();
-  return fn;
-}
-
 // A rank-3 map of 16-bit elements (dims innermost first, the two outer strides in bytes), 128-byte
 // swizzle, out-of-bounds elements read as zeros.
 CUtensorMap tensor_map(bool half, const void* base, uint64_t d0, uint64_t d1, uint64_t d2,
                        uint32_t box_rows) {
-  CUtensorMap map;
-  const cuuint64_t dims[3] = {d0, d1, d2};
-  const cuuint64_t strides[2] = {d0 * 2, d0 * d1 * 2};
-  const cuuint32_t box[3] = {64, box_rows, 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = encode_tiled()(
-      &map, half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
-      const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    throw std::runtime_error("moe_experts_sm90: cuTensorMapEncodeTiled failed with error " +
-                             std::to_string(int(r)));
-  }
-  return map;
+  return tma::tensor_map("moe_experts_sm90",
+                         half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                         base, {d0, d1, d2}, {d0 * 2, d0 * d1 * 2}, {64, box_rows, 1});
 }
 
 // The dynamic shared memory a kernel needs, allowed once per (kernel, device): not again during
