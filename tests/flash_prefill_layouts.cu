@@ -15,23 +15,10 @@
 
 #include "flash_prefill_sm80.cuh"
 #include "flash_prefill_sm90.cuh"
+#include "host_check.h"
 
 using namespace cute;
 using namespace pagedkern::flash;
-
-static int failures = 0;
-static long checks = 0;
-#define CHECK(cond, ...)                                              \
-  do {                                                                \
-    ++checks;                                                         \
-    if (!(cond)) {                                                    \
-      if (failures++ < 10) {                                          \
-        std::printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);   \
-        std::printf(__VA_ARGS__);                                     \
-        std::printf("\n");                                            \
-      }                                                               \
-    }                                                                 \
-  } while (0)
 
 // Accumulator (rows x cols of the tile) over all threads of `mma`: every element exactly once;
 // rowcol rows constant along columns; every row held by one quad of lanes (4q .. 4q+3);
@@ -248,10 +235,5 @@ int main() {
   check_sm80_fp8<Sm80Traits<half_t, 128, float_e4m3_t>>("sm80 fp8 f16 D=128", 4);
   check_sm90<Sm90Traits<cutlass::bfloat16_t, 64>>("sm90 D=64");
   check_sm90<Sm90Traits<cutlass::half_t, 128>>("sm90 D=128");
-  if (failures) {
-    std::printf("%d failures\n", failures);
-    return 1;
-  }
-  std::printf("ok (%ld checks)\n", checks);
-  return 0;
+  return check_report();
 }

@@ -12,23 +12,10 @@
 #include <vector>
 
 #include "moe_gemm_sm90.cuh"
+#include "host_check.h"
 
 using namespace cute;
 using namespace pagedkern::moe_sm90;
-
-static int failures = 0;
-static long checks = 0;
-#define CHECK(cond, ...)                                            \
-  do {                                                              \
-    ++checks;                                                       \
-    if (!(cond)) {                                                  \
-      if (failures++ < 10) {                                        \
-        std::printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-        std::printf(__VA_ARGS__);                                   \
-        std::printf("\n");                                          \
-      }                                                             \
-    }                                                               \
-  } while (0)
 
 // Byte offset, from a 1024-aligned tile, of element (row, col < 64) as a TMA SWIZZLE_128B box
 // writes it: rows 128 B apart, each 16-byte chunk xor (row % 8).
@@ -140,10 +127,5 @@ int main() {
   check<Traits<cutlass::bfloat16_t, 2>>("bf16, 2 consumers");
   check<Traits<cutlass::half_t, 1>>("f16, 1 consumer");
   check<Traits<cutlass::half_t, 2>>("f16, 2 consumers");
-  if (failures) {
-    std::printf("%d failures\n", failures);
-    return 1;
-  }
-  std::printf("ok (%ld checks)\n", checks);
-  return 0;
+  return check_report();
 }
