@@ -7,24 +7,23 @@ without a GPU."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from kernel_check import REL_TOLERANCE, relative_error
+from support.moe_gpu import (
+    assert_graph_replays,
+    float_operands,
+    gpt_oss_options,
+    on_a_side_stream,
+)
 
 from pagedkern import reference
 from pagedkern.ops import moe
 from pagedkern.reference.moe import align_by_expert
 
 pytestmark = pytest.mark.gpu
-
-
-def _operands(tokens, experts, hidden, inter, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
-    logits = torch.randn(tokens, experts, generator=g, device="cuda") * 2
-    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda")
-    w_down = torch.randn(experts, hidden, inter, generator=g, device="cuda")
-    return x, logits, (w_gate_up * hidden**-0.5).to(dtype), (w_down * inter**-0.5).to(dtype)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 17, 2048])
@@ -65,7 +64,7 @@ CASES = [  # tokens, experts, top_k, hidden, inter
 @pytest.mark.parametrize("tile_m", [16, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_moe_equals_the_reference(tokens, experts, top_k, hidden, inter, tile_m, dtype):
-    args = _operands(tokens, experts, hidden, inter, dtype)
+    args = float_operands(tokens, experts, hidden, inter, dtype)
     out = moe.fused_moe(*args, top_k, tile_m=tile_m)
     want = reference.fused_moe(*args, top_k)
     assert not torch.isnan(out).any()
@@ -73,31 +72,13 @@ def test_fused_moe_equals_the_reference(tokens, experts, top_k, hidden, inter, t
 
 
 def test_fused_moe_on_a_side_stream():
-    args = _operands(33, 16, 256, 128, torch.bfloat16)
-    want = moe.fused_moe(*args, 4)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        got = moe.fused_moe(*args, 4)
-    side.synchronize()
+    args = float_operands(33, 16, 256, 128, torch.bfloat16)
+    got, want = on_a_side_stream(args, 4)
     assert torch.equal(got, want)  # deterministic: no atomics in the combine
 
 
 def test_fused_moe_captured_in_a_cuda_graph():
-    x, logits, gu, down = _operands(8, 60, 256, 96, torch.bfloat16)
-    moe.fused_moe(x, logits, gu, down, 4)  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):  # (on torch's capture stream: the op launches on it)
-        out = moe.fused_moe(x, logits, gu, down, 4)
-    for seed in (1, 2):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
-        logits.copy_(torch.randn(logits.shape, generator=g, device="cuda") * 2)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = reference.fused_moe(x, logits, gu, down, 4)
-        assert relative_error(out, want) <= REL_TOLERANCE[torch.bfloat16]
+    assert_graph_replays(float_operands(8, 60, 256, 96, torch.bfloat16), 4, reference.fused_moe)
 
 
 # gpt-oss: softmax over the top-k, expert biases, the clamped SwiGLU (gpt-oss-20b's experts:
@@ -108,14 +89,8 @@ GPT_OSS_CASES = [(1, 32, 4, 2880, 2880), (17, 8, 8, 37, 23), (256, 128, 4, 2880,
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", GPT_OSS_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpt_oss_mode_equals_the_reference(tokens, experts, top_k, hidden, inter, dtype):
-    x, logits, gu, down = _operands(tokens, experts, hidden, inter, dtype, seed=tokens)
-    g = torch.Generator(device="cuda").manual_seed(experts)
-    gub = (torch.randn(experts, 2 * inter, generator=g, device="cuda") * 0.5).to(dtype)
-    db = (torch.randn(experts, hidden, generator=g, device="cuda") * 0.5).to(dtype)
-    kwargs = dict(
-        renormalize=False, scoring="softmax_topk", activation="clamped_swiglu",
-        swiglu_alpha=1.702, swiglu_limit=1.0, w_gate_up_bias=gub, w_down_bias=db,
-    )  # fmt: skip
+    x, logits, gu, down = float_operands(tokens, experts, hidden, inter, dtype, seed=tokens)
+    kwargs = gpt_oss_options(experts, hidden, inter, dtype)
     weights, ids = moe.moe_route(logits, top_k, scoring="softmax_topk")
     want_w, want_ids = reference.moe_route(logits, top_k, False, "softmax_topk")
     assert torch.equal(ids.long(), want_ids)
@@ -141,7 +116,7 @@ SPLIT_CASES = [  # tokens, experts, top_k, hidden, inter, (gate_up, down) splits
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, splits", SPLIT_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_split_k_equals_the_reference(tokens, experts, top_k, hidden, inter, splits, dtype):
-    args = _operands(tokens, experts, hidden, inter, dtype, seed=tokens + experts)
+    args = float_operands(tokens, experts, hidden, inter, dtype, seed=tokens + experts)
     out = moe.fused_moe(*args, top_k, split_k=splits)
     again = moe.fused_moe(*args, top_k, split_k=splits)
     want = reference.fused_moe(*args, top_k)
@@ -154,7 +129,7 @@ def test_split_k_equals_the_reference(tokens, experts, top_k, hidden, inter, spl
 @pytest.mark.parametrize("tokens", [1, 4, 16, 64])
 def test_decode_shapes_under_each_split_variant(kernels, variant, tokens):
     kernels(moe_gemm=variant)
-    args = _operands(tokens, 128, 2048, 768, torch.bfloat16, seed=tokens)
+    args = float_operands(tokens, 128, 2048, 768, torch.bfloat16, seed=tokens)
     out = moe.fused_moe(*args, 8)
     want = reference.fused_moe(*args, 8)
     assert not torch.isnan(out).any()
@@ -162,23 +137,12 @@ def test_decode_shapes_under_each_split_variant(kernels, variant, tokens):
 
 
 def test_split_k_with_gpt_oss_biases_captured_in_a_cuda_graph():
-    x, logits, gu, down = _operands(2, 32, 2880, 2880, torch.bfloat16, seed=3)
+    operands = float_operands(2, 32, 2880, 2880, torch.bfloat16, seed=3)
     g = torch.Generator(device="cuda").manual_seed(4)
     kwargs = dict(
         renormalize=False, scoring="softmax_topk", activation="clamped_swiglu",
         w_gate_up_bias=(torch.randn(32, 5760, generator=g, device="cuda") * 0.5).bfloat16(),
         w_down_bias=(torch.randn(32, 2880, generator=g, device="cuda") * 0.5).bfloat16(),
     )  # fmt: skip
-    moe.fused_moe(x, logits, gu, down, 4, split_k=(4, 3), **kwargs)  # warm-up
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        out = moe.fused_moe(x, logits, gu, down, 4, split_k=(4, 3), **kwargs)
-    for seed in (1, 2):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
-        logits.copy_(torch.randn(logits.shape, generator=g, device="cuda") * 2)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = reference.fused_moe(x, logits, gu, down, 4, **kwargs)
-        assert relative_error(out, want) <= REL_TOLERANCE[torch.bfloat16]
+    want = functools.partial(reference.fused_moe, **kwargs)
+    assert_graph_replays(operands, 4, want, split_k=(4, 3), **kwargs)

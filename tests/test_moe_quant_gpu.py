@@ -11,6 +11,7 @@ import pytest
 import torch
 from kernel_check import REL_TOLERANCE, relative_error
 from moe_quant_check import expected, quantized_operands
+from support.moe_gpu import assert_graph_replays, on_a_side_stream
 
 from pagedkern.ops import moe
 
@@ -44,32 +45,14 @@ def test_quantized_experts_equal_the_reference(tokens, experts, top_k, hidden, i
 
 def test_on_a_side_stream_and_deterministic():
     args = quantized_operands(33, 16, 256, 128, torch.bfloat16, "int4", 32, seed=1, device="cuda")
-    want = moe.fused_moe(*args, 4)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        got = moe.fused_moe(*args, 4)
-    side.synchronize()
+    got, want = on_a_side_stream(args, 4)
     assert torch.equal(got, want)
 
 
 def test_captured_in_a_cuda_graph():
-    x, logits, gu, down = quantized_operands(8, 60, 256, 96, torch.bfloat16, "int8", 0, seed=2,
-                                             device="cuda")  # fmt: skip
-    moe.fused_moe(x, logits, gu, down, 4)  # warm-up: the kernel operands packed once
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        out = moe.fused_moe(x, logits, gu, down, 4)
-    for seed in (1, 2):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
-        logits.copy_(torch.randn(logits.shape, generator=g, device="cuda") * 2)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert (
-            relative_error(out, expected(x, logits, gu, down, 4)) <= REL_TOLERANCE[torch.bfloat16]
-        )
+    operands = quantized_operands(8, 60, 256, 96, torch.bfloat16, "int8", 0, seed=2,
+                                  device="cuda")  # fmt: skip
+    assert_graph_replays(operands, 4, expected)  # the warm-up packs the kernel operands once
 
 
 # Split-K (csrc/moe_gemm_pipeline.cuh) over quantized experts: forced uneven split factors at

@@ -12,6 +12,12 @@ import pytest
 import torch
 from kernel_check import REL_TOLERANCE, relative_error
 from support.moe_buffers import poison_moe_buffers
+from support.moe_gpu import (
+    assert_graph_replays,
+    float_operands,
+    gpt_oss_options,
+    on_a_side_stream,
+)
 
 from pagedkern import reference
 from pagedkern.ops import moe
@@ -26,15 +32,6 @@ def sm90(kernels, monkeypatch):
         pytest.skip("the wgmma + TMA kernels run on sm_90 only (test_refused_elsewhere)")
     kernels(moe_gemm="sm90_wgmma")
     poison_moe_buffers(monkeypatch)
-
-
-def _operands(tokens, experts, hidden, inter, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
-    logits = torch.randn(tokens, experts, generator=g, device="cuda") * 2
-    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda")
-    w_down = torch.randn(experts, hidden, inter, generator=g, device="cuda")
-    return x, logits, (w_gate_up * hidden**-0.5).to(dtype), (w_down * inter**-0.5).to(dtype)
 
 
 def _check(args, top_k, dtype, **kwargs):
@@ -60,12 +57,13 @@ CASES = [  # tokens, experts, top_k, hidden, inter, activation
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, activation", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_equals_the_reference(sm90, tokens, experts, top_k, hidden, inter, activation, dtype):
-    _check(_operands(tokens, experts, hidden, inter, dtype), top_k, dtype, activation=activation)
+    args = float_operands(tokens, experts, hidden, inter, dtype)
+    _check(args, top_k, dtype, activation=activation)
 
 
 @pytest.mark.parametrize("tokens", [1, 40, 200])
 def test_an_expert_with_no_token_and_one_with_all(sm90, tokens):
-    x, logits, gu, down = _operands(tokens, 7, 96, 56, torch.bfloat16, seed=tokens)
+    x, logits, gu, down = float_operands(tokens, 7, 96, 56, torch.bfloat16, seed=tokens)
     logits[:, 0] = -30.0  # expert 0: never chosen
     logits[:, 3] = 30.0  # expert 3: chosen by every token
     _, ids = moe.moe_route(logits, 2)
@@ -80,26 +78,20 @@ GPT_OSS_CASES = [(1, 32, 4, 2880, 2880), (17, 8, 8, 136, 24), (256, 32, 4, 2880,
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", GPT_OSS_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpt_oss_mode_equals_the_reference(sm90, tokens, experts, top_k, hidden, inter, dtype):
-    x, logits, gu, down = _operands(tokens, experts, hidden, inter, dtype, seed=tokens)
-    g = torch.Generator(device="cuda").manual_seed(experts)
-    gub = (torch.randn(experts, 2 * inter, generator=g, device="cuda") * 0.5).to(dtype)
-    db = (torch.randn(experts, hidden, generator=g, device="cuda") * 0.5).to(dtype)
-    kwargs = dict(
-        renormalize=False, scoring="softmax_topk", activation="clamped_swiglu",
-        swiglu_alpha=1.702, swiglu_limit=1.0, w_gate_up_bias=gub, w_down_bias=db,
-    )  # fmt: skip
+    x, logits, gu, down = float_operands(tokens, experts, hidden, inter, dtype, seed=tokens)
+    kwargs = gpt_oss_options(experts, hidden, inter, dtype)
     _check((x, logits, gu * 3, down), top_k, dtype, **kwargs)  # gate/up past the limit
 
 
 def test_hidden_rows_with_a_stride(sm90):
-    x, logits, gu, down = _operands(33, 16, 128, 64, torch.bfloat16)
+    x, logits, gu, down = float_operands(33, 16, 128, 64, torch.bfloat16)
     wide = torch.zeros(33, 200, dtype=torch.bfloat16, device="cuda")
     wide[:, 8:136] = x
     _check((wide[:, 8:136], logits, gu, down), 4, torch.bfloat16)
 
 
 def test_agrees_with_the_default_kernels(sm90, kernels):
-    args = _operands(64, 60, 512, 192, torch.bfloat16, seed=5)
+    args = float_operands(64, 60, 512, 192, torch.bfloat16, seed=5)
     got = moe.fused_moe(*args, 4)
     kernels(moe_gemm="no_split_k")  # the mma.sync kernels, one K split
     want = moe.fused_moe(*args, 4)
@@ -107,37 +99,19 @@ def test_agrees_with_the_default_kernels(sm90, kernels):
 
 
 def test_on_a_side_stream(sm90):
-    args = _operands(33, 16, 256, 128, torch.bfloat16)
-    want = moe.fused_moe(*args, 4)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        got = moe.fused_moe(*args, 4)
-    side.synchronize()
+    args = float_operands(33, 16, 256, 128, torch.bfloat16)
+    got, want = on_a_side_stream(args, 4)
     assert torch.equal(got, want)  # deterministic: no atomics, a fixed summation order
 
 
 def test_captured_in_a_cuda_graph(sm90):
-    x, logits, gu, down = _operands(8, 60, 256, 96, torch.bfloat16)
-    moe.fused_moe(x, logits, gu, down, 4)  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        out = moe.fused_moe(x, logits, gu, down, 4)
-    for seed in (1, 2):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
-        logits.copy_(torch.randn(logits.shape, generator=g, device="cuda") * 2)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = reference.fused_moe(x, logits, gu, down, 4)
-        assert relative_error(out, want) <= REL_TOLERANCE[torch.bfloat16]
+    assert_graph_replays(float_operands(8, 60, 256, 96, torch.bfloat16), 4, reference.fused_moe)
 
 
 def test_refused_elsewhere(kernels):
     if torch.cuda.get_device_capability() == (9, 0):
         pytest.skip("an sm_90 GPU runs the variant (the tests above)")
     kernels(moe_gemm="sm90_wgmma")
-    args = _operands(4, 8, 64, 32, torch.bfloat16)
+    args = float_operands(4, 8, 64, 32, torch.bfloat16)
     with pytest.raises(ValueError, match="needs an sm_90 GPU"):
         moe.fused_moe(*args, 2)
