@@ -13,6 +13,7 @@ import torch
 from emulator import emulated, unavailable_reason
 from kernel_check import REL_TOLERANCE, relative_error
 from support.moe_buffers import poison_moe_buffers
+from support.moe_operands import float_operands
 
 from pagedkern import reference
 from pagedkern.ops import moe
@@ -98,15 +99,6 @@ def test_grouping_layout_and_invariants(tokens, experts, top_k, tile_m, skew):
     assert torch.equal(sorted_pairs, want[0]) and torch.equal(tile_expert, want[1])
 
 
-def _operands(tokens, experts, hidden, inter, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    logits = torch.randn(tokens, experts, generator=g) * 2
-    w_gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5).to(dtype)
-    w_down = (torch.randn(experts, hidden, inter, generator=g) * inter**-0.5).to(dtype)
-    return x, logits, w_gate_up, w_down
-
-
 CASES = [  # tokens, experts, top_k, hidden, inter, tile_m
     (1, 8, 2, 72, 40, 16),  # decode; H, I multiples of 8 (16-byte loads), not of the tiles
     (3, 60, 8, 40, 24, 16),
@@ -121,7 +113,7 @@ CASES = [  # tokens, experts, top_k, hidden, inter, tile_m
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_moe_kernel_equals_the_reference(tokens, experts, top_k, hidden, inter, tile_m,
                                                dtype):  # fmt: skip
-    args = _operands(tokens, experts, hidden, inter, dtype, seed=tokens * experts + hidden)
+    args = float_operands(tokens, experts, hidden, inter, dtype, seed=tokens * experts + hidden)
     with emulated():
         out = moe.fused_moe(*args, top_k, tile_m=tile_m)
     want = reference.fused_moe(*args, top_k)
@@ -133,7 +125,7 @@ def test_fused_moe_kernel_equals_the_reference(tokens, experts, top_k, hidden, i
 @pytest.mark.parametrize("activation, scoring, renormalize",
                          [("gelu_tanh", "softmax", False), ("silu", "sigmoid", True)])  # fmt: skip
 def test_fused_moe_options(activation, scoring, renormalize):
-    args = _operands(5, 12, 40, 24, torch.bfloat16, seed=7)
+    args = float_operands(5, 12, 40, 24, torch.bfloat16, seed=7)
     kwargs = dict(renormalize=renormalize, activation=activation, scoring=scoring)
     with emulated():
         out = moe.fused_moe(*args, 3, **kwargs)
@@ -143,7 +135,7 @@ def test_fused_moe_options(activation, scoring, renormalize):
 
 
 def test_fused_moe_strided_hidden_and_experts_without_tokens():
-    x, logits, gu, down = _operands(9, 8, 48, 24, torch.bfloat16, seed=3)
+    x, logits, gu, down = float_operands(9, 8, 48, 24, torch.bfloat16, seed=3)
     wide = torch.randn(9, 64).bfloat16()
     wide[:, :48] = x
     logits[:, :] = -4.0
@@ -156,7 +148,7 @@ def test_fused_moe_strided_hidden_and_experts_without_tokens():
 
 
 def test_fused_moe_with_no_tokens():
-    x, logits, gu, down = _operands(0, 8, 16, 8, torch.bfloat16, seed=0)
+    x, logits, gu, down = float_operands(0, 8, 16, 8, torch.bfloat16, seed=0)
     with emulated(expect_launch=False):
         out = moe.fused_moe(x, logits, gu, down, 2)
     assert out.shape == (0, 16)
@@ -165,7 +157,7 @@ def test_fused_moe_with_no_tokens():
 def test_fp32_experts_are_refused_by_the_strict_backend():
     from pagedkern.ops.support import KernelUnsupportedError
 
-    args = _operands(2, 4, 16, 8, torch.float32, seed=0)
+    args = float_operands(2, 4, 16, 8, torch.float32, seed=0)
     with emulated(expect_launch=False), pytest.raises(KernelUnsupportedError, match="float32"):
         moe.fused_moe(*args, 2)
 
@@ -183,7 +175,7 @@ def test_the_row_bound_is_one_formula():
 def test_fused_moe_chooses_the_64_row_tile_at_prefill_shapes():
     # 40 tokens x top-4 over 4 experts: 40 rows per expert on average, past 32
     assert moe.moe_tile_m(40, 4, 4) == 64 and moe.moe_tile_m(3, 4, 8) == 16
-    args = _operands(40, 4, 40, 24, torch.float16, seed=11)
+    args = float_operands(40, 4, 40, 24, torch.float16, seed=11)
     with emulated():
         out = moe.fused_moe(*args, 4)
     want = reference.fused_moe(*args, 4)
@@ -194,7 +186,7 @@ def test_fused_moe_chooses_the_64_row_tile_at_prefill_shapes():
 def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     # what CUDA-graph capture forbids: a device value read by the host (all sizes come from
     # the shapes); every way a tensor's value reaches Python raises here
-    args = _operands(6, 8, 40, 24, torch.bfloat16, seed=5)
+    args = float_operands(6, 8, 40, 24, torch.bfloat16, seed=5)
 
     def refuse(*_, **__):
         raise AssertionError("a tensor's value was read on the host")

@@ -15,6 +15,7 @@ from emulator import emulated, launches, unavailable_reason
 from kernel_check import REL_TOLERANCE, relative_error
 from moe_quant_check import expected, quantized_operands
 from support.moe_buffers import poison_moe_buffers
+from support.moe_operands import float_operands
 
 from pagedkern import reference
 from pagedkern.ops import moe
@@ -25,15 +26,6 @@ emulator = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unava
 @pytest.fixture(autouse=True)
 def poisoned_allocations(monkeypatch):
     poison_moe_buffers(monkeypatch)
-
-
-def _float_operands(tokens, experts, hidden, inter, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    logits = torch.randn(tokens, experts, generator=g) * 2
-    w_gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5).to(dtype)
-    w_down = (torch.randn(experts, hidden, inter, generator=g) * inter**-0.5).to(dtype)
-    return x, logits, w_gate_up, w_down
 
 
 FLOAT_CASES = [  # tokens, experts, top_k, hidden, inter, tile_m, (gate_up, down) splits
@@ -50,7 +42,7 @@ FLOAT_CASES = [  # tokens, experts, top_k, hidden, inter, tile_m, (gate_up, down
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_float_experts_split_k_equals_the_reference(tokens, experts, top_k, hidden, inter,
                                                     tile_m, splits, dtype):  # fmt: skip
-    args = _float_operands(tokens, experts, hidden, inter, dtype, seed=tokens + experts + inter)
+    args = float_operands(tokens, experts, hidden, inter, dtype, seed=tokens + experts + inter)
     before = launches()
     with emulated():
         out = moe.fused_moe(*args, top_k, tile_m=tile_m, split_k=splits)
@@ -65,7 +57,7 @@ def test_float_experts_split_k_equals_the_reference(tokens, experts, top_k, hidd
 @emulator
 @pytest.mark.parametrize("splits", [(1, 1), (3, 2)])
 def test_gpt_oss_biases_and_clamped_swiglu_under_split_k(splits):
-    x, logits, gu, down = _float_operands(3, 5, 104, 72, torch.bfloat16, seed=4)
+    x, logits, gu, down = float_operands(3, 5, 104, 72, torch.bfloat16, seed=4)
     g = torch.Generator().manual_seed(5)
     biases = dict(
         w_gate_up_bias=(torch.randn(5, 144, generator=g) * 0.5).bfloat16(),
@@ -112,7 +104,7 @@ def test_quantized_experts_split_k_equals_the_reference(tokens, experts, top_k, 
 
 @emulator
 def test_split_k_is_deterministic_and_close_to_one_split():
-    args = _float_operands(2, 8, 136, 72, torch.bfloat16, seed=9)
+    args = float_operands(2, 8, 136, 72, torch.bfloat16, seed=9)
     with emulated():
         one = moe.fused_moe(*args, 2, split_k=1)
         split = moe.fused_moe(*args, 2, split_k=(3, 2))
@@ -125,7 +117,7 @@ def test_split_k_is_deterministic_and_close_to_one_split():
 @emulator
 def test_decode_shapes_run_the_split_path_by_default_and_the_variant_turns_it_off(kernels):
     # 1 token, top-2 of 8 over H = 512: 2 row tiles x 1 N tile, 16 K steps: splits chosen
-    args = _float_operands(1, 8, 512, 64, torch.bfloat16, seed=2)
+    args = float_operands(1, 8, 512, 64, torch.bfloat16, seed=2)
     assert moe.moe_splits(1, 2, 8, 512, 64, 16, 132)[0] > 1
     before = launches()
     with emulated():
@@ -162,6 +154,6 @@ def test_split_heuristic_at_qwen3_moe_shapes():
 
 @pytest.mark.parametrize("bad", [0, 65, (2,), (1, 0), 2.0, True, (2, "3")])
 def test_a_bad_split_k_names_the_argument(bad):
-    args = _float_operands(1, 4, 32, 16, torch.bfloat16, seed=0)
+    args = float_operands(1, 4, 32, 16, torch.bfloat16, seed=0)
     with pytest.raises(ValueError, match="split_k must be None"):
         moe.fused_moe(*args, 2, split_k=bad)

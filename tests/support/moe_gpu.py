@@ -4,6 +4,7 @@ side stream, and fused_moe captured in a CUDA graph and replayed with new inputs
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -11,17 +12,11 @@ from kernel_check import REL_TOLERANCE, relative_error
 
 from pagedkern.ops import moe
 
-Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+from . import moe_operands
+from .moe_operands import Operands
 
-
-def float_operands(tokens, experts, hidden, inter, dtype, seed=0) -> Operands:
-    """(x, router logits, w_gate_up, w_down) on the GPU, the weights scaled to unit outputs."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
-    logits = torch.randn(tokens, experts, generator=g, device="cuda") * 2
-    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda")
-    w_down = torch.randn(experts, hidden, inter, generator=g, device="cuda")
-    return x, logits, (w_gate_up * hidden**-0.5).to(dtype), (w_down * inter**-0.5).to(dtype)
+# (x, router logits, w_gate_up, w_down) on the GPU
+float_operands = functools.partial(moe_operands.float_operands, device="cuda")
 
 
 def gpt_oss_options(experts, hidden, inter, dtype) -> dict:
