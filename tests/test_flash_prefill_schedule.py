@@ -14,16 +14,11 @@
 from __future__ import annotations
 
 import heapq
-import importlib.util
-import os
 import random
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-from build_env import cuda_build_required
+from support.host_layouts import run_layout_check
 
 from pagedkern.reference.attention import _gather
 
@@ -442,34 +437,8 @@ def test_path2_tma_boxes_fill_the_tile(block_size, head_dim):
 # ---- the CuTe layouts themselves -----------------------------------------------------------------
 
 
-def _cutlass_include() -> Path | None:
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    include = Path(next(iter(spec.submodule_search_locations))) / "source" / "include"
-    return include if (include / "cute" / "tensor.hpp").is_file() else None
-
-
 @pytest.mark.slow  # a 15-25 s nvcc build of a host program; CI runs it
 def test_cute_layouts_on_the_host(tmp_path):
     """tests/flash_prefill_layouts.cu: accumulator coordinates, the P operand, the quads of the
     row reductions, the hand-written and TMA shared-memory addresses (about 20 s of nvcc)."""
-    candidates = [os.environ.get("CUDACXX"), shutil.which("nvcc")]
-    candidates += [
-        str(Path(os.environ.get(v, "/nonexistent")) / "bin/nvcc")
-        for v in ("CUDA_HOME", "CUDA_PATH")
-    ]
-    candidates.append("/usr/local/cuda/bin/nvcc")
-    nvcc = next((c for c in candidates if c and Path(c).is_file()), None)
-    include = _cutlass_include()
-    if nvcc is None or include is None:
-        if cuda_build_required():
-            pytest.fail("nvcc and the CUTLASS headers are needed for the layout check")
-        pytest.skip("needs nvcc and the CUTLASS headers (nvidia-cutlass)")
-    root = Path(__file__).resolve().parents[1]
-    exe = tmp_path / "flash_prefill_layouts"
-    cmd = [nvcc, "-std=c++17", "-O1", "--expt-relaxed-constexpr", f"-I{root / 'csrc'}"]
-    cmd += ["-isystem", str(include), "-o", str(exe), str(root / "tests/flash_prefill_layouts.cu")]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    run = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
+    run_layout_check("flash_prefill_layouts.cu", tmp_path)

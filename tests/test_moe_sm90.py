@@ -6,22 +6,15 @@ once, gate and up columns in the same thread). Its GPU tests: test_moe_sm90_gpu.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-from build_env import cuda_build_required
+from support.host_layouts import run_layout_check
 
 from pagedkern._extension import extension_module
 from pagedkern.ops import moe_sm90
 from pagedkern.ops.arrays import view
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _views(hidden: int, inter: int, offset: int = 0, stride: int | None = None):
@@ -63,32 +56,6 @@ def test_the_entry_point_takes_moe_experts_arguments():
     assert "stream" in names(module.moe_experts) and "down_splits" in names(module.moe_experts)
 
 
-def _nvcc() -> str | None:
-    candidates = [os.environ.get("CUDACXX"), shutil.which("nvcc")]
-    candidates += [str(Path(os.environ.get(v, "/nonexistent")) / "bin/nvcc")
-                   for v in ("CUDA_HOME", "CUDA_PATH")]  # fmt: skip
-    candidates.append("/usr/local/cuda/bin/nvcc")
-    return next((c for c in candidates if c and Path(c).is_file()), None)
-
-
-def _cutlass_include() -> Path | None:
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    include = Path(next(iter(spec.submodule_search_locations))) / "source" / "include"
-    return include if (include / "cute" / "tensor.hpp").is_file() else None
-
-
 @pytest.mark.slow  # a 15-40 s nvcc build of a host program; CI runs it
 def test_layouts_on_the_host(tmp_path):
-    nvcc, include = _nvcc(), _cutlass_include()
-    if nvcc is None or include is None:
-        if cuda_build_required():
-            pytest.fail("nvcc and the CUTLASS headers are needed for the layout check")
-        pytest.skip("needs nvcc and the CUTLASS headers (nvidia-cutlass)")
-    exe = tmp_path / "moe_gemm_sm90_layouts"
-    cmd = [nvcc, "-std=c++17", "-O1", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}"]
-    cmd += ["-isystem", str(include), "-o", str(exe), str(ROOT / "tests/moe_gemm_sm90_layouts.cu")]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    run = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
+    run_layout_check("moe_gemm_sm90_layouts.cu", tmp_path)
