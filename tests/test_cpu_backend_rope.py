@@ -1,6 +1,7 @@
 """The CPU backend's rope_and_cache (ops/cpu/rope.py) against reference.rope_and_cache: q, k and
 the cache pages bit for bit (the same products and sums), over odd shapes, q/k/v as views of
-one fused QKV output and as separate tensors, skipped slots, fp8 caches, QK-norm, and a step's
+one fused QKV output and as separate tensors, one cache allocation or two, skipped slots, fp8
+caches, QK-norm, and a step's
 rows reused by its later layers but never by a call with other positions or slots."""
 
 from __future__ import annotations
@@ -28,19 +29,34 @@ def _case(tokens, hq, hkv, d, fused, seed, dtype=torch.float32):
     return q, k, v, positions, slots
 
 
-def _caches(hkv, d, dtype):
+def _caches(hkv, d, dtype, separate=False):
     data = torch.full((2, 7, hkv, BLOCK, d), float("nan")).to(dtype)  # poisoned: unwritten NaN
+    if separate:  # two allocations (whose distance is no stride), viewed together afterwards
+        k_cache, v_cache = data[0].clone(), data[1].clone()
+        return _Pair(k_cache, v_cache), k_cache, v_cache
     return data, data[0], data[1]
+
+
+class _Pair:
+    """Two separate caches read as one [2, ...] tensor once written."""
+
+    def __init__(self, k_cache, v_cache):
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def float(self):
+        return torch.stack([self.k_cache.float(), self.v_cache.float()])
 
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize(
     ("tokens", "hq", "hkv", "d"), [(1, 9, 3, 64), (5, 4, 4, 16), (13, 6, 2, 32)]
 )
-@pytest.mark.parametrize("cache", ["same", "fp8"])
-def test_matches_the_reference(fused, tokens, hq, hkv, d, cache):
+@pytest.mark.parametrize("cache", ["same", "fp8", "separate"])
+@pytest.mark.parametrize("skipped", [True, False])
+def test_matches_the_reference(fused, tokens, hq, hkv, d, cache, skipped):
     q, k, v, positions, slots = _case(tokens, hq, hkv, d, fused, tokens * hq + d)
-    slots[tokens // 2] = -1  # a row not written
+    if skipped:
+        slots[tokens // 2] = -1  # a row not written
     cos_sin = reference.cos_sin_cache(d, 512)
     dtype = torch.float8_e4m3fn if cache == "fp8" else torch.float32
     scales = dict(k_scale=0.37, v_scale=1.9) if cache == "fp8" else {}
@@ -49,7 +65,7 @@ def test_matches_the_reference(fused, tokens, hq, hkv, d, cache):
     reference.rope_and_cache(
         want_q, want_k, want_v, positions, cos_sin, want_kc, want_vc, slots, **scales
     )
-    got_data, got_kc, got_vc = _caches(hkv, d, dtype)
+    got_data, got_kc, got_vc = _caches(hkv, d, dtype, separate=cache == "separate")
     rope.rope_and_cache(q, k, v, positions, cos_sin, got_kc, got_vc, slots, **scales)
     assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, want_v)
     torch.testing.assert_close(got_data.float(), want_data.float(), rtol=0, atol=0, equal_nan=True)

@@ -155,6 +155,8 @@ def _pair_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | 
     extent with the same strides (a KVCache layer's halves), else None."""
     if k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape:
         return None
+    if k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr():
+        return None  # two allocations: their distance is no stride of either
     step = v_cache.data_ptr() - k_cache.data_ptr()
     if step <= 0 or step % k_cache.element_size():
         return None
