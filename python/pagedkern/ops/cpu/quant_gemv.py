@@ -25,11 +25,11 @@ from .. import variants
 PATHS = ("portable", "avx2", "avx_vnni", "avx512_vnni")
 ACTIVATION_BITS = (8, 16)
 # Multiply-adds below which a call runs on the calling thread alone. The threads are torch's own
-# OpenMP team (csrc/cpu/gemv.cpp), but every parallel region ends in a barrier, and on a busy
-# host (2 vCPUs, load ~15) a barrier waits for a descheduled thread: with decode's GEMVs (<= 2M
-# multiply-adds, ~120 a token) split, a 2-thread decode fell to 0.5 tok/s against 1.4-3.0 with
-# torch's int-pack kernels. From 2^24 (the LM head, prefill chunks) the split pays for it.
-PARALLEL_MIN_MACS = 1 << 24
+# OpenMP team (csrc/cpu/gemv.cpp). Splitting only the large calls (from 2^24) made a 2-thread
+# decode slower than one thread (1B model: 2.8 against 11.7 tok/s; the team's workers idle
+# between the few split calls); splitting every decode GEMV from 2^16 gave 20.5 (1.7x one
+# thread) and 135M 69 against 46 tok/s. Below 2^16 the region's barrier outweighs the rows.
+PARALLEL_MIN_MACS = 1 << 16
 _PACKED_KEY = "cpu-gemv"
 
 
