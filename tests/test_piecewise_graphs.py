@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from mixed_batches import mixed_batch
 
+from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.engine.kernel_policy import piecewise_graphs
 from pagedkern.engine.piecewise_graphs import Piece, PiecewiseGraphs, piecewise_token_sizes
@@ -141,6 +142,13 @@ def _record_as_python_calls(piece: Piece) -> Piece:
 
 
 def test_a_mixed_step_launches_attention_and_one_replay_per_piece(model):
+    # through pagedkern.ops, as on a GPU (the CPU backend's step table calls its functions
+    # directly, which count no launches)
+    with ops.use_backend("reference"):
+        _mixed_step_launches(model)
+
+
+def _mixed_step_launches(model):
     layout = layout_batch(_mixed_batch(2, [9, 6], 5), BLOCK)  # 20 tokens: 2 prefills, 5 decodes
     eager_kv, piecewise_kv = _caches(model)
     with launch.count_launches() as eager:
