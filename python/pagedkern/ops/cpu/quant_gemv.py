@@ -25,10 +25,9 @@ from .. import variants
 PATHS = ("portable", "avx2", "avx_vnni", "avx512_vnni")
 ACTIVATION_BITS = (8, 16)
 # Multiply-adds below which a call runs on the calling thread alone. The threads are torch's own
-# OpenMP team (csrc/cpu/gemv.cpp). Splitting only the large calls (from 2^24) made a 2-thread
-# decode slower than one thread (1B model: 2.8 against 11.7 tok/s; the team's workers idle
-# between the few split calls); splitting every decode GEMV from 2^16 gave 20.5 (1.7x one
-# thread) and 135M 69 against 46 tok/s. Below 2^16 the region's barrier outweighs the rows.
+# OpenMP team (csrc/cpu/gemv.cpp). Every decode GEMV is split: splitting only the large calls
+# left the team's workers idle between them and made a 2-thread decode slower than one thread
+# (bench/results/2026-12-05-xeon-cpu-vs-llamacpp.md). Below 2^16 the barrier outweighs the rows.
 PARALLEL_MIN_MACS = 1 << 16
 _PACKED_KEY = "cpu-gemv"
 
