@@ -4,7 +4,7 @@ epoll loop) in another, N concurrent streams of M tokens each (ignore_eos, greed
 number is `Engine.run_until_done()` on the same prompts in this process, with the default torch
 threads, run on the main thread (as the server's core runs its loop) and on a thread (on this
 shared 2-core machine the two differ by up to 10x under load); the ratio is against the better
-of the two. The server's core picks its own intra-op threads (serving/core/engine_core.py
+of the two. The server's core picks its own intra-op threads (serving/core/core_process.py
 core_threads: for synthetic:tiny one core is left to the front end). The target: >= 85%
 at 256 streams of synthetic:tiny.
 
@@ -56,7 +56,7 @@ for _name in ("fastapi", "uvicorn", "pydantic"):
     pytest.importorskip(_name)
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from pagedkern.serving.core.engine_core import core_threads  # noqa: E402
+from pagedkern.serving.core.core_process import core_threads  # noqa: E402
 
 ROUNDS = 3 if FULL else 1
 CLIENT = str(Path(__file__).with_name("stream_client.py"))
@@ -102,7 +102,7 @@ COMPONENTS = (
     ("    of which detokenize + stop strings", ("detokenizer.py:add", "detokenizer.py:flush")),
     ("  events written straight to the socket", ("streaming.py:deliver",)),
     ("handlers' SSE body iterators", ("streaming.py:sse_events",)),
-    ("JSON chunks + SSE framing (both paths)", ("streaming.py:delta", "streaming.py:event")),
+    ("JSON chunks + SSE framing (both paths)", ("body_formats.py:delta", "streaming.py:event")),
     ("ASGI send path (Starlette, h11, transport)", ("h11_impl.py:send",)),
     ("socket writes (both paths)", ("selector_events.py:write",)),
     ("idle main thread (another thread's CPU)", ("selectors.py:select",)),

@@ -25,7 +25,8 @@ from test_tensor_parallel_lifecycle import wait_gone
 from pagedkern.engine import Engine, EngineConfig, FinishReason, SamplingParams
 from pagedkern.model import default_model_path
 from pagedkern.serving.cli import main
-from pagedkern.serving.cli.args import build_parser, engine_config
+from pagedkern.serving.cli.args import build_parser
+from pagedkern.serving.cli.config_from_flags import engine_config
 
 TINY = "synthetic:tiny"
 

@@ -14,12 +14,14 @@ from test_http_server import tiny_engine
 
 from pagedkern.engine import FinishReason, SamplingParams
 from pagedkern.engine.outputs import TokenDeltas
-from pagedkern.serving.core.engine_client import EngineClient, EngineUnavailable
+from pagedkern.serving.core.client_errors import EngineUnavailable
+from pagedkern.serving.core.engine_client import EngineClient
 from pagedkern.serving.core.engine_core import EngineCore
 from pagedkern.serving.core.messages import SampleDelta
 from pagedkern.serving.core.metrics import ServerMetrics
 from pagedkern.serving.core.request_stream import RequestStream, StreamOutput
-from pagedkern.serving.http.streaming import CompletionFormat, sse_events
+from pagedkern.serving.http.body_formats import CompletionFormat
+from pagedkern.serving.http.streaming import sse_events
 
 PROMPTS = ["tell me", "a much longer prompt about rivers, cities and music", "x"]
 

@@ -131,7 +131,8 @@ def test_fewer_experts_than_ranks_is_refused(tmp_path):
 def test_the_cli_flag_and_the_config_field():
     from pagedkern.engine import EngineConfig
     from pagedkern.engine.validation import ParameterTypeError
-    from pagedkern.serving.cli.args import build_parser, engine_config
+    from pagedkern.serving.cli.args import build_parser
+    from pagedkern.serving.cli.config_from_flags import engine_config
 
     parse = build_parser().parse_args
     args = parse(["--model", "m", "--tensor-parallel-size", "2", "--expert-parallel"])

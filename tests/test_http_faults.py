@@ -26,8 +26,8 @@ from test_http_server import LONG, TINY, WAIT, sse_data, tiny_engine
 
 from pagedkern.engine import SamplingParams
 from pagedkern.serving.core.request_stream import Backlog, RequestStream, StreamOutput, event_bytes
+from pagedkern.serving.http.error_mapping import engine_error
 from pagedkern.serving.http.settings import ServerSettings
-from pagedkern.serving.http.streaming import engine_error
 
 CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--http", "--port", "0"]
 

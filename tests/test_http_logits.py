@@ -14,7 +14,7 @@ from support.serving import ServerThread
 from test_http_server import TINY, kv_used, tiny_engine
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
-from pagedkern.serving.http.protocol import IMPLEMENTED, UNSUPPORTED
+from pagedkern.serving.http.request_models import IMPLEMENTED, UNSUPPORTED
 
 jsonschema = pytest.importorskip("jsonschema")
 

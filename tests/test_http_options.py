@@ -18,6 +18,7 @@ from support.serving import ServerThread
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.serving.cli import args as cli_args
+from pagedkern.serving.cli import config_from_flags
 from pagedkern.serving.core.trace import TraceWriter
 from pagedkern.serving.http.settings import ServerSettings
 
@@ -120,7 +121,7 @@ def parse(*flags: str):
 
 
 def test_engine_flags_reach_engine_config():
-    config = cli_args.engine_config(
+    config = config_from_flags.engine_config(
         parse(
             "--enforce-eager",
             "--no-chunked-prefill",
@@ -141,14 +142,15 @@ def test_engine_flags_reach_engine_config():
     assert config.enable_prefix_caching is False and config.dtype is torch.float16
     assert (config.device, config.gpu_memory_fraction) == ("cpu", 0.5)
     assert (config.max_model_len, config.block_size) == (64, 8)
-    defaults = cli_args.engine_config(parse())
+    defaults = config_from_flags.engine_config(parse())
     assert defaults == EngineConfig()  # every engine flag's default is EngineConfig's
 
 
 def test_sampling_flags_become_http_defaults_only_when_given():
-    settings = cli_args.server_settings(parse("--http", "--max-tokens", "7", "--stop", "x"))
+    flags = parse("--http", "--max-tokens", "7", "--stop", "x")
+    settings = config_from_flags.server_settings(flags)
     assert settings.default_sampling == {"max_tokens": 7, "stop": ["x"]}
-    assert cli_args.server_settings(parse("--http")).default_sampling == {}
+    assert config_from_flags.server_settings(parse("--http")).default_sampling == {}
 
 
 def test_help_shows_a_default_for_every_flag():

@@ -1,5 +1,5 @@
 """`pagedkern-serve --http` runs as two processes, the HTTP front end and the engine core it
-spawns (serving/core/engine_client.py, engine_core.py): killing either one is handled (503 and a
+spawns (serving/core/engine_client.py, core_process.py): killing either one is handled (503 and a
 non-zero exit; no orphan), a core that cannot load says why, the frames between them are
 msgpack, never pickle, and a CPU core runs its steps on the intra-op threads it chose (or was
 given)."""
@@ -31,11 +31,12 @@ from pagedkern.engine import EngineConfig, FinishReason, SamplingParams
 from pagedkern.engine.outputs import TokenLogprob
 from pagedkern.processes import available_cores
 from pagedkern.serving.cli import args as cli_args
-from pagedkern.serving.core import channel, engine_core
+from pagedkern.serving.core import channel, core_process
 from pagedkern.serving.core.engine_client import EngineClient
 from pagedkern.serving.core.messages import Add, Added, SampleDelta, Stats, StepOutputs, Stop
 from pagedkern.serving.core.request_stream import StreamOutput
-from pagedkern.serving.http.protocol import (
+from pagedkern.serving.http.body_formats import ChatFormat, CompletionFormat
+from pagedkern.serving.http.response_models import (
     ChatChunkChoice,
     ChatCompletionChunk,
     Completion,
@@ -43,7 +44,6 @@ from pagedkern.serving.http.protocol import (
     Delta,
 )
 from pagedkern.serving.http.settings import ServerSettings
-from pagedkern.serving.http.streaming import ChatFormat, CompletionFormat
 
 CLI = [sys.executable, "-m", "pagedkern.serving.cli", "--http", "--port", "0"]
 
@@ -156,14 +156,14 @@ def test_the_front_end_gets_a_core_when_the_model_costs_less_per_token_than_it(c
     # work: it leaves a core to the front end; SmolLM2-135M keeps every core, as offline.
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
     tiny, default = _engine(151_872), _engine(134_515_008)
-    assert engine_core.core_threads(tiny) == max(1, cores - 1)
-    assert engine_core.core_threads(default) == cores
-    assert engine_core.core_threads(default, requested=3) == 3  # --core-threads
+    assert core_process.core_threads(tiny) == max(1, cores - 1)
+    assert core_process.core_threads(default) == cores
+    assert core_process.core_threads(default, requested=3) == 3  # --core-threads
     # the threshold scales with the cores the front end would leave idle: f * (cores - 1)
-    edge = engine_core.FRONT_END_S_PER_TOKEN * 15 * engine_core.CORE_FLOPS_PER_S / 2
-    assert engine_core.core_threads(_engine(int(edge))) == (15 if cores == 16 else cores)
-    assert engine_core.core_threads(_engine(151_872, "cuda")) is None  # no CPU forward
-    assert engine_core.core_threads(_engine(151_872, tp=2)) is None  # TP ranks split cores
+    edge = core_process.FRONT_END_S_PER_TOKEN * 15 * core_process.CORE_FLOPS_PER_S / 2
+    assert core_process.core_threads(_engine(int(edge))) == (15 if cores == 16 else cores)
+    assert core_process.core_threads(_engine(151_872, "cuda")) is None  # no CPU forward
+    assert core_process.core_threads(_engine(151_872, tp=2)) is None  # TP ranks split cores
 
 
 def test_the_core_steps_on_the_threads_it_chose_or_was_given():

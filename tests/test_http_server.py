@@ -29,7 +29,7 @@ from uvicorn.protocols.http.h11_impl import RequestResponseCycle
 
 from pagedkern.engine import Engine, EngineConfig, RequestRejected, SamplingParams
 from pagedkern.serving.cli import main
-from pagedkern.serving.core.engine_client import EngineUnavailable, QueueFull
+from pagedkern.serving.core.client_errors import EngineUnavailable, QueueFull
 from pagedkern.serving.http.app import admission_error
 from pagedkern.serving.http.prompts import INLINE_PROMPT_CHARS, PromptPreparer
 

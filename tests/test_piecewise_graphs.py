@@ -21,6 +21,7 @@ from pagedkern.engine.piecewise_graphs import Piece, PiecewiseGraphs, piecewise_
 from pagedkern.model import SequenceChunk, layout_batch, load_model
 from pagedkern.ops import launch
 from pagedkern.serving.cli import args as cli_args
+from pagedkern.serving.cli import config_from_flags
 
 BLOCK = 4
 MAX_TOKENS = 128  # ladder 16, 32, 64, 128
@@ -213,8 +214,8 @@ def test_policy_follows_decode_graphs_unless_turned_off():
 
 def test_the_flag_reaches_engine_config():
     parse = cli_args.build_parser().parse_args
-    assert cli_args.engine_config(parse(["hi"])).piecewise_cuda_graphs is None
-    off = cli_args.engine_config(parse(["--no-piecewise-cuda-graphs", "hi"]))
+    assert config_from_flags.engine_config(parse(["hi"])).piecewise_cuda_graphs is None
+    off = config_from_flags.engine_config(parse(["--no-piecewise-cuda-graphs", "hi"]))
     assert off.piecewise_cuda_graphs is False
     with pytest.raises(ValueError, match="piecewise_cuda_graphs"):
         EngineConfig(piecewise_cuda_graphs="yes")

@@ -249,7 +249,8 @@ def test_a_tag_that_is_one_token_is_matched_by_text_and_by_its_id():
 
 
 def test_cli_flags_reach_the_server_settings():
-    from pagedkern.serving.cli.args import build_parser, server_settings
+    from pagedkern.serving.cli.args import build_parser
+    from pagedkern.serving.cli.config_from_flags import server_settings
 
     args = build_parser().parse_args(
         ["--http", "--tool-call-parser", "qwen3", "--reasoning-parser", "deepseek_r1",

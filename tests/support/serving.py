@@ -69,7 +69,7 @@ class HookedClient(EngineClient):
         future: concurrent.futures.Future = concurrent.futures.Future()
         call = -next(self._call_ids)
         self.core.calls[call] = (fn, future)
-        self._send(StatsQuery(call))
+        self.outbox.send(StatsQuery(call))
         return future
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:

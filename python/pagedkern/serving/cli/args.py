@@ -1,29 +1,36 @@
-"""`pagedkern-serve`'s flags. Engine and server flags take their defaults (and, where the field
-has one, their help) from EngineConfig and ServerSettings, so a default lives in one place.
-Every bad value is reported on one line (`pagedkern-serve: error: ...`) with exit status 2."""
+"""`pagedkern-serve`'s flags and their help groups. Engine and server flags take their defaults
+(and, where the field has one, their help) from EngineConfig and ServerSettings, so a default
+lives in one place. Every bad value is reported on one line (`pagedkern-serve: error: ...`) with
+exit status 2 (the checks: value_checks.py); config_from_flags.py turns the parsed flags into
+the engine's and the server's configuration."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 from collections.abc import Callable
-from pathlib import Path
 
 from ... import __version__
 from ...engine import EngineConfig, engine_fields
 from ..http.settings import LOG_LEVELS, ServerSettings
 from ..tools import ALIASES as TOOL_PARSER_ALIASES
 from ..tools import REASONING_PARSERS, TOOL_PARSERS
+from .value_checks import (
+    fraction,
+    int32,
+    int64,
+    number,
+    port,
+    positive_float,
+    positive_int,
+    top_logprobs,
+)
 
 PROG = "pagedkern-serve"
 DESCRIPTION = (
     "Ask the model and watch the answer stream to stdout; '-' answers one request per stdin "
     "line; --http serves an OpenAI-compatible API."
 )
-INT32 = 2**31 - 1
-INT64 = 2**63 - 1
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # The CLI's sampling defaults for a prompt given on the command line or stdin (greedy, like a
 # calculator). With --http only the flags given explicitly become the server's defaults.
@@ -46,41 +53,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message}\n")
 
 
-# --- value checks (argparse types: a ValueError message becomes the one-line error) ---------
-
-
-class _Check:
-    def __init__(self, name: str, convert, ok, expect: str):
-        self.__name__ = name  # argparse names the type in its message
-        self.convert, self.ok, self.expect = convert, ok, expect
-
-    def __call__(self, text: str):
-        try:
-            value = self.convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {self.expect}, got {text!r}") from None
-        if not self.ok(value):
-            raise argparse.ArgumentTypeError(f"expected {self.expect}, got {text}")
-        return value
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(text)
-    return value
-
-
-positive_int = _Check("positive int", int, lambda v: v >= 1, "an integer >= 1")
-int32 = _Check("int32", int, lambda v: -INT32 - 1 <= v <= INT32, "an integer within int32")
-int64 = _Check("int64", int, lambda v: -INT64 - 1 <= v <= INT64, "an integer within int64")
-port = _Check("port", int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
-positive_float = _Check("positive float", _finite, lambda v: v > 0, "a finite number > 0")
-fraction = _Check("fraction", _finite, lambda v: 0 < v <= 1, "a number in (0, 1]")
-number = _Check("number", _finite, lambda v: True, "a finite number")
-top_logprobs = _Check("logprobs", int, lambda v: 0 <= v <= 20, "an integer in 0..20")
-
-
 # --- help ------------------------------------------------------------------------------------
 
 
@@ -97,7 +69,8 @@ def _field_help(cls, name: str, fallback: str, shown: str | None = None) -> str:
     return f"{text} (default: {shown if shown is not None else _shown(f.default)})"
 
 
-def _default(cls, name: str):
+def field_default(cls, name: str):
+    """A dataclass field's default (EngineConfig's, ServerSettings')."""
     return next(f for f in dataclasses.fields(cls) if f.name == name).default
 
 
@@ -118,7 +91,7 @@ def build_parser() -> Parser:
     p.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
-        default=_default(ServerSettings, "log_level"),
+        default=field_default(ServerSettings, "log_level"),
         help=_field_help(ServerSettings, "log_level", "log level"),
     )
 
@@ -157,7 +130,7 @@ def build_parser() -> Parser:
     e = p.add_argument_group("engine (defaults from EngineConfig)")
     e.add_argument(
         "--model",
-        default=_default(EngineConfig, "model"),
+        default=field_default(EngineConfig, "model"),
         help=_field_help(
             EngineConfig,
             "model",
@@ -168,18 +141,18 @@ def build_parser() -> Parser:
     e.add_argument(
         "--quantization",
         choices=("none", "int8", "int4"),
-        default=_default(EngineConfig, "quantization"),
+        default=field_default(EngineConfig, "quantization"),
         help=_field_help(EngineConfig, "quantization", "weight-only quantization"),
     )
     e.add_argument(
         "--kv-cache-dtype",
         choices=("auto", "fp8"),
-        default=_default(EngineConfig, "kv_cache_dtype"),
+        default=field_default(EngineConfig, "kv_cache_dtype"),
         help=_field_help(EngineConfig, "kv_cache_dtype", "KV cache dtype"),
     )
     e.add_argument(
         "--device",
-        default=_default(EngineConfig, "device"),
+        default=field_default(EngineConfig, "device"),
         help=_field_help(
             EngineConfig, "device", "torch device, e.g. cpu or cuda:1", shown="picked by --backend"
         ),
@@ -206,7 +179,7 @@ def build_parser() -> Parser:
         e.add_argument(
             "--" + name.replace("_", "-"),
             type=kind,
-            default=_default(EngineConfig, name),
+            default=field_default(EngineConfig, name),
             help=_field_help(EngineConfig, name, fallback),
         )
     e.add_argument(
@@ -282,7 +255,7 @@ def build_parser() -> Parser:
         h.add_argument(
             "--" + name.replace("_", "-"),
             type=kind,
-            default=_default(ServerSettings, name),
+            default=field_default(ServerSettings, name),
             help=_field_help(ServerSettings, name, name),
         )
     h.add_argument(
@@ -322,106 +295,3 @@ def _derived_engine_flags(group_of: Callable[[str], argparse._ArgumentGroup]) ->
         group_of(f.name).add_argument(
             f.flag, default=f.default, help=f"{f.help} (default: {_shown(f.default)})", **kw
         )
-
-
-def _derived_engine_values(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name, f in engine_fields().items() if f.cli is not None}
-
-
-# --- from flags to configuration ---------------------------------------------------------------
-
-
-def sampling_flags(args: argparse.Namespace) -> dict:
-    """The sampling flags given explicitly (None: not given)."""
-    given = {
-        name: getattr(args, name) for name in SAMPLING_DEFAULTS if getattr(args, name) is not None
-    }
-    if args.stop:
-        given["stop"] = list(args.stop)
-    if args.json_schema:
-        given["response_format"] = json_schema_format(args.json_schema)
-    return given
-
-
-def json_schema_format(path: str) -> dict:
-    """--json-schema FILE as a response_format (ValueError naming the flag if unreadable)."""
-    try:
-        schema = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--json-schema {path}: {exc}") from None
-    return {"type": "json_schema", "json_schema": {"name": Path(path).stem, "schema": schema}}
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Raises ValueError for a combination EngineConfig refuses."""
-    import torch
-
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_gib=args.kv_cache_gib,
-        gpu_memory_fraction=args.gpu_memory_fraction,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        kv_per_kind_tables=not args.no_kv_per_kind_tables,
-        max_queue=args.max_queue,
-        tensor_parallel_size=args.tensor_parallel_size,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        cuda_graphs=False if args.enforce_eager else _default(EngineConfig, "cuda_graphs"),
-        **_derived_engine_values(args),
-    )
-
-
-def server_settings(args: argparse.Namespace) -> ServerSettings:
-    origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
-    return ServerSettings(
-        max_body_bytes=args.max_body_bytes,
-        body_timeout=args.body_timeout,
-        header_timeout=args.header_timeout,
-        keep_alive_timeout=args.keep_alive_timeout,
-        max_header_bytes=args.max_header_bytes,
-        max_connections=args.max_connections,
-        max_seqs_per_request=args.max_seqs_per_request,
-        write_buffer_bytes=args.write_buffer_bytes,
-        write_timeout=args.write_timeout,
-        step_timeout=args.step_timeout,
-        stalled_request_timeout=args.stalled_request_timeout,
-        core_threads=args.core_threads,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        max_tools=args.max_tools,
-        max_tools_bytes=args.max_tools_bytes,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key,
-        allowed_origins=origins,
-        default_sampling=sampling_flags(args),
-        log_level=args.log_level,
-    )
-
-
-def chat_template(value: str | None) -> str | None:
-    """--chat-template: a file's contents, or the value itself when it is a template.
-    ValueError for a missing file or a template Jinja cannot parse."""
-    if value is None:
-        return None
-    path = Path(value)
-    looks_inline = "{{" in value or "{%" in value
-    if not looks_inline:
-        try:
-            value = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--chat-template: cannot read {path}: {exc}") from None
-    import jinja2
-
-    try:
-        jinja2.Environment().parse(value)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"--chat-template: line {exc.lineno}: {exc.message}") from None
-    return value

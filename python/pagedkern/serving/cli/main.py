@@ -29,6 +29,7 @@ from typing import NoReturn
 from ...engine import Engine, FinishReason, RequestOutput, SamplingParams, ShadowDivergence
 from ...processes import launcher_rank
 from . import args as cli_args
+from . import config_from_flags as from_flags
 from .args import PROG
 
 _JSON_FIELDS = (
@@ -82,12 +83,12 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.http and args.prompt is None:
         parser.error("a prompt (or '-' for stdin) is required")
     try:
-        flags = cli_args.sampling_flags(args)  # (reads --json-schema FILE)
+        flags = from_flags.sampling_flags(args)  # (reads --json-schema FILE)
         defaults = {**cli_args.SAMPLING_DEFAULTS, **flags}
         _params(defaults)  # reject bad sampling flags before loading anything
-        template = cli_args.chat_template(args.chat_template)
-        settings = cli_args.server_settings(args) if args.http else None
-        config = cli_args.engine_config(args)
+        template = from_flags.chat_template(args.chat_template)
+        settings = from_flags.server_settings(args) if args.http else None
+        config = from_flags.engine_config(args)
         requests, bad_lines = [], 0
         if args.prompt == "-":
             requests, bad_lines = _read_stdin(args, defaults)
@@ -228,10 +229,10 @@ def _bind(args):
 
 
 def _serve_http(args, config, template: str | None, sock, settings) -> int:
-    """The front end in this process, the engine core in a child process (engine_core.py);
+    """The front end in this process, the engine core in a child process (core_process.py);
     exit status 1 when the core died."""
-    from ..core.engine_client import EngineClient, EngineStartError
-    from ..core.engine_core import freeze_startup_objects
+    from ..core.core_process import EngineStartError, freeze_startup_objects
+    from ..core.engine_client import EngineClient
     from ..http.app import serve
 
     try:

@@ -8,9 +8,10 @@ strings; when one matches, the sample finishes with "stop" and the core is told 
 it runs on to its end and what it makes is dropped).
 Stop token ids, EOS and max_tokens stay in the core.
 
-Two ways to have a core: `EngineClient.spawn(config)` starts the core process (the server),
-`EngineClient.in_thread(engine)` runs a core on a thread of this process over the same
-messages (notebooks and tests).
+Two ways to have a core: `EngineClient.spawn(config)` starts the core process (the server;
+core_process.py), `EngineClient.in_thread(engine)` runs a core on a thread of this process over
+the same messages (notebooks and tests). Messages to the core go through its outbox
+(core_outbox.py: adds batched per event-loop iteration, an abort never before its add).
 
 Cancellation: `RequestStream.close()` (the handler's `finally`: client gone, or the server
 shutting down) sends an abort unless the core has finished every sample; the core runs it before
@@ -20,13 +21,9 @@ answered its last sample's finish.
 A core that goes away (EOF, or a Dead message) fails every open stream with EngineUnavailable
 (-> an error event or a 503) and calls `on_dead` (the server then exits non-zero).
 
-A core that stops answering (stopped, or stuck in a step, e.g. on a stopped TP worker) is
-found by a watchdog on the loop: no message for `step_timeout` seconds while the core owes one
-(an open request, an admission, a stats query) sets `stalled` (/health 503, new requests 503,
-/metrics answers with the last gauges); after `stalled_request_timeout` seconds the open
-requests fail with EngineUnavailable and are aborted. The core sends a message at least every
-HEARTBEAT_S of stepping (engine_core.py), so a long prefill is not a stall; its next message
-clears `stalled`.
+A core that stops answering is found by the step watchdog (step_watchdog.py): while it is
+`stalled`, new requests and /health get 503 and /metrics the last gauges; when it has been silent
+for too long, the open requests fail with EngineUnavailable and are aborted.
 """
 
 from __future__ import annotations
@@ -36,27 +33,25 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 
-from ...engine import Engine, EngineConfig, RequestRejected, SamplingParams
+from ...engine import Engine, EngineConfig, SamplingParams
 from ...model.tokenizer import Tokenizer
 from .channel import Channel
-from .engine_core import EngineCore, core_info, core_process
+from .client_errors import EngineUnavailable, refusal
+from .core_outbox import CoreOutbox
+from .core_process import spawn_core
+from .engine_core import EngineCore, core_info
 from .messages import (
     Abort,
-    Add,
     Added,
     AddRequest,
     CoreInfo,
     CoreMessage,
     Dead,
     EngineGauges,
-    Failed,
-    FrontMessage,
     Refused,
     Stats,
     StatsQuery,
@@ -65,22 +60,10 @@ from .messages import (
 )
 from .metrics import ServerMetrics
 from .request_stream import RequestStream, Sample, StreamOutput
+from .step_watchdog import StepWatchdog
 
 log = logging.getLogger("pagedkern.serving")
-STARTUP_TIMEOUT_S = 600.0  # loading a big model from a cold disk
 STOP_TIMEOUT_S = 30.0
-
-
-class QueueFull(Exception):
-    """Too many requests are waiting (-> HTTP 429)."""
-
-
-class EngineUnavailable(Exception):
-    """The engine core has stopped (shut down, or died) (-> 503)."""
-
-
-class EngineStartError(RuntimeError):
-    """The engine core could not load (the message says why, e.g. an unknown model)."""
 
 
 class EngineClient:
@@ -105,22 +88,18 @@ class EngineClient:
         self._ids = itertools.count()
         self._streams: dict[str, RequestStream] = {}
         self._admitting: dict[str, tuple[asyncio.Future, RequestStream]] = {}
-        self._adds: list[AddRequest] = []  # not yet sent (see _queue_add)
-        self._loop_thread: int | None = None
+        self.outbox = CoreOutbox(channel)  # (outbox.closed: why the core will answer no more)
         self._queries: dict[int, asyncio.Future] = {}
-        self._closed: str | None = None  # why no frame will be answered any more
         self._stop_sent = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed = threading.Condition()  # notified after every batch of messages
         self.num_live = 0  # streams the core has not finished
         self._last_gauges: EngineGauges | None = None
-        # the step watchdog (see the module's docstring); the server sets the two bounds
-        self.step_timeout = 60.0
-        self.stalled_request_timeout = 120.0
-        self.stalled: str | None = None  # why the core seems stuck; None while it answers
-        self._last_frame = time.monotonic()
-        self._owed_since: float | None = None  # since when the core owes a message
-        self._watchdog: asyncio.TimerHandle | None = None
+        self.watchdog = StepWatchdog(
+            lambda: bool(self._streams or self._admitting or self._queries),
+            on_stalled=self._stalled,
+            on_stalled_too_long=self._fail_stalled,
+        )
         self._handlers = {
             StepOutputs: self._step_outputs,
             Added: self._added,
@@ -166,78 +145,42 @@ class EngineClient:
         *,
         trace: bool = False,
         log_level: str = "WARNING",
-        core_threads: int | None = None,  # None: engine_core.core_threads decides
+        core_threads: int | None = None,  # None: core_process.core_threads decides
     ) -> EngineClient:
         """Start the engine core process and wait until it has loaded the model. Raises
-        EngineStartError with the core's message when loading fails."""
-        context = multiprocessing.get_context("spawn")
-        front, back = context.Pipe()
-        folder = tempfile.mkdtemp(prefix="pagedkern-tokenizer-")
-        process = context.Process(
-            target=core_process,
-            args=(config, back, folder, max_queue, trace, log_level, core_threads),
-            name="pagedkern-engine-core",
+        EngineStartError (core_process.py) with the core's message when loading fails."""
+        core = spawn_core(
+            config, max_queue, trace=trace, log_level=log_level, core_threads=core_threads
         )
-        process.start()
-        back.close()  # the child holds it now: its exit is our EOF
-        channel = Channel(front)
-        try:
-            if not channel.poll(STARTUP_TIMEOUT_S):
-                raise EngineStartError(f"the engine core did not start in {STARTUP_TIMEOUT_S:g} s")
-            try:
-                ready = channel.recv()
-            except EOFError:
-                process.join(5)
-                message = f"the engine core exited while loading (exit code {process.exitcode})"
-                raise EngineStartError(message) from None
-            if isinstance(ready, Failed):
-                raise EngineStartError(ready.message)
-            tokenizer = Tokenizer.from_folder(folder)
-        except BaseException:
-            process.kill()
-            process.join()
-            raise
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-
-        reported = []
-
-        def join(timeout: float) -> None:
-            process.join(timeout)
-            if process.exitcode is None:
-                log.error("the engine core did not stop in %g s: killing it", timeout)
-                process.kill()
-                process.join()
-            elif process.exitcode != 0 and not reported:  # (join runs twice at shutdown)
-                reported.append(process.exitcode)
-                code = process.exitcode
-                how = f"signal {-code}" if code < 0 else f"status {code}"
-                log.error("the engine core exited with %s", how)
-
-        return cls(channel, ready.info, tokenizer, join_core=join)
+        return cls(core.channel, core.info, core.tokenizer, join_core=core.join)
 
     # --- the front end's side (the event loop) ------------------------------------------------
     def start(self) -> None:
         """Attach to the running event loop (and start an in-process core)."""
         self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
+        self.outbox.attach(self._loop)
         if self._start_core is not None:
             self._start_core()
             self._start_core = None
-        if self._closed is None:
+        if self.outbox.closed is None:
             self._loop.add_reader(self.channel.fileno(), self._on_frames)
-            self._watch()
+            self.watchdog.start(self._loop)
 
     @property
     def alive(self) -> bool:
-        return self._closed is None and not self._stop_sent
+        return self.outbox.closed is None and not self._stop_sent
+
+    @property
+    def stalled(self) -> str | None:
+        """Why the core seems stuck (step_watchdog.py); None while it answers."""
+        return self.watchdog.stalled
 
     async def submit(self, request_id: str, request_args: dict, params: SamplingParams):
         """Add a request (request_args: {"prompt_ids": [...]}) once the core has admitted it.
         Raises RequestRejected (too long), QueueFull, ValueError / TypeError (the core's
         refusal), EngineUnavailable."""
         if not self.alive:
-            raise EngineUnavailable(self._closed or "the server is shutting down")
+            raise EngineUnavailable(self.outbox.closed or "the server is shutting down")
         if self.stalled is not None:
             raise EngineUnavailable(self.stalled)
         eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
@@ -247,7 +190,7 @@ class EngineClient:
         )
         admitted = self._loop.create_future()
         self._admitting[request_id] = (admitted, stream)
-        self._queue_add(AddRequest(request_id, list(request_args["prompt_ids"]), params))
+        self.outbox.add(AddRequest(request_id, list(request_args["prompt_ids"]), params))
         try:
             await admitted
         except asyncio.CancelledError:
@@ -258,7 +201,7 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineUnavailable):
-            self._send(Abort(request_id))
+            self.outbox.send(Abort(request_id))
 
     async def current_gauges(self) -> EngineGauges | None:
         """The core's gauges (asked for; the last reading once it has stopped)."""
@@ -266,7 +209,7 @@ class EngineClient:
             query = next(self._ids)
             self._queries[query] = self._loop.create_future()
             with contextlib.suppress(EngineUnavailable):
-                self._send(StatsQuery(query))
+                self.outbox.send(StatsQuery(query))
                 await self._queries[query]
         return self._last_gauges
 
@@ -275,7 +218,7 @@ class EngineClient:
         if not self._stop_sent:
             self._stop_sent = True
             with contextlib.suppress(EngineUnavailable):
-                self._send(Stop())
+                self.outbox.send(Stop())
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """request_stop(), then wait for the core to end (from any thread but the loop's)."""
@@ -290,65 +233,18 @@ class EngineClient:
             await asyncio.to_thread(self._join_core, timeout)
         self._on_frames()  # what came last (the Dead message)
 
-    def _queue_add(self, add: AddRequest) -> None:
-        """Adds go out as one Add message per event-loop iteration: a burst of requests parsed in
-        the same iteration reaches the core together, to be admitted before one step (the
-        offline engine gets its whole batch at once; one frame per request let the core step
-        the first ones alone while the rest were still on their way)."""
-        if self._closed is not None:
-            raise EngineUnavailable(self._closed)
-        self._adds.append(add)
-        if len(self._adds) == 1:
-            self._loop.call_soon(self._flush_adds)
-
-    def _flush_adds(self) -> None:
-        adds, self._adds = self._adds, []
-        if adds and self._closed is None:
-            with contextlib.suppress(EngineUnavailable):  # (_dead fails their futures)
-                self._send_now(Add(adds))
-
-    def _send(self, message: FrontMessage) -> None:
-        """Send a message, after the adds queued before it (on the loop's thread: an abort never
-        overtakes its request's add)."""
-        if self._adds and threading.get_ident() == self._loop_thread:
-            self._flush_adds()
-        self._send_now(message)
-
-    def _send_now(self, message: FrontMessage) -> None:
-        if self._closed is not None:
-            raise EngineUnavailable(self._closed)
-        try:
-            self.channel.send(message)
-        except (OSError, ValueError) as exc:  # the core's end is gone
-            raise EngineUnavailable("the engine core has stopped") from exc
-
-    def _watch(self) -> None:
-        """The step watchdog's tick (every second or less, on the loop)."""
-        self._watchdog = None
-        if self._closed is not None:
-            return
-        now = time.monotonic()
-        if not (self._streams or self._admitting or self._queries):
-            self._owed_since = None
-        else:
-            if self._owed_since is None:
-                self._owed_since = now
-            silent = now - max(self._owed_since, self._last_frame)
-            if silent >= self.step_timeout and self.stalled is None:
-                self.stalled = f"the engine has completed no step in {silent:.0f} s"
-                log.error("%s while requests wait: /health answers 503", self.stalled)
-                for future in self._queries.values():  # /metrics: the last gauges
-                    if not future.done():
-                        future.set_result(None)
-                self._queries.clear()
-                self._notify()
-            if silent >= self.stalled_request_timeout and (self._streams or self._admitting):
-                self._fail_stalled(silent)
-        interval = min(1.0, self.step_timeout / 4, self.stalled_request_timeout / 4)
-        self._watchdog = self._loop.call_later(interval, self._watch)
+    def _stalled(self) -> None:
+        """The core has just been marked stalled: /metrics answers with the last gauges."""
+        for future in self._queries.values():
+            if not future.done():
+                future.set_result(None)
+        self._queries.clear()
+        self._notify()
 
     def _fail_stalled(self, silent: float) -> None:
         """Fail and abort every open request: the core has not stepped for too long."""
+        if not (self._streams or self._admitting):
+            return
         reason = f"the engine has completed no step in {silent:.0f} s; the request was aborted"
         log.error("%s requests fail: %s", len(self._streams) + len(self._admitting), reason)
         failure = EngineUnavailable(reason)
@@ -363,12 +259,10 @@ class EngineClient:
         self._notify()
 
     def _on_frames(self) -> None:
-        now = self._last_frame = time.monotonic()
-        if self.stalled is not None:
-            log.warning("the engine core answers again")
-            self.stalled = None
+        now = time.monotonic()
+        self.watchdog.heard(now)
         try:
-            while self._closed is None and self.channel.poll(0):
+            while self.outbox.closed is None and self.channel.poll(0):
                 self._handle(self.channel.recv(), now)
         except (EOFError, OSError):
             self._dead("the engine core has stopped")
@@ -421,7 +315,7 @@ class EngineClient:
         code = message.code
         self.metrics.request_rejected(code if code != "error" else "invalid")
         if not future.done():
-            future.set_exception(_refusal(code, message.message))
+            future.set_exception(refusal(code, message.message))
 
     def _stats(self, message: Stats, _now: float) -> None:
         self._last_gauges = message.gauges
@@ -435,14 +329,13 @@ class EngineClient:
         self._dead(message.reason)
 
     def _dead(self, reason: str) -> None:
-        if self._closed is not None:
+        if self.outbox.closed is not None:
             return
         failing = not self._stop_sent
-        self._closed = reason
+        self.outbox.close(reason)
         if self._loop is not None:
             self._loop.remove_reader(self.channel.fileno())
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        self.watchdog.stop()
         self.channel.close()  # (an in-process core's reader then sees EOF and ends)
         failure = EngineUnavailable(reason)
         for future, _ in self._admitting.values():
@@ -454,7 +347,6 @@ class EngineClient:
         for stream in self._streams.values():
             stream.put(failure)
         self._admitting.clear()
-        self._adds.clear()
         self._queries.clear()
         self._streams.clear()
         if failing:
@@ -482,13 +374,3 @@ class EngineClient:
         `lambda: client.num_live == 0`). False on timeout."""
         with self._changed:
             return self._changed.wait_for(predicate, timeout)
-
-
-def _refusal(code: str, message: str) -> Exception:
-    if code == "queue_full":
-        return QueueFull(message)
-    if code == "context_length_exceeded":
-        return RequestRejected(message)
-    if code == "invalid":
-        return ValueError(message)
-    return RuntimeError(message)

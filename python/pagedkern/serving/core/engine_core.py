@@ -1,7 +1,7 @@
 """The engine core: the Engine and its step loop, behind the front end's channel (channel.py,
 carrying the messages of messages.py).
 
-It runs in its own process under `pagedkern-serve --http` (`core_process`, started by the
+It runs in its own process under `pagedkern-serve --http` (core_process.py, started by the
 front end with multiprocessing's spawn), so the HTTP server's JSON, SSE and detokenization never
 hold this process's GIL; in-process cores (`EngineClient.in_thread`: tests, notebooks) run the
 same loop on a thread over the same messages.
@@ -28,29 +28,22 @@ Refused (invalid, naming response_format) when the schema fails or has compiled 
 `grammar_compile_timeout`; an abort meanwhile drops it. Each sample's matcher is a copy.
 
 Lifecycle: Stop or the front end's end of the channel closing (the front end exited) aborts every
-request and ends the loop; an unexpected exception ends it with a Dead message. The process also
-dies with its parent (PR_SET_PDEATHSIG), and its TP workers with it.
+request and ends the loop; an unexpected exception ends it with a Dead message.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import os
 import queue
-import signal
-import sys
 import threading
 import time
-from multiprocessing.connection import Connection
 
 import torch
 
-from ...engine import Engine, EngineConfig, RequestOutput, RequestRejected, SamplingParams
+from ...engine import Engine, RequestOutput, RequestRejected, SamplingParams
 from ...engine.outputs import TokenDeltas
 from ...engine.structured_output import GrammarCompilePool, PendingGrammar
-from ...processes import available_cores
 from .channel import Channel
 from .messages import (
     Abort,
@@ -60,9 +53,7 @@ from .messages import (
     CoreInfo,
     Dead,
     EngineGauges,
-    Failed,
     Message,
-    Ready,
     Refused,
     SampleDelta,
     Stats,
@@ -317,106 +308,3 @@ def _get_nowait(q: queue.SimpleQueue):
         return q.get_nowait()
     except queue.Empty:
         return _EMPTY
-
-
-# What core_threads weighs, measured on the 2-core CI machine: the front end's CPU per delivered
-# token (bench/test_bench_http_frontend.py: 20-26 µs) and one core's fp32 GEMM rate (~68
-# GFLOP/s for [16, 576] @ [576, 3072]; 50 to leave the forward's other work a margin).
-FRONT_END_S_PER_TOKEN = 25e-6
-CORE_FLOPS_PER_S = 50e9
-
-
-def core_threads(engine: Engine, requested: int | None = None) -> int | None:
-    """The engine core's torch intra-op threads, or None to leave them alone (a CUDA engine,
-    whose forward does not run on them; TP ranks, which split the cores among themselves).
-
-    The front end shares the machine's cores with the core's threads, and an OpenMP team whose
-    worker thread the front end preempts stalls every parallel region on it (measured here at
-    256 streams of synthetic:tiny: 2 threads made the core 1.2-2x costlier per token than 1).
-    So when the front end's share of the CPU per token, f / (e + f), is at least one core's
-    share, 1 / cores, it gets a core of its own: e <= f * (cores - 1), e estimated as the
-    forward's 2 * parameters FLOPs on one core. synthetic:tiny (150 k parameters, e ~ 6 µs)
-    leaves a core to the front end; SmolLM2-135M (e ~ 5 ms) keeps both, as offline."""
-    if requested is not None:
-        return requested
-    if engine.model.device.type != "cpu" or engine.model.tp.size > 1:
-        return None
-    cores = available_cores()
-    model_s_per_token = 2 * engine.model.config.num_parameters(active=True) / CORE_FLOPS_PER_S
-    if cores > 1 and model_s_per_token <= FRONT_END_S_PER_TOKEN * (cores - 1):
-        return cores - 1
-    return cores
-
-
-def freeze_startup_objects() -> None:
-    """Move every object alive now (modules, the model, tokenizer, app) out of the garbage
-    collector's reach, as vLLM's processes do once started: a full collection otherwise
-    rescans them all, ~2 ms each at 1024 requests in flight (bench/test_bench_host_overhead.py),
-    landing in whichever step or token triggers it. Only in the server's own processes: a
-    test process would keep its garbage of the moment forever."""
-    gc.collect()
-    gc.freeze()
-
-
-def core_process(
-    config: EngineConfig,
-    conn: Connection,
-    tokenizer_dir: str,
-    max_queue: int | None = None,
-    trace: bool = False,
-    log_level: str = "WARNING",
-    threads: int | None = None,  # None: core_threads decides
-) -> None:
-    """The engine core process (multiprocessing spawn target): load the engine, hand the
-    front end its tokenizer (saved into tokenizer_dir) and Ready, serve until told to stop."""
-    from ...processes import die_with_parent
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
-    die_with_parent()
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    channel = Channel(conn)
-    try:
-        engine = Engine.from_config(config)
-        engine.tokenizer.save(tokenizer_dir)
-    except Exception as exc:  # noqa: BLE001 - unknown model, no GPU for --backend cuda, ...
-        channel.send(Failed(str(exc)))
-        return
-    engine.model.tp.exit_on_failure = True  # a dead TP rank ends the core, then the server
-    if trace:
-        from .trace import TraceWriter
-
-        engine.tracer = TraceWriter(engine.tokenizer)
-    threads = core_threads(engine, threads)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    core = EngineCore(engine, channel, max_queue)
-    freeze_startup_objects()
-    channel.send(Ready(core_info(engine, core.max_queue)))
-    # The loop runs on the main thread, which loaded the model, so the steps use the OpenMP
-    # team that did. A loop on another thread gets a second team, and its parallel regions
-    # ran slower (likely: libgomp stops spinning between regions once it manages more threads
-    # than cores): SmolLM2-135M over HTTP served 139 tok/s with the loop on a thread, 205 on
-    # the main thread (the offline engine: 203). The main thread also spawned the TP workers
-    # (their PR_SET_PDEATHSIG follows it) and lives as long as the loop.
-    try:
-        core.run()
-    finally:
-        try:
-            engine.close()
-        except Exception:  # noqa: BLE001 - still exit deliberately
-            log.exception("closing the engine failed")
-            core.failed = True
-    exit_now(1 if core.failed else 0)
-
-
-def exit_now(status: int) -> None:
-    """End the core process here, once the engine is closed (TP workers stopped, the step
-    thread joined): flush the logs and std streams, then os._exit. The interpreter's own
-    shutdown would run with daemon threads still alive (the channel's reader, blocked in recv;
-    the parent-pid watch) and C++ static destructors after it, and sometimes ended in SIGABRT
-    ("terminate called without an active exception") after every stream had ended cleanly."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(status)

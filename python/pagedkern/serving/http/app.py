@@ -52,8 +52,8 @@ def create_app(
     settings = settings or ServerSettings()
     model_name = model_name or settings.served_model_name
     model_name = model_name or served_model_name(loop.info.model)
-    loop.step_timeout = settings.step_timeout  # the step watchdog (engine_client.py)
-    loop.stalled_request_timeout = settings.stalled_request_timeout
+    loop.watchdog.step_timeout = settings.step_timeout  # (step_watchdog.py)
+    loop.watchdog.stalled_request_timeout = settings.stalled_request_timeout
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):

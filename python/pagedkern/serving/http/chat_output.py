@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from ..core.request_stream import StreamOutput
 from ..tools.output import ChatOutputParser, ChatPiece
-from .protocol import AssistantMessage, ChatChoice
-from .streaming import CHUNK_SEPARATOR, ChatFormat, _dumps, _string
+from .body_formats import CHUNK_SEPARATOR, ChatFormat, compact_json, json_string
+from .response_models import AssistantMessage, ChatChoice
 
 
 class ParsedChatFormat(ChatFormat):
@@ -54,10 +54,10 @@ class ParsedChatFormat(ChatFormat):
         chunks = []
         for i, delta in enumerate(deltas):
             last = i == len(deltas) - 1
-            reason = "null" if finish_reason is None or not last else _string(finish_reason)
-            lp = "null" if logprobs is None or i else _dumps(logprobs)
+            reason = "null" if finish_reason is None or not last else json_string(finish_reason)
+            lp = "null" if logprobs is None or i else compact_json(logprobs)
             choice = (
-                f'{{"index":{index},"delta":{_dumps(delta)},"finish_reason":{reason},'
+                f'{{"index":{index},"delta":{compact_json(delta)},"finish_reason":{reason},'
                 f'"logprobs":{lp}}}'
             )
             chunks.append(f"{self._head}{choice}{self._tail}")

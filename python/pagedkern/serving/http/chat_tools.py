@@ -27,7 +27,7 @@ from ..tools.prompting import template_inputs
 from ..tools.reasoning import ThinkingGrammar
 from ..tools.spec import ToolSpecError, check_history, check_tool_choice, check_tools
 from .errors import APIError
-from .protocol import ChatCompletionRequest
+from .request_models import ChatCompletionRequest
 from .settings import ServerSettings
 
 # Template variables a request may not set through chat_template_kwargs (the server's own).

@@ -120,7 +120,7 @@ class ChunkWriter:
     CRLF data CRLF`); h11 keeps no state per chunk, so the head and the end of the message still
     go through the cycle's send.
 
-    For EventStreamResponse (streaming.py), which sets neither Content-Length nor
+    For EventStreamResponse (event_stream_response.py), which sets neither Content-Length nor
     Transfer-Encoding: h11 then frames the body chunked exactly when the request was HTTP/1.1
     and not HEAD (an HTTP/1.0 client gets a body delimited by the connection's close, which the
     cycle's send writes; tests pin both). Its parts may come from outside the response's task

@@ -2,7 +2,8 @@
 OpenAI-shaped error (errors.APIError) with its status, and the app's exception handlers.
 
 400 bad fields / token ids / prompt too long (code context_length_exceeded), 404 unknown route,
-429 queue full (queue_full, with Retry-After), 500 anything unexpected, 503 engine stopped.
+429 queue full (queue_full, with Retry-After), 500 anything unexpected or a request failed in
+the engine (engine_error; a broken tensor-parallel group's rank named), 503 engine stopped.
 5xx bodies carry the request id, never internal exception text (that goes to the server log).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -17,7 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engine import RequestRejected
-from ..core.engine_client import EngineUnavailable, QueueFull
+from ..core.client_errors import EngineUnavailable, QueueFull
+from ..core.request_stream import StreamOutput
 from .connection import BodyGone, request_id
 from .errors import APIError
 
@@ -48,6 +51,37 @@ def internal_error(request_id: str) -> APIError:
 
 def unavailable(reason: str = "the engine is not running") -> APIError:
     return APIError(503, reason, "server_error", None, "engine_unavailable")
+
+
+def engine_error(request_id: str, out: StreamOutput) -> APIError:
+    """A request that failed inside the engine: the cause goes to the log, the client gets the
+    request id to quote (never the internal exception text). A schema the grammar engine could
+    not follow (a limit met while generating) is the client's 400 naming response_format."""
+    schema = (out.error or "").removeprefix("StructuredOutputError: ")
+    if schema != out.error:  # (a short message: llguidance's verbose errors are off)
+        log.warning("request %s: %s", request_id, schema)
+        return APIError(400, schema, param="response_format")
+    log.error("request %s failed in the engine: %s", request_id, out.error)
+    cause = tensor_parallel_cause(out.error)
+    cause = f": {cause}" if cause else ""
+    message = f"generation failed (request id {request_id}){cause}; the server log has the details"
+    return APIError(500, message, type="server_error", code="engine_error")
+
+
+_WORKER_EXITED = re.compile(r"tensor-parallel worker rank (\d+) \(pid \d+\) exited with (\w+ \d+)")
+_RANK = re.compile(r"\brank (\d+)")
+
+
+def tensor_parallel_cause(error: str | None) -> str | None:
+    """The rank a broken tensor-parallel group names (its failure is the whole server's, not
+    the request's, so the client may know it): "tensor-parallel worker rank 2 exited with
+    signal 9", or "tensor-parallel rank 0 failed"; None for any other error."""
+    if not error or not error.startswith("TensorParallelError"):
+        return None
+    if exited := _WORKER_EXITED.search(error):
+        return f"tensor-parallel worker rank {exited[1]} exited with {exited[2]}"
+    rank = _RANK.search(error)
+    return f"tensor-parallel rank {rank[1]} failed" if rank else "the tensor-parallel group failed"
 
 
 def admission_error(

@@ -1,4 +1,4 @@
-"""A request's body to its typed request (protocol.py) and on to its SamplingParams; each
+"""A request's body to its typed request (request_models.py) and on to its SamplingParams; each
 refusal a 400 naming the field."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from ...engine import SamplingParams
 from .errors import APIError, validation_error
-from .protocol import IMPLEMENTED
+from .request_models import IMPLEMENTED
 
 
 def parse(model: type, body: bytes):

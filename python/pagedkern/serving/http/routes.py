@@ -2,8 +2,8 @@
 
 The generation handlers render chat templates and tokenize (a small prompt on the event loop,
 a big one in a worker thread: prompts.py, INLINE_PROMPT_CHARS) and hand the core token ids;
-its token ids come back per step and are rendered here (streaming.py), so JSON, SSE and text
-never hold the core's GIL.
+its token ids come back per step and are rendered here (body_formats.py, streaming.py), so JSON,
+SSE and text never hold the core's GIL.
 """
 
 from __future__ import annotations
@@ -15,23 +15,25 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response
 
 from ..core.engine_client import EngineClient
+from .body_formats import ChatFormat, CompletionFormat
 from .chat_output import ParsedChatFormat
 from .chat_tools import ChatParsers, plan_chat
 from .connection import read_body, request_id
 from .error_mapping import ASCIIJSONResponse, admission_error, error_response, unavailable
 from .errors import APIError
+from .event_stream_response import EventStreamResponse
 from .prompts import PromptPreparer
-from .protocol import (
+from .request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
 )
 from .request_parsing import parse, sampling
+from .response_models import ModelCard, ModelList
 from .settings import ServerSettings
-from .streaming import ChatFormat, CompletionFormat, EventStreamResponse, collect, sse_events
+from .streaming import sse_events
+from .whole_response import collect
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -61,7 +61,7 @@ class ServerSettings:
         None,
         "torch intra-op threads of a CPU engine core; auto: every core this process may use, "
         "less one left to the front end when the model costs less CPU per token than the "
-        "front end does (engine_core.core_threads)",
+        "front end does (core_process.core_threads)",
     )
 
     def __post_init__(self) -> None:
