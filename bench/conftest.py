@@ -87,7 +87,7 @@ def measure(benchmark, copy_gbps):
         benchmark.extra_info.update(
             op=op, case=case, impl=impl, gbps=result.gbps, tflops=result.tflops, seconds=seconds
         )
-        _REPORT.add(result)
+        _add(result)
         return result
 
     return run
@@ -100,10 +100,18 @@ def record():
 
     def add(op, case, impl, seconds, *, bytes=None, flops=None, baseline=None, **extra) -> Result:
         result = Result(op, case, impl, seconds, bytes, flops, extra, baseline)
-        _REPORT.add(result)
+        _add(result)
         return result
 
     return add
+
+
+def _add(result: Result) -> None:
+    """Files a row, and writes the JSON at once: a stage killed at its bound keeps its rows."""
+    _REPORT.add(result)
+    path = os.environ.get(JSON_ENV)
+    if path:
+        _REPORT.write_json(path)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -145,6 +145,27 @@ def per_call_seconds(fn: Callable[[], object], calls: int, rounds: int) -> float
     return statistics.median(samples)
 
 
+def best_host_us(fn: Callable[[], object], calls: int, rounds: int) -> float:
+    """Host microseconds per call (no GPU involved): after one warm-up call, the best over
+    rounds of `calls` calls."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best * 1e6
+
+
+def host_copy_bandwidth(nbytes: int, rounds: int = 3) -> float:
+    """This host's copy bandwidth in GB/s (bytes read + written) over `nbytes`: the ceiling a
+    CPU GEMV approaches."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / best_host_us(lambda: dst.copy_(src), 5, rounds) / 1e3
+
+
 def run_case(benchmark, fn: Callable[[], object], rounds: int = 15, inner: int = 20) -> float:
     """Median seconds per call of fn (L2 flushed before each call), timed under pytest-benchmark."""
     if smoke_mode():
@@ -186,6 +207,7 @@ class Report:
         self.results: list[Result] = []
         self.ceilings: dict[str, float] = {}
         self.smoke = smoke_mode()
+        self._earlier: dict | None = None  # the file's rows before this run's first write
 
     def add(self, result: Result) -> None:
         self.results.append(result)
@@ -252,15 +274,20 @@ class Report:
         return {"smoke": self.smoke, "ceilings": self.ceilings, "results": rows}
 
     def write_json(self, path: str) -> None:
-        """Writes the run's rows; rows already in the file (an earlier stage of the same
-        gpu_check run, e.g. the end-to-end benchmarks after the kernels) are kept."""
+        """Writes the run's rows; rows already in the file before this run's first write (an
+        earlier stage of the same gpu_check run, e.g. the kernels before the end-to-end
+        benchmarks) are kept. Called after every row (bench/conftest.py), so a stage killed
+        at its time bound keeps the rows it finished: replaced whole, never half written."""
+        if self._earlier is None:
+            self._earlier = Report.read_json(path).to_json() if os.path.isfile(path) else {}
         data = self.to_json()
-        if os.path.isfile(path):
-            earlier = Report.read_json(path).to_json()
-            data["results"] = earlier["results"] + data["results"]
-            data["ceilings"] = {**earlier["ceilings"], **data["ceilings"]}
-        with open(path, "w") as f:
+        if self._earlier:
+            data["results"] = self._earlier["results"] + data["results"]
+            data["ceilings"] = {**self._earlier["ceilings"], **data["ceilings"]}
+        partial = f"{path}.partial"
+        with open(partial, "w") as f:
             json.dump(data, f, indent=1)
+        os.replace(partial, path)
 
     @classmethod
     def read_json(cls, path: str) -> Report:

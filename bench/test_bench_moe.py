@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from measure import smoke_mode
+from measure import gpu_paths, smoke_mode
 
 from pagedkern import ops, reference
 
@@ -173,7 +173,7 @@ def test_fused_moe_quantized_split_k(measure, device, model, tokens, quant, vari
     from pagedkern.ops import moe
     from pagedkern.ops.variants import use_kernels
 
-    if smoke_mode():
+    if not gpu_paths():
         pytest.skip("split-K needs a GPU (on the CPU fused_moe is the reference)")
     experts, top_k, hidden, inter = MODELS[model]
     fmt, group = QUANT_FORMATS[quant]
@@ -258,7 +258,7 @@ MOE_GEMM_VARIANTS = ["split_k", "no_split_k", "sm90_wgmma"]
 def test_fused_moe_gemm_variants(measure, device, model, tokens, variant):
     from pagedkern.ops.variants import use_kernels
 
-    if smoke_mode():
+    if not gpu_paths():
         pytest.skip("the kernel variants need a GPU (on the CPU fused_moe is the reference)")
     if variant == "sm90_wgmma" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm90_wgmma runs on sm_90 only")

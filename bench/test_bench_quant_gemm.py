@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from measure import smoke_mode
+from measure import gpu_paths, smoke_mode
 
 from pagedkern import ops
 from pagedkern.model.quantized_linear import quantize_int4, quantize_int8
@@ -53,7 +53,7 @@ def weights(n: int, k: int, device: str) -> dict:
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_quant_gemm(measure, device, n, k, m, impl):
     marlin = impl.endswith("marlin")
-    if marlin and device != "cuda":
+    if marlin and not gpu_paths():
         pytest.skip("quant_gemm:marlin is a CUDA kernel (the CPU path ignores the variant)")
     w = weights(n, k, device)[impl]
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)

@@ -76,6 +76,13 @@ def test_the_benchmark_stage_runs_its_gpu_branches_on_the_cpu(tmp_path):
     planned = [r for r in rows if r["op"] == "paged_attention" and r["impl"] == "pagedkern"]
     assert planned and all("kernel" in r["extra"] and "splits" in r["extra"] for r in planned)
     assert any("slices" in r["extra"] for r in rows if r["op"] == "sample small batch")
+    # ... and the GPU-only suites ran: MoE split-K (its splits) and the moe_gemm variants, the
+    # Marlin int4 GEMM rows.
+    split_k = [r for r in rows if r["op"] == "fused_moe split-K"]
+    assert split_k and all("splits" in r["extra"] for r in split_k)
+    variants = {r["impl"] for r in rows if r["op"] == "fused_moe moe_gemm variants"}
+    assert {"pagedkern split_k", "pagedkern no_split_k", "pagedkern sm90_wgmma"} <= variants
+    assert any(r["impl"].endswith("marlin") for r in rows if r["op"] == "quant_gemm")
 
 
 def test_the_rehearsal_fails_a_call_that_breaks_the_signature(tmp_path):

@@ -11,6 +11,7 @@ that hangs."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -68,7 +69,8 @@ def test_the_plan_runs_every_gpu_test_file_as_an_explicit_file():
         "tests/test_flash_prefill_gpu.py",
     ]
     files = {f for s in FULL_PLAN if s["kind"] == "test" for f in s["args"].split()}
-    assert {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*_gpu.py")} <= files
+    gpu_files = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*_gpu.py")}
+    assert gpu_files <= files, f"GPU test files in no stage: {sorted(gpu_files - files)}"
     assert all(s["kind"] in ("test", "bench", "e2e") for s in FULL_PLAN)
     assert [s["name"] for s in plan()] == [
         n for n, s in zip(names, FULL_PLAN) if s["kind"] != "e2e"
@@ -87,6 +89,35 @@ def test_every_gpu_marked_test_is_in_a_test_stage():
     planned = {f for s in FULL_PLAN if s["kind"] == "test" for f in s["args"].split()}
     assert marked, proc.stdout[-2000:]
     assert marked <= planned, f"GPU tests outside the plan: {sorted(marked - planned)}"
+
+
+def kernel_benchmarks_outside(stages: list[dict]) -> list[str]:
+    """The bench suites with a test taking bench/conftest.py's `device` fixture ("cuda" on a
+    GPU: a kernel benchmark) that no bench stage names; the other suites are the host's (CPU
+    engine, serving, llama.cpp; they skip on a GPU machine or time host-side work)."""
+    planned = {f for s in stages if s["kind"] != "test" for f in s["args"].split()}
+    suites = []
+    for path in sorted((ROOT / "bench").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        if any(
+            isinstance(node, ast.FunctionDef)
+            and node.name.startswith("test_")
+            and "device" in [a.arg for a in node.args.args]
+            for node in ast.walk(tree)
+        ):
+            suites.append(f"bench/{path.name}")
+    assert suites, "no bench suite takes the device fixture: the check looks at nothing"
+    return [f for f in suites if f not in planned]
+
+
+def test_every_kernel_benchmark_is_in_a_bench_stage():
+    assert not kernel_benchmarks_outside(FULL_PLAN), "kernel benchmarks in no bench stage"
+    # The check sees a suite left out of the plan.
+    bench = next(s for s in FULL_PLAN if s["kind"] == "bench")
+    dropped = bench["args"].split()[0]
+    trimmed = {**bench, "args": " ".join(bench["args"].split()[1:])}
+    fewer = [trimmed if s is bench else s for s in FULL_PLAN]
+    assert kernel_benchmarks_outside(fewer) == [dropped]
 
 
 def test_every_stage_collects_as_on_the_gpu_machine():
@@ -198,3 +229,29 @@ def test_a_hung_test_is_ended_by_pytest_timeout_with_its_stack(tmp_path):
     assert row[0] == "hang" and row[2] == "1" and int(row[3]) < 60  # pytest-timeout, not timeout
     log = (out / "run.log").read_text()
     assert "Timeout" in log and "test_hangs.py" in log and "threading.Event().wait()" in log
+
+
+def test_a_benchmark_stage_starts_only_with_its_whole_bound_left(tmp_path):
+    """A benchmark stage cut short is rerun whole (--stages NAME), so a call that cannot give it
+    its bound skips it instead of spending device time on rows measured twice; a later one
+    whose bound fits still runs."""
+    (tmp_path / "test_passes.py").write_text("def test_passes():\n    assert 1 + 1 == 2\n")
+    stages = tmp_path / "stages.txt"
+    stages.write_text(
+        f"tests test 60 60 {tmp_path}/test_passes.py\n"
+        f"long bench 300 60 {tmp_path}/test_passes.py\n"
+        f"short bench 30 60 {tmp_path}/test_passes.py\n"
+    )
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "--budget", "150", str(out)],
+        capture_output=True,
+        text=True,
+        env=gpu_image_env(PAGEDKERN_GPU_STAGES=str(stages)),
+        timeout=150,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:]  # incomplete: a stage did not run
+    rows = [line.split("\t") for line in (out / "stages.tsv").read_text().splitlines()]
+    assert [(r[0], r[2]) for r in rows] == [("tests", "0"), ("long", "skipped"), ("short", "0")]
+    assert rows[1][4] == "less than its 300 s bound left"
+    assert "rerun: --stages long" in (out / "run.log").read_text()

@@ -89,6 +89,24 @@ def test_report_json_keeps_earlier_stages_rows(bench_path, tmp_path):
     assert merged.ceilings == {"copy_gbps": 4100.0, "gemm_tflops": 800.0}
 
 
+def test_report_json_written_after_each_row_holds_each_row_once(bench_path, tmp_path):
+    """bench/conftest.py writes the file after every row (a stage killed at its bound keeps
+    what it finished): rewriting never repeats this run's rows nor drops an earlier stage's."""
+    from measure import Report
+
+    path = tmp_path / "bench.json"
+    earlier, run = _report(), Report()
+    earlier.results = earlier.results[:3]
+    earlier.write_json(str(path))
+    for row in _report().results:
+        run.add(row)
+        run.write_json(str(path))
+        assert len(Report.read_json(str(path)).results) == 3 + len(run.results)
+    assert not (tmp_path / "bench.json.partial").exists()
+    rows = Report.read_json(str(path)).results
+    assert [r.case for r in rows] == [r.case for r in earlier.results + run.results]
+
+
 def test_chart_targets_are_fractions_of_the_named_ceiling(bench_path):
     from roofline_chart import chart_rows, target_fraction
 

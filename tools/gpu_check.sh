@@ -101,6 +101,12 @@ bounded() {
     record "$name" "$kind" skipped 0 "no time left"
     return 99
   fi
+  # A benchmark stage cut short is rerun whole (--stages NAME): started only with its bound left.
+  if [ "$kind" != test ] && [ "$kind" != setup ] && [ "$limit" -lt "$3" ]; then
+    echo "skipped: ${limit} s left, its bound is $3 s (rerun: --stages $name)"
+    record "$name" "$kind" skipped 0 "less than its $3 s bound left"
+    return 99
+  fi
   shift 3
   t0=$(date +%s)
   timeout -k 10 "$limit" "$@"
