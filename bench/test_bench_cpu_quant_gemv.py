@@ -1,54 +1,64 @@
 """The CPU backend's quantized GEMM (csrc/cpu/: 16-bit and 8-bit activations, VNNI/AVX2
 integer dots) against torch's int-pack CPU kernels (aten._weight_int4pack_mm_for_cpu,
 aten._weight_int8pack_mm: bf16 activations), at the default model's shapes (SmolLM2-135M: QKV,
-gate/up, down int4 G = 32, the int8 LM head) over M = 1 .. 512, interleaved (each case times
-all three before the next), one thread by default (PAGEDKERN_BENCH_THREADS). Prints
-microseconds, the weight bytes read per second at M = 1 (16-bit activations) beside the copy
-bandwidth measured in the same run (the ceiling a GEMV approaches), and torch / gemv16: where
-the ratio falls below 1 is the crossover. Full sizes with PAGEDKERN_BENCH_CPU=1 (or
-PAGEDKERN_BENCH_SMOKE=0) on a machine without a GPU; smoke mode runs tiny shapes once."""
+gate/up, down int4 G = 32, the int8 LM head; gate/up as GGUF Q4_0 too, m = -8d: the int4_sym
+tiles) over M = 1 .. 512, interleaved (each case times all three before the next), one thread
+by default (PAGEDKERN_BENCH_THREADS). Prints microseconds, the tile bytes read per second at
+M = 1 (16-bit activations) beside the copy bandwidth measured in the same run (the ceiling a
+GEMV approaches), and torch / gemv16: where the ratio falls below 1 is the crossover. Full
+sizes with PAGEDKERN_BENCH_CPU=1 (or PAGEDKERN_BENCH_SMOKE=0) on a machine without a GPU; smoke
+mode runs tiny shapes once."""
 
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
-from measure import smoke_mode
+from measure import best_host_us, host_copy_bandwidth, smoke_mode
 
 from pagedkern.model.quantized_linear import quantize_int4, quantize_int8
 from pagedkern.ops.cpu import quant_gemv
 from pagedkern.ops.cpu.int_pack import torch_int_pack_mm
+from pagedkern.reference.quantized_weight import QuantizedWeight
 
 FULL = not smoke_mode() or os.environ.get("PAGEDKERN_BENCH_CPU") == "1"
 if FULL and torch.cuda.is_available():
     pytest.skip("a CPU benchmark; this machine has a GPU", allow_module_level=True)
 THREADS = int(os.environ.get("PAGEDKERN_BENCH_THREADS", 1))
 SHAPES = (
-    [("qkv", "int4", 960, 576), ("gate_up", "int4", 3072, 576), ("down", "int4", 576, 1536),
-     ("lm_head", "int8", 49152, 576)]
-    if FULL else [("tiny", "int4", 64, 64), ("tiny", "int8", 64, 64)]
+    [("qkv", "int4", 960, 576), ("gate_up", "int4", 3072, 576), ("gate_up", "q4_0", 3072, 576),
+     ("down", "int4", 576, 1536), ("lm_head", "int8", 49152, 576)]
+    if FULL else [("tiny", "int4", 64, 64), ("tiny", "q4_0", 64, 64), ("tiny", "int8", 64, 64)]
 )  # fmt: skip
 MS = (1, 2, 4, 8, 16, 64, 256, 512) if FULL else (1, 3)
 MAX_LM_HEAD_M = 64  # the LM head runs on the sampled rows only
 
 
+def _q4_0(w: torch.Tensor) -> QuantizedWeight:
+    """w as GGUF Q4_0 (llama.cpp's rounding: d = the block's signed max / -8, q = x / d + 8 in
+    0..15), held as int4 with m = -8d."""
+    n, k = w.shape
+    blocks = w.view(n, k // 32, 32)
+    signed_max = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+    d = (signed_max / -8).half()
+    inv = torch.where(d == 0, 0.0, 1 / d.float())
+    q = (blocks * inv + 8.5).floor().clamp(0, 15).to(torch.uint8).view(n, k)
+    qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    scales = d.view(n, k // 32)
+    return QuantizedWeight("int4", (n, k), qweight, scales, (-8 * scales.float()).half(), 32)
+
+
+def _weight(fmt: str, w: torch.Tensor) -> QuantizedWeight:
+    return {"int4": quantize_int4, "q4_0": _q4_0, "int8": quantize_int8}[fmt](w)
+
+
 def _best_us(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(3 if FULL else 1):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best * 1e6
+    return best_host_us(fn, reps, 3 if FULL else 1)
 
 
 def _copy_gbs() -> float:
-    src = torch.empty(64 << 20 if FULL else 1 << 16, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / _best_us(lambda: dst.copy_(src), 5) / 1e3
+    return host_copy_bandwidth((64 << 20) if FULL else 1 << 16)
 
 
 @pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
@@ -57,8 +67,8 @@ def test_cpu_quant_gemv(capsys):
     lines = []
     for name, fmt, n, k in SHAPES:
         w = torch.randn(n, k)
-        qw = quantize_int4(w) if fmt == "int4" else quantize_int8(w)
-        nbytes = n * k // (2 if fmt == "int4" else 1)
+        qw = _weight(fmt, w)
+        nbytes = quant_gemv.packed(qw).numel()
         for m in MS:
             if name == "lm_head" and m > MAX_LM_HEAD_M:
                 continue

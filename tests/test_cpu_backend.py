@@ -113,7 +113,8 @@ def test_the_engine_setting_and_device():
 
 
 def test_the_flag_comes_from_the_setting():
-    from pagedkern.serving.cli.args import build_parser, engine_config
+    from pagedkern.serving.cli.args import build_parser
+    from pagedkern.serving.cli.config_from_flags import engine_config
 
     parser = build_parser()
     assert engine_config(parser.parse_args(["--backend", "cpu", "hi"])).backend == "cpu"

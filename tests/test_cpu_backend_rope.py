@@ -49,7 +49,8 @@ class _Pair:
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize(
-    ("tokens", "hq", "hkv", "d"), [(1, 9, 3, 64), (5, 4, 4, 16), (13, 6, 2, 32)]
+    ("tokens", "hq", "hkv", "d"),
+    [(1, 9, 3, 64), (5, 4, 4, 16), (13, 6, 2, 32), (rope._FEW + 8, 4, 2, 16)],  # host, tensors
 )
 @pytest.mark.parametrize("cache", ["same", "fp8", "separate"])
 @pytest.mark.parametrize("skipped", [True, False])

@@ -63,6 +63,14 @@ def _one_shot(model, kernels, *steps_and_caches):
         kernels(attention_plan="on")
 
 
+@pytest.fixture(params=["host", "tensors"])
+def bookkeeping(request, monkeypatch) -> str:
+    """A step's decode-row bookkeeping on the host (a few rows) or as tensors (many)."""
+    if request.param == "tensors":
+        monkeypatch.setattr(decode_attention, "HOST_ENTRIES", 0)
+    return request.param
+
+
 @pytest.fixture
 def gathers(monkeypatch) -> list[int]:
     """One entry per fresh gather of a layer's decode copy."""
@@ -153,7 +161,9 @@ def test_decode_rows_beside_a_prefill_chunk(kv_dtype, kernels):
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("lengths", [[37], [5, 40, 17], [20, 20, 20]])
-def test_the_next_step_reuses_the_copy_bit_for_bit(lengths, kv_dtype, gathers, kernels):
+def test_the_next_step_reuses_the_copy_bit_for_bit(
+    lengths, kv_dtype, gathers, kernels, bookkeeping
+):
     # Step 2 appends one token to each of step 1's sequences (same rows, same padded length):
     # it must reuse step 1's copies (one gather a layer for two steps) and still equal the
     # one-shot ops, hidden states and cache writes; after a prefill-only step in between a
@@ -182,7 +192,7 @@ def test_the_next_step_reuses_the_copy_bit_for_bit(lengths, kv_dtype, gathers, k
     assert torch.equal(got, want)
 
 
-def test_a_sequence_that_starts_a_block_keeps_the_copy(gathers, kernels):
+def test_a_sequence_that_starts_a_block_keeps_the_copy(gathers, kernels, bookkeeping):
     # Staggered lengths (the common batch): at step 2 the second sequence's token is the first
     # of a block its table gains only now; the longest stays within its last block, so the
     # padded length is the same and step 1's copy is reused, bit for bit the one-shot ops. A
@@ -209,7 +219,7 @@ def test_a_sequence_that_starts_a_block_keeps_the_copy(gathers, kernels):
         torch.testing.assert_close(planned_kv.data, plain_kv.data, rtol=0, atol=0, equal_nan=True)
 
 
-def test_rows_in_another_order_are_gathered_afresh(gathers, kernels):
+def test_rows_in_another_order_are_gathered_afresh(gathers, kernels, bookkeeping):
     # Each sequence one token on, but row i now holds another sequence (same lengths): the
     # last copy's rows are other sequences' K/V.
     model = _model()
@@ -226,7 +236,7 @@ def test_rows_in_another_order_are_gathered_afresh(gathers, kernels):
 
 
 @pytest.mark.parametrize("other", [False, True])
-def test_verification_rows_of_one_sequence_see_each_others_new_kv(other, kernels):
+def test_verification_rows_of_one_sequence_see_each_others_new_kv(other, kernels, bookkeeping):
     # Speculative verification lays 1 + k tokens of one sequence out as decode rows that share
     # its block table; row j reads rows < j's new K/V. The result is the causal chunk's (beside
     # another sequence's decode row when `other`), and the one-shot ops' bit for bit.

@@ -15,14 +15,11 @@ namespace pagedkern_cpu {
 #define DOT256_NS avx2
 #include "dot_x86_256.inc"
 
-TileFn avx2_tile(bool int4, int planes) {
-  if (planes == 2) return int4 ? avx2::int4_tile<2> : avx2::int8_tile<2>;
-  return int4 ? avx2::int4_tile<1> : avx2::int8_tile<1>;
-}
+TileFn avx2_tile(int format, int planes) { return avx2::tile_fn(format, planes); }
 
 }  // namespace pagedkern_cpu
 #else
 namespace pagedkern_cpu {
-TileFn avx2_tile(bool, int) { return nullptr; }
+TileFn avx2_tile(int, int) { return nullptr; }
 }  // namespace pagedkern_cpu
 #endif

@@ -22,10 +22,12 @@ AVX512_TARGET inline __m512i x4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-template <int P>
+// Sym: int4_sym tiles (no m stored, m = -8 d in fp32: the same bits as the stored m)
+template <int P, bool Sym>
 AVX512_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
+  constexpr int kBlockBytes = Sym ? kInt4SymTileBlockBytes : kInt4TileBlockBytes;
   const int blocks = a.k / kBlock;
-  const uint8_t* base = a.packed + size_t(tile) * blocks * kInt4TileBlockBytes;
+  const uint8_t* base = a.packed + size_t(tile) * blocks * kBlockBytes;
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int live = std::min(kRows, a.n - tile * kRows);
   const __mmask16 mask = __mmask16((1u << live) - 1);
@@ -34,7 +36,8 @@ AVX512_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
     __m512 acc[kRowChunk];
     for (int i = 0; i < kRowChunk; ++i) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; ++b) {
-      const uint8_t* t = base + size_t(b) * kInt4TileBlockBytes;
+      const uint8_t* t = base + size_t(b) * kBlockBytes;
+      prefetch_ahead<kBlockBytes>(t);
       __m512i wl[4], wh[4];
       for (int j = 0; j < 4; ++j) {
         const __m512i w = _mm512_loadu_si512(t + 64 * j);
@@ -44,7 +47,8 @@ AVX512_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
       const uint8_t* dm = t + kRows * kBlock / 2;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
       const __m512 mn =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + 32)));
+          Sym ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
+              : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + 32)));
       for (int i = 0; i < rows; ++i) {
         const int r = r0 + i;
         const int8_t* xb = a.xq->block(r, b);
@@ -82,6 +86,7 @@ AVX512_TARGET void int8_tile(const Args& a, int tile, int r0, int rc) {
     for (int i = 0; i < kRowChunk; ++i) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; ++b) {
       const uint8_t* t = base + size_t(b) * kInt8TileBlockBytes;
+      prefetch_ahead<kInt8TileBlockBytes>(t);
       __m512i part[kRowChunk][P];
       for (int i = 0; i < kRowChunk; ++i)
         for (int p = 0; p < P; ++p) part[i][p] = _mm512_setzero_si512();
@@ -108,14 +113,18 @@ AVX512_TARGET void int8_tile(const Args& a, int tile, int r0, int rc) {
 
 }  // namespace
 
-TileFn avx512_tile(bool int4, int planes) {
-  if (planes == 2) return int4 ? int4_tile<2> : int8_tile<2>;
-  return int4 ? int4_tile<1> : int8_tile<1>;
+TileFn avx512_tile(int format, int planes) {
+  const bool two = planes == 2;
+  switch (format) {
+    case kInt4: return two ? int4_tile<2, false> : int4_tile<1, false>;
+    case kInt4Sym: return two ? int4_tile<2, true> : int4_tile<1, true>;
+    default: return two ? int8_tile<2> : int8_tile<1>;
+  }
 }
 
 }  // namespace pagedkern_cpu
 #else
 namespace pagedkern_cpu {
-TileFn avx512_tile(bool, int) { return nullptr; }
+TileFn avx512_tile(int, int) { return nullptr; }
 }  // namespace pagedkern_cpu
 #endif

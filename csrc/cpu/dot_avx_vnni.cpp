@@ -16,14 +16,11 @@ namespace pagedkern_cpu {
 #define DOT256_NS avx_vnni
 #include "dot_x86_256.inc"
 
-TileFn avxvnni_tile(bool int4, int planes) {
-  if (planes == 2) return int4 ? avx_vnni::int4_tile<2> : avx_vnni::int8_tile<2>;
-  return int4 ? avx_vnni::int4_tile<1> : avx_vnni::int8_tile<1>;
-}
+TileFn avxvnni_tile(int format, int planes) { return avx_vnni::tile_fn(format, planes); }
 
 }  // namespace pagedkern_cpu
 #else
 namespace pagedkern_cpu {
-TileFn avxvnni_tile(bool, int) { return nullptr; }
+TileFn avxvnni_tile(int, int) { return nullptr; }
 }  // namespace pagedkern_cpu
 #endif

@@ -39,14 +39,16 @@ int32_t planes_dot(const int8_t* xb, Dot dot) {
   return P == 2 ? 256 * dot(xb) + dot(xb + kBlock) : dot(xb);
 }
 
-template <int P>
+// Sym: int4_sym tiles (no m stored, m = -8 d in fp32: the same bits as the stored m)
+template <int P, bool Sym>
 void int4_tile(const Args& a, int tile, int r0, int rc) {
+  constexpr int kBlockBytes = Sym ? kInt4SymTileBlockBytes : kInt4TileBlockBytes;
   const int blocks = a.k / kBlock;
-  const uint8_t* base = a.packed + size_t(tile) * blocks * kInt4TileBlockBytes;
+  const uint8_t* base = a.packed + size_t(tile) * blocks * kBlockBytes;
   for (int r = r0; r < r0 + rc; ++r) {
     float acc[kRows] = {};
     for (int b = 0; b < blocks; ++b) {
-      const uint8_t* t = base + size_t(b) * kInt4TileBlockBytes;
+      const uint8_t* t = base + size_t(b) * kBlockBytes;
       const uint16_t* d16 = reinterpret_cast<const uint16_t*>(t + kRows * kBlock / 2);
       const float dx = a.xq->dx[a.xq->at(r, b)], sx = a.xq->sx[a.xq->at(r, b)];
       for (int row = 0; row < kRows; ++row) {
@@ -59,7 +61,8 @@ void int4_tile(const Args& a, int tile, int r0, int rc) {
             }
           return s;
         });
-        const float d = half_to_float(d16[row]), mn = half_to_float(d16[kRows + row]);
+        const float d = half_to_float(d16[row]);
+        const float mn = Sym ? -8.0f * d : half_to_float(d16[kRows + row]);
         const float ddx = d * dx;
         acc[row] = std::fma(ddx, float(isum), acc[row]);
         acc[row] = std::fma(mn, sx, acc[row]);
@@ -96,9 +99,13 @@ void int8_tile(const Args& a, int tile, int r0, int rc) {
 
 }  // namespace
 
-TileFn portable_tile(bool int4, int planes) {
-  if (planes == 2) return int4 ? int4_tile<2> : int8_tile<2>;
-  return int4 ? int4_tile<1> : int8_tile<1>;
+TileFn portable_tile(int format, int planes) {
+  const bool two = planes == 2;
+  switch (format) {
+    case kInt4: return two ? int4_tile<2, false> : int4_tile<1, false>;
+    case kInt4Sym: return two ? int4_tile<2, true> : int4_tile<1, true>;
+    default: return two ? int8_tile<2> : int8_tile<1>;
+  }
 }
 
 }  // namespace pagedkern_cpu

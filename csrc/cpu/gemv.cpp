@@ -1,29 +1,24 @@
 // The GEMV/GEMM driver: checks, the kernel path, activation quantization, and the split of
-// the weight's 16-row tiles over threads. Threads are OpenMP's, which in the loaded module are
-// torch's intra-op threads: torch links libgomp.so.1 and is imported first, so this module's
-// libgomp.so.1 resolves to the same runtime and team (no second pool competing with torch's
-// spinning workers). Each output row is computed by one thread in a fixed order, so the bits
-// never depend on the thread count. Built without OpenMP (a compiler without it), one thread.
+// the weight's 16-row tiles over threads (parallel.h: torch's OpenMP team). Each output row is
+// computed by one thread in a fixed order, so the bits never depend on the thread count.
 
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
+#include "parallel.h"
 #include "quant_gemv.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace pagedkern_cpu {
 namespace {
 
-TileFn tile_fn(bool int4, int path, int planes) {
+TileFn tile_fn(int format, int path, int planes) {
   switch (path) {
-    case kAvx512Vnni: return avx512_tile(int4, planes);
-    case kAvxVnni: return avxvnni_tile(int4, planes);
-    case kAvx2: return avx2_tile(int4, planes);
-    default: return portable_tile(int4, planes);
+    case kAvx512Vnni: return avx512_tile(format, planes);
+    case kAvxVnni: return avxvnni_tile(format, planes);
+    case kAvx2: return avx2_tile(format, planes);
+    case kNeonDotprod: return neon_tile(format, planes);
+    default: return portable_tile(format, planes);
   }
 }
 
@@ -36,33 +31,18 @@ int resolve_path(int path) {
   return path;
 }
 
-// Runs body(part, parts) on up to `threads` threads (parts <= threads, the caller's thread
-// being part 0).
-template <typename Body>
-void parallel(int threads, const Body& body) {
-#ifdef _OPENMP
-  if (threads > 1 && !omp_in_parallel()) {
-#pragma omp parallel
-    {
-      const int parts = std::min(omp_get_num_threads(), threads), part = omp_get_thread_num();
-      if (part < parts) body(part, parts);
-    }
-    return;
-  }
-#endif
-  body(0, 1);
-}
-
 }  // namespace
 
-void gemv(bool int4, float* y, int64_t y_stride, const float* x, int64_t x_stride,
+void gemv(int format, float* y, int64_t y_stride, const float* x, int64_t x_stride,
           const uint8_t* packed, const float* scales, int m, int n, int k, int threads, int path,
           int activation_bits) {
   if (k <= 0 || k % kBlock) throw std::invalid_argument("k must be a positive multiple of 32");
+  if (format < 0 || format >= kNumFormats)
+    throw std::invalid_argument("format must be 0 (int8), 1 (int4) or 2 (int4_sym)");
   if (activation_bits != 8 && activation_bits != 16)
     throw std::invalid_argument("activation_bits must be 8 or 16");
   const int resolved = resolve_path(path);
-  const TileFn fn = tile_fn(int4, resolved, activation_bits / 8);
+  const TileFn fn = tile_fn(format, resolved, activation_bits / 8);
   if (m <= 0 || n <= 0) return;
   // reused: a decode step makes hundreds of calls. The lambdas below use `xq`, the caller's
   // (a thread_local named inside them would be each worker's own).

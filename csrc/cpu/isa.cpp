@@ -1,9 +1,36 @@
-// Which kernel paths this CPU runs (cpuid through the compiler's builtins), checked before any
-// ISA-specific function is called: a path the CPU lacks is never entered.
+// Which kernel paths this CPU runs (x86: cpuid through the compiler's builtins; aarch64: the
+// kernel's HWCAP_ASIMDDP on Linux, FEAT_DotProd on macOS), checked before any ISA-specific
+// function is called: a path the CPU lacks is never entered.
 
 #include "quant_gemv.h"
 
+#if QUANT_GEMV_NEON && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)  // arch/arm64/include/uapi/asm/hwcap.h
+#endif
+#elif QUANT_GEMV_NEON && defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
+
 namespace pagedkern_cpu {
+namespace {
+
+// ARMv8.2 dotprod (SDOT/UDOT); false where the OS does not say
+bool arm_dotprod() {
+#if QUANT_GEMV_NEON && defined(__linux__)
+  return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#elif QUANT_GEMV_NEON && defined(__APPLE__)
+  int value = 0;
+  size_t size = sizeof(value);
+  return sysctlbyname("hw.optional.arm.FEAT_DotProd", &value, &size, nullptr, 0) == 0 &&
+         value != 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
 
 bool path_supported(int path) {
   if (path == kPortable) return true;
@@ -19,11 +46,12 @@ bool path_supported(int path) {
     return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #endif
+  if (path == kNeonDotprod) return arm_dotprod();
   return false;
 }
 
 int best_path() {
-  for (int path : {kAvx512Vnni, kAvxVnni, kAvx2})
+  for (int path : {kAvx512Vnni, kAvxVnni, kAvx2, kNeonDotprod})
     if (path_supported(path)) return path;
   return kPortable;
 }
@@ -34,6 +62,7 @@ const char* path_name(int path) {
     case kAvx2: return "avx2";
     case kAvxVnni: return "avx_vnni";
     case kAvx512Vnni: return "avx512_vnni";
+    case kNeonDotprod: return "neon_dotprod";
     default: return "?";
   }
 }

@@ -1,7 +1,11 @@
 // pagedkern._cpu's Python module: the quantized GEMV (quant_gemv.h) with the GIL released.
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include <tuple>
+
+#include "layer_tail.h"
 #include "quant_gemv.h"
 
 namespace py = pybind11;
@@ -14,10 +18,19 @@ T* ptr(uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
+// (format, packed, scales, bias, n, k) as ops/cpu/layer_tail.py passes a weight
+using LinearTuple = std::tuple<int, uintptr_t, uintptr_t, uintptr_t, int, int>;
+
+QuantLinear quant_linear(const LinearTuple& w) {
+  const auto& [format, packed, scales, bias, n, k] = w;
+  return {format, ptr<const uint8_t>(packed), ptr<const float>(scales), ptr<const float>(bias), n,
+          k};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, mod) {
-  mod.doc() = "pagedkern's CPU kernels: quantized GEMV with run-time ISA dispatch";
+  mod.doc() = "pagedkern's CPU kernels: quantized GEMV with run-time ISA dispatch, layer tail";
   py::dict paths;
   for (int path = 0; path < kNumPaths; ++path) paths[path_name(path)] = path;
   mod.attr("PATHS") = paths;
@@ -26,19 +39,29 @@ PYBIND11_MODULE(_cpu, mod) {
 #else
   mod.attr("OPENMP") = false;
 #endif
+  py::dict formats;
+  for (int format = 0; format < kNumFormats; ++format) formats[format_name(format)] = format;
+  mod.attr("FORMATS") = formats;
   mod.def("path_supported", &path_supported, py::arg("path"));
   mod.def("best_path", &best_path);
-  mod.def("int4_packed_bytes", &int4_packed_bytes, py::arg("n"), py::arg("k"));
-  mod.def("int8_packed_bytes", &int8_packed_bytes, py::arg("n"), py::arg("k"));
+  mod.def("packed_bytes", &packed_bytes, py::kw_only(), py::arg("format"), py::arg("n"),
+          py::arg("k"));
+  mod.def(
+      "int4_symmetric",
+      [](uintptr_t scales, uintptr_t mins, int64_t count) {
+        py::gil_scoped_release release;
+        return int4_symmetric(ptr<const uint16_t>(scales), ptr<const uint16_t>(mins), count);
+      },
+      py::kw_only(), py::arg("scales"), py::arg("mins"), py::arg("count"));
   mod.def(
       "pack_int4",
       [](uintptr_t out, uintptr_t qweight, uintptr_t scales, uintptr_t mins, int n, int k,
-         int group) {
+         int group, int format) {
         pack_int4(ptr<uint8_t>(out), ptr<const uint8_t>(qweight), ptr<const uint16_t>(scales),
-                  ptr<const uint16_t>(mins), n, k, group);
+                  ptr<const uint16_t>(mins), n, k, group, format);
       },
       py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("mins"),
-      py::arg("n"), py::arg("k"), py::arg("group"));
+      py::arg("n"), py::arg("k"), py::arg("group"), py::arg("format"));
   mod.def(
       "pack_int8",
       [](uintptr_t out, uintptr_t qweight, int n, int k) {
@@ -47,15 +70,35 @@ PYBIND11_MODULE(_cpu, mod) {
       py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("n"), py::arg("k"));
   mod.def(
       "gemv",
-      [](bool int4, uintptr_t y, int64_t y_stride, uintptr_t x, int64_t x_stride,
+      [](int format, uintptr_t y, int64_t y_stride, uintptr_t x, int64_t x_stride,
          uintptr_t packed, uintptr_t scales, int m, int n, int k, int threads, int path,
          int activation_bits) {
         py::gil_scoped_release release;
-        gemv(int4, ptr<float>(y), y_stride, ptr<const float>(x), x_stride,
+        gemv(format, ptr<float>(y), y_stride, ptr<const float>(x), x_stride,
              ptr<const uint8_t>(packed), ptr<const float>(scales), m, n, k, threads, path,
              activation_bits);
       },
-      py::kw_only(), py::arg("int4"), py::arg("y"), py::arg("y_stride"), py::arg("x"),
+      py::kw_only(), py::arg("format"), py::arg("y"), py::arg("y_stride"), py::arg("x"),
       py::arg("x_stride"), py::arg("packed"), py::arg("scales"), py::arg("m"), py::arg("n"),
       py::arg("k"), py::arg("threads"), py::arg("path"), py::arg("activation_bits"));
+  mod.def(
+      "layer_tail",
+      [](const LinearTuple& o, const LinearTuple& gate_up, const LinearTuple& down,
+         uintptr_t post_norm, uintptr_t next_norm, float eps, int m, int hidden,
+         int intermediate, uintptr_t attn, int64_t attn_stride, uintptr_t residual,
+         uintptr_t h_out, int threads, int64_t parallel_min_macs, int path,
+         int activation_bits) {
+        const LayerTailArgs args{quant_linear(o), quant_linear(gate_up), quant_linear(down),
+                                 ptr<const float>(post_norm), ptr<const float>(next_norm), eps,
+                                 m, hidden, intermediate, threads, parallel_min_macs, path,
+                                 activation_bits};
+        py::gil_scoped_release release;
+        layer_tail(args, ptr<const float>(attn), attn_stride, ptr<float>(residual),
+                   ptr<float>(h_out));
+      },
+      py::kw_only(), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("post_norm"),
+      py::arg("next_norm"), py::arg("eps"), py::arg("m"), py::arg("hidden"),
+      py::arg("intermediate"), py::arg("attn"), py::arg("attn_stride"), py::arg("residual"),
+      py::arg("h_out"), py::arg("threads"), py::arg("parallel_min_macs"), py::arg("path"),
+      py::arg("activation_bits"));
 }

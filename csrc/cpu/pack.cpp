@@ -1,25 +1,57 @@
 // Weight repacking, once at load: QuantizedWeight's int4 / int8 rows into 16-row tiles, block
-// by block of 32 K (layout: quant_gemv.h). Rows past N are zeros (their outputs are never
-// stored).
+// by block of 32 K (layout: quant_gemv.h); int4 whose every m is -8 d into int4_sym tiles (no
+// m). Rows past N are zeros (their outputs are never stored).
 
+#include <cstring>
 #include <stdexcept>
 
 #include "quant_gemv.h"
 
 namespace pagedkern_cpu {
 
-int64_t int4_packed_bytes(int n, int k) {
-  return int64_t((n + kRows - 1) / kRows) * (k / kBlock) * kInt4TileBlockBytes;
+const char* format_name(int format) {
+  switch (format) {
+    case kInt8: return "int8";
+    case kInt4: return "int4";
+    case kInt4Sym: return "int4_sym";
+    default: return "unknown";
+  }
 }
-int64_t int8_packed_bytes(int n, int k) {
-  return int64_t((n + kRows - 1) / kRows) * (k / kBlock) * kInt8TileBlockBytes;
+
+int64_t packed_bytes(int format, int n, int k) {
+  int block_bytes;
+  switch (format) {
+    case kInt8: block_bytes = kInt8TileBlockBytes; break;
+    case kInt4: block_bytes = kInt4TileBlockBytes; break;
+    case kInt4Sym: block_bytes = kInt4SymTileBlockBytes; break;
+    default: throw std::invalid_argument("format must be 0 (int8), 1 (int4) or 2 (int4_sym)");
+  }
+  return int64_t((n + kRows - 1) / kRows) * (k / kBlock) * block_bytes;
+}
+
+// Compared as fp32 bit patterns: -8 d is exact in fp32, and equal bits (not only equal values:
+// +0 and -0, NaN) make the kernel's fp32 m the one the int4 tiles would convert from fp16.
+bool int4_symmetric(const uint16_t* s, const uint16_t* mn, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float d = half_to_float(s[i]), m = half_to_float(mn[i]), want = -8.0f * d;
+    uint32_t mb, wb;
+    std::memcpy(&mb, &m, 4);
+    std::memcpy(&wb, &want, 4);
+    if (mb != wb || want != want) return false;
+  }
+  return true;
 }
 
 // qweight [N, K/2] uint8 (weight 2i in the low nibble of byte i), scales/mins [N, K/G] fp16.
+// int4_sym: the same without the m (the caller checked int4_symmetric).
 void pack_int4(uint8_t* out, const uint8_t* q, const uint16_t* s, const uint16_t* mn, int n, int k,
-               int group) {
+               int group, int format) {
   if (k <= 0 || k % kBlock || group <= 0 || group % kBlock || k % group)
     throw std::invalid_argument("k and the group size must be multiples of 32, k of the group");
+  if (format != kInt4 && format != kInt4Sym)
+    throw std::invalid_argument("pack_int4: format must be 1 (int4) or 2 (int4_sym)");
+  const bool sym = format == kInt4Sym;
+  const int block_bytes = sym ? kInt4SymTileBlockBytes : kInt4TileBlockBytes;
   const int blocks = k / kBlock, tiles = (n + kRows - 1) / kRows, groups = k / group;
   auto nibble = [&](int row, int col) -> uint8_t {
     const uint8_t byte = q[size_t(row) * (k / 2) + col / 2];
@@ -27,7 +59,7 @@ void pack_int4(uint8_t* out, const uint8_t* q, const uint16_t* s, const uint16_t
   };
   for (int t = 0; t < tiles; ++t)
     for (int b = 0; b < blocks; ++b) {
-      uint8_t* dst = out + (size_t(t) * blocks + b) * kInt4TileBlockBytes;
+      uint8_t* dst = out + (size_t(t) * blocks + b) * block_bytes;
       uint16_t* dm = reinterpret_cast<uint16_t*>(dst + kRows * kBlock / 2);
       for (int r = 0; r < kRows; ++r) {
         const int row = t * kRows + r;
@@ -40,7 +72,7 @@ void pack_int4(uint8_t* out, const uint8_t* q, const uint16_t* s, const uint16_t
           }
         const size_t g = size_t(row) * groups + size_t(b) * kBlock / group;
         dm[r] = live ? s[g] : 0;
-        dm[kRows + r] = live ? mn[g] : 0;
+        if (!sym) dm[kRows + r] = live ? mn[g] : 0;
       }
     }
 }

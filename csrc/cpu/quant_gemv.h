@@ -8,8 +8,13 @@
 //   a 32-bit lane holds 4 consecutive weights of one row, so one 64-byte load feeds 16 rows.
 //   int4: 4 loads of 64 bytes a block, low nibbles k-quad j (k = 4j..4j+3), high nibbles k-quad
 //   j + 4 (k = 16 + 4j..), then the block's 16 d and 16 m (fp16; G = 128 repeats a group's pair
-//   over its four blocks). int8: 8 loads of 64 bytes a block, k-quad j in load j, each weight
-//   stored biased as q + 128 (u8: the unsigned operand of vpdpbusd).
+//   over its four blocks): 320 bytes a block, 5 bits a weight. int4_sym, chosen at pack time
+//   when every group has m == -8 d exactly in fp16 (GGUF Q4_0, w = d (q - 8)): the same tiles
+//   without the m (288 bytes a block, 4.5 bits a weight: llama.cpp's Q4_0 bytes), m = -8 d
+//   formed in the kernel in fp32 (exact), so its bits equal the int4 tiles' for that weight.
+//   A batch-1 decode is bound by the weight bytes it reads: ~1.1x the int4 tiles' speed.
+//   int8: 8 loads of 64 bytes a block, k-quad j in load j, each weight stored biased as
+//   q + 128 (u8: the unsigned operand of vpdpbusd).
 // - Activations are quantized on the fly (activations.cpp), per row and per block of 32, to
 //   8 or 16 bits: dx = max|x| / Q, q = round-to-nearest-even(x / dx) in -Q..Q (Q = 127, or
 //   32639 for 16 bits), sx = dx * sum(q). A 16-bit q is held as two int8 planes, q = 256 hi +
@@ -18,19 +23,22 @@
 //   weight load and is ~250x closer to the fp32 product (closer than bf16 activations).
 // - A block's integer dot products of 16 rows at once (dot_*.cpp): AVX-512 VNNI vpdpbusd,
 //   AVX-VNNI (256-bit vpdpbusd), AVX2 vpmaddubsw + vpmaddwd (pairs fit in s16: int8 weights
-//   take the sign trick |x| x sign(x) w), or plain C++. Integer sums are exact, so every path
-//   gives the same integers: isum = sum(w q) (int8's bias removed as 128 * sum(q)).
+//   take the sign trick |x| x sign(x) w), Arm NEON SDOT (dotprod, s8 x s8: a 64-byte load is
+//   four q registers of 4 rows; int8 weights XOR 0x80 are q, no bias to remove), or plain
+//   C++. Integer sums are exact, so every path gives the same integers: isum = sum(w q)
+//   (int8's bias removed as 128 * sum(q)).
 // - Per row and block, in K order, in fp32 with explicit fused multiply-adds:
 //     int4: acc = fma(d * dx, isum, acc); acc = fma(m, sx, acc)      y = acc
+//           (int4_sym: m = -8 * d, in fp32)
 //     int8: acc = fma(dx, isum, acc)                                 y = acc * s
 //   The same operations in the same order on every path (the portable one compiled without FP
 //   contraction, std::fma), so every path returns the same bits, and a row's result depends
 //   only on its own x row and the weights: never on M, the other rows, the thread count or the
 //   split of N across threads.
-// - Run-time ISA dispatch (isa.cpp, cpuid): the x86 kernels are compiled per function with
-//   target attributes, so the module loads and runs on any x86-64 (and builds the portable
-//   path alone elsewhere); a path asked for explicitly that the CPU lacks is an error, never
-//   SIGILL.
+// - Run-time ISA dispatch (isa.cpp: cpuid; on aarch64 HWCAP_ASIMDDP / FEAT_DotProd): the x86
+//   and Arm dotprod kernels are compiled per function with target attributes, so the module
+//   loads and runs on any x86-64 or aarch64 (and builds the portable path alone elsewhere); a
+//   path asked for explicitly that the CPU lacks is an error, never SIGILL.
 // - Threads (gemv.cpp): the N tiles split into contiguous ranges over OpenMP's threads, which
 //   are torch's intra-op threads (the same libgomp, loaded by torch first): no second pool
 //   competing with torch's spinning workers on a small host.
@@ -49,11 +57,39 @@ namespace pagedkern_cpu {
 constexpr int kRows = 16;   // weight rows a tile
 constexpr int kBlock = 32;  // K a block
 constexpr int kInt4TileBlockBytes = kRows * kBlock / 2 + kRows * 2 * 2;  // nibbles, d, m
+constexpr int kInt4SymTileBlockBytes = kRows * kBlock / 2 + kRows * 2;   // nibbles, d
 constexpr int kInt8TileBlockBytes = kRows * kBlock;
 constexpr int kRowChunk = 4;  // activation rows computed together over one weight tile
 constexpr int kInt8Bias = 128;  // int8 weights are stored as q + 128
 
-enum Path { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3, kNumPaths = 4 };
+// How far ahead of its current block an x86 kernel prefetches the tile it streams. A batch-1
+// GEMV reads its weights once, from DRAM for a ~1B model, and one core's hardware prefetchers
+// alone keep too few lines in flight; of 0.5, 1, 2 and 4 KB, 0.5 and 1 KB measured best
+// (bench/results/2026-12-05-xeon-cpu-vs-llamacpp.md). A prefetch changes no result.
+constexpr int kPrefetchBytes = 1024;
+
+// Prefetches (prefetcht0 on x86) the lines of the `Bytes`-byte block kPrefetchBytes past
+// `block`; the kernels that call it are built by GCC and clang only.
+template <int Bytes>
+inline void prefetch_ahead(const uint8_t* block) {
+#if defined(__GNUC__) || defined(__clang__)
+  for (int line = 0; line < Bytes; line += 64)
+    __builtin_prefetch(block + kPrefetchBytes + line, 0, 3);
+#endif
+}
+
+// The tile formats (pack.cpp); int4_sym: int4 whose every m is -8 d (m not stored).
+enum Format { kInt8 = 0, kInt4 = 1, kInt4Sym = 2, kNumFormats = 3 };
+const char* format_name(int format);
+
+enum Path {
+  kPortable = 0,
+  kAvx2 = 1,
+  kAvxVnni = 2,
+  kAvx512Vnni = 3,
+  kNeonDotprod = 4,  // aarch64
+  kNumPaths = 5
+};
 
 bool path_supported(int path);
 int best_path();
@@ -89,21 +125,25 @@ struct Args {
 
 // Rows [r0, r0 + rc) of x against weight tile `tile` (16 rows of W), written into y.
 using TileFn = void (*)(const Args&, int tile, int r0, int rc);
-TileFn portable_tile(bool int4, int planes);
-TileFn avx2_tile(bool int4, int planes);     // nullptr where not built (not x86)
-TileFn avxvnni_tile(bool int4, int planes);  // nullptr where not built (old compiler)
-TileFn avx512_tile(bool int4, int planes);   // nullptr where not built
+TileFn portable_tile(int format, int planes);
+TileFn avx2_tile(int format, int planes);     // nullptr where not built (not x86)
+TileFn avxvnni_tile(int format, int planes);  // nullptr where not built (old compiler)
+TileFn avx512_tile(int format, int planes);   // nullptr where not built
+TileFn neon_tile(int format, int planes);     // nullptr where not built (not aarch64)
 
 float half_to_float(uint16_t h);
 
-int64_t int4_packed_bytes(int n, int k);
-int64_t int8_packed_bytes(int n, int k);
+// Whether `count` (d, m) fp16 pairs all have m == -8 d, bit for bit (int4_sym's condition).
+bool int4_symmetric(const uint16_t* scales, const uint16_t* mins, int64_t count);
+int64_t packed_bytes(int format, int n, int k);
+// int4 or int4_sym tiles (int4_sym drops the mins: int4_symmetric must hold)
 void pack_int4(uint8_t* out, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
-               int n, int k, int group);
+               int n, int k, int group, int format);
 void pack_int8(uint8_t* out, const int8_t* qweight, int n, int k);
 
-// y[M, N] (row stride y_stride) = x[M, K] (row stride x_stride) @ W.T; path -1: the best.
-void gemv(bool int4, float* y, int64_t y_stride, const float* x, int64_t x_stride,
+// y[M, N] (row stride y_stride) = x[M, K] (row stride x_stride) @ W.T, W packed in `format`;
+// path -1: the best.
+void gemv(int format, float* y, int64_t y_stride, const float* x, int64_t x_stride,
           const uint8_t* packed, const float* scales, int m, int n, int k, int threads, int path,
           int activation_bits);
 
@@ -117,4 +157,11 @@ void gemv(bool int4, float* y, int64_t y_stride, const float* x, int64_t x_strid
 #if QUANT_GEMV_X86 && ((defined(__clang__) && __clang_major__ >= 12) || \
                        (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define QUANT_GEMV_AVXVNNI 1
+#endif
+// Arm dotprod (SDOT) per function: GCC 9, or clang 16 (older clang's arm_neon.h declares the
+// dot intrinsics only when the whole file is built for dotprod)
+#if defined(__aarch64__) &&                                                            \
+    ((defined(__clang__) && (__clang_major__ >= 16 || defined(__ARM_FEATURE_DOTPROD))) || \
+     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 9))
+#define QUANT_GEMV_NEON 1
 #endif

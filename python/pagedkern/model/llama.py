@@ -27,6 +27,7 @@ from .. import ops
 from ..ops import cpu as cpu_ops
 from ..ops import launch, shadow
 from ..ops.cpu.decode_attention import DecodeCopies
+from ..ops.cpu.layer_tail import LayerTail
 from ..ops.index_checks import check_rope_indices
 from .attention_metadata import AttentionMetadata
 from .collectives import SINGLE, Collectives
@@ -117,6 +118,14 @@ class LlamaModel:
         # CPU backend: the decode rows' K/V copies kept between steps (StepAttention's)
         self._decode_copies = DecodeCopies()
         self._ops = ops  # the step's op table (_step_ops)
+        # CPU backend, one rank: a plain layer's tail in one C++ call (ops/cpu/layer_tail.py)
+        self._cpu_tail = None
+        if self.device.type == "cpu" and tp.size == 1:
+            c = self.local
+            self._cpu_tail = LayerTail(
+                c.hidden_size, c.intermediate_size, c.q_size, c.hidden_act, c.rms_norm_eps
+            )
+        self._tail = None  # the step's: _cpu_tail on the CPU backend where it runs, else None
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int = 16, groups: KVLayerGroups | None = None
@@ -261,7 +270,9 @@ class LlamaModel:
             or launch.get_backend() not in ("auto", "cpu")
             or shadow.shadowing()
         ):
+            self._tail = None
             return ops
+        self._tail = None if self._cpu_tail is None else self._cpu_tail.for_step()
         slots = kv_cache.data.shape[2] * kv_cache.block_size
         check_rope_indices(meta.positions, meta.slot_mapping, self.max_positions, slots)
         cpu_ops.rope.begin_step()  # its layers share the step's RoPE rows and slots
@@ -290,6 +301,10 @@ class LlamaModel:
         GELU-tanh), down GEMM, residual add + `next_norm`; with sandwich norms the O and down
         outputs are normed before their adds. residual is updated in place; returns (h,
         residual)."""
+        if self._tail is not None:
+            fused = self._tail(attn, residual, layer, next_norm)
+            if fused is not None:
+                return fused
         cfg, eps, o = self.local, self.local.rms_norm_eps, self._ops
         h = self._linear(attn.view(attn.shape[0], cfg.q_size), layer.o, layer.o_bias)
         h = self.tp.all_reduce(h)  # row-parallel O: sum the ranks' partial outputs
@@ -344,7 +359,6 @@ class LlamaModel:
         with the layer's window and the model's scale and soft-cap, through the step's
         `attention` (planned by its first layer of each kind, run by the others)."""
         cfg = self.local
-        tokens = qkv.shape[0]
         if index is None:
             index = self._index_of(layer)
         window = cfg.layer_window(index)
@@ -357,9 +371,9 @@ class LlamaModel:
         if layer.sinks is not None:  # (gpt-oss) a learned logit per head joins every softmax
             options["sinks"] = layer.sinks
         # Head views into the fused output (token stride qkv_size): no copies.
-        q = qkv[:, : cfg.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(tokens, cfg.num_kv_heads, -1)
-        v = qkv[:, cfg.q_size + cfg.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv.unflatten(1, (-1, cfg.head_dim)).split(
+            (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads), dim=1
+        )
         if cfg.qk_norm_whole:  # (OLMoE) one RMSNorm over all heads' q, likewise k
             q = _whole_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = _whole_norm(k, layer.k_norm, cfg.rms_norm_eps)

@@ -205,6 +205,20 @@ VARIANTS: dict[str, OpVariants] = {
                 Variant("avx_vnni", 2, "AVX-VNNI vpdpbusd ymm", None),
                 Variant("avx2", 1, "AVX2 vpmaddubsw + vpmaddwd", None),
                 Variant("portable", 0, "plain C++", None),
+                Variant("neon_dotprod", 4, "Arm NEON sdot (ARMv8.2 dotprod)", None),
+            ),
+        ),
+        OpVariants(
+            "cpu_layer_tail",  # the cpu backend's layer after attention (no GPU involved)
+            (
+                Variant(
+                    "fused",
+                    1,
+                    "csrc/cpu/layer_tail.cpp: O GEMV, add+norm, gate/up GEMV, SiLU x mul, down "
+                    "GEMV, add+norm in one C++ call (quantized int4/int8 SiLU layers)",
+                    None,
+                ),
+                Variant("ops", 0, "the ops one by one, as on every other backend", None),
             ),
         ),
     )

@@ -92,6 +92,9 @@ def tiled_attention(
         total = torch.zeros(b, m_rows)
     else:
         m, total = sink.clone(), torch.ones(b, m_rows)
+    # Every row has seen a key after the first tile (key 0 visible to all, or a sink): m stays
+    # finite and L positive, so the guards below would pass every value through unchanged.
+    live = open_until >= 1 or sink is not None
     for c0 in range(0, reach, tile):
         c1 = min(c0 + tile, reach)
         scores = torch.bmm(q, keys[:, :, c0:c1])
@@ -102,24 +105,33 @@ def tiled_attention(
         if hide is not None and c1 > open_until:
             hide(scores, c0, c1)
         tile_max = scores.amax(-1)
-        dead = torch.isneginf(tile_max)  # rows this tile shows nothing
-        if alive_until is None or c0 >= alive_until:
+        dead = None  # rows this tile shows nothing (none where every row sees key c0)
+        if (alive_until is None or c0 >= alive_until) and c0 >= open_until:
+            dead = torch.isneginf(tile_max)
             scores.masked_fill_(dead[..., None], 0.0)  # (finite scores: a no-op)
         p = torch.softmax(scores, dim=-1)
         o_tile = torch.bmm(p, values[:, c0:c1])
         if c0 == 0 and sink is None:  # the first tile: the merge below reduces to this
-            out = torch.where(dead[..., None], out, o_tile)
             m = tile_max
-            total = torch.where(dead, 0.0, p.amax(-1).reciprocal_())
+            if dead is None:
+                out, total = o_tile, p.amax(-1).reciprocal_()
+            else:
+                out = torch.where(dead[..., None], out, o_tile)
+                total = torch.where(dead, 0.0, p.amax(-1).reciprocal_())
             continue
         m_new = torch.maximum(m, tile_max)
-        m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+        m_safe = m_new if live else torch.where(torch.isneginf(m_new), 0.0, m_new)
         kept = total * torch.exp(m - m_safe)
-        r = torch.where(dead, 0.0, torch.exp(tile_max - m_safe) / p.amax(-1))
+        r = torch.exp(tile_max - m_safe) / p.amax(-1)  # (a dead row: e^-inf = 0)
+        if dead is not None and not live:
+            r = torch.where(dead, 0.0, r)
         total_new = kept + r
-        seen = total_new > 0
-        old = torch.where(seen, kept / total_new, 1.0)
-        new = torch.where(seen, r / total_new, 0.0)
+        if live:
+            old, new = kept / total_new, r / total_new
+        else:
+            seen = total_new > 0
+            old = torch.where(seen, kept / total_new, 1.0)
+            new = torch.where(seen, r / total_new, 0.0)
         out = out * old[..., None] + o_tile * new[..., None]
         m, total = m_new, total_new
     lse = (m + torch.log(total)) if need_lse else None

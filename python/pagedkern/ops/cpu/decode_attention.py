@@ -39,10 +39,12 @@ from .attention import key_tile, tiled_attention
 class _Copies(NamedTuple):
     """One block table's copies and what they were gathered for."""
 
-    used: torch.Tensor  # [G, blocks] bool: the blocks its rows' lengths reach
-    pages: torch.Tensor  # [G, blocks] the block ids read there (0 elsewhere)
+    width: int  # the blocks a row's copy holds
+    blocks: tuple | None  # per row, the block ids its length reaches (host bookkeeping)
+    used: torch.Tensor | None  # else: [G, width] bool, the blocks its rows' lengths reach,
+    pages: torch.Tensor | None  # and [G, width] the block ids read there (0 elsewhere)
     lengths: list[int]
-    layers: dict  # (k_cache ptr, v_cache ptr) -> (k_cache, v_cache, kv [2, Hkv, G, P, D])
+    layers: dict  # (k_cache ptr, v_cache ptr) -> _Layer
 
 
 class DecodeCopies:
@@ -62,22 +64,40 @@ class DecodeCopies:
         """Give the copies' memory back."""
         self._last, self._now = {}, {}
 
-    def claim(self, ordinal: int, used, pages, lengths: list[int], keep: bool) -> tuple[dict, bool]:
+    def claim(self, ordinal: int, rows: DecodeRows, keep: bool) -> tuple[dict, bool]:
         """(layers dict, reused): the last step's copies of table `ordinal` when its rows are the
         same sequences one token on (then reused: runs append), else a new empty dict. keep:
         the dict is offered to the next step (one sequence per row)."""
         last = self._last.pop(ordinal, None)
+        lengths = rows.lengths
         reused = (
             last is not None
-            and last.used.shape == used.shape
+            and last.width == rows.width
+            and len(last.lengths) == len(lengths)
             and all(n == m + 1 for n, m in zip(lengths, last.lengths, strict=True))
-            and torch.equal(pages.masked_fill(~last.used, 0), last.pages)
+            and _same_blocks(last, rows)
         )
         layers = last.layers if reused else {}
         del last  # (dropped before any new gather: never two copies alive)
         if keep:
-            self._now[ordinal] = _Copies(used, pages, lengths, layers)
+            self._now[ordinal] = _Copies(
+                rows.width, rows.blocks, rows.used, rows.tensor_pages, lengths, layers
+            )
         return layers, reused
+
+
+def _same_blocks(last: _Copies, rows: DecodeRows) -> bool:
+    """Whether each row reads the blocks its last copy read where that one reached."""
+    if last.blocks is not None and rows.blocks is not None:
+        return all(b[: len(a)] == a for a, b in zip(last.blocks, rows.blocks, strict=True))
+    if last.used is not None and rows.used is not None:
+        return torch.equal(rows.tensor_pages.masked_fill(~last.used, 0), last.pages)
+    return False  # (bookkept apart: gathered afresh)
+
+
+# Rows x blocks up to which a step's bookkeeping runs on the host (a few tolist and tensor
+# calls, not ~25 small torch ops); past it as tensors
+HOST_ENTRIES = 1024
 
 
 class DecodeRows:
@@ -94,45 +114,69 @@ class DecodeRows:
     ) -> None:
         lengths = seq_lens.tolist()
         self.lengths = lengths
-        self.rows = len(lengths)
+        self.rows = g = len(lengths)
         self.block_size = block_size
-        nblk = -(-max(lengths) // block_size)
-        self.padded = nblk * block_size
-        tables = block_tables[:, :nblk].long()
-        starts = torch.arange(0, self.padded, block_size)
-        lens = torch.tensor(lengths)
-        used = starts[None, :] < lens[:, None]
-        self.pages = tables.masked_fill(~used, 0)
-        past = torch.arange(self.padded)[None, :] >= lens[:, None]  # [G, P]
-        self.past = past.view(-1).nonzero().squeeze(1) if bool(past.any()) else None
-        self.bias = None
-        if self.past is not None:  # the softmax mask, batch index kv head * G + row
-            self.bias = torch.zeros(past.shape).masked_fill_(past, float("-inf"))[:, None, :]
-        new_slot = positions.long() == lens - 1
-        keep = bool(new_slot.all()) and _distinct(tables)
-        self.layers, self.reused = copies.claim(ordinal, used, self.pages, lengths, keep)
+        self.width = nblk = -(-max(lengths) // block_size)
+        self.padded = padded = nblk * block_size
+        self.blocks = self.used = self.tensor_pages = None
+        if g * nblk <= HOST_ENTRIES:
+            table_rows = block_tables[:, :nblk].tolist()
+            self.blocks = tuple(
+                tuple(row[: -(-n // block_size)]) for row, n in zip(table_rows, lengths)
+            )
+            keep = positions.tolist() == [n - 1 for n in lengths]
+            keep = keep and len(set(map(tuple, table_rows))) == g  # distinct sequences
+            self.bias = None
+            if any(n < padded for n in lengths):  # the softmax mask, batch index head * G + row
+                inf = float("-inf")
+                bias = [[0.0] * n + [inf] * (padded - n) for n in lengths]
+                self.bias = torch.tensor(bias).view(g, 1, padded)
+            self.dst = torch.tensor([i * padded + n - 1 for i, n in enumerate(lengths)])
+        else:
+            tables = block_tables[:, :nblk].long()
+            starts = torch.arange(0, padded, block_size)
+            lens = torch.tensor(lengths)
+            self.used = starts[None, :] < lens[:, None]
+            self.pages = self.tensor_pages = tables.masked_fill(~self.used, 0)
+            past = torch.arange(padded)[None, :] >= lens[:, None]  # [G, P]
+            self.past = past.view(-1).nonzero().squeeze(1) if bool(past.any()) else None
+            self.bias = None
+            if self.past is not None:  # the softmax mask, batch index kv head * G + row
+                self.bias = torch.zeros(past.shape).masked_fill_(past, float("-inf"))[:, None]
+            new_slot = positions.long() == lens - 1
+            keep = bool(new_slot.all()) and _distinct(tables)
+            self.dst = torch.arange(g) * padded + (lens - 1)  # the new token's slot
+        self.layers, self.reused = copies.claim(ordinal, self, keep)
         self.reused = self.reused and keep
-        self.dst = torch.arange(self.rows) * self.padded + (lens - 1)  # the new token's slot
         self.tile = key_tile(block_size)
         self.nearest = min(lengths)  # keys below it: visible to every row
-        self._buffers: dict[tuple, tuple] = {}
+        self._buffers: dict[tuple, _Buffers] = {}
 
-    def operands(self, k_cache, v_cache, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's (keys [Hkv * G, D, P], values [Hkv * G, P, D]) over its copy: the last
-        step's plus this step's k/v where reused, else gathered."""
+    @functools.cached_property
+    def pages(self) -> torch.Tensor:
+        """[G, blocks] the block ids the rows' lengths reach (0 elsewhere)."""
+        return torch.tensor([[*b, *[0] * (self.width - len(b))] for b in self.blocks])
+
+    @functools.cached_property
+    def past(self) -> torch.Tensor | None:
+        """[n] the slots past the rows' lengths in [G * P] order, None if none."""
+        padded, lengths = self.padded, self.lengths
+        past = [i * padded + j for i, n in enumerate(lengths) for j in range(n, padded)]
+        return torch.tensor(past, dtype=torch.long) if past else None
+
+    def operands(self, k_cache, v_cache, k, v) -> _Layer:
+        """The layer's copy (keys [Hkv * G, D, P], values [Hkv * G, P, D]): the last step's plus
+        this step's k/v where reused, else gathered."""
         key = (k_cache.data_ptr(), v_cache.data_ptr())
-        entry = self.layers.get(key)
-        if entry is not None and self.reused and entry[0] is k_cache and entry[1] is v_cache:
-            self._append(entry[2], k_cache, v_cache, k, v)
-            return entry[3]
-        kv = self._gather(k_cache, v_cache)
-        hkv, d = kv.shape[1], kv.shape[-1]
-        views = (
-            kv[0].view(hkv * self.rows, self.padded, d).transpose(1, 2),
-            kv[1].view(hkv * self.rows, self.padded, d),
+        layer = self.layers.get(key)
+        reusable = layer is not None and layer.k_cache is k_cache and layer.v_cache is v_cache
+        if self.reused and reusable:
+            self._append(layer, k, v)
+            return layer
+        layer = self.layers[key] = _Layer(
+            k_cache, v_cache, self._gather(k_cache, v_cache), self.rows
         )
-        self.layers[key] = (k_cache, v_cache, kv, views)
-        return views
+        return layer
 
     def _gather(self, k_cache, v_cache) -> torch.Tensor:
         hkv, bs, d = k_cache.shape[1:]
@@ -150,11 +194,10 @@ class DecodeRows:
             kv.view(2, hkv, -1, d).index_fill_(2, self.past, 0.0)  # multiply the values
         return kv
 
-    def _append(self, kv, k_cache, v_cache, k, v) -> None:
+    def _append(self, layer: _Layer, k, v) -> None:
         """The rows' new k/v (what the cache now holds at each row's last slot) into the copy."""
-        hkv, d = kv.shape[1], kv.shape[-1]
-        rows = kv.view(2, hkv, -1, d)
-        if k is not None and k.dtype == k_cache.dtype and k.dtype == torch.float32:
+        k_cache, v_cache, rows = layer.k_cache, layer.v_cache, layer.rows
+        if k is not None and k.dtype == k_cache.dtype == torch.float32:
             pair = _pair_rows(k, v)
             if pair is not None:  # k and v heads adjacent (a fused QKV output): one copy
                 rows.index_copy_(2, self.dst, pair)
@@ -168,23 +211,71 @@ class DecodeRows:
         for i, cache in enumerate((k_cache, v_cache)):
             rows[i].index_copy_(1, self.dst, cache[blocks, :, offsets].float().transpose(0, 1))
 
-    def buffers(self, hkv: int, group: int, d: int):
-        """(q_padded [Hkv, G, rows, D] zeros, its real rows' view, the mask), made once a step:
-        the pad rows stay zero, each run writes the real ones."""
+    def buffers(self, hkv: int, group: int, d: int) -> _Buffers:
+        """The step's GEMM operands and results for layers of this shape (made by the first)."""
         key = (hkv, group, d)
         found = self._buffers.get(key)
         if found is None:
-            q_padded = torch.zeros(hkv, self.rows, max(group, MIN_GEMM_ROWS), d)
-            bias, rows = self.bias, self.rows
-            hide = None
-            if bias is not None:
-
-                def hide(scores: torch.Tensor, c0: int, c1: int) -> None:  # -inf past lengths
-                    scores.view(hkv, rows, -1, c1 - c0).add_(bias[..., c0:c1])
-
-            flat = q_padded.view(hkv * self.rows, -1, d)
-            found = self._buffers[key] = (flat, q_padded[:, :, :group], hide)
+            found = self._buffers[key] = _Buffers(self, hkv, group, d)
         return found
+
+
+class _Layer:
+    """One layer's copy [2, Hkv, G, P, D] of the rows' K/V and its views."""
+
+    __slots__ = ("k_cache", "v_cache", "kv", "keys", "values", "rows")
+
+    def __init__(self, k_cache, v_cache, kv: torch.Tensor, g: int) -> None:
+        self.k_cache, self.v_cache, self.kv = k_cache, v_cache, kv
+        hkv, padded, d = kv.shape[1], kv.shape[3], kv.shape[4]
+        self.keys = kv[0].view(hkv * g, padded, d).transpose(1, 2)  # [Hkv * G, D, P]
+        self.values = kv[1].view(hkv * g, padded, d)
+        self.rows = kv.view(2, hkv, g * padded, d)  # slot g * P + i: row g's key i
+
+
+class _Buffers:
+    """A step's q rows zero-padded to at least MIN_GEMM_ROWS a GEMM (the pad rows stay zero,
+    each run writes the real ones), the mask, and one tile's scores and output."""
+
+    def __init__(self, rows: DecodeRows, hkv: int, group: int, d: int) -> None:
+        g, m = rows.rows, max(group, MIN_GEMM_ROWS)
+        q_padded = torch.zeros(hkv, g, m, d)
+        self.q = q_padded.view(hkv * g, m, d)
+        self.q_real = q_padded[:, :, :group]  # [Hkv, G, group, D]
+        self.q_strides: dict[int, tuple] = {}  # q's row stride -> q viewed as q_real
+        self.shape = (hkv, g, group, d)
+        self.hide = self.bias = None
+        if rows.bias is not None:  # -inf past the lengths, [Hkv * G, 1, P]
+            self.bias = rows.bias.repeat(hkv, 1, 1)
+            bias = rows.bias
+
+            def hide(scores: torch.Tensor, c0: int, c1: int) -> None:
+                scores.view(hkv, g, -1, c1 - c0).add_(bias[..., c0:c1])
+
+            self.hide = hide
+        self.scores = self.out = self.out_real = None
+        if rows.padded <= rows.tile:  # one tile: its scores and output kept for every layer
+            self.scores = torch.empty(hkv * g, m, rows.padded)
+            self.out = torch.empty(hkv * g, m, d)
+            self.out_real = self.out.view(hkv, g, m, d)[:, :, :group].transpose(0, 1)
+        self.target: torch.Tensor | None = None  # the last run's out, and its [G, Hkv, group, D]
+        self.target_view: torch.Tensor | None = None
+
+    def q_heads(self, q: torch.Tensor) -> torch.Tensor:
+        """q [G, Hq, D] (rows of any stride, heads dense) as [Hkv, G, group, D]."""
+        hkv, g, group, d = self.shape
+        row = q.stride(0)
+        strides = self.q_strides.get(row)
+        if strides is None:
+            strides = self.q_strides[row] = (group * d, row, d, 1)
+        return q.as_strided((hkv, g, group, d), strides)
+
+    def target_of(self, out: torch.Tensor) -> torch.Tensor:
+        """out [G, Hq, D] as [G, Hkv, group, D] (the model passes one out to every layer)."""
+        if out is not self.target:
+            hkv, g, group, d = self.shape
+            self.target, self.target_view = out, out.view(g, hkv, group, d)
+        return self.target_view
 
 
 def _pair_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
@@ -261,25 +352,35 @@ class CpuDecodeAttention:
         """Attention of one layer's decode rows q [G, Hq, D] into out [G, Hq, D]; k, v: this
         layer's new k/v rows (as rope_and_cache stored them), or None (read from the cache)."""
         r = self.rows
-        g_rows, hq, d = q.shape
+        d = q.shape[2]
         hkv = k_cache.shape[1]
-        group = hq // hkv
-        keys, values = r.operands(k_cache, v_cache, k, v)
-        q_flat, q_real, hide = r.buffers(hkv, group, d)
+        layer = r.operands(k_cache, v_cache, k, v)
+        buffers = r.buffers(hkv, q.shape[1] // hkv, d)
         folded, scale = self._scales(d)
-        q_heads = q.view(g_rows, hkv, group, d).transpose(0, 1)
-        if folded is None:
-            q_real.copy_(q_heads)
-        elif q.dtype == torch.float32:
-            torch.mul(q_heads, folded, out=q_real)
+        if q.stride(2) == 1 and q.stride(1) == d:
+            q_heads = buffers.q_heads(q)
         else:
-            q_real.copy_(q_heads).mul_(folded)
-        o, _ = tiled_attention(
-            q_flat, keys, values, scale, hide, r.padded, r.tile, self.soft_cap,
-            open_until=r.nearest, alive_until=1,
-        )  # fmt: skip
-        o = o.view(hkv, g_rows, -1, d)[:, :, :group]
+            q_heads = q.view(q.shape[0], hkv, -1, d).transpose(0, 1)
+        if folded is None:
+            buffers.q_real.copy_(q_heads)
+        elif q.dtype == torch.float32:
+            torch.mul(q_heads, folded, out=buffers.q_real)
+        else:
+            buffers.q_real.copy_(q_heads).mul_(folded)
+        if buffers.scores is not None and scale is None and self.soft_cap is None:
+            # one tile, scale folded: tiled_attention's ops into the step's buffers
+            scores = torch.bmm(buffers.q, layer.keys, out=buffers.scores)
+            if buffers.bias is not None:
+                scores.add_(buffers.bias)
+            torch.bmm(torch.softmax(scores, dim=-1), layer.values, out=buffers.out)
+            o = buffers.out_real
+        else:
+            o, _ = tiled_attention(
+                buffers.q, layer.keys, layer.values, scale, buffers.hide, r.padded, r.tile,
+                self.soft_cap, open_until=r.nearest, alive_until=r.nearest,
+            )  # fmt: skip
+            o = o.view(hkv, q.shape[0], -1, d)[:, :, : q.shape[1] // hkv].transpose(0, 1)
         if self.v_scale is not None:
             o = o * self.v_scale
-        out.view(g_rows, hkv, group, d).copy_(o.transpose(0, 1))
+        buffers.target_of(out).copy_(o)
         return out

@@ -3,8 +3,9 @@ against an int4 or int8 QuantizedWeight repacked once into its 16-row tiles, act
 quantized on the fly per block of 32 (llama.cpp's technique), to 16 bits by default (two int8
 planes, ~250x closer to the fp32 product than llama.cpp's 8 bits, closer than bf16) or 8 bits
 (llama.cpp's Q8). Not the reference's function bit for bit: tested against it with a
-tolerance. Every ISA path (AVX-512 VNNI, AVX-VNNI, AVX2, portable C++) returns the same bits,
-and a row's result depends on its own x row only (never on M, the other rows or the threads).
+tolerance. Every ISA path (AVX-512 VNNI, AVX-VNNI, AVX2, Arm NEON dotprod, portable C++) returns
+the same bits, and a row's result depends on its own x row only (never on M, the other rows or
+the threads).
 
 Without the module (built by setup.py with the host's C++ compiler; missing when there was no
 compiler) `available()` is False with the reason, and ops.quant_linear keeps torch's int-pack
@@ -21,15 +22,20 @@ import torch
 from ...reference.quantized_weight import QuantizedWeight
 from .. import variants
 
-# The ISA paths (csrc/cpu/quant_gemv.h's Path), worst to best; the cpu_gemv_isa variant forces one.
-PATHS = ("portable", "avx2", "avx_vnni", "avx512_vnni")
+# The ISA paths (csrc/cpu/quant_gemv.h's Path), worst to best (x86's, then Arm's: a CPU runs
+# portable and one family's); the cpu_gemv_isa variant forces one.
+PATHS = ("portable", "avx2", "avx_vnni", "avx512_vnni", "neon_dotprod")
 ACTIVATION_BITS = (8, 16)
 # Multiply-adds below which a call runs on the calling thread alone. The threads are torch's own
 # OpenMP team (csrc/cpu/gemv.cpp). Every decode GEMV is split: splitting only the large calls
 # left the team's workers idle between them and made a 2-thread decode slower than one thread
 # (bench/results/2026-12-05-xeon-cpu-vs-llamacpp.md). Below 2^16 the barrier outweighs the rows.
 PARALLEL_MIN_MACS = 1 << 16
-_PACKED_KEY = "cpu-gemv"
+_PACKED_KEY = "cpu-gemv"  # weight.packed: the tiles
+_FORMAT_KEY = "cpu-gemv-format"  # weight.packed: their format, one of TILE_FORMATS
+# csrc/cpu/quant_gemv.h's Format: int4_sym is int4 whose every group has m == -8 d exactly
+# (GGUF Q4_0), packed without the m (4.5 bits a weight, not 5) and giving the same bits.
+TILE_FORMATS = ("int8", "int4", "int4_sym")
 
 
 @functools.cache
@@ -76,24 +82,55 @@ def best_path() -> str:
 
 
 def packed(weight: QuantizedWeight) -> torch.Tensor:
-    """The weight's 16-row tiles (uint8), built once per weight and kept in weight.packed."""
+    """The weight's 16-row tiles (uint8), built once per weight and kept in weight.packed with
+    their format (tile_format): int4_sym where every int4 group has m == -8 d, else the
+    weight's own format."""
     tiles = weight.packed.get(_PACKED_KEY)
     if tiles is None:
         cpu_kernels, (n, k) = _module(), weight.shape
         if weight.format == "int4":
-            tiles = torch.empty(cpu_kernels.int4_packed_bytes(n=n, k=k), dtype=torch.uint8)
             qweight, scales = weight.qweight.contiguous(), weight.scales.half().contiguous()
             mins = weight.mins.half().contiguous()
+            symmetric = cpu_kernels.int4_symmetric(
+                scales=scales.data_ptr(), mins=mins.data_ptr(), count=scales.numel()
+            )
+            fmt = "int4_sym" if symmetric else "int4"
+            code = cpu_kernels.FORMATS[fmt]
+            tiles = torch.empty(cpu_kernels.packed_bytes(format=code, n=n, k=k), dtype=torch.uint8)
             cpu_kernels.pack_int4(
                 out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(),
-                mins=mins.data_ptr(), n=n, k=k, group=weight.group_size,
+                mins=mins.data_ptr(), n=n, k=k, group=weight.group_size, format=code,
             )  # fmt: skip
         else:
-            tiles = torch.empty(cpu_kernels.int8_packed_bytes(n=n, k=k), dtype=torch.uint8)
+            fmt, code = "int8", cpu_kernels.FORMATS["int8"]
+            tiles = torch.empty(cpu_kernels.packed_bytes(format=code, n=n, k=k), dtype=torch.uint8)
             qweight = weight.qweight.contiguous()
             cpu_kernels.pack_int8(out=tiles.data_ptr(), qweight=qweight.data_ptr(), n=n, k=k)
+        weight.packed[_FORMAT_KEY] = fmt
         weight.packed[_PACKED_KEY] = tiles
     return tiles
+
+
+def tile_format(weight: QuantizedWeight) -> str:
+    """The format of the weight's tiles (one of TILE_FORMATS; packs them if not yet packed)."""
+    packed(weight)
+    return weight.packed[_FORMAT_KEY]
+
+
+def tile_format_code(weight: QuantizedWeight) -> int:
+    """tile_format as csrc/cpu/'s Format code (the `format` argument of gemv and layer_tail)."""
+    return _module().FORMATS[tile_format(weight)]
+
+
+def scales_address(weight: QuantizedWeight) -> int:
+    """The address of an int8 weight's per-channel fp32 scales (made once, kept in
+    weight.packed); 0 for int4, whose scales are in its tiles."""
+    if weight.format != "int8":
+        return 0
+    per_channel = weight.packed.get("cpu-gemv-scales")
+    if per_channel is None:
+        per_channel = weight.packed["cpu-gemv-scales"] = weight.scales.float().contiguous()
+    return per_channel.data_ptr()
 
 
 def _threads(macs: int) -> int:
@@ -132,16 +169,10 @@ def quant_gemv(
         out = torch.empty(m, n, dtype=torch.float32)
     elif tuple(out.shape) != (m, n) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be contiguous ({m}, {n}) fp32")
-    tiles = packed(weight)
-    scales = 0
-    if weight.format == "int8":
-        per_channel = weight.packed.get("cpu-gemv-scales")
-        if per_channel is None:
-            per_channel = weight.packed["cpu-gemv-scales"] = weight.scales.float().contiguous()
-        scales = per_channel.data_ptr()
     cpu_kernels.gemv(
-        int4=weight.format == "int4", y=out.data_ptr(), y_stride=n, x=x.data_ptr(),
-        x_stride=x.stride(0), packed=tiles.data_ptr(), scales=scales, m=m, n=n, k=k,
+        format=tile_format_code(weight), y=out.data_ptr(), y_stride=n, x=x.data_ptr(),
+        x_stride=x.stride(0), packed=packed(weight).data_ptr(), scales=scales_address(weight),
+        m=m, n=n, k=k,
         threads=threads or _threads(m * n * k),
         path=cpu_kernels.PATHS[path or best_path()], activation_bits=activation_bits,
     )  # fmt: skip

@@ -1,0 +1,126 @@
+// The layer tail (layer_tail.h): three GEMVs and the elementwise passes between them.
+
+#include "layer_tail.h"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "parallel.h"
+#include "quant_gemv.h"
+
+namespace pagedkern_cpu {
+namespace {
+
+constexpr int kLanes = 16;  // partial sums of a row's squares, combined in a fixed order
+
+// e^x within ~3e-7 relative, in operations the compiler vectorizes (no libm call): x = n ln2 + r,
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n by exponent bits. Saturates below
+// -87.3 (to ~1e-38) and above 88.3 (to ~2e38, n <= 127); NaN stays NaN.
+inline float fast_exp(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  x = x > 88.3f ? 88.3f : x;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float t = x * 1.44269504f + shifter;
+  const float n = t - shifter;
+  float r = x - n * 0.693145752f;  // ln2 split in two for an exact n * ln2_hi
+  r = r - n * 1.42860677e-6f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  bits = (bits - 0x4B400000 + 127) << 23;  // 2^n
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// residual[r] += y[r]; out[r] = residual[r] * rsqrt(mean(residual[r]^2) + eps) * weight
+void add_rms_norm(float* residual, const float* y, float* out, const float* weight, float eps,
+                  int h) {
+  float partial[kLanes] = {};
+  int i = 0;
+  for (; i + kLanes <= h; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = residual[i + l] + y[i + l];
+      residual[i + l] = v;
+      partial[l] += v * v;
+    }
+  for (; i < h; ++i) {
+    const float v = residual[i] + y[i];
+    residual[i] = v;
+    partial[i % kLanes] += v * v;
+  }
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) partial[l] += partial[l + width];
+  const float inv = 1.0f / std::sqrt(partial[0] / float(h) + eps);
+  for (int j = 0; j < h; ++j) out[j] = residual[j] * inv * weight[j];
+}
+
+// out[j] = silu(g[j]) * g[I + j]
+void silu_and_mul(const float* g, float* out, int intermediate) {
+  for (int j = 0; j < intermediate; ++j) {
+    const float x = g[j];
+    out[j] = x / (1.0f + fast_exp(-x)) * g[intermediate + j];
+  }
+}
+
+void linear(const QuantLinear& w, const LayerTailArgs& a, const float* x, int64_t x_stride,
+            float* y) {
+  const int64_t macs = int64_t(a.m) * w.n * w.k;
+  gemv(w.format, y, w.n, x, x_stride, w.packed, w.scales, a.m, w.n, w.k,
+       macs >= a.parallel_min_macs ? a.threads : 1, a.path, a.activation_bits);
+  if (w.bias != nullptr)
+    for (int r = 0; r < a.m; ++r)
+      for (int j = 0; j < w.n; ++j) y[int64_t(r) * w.n + j] += w.bias[j];
+}
+
+// body(r) for every row r, rows split over the team from the GEMVs' threshold of work
+template <typename Body>
+void for_rows(const LayerTailArgs& a, int64_t work_per_row, const Body& body) {
+  const int threads = int64_t(a.m) * work_per_row >= a.parallel_min_macs ? a.threads : 1;
+  parallel(std::min(threads, a.m), [&](int part, int parts) {
+    const int r1 = int(int64_t(a.m) * (part + 1) / parts);
+    for (int r = int(int64_t(a.m) * part / parts); r < r1; ++r) body(r);
+  });
+}
+
+}  // namespace
+
+void layer_tail(const LayerTailArgs& a, const float* attn, int64_t attn_stride, float* residual,
+                float* h_out) {
+  const int h = a.hidden, inter = a.intermediate;
+  if (a.o.n != h || a.gate_up.n != 2 * inter || a.gate_up.k != h || a.down.n != h ||
+      a.down.k != inter)
+    throw std::invalid_argument("layer_tail: the weights' shapes do not chain");
+  if (a.m <= 0) return;
+  // reused across the 30-odd layers of a step and across steps (a decode step's sizes repeat)
+  thread_local std::vector<float> y_buf, g_buf, act_buf;
+  y_buf.resize(size_t(a.m) * h);
+  g_buf.resize(size_t(a.m) * 2 * inter);
+  act_buf.resize(size_t(a.m) * inter);
+  float *y = y_buf.data(), *g = g_buf.data(), *act = act_buf.data();
+
+  linear(a.o, a, attn, attn_stride, y);
+  for_rows(a, h, [&](int r) {
+    const int64_t at = int64_t(r) * h;
+    add_rms_norm(residual + at, y + at, h_out + at, a.post_norm, a.eps, h);
+  });
+  linear(a.gate_up, a, h_out, h, g);
+  for_rows(a, int64_t(inter) * 8, [&](int r) {
+    silu_and_mul(g + int64_t(r) * 2 * inter, act + int64_t(r) * inter, inter);
+  });
+  linear(a.down, a, act, inter, y);
+  for_rows(a, h, [&](int r) {
+    const int64_t at = int64_t(r) * h;
+    add_rms_norm(residual + at, y + at, h_out + at, a.next_norm, a.eps, h);
+  });
+}
+
+}  // namespace pagedkern_cpu

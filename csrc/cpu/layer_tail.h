@@ -1,0 +1,47 @@
+// pagedkern._cpu: a Llama-family layer after attention in one call, fp32 rows:
+//   h = attn @ Wo.T (+ bo);              residual += h;  h = rms_norm(residual) * post_norm
+//   g = h @ Wgu.T (+ bgu);               a = silu(g[:, :I]) * g[:, I:]
+//   h = a @ Wd.T (+ bd);                 residual += h;  h = rms_norm(residual) * next_norm
+// with the quantized GEMV of quant_gemv.h for the three products.
+//
+// Design: at batch 1 the layer's math between GEMVs is ~10 kFLOP, while the ops that express it
+// in torch cost ~10 µs of dispatch each (Python, then ATen); one call here replaces ~15 of them
+// and the three GEMVs' Python wrappers. The elementwise passes run over rows split across
+// torch's OpenMP team (parallel.h) and are written as plain loops the compiler vectorizes for
+// the baseline ISA (the module's one build serves every x86-64): the bits are the same on every
+// CPU and a row's result never depends on the other rows, M, or the thread count, so the
+// engine's outputs stay independent of batch make-up. The statistics and products are fp32 as
+// the reference defines them (reference/norm.py, reference/activation.py); the sums run in a
+// fixed order of 16 partial sums, so they round differently from torch's (~1e-7 relative).
+
+#pragma once
+
+#include <cstdint>
+
+namespace pagedkern_cpu {
+
+struct QuantLinear {
+  int format;             // the tiles' Format (quant_gemv.h)
+  const uint8_t* packed;  // pack.cpp's tiles
+  const float* scales;    // int8: per output channel; int4: unused
+  const float* bias;      // [n] or nullptr
+  int n, k;
+};
+
+struct LayerTailArgs {
+  QuantLinear o, gate_up, down;
+  const float* post_norm;  // [hidden]
+  const float* next_norm;  // [hidden]
+  float eps;
+  int m, hidden, intermediate;
+  int threads;             // the team's size for the GEMVs and row passes from
+                           // `parallel_min_macs` multiply-adds (or elementwise steps) up
+  int64_t parallel_min_macs;
+  int path, activation_bits;
+};
+
+// attn [m, o.k] (row stride attn_stride), residual [m, hidden] in place, h_out [m, hidden].
+void layer_tail(const LayerTailArgs& args, const float* attn, int64_t attn_stride,
+                float* residual, float* h_out);
+
+}  // namespace pagedkern_cpu
