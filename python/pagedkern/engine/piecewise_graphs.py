@@ -46,7 +46,7 @@ import torch
 
 from ..model import BatchLayout, KVCache, LlamaModel
 from ..model.attention_metadata import AttentionMetadata
-from ..model.llama import linear
+from ..model.linear import linear
 from ..model.step_attention import StepAttention
 from ..ops import launch
 from .cuda_graphs import StaticInputs

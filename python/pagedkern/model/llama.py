@@ -33,35 +33,12 @@ from .attention_metadata import AttentionMetadata
 from .collectives import SINGLE, Collectives
 from .config import ModelConfig
 from .kv_cache import FP8, KV_CACHE_DTYPES, KVCache, KVLayerGroups, allocate_kv_cache
+from .linear import LogitsProjection, linear
 from .moe import moe_mlp
 from .quantized_linear import QuantizedWeight
 from .rope import rope_table
 from .step_attention import StepAttention
 from .weights import LayerWeights, Linear, LlamaWeights
-
-_mm_out_dtype_works: bool | None = None  # torch.mm(..., out_dtype=) on CUDA, probed once
-
-
-def _mm_fp32_out(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """h @ weight.T as fp32 straight from a half-precision GEMM (CUDA, recent torch), or None."""
-    global _mm_out_dtype_works
-    if not h.is_cuda or _mm_out_dtype_works is False:
-        return None
-    try:
-        out = torch.mm(h, weight.t(), out_dtype=torch.float32)
-    except (TypeError, RuntimeError, NotImplementedError):
-        _mm_out_dtype_works = False
-        return None
-    _mm_out_dtype_works = True
-    return out
-
-
-def linear(x: torch.Tensor, weight: Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias: ops.quant_linear for quantized weights, else torch's GEMM."""
-    launch.record_launch("gemm")
-    if isinstance(weight, QuantizedWeight):
-        return ops.quant_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 class LlamaModel:
@@ -114,7 +91,7 @@ class LlamaModel:
         scale = config.embed_scale
         self._embed_scale = None if scale is None else float(torch.tensor(scale, dtype=self.dtype))
         self._layer_index: dict[int, int] = {}  # id(LayerWeights) -> its layer (_attention)
-        self._lm_head_fp32: torch.Tensor | None = None  # fallback for fp32 logits, made lazily
+        self._logits = LogitsProjection(config.final_soft_cap)
         # CPU backend: the decode rows' K/V copies kept between steps (StepAttention's)
         self._decode_copies = DecodeCopies()
         self._ops = ops  # the step's op table (_step_ops)
@@ -178,27 +155,8 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final hidden states -> [N, vocab] float32 logits (this rank's vocabulary
-        rows under tensor parallelism).
-
-        Logits rounded to bf16 (spacing 0.125 near 25) turn close calls into ties, so half-
-        precision models get an fp32-output GEMM where torch has one (CUDA), else a GEMM
-        against an fp32 copy of the LM head (V*H*4 bytes, made on first use)."""
-        head = self.weights.lm_head
-        launch.record_launch("gemm")
-        if isinstance(head, QuantizedWeight):  # bf16 logits: measured, see README
-            logits = ops.quant_linear(hidden, head).float()
-        elif hidden.dtype == torch.float32:
-            logits = F.linear(hidden, head)
-        else:
-            logits = _mm_fp32_out(hidden, head)
-            if logits is None:
-                if self._lm_head_fp32 is None:
-                    self._lm_head_fp32 = head.float()
-                logits = F.linear(hidden.float(), self._lm_head_fp32)
-        cap = self.config.final_soft_cap
-        if cap is not None:  # (Gemma 2) transformers' order: divide, tanh, multiply
-            logits = logits.div_(cap).tanh_().mul_(cap)
-        return logits
+        rows under tensor parallelism; model/linear.py LogitsProjection)."""
+        return self._logits(hidden, self.weights.lm_head)
 
     @torch.inference_mode()
     def describe(self) -> str:

@@ -1,0 +1,70 @@
+"""The model's GEMMs: a linear layer over plain or quantized weights, and the LM head's
+projection to float32 logits."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..ops import launch
+from .quantized_linear import QuantizedWeight
+from .weights import Linear
+
+_mm_out_dtype_works: bool | None = None  # torch.mm(..., out_dtype=) on CUDA, probed once
+
+
+def linear(x: torch.Tensor, weight: Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias: ops.quant_linear for quantized weights, else torch's GEMM."""
+    launch.record_launch("gemm")
+    if isinstance(weight, QuantizedWeight):
+        return ops.quant_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def mm_fp32_out(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """h @ weight.T as fp32 straight from a half-precision GEMM (CUDA, recent torch), or None."""
+    global _mm_out_dtype_works
+    if not h.is_cuda or _mm_out_dtype_works is False:
+        return None
+    try:
+        out = torch.mm(h, weight.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        _mm_out_dtype_works = False
+        return None
+    _mm_out_dtype_works = True
+    return out
+
+
+class LogitsProjection:
+    """[N, H] final hidden states -> [N, vocab] float32 logits through an LM head.
+
+    Logits rounded to bf16 (spacing 0.125 near 25) turn close calls into ties, so half-precision
+    models get an fp32-output GEMM where torch has one (CUDA), else a GEMM against an fp32 copy
+    of the head (V*H*4 bytes, made on first use and kept). A quantized head gives bf16 logits
+    (measured: see README), widened."""
+
+    def __init__(self, soft_cap: float | None = None):
+        self.soft_cap = soft_cap  # (Gemma 2) the final logits' soft cap
+        self._head_fp32: torch.Tensor | None = None
+        self._head_of_copy: torch.Tensor | None = None  # the head _head_fp32 was made from
+
+    def __call__(self, hidden: torch.Tensor, head: Linear) -> torch.Tensor:
+        launch.record_launch("gemm")
+        if isinstance(head, QuantizedWeight):
+            logits = ops.quant_linear(hidden, head).float()
+        elif hidden.dtype == torch.float32:
+            logits = F.linear(hidden, head)
+        else:
+            logits = mm_fp32_out(hidden, head)
+            if logits is None:
+                logits = F.linear(hidden.float(), self._fp32_copy(head))
+        cap = self.soft_cap
+        if cap is not None:  # transformers' order: divide, tanh, multiply
+            logits = logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+    def _fp32_copy(self, head: torch.Tensor) -> torch.Tensor:
+        if self._head_of_copy is not head:
+            self._head_fp32, self._head_of_copy = head.float(), head
+        return self._head_fp32
