@@ -126,6 +126,24 @@ def test_across_key_tiles(lengths, kernels):
     _assert_planned_equals_one_shot(_model(kv_cache_dtype="fp8"), [3, 520], kernels)
 
 
+@pytest.mark.parametrize("lengths", [[37], [5, 600, 270]])
+def test_the_planned_step_reduces_over_whole_key_tiles(lengths, monkeypatch):
+    """As the one-shot op (test_cpu_backend_attention): every scores GEMM spans, and every
+    weighted sum reduces over, one whole tile of keys, so a row's bits do not hang on how a
+    BLAS blocks a reduction of the batch's longest length."""
+    model = _model()
+    kv, (ids, meta) = _prefilled(model, lengths)
+    spans, real_bmm, d = [], torch.bmm, model.config.head_dim
+
+    def bmm(a, b, **kwargs):  # scores: q [B, M, D] @ keys [B, D, T]; sums: p [B, M, T] @ V
+        spans.append(b.shape[2] if a.shape[2] == d else a.shape[2])
+        return real_bmm(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "bmm", bmm)
+    model.hidden_states(ids, meta, kv)
+    assert spans and set(spans) == {decode_attention.key_tile(BLOCK)}, sorted(set(spans))
+
+
 @pytest.mark.parametrize("lengths", [[37], [5, 40, 16, 17]])
 def test_a_softmax_scale_not_a_power_of_two(lengths, kernels):
     # head_dim 16 (tiny) and 64 (the default model) fold the scale into q; 32 keeps the

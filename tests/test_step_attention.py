@@ -205,8 +205,10 @@ def test_decode_graphs_plan_each_size_once_and_run_it_every_step(monkeypatch):
         layout = layout_batch(chunks, BLOCK)
         got = graphs.run(layout)  # bucket 4: the static path, eagerly on the CPU
         want = model(*layout.upload(), eager_kv)
-        assert torch.equal(got, want)
-        assert torch.equal(kv.data, eager_kv.data)
+        # to rounding: the static path's GEMMs have 4 rows (a padding row), the eager ones 3,
+        # and a float32 BLAS GEMM may round a row by the rows beside it (an AMD EPYC's MKL does)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv.data, eager_kv.data, rtol=1e-5, atol=1e-5)
     attention = graphs.static_step(4)[2]
     assert attention.num_plans == 2  # sliding and global layers
     # the static path's plans: two, at its first step (batch 4; its padding rows keep the CPU

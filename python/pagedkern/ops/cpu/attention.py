@@ -4,21 +4,22 @@ instead of the reference's whole score matrix (a 2048-token prefill: 2048 x 2048
 a layer, ~70% of its time in bmm + softmax + masked_fill).
 
 Design. A group of sequences is gathered once (keys [S * Hkv, D, W], values [S * Hkv, W, D],
-float32, W their longest whole-block width) and its query rows cut into blocks of QUERY_BLOCK
-positions (x the GQA group: one GEMM row per query head of a KV head). A block walks the key
-tiles [j * T, (j + 1) * T) that its last query reaches; per tile: scores by bmm, scale, soft-cap,
-mask, then a row softmax and its bmm with the values, merged into the running output:
+float32, W their longest length in whole tiles) and its query rows cut into blocks of
+QUERY_BLOCK positions (x the GQA group: one GEMM row per query head of a KV head). A block walks
+the key tiles [j * T, (j + 1) * T) that its last query reaches, every tile whole; per tile:
+scores by bmm, scale, soft-cap, mask, then a row softmax and its bmm with the values, merged
+into the running output:
 
     m' = max(m, m_j)   L' = L * e^(m - m') + r_j   with r_j = e^(m_j - m') / max(p_j)
     o' = o * (L * e^(m - m') / L') + o_j * (r_j / L')
 
 where m_j is the tile's row max, p_j its softmax (max(p_j) = 1 / its sum of exponentials) and o_j
 = p_j V_j the tile's own attention. The output stays normalised, so a row whose keys fit in one
-tile gets o_j itself (r / r = 1): bit for bit the reference's function there. A tile a row sees
-nothing of (causal, past its length) leaves it exactly as it was (r = 0, e^0 = 1, L / L = 1),
-so a row's result never depends on how many tiles its block walked; with the fixed tile
-boundaries, the GEMMs' minimum of MIN_GEMM_ROWS rows and keys padded to whole blocks (the
-reference's rules for batch invariance), a query row's bits do not depend on its chunk, its
+tile gets o_j itself (r / r = 1): the reference's function there. A tile a row sees nothing of
+(causal, past its length) leaves it exactly as it was (r = 0, e^0 = 1, L / L = 1), so a row's
+result never depends on how many tiles its block walked. With the fixed tile boundaries, whole
+tiles (each GEMM reduces over the same keys whatever the chunk) and the GEMMs' minimum of
+MIN_GEMM_ROWS rows (the reference's rule), a query row's bits do not depend on its chunk, its
 block, its neighbours, or whether it is a decode row (paged_attention is flash_prefill over
 one-token chunks). Sinks start the merge as a key of their own: m = sink, L = 1, o = 0.
 
@@ -36,9 +37,11 @@ import torch
 from ... import reference
 from ...reference.attention import MIN_GEMM_ROWS
 
-# Keys a tile (rounded to whole blocks). At most 384 on purpose: this machine's BLAS splits a
-# GEMM's reduction over more than 384 keys, so a row's p . V over 512 keys, 160 of them masked
-# (weight 0), rounds apart from the same row over its 352 keys; up to 384 they agree.
+# Keys a tile (rounded to whole blocks). Every tile is whole: keys are padded (hidden, values
+# zero) to a whole number of tiles, so each GEMM reduces over exactly one tile's keys. A BLAS
+# splits a long reduction into blocks of its own choosing (MKL: over 384 keys on a Sapphire
+# Rapids Xeon, over 192 on an AMD EPYC), so a row's p . V over 256 keys, some masked (weight 0),
+# can round apart from the same row over fewer keys; over the same keys it cannot.
 KEY_TILE = 256
 QUERY_BLOCK = 256  # query positions a block (each times the GQA group as GEMM rows)
 _GROUP_BUDGET = 1 << 25  # elements of a group's gathered keys and values together
@@ -49,6 +52,11 @@ Hide = Callable[[torch.Tensor, int, int], None]  # masks scores of keys [c0, c1)
 def key_tile(block_size: int) -> int:
     """KEY_TILE rounded to whole blocks (tiles never end inside a block)."""
     return block_size * max(1, KEY_TILE // block_size)
+
+
+def whole_tiles(keys: int, tile: int) -> int:
+    """`keys` rounded up to whole tiles (at least one)."""
+    return max(1, -(-keys // tile)) * tile
 
 
 def tiled_attention(
@@ -66,7 +74,8 @@ def tiled_attention(
     alive_until: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of q [B, M, D] fp32 over keys [B, D, W] and values [B, W, D] fp32 (any
-    strides), in tiles of `tile` keys up to `reach` (later keys hidden from every row).
+    strides), in tiles of `tile` keys up to `reach`, a whole number of tiles (later keys
+    hidden from every row).
     scale None: q already carries it. hide(scores, c0, c1): sets the hidden scores of keys
     c0..c1-1 to -inf in place (scores [B, M, c1 - c0]), called only for tiles that end past
     `open_until` (keys below it are visible to every row). alive_until: every row sees a key
@@ -75,6 +84,8 @@ def tiled_attention(
     Returns (out [B, M, D] fp32, lse [B, M] or None); rows that see no key: out 0, lse -inf
     (with a sink: out 0, lse the sink)."""
     b, m_rows, d = q.shape
+    if reach % tile:
+        raise ValueError(f"reach ({reach}) must be a whole number of tiles of {tile} keys")
     if reach <= tile and sink is None and not need_lse and alive_until != 0:
         # one tile that every row sees a key of: the merge below would return its own
         # attention unchanged (the decode step's common case: ~9 small ops a layer saved)
@@ -96,7 +107,7 @@ def tiled_attention(
     # finite and L positive, so the guards below would pass every value through unchanged.
     live = open_until >= 1 or sink is not None
     for c0 in range(0, reach, tile):
-        c1 = min(c0 + tile, reach)
+        c1 = c0 + tile
         scores = torch.bmm(q, keys[:, :, c0:c1])
         if scale is not None:
             scores.mul_(scale)
@@ -239,8 +250,9 @@ def _groups(chunks: list[int], lengths: list[int], block_size: int, per_key: int
     groups: list[list[int]] = []
     group: list[int] = []
     rows = width = 0
+    tile = key_tile(block_size)
     for i in sorted((i for i, n in enumerate(chunks) if n > 0), key=chunks.__getitem__):
-        own = -(-lengths[i] // block_size) * block_size  # its keys in whole blocks
+        own = whole_tiles(lengths[i], tile)  # its keys in whole tiles
         w = max(width, own)
         padded = (len(group) + 1) * chunks[i]  # by chunk length: i's is the longest
         if group and (
@@ -267,8 +279,8 @@ def _group_attention(
     q, k_cache, v_cache, tables, starts, chunks, lengths, scale, soft_cap, sinks, need_lse
 ):
     """One group of S sequences: chunks padded to the longest (T steps, at least
-    MIN_GEMM_ROWS GEMM rows), keys to the longest whole-block width W. -> (q rows, out, lse)
-    of the real rows back to back."""
+    MIN_GEMM_ROWS GEMM rows), keys to the longest length in whole tiles, W. -> (q rows, out,
+    lse) of the real rows back to back."""
     hq, d = q.shape[1:]
     hkv, block_size = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -280,11 +292,15 @@ def _group_attention(
     real = step[None, :] < n[:, None]  # [S, T]
     rows = torch.where(real, first[:, None] + step[None, :], first[:, None])
     positions = (lens - n)[:, None] + step[None, :]  # [S, T]
-    nblk = -(-max(lengths) // block_size)
+    tile = key_tile(block_size)
+    width = whole_tiles(max(lengths), tile)
+    nblk = width // block_size
     cols = torch.arange(nblk)
     in_seq = cols[None, :] < (-(-lens // block_size))[:, None]
-    pages = torch.where(in_seq, tables[:, :nblk].long(), 0)
-    width = nblk * block_size
+    table = tables[:, :nblk].long()
+    if table.shape[1] < nblk:  # (the padding reads block 0, hidden and zeroed)
+        table = torch.nn.functional.pad(table, (0, nblk - table.shape[1]))
+    pages = torch.where(in_seq, table, 0)
     slots = torch.arange(width)
     past = slots[None, :] >= lens[:, None]  # [S, W]: keys past a length (never read)
     keys = _gather(k_cache, pages, (4, 1, 3)).view(s_count * hkv, d, width)
@@ -298,7 +314,6 @@ def _group_attention(
         # q, the GEMM yields the scaled scores bit for bit, without a pass over each tile
         qg, scale = qg * scale, None
     sink_rows = None if sinks is None else sinks.float().view(1, hkv, 1, g)
-    tile = key_tile(block_size)
     out = torch.empty(s_count, hkv, t_max, g, d)
     lse = torch.empty(s_count, hkv, t_max, g) if need_lse else None
     blocks = list(range(0, t_max, QUERY_BLOCK))
@@ -309,8 +324,7 @@ def _group_attention(
         steps = t1 - t0
         pos = positions[:, t0:t1]  # [S, t]
         visible_end = torch.minimum(pos, (lens - 1)[:, None])  # padded rows: within the length
-        reach = int(visible_end.max()) + 1
-        reach = min(width, -(-reach // block_size) * block_size)
+        reach = whole_tiles(int(visible_end.max()) + 1, tile)
         hidden = slots[None, None, :reach] > visible_end[:, :, None]  # [S, t, reach]
         nearest = int(visible_end.min()) + 1  # keys below it: visible to every row
 

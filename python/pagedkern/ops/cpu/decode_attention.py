@@ -4,18 +4,18 @@ float32 copy of the decode rows' K/V that outlives the step.
 Under the one-shot op (attention.paged_attention) every layer of every step gathers its
 sequences' pages into float32 again: at decode that copy, not the math, is most of the cost.
 Here a step's plan (DecodeRows, one per block table the step's layers read) holds, per layer,
-the copy [2, Hkv, G, P, D] (G decode rows, P their longest length in whole blocks; slots past a
-length zeroed), kept to the next step (DecodeCopies, owned by the model). The next step reuses
-it when every row is the same sequence one token on (lengths + 1, the same padded width, the
-same block ids wherever the last lengths reached: 15 of 16 steps of a steady batch, staggered
-lengths too): its run then appends the layer's new k/v (as the cache stores them) instead of
-gathering. Otherwise the first run of each layer gathers afresh (after rope_and_cache wrote this
-step's k/v, so the copy is what a gather reads).
+the copy [2, Hkv, G, P, D] (G decode rows, P their longest length in whole key tiles; slots
+past a length zeroed), kept to the next step (DecodeCopies, owned by the model). The next step
+reuses it when every row is the same sequence one token on (lengths + 1, the same padded width,
+the same block ids wherever the last lengths reached: 255 of 256 steps of a steady batch,
+staggered lengths too): its run then appends the layer's new k/v (as the cache stores them)
+instead of gathering. Otherwise the first run of each layer gathers afresh (after
+rope_and_cache wrote this step's k/v, so the copy is what a gather reads).
 
 A run is then a few ops: q copied (scaled) into zero-padded GEMM rows, attention.tiled_attention
 over the copy (one tile while the keys fit in one: bmm, mask, softmax, bmm), the output copied
 back. It computes attention.paged_attention's function bit for bit (the same tiles of keys, the
-same scale folding, the keys padded to whole blocks, at least MIN_GEMM_ROWS rows a GEMM), so a
+same scale folding, the keys padded to whole tiles, at least MIN_GEMM_ROWS rows a GEMM), so a
 decode row's result does not depend on whether its step planned (the model's steps) or called
 the op (shadow mode, attention_plan:off), nor on the other rows of its batch: the engine's
 greedy outputs stay independent of batch make-up (tests/test_cpu_decode.py).
@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from ...reference.attention import MIN_GEMM_ROWS
-from .attention import key_tile, tiled_attention
+from .attention import key_tile, tiled_attention, whole_tiles
 
 
 class _Copies(NamedTuple):
@@ -116,8 +116,9 @@ class DecodeRows:
         self.lengths = lengths
         self.rows = g = len(lengths)
         self.block_size = block_size
-        self.width = nblk = -(-max(lengths) // block_size)
-        self.padded = padded = nblk * block_size
+        self.tile = tile = key_tile(block_size)
+        self.padded = padded = whole_tiles(max(lengths), tile)  # as the one-shot op pads
+        self.width = nblk = padded // block_size
         self.blocks = self.used = self.tensor_pages = None
         if g * nblk <= HOST_ENTRIES:
             table_rows = block_tables[:, :nblk].tolist()
@@ -128,12 +129,13 @@ class DecodeRows:
             keep = keep and len(set(map(tuple, table_rows))) == g  # distinct sequences
             self.bias = None
             if any(n < padded for n in lengths):  # the softmax mask, batch index head * G + row
-                inf = float("-inf")
-                bias = [[0.0] * n + [inf] * (padded - n) for n in lengths]
-                self.bias = torch.tensor(bias).view(g, 1, padded)
+                past = torch.arange(padded)[None, :] >= torch.tensor(lengths)[:, None]
+                self.bias = torch.zeros(g, 1, padded).masked_fill_(past[:, None], float("-inf"))
             self.dst = torch.tensor([i * padded + n - 1 for i, n in enumerate(lengths)])
         else:
             tables = block_tables[:, :nblk].long()
+            if tables.shape[1] < nblk:  # (the padding reads block 0, zeroed)
+                tables = torch.nn.functional.pad(tables, (0, nblk - tables.shape[1]))
             starts = torch.arange(0, padded, block_size)
             lens = torch.tensor(lengths)
             self.used = starts[None, :] < lens[:, None]
@@ -148,7 +150,6 @@ class DecodeRows:
             self.dst = torch.arange(g) * padded + (lens - 1)  # the new token's slot
         self.layers, self.reused = copies.claim(ordinal, self, keep)
         self.reused = self.reused and keep
-        self.tile = key_tile(block_size)
         self.nearest = min(lengths)  # keys below it: visible to every row
         self._buffers: dict[tuple, _Buffers] = {}
 
@@ -161,8 +162,10 @@ class DecodeRows:
     def past(self) -> torch.Tensor | None:
         """[n] the slots past the rows' lengths in [G * P] order, None if none."""
         padded, lengths = self.padded, self.lengths
-        past = [i * padded + j for i, n in enumerate(lengths) for j in range(n, padded)]
-        return torch.tensor(past, dtype=torch.long) if past else None
+        if all(n == padded for n in lengths):
+            return None
+        past = torch.arange(padded)[None, :] >= torch.tensor(lengths)[:, None]
+        return past.view(-1).nonzero().squeeze(1)
 
     def operands(self, k_cache, v_cache, k, v) -> _Layer:
         """The layer's copy (keys [Hkv * G, D, P], values [Hkv * G, P, D]): the last step's plus
