@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from kernel_check import assert_close_to, poisoned
+from support.key_spans import record_key_spans
 
 from pagedkern import ops, reference
 from pagedkern.ops.cpu import attention
@@ -155,14 +156,7 @@ def test_every_gemm_reduces_over_whole_key_tiles(monkeypatch, block_size):
     its length or its neighbours (a BLAS blocks a long reduction its own way: an AMD EPYC's
     MKL rounds a sum over 240 keys apart from the same sum over 256 with 16 zero weights)."""
     tile = attention.key_tile(block_size)
-    spans = []
-    real_bmm = torch.bmm
-
-    def bmm(a, b, **kwargs):  # scores: q [B, M, D] @ keys [B, D, T]; sums: p [B, M, T] @ V
-        spans.append(b.shape[2] if a.shape[2] == D else a.shape[2])
-        return real_bmm(a, b, **kwargs)
-
-    monkeypatch.setattr(torch, "bmm", bmm)
+    spans = record_key_spans(monkeypatch, D)
     q, k, v, cu, tables, lens = _prefill_inputs(
         [37, 1, 5, 300], [737, 20, 250, 1100], 9, 3, block_size, torch.float32, 11
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.key_spans import record_key_spans
 
 from pagedkern import ops
 from pagedkern.model import PRESETS, SequenceChunk, build_batch, load_model
@@ -133,13 +134,7 @@ def test_the_planned_step_reduces_over_whole_key_tiles(lengths, monkeypatch):
     BLAS blocks a reduction of the batch's longest length."""
     model = _model()
     kv, (ids, meta) = _prefilled(model, lengths)
-    spans, real_bmm, d = [], torch.bmm, model.config.head_dim
-
-    def bmm(a, b, **kwargs):  # scores: q [B, M, D] @ keys [B, D, T]; sums: p [B, M, T] @ V
-        spans.append(b.shape[2] if a.shape[2] == d else a.shape[2])
-        return real_bmm(a, b, **kwargs)
-
-    monkeypatch.setattr(torch, "bmm", bmm)
+    spans = record_key_spans(monkeypatch, model.config.head_dim)
     model.hidden_states(ids, meta, kv)
     assert spans and set(spans) == {decode_attention.key_tile(BLOCK)}, sorted(set(spans))
 

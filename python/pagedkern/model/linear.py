@@ -41,13 +41,12 @@ class LogitsProjection:
 
     Logits rounded to bf16 (spacing 0.125 near 25) turn close calls into ties, so half-precision
     models get an fp32-output GEMM where torch has one (CUDA), else a GEMM against an fp32 copy
-    of the head (V*H*4 bytes, made on first use and kept). A quantized head gives bf16 logits
-    (measured: see README), widened."""
+    of the head (V*H*4 bytes, made on first use: one head per model). A quantized head gives
+    bf16 logits (measured: see README), widened."""
 
     def __init__(self, soft_cap: float | None = None):
         self.soft_cap = soft_cap  # (Gemma 2) the final logits' soft cap
         self._head_fp32: torch.Tensor | None = None
-        self._head_of_copy: torch.Tensor | None = None  # the head _head_fp32 was made from
 
     def __call__(self, hidden: torch.Tensor, head: Linear) -> torch.Tensor:
         launch.record_launch("gemm")
@@ -58,13 +57,10 @@ class LogitsProjection:
         else:
             logits = mm_fp32_out(hidden, head)
             if logits is None:
-                logits = F.linear(hidden.float(), self._fp32_copy(head))
+                if self._head_fp32 is None:
+                    self._head_fp32 = head.float()
+                logits = F.linear(hidden.float(), self._head_fp32)
         cap = self.soft_cap
         if cap is not None:  # transformers' order: divide, tanh, multiply
             logits = logits.div_(cap).tanh_().mul_(cap)
         return logits
-
-    def _fp32_copy(self, head: torch.Tensor) -> torch.Tensor:
-        if self._head_of_copy is not head:
-            self._head_fp32, self._head_of_copy = head.float(), head
-        return self._head_fp32

@@ -59,6 +59,16 @@ def whole_tiles(keys: int, tile: int) -> int:
     return max(1, -(-keys // tile)) * tile
 
 
+def table_columns(block_tables: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n columns of block tables [S, >= 0] as int64, padded with block 0 where the
+    tables are narrower (whole tiles can reach past a table's last block: the padding's keys
+    are hidden and its values zeroed)."""
+    tables = block_tables[:, :n].long()
+    if tables.shape[1] < n:
+        tables = torch.nn.functional.pad(tables, (0, n - tables.shape[1]))
+    return tables
+
+
 def tiled_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -297,10 +307,7 @@ def _group_attention(
     nblk = width // block_size
     cols = torch.arange(nblk)
     in_seq = cols[None, :] < (-(-lens // block_size))[:, None]
-    table = tables[:, :nblk].long()
-    if table.shape[1] < nblk:  # (the padding reads block 0, hidden and zeroed)
-        table = torch.nn.functional.pad(table, (0, nblk - table.shape[1]))
-    pages = torch.where(in_seq, table, 0)
+    pages = torch.where(in_seq, table_columns(tables, nblk), 0)
     slots = torch.arange(width)
     past = slots[None, :] >= lens[:, None]  # [S, W]: keys past a length (never read)
     keys = _gather(k_cache, pages, (4, 1, 3)).view(s_count * hkv, d, width)

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from ...reference.attention import MIN_GEMM_ROWS
-from .attention import key_tile, tiled_attention, whole_tiles
+from .attention import key_tile, table_columns, tiled_attention, whole_tiles
 
 
 class _Copies(NamedTuple):
@@ -127,27 +127,20 @@ class DecodeRows:
             )
             keep = positions.tolist() == [n - 1 for n in lengths]
             keep = keep and len(set(map(tuple, table_rows))) == g  # distinct sequences
-            self.bias = None
-            if any(n < padded for n in lengths):  # the softmax mask, batch index head * G + row
-                past = torch.arange(padded)[None, :] >= torch.tensor(lengths)[:, None]
-                self.bias = torch.zeros(g, 1, padded).masked_fill_(past[:, None], float("-inf"))
             self.dst = torch.tensor([i * padded + n - 1 for i, n in enumerate(lengths)])
         else:
-            tables = block_tables[:, :nblk].long()
-            if tables.shape[1] < nblk:  # (the padding reads block 0, zeroed)
-                tables = torch.nn.functional.pad(tables, (0, nblk - tables.shape[1]))
+            tables = table_columns(block_tables, nblk)
             starts = torch.arange(0, padded, block_size)
             lens = torch.tensor(lengths)
             self.used = starts[None, :] < lens[:, None]
             self.pages = self.tensor_pages = tables.masked_fill(~self.used, 0)
-            past = torch.arange(padded)[None, :] >= lens[:, None]  # [G, P]
-            self.past = past.view(-1).nonzero().squeeze(1) if bool(past.any()) else None
-            self.bias = None
-            if self.past is not None:  # the softmax mask, batch index kv head * G + row
-                self.bias = torch.zeros(past.shape).masked_fill_(past, float("-inf"))[:, None]
             new_slot = positions.long() == lens - 1
             keep = bool(new_slot.all()) and _distinct(tables)
             self.dst = torch.arange(g) * padded + (lens - 1)  # the new token's slot
+        self.bias = None
+        if any(n < padded for n in lengths):  # the softmax mask, batch index kv head * G + row
+            past = self._past_mask[:, None]
+            self.bias = torch.zeros(g, 1, padded).masked_fill_(past, float("-inf"))
         self.layers, self.reused = copies.claim(ordinal, self, keep)
         self.reused = self.reused and keep
         self.nearest = min(lengths)  # keys below it: visible to every row
@@ -159,13 +152,16 @@ class DecodeRows:
         return torch.tensor([[*b, *[0] * (self.width - len(b))] for b in self.blocks])
 
     @functools.cached_property
+    def _past_mask(self) -> torch.Tensor:
+        """[G, P] bool: the slots past each row's length (the padding included)."""
+        return torch.arange(self.padded)[None, :] >= torch.tensor(self.lengths)[:, None]
+
+    @functools.cached_property
     def past(self) -> torch.Tensor | None:
         """[n] the slots past the rows' lengths in [G * P] order, None if none."""
-        padded, lengths = self.padded, self.lengths
-        if all(n == padded for n in lengths):
+        if all(n == self.padded for n in self.lengths):
             return None
-        past = torch.arange(padded)[None, :] >= torch.tensor(lengths)[:, None]
-        return past.view(-1).nonzero().squeeze(1)
+        return self._past_mask.view(-1).nonzero().squeeze(1)
 
     def operands(self, k_cache, v_cache, k, v) -> _Layer:
         """The layer's copy (keys [Hkv * G, D, P], values [Hkv * G, P, D]): the last step's plus
