@@ -1,12 +1,14 @@
-"""CPU prefill attention, side by side and interleaved (other work on the machine shifts
-absolute times; ratios measured in one run hold): the reference (the whole score matrix), the
-CPU backend's flash-style tiles (ops/cpu/attention.py), and torch's fused CPU
-scaled_dot_product_attention over the gathered pages (a candidate: fastest, but its tiling
-follows the query count, so a row's bits depend on its chunk: not batch invariant).
+"""CPU attention, side by side and interleaved (other work on the machine shifts absolute times;
+ratios measured in one run hold): the reference (the whole score matrix), the CPU backend's
+C++ kernel (csrc/cpu/attention.cpp, the default) and its BLAS tiles (cpu_attention:tiles,
+ops/cpu/attention.py), and torch's fused CPU scaled_dot_product_attention over the gathered
+pages (a candidate, but its tiling follows the query count, so a row's bits depend on its
+chunk: not batch invariant).
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, blocks of 16), one whole prompt
-of 512 / 2048 / 4000 tokens. Full sizes with PAGEDKERN_BENCH_SMOKE=0 (or PAGEDKERN_BENCH_CPU=1);
-smoke mode runs 64 tokens once."""
+of 512 / 2048 / 4000 tokens, and decode rows (batch 1 and 16) over 64 .. 4000 keys; GFLOP/s
+against one large fp32 GEMM's (torch.mm: the host's measured ceiling). Full sizes with
+PAGEDKERN_BENCH_SMOKE=0 (or PAGEDKERN_BENCH_CPU=1); smoke mode runs 64 tokens once."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from measure import smoke_mode
 
 from pagedkern import reference
 from pagedkern.ops.cpu import attention
+from pagedkern.ops.variants import use_kernels
 
 FULL = not smoke_mode() or os.environ.get("PAGEDKERN_BENCH_CPU") == "1"
 LENGTHS = (512, 2048, 4000) if FULL else (64,)
@@ -47,11 +50,44 @@ def _sdpa(q, k, v, cu, table, lens):
     return out[0].transpose(0, 1)
 
 
+def _tiles(op):
+    def run(*args):
+        with use_kernels(cpu_attention="tiles"):
+            return op(*args)
+
+    return run
+
+
+def _kernel(op):
+    def run(*args):
+        with use_kernels(cpu_attention="kernel"):
+            return op(*args)
+
+    return run
+
+
 CANDIDATES = {
     "reference": reference.flash_prefill,
-    "cpu backend (tiles)": attention.flash_prefill,
+    "cpu backend (kernel)": _kernel(attention.flash_prefill),
+    "cpu backend (tiles)": _tiles(attention.flash_prefill),
     "torch sdpa (gathered)": _sdpa,
 }
+DECODE_CANDIDATES = {
+    "reference": reference.paged_attention,
+    "cpu backend (kernel)": _kernel(attention.paged_attention),
+    "cpu backend (tiles)": _tiles(attention.paged_attention),
+}
+
+
+def _gemm_gflops() -> float:
+    """One large fp32 GEMM's rate on this host (best of 3): the ceiling the GFLOP/s compare to."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * 1024**3 / best / 1e9
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -66,10 +102,49 @@ def test_cpu_prefill_attention(n, capsys):
             times[name].append(time.perf_counter() - start)
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     best = {name: min(t) for name, t in times.items()}
+    flops = 4 * HQ * D * n * (n + 1) / 2  # causal: q.k and p.v over the visible keys
+    ceiling = _gemm_gflops()
     with capsys.disabled():
         print(
-            f"\nprefill attention, {n} tokens, {torch.get_num_threads()} threads (best of {ROUNDS})"
+            f"\nprefill attention, {n} tokens, {torch.get_num_threads()} threads (best of "
+            f"{ROUNDS}); fp32 GEMM ceiling {ceiling:.0f} GFLOP/s"
         )
         for name, t in best.items():
             ratio = best["reference"] / t
-            print(f"  {name:24s} {t * 1e3:9.1f} ms  {ratio:5.2f}x the reference")
+            rate = flops / t / 1e9
+            print(
+                f"  {name:24s} {t * 1e3:9.1f} ms  {ratio:5.2f}x the reference  "
+                f"{rate:6.1f} GFLOP/s ({rate / ceiling:4.0%} of the GEMM)"
+            )
+
+
+DECODE_LENGTHS = (64, 600, 2000, 4000) if FULL else (64,)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_cpu_decode_attention(batch, capsys):
+    """One decode row per sequence, every sequence `length` keys (the one-shot ops: the tiles'
+    planned decode step, which keeps a copy between steps, is measured in the engine)."""
+    lines = []
+    for length in DECODE_LENGTHS:
+        q, k, v, _, table, lens = _inputs(length)
+        q = q[:batch] if batch <= length else q[:1].repeat(batch, 1, 1)
+        tables, seq_lens = table.repeat(batch, 1), lens.repeat(batch)
+        args = (q, k, v, tables, seq_lens)
+        want = reference.paged_attention(*args)
+        times: dict[str, list[float]] = {name: [] for name in DECODE_CANDIDATES}
+        for _ in range(ROUNDS * 3):
+            for name, fn in DECODE_CANDIDATES.items():
+                start = time.perf_counter()
+                got = fn(*args)
+                times[name].append(time.perf_counter() - start)
+                torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        best = {name: min(t) for name, t in times.items()}
+        flops = 4 * HQ * D * length * batch
+        cells = "  ".join(
+            f"{name} {t * 1e6:8.0f} us ({flops / t / 1e9:5.1f} GFLOP/s)" for name, t in best.items()
+        )
+        lines.append(f"  {length:5d} keys: {cells}")
+    with capsys.disabled():
+        print(f"\ndecode attention, batch {batch}, {torch.get_num_threads()} threads")
+        print("\n".join(lines))

@@ -1,9 +1,9 @@
-"""The CPU backend's attention (ops/cpu/attention.py) against the reference, as the CUDA kernels
-are tested: fresh random inputs over odd shapes (GQA groups, block sizes that do not divide the
-key tile, lengths across tile boundaries), NaN-poisoned caches and outputs (NaN never passes),
-fp32 / bf16 / fp8 caches, the attention options, the log-sum-exp; and the batch invariance the
-engine relies on: a query row's bits do not depend on its chunk, its neighbours, or whether it
-is a decode row."""
+"""The CPU backend's attention (ops/cpu/attention.py: the C++ kernel and the BLAS tiles, each
+variant) against the reference, as the CUDA kernels are tested: fresh random inputs over odd
+shapes (GQA groups, block sizes that do not divide the key tile, lengths across tile
+boundaries), NaN-poisoned caches and outputs (NaN never passes), fp32 / bf16 / fp8 caches, the
+attention options, the log-sum-exp; and the batch invariance the engine relies on: a query
+row's bits do not depend on its chunk, its neighbours, or whether it is a decode row."""
 
 from __future__ import annotations
 
@@ -15,9 +15,18 @@ from kernel_check import assert_close_to, poisoned
 from support.key_spans import record_key_spans
 
 from pagedkern import ops, reference
-from pagedkern.ops.cpu import attention
+from pagedkern.ops.cpu import attention, attention_kernel
 
 D = 64
+
+
+@pytest.fixture(params=["kernel", "tiles"])
+def variant(request, kernels):
+    """Runs the test on each cpu_attention variant."""
+    if request.param == "kernel" and not attention_kernel.applies(torch.empty(1), D):
+        pytest.skip("pagedkern._cpu is not built")
+    kernels(cpu_attention=request.param)
+    return request.param
 
 
 def _paged(seq_lens, hkv, block_size, dtype, g, d=D):
@@ -63,7 +72,7 @@ PREFILLS = [  # (chunks, seq_lens): whole prompts, chunks after a cached prefix,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,block_size", SHAPES)
 @pytest.mark.parametrize("chunks,seq_lens", PREFILLS)
-def test_flash_prefill_matches_the_reference(dtype, hq, hkv, block_size, chunks, seq_lens):
+def test_flash_prefill_matches_the_reference(dtype, hq, hkv, block_size, chunks, seq_lens, variant):
     q, k, v, cu, tables, lens = _prefill_inputs(chunks, seq_lens, hq, hkv, block_size, dtype, 1)
     want, want_lse = reference.flash_prefill(q, k, v, cu, tables, lens, return_lse=True)
     out = poisoned(q.shape, dtype, "cpu")
@@ -74,7 +83,7 @@ def test_flash_prefill_matches_the_reference(dtype, hq, hkv, block_size, chunks,
 
 
 @pytest.mark.parametrize("hq,hkv,block_size", SHAPES)
-def test_paged_attention_matches_the_reference(hq, hkv, block_size):
+def test_paged_attention_matches_the_reference(hq, hkv, block_size, variant):
     seq_lens = [5, 0, 700, 1100, 33]  # a padding row (0) among them
     g = torch.Generator().manual_seed(2)
     k, v, tables = _paged(seq_lens, hkv, block_size, torch.float32, g)
@@ -91,10 +100,16 @@ def test_paged_attention_matches_the_reference(hq, hkv, block_size):
 
 @pytest.mark.parametrize(
     "options",
-    [{"soft_cap": 20.0}, {"sinks": "random"}, {"soft_cap": 5.0, "sinks": "random"}],
-    ids=["soft_cap", "sinks", "both"],
+    [
+        {"soft_cap": 20.0},
+        {"sinks": "random"},
+        {"soft_cap": 5.0, "sinks": "random"},
+        {"sliding_window": 100},
+        {"sliding_window": 7, "soft_cap": 5.0, "sinks": "random"},
+    ],
+    ids=["soft_cap", "sinks", "both", "window", "all"],
 )
-def test_options_match_the_reference(options):
+def test_options_match_the_reference(options, variant):
     q, k, v, cu, tables, lens = _prefill_inputs([600, 2], [600, 900], 9, 3, 16, torch.float32, 3)
     if options.get("sinks") == "random":
         options = {**options, "sinks": torch.randn(9, generator=torch.Generator().manual_seed(4))}
@@ -110,7 +125,8 @@ def test_options_match_the_reference(options):
     )
 
 
-def test_a_sliding_window_runs_the_reference():
+def test_a_sliding_window_runs_the_reference_on_the_tiles(kernels):
+    kernels(cpu_attention="tiles")
     q, k, v, cu, tables, lens = _prefill_inputs([300], [700], 9, 3, 16, torch.float32, 5)
     want = reference.flash_prefill(q, k, v, cu, tables, lens, sliding_window=100)
     assert torch.equal(attention.flash_prefill(q, k, v, cu, tables, lens, sliding_window=100), want)
@@ -123,7 +139,7 @@ def test_a_sliding_window_runs_the_reference():
     assert torch.equal(got, want)
 
 
-def test_fp8_cache_with_scales_matches_the_reference():
+def test_fp8_cache_with_scales_matches_the_reference(variant):
     q, k, v, cu, tables, lens = _prefill_inputs([530, 9], [530, 1000], 9, 3, 16, torch.float32, 6)
     fp8 = torch.float8_e4m3fn
     k8 = (k / 0.02).clamp(-448, 448).to(fp8)  # NaN stays NaN
@@ -135,7 +151,7 @@ def test_fp8_cache_with_scales_matches_the_reference():
     )
 
 
-def test_keys_within_one_tile_give_the_reference_to_rounding():
+def test_keys_within_one_tile_give_the_reference_to_rounding(kernels):
     """A row whose keys fit in one tile takes the one-tile path (no merge): the reference's
     function to within the rounding of a reduction over another width (the reference's keys
     end at its whole blocks, this backend's at the whole tile, and a BLAS may round the two
@@ -150,11 +166,12 @@ def test_keys_within_one_tile_give_the_reference_to_rounding():
 
 
 @pytest.mark.parametrize("block_size", [16, 7])
-def test_every_gemm_reduces_over_whole_key_tiles(monkeypatch, block_size):
+def test_every_gemm_reduces_over_whole_key_tiles(monkeypatch, block_size, kernels):
     """What keeps a row's bits independent of its chunk on any BLAS: each scores GEMM spans,
     and each weighted sum reduces over, exactly one whole tile of keys, whatever the chunk,
     its length or its neighbours (a BLAS blocks a long reduction its own way: an AMD EPYC's
     MKL rounds a sum over 240 keys apart from the same sum over 256 with 16 zero weights)."""
+    kernels(cpu_attention="tiles")
     tile = attention.key_tile(block_size)
     spans = record_key_spans(monkeypatch, D)
     q, k, v, cu, tables, lens = _prefill_inputs(
@@ -165,7 +182,7 @@ def test_every_gemm_reduces_over_whole_key_tiles(monkeypatch, block_size):
     assert spans and set(spans) == {tile}, sorted(set(spans))
 
 
-def test_a_row_is_the_same_bits_in_any_chunk_and_as_a_decode_row():
+def test_a_row_is_the_same_bits_in_any_chunk_and_as_a_decode_row(variant):
     """Batch invariance: the row at position p, computed in a whole prompt, in a chunk starting
     anywhere, or as a decode row, alone or beside longer sequences, is the same bits; positions
     on either side of the key tile boundaries (256, 512)."""
@@ -193,7 +210,7 @@ def test_a_row_is_the_same_bits_in_any_chunk_and_as_a_decode_row():
         assert torch.equal(decode[0], whole[p]), f"decode row at {p}"
 
 
-def test_a_sequence_alone_equals_it_in_a_batch():
+def test_a_sequence_alone_equals_it_in_a_batch(variant):
     chunks, seq_lens = [600, 1, 64, 5], [600, 900, 64, 1030]
     q, k, v, cu, tables, lens = _prefill_inputs(chunks, seq_lens, 9, 3, 16, torch.float32, 9)
     batch = attention.flash_prefill(q, k, v, cu, tables, lens)
@@ -210,13 +227,13 @@ def test_a_sequence_alone_equals_it_in_a_batch():
         assert torch.equal(alone, batch[a:b]), f"sequence {i}"
 
 
-def test_a_chunk_longer_than_its_sequence_is_refused():
+def test_a_chunk_longer_than_its_sequence_is_refused(variant):
     q, k, v, cu, tables, lens = _prefill_inputs([10], [10], 9, 3, 16, torch.float32, 10)
     with pytest.raises(ValueError, match="seq_lens"):
         attention.flash_prefill(q, k, v, cu, tables, lens - 1)
 
 
-def test_the_ops_run_it_on_the_cpu_backend(monkeypatch):
+def test_the_ops_run_it_on_the_cpu_backend(monkeypatch, variant):
     """ops.flash_prefill / ops.paged_attention on CPU tensors: the CPU implementation under
     'auto' and 'cpu', the reference under 'reference'."""
     q, k, v, cu, tables, lens = _prefill_inputs([40], [40], 9, 3, 16, torch.float32, 11)

@@ -190,7 +190,7 @@ def test_mismatched_rows_and_outputs_are_refused():
 def test_a_models_forward_fuses_its_tails_and_agrees_with_the_ops(quantization, monkeypatch):
     model, _ = load_model("synthetic:tiny", quantization=quantization)
     calls = []
-    module = quant_gemv._module()
+    module = quant_gemv.cpu_module()
     real = module.layer_tail
     monkeypatch.setattr(module, "layer_tail", lambda **kw: calls.append(1) or real(**kw))
     ids = list(range(1, 30))

@@ -94,11 +94,11 @@ def test_the_isa_variant_forces_a_path(monkeypatch):
     qw = _weight("int4", 32, 40, 64, seed=4)
     x = torch.randn(2, 64)
     seen = []
-    module = quant_gemv._module()
+    module = quant_gemv.cpu_module()
     real_gemv = module.gemv
     monkeypatch.setattr(
         quant_gemv,
-        "_module",
+        "cpu_module",
         lambda: _Spy(module, lambda **kw: seen.append(kw["path"]) or real_gemv(**kw)),
     )
     for path in _paths():

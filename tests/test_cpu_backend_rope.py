@@ -1,7 +1,7 @@
-"""The CPU backend's rope_and_cache (ops/cpu/rope.py) against reference.rope_and_cache: q, k and
-the cache pages bit for bit (the same products and sums), over odd shapes, q/k/v as views of
-one fused QKV output and as separate tensors, one cache allocation or two, skipped slots, fp8
-caches, QK-norm, and a step's
+"""The CPU backend's rope_and_cache (ops/cpu/rope.py: the C++ call for fp32 rows and caches,
+and the torch ops, each) against reference.rope_and_cache: q, k and the cache pages bit for bit
+(the same products and sums), over odd shapes, q/k/v as views of one fused QKV output and as
+separate tensors, one cache allocation or two, skipped slots, fp8 caches, QK-norm, and a step's
 rows reused by its later layers but never by a call with other positions or slots."""
 
 from __future__ import annotations
@@ -10,9 +10,19 @@ import pytest
 import torch
 
 from pagedkern import ops, reference
-from pagedkern.ops.cpu import rope
+from pagedkern.ops.cpu import quant_gemv, rope
 
 BLOCK = 16
+
+
+@pytest.fixture(autouse=True, params=["cpp", "torch"])
+def path(request, monkeypatch):
+    """Each test on both paths: csrc/cpu/rope_cache.cpp where it applies, and the torch ops."""
+    if request.param == "torch":
+        monkeypatch.setattr(rope, "_in_cpp", lambda *args: False)
+    elif not quant_gemv.available():
+        pytest.skip("pagedkern._cpu is not built")
+    return request.param
 
 
 def _case(tokens, hq, hkv, d, fused, seed, dtype=torch.float32):
@@ -109,3 +119,35 @@ def test_a_steps_rows_are_reused_within_the_step_only():
         ops.rope_and_cache(q, k, v, positions, cos_sin, kc, vc, slots)
     assert rope._rows(positions, cos_sin, slots, BLOCK) is not first
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+def test_fp32_rows_take_one_cpp_call(path, monkeypatch):
+    q, k, v, positions, slots = _case(5, 4, 2, 16, True, 6)
+    cos_sin = reference.cos_sin_cache(16, 512)
+    _, kc, vc = _caches(2, 16, torch.float32)
+    calls = []
+    module = quant_gemv.cpu_module() if quant_gemv.available() else None
+    if module is not None:
+        real = module.rope_cache
+        monkeypatch.setattr(module, "rope_cache", lambda **kw: calls.append(kw) or real(**kw))
+    rope.begin_step()
+    rope.rope_and_cache(q, k, v, positions, cos_sin, kc, vc, slots)
+    assert len(calls) == (1 if path == "cpp" else 0)
+
+
+@pytest.mark.parametrize("bad", ["position", "slot"])
+def test_an_index_out_of_range_is_refused_before_anything_is_written(path, bad):
+    if path == "torch":
+        pytest.skip("the torch ops index (and refuse) as torch does")
+    q, k, v, positions, slots = _case(4, 4, 2, 16, True, 7)
+    cos_sin = reference.cos_sin_cache(16, 64)
+    if bad == "position":
+        positions[2] = 64
+    else:
+        slots[3] = 7 * BLOCK
+    data, kc, vc = _caches(2, 16, torch.float32)
+    before = q.clone()
+    rope.begin_step()
+    with pytest.raises(IndexError, match="outside the"):
+        rope.rope_and_cache(q, k, v, positions, cos_sin, kc, vc, slots)
+    assert torch.equal(q, before) and data.isnan().all()

@@ -1,4 +1,5 @@
-"""The CPU backend's decode steps (model/step_attention.py with ops/cpu/decode_attention.py: the
+"""The CPU backend's decode steps under the tiles' attention (model/step_attention.py with
+ops/cpu/decode_attention.py: the
 decode rows' float32 K/V copies kept between steps) against the one-shot ops they replace
 (PAGEDKERN_KERNELS=attention_plan:off: ops/cpu/attention.paged_attention every layer): the same
 hidden states and KV-cache writes bit for bit, for fp32, int8 and int4 weights, fp8 caches, one
@@ -21,7 +22,10 @@ BLOCK = 16
 
 
 @pytest.fixture(autouse=True)
-def _cpu_backend():
+def _cpu_backend(kernels):
+    """The CPU backend with the tiles' attention, whose decode plan this file tests (the
+    kernel's step plan: tests/test_cpu_backend_attention_kernel.py)."""
+    kernels(cpu_attention="tiles")
     with ops.use_backend("cpu"):
         yield
 

@@ -186,7 +186,13 @@ def test_planning_inside_a_capture_is_refused():
         model(ids, meta, _cache(model), attention)
 
 
-def test_decode_graphs_plan_each_size_once_and_run_it_every_step(monkeypatch):
+@pytest.mark.parametrize("cpu_attention", ["tiles", "kernel"])
+def test_decode_graphs_plan_each_size_once_and_run_it_every_step(
+    monkeypatch, kernels, cpu_attention
+):
+    """The static path keeps one StepAttention a bucket, refilled in place each step: its rows
+    follow the new metadata (the kernel's plan re-reads written metadata)."""
+    kernels(cpu_attention=cpu_attention)
     model = _model(HYBRID)
     kv = _cache(model)
     graphs = DecodeGraphs(model, kv, max_num_seqs=8, max_model_len=256)
@@ -213,5 +219,5 @@ def test_decode_graphs_plan_each_size_once_and_run_it_every_step(monkeypatch):
     assert attention.num_plans == 2  # sliding and global layers
     # the static path's plans: two, at its first step (batch 4; its padding rows keep the CPU
     # backend's decode plan off); the eager forwards' sliding layers one a step (their global
-    # layers: the CPU backend's own decode plan)
-    assert planned == [4, 4] + [3] * 3
+    # layers: the CPU backend's own decode plan); the kernel plans every layer itself
+    assert planned == ([4, 4] + [3] * 3 if cpu_attention == "tiles" else [])

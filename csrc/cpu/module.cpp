@@ -5,8 +5,10 @@
 
 #include <tuple>
 
+#include "attention.h"
 #include "layer_tail.h"
 #include "quant_gemv.h"
+#include "rope_cache.h"
 
 namespace py = pybind11;
 using namespace pagedkern_cpu;
@@ -30,7 +32,7 @@ QuantLinear quant_linear(const LinearTuple& w) {
 }  // namespace
 
 PYBIND11_MODULE(_cpu, mod) {
-  mod.doc() = "pagedkern's CPU kernels: quantized GEMV with run-time ISA dispatch, layer tail";
+  mod.doc() = "pagedkern's CPU kernels: quantized GEMV with run-time ISA dispatch, layer tail, attention, RoPE + cache write";
   py::dict paths;
   for (int path = 0; path < kNumPaths; ++path) paths[path_name(path)] = path;
   mod.attr("PATHS") = paths;
@@ -101,4 +103,54 @@ PYBIND11_MODULE(_cpu, mod) {
       py::arg("intermediate"), py::arg("attn"), py::arg("attn_stride"), py::arg("residual"),
       py::arg("h_out"), py::arg("threads"), py::arg("parallel_min_macs"), py::arg("path"),
       py::arg("activation_bits"));
+  mod.def("attention_path_supported", &attention_path_supported, py::arg("path"));
+  mod.def(
+      "attention",
+      [](uintptr_t q, int64_t q_row_stride, uintptr_t out, int64_t out_row_stride, uintptr_t lse,
+         uintptr_t k_cache, uintptr_t v_cache, bool cache_bf16, int64_t block_stride,
+         int64_t head_stride, int64_t slot_stride, int64_t num_blocks, int hq, int hkv,
+         int block_size, int d, uintptr_t block_tables, int64_t table_stride, int num_seqs,
+         int table_width, uintptr_t row_seq, uintptr_t row_pos, int rows, float scale,
+         float soft_cap, int window, uintptr_t sinks, float out_scale, int threads, int path) {
+        const AttentionArgs args{ptr<const float>(q), q_row_stride, ptr<float>(out),
+                                 out_row_stride, ptr<float>(lse), ptr<const void>(k_cache),
+                                 ptr<const void>(v_cache), cache_bf16 ? 1 : 0, block_stride,
+                                 head_stride, slot_stride, num_blocks, hq, hkv, block_size, d,
+                                 ptr<const int32_t>(block_tables), table_stride, num_seqs,
+                                 table_width, ptr<const int32_t>(row_seq),
+                                 ptr<const int32_t>(row_pos), rows, scale, soft_cap, window,
+                                 ptr<const float>(sinks), out_scale, threads, path};
+        py::gil_scoped_release release;
+        attention(args);
+      },
+      py::kw_only(), py::arg("q"), py::arg("q_row_stride"), py::arg("out"),
+      py::arg("out_row_stride"), py::arg("lse"), py::arg("k_cache"), py::arg("v_cache"),
+      py::arg("cache_bf16"), py::arg("block_stride"), py::arg("head_stride"),
+      py::arg("slot_stride"), py::arg("num_blocks"), py::arg("hq"), py::arg("hkv"),
+      py::arg("block_size"), py::arg("d"), py::arg("block_tables"), py::arg("table_stride"),
+      py::arg("num_seqs"), py::arg("table_width"), py::arg("row_seq"), py::arg("row_pos"),
+      py::arg("rows"), py::arg("scale"), py::arg("soft_cap"), py::arg("window"),
+      py::arg("sinks"), py::arg("out_scale"), py::arg("threads"), py::arg("path"));
+  mod.def(
+      "rope_cache",
+      [](uintptr_t q, int64_t q_row_stride, uintptr_t k, int64_t k_row_stride, uintptr_t v,
+         int64_t v_row_stride, int rows, int hq, int hkv, int d, uintptr_t factors,
+         int64_t num_positions, uintptr_t positions, uintptr_t slots, uintptr_t k_cache,
+         uintptr_t v_cache, int64_t block_stride, int64_t head_stride, int64_t slot_stride,
+         int64_t num_blocks, int block_size) {
+        const RopeCacheArgs args{ptr<float>(q), q_row_stride, ptr<float>(k), k_row_stride,
+                                 ptr<const float>(v), v_row_stride, rows, hq, hkv, d,
+                                 ptr<const float>(factors), num_positions,
+                                 ptr<const int64_t>(positions), ptr<const int64_t>(slots),
+                                 ptr<float>(k_cache), ptr<float>(v_cache), block_stride,
+                                 head_stride, slot_stride, num_blocks, block_size};
+        py::gil_scoped_release release;
+        rope_cache(args);
+      },
+      py::kw_only(), py::arg("q"), py::arg("q_row_stride"), py::arg("k"), py::arg("k_row_stride"),
+      py::arg("v"), py::arg("v_row_stride"), py::arg("rows"), py::arg("hq"), py::arg("hkv"),
+      py::arg("d"), py::arg("factors"), py::arg("num_positions"), py::arg("positions"),
+      py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_stride"),
+      py::arg("head_stride"), py::arg("slot_stride"), py::arg("num_blocks"),
+      py::arg("block_size"));
 }

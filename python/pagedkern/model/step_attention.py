@@ -33,6 +33,8 @@ import torch
 from .. import ops
 from ..ops import launch, shadow
 from ..ops.attention_plan import DecodeAttention, PrefillAttention
+from ..ops.cpu import attention_kernel
+from ..ops.cpu.attention_kernel import StepKernelAttention
 from ..ops.cpu.decode_attention import CpuDecodeAttention, DecodeCopies, DecodeRows
 from ..ops.variants import selected
 from .attention_metadata import AttentionMetadata
@@ -50,7 +52,7 @@ class StepAttention:
             copies.begin_step()
         self._rows: dict[int, DecodeRows] = {}  # id(block tables) -> the CPU decode rows
         # kind -> (prefill plan or None, decode plan or None)
-        self._plans: dict[tuple, tuple[PrefillAttention | None, DecodeAttention | None]] = {}
+        self._plans: dict[tuple, tuple | StepKernelAttention] = {}
         self._workspaces: dict[int | None, object] = {}  # window -> shared split-KV workspace
         self.one_shot = selected("attention_plan") == "off"
         self.frozen = False  # set while a CUDA graph captures: planning would be captured
@@ -96,6 +98,9 @@ class StepAttention:
                 self._one_shot(q, k_cache, v_cache, out, tables, options)
                 return
             plans = self._plan(key, q, k_cache, v_cache, out, tables, options)
+        if isinstance(plans, StepKernelAttention):
+            plans.run(q, k_cache, v_cache, out)
+            return
         prefill, decode = plans
         rows = meta.num_prefill_tokens
         if prefill is not None:
@@ -117,6 +122,13 @@ class StepAttention:
                 "(the warm-up plans it)"
             )
         meta = self.meta
+        if self._on_cpu_backend(options, k_cache) and attention_kernel.applies(
+            k_cache, q.shape[2]
+        ):  # every row in one call
+            self._plans[key] = kernel = StepKernelAttention(
+                meta.cu_seqlens, meta.seq_lens, tables, q.shape[0], options
+            )
+            return kernel
         p, rows = meta.num_prefills, meta.num_prefill_tokens
         prefill = decode = None
         if p:
@@ -125,7 +137,7 @@ class StepAttention:
                 q[:rows], k_cache, v_cache, meta.cu_seqlens[: p + 1], tables[:p],
                 meta.seq_lens[:p], out[:rows], **options,
             )  # fmt: skip
-        if rows < q.shape[0] and self._on_cpu_backend(options, k_cache):
+        if rows < q.shape[0] and self._cpu_decode_plan(options, k_cache):
             decode = CpuDecodeAttention(
                 self._decode_rows(tables[p:], k_cache, tables), options["scale"],
                 options["soft_cap"], options["k_scale"], options["v_scale"],
@@ -142,9 +154,13 @@ class StepAttention:
         return plans
 
     def _on_cpu_backend(self, options: dict, k_cache: torch.Tensor) -> bool:
-        """Whether the decode rows run the CPU backend's plan (CPU tensors under "cpu" or
-        "auto", options it computes, every row a written sequence)."""
-        if k_cache.device.type != "cpu" or launch.get_backend() not in ("auto", "cpu"):
+        """Whether CPU tensors run under the CPU backend ("cpu" or "auto")."""
+        return k_cache.device.type == "cpu" and launch.get_backend() in ("auto", "cpu")
+
+    def _cpu_decode_plan(self, options: dict, k_cache: torch.Tensor) -> bool:
+        """Whether the decode rows run the tiles' decode plan (the CPU backend, options it
+        computes, every row a written sequence)."""
+        if not self._on_cpu_backend(options, k_cache):
             return False
         meta, rows = self.meta, self.meta.num_prefill_tokens
         return not CpuDecodeAttention.declines(

@@ -209,6 +209,25 @@ VARIANTS: dict[str, OpVariants] = {
             ),
         ),
         OpVariants(
+            "cpu_attention",  # the cpu backend's attention (no GPU involved)
+            (
+                Variant(
+                    "kernel",
+                    1,
+                    "csrc/cpu/attention.cpp: every query row in one C++ call over the paged "
+                    "fp32/bf16 cache, batch invariant by construction",
+                    None,
+                ),
+                Variant(
+                    "tiles",
+                    0,
+                    "ops/cpu/attention.py: BLAS tiles of 256 keys padded whole, the decode rows "
+                    "over a float32 copy kept between steps",
+                    None,
+                ),
+            ),
+        ),
+        OpVariants(
             "cpu_layer_tail",  # the cpu backend's layer after attention (no GPU involved)
             (
                 Variant(

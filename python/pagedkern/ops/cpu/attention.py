@@ -36,6 +36,7 @@ import torch
 
 from ... import reference
 from ...reference.attention import MIN_GEMM_ROWS
+from . import attention_kernel
 
 # Keys a tile (rounded to whole blocks). Every tile is whole: keys are padded (hidden, values
 # zero) to a whole number of tiles, so each GEMM reduces over exactly one tile's keys. A BLAS
@@ -177,17 +178,21 @@ def flash_prefill(
     sinks: torch.Tensor | None = None,
 ):
     """reference.flash_prefill's function (same arguments and results), flash-style."""
+    if attention_kernel.applies(k_cache, q.shape[2]):
+        _check_chunks(cu_seqlens_q, seq_lens)
+        rows = attention_kernel.chunk_rows(cu_seqlens_q, seq_lens, q.shape[0])
+        return _kernel(
+            q, k_cache, v_cache, block_tables, rows, scale, out, return_lse, k_scale, v_scale,
+            sliding_window, soft_cap, sinks,
+        )  # fmt: skip
     if sliding_window is not None:  # explicitly: the reference runs windowed calls
         return reference.flash_prefill(
             q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, scale, out, return_lse,
             k_scale=k_scale, v_scale=v_scale, soft_cap=soft_cap, sinks=sinks,
             sliding_window=sliding_window,
         )  # fmt: skip
-    bounds, lengths = cu_seqlens_q.tolist(), seq_lens.tolist()
+    bounds, lengths = _check_chunks(cu_seqlens_q, seq_lens)
     chunks = [bounds[i + 1] - bounds[i] for i in range(len(lengths))]
-    for i, (n, length) in enumerate(zip(chunks, lengths, strict=True)):
-        if length < n:
-            raise ValueError(f"seq_lens[{i}]={length} is shorter than its query chunk ({n})")
     return _attention(
         q, k_cache, v_cache, bounds[:-1], chunks, lengths, block_tables, scale, out,
         return_lse, k_scale, v_scale, soft_cap, sinks,
@@ -212,6 +217,12 @@ def paged_attention(
 ):
     """reference.paged_attention's function: flash_prefill over one-token chunks (so a decode
     row and the same row of a prefill chunk are computed alike, bit for bit)."""
+    if attention_kernel.applies(k_cache, q.shape[2]):
+        rows = (torch.arange(seq_lens.numel(), dtype=torch.int32), (seq_lens - 1).int())
+        return _kernel(
+            q, k_cache, v_cache, block_tables, rows, scale, out, return_lse, k_scale, v_scale,
+            sliding_window, soft_cap, sinks,
+        )  # fmt: skip
     if sliding_window is not None:  # explicitly: the reference runs windowed calls
         return reference.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, scale, out, return_lse, k_scale,
@@ -223,6 +234,33 @@ def paged_attention(
         q, k_cache, v_cache, list(range(len(lengths))), chunks, lengths, block_tables, scale,
         out, return_lse, k_scale, v_scale, soft_cap, sinks,
     )  # fmt: skip
+
+
+def _check_chunks(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> tuple[list, list]:
+    bounds, lengths = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for i, length in enumerate(lengths):
+        if length < bounds[i + 1] - bounds[i]:
+            n = bounds[i + 1] - bounds[i]
+            raise ValueError(f"seq_lens[{i}]={length} is shorter than its query chunk ({n})")
+    return bounds, lengths
+
+
+def _kernel(
+    q, k_cache, v_cache, block_tables, rows, scale, out, return_lse, k_scale, v_scale,
+    sliding_window, soft_cap, sinks,
+):  # fmt: skip
+    """Both ops through attention_kernel: rows = (row_seq, row_pos)."""
+    total, hq, d = q.shape
+    scale = (d**-0.5 if scale is None else scale) * (1.0 if k_scale is None else k_scale)
+    lse = torch.empty(total, hq) if return_lse else None
+    if out is None:
+        out = torch.empty_like(q)
+    attention_kernel.attend(
+        q, k_cache, v_cache, block_tables, *rows, out, scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window, sinks=sinks,
+        out_scale=1.0 if v_scale is None else v_scale, lse=lse,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
 
 
 def _attention(

@@ -84,7 +84,7 @@ class LayerTail:
         linear = variants.selected("cpu_quant_linear")
         if linear == "int_pack":
             return None
-        module = quant_gemv._module()
+        module = quant_gemv.cpu_module()
         self._step = dict(
             threads=torch.get_num_threads(),
             parallel_min_macs=quant_gemv.PARALLEL_MIN_MACS,

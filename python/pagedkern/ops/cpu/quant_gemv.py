@@ -58,7 +58,7 @@ def unavailable_reason() -> str:
     return _probe()[1]
 
 
-def _module() -> ModuleType:
+def cpu_module() -> ModuleType:
     cpu_kernels, reason = _probe()
     if cpu_kernels is None:
         raise RuntimeError(reason)
@@ -67,7 +67,7 @@ def _module() -> ModuleType:
 
 def supported_paths() -> list[str]:
     """The ISA paths this CPU (and this build) runs, portable first, best last."""
-    cpu_kernels = _module()
+    cpu_kernels = cpu_module()
     return [name for name in PATHS if cpu_kernels.path_supported(path=cpu_kernels.PATHS[name])]
 
 
@@ -77,8 +77,8 @@ def best_path() -> str:
     forced = variants.selected("cpu_gemv_isa")
     if forced != "auto":
         return forced
-    code = _module().best_path()
-    return next(name for name, c in _module().PATHS.items() if c == code)
+    code = cpu_module().best_path()
+    return next(name for name, c in cpu_module().PATHS.items() if c == code)
 
 
 def packed(weight: QuantizedWeight) -> torch.Tensor:
@@ -87,7 +87,7 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
     weight's own format."""
     tiles = weight.packed.get(_PACKED_KEY)
     if tiles is None:
-        cpu_kernels, (n, k) = _module(), weight.shape
+        cpu_kernels, (n, k) = cpu_module(), weight.shape
         if weight.format == "int4":
             qweight, scales = weight.qweight.contiguous(), weight.scales.half().contiguous()
             mins = weight.mins.half().contiguous()
@@ -119,7 +119,7 @@ def tile_format(weight: QuantizedWeight) -> str:
 
 def tile_format_code(weight: QuantizedWeight) -> int:
     """tile_format as csrc/cpu/'s Format code (the `format` argument of gemv and layer_tail)."""
-    return _module().FORMATS[tile_format(weight)]
+    return cpu_module().FORMATS[tile_format(weight)]
 
 
 def scales_address(weight: QuantizedWeight) -> int:
@@ -150,7 +150,7 @@ def quant_gemv(
     not run raises RuntimeError); threads: default torch.get_num_threads() from
     PARALLEL_MIN_MACS multiply-adds, else 1 (the bits are the same for any count);
     activation_bits: 16 (default) or 8 (llama.cpp's Q8 activations)."""
-    cpu_kernels = _module()
+    cpu_kernels = cpu_module()
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be a 2-D float32 CPU tensor, got {tuple(x.shape)} {x.dtype}")
     m, k = x.shape

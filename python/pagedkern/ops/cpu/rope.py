@@ -11,6 +11,10 @@ sin2], the halves added into x; many rows: roll, two multiplies, an add); k and 
 index_copy_ where the caches are the two halves of one layer's [2, blocks, Hkv, bs, D] (the
 model's KVCache), through a view whose rows are the slots (row b * Hkv * bs + offset: the
 view's rows overlap, each slot's heads sit a block row apart).
+
+fp32 rows over an fp32 cache (the CPU default) take one C++ call a layer instead
+(csrc/cpu/rope_cache.cpp): the same products and sums, so the same bits; the torch ops above
+run the rest (half-precision rows, bf16 / fp8 caches) and wherever pagedkern._cpu is not built.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import weakref
 import torch
 
 from ...reference.rope import quantize_e4m3
+from . import quant_gemv
 from .norm import rms_norm
 
 
@@ -118,6 +123,7 @@ _step: dict[tuple[int, int], _StepRows] = {}
 def begin_step() -> None:
     """A new step (new positions and slots, possibly in the same tensors): forget the rows."""
     _step.clear()
+    _step_indices.clear()
 
 
 def _rows(positions, cos_sin, slot_mapping, block_size: int) -> _StepRows:
@@ -182,6 +188,9 @@ def rope_and_cache(
         q.copy_(rms_norm(q, q_norm, norm_eps))
         k.copy_(rms_norm(k, k_norm, norm_eps))
     if q.shape[0] == 0:
+        return
+    if _in_cpp(q, k, v, k_cache, v_cache, k_scale, v_scale):
+        _rope_cache_cpp(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
         return
     rows = _rows(positions, cos_sin, slot_mapping, k_cache.shape[2])
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -289,3 +298,42 @@ def _pair_step(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
     if step < k_cache.shape[0] * k_cache.stride(0) * size or step % size:
         return None
     return step // size
+
+
+def _in_cpp(q, k, v, k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Whether csrc/cpu/rope_cache.cpp runs this call: fp32 rows (heads dense) and an fp32
+    cache of one layout for k and v, no fp8 scales, the module built."""
+    return (
+        q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and k_scale is None
+        and v_scale is None
+        and k_cache.stride() == v_cache.stride()
+        and k_cache.stride(3) == 1
+        and q.shape[2] <= 512
+        and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v))
+        and quant_gemv.available()
+    )
+
+
+# The step's int64 positions and slots for the C++ call, by (positions, slot_mapping) identity
+# (begin_step forgets them, as the rows above)
+_step_indices: dict[tuple[int, int], tuple] = {}
+
+
+def _rope_cache_cpp(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> None:
+    key = (id(positions), id(slot_mapping))
+    found = _step_indices.get(key)
+    if found is None or found[0] is not positions or found[1] is not slot_mapping:
+        indices = (positions.long().contiguous(), slot_mapping.long().contiguous())
+        found = _step_indices[key] = (positions, slot_mapping, *indices)
+    _, _, pos, slots = found
+    factors = _factors(cos_sin)
+    quant_gemv.cpu_module().rope_cache(
+        q=q.data_ptr(), q_row_stride=q.stride(0), k=k.data_ptr(), k_row_stride=k.stride(0),
+        v=v.data_ptr(), v_row_stride=v.stride(0), rows=q.shape[0], hq=q.shape[1],
+        hkv=k.shape[1], d=q.shape[2], factors=factors.data_ptr(),
+        num_positions=factors.shape[0], positions=pos.data_ptr(), slots=slots.data_ptr(),
+        k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+        block_stride=k_cache.stride(0), head_stride=k_cache.stride(1),
+        slot_stride=k_cache.stride(2), num_blocks=k_cache.shape[0], block_size=k_cache.shape[2],
+    )  # fmt: skip

@@ -1,0 +1,57 @@
+// rope_cache.h: checks, then per row the rotation of its q and k heads and the k/v store.
+
+#include "rope_cache.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace pagedkern_cpu {
+namespace {
+
+void rotate(float* x, const float* f, int d) {
+  const int half = d / 2;
+  const float* cos2 = f;      // [cos, cos]
+  const float* sin2 = f + d;  // [-sin, sin]
+  float rolled[512];
+  for (int i = 0; i < half; ++i) {
+    rolled[i] = x[i + half] * sin2[i];
+    rolled[i + half] = x[i] * sin2[i + half];
+  }
+  for (int i = 0; i < d; ++i) x[i] = x[i] * cos2[i] + rolled[i];
+}
+
+}  // namespace
+
+void rope_cache(const RopeCacheArgs& a) {
+  if (a.d <= 0 || a.d % 2 || a.d > 512)
+    throw std::invalid_argument("rope_cache: head size must be even and at most 512, got " +
+                                std::to_string(a.d));
+  const int64_t slots = a.num_blocks * a.block_size;
+  for (int t = 0; t < a.rows; ++t) {
+    if (a.positions[t] < 0 || a.positions[t] >= a.num_positions)
+      throw std::out_of_range("rope_cache: positions[" + std::to_string(t) + "] = " +
+                              std::to_string(a.positions[t]) + " is outside the table's " +
+                              std::to_string(a.num_positions) + " positions");
+    if (a.slots[t] < -1 || a.slots[t] >= slots)
+      throw std::out_of_range("rope_cache: slot_mapping[" + std::to_string(t) + "] = " +
+                              std::to_string(a.slots[t]) + " is outside the cache's " +
+                              std::to_string(slots) + " slots");
+  }
+  for (int t = 0; t < a.rows; ++t) {
+    const float* f = a.factors + a.positions[t] * 2 * a.d;
+    for (int h = 0; h < a.hq; ++h) rotate(a.q + t * a.q_row_stride + h * a.d, f, a.d);
+    float* k = a.k + t * a.k_row_stride;
+    for (int h = 0; h < a.hkv; ++h) rotate(k + h * a.d, f, a.d);
+    const int64_t slot = a.slots[t];
+    if (slot < 0) continue;
+    const int64_t at = slot / a.block_size * a.block_stride + slot % a.block_size * a.slot_stride;
+    const float* v = a.v + t * a.v_row_stride;
+    for (int h = 0; h < a.hkv; ++h) {
+      std::memcpy(a.k_cache + at + h * a.head_stride, k + h * a.d, a.d * sizeof(float));
+      std::memcpy(a.v_cache + at + h * a.head_stride, v + h * a.d, a.d * sizeof(float));
+    }
+  }
+}
+
+}  // namespace pagedkern_cpu
