@@ -1,10 +1,10 @@
 """The CPU attention kernel (csrc/cpu/attention.cpp via ops/cpu/attention_kernel.py) on its own:
 against the reference over odd shapes (head sizes with a partial P.V pass, block sizes of 1 and
-5, windows, soft-cap, sinks, bf16 caches, strided q rows, bf16 q and out) with NaN-poisoned
-caches and outputs; every path it runs gives the same bits, as does any thread count; a row is
-the same bits in a chunk, as a decode row and beside other rows, blocks of rows cut short by a
-long context included; bad arguments are refused before anything is written; and a model's
-step runs it once a layer, for prefill and decode rows alike."""
+5, windows, soft-cap, sinks, bf16 / fp16 / fp8 caches, strided q rows, bf16 q and out) with
+NaN-poisoned caches and outputs; every path it runs gives the same bits, as does any thread
+count; a row is the same bits in a chunk, as a decode row and beside other rows, blocks of rows
+cut short by a long context included; bad arguments are refused before anything is written;
+and a model's step runs it once a layer, for prefill and decode rows alike."""
 
 from __future__ import annotations
 
@@ -63,6 +63,8 @@ def _options(options, hq, seed=0):
         (5, 5, 72, 5, torch.float32),  # a partial P.V pass (72 = 64 + 8), odd block size
         (8, 1, 200, 1, torch.bfloat16),  # 200 = 3 x 64 + 8, one slot a block, bf16 pages
         (4, 2, 8, 7, torch.bfloat16),
+        (6, 3, 64, 16, torch.float16),
+        (6, 2, 64, 16, torch.float8_e4m3fn),  # (no scales: a plain E4M3 cache)
     ],
 )
 def test_matches_the_reference(options, hq, hkv, d, block_size, dtype):
@@ -82,7 +84,7 @@ def test_every_path_gives_the_same_bits():
     if len(PATHS) < 2:
         pytest.skip(f"this CPU runs only {PATHS}")
     for seed, options in enumerate(OPTIONS):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
             q, k, v, cu, tables, lens = _case(seed, [50, 1, 3], [50, 700, 260], dtype=dtype)
             options_ = _options(options, 6, seed)
             results = []
@@ -166,7 +168,7 @@ def test_rows_with_no_key_are_zero():
         ("position", IndexError, "past its block table"),
         ("block", IndexError, "outside the cache"),
         ("head_size", ValueError, "multiple of 8"),
-        ("cache_dtype", ValueError, "float32 or bfloat16"),
+        ("cache_dtype", ValueError, "float32, bfloat16"),
         ("rows", ValueError, "row_seq"),
     ],
 )
@@ -183,7 +185,7 @@ def test_bad_arguments_are_refused_before_anything_is_written(change, error, mat
     elif change == "head_size":
         q, k, v = q[..., :12], k[..., :12].contiguous(), v[..., :12].contiguous()
     elif change == "cache_dtype":
-        k, v = k.half(), v.half()
+        k, v = k.double(), v.double()
     elif change == "rows":
         seqs = torch.tensor([0])
     out = poisoned(q.shape, torch.float32, "cpu")
@@ -196,7 +198,7 @@ def test_a_head_size_it_declines_runs_the_tiles():
     q, k, v, cu, tables, lens = _case(8, [30], [30], d=12)
     assert not attention_kernel.applies(k, 12)
     assert attention_kernel.applies(k.bfloat16(), 64)
-    assert not attention_kernel.applies(k.to(torch.float8_e4m3fn), 64)
+    assert attention_kernel.applies(k.to(torch.float8_e4m3fn), 64)
     with ops.use_backend("cpu"):
         got = ops.flash_prefill(q, k, v, cu, tables, lens)
     assert_close_to(got, reference.flash_prefill(q, k, v, cu, tables, lens), torch.float32)

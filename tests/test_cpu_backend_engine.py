@@ -1,7 +1,8 @@
 """The engine on the CPU backend keeps greedy outputs independent of batch make-up, as on the
 reference (tests/test_engine.py): continuous batching, preemption, chunked prefill and n-gram
 speculation give each request what it gets alone, with prompts long enough that attention
-crosses key tiles (256 keys) and decode steps take the CPU decode step."""
+crosses key tiles (256 keys) and decode steps take the CPU decode step; with fp32 weights (the
+layer loop) and int4 weights (every step through the C++ decoder, ops/cpu/decoder.py)."""
 
 from __future__ import annotations
 
@@ -36,21 +37,21 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 60) for _ in range(n)] for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def solo():
+@pytest.fixture(scope="module", params=["none", "int4"])
+def solo(request):
     prompts = _prompts()
-    engine = _engine()
+    engine = _engine(quantization=request.param)
     outputs = []
     for ids in prompts:
         engine.add_request(prompt_ids=ids, params=GREEDY)
         outputs.append(next(iter(run_checked(engine).values())))
-    return prompts, outputs
+    return prompts, outputs, request.param
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_batched_greedy_equals_solo_on_the_cpu_backend(solo, scenario):
-    prompts, expected = solo
-    engine = _engine(**SCENARIOS[scenario])
+    prompts, expected, quantization = solo
+    engine = _engine(quantization=quantization, **SCENARIOS[scenario])
     assert engine.backend == "cpu"
     requests = [engine.add_request(prompt_ids=p, params=GREEDY) for p in prompts]
     got = run_checked(engine)

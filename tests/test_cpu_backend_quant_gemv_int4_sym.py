@@ -38,7 +38,7 @@ def _symmetric_weight(n: int, k: int, group: int, seed: int) -> QuantizedWeight:
 
 def _raw_gemv(x: torch.Tensor, weight: QuantizedWeight, fmt: str, path: str, bits: int):
     """The module's pack and gemv for tiles of `fmt`, into rows of N + PAD poisoned columns."""
-    module, (n, k) = quant_gemv._module(), weight.shape
+    module, (n, k) = quant_gemv.cpu_module(), weight.shape
     code = module.FORMATS[fmt]
     tiles = torch.empty(module.packed_bytes(format=code, n=n, k=k), dtype=torch.uint8)
     module.pack_int4(
@@ -115,7 +115,7 @@ def test_gguf_q4_0_packs_int4_sym_and_q4_1_int4():
 
 
 def test_a_format_the_module_lacks_is_an_error():
-    module = quant_gemv._module()
+    module = quant_gemv.cpu_module()
     with pytest.raises(ValueError, match="format"):
         module.packed_bytes(format=3, n=16, k=32)
     y, x = torch.empty(1, 16), torch.zeros(1, 32)

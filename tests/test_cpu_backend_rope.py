@@ -151,3 +151,28 @@ def test_an_index_out_of_range_is_refused_before_anything_is_written(path, bad):
     with pytest.raises(IndexError, match="outside the"):
         rope.rope_and_cache(q, k, v, positions, cos_sin, kc, vc, slots)
     assert torch.equal(q, before) and data.isnan().all()
+
+
+def test_many_rows_split_over_threads_match_the_reference(path):
+    """A prefill chunk's hundreds of rows (the C++ call splits them over the threads)."""
+    g = torch.Generator().manual_seed(8)
+    tokens, hq, hkv, d = 300, 6, 2, 64
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g)
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=1)
+    q, k, v = q.view(tokens, hq, d), k.view(tokens, hkv, d), v.view(tokens, hkv, d)
+    positions = torch.arange(tokens, dtype=torch.int32) + 5
+    slots = torch.randperm(20 * BLOCK, generator=g)[:tokens].to(torch.int32)
+    cos_sin = reference.cos_sin_cache(d, 512)
+    want_q, want_k, want_v = q.clone(), k.clone(), v.clone()
+    want = torch.full((2, 20, hkv, BLOCK, d), float("nan"))
+    reference.rope_and_cache(want_q, want_k, want_v, positions, cos_sin, want[0], want[1], slots)
+    got = torch.full_like(want, float("nan"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(2, threads))
+        rope.begin_step()
+        rope.rope_and_cache(q, k, v, positions, cos_sin, got[0], got[1], slots)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

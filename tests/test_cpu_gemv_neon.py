@@ -61,7 +61,7 @@ def test_neon_dotprod_under_qemu(aarch64_check, cpu, mode):
 def test_python_paths_are_the_modules():
     if not quant_gemv.available():
         pytest.skip(quant_gemv.unavailable_reason())
-    codes = quant_gemv._module().PATHS
+    codes = quant_gemv.cpu_module().PATHS
     assert list(quant_gemv.PATHS) == sorted(codes, key=codes.get)
     isa = {v.name: v.code for v in variants.VARIANTS["cpu_gemv_isa"].variants if v.name != "auto"}
     assert isa == dict(codes)

@@ -39,6 +39,7 @@ ATT_FN float bf16(uint16_t h) {
   return f;
 }
 ATT_FN V vload_bf16(const uint16_t* p) { LANES(bf16(p[i])); }
+ATT_FN V vload_f16(const uint16_t* p) { LANES(half_to_float(p[i])); }
 ATT_FN V vadd(V a, V b) { LANES(a.x[i] + b.x[i]); }
 ATT_FN V vsub(V a, V b) { LANES(a.x[i] - b.x[i]); }
 ATT_FN V vmul(V a, V b) { LANES(a.x[i] * b.x[i]); }
@@ -69,6 +70,18 @@ ATT_FN void vlanes(V v, float* out) { std::memcpy(out, v.x, sizeof v.x); }
 
 void attention_detail::portable(const AttentionArgs& args) { attention_portable::run(args); }
 
+float attention_detail::e4m3_to_float(uint8_t x) {
+  const int e = (x >> 3) & 0xF, m = x & 7;
+  float value;
+  if (e == 15 && m == 7)
+    value = NAN;
+  else if (e == 0)
+    value = std::ldexp(float(m), -9);  // subnormal: m / 8 * 2^-6
+  else
+    value = std::ldexp(float(8 + m), e - 10);  // (1 + m / 8) * 2^(e - 7)
+  return (x & 0x80) ? -value : value;
+}
+
 bool attention_path_supported(int path) {
   return path == kPortable || (path == kAvx2 && path_supported(kAvx2));
 }
@@ -89,6 +102,7 @@ void attention(const AttentionArgs& a) {
   check(a.block_size > 0 && a.num_blocks > 0, "the cache must have blocks of at least one slot");
   check(a.rows >= 0 && a.num_seqs >= 0 && a.table_width >= 0, "negative counts");
   check(a.window >= 0 && a.soft_cap >= 0.0f, "window and soft_cap must be >= 0");
+  check(a.cache_dtype >= kCacheF32 && a.cache_dtype <= kCacheE4M3, "unknown cache dtype code");
   int path = a.path;
   if (path < 0) path = attention_path_supported(kAvx2) ? kAvx2 : kPortable;
   if (path != kPortable && path != kAvx2)

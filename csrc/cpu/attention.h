@@ -1,6 +1,6 @@
 // pagedkern._cpu's attention: query rows over the paged K/V cache, prefill chunks and decode
 // rows alike, out[t, h] = softmax(scale * q[t, h] . K[:pos+1]) V (causal; a window, soft-cap
-// and sinks optional), fp32 or bf16 caches, fp32 out.
+// and sinks optional), fp32, bf16, fp16 or fp8 E4M3 caches (read as fp32, exactly), fp32 out.
 //
 // Design. A query row's result is a function of its own q, its keys and its position only,
 // computed in one fixed order, so it is the same bits in a prefill chunk of any size, as a
@@ -26,6 +26,8 @@
 
 namespace pagedkern_cpu {
 
+enum CacheDtype { kCacheF32 = 0, kCacheBF16 = 1, kCacheF16 = 2, kCacheE4M3 = 3 };
+
 struct AttentionArgs {
   const float* q;        // [T, Hq, D], rows q_row_stride apart, heads dense
   int64_t q_row_stride;  // elements
@@ -34,7 +36,7 @@ struct AttentionArgs {
   float* lse;               // [T, Hq] or null
   const void* k_cache;      // [blocks, Hkv, block_size, D] at the strides below, D dense
   const void* v_cache;
-  int cache_bf16;           // 0: fp32, 1: bf16
+  int cache_dtype;          // CacheDtype
   int64_t block_stride, head_stride, slot_stride;  // elements, the same for k and v
   int64_t num_blocks;
   int hq, hkv, block_size, d;
@@ -61,6 +63,7 @@ void attention(const AttentionArgs& args);
 bool attention_path_supported(int path);
 
 namespace attention_detail {
+float e4m3_to_float(uint8_t x);  // exact (no infinities; S.1111.111 is NaN)
 void portable(const AttentionArgs& args);
 void avx2(const AttentionArgs& args);  // not called where not built (not x86)
 }  // namespace attention_detail

@@ -1,5 +1,5 @@
-// attention.h's kernel on AVX2 + FMA (attention_body.inc's lane ops as 256-bit intrinsics),
-// compiled by target attribute: entered only where isa.cpp finds AVX2 and FMA.
+// attention.h's kernel on AVX2 + FMA (+ F16C) (attention_body.inc's lane ops as 256-bit intrinsics),
+// compiled by target attribute: entered only where isa.cpp finds AVX2, FMA and F16C.
 
 #include "attention.h"
 
@@ -19,7 +19,7 @@
 namespace pagedkern_cpu {
 namespace attention_avx2 {
 
-#define ATT_FN __attribute__((target("avx2,fma"))) inline
+#define ATT_FN __attribute__((target("avx2,fma,f16c"))) inline
 
 using V = __m256;
 ATT_FN V vzero() { return _mm256_setzero_ps(); }
@@ -29,6 +29,9 @@ ATT_FN void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
 ATT_FN V vload_bf16(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+ATT_FN V vload_f16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 ATT_FN V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 ATT_FN V vsub(V a, V b) { return _mm256_sub_ps(a, b); }

@@ -3,9 +3,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <memory>
+#include <vector>
+
 #include <tuple>
 
 #include "attention.h"
+#include "decoder.h"
 #include "layer_tail.h"
 #include "quant_gemv.h"
 #include "rope_cache.h"
@@ -32,7 +36,7 @@ QuantLinear quant_linear(const LinearTuple& w) {
 }  // namespace
 
 PYBIND11_MODULE(_cpu, mod) {
-  mod.doc() = "pagedkern's CPU kernels: quantized GEMV with run-time ISA dispatch, layer tail, attention, RoPE + cache write";
+  mod.doc() = "pagedkern's CPU kernels: quantized GEMV with run-time ISA dispatch, layer tail, attention, RoPE + cache write, decoder";
   py::dict paths;
   for (int path = 0; path < kNumPaths; ++path) paths[path_name(path)] = path;
   mod.attr("PATHS") = paths;
@@ -107,14 +111,14 @@ PYBIND11_MODULE(_cpu, mod) {
   mod.def(
       "attention",
       [](uintptr_t q, int64_t q_row_stride, uintptr_t out, int64_t out_row_stride, uintptr_t lse,
-         uintptr_t k_cache, uintptr_t v_cache, bool cache_bf16, int64_t block_stride,
+         uintptr_t k_cache, uintptr_t v_cache, int cache_dtype, int64_t block_stride,
          int64_t head_stride, int64_t slot_stride, int64_t num_blocks, int hq, int hkv,
          int block_size, int d, uintptr_t block_tables, int64_t table_stride, int num_seqs,
          int table_width, uintptr_t row_seq, uintptr_t row_pos, int rows, float scale,
          float soft_cap, int window, uintptr_t sinks, float out_scale, int threads, int path) {
         const AttentionArgs args{ptr<const float>(q), q_row_stride, ptr<float>(out),
                                  out_row_stride, ptr<float>(lse), ptr<const void>(k_cache),
-                                 ptr<const void>(v_cache), cache_bf16 ? 1 : 0, block_stride,
+                                 ptr<const void>(v_cache), cache_dtype, block_stride,
                                  head_stride, slot_stride, num_blocks, hq, hkv, block_size, d,
                                  ptr<const int32_t>(block_tables), table_stride, num_seqs,
                                  table_width, ptr<const int32_t>(row_seq),
@@ -125,7 +129,7 @@ PYBIND11_MODULE(_cpu, mod) {
       },
       py::kw_only(), py::arg("q"), py::arg("q_row_stride"), py::arg("out"),
       py::arg("out_row_stride"), py::arg("lse"), py::arg("k_cache"), py::arg("v_cache"),
-      py::arg("cache_bf16"), py::arg("block_stride"), py::arg("head_stride"),
+      py::arg("cache_dtype"), py::arg("block_stride"), py::arg("head_stride"),
       py::arg("slot_stride"), py::arg("num_blocks"), py::arg("hq"), py::arg("hkv"),
       py::arg("block_size"), py::arg("d"), py::arg("block_tables"), py::arg("table_stride"),
       py::arg("num_seqs"), py::arg("table_width"), py::arg("row_seq"), py::arg("row_pos"),
@@ -137,13 +141,13 @@ PYBIND11_MODULE(_cpu, mod) {
          int64_t v_row_stride, int rows, int hq, int hkv, int d, uintptr_t factors,
          int64_t num_positions, uintptr_t positions, uintptr_t slots, uintptr_t k_cache,
          uintptr_t v_cache, int64_t block_stride, int64_t head_stride, int64_t slot_stride,
-         int64_t num_blocks, int block_size) {
+         int64_t num_blocks, int block_size, int threads) {
         const RopeCacheArgs args{ptr<float>(q), q_row_stride, ptr<float>(k), k_row_stride,
                                  ptr<const float>(v), v_row_stride, rows, hq, hkv, d,
                                  ptr<const float>(factors), num_positions,
                                  ptr<const int64_t>(positions), ptr<const int64_t>(slots),
                                  ptr<float>(k_cache), ptr<float>(v_cache), block_stride,
-                                 head_stride, slot_stride, num_blocks, block_size};
+                                 head_stride, slot_stride, num_blocks, block_size, threads};
         py::gil_scoped_release release;
         rope_cache(args);
       },
@@ -152,5 +156,50 @@ PYBIND11_MODULE(_cpu, mod) {
       py::arg("d"), py::arg("factors"), py::arg("num_positions"), py::arg("positions"),
       py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_stride"),
       py::arg("head_stride"), py::arg("slot_stride"), py::arg("num_blocks"),
-      py::arg("block_size"));
+      py::arg("block_size"), py::arg("threads"));
+  // (qkv, o, gate_up, down, post_norm, next_norm, k_cache, v_cache) per layer
+  using LayerTuple = std::tuple<LinearTuple, LinearTuple, LinearTuple, LinearTuple, uintptr_t,
+                                uintptr_t, uintptr_t, uintptr_t>;
+  struct Decoder {
+    DecoderShape shape;
+    std::vector<DecoderLayer> layers;
+  };
+  py::class_<Decoder>(mod, "Decoder")
+      .def(py::init([](const std::vector<LayerTuple>& layers, int hq, int hkv, int d, int hidden,
+                       int intermediate, float eps, float scale, int64_t block_stride,
+                       int64_t head_stride, int64_t slot_stride, int64_t num_blocks,
+                       int block_size, uintptr_t factors, int64_t num_positions,
+                       int64_t parallel_min_macs) {
+             auto decoder = std::make_unique<Decoder>();
+             decoder->shape = {hq, hkv, d, hidden, intermediate, eps, scale, block_stride,
+                               head_stride, slot_stride, num_blocks, block_size,
+                               ptr<const float>(factors), num_positions, parallel_min_macs};
+             for (const auto& [qkv, o, gate_up, down, post, next, k, v] : layers)
+               decoder->layers.push_back({quant_linear(qkv), quant_linear(o),
+                                          quant_linear(gate_up), quant_linear(down),
+                                          ptr<const float>(post), ptr<const float>(next),
+                                          ptr<float>(k), ptr<float>(v)});
+             return decoder;
+           }),
+           py::kw_only(), py::arg("layers"), py::arg("hq"), py::arg("hkv"), py::arg("d"),
+           py::arg("hidden"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"),
+           py::arg("block_stride"), py::arg("head_stride"), py::arg("slot_stride"),
+           py::arg("num_blocks"), py::arg("block_size"), py::arg("factors"),
+           py::arg("num_positions"), py::arg("parallel_min_macs"))
+      .def(
+          "run",
+          [](const Decoder& self, int m, uintptr_t h, uintptr_t residual, uintptr_t positions,
+             uintptr_t slots, uintptr_t row_seq, uintptr_t row_pos, uintptr_t block_tables,
+             int64_t table_stride, int num_seqs, int table_width, int threads, int path,
+             int activation_bits) {
+            const DecoderStep step{m, ptr<float>(h), ptr<float>(residual),
+                                   ptr<const int64_t>(positions), ptr<const int64_t>(slots),
+                                   ptr<const int32_t>(row_seq), ptr<const int32_t>(row_pos),
+                                   ptr<const int32_t>(block_tables), table_stride, num_seqs,
+                                   table_width, threads, path, activation_bits};
+            py::gil_scoped_release release;
+            decoder(self.shape, self.layers, step);
+          },
+          "m, h, residual, positions, slots, row_seq, row_pos, block_tables, table_stride, "
+          "num_seqs, table_width, threads, path, activation_bits (positional: one call a step)");
 }

@@ -2,9 +2,12 @@
 
 #include "rope_cache.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+
+#include "parallel.h"
 
 namespace pagedkern_cpu {
 namespace {
@@ -38,20 +41,26 @@ void rope_cache(const RopeCacheArgs& a) {
                               std::to_string(a.slots[t]) + " is outside the cache's " +
                               std::to_string(slots) + " slots");
   }
-  for (int t = 0; t < a.rows; ++t) {
-    const float* f = a.factors + a.positions[t] * 2 * a.d;
-    for (int h = 0; h < a.hq; ++h) rotate(a.q + t * a.q_row_stride + h * a.d, f, a.d);
-    float* k = a.k + t * a.k_row_stride;
-    for (int h = 0; h < a.hkv; ++h) rotate(k + h * a.d, f, a.d);
-    const int64_t slot = a.slots[t];
-    if (slot < 0) continue;
-    const int64_t at = slot / a.block_size * a.block_stride + slot % a.block_size * a.slot_stride;
-    const float* v = a.v + t * a.v_row_stride;
-    for (int h = 0; h < a.hkv; ++h) {
-      std::memcpy(a.k_cache + at + h * a.head_stride, k + h * a.d, a.d * sizeof(float));
-      std::memcpy(a.v_cache + at + h * a.head_stride, v + h * a.d, a.d * sizeof(float));
+  constexpr int kRowsPerThread = 64;  // below, the team's wake-up costs more than the rows
+  const int threads = std::max(1, std::min(a.threads, a.rows / kRowsPerThread));
+  parallel(threads, [&](int part, int parts) {
+    const int t1 = int(int64_t(a.rows) * (part + 1) / parts);
+    for (int t = int(int64_t(a.rows) * part / parts); t < t1; ++t) {
+      const float* f = a.factors + a.positions[t] * 2 * a.d;
+      for (int h = 0; h < a.hq; ++h) rotate(a.q + t * a.q_row_stride + h * a.d, f, a.d);
+      float* k = a.k + t * a.k_row_stride;
+      for (int h = 0; h < a.hkv; ++h) rotate(k + h * a.d, f, a.d);
+      const int64_t slot = a.slots[t];
+      if (slot < 0) continue;
+      const int64_t at =
+          slot / a.block_size * a.block_stride + slot % a.block_size * a.slot_stride;
+      const float* v = a.v + t * a.v_row_stride;
+      for (int h = 0; h < a.hkv; ++h) {
+        std::memcpy(a.k_cache + at + h * a.head_stride, k + h * a.d, a.d * sizeof(float));
+        std::memcpy(a.v_cache + at + h * a.head_stride, v + h * a.d, a.d * sizeof(float));
+      }
     }
-  }
+  });
 }
 
 }  // namespace pagedkern_cpu

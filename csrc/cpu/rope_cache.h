@@ -29,6 +29,7 @@ struct RopeCacheArgs {
   int64_t block_stride, head_stride, slot_stride;  // elements, the same for k and v
   int64_t num_blocks;
   int block_size;
+  int threads;  // rows split over this many of OpenMP's threads (a prefill chunk's thousands)
 };
 
 // Throws std::out_of_range before writing anything if a position or slot is out of range.

@@ -228,6 +228,19 @@ VARIANTS: dict[str, OpVariants] = {
             ),
         ),
         OpVariants(
+            "cpu_decoder",  # the cpu backend's stack of layers (no GPU involved)
+            (
+                Variant(
+                    "fused",
+                    1,
+                    "csrc/cpu/decoder.cpp: a step's plain quantized Llama-family layers in one C++ "
+                    "call (QKV GEMV, RoPE + cache, attention kernel, layer tail)",
+                    None,
+                ),
+                Variant("layers", 0, "the layer loop in Python, one call per op", None),
+            ),
+        ),
+        OpVariants(
             "cpu_layer_tail",  # the cpu backend's layer after attention (no GPU involved)
             (
                 Variant(

@@ -12,13 +12,13 @@ from . import activation, attention, moe, norm, quant_linear, rope
 
 # op -> its CPU implementation; the reference's own function where the CPU has no faster one
 IMPLEMENTATIONS = {
-    "flash_prefill": attention.flash_prefill,  # flash-style tiles (sliding window: reference)
-    "paged_attention": attention.paged_attention,  # the same tiles, one-token chunks
+    "flash_prefill": attention.flash_prefill,  # the C++ kernel (tiles: cpu_attention:tiles)
+    "paged_attention": attention.paged_attention,  # the same, one-token chunks
     "rms_norm": norm.rms_norm,
     "fused_add_rms_norm": norm.fused_add_rms_norm,
     "silu_and_mul": activation.silu_and_mul,  # fp32: one silu, one in-place multiply
     "gelu_tanh_and_mul": reference.gelu_tanh_and_mul,
-    "rope_and_cache": rope.rope_and_cache,  # per step RoPE rows, q and k rotated together
+    "rope_and_cache": rope.rope_and_cache,  # fp32: one C++ call; else per-step RoPE rows
     "fused_moe": moe.fused_moe,  # the GEMMs grouped over all experts, one call each
     "sample": reference.sample,
     "rejection_sample": reference.rejection_sample,

@@ -1,6 +1,7 @@
 """The CPU backend's attention kernel (csrc/cpu/attention.{h,cpp}): query rows over the paged
-cache in one C++ call, prefill chunks and decode rows alike, reading fp32 or bf16 pages in place
-(no gathered copy), its (block, KV head) tasks over torch's threads.
+cache in one C++ call, prefill chunks and decode rows alike, reading fp32 pages in place (bf16,
+fp16 and fp8 E4M3 pages converted exactly, a block's keys at a time; no gathered copy), its
+(block, KV head) tasks over torch's threads.
 
 A row's result depends only on its own q, keys and position (one fixed order of fp32
 operations, see attention.h), so batch invariance holds by construction whatever the BLAS: the
@@ -10,8 +11,9 @@ e^x by a polynomial): it is tested against it with a tolerance, and its paths (A
 against each other bit for bit.
 
 Variant `cpu_attention`: `kernel` (the default where pagedkern._cpu is built) or `tiles`
-(attention.py's BLAS tiles). Either runs every row of a model (the choice depends on the cache's
-dtype and the head size, never on the batch), so a row computes alike in every step.
+(attention.py's BLAS tiles, which also run head sizes that are not a multiple of 8). Either runs
+every row of a model (the choice depends on the head size, never on the batch), so a row
+computes alike in every step.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from .. import variants
 from . import quant_gemv
 
 PATHS = {"portable": 0, "avx2": 1}  # csrc/cpu/quant_gemv.h's Path values the kernel runs
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+# cache dtypes the kernel reads (converted to fp32 exactly), by csrc/cpu/attention.h's code
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 
 
 def path_code(path: str | None) -> int:
@@ -43,8 +46,8 @@ def path_supported(path: str) -> bool:
 
 def applies(k_cache: torch.Tensor, head_size: int) -> bool:
     """Whether the kernel runs attention over this cache (the variant selected, the module
-    built, an fp32 / bf16 cache, a head size a multiple of 8): the same answer for every step of
-    a model."""
+    built, a cache dtype it reads, a head size a multiple of 8): the same answer for every step
+    of a model."""
     return (
         variants.selected("cpu_attention") == "kernel"
         and k_cache.dtype in CACHE_DTYPES
@@ -81,8 +84,8 @@ def attend(
     hkv, block_size = k_cache.shape[1], k_cache.shape[2]
     if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"k_cache/v_cache must both be float32 or bfloat16, got {k_cache.dtype} and "
-            f"{v_cache.dtype}"
+            f"k_cache/v_cache must both be float32, bfloat16, float16 or float8_e4m3fn, got "
+            f"{k_cache.dtype} and {v_cache.dtype}"
         )
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError(
@@ -106,8 +109,8 @@ def attend(
         raise ValueError(f"sinks must hold {hq} logits, got shape {tuple(sinks.shape)}")
     q32 = _rows(q)
     result = out if _writable_rows(out) else torch.empty(t, hq, d)
-    tables = _int32(block_tables)
-    seqs, positions = _int32(row_seq), _int32(row_pos)
+    tables = as_int32(block_tables)
+    seqs, positions = as_int32(row_seq), as_int32(row_pos)
     sink_logits = None if sinks is None else sinks.detach().float().contiguous()
     if lse is not None and not lse.is_contiguous():
         raise ValueError("lse must be contiguous")
@@ -115,7 +118,7 @@ def attend(
         q=q32.data_ptr(), q_row_stride=q32.stride(0), out=result.data_ptr(),
         out_row_stride=result.stride(0), lse=0 if lse is None else lse.data_ptr(),
         k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
-        cache_bf16=k_cache.dtype == torch.bfloat16, block_stride=k_cache.stride(0),
+        cache_dtype=CACHE_DTYPES[k_cache.dtype], block_stride=k_cache.stride(0),
         head_stride=k_cache.stride(1), slot_stride=k_cache.stride(2),
         num_blocks=k_cache.shape[0], hq=hq, hkv=hkv, block_size=block_size, d=d,
         block_tables=tables.data_ptr(), table_stride=tables.stride(0),
@@ -150,7 +153,8 @@ def _writable_rows(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-def _int32(x: torch.Tensor) -> torch.Tensor:
+def as_int32(x: torch.Tensor) -> torch.Tensor:
+    """x as int32 with a unit last stride (x itself where it already is)."""
     if x.dtype == torch.int32 and x.stride(-1) == 1:
         return x
     return x.to(torch.int32).contiguous()
@@ -173,12 +177,14 @@ def chunk_rows(cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, rows: int) -> t
 class StepKernelAttention:
     """One step's attention for one kind of layer through the kernel: every row (prefill chunks
     and decode rows) in one call a layer. The rows' sequences and positions are made once, and
-    again only when the metadata tensors were written since (a CUDA-graph bucket's static
-    buffers, refilled in place each step, keep one plan)."""
+    again only when the metadata tensors changed since (a CUDA-graph bucket's static buffers,
+    refilled in place each step, keep one plan): by their version counters, or by value for
+    inference-mode tensors, which keep none."""
 
     def __init__(self, cu_seqlens, seq_lens, block_tables, rows: int, options: dict) -> None:
         self._sources = (cu_seqlens, seq_lens, block_tables)
-        self._versions: tuple | None = None
+        self._seen: tuple | None = None  # the sources' versions (or copies) the rows were made of
+        self._made = 0  # rows made so far (a call layout is valid for one making)
         self._checked: tuple | None = None  # the layout attend() last checked, and its call
         self._call: dict | None = None
         self._rows = rows
@@ -188,16 +194,24 @@ class StepKernelAttention:
         self._out_scale = 1.0 if v_scale is None else v_scale
 
     def _refresh(self) -> None:
-        versions = tuple(t._version for t in self._sources)
-        if versions != self._versions:
-            cu_seqlens, seq_lens, block_tables = self._sources
-            self.row_seq, self.row_pos = chunk_rows(cu_seqlens, seq_lens, self._rows)
-            self.tables = _int32(block_tables)
-            self._versions = versions
+        sources = self._sources
+        if any(t.is_inference() for t in sources):
+            seen = self._seen
+            if seen is not None and all(map(torch.equal, sources, seen)):
+                return
+            seen = tuple(t.clone() for t in sources)
+        else:
+            seen = tuple(t._version for t in sources)
+            if seen == self._seen:
+                return
+        cu_seqlens, seq_lens, block_tables = sources
+        self.row_seq, self.row_pos = chunk_rows(cu_seqlens, seq_lens, self._rows)
+        self.tables = as_int32(block_tables)
+        self._seen, self._made = seen, self._made + 1
 
     def run(self, q, k_cache, v_cache, out) -> None:
         self._refresh()
-        layout = (_layout(q), _layout(out), _layout(k_cache), _layout(v_cache), self._versions)
+        layout = (_layout(q), _layout(out), _layout(k_cache), _layout(v_cache), self._made)
         if layout == self._checked:  # as the last layer's, which attend() checked: the call
             call = self._call
             call.update(

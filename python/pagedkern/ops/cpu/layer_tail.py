@@ -26,7 +26,7 @@ from . import quant_gemv
 _LinearTuple = tuple[int, int, int, int, int, int]
 
 
-def _fp32_vector(t: torch.Tensor | None, size: int) -> bool:
+def fp32_vector(t: torch.Tensor | None, size: int) -> bool:
     return t is None or (
         t.dtype == torch.float32 and t.is_contiguous() and tuple(t.shape) == (size,)
     )
@@ -38,7 +38,7 @@ def _quantized(w, bias: torch.Tensor | None, n: int, k: int) -> bool:
         and w.format in ("int4", "int8")
         and tuple(w.shape) == (n, k)
         and k % 32 == 0
-        and _fp32_vector(bias, n)
+        and fp32_vector(bias, n)
     )
 
 
@@ -52,11 +52,12 @@ def runs(layer, hidden: int, intermediate: int, q_size: int, hidden_act: str) ->
         and _quantized(layer.o, layer.o_bias, hidden, q_size)
         and _quantized(layer.gate_up, layer.gate_up_bias, 2 * intermediate, hidden)
         and _quantized(layer.down, layer.down_bias, hidden, intermediate)
-        and _fp32_vector(layer.post_norm, hidden)
+        and fp32_vector(layer.post_norm, hidden)
     )
 
 
-def _linear(w: QuantizedWeight, bias: torch.Tensor | None) -> _LinearTuple:
+def linear_tuple(w: QuantizedWeight, bias: torch.Tensor | None) -> _LinearTuple:
+    """A quantized weight (and bias) as csrc/cpu/module.cpp takes it (tiles packed once)."""
     n, k = w.shape
     address = 0 if bias is None else bias.data_ptr()
     tiles = quant_gemv.packed(w)
@@ -94,15 +95,21 @@ class LayerTail:
         self._call = module.layer_tail
         return self
 
-    def _weights(self, layer) -> tuple | None:
+    @property
+    def settings(self) -> dict:
+        """The step's threads, GEMV path and activation width (for_step)."""
+        return self._step
+
+    def weights_of(self, layer) -> tuple | None:
+        """The layer's (o, gate_up, down) tuples, or None where `runs` refuses it."""
         found = self._layers.get(id(layer))
         if found is None or found[0] is not layer:
             fused = None
             if runs(layer, self.hidden, self.intermediate, self.q_size, self.hidden_act):
                 fused = (
-                    _linear(layer.o, layer.o_bias),
-                    _linear(layer.gate_up, layer.gate_up_bias),
-                    _linear(layer.down, layer.down_bias),
+                    linear_tuple(layer.o, layer.o_bias),
+                    linear_tuple(layer.gate_up, layer.gate_up_bias),
+                    linear_tuple(layer.down, layer.down_bias),
                 )
             found = self._layers[id(layer)] = (layer, fused)
         return found[1]
@@ -117,14 +124,14 @@ class LayerTail:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """attn [T, Hq, D] fp32 (contiguous), residual [T, H] fp32 updated in place ->
         (h [T, H] normed by next_norm: `out` if given, residual); None: run the ops instead."""
-        weights = self._weights(layer)
+        weights = self.weights_of(layer)
         if (
             weights is None
             or attn.dtype != torch.float32
             or residual.dtype != torch.float32
             or not attn.is_contiguous()
             or not residual.is_contiguous()
-            or not _fp32_vector(next_norm, self.hidden)
+            or not fp32_vector(next_norm, self.hidden)
         ):
             return None
         m = residual.shape[0]

@@ -39,7 +39,7 @@ class _StepRows:
     def __init__(self, cos_sin, positions, slot_mapping, block_size: int) -> None:
         self.cos_sin, self.positions, self.slot_mapping = cos_sin, positions, slot_mapping
         self.block_size = block_size
-        self.factors = _factors(cos_sin).index_select(0, positions)[:, None]  # [T, 1, 2D]
+        self.factors = factors_table(cos_sin).index_select(0, positions)[:, None]  # [T, 1, 2D]
         self.keep = None  # [T] bool rows written (None: all)
         if slot_mapping.shape[0] <= _FEW:  # a few: on the host (one op, not a few)
             self._slots = slot_mapping.tolist()
@@ -99,7 +99,7 @@ _FEW = 32  # rows a step's slots are handled on the host up to
 _tables: dict[int, tuple] = {}
 
 
-def _factors(cos_sin: torch.Tensor) -> torch.Tensor:
+def factors_table(cos_sin: torch.Tensor) -> torch.Tensor:
     """[positions, 2D] rows [cos, cos, -sin, sin] of cos_sin [positions, D] (cos | sin), made
     once per table (and again after an in-place change)."""
     found = _tables.get(id(cos_sin))
@@ -327,7 +327,7 @@ def _rope_cache_cpp(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
         indices = (positions.long().contiguous(), slot_mapping.long().contiguous())
         found = _step_indices[key] = (positions, slot_mapping, *indices)
     _, _, pos, slots = found
-    factors = _factors(cos_sin)
+    factors = factors_table(cos_sin)
     quant_gemv.cpu_module().rope_cache(
         q=q.data_ptr(), q_row_stride=q.stride(0), k=k.data_ptr(), k_row_stride=k.stride(0),
         v=v.data_ptr(), v_row_stride=v.stride(0), rows=q.shape[0], hq=q.shape[1],
@@ -336,4 +336,5 @@ def _rope_cache_cpp(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
         k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
         block_stride=k_cache.stride(0), head_stride=k_cache.stride(1),
         slot_stride=k_cache.stride(2), num_blocks=k_cache.shape[0], block_size=k_cache.shape[2],
+        threads=torch.get_num_threads(),
     )  # fmt: skip
