@@ -50,17 +50,11 @@ def _sdpa(q, k, v, cu, table, lens):
     return out[0].transpose(0, 1)
 
 
-def _tiles(op):
+def _variant(name: str, op):
+    """op under cpu_attention:`name`."""
+
     def run(*args):
-        with use_kernels(cpu_attention="tiles"):
-            return op(*args)
-
-    return run
-
-
-def _kernel(op):
-    def run(*args):
-        with use_kernels(cpu_attention="kernel"):
+        with use_kernels(cpu_attention=name):
             return op(*args)
 
     return run
@@ -68,14 +62,14 @@ def _kernel(op):
 
 CANDIDATES = {
     "reference": reference.flash_prefill,
-    "cpu backend (kernel)": _kernel(attention.flash_prefill),
-    "cpu backend (tiles)": _tiles(attention.flash_prefill),
+    "cpu backend (kernel)": _variant("kernel", attention.flash_prefill),
+    "cpu backend (tiles)": _variant("tiles", attention.flash_prefill),
     "torch sdpa (gathered)": _sdpa,
 }
 DECODE_CANDIDATES = {
     "reference": reference.paged_attention,
-    "cpu backend (kernel)": _kernel(attention.paged_attention),
-    "cpu backend (tiles)": _tiles(attention.paged_attention),
+    "cpu backend (kernel)": _variant("kernel", attention.paged_attention),
+    "cpu backend (tiles)": _variant("tiles", attention.paged_attention),
 }
 
 
@@ -90,18 +84,23 @@ def _gemm_gflops() -> float:
     return 2 * 1024**3 / best / 1e9
 
 
-@pytest.mark.parametrize("n", LENGTHS)
-def test_cpu_prefill_attention(n, capsys):
-    args = _inputs(n)
-    want = reference.flash_prefill(*args)
-    times: dict[str, list[float]] = {name: [] for name in CANDIDATES}
-    for _ in range(ROUNDS):  # interleaved: each round times every candidate once
-        for name, fn in CANDIDATES.items():
+def _best_times(candidates: dict, args: tuple, want: torch.Tensor, rounds: int) -> dict:
+    """Each candidate's best time over `rounds` interleaved rounds (each round times every
+    candidate once), its output checked against `want`."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
             start = time.perf_counter()
             got = fn(*args)
             times[name].append(time.perf_counter() - start)
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    best = {name: min(t) for name, t in times.items()}
+    return {name: min(t) for name, t in times.items()}
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_cpu_prefill_attention(n, capsys):
+    args = _inputs(n)
+    best = _best_times(CANDIDATES, args, reference.flash_prefill(*args), ROUNDS)
     flops = 4 * HQ * D * n * (n + 1) / 2  # causal: q.k and p.v over the visible keys
     ceiling = _gemm_gflops()
     with capsys.disabled():
@@ -132,14 +131,7 @@ def test_cpu_decode_attention(batch, capsys):
         tables, seq_lens = table.repeat(batch, 1), lens.repeat(batch)
         args = (q, k, v, tables, seq_lens)
         want = reference.paged_attention(*args)
-        times: dict[str, list[float]] = {name: [] for name in DECODE_CANDIDATES}
-        for _ in range(ROUNDS * 3):
-            for name, fn in DECODE_CANDIDATES.items():
-                start = time.perf_counter()
-                got = fn(*args)
-                times[name].append(time.perf_counter() - start)
-                torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-        best = {name: min(t) for name, t in times.items()}
+        best = _best_times(DECODE_CANDIDATES, args, want, ROUNDS * 3)
         flops = 4 * HQ * D * length * batch
         cells = "  ".join(
             f"{name} {t * 1e6:8.0f} us ({flops / t / 1e9:5.1f} GFLOP/s)" for name, t in best.items()

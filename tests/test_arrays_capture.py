@@ -129,7 +129,7 @@ def test_during_a_capture_torch_allocates_on_the_capturing_stream_and_keeps_them
 def test_during_a_capture_without_torch_cupy_arrays_are_kept(fake_cupy, torch_buffers, monkeypatch):
     cupy = fake_cupy(capturing=True)
     real = arrays._module
-    monkeypatch.setattr(arrays, "cpu_module", lambda name: None if name == "torch" else real(name))
+    monkeypatch.setattr(arrays, "_module", lambda name: None if name == "torch" else real(name))
     out = arrays.empty_like(_cupy_view(), (6,), "int32")
     assert cupy.calls == [("cupy.empty", (6,), "int32")] and torch_buffers == []
     assert arrays._capture_arrays == [out]

@@ -187,7 +187,10 @@ def test_mismatched_rows_and_outputs_are_refused():
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
-def test_a_models_forward_fuses_its_tails_and_agrees_with_the_ops(quantization, monkeypatch):
+def test_a_models_forward_fuses_its_tails_and_agrees_with_the_ops(
+    quantization, monkeypatch, kernels
+):
+    kernels(cpu_decoder="layers")  # the layer loop (the one-call decoder runs the same tail)
     model, _ = load_model("synthetic:tiny", quantization=quantization)
     calls = []
     module = quant_gemv.cpu_module()
