@@ -13,8 +13,8 @@ PAGEDKERN_BENCH_GGUF) and, where LLAMA_CPP_BIN can build it, a ~1B-parameter Lla
 random-weight GGUF quantized Q4_0 by llama.cpp's llama-quantize (llama_1b_gguf.py: built once,
 cached), where a decode token is bound by memory bandwidth rather than per-op dispatch; `-k
 smollm2` / `-k llama_1b` picks one. PAGEDKERN_BENCH_THREADS: threads for both (default: all
-CPUs); PAGEDKERN_BENCH_PREFILLS (default 512,2048,4000) and PAGEDKERN_BENCH_BACKENDS (default
-cpu,reference) narrow a run.
+CPUs); PAGEDKERN_BENCH_PREFILLS (default 512,2048,4000; empty: no prefill) and
+PAGEDKERN_BENCH_BACKENDS (default cpu,reference) narrow a run.
 Full sizes with PAGEDKERN_BENCH_SMOKE=0 (or PAGEDKERN_BENCH_CPU=1) on a machine without a GPU;
 smoke mode runs the tiny synthetic model once on short inputs (numbers meaningless, llama.cpp
 not run)."""
@@ -40,7 +40,7 @@ if FULL and torch.cuda.is_available():
 THREADS = int(os.environ.get("PAGEDKERN_BENCH_THREADS", os.cpu_count() or 1))
 ROUNDS = int(os.environ.get("PAGEDKERN_BENCH_ROUNDS", 2)) if FULL else 1
 _LENGTHS = os.environ.get("PAGEDKERN_BENCH_PREFILLS", "512,2048,4000")
-PREFILLS = tuple(int(n) for n in _LENGTHS.split(",")) if FULL else (24,)
+PREFILLS = tuple(int(n) for n in _LENGTHS.split(",") if n.strip()) if FULL else (24,)
 DECODE = 128 if FULL else 8
 STREAMS, STREAM_PROMPT, STREAM_NEW = (16, 48, 32) if FULL else (4, 8, 4)
 BACKENDS = tuple(os.environ.get("PAGEDKERN_BENCH_BACKENDS", "cpu,reference").split(","))
@@ -84,7 +84,8 @@ def _engine(backend: str, gguf: str | None) -> Engine:
     model = gguf or "synthetic:tiny"
     config = EngineConfig(
         model=model, backend=backend, device="cpu", enable_prefix_caching=False,
-        max_num_seqs=max(STREAMS, 1), max_model_len=max(PREFILLS) + DECODE + 16,
+        max_num_seqs=max(STREAMS, 1),
+        max_model_len=max(PREFILLS, default=STREAM_PROMPT + STREAM_NEW) + DECODE + 16,
         max_num_batched_tokens=2048, kv_cache_gib=1.0,
     )  # fmt: skip
     return Engine.from_config(config)
