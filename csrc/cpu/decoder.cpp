@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "attention.h"
-#include "quant_gemv.h"
 #include "rope_cache.h"
 
 namespace pagedkern_cpu {
@@ -23,13 +22,12 @@ void decoder(const DecoderShape& s, const std::vector<DecoderLayer>& layers,
   attn_buf.resize(size_t(t.m) * q_size);
   float *qkv = qkv_buf.data(), *attn = attn_buf.data();
   for (const DecoderLayer& layer : layers) {
-    const QuantLinear& w = layer.qkv;
-    const int64_t macs = int64_t(t.m) * w.n * w.k;
-    gemv(w.format, qkv, w.n, t.h, s.hidden, w.packed, w.scales, t.m, w.n, w.k,
-         macs >= s.parallel_min_macs ? t.threads : 1, t.path, t.activation_bits);
-    if (w.bias != nullptr)
-      for (int r = 0; r < t.m; ++r)
-        for (int j = 0; j < w.n; ++j) qkv[int64_t(r) * w.n + j] += w.bias[j];
+    const LayerTailArgs tail{layer.o,         layer.gate_up, layer.down,
+                             layer.post_norm, layer.next_norm, s.eps,
+                             t.m,             s.hidden,      s.intermediate,
+                             t.threads,       s.parallel_min_macs, t.path,
+                             t.activation_bits};
+    linear(layer.qkv, tail, t.h, s.hidden, qkv);  // the tail's GEMV (+ bias)
     float *q = qkv, *k = qkv + q_size, *v = k + s.hkv * s.d;
     rope_cache({q, qkv_size, k, qkv_size, v, qkv_size, t.m, s.hq, s.hkv, s.d, s.factors,
                 s.num_positions, t.positions, t.slots, layer.k_cache, layer.v_cache,
@@ -39,10 +37,6 @@ void decoder(const DecoderShape& s, const std::vector<DecoderLayer>& layers,
                s.block_stride, s.head_stride, s.slot_stride, s.num_blocks, s.hq, s.hkv,
                s.block_size, s.d, t.block_tables, t.table_stride, t.num_seqs, t.table_width,
                t.row_seq, t.row_pos, t.m, s.scale, 0.0f, 0, nullptr, 1.0f, t.threads, -1});
-    const LayerTailArgs tail{layer.o,  layer.gate_up,  layer.down,     layer.post_norm,
-                             layer.next_norm, s.eps,   t.m,           s.hidden,
-                             s.intermediate,  t.threads, s.parallel_min_macs, t.path,
-                             t.activation_bits};
     layer_tail(tail, attn, q_size, t.residual, t.h);
   }
 }

@@ -71,16 +71,6 @@ void silu_and_mul(const float* g, float* out, int intermediate) {
   }
 }
 
-void linear(const QuantLinear& w, const LayerTailArgs& a, const float* x, int64_t x_stride,
-            float* y) {
-  const int64_t macs = int64_t(a.m) * w.n * w.k;
-  gemv(w.format, y, w.n, x, x_stride, w.packed, w.scales, a.m, w.n, w.k,
-       macs >= a.parallel_min_macs ? a.threads : 1, a.path, a.activation_bits);
-  if (w.bias != nullptr)
-    for (int r = 0; r < a.m; ++r)
-      for (int j = 0; j < w.n; ++j) y[int64_t(r) * w.n + j] += w.bias[j];
-}
-
 // body(r) for every row r, rows split over the team from the GEMVs' threshold of work
 template <typename Body>
 void for_rows(const LayerTailArgs& a, int64_t work_per_row, const Body& body) {
@@ -92,6 +82,16 @@ void for_rows(const LayerTailArgs& a, int64_t work_per_row, const Body& body) {
 }
 
 }  // namespace
+
+void linear(const QuantLinear& w, const LayerTailArgs& a, const float* x, int64_t x_stride,
+            float* y) {
+  const int64_t macs = int64_t(a.m) * w.n * w.k;
+  gemv(w.format, y, w.n, x, x_stride, w.packed, w.scales, a.m, w.n, w.k,
+       macs >= a.parallel_min_macs ? a.threads : 1, a.path, a.activation_bits);
+  if (w.bias != nullptr)
+    for (int r = 0; r < a.m; ++r)
+      for (int j = 0; j < w.n; ++j) y[int64_t(r) * w.n + j] += w.bias[j];
+}
 
 void layer_tail(const LayerTailArgs& a, const float* attn, int64_t attn_stride, float* residual,
                 float* h_out) {

@@ -40,6 +40,11 @@ struct LayerTailArgs {
   int path, activation_bits;
 };
 
+// y [m, w.n] (dense) = x [m, w.k] (row stride x_stride) @ W.T (+ bias): the tail's GEMV, on
+// a.threads from a.parallel_min_macs multiply-adds, a.path, a.activation_bits.
+void linear(const QuantLinear& w, const LayerTailArgs& a, const float* x, int64_t x_stride,
+            float* y);
+
 // attn [m, o.k] (row stride attn_stride), residual [m, hidden] in place, h_out [m, hidden].
 void layer_tail(const LayerTailArgs& args, const float* attn, int64_t attn_stride,
                 float* residual, float* h_out);

@@ -105,9 +105,7 @@ class LlamaModel:
             )
         self._tail = None  # the step's: _cpu_tail on the CPU backend where it runs, else None
         # ... and every plain layer of a step in one C++ call (ops/cpu/decoder.py)
-        self._cpu_decoder = None
-        if self._cpu_tail is not None:
-            self._cpu_decoder = CpuDecoder(self.local, self._cpu_tail)
+        self._cpu_decoder = None if self._cpu_tail is None else CpuDecoder(self.local)
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int = 16, groups: KVLayerGroups | None = None
@@ -191,13 +189,13 @@ class LlamaModel:
             raise ValueError(f"KV cache has {kv_cache.num_layers} layers, model {cfg.num_layers}")
         self._ops = self._step_ops(meta, kv_cache)
         decoder = None if attention is not None else self._decoder_for_step(kv_cache)
-        if attention is None:  # planned by each kind's first layer, run by all
+        if attention is None and decoder is None:  # planned by each kind's first layer, run by all
             copies = self._decode_copies if self.device.type == "cpu" else None
             attention = StepAttention(meta, copies)
         tokens = input_ids.shape[0]
         shadow.enter_layer(0)  # (shadow mode: which layer the op calls that follow belong to)
         h, residual = self.embed_and_norm(input_ids, w.layers[0].input_norm)
-        if decoder is not None and h.dtype == torch.float32:
+        if decoder is not None:
             decoder(h, residual, meta)
             shadow.enter_layer(None)
             return h
@@ -249,9 +247,9 @@ class LlamaModel:
     def _decoder_for_step(self, kv_cache: KVCache):
         """The CPU backend's one-call decoder for this step (ops/cpu/decoder.py), or None: the
         layer loop runs (another backend, no fused tail, fp8 calibration, layers it refuses)."""
-        if self._tail is None or self._kv_amax is not None or self._cpu_decoder is None:
+        if self._tail is None or self._kv_amax is not None or self.dtype != torch.float32:
             return None
-        return self._cpu_decoder.for_step(self.weights, self.cos_sin, kv_cache)
+        return self._cpu_decoder.for_step(self._tail, self.weights, self.cos_sin, kv_cache)
 
     def _linear(self, x: torch.Tensor, weight: Linear, bias: torch.Tensor | None = None):
         """linear() through the step's op table."""

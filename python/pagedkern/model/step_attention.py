@@ -122,7 +122,7 @@ class StepAttention:
                 "(the warm-up plans it)"
             )
         meta = self.meta
-        if self._on_cpu_backend(options, k_cache) and attention_kernel.applies(
+        if self._on_cpu_backend(k_cache) and attention_kernel.applies(
             k_cache, q.shape[2]
         ):  # every row in one call
             self._plans[key] = kernel = StepKernelAttention(
@@ -153,14 +153,14 @@ class StepAttention:
         self._plans[key] = plans = (prefill, decode)
         return plans
 
-    def _on_cpu_backend(self, options: dict, k_cache: torch.Tensor) -> bool:
+    def _on_cpu_backend(self, k_cache: torch.Tensor) -> bool:
         """Whether CPU tensors run under the CPU backend ("cpu" or "auto")."""
         return k_cache.device.type == "cpu" and launch.get_backend() in ("auto", "cpu")
 
     def _cpu_decode_plan(self, options: dict, k_cache: torch.Tensor) -> bool:
         """Whether the decode rows run the tiles' decode plan (the CPU backend, options it
         computes, every row a written sequence)."""
-        if not self._on_cpu_backend(options, k_cache):
+        if not self._on_cpu_backend(k_cache):
             return False
         meta, rows = self.meta, self.meta.num_prefill_tokens
         return not CpuDecodeAttention.declines(

@@ -251,7 +251,7 @@ def _kernel(
 ):  # fmt: skip
     """Both ops through attention_kernel: rows = (row_seq, row_pos)."""
     total, hq, d = q.shape
-    scale = (d**-0.5 if scale is None else scale) * (1.0 if k_scale is None else k_scale)
+    scale = attention_kernel.score_scale(d, scale, k_scale)
     lse = torch.empty(total, hq) if return_lse else None
     if out is None:
         out = torch.empty_like(q)
@@ -270,7 +270,7 @@ def _attention(
     """Both ops: the chunks' rows (sequence i: q rows starts[i] .. + chunks[i], the last chunk
     positions before lengths[i]) in groups, written into out / lse."""
     total, hq, d = q.shape
-    scale = (d**-0.5 if scale is None else scale) * (1.0 if k_scale is None else k_scale)
+    scale = attention_kernel.score_scale(d, scale, k_scale)
     result = torch.zeros(total, hq, d)
     lse = torch.full((total, hq), float("-inf")) if return_lse else None
     hkv, block_size = k_cache.shape[1], k_cache.shape[2]

@@ -28,6 +28,12 @@ PATHS = {"portable": 0, "avx2": 1}  # csrc/cpu/quant_gemv.h's Path values the ke
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 
 
+def score_scale(head_size: int, scale: float | None, k_scale: float | None) -> float:
+    """The scores' scale as the ops define it: `scale` (default head_size ** -0.5) times an
+    fp8 cache's k_scale (default 1)."""
+    return (head_size**-0.5 if scale is None else scale) * (1.0 if k_scale is None else k_scale)
+
+
 def path_code(path: str | None) -> int:
     """-1 (the best) for None, else the code of a path in PATHS."""
     if path is None:
@@ -107,8 +113,8 @@ def attend(
         raise ValueError(f"lse must be float32 [{t}, {hq}], got {lse.dtype} {tuple(lse.shape)}")
     if sinks is not None and sinks.numel() != hq:
         raise ValueError(f"sinks must hold {hq} logits, got shape {tuple(sinks.shape)}")
-    q32 = _rows(q)
-    result = out if _writable_rows(out) else torch.empty(t, hq, d)
+    q32 = q if dense_fp32_heads(q) else q.float().contiguous()
+    result = out if dense_fp32_heads(out) else torch.empty(t, hq, d)
     tables = as_int32(block_tables)
     seqs, positions = as_int32(row_seq), as_int32(row_pos)
     sink_logits = None if sinks is None else sinks.detach().float().contiguous()
@@ -142,14 +148,9 @@ def attend(
     return out
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] as float32 with heads and D dense (rows of any stride)."""
-    if x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-        return x
-    return x.float().contiguous()
-
-
-def _writable_rows(x: torch.Tensor) -> bool:
+def dense_fp32_heads(x: torch.Tensor) -> bool:
+    """Whether x [T, H, D] is float32 with heads and D dense (rows of any stride): the rows
+    csrc/cpu/ reads and writes in place."""
     return x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
@@ -189,8 +190,7 @@ class StepKernelAttention:
         self._call: dict | None = None
         self._rows = rows
         self.options = options
-        k_scale, v_scale = options.get("k_scale"), options.get("v_scale")
-        self._k_scale = 1.0 if k_scale is None else k_scale
+        v_scale = options.get("v_scale")
         self._out_scale = 1.0 if v_scale is None else v_scale
 
     def _refresh(self) -> None:
@@ -221,7 +221,7 @@ class StepKernelAttention:
             quant_gemv.cpu_module().attention(**call)
             return
         o = self.options
-        scale = (q.shape[2] ** -0.5 if o["scale"] is None else o["scale"]) * self._k_scale
+        scale = score_scale(q.shape[2], o["scale"], o["k_scale"])
         self._call = attend(
             q, k_cache, v_cache, self.tables, self.row_seq, self.row_pos, out, scale=scale,
             soft_cap=o["soft_cap"], sliding_window=o["sliding_window"], sinks=o["sinks"],

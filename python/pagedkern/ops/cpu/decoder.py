@@ -15,21 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ...reference.quantized_weight import QuantizedWeight
 from .. import variants
 from . import attention_kernel, layer_tail, quant_gemv, rope
-
-
-def _qkv_fits(layer, n: int, k: int) -> bool:
-    w = layer.qkv
-    bias = layer.qkv_bias
-    return (
-        isinstance(w, QuantizedWeight)
-        and w.format in ("int4", "int8")
-        and tuple(w.shape) == (n, k)
-        and k % 32 == 0
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-    )
 
 
 def _plain(config, layers) -> bool:
@@ -47,31 +34,31 @@ class CpuDecoder:
     rebuilt for others). `for_step(...)` -> a callable run(h, residual, meta) for this step, or
     None where the model, its cache or the variants rule it out (the caller runs the loop)."""
 
-    def __init__(self, config, tail: layer_tail.LayerTail):
-        self.config, self.tail = config, tail
+    def __init__(self, config):
+        self.config = config
         self._built: tuple | None = None  # (key, the module's Decoder or None, what it reads)
 
-    def for_step(self, weights, cos_sin: torch.Tensor, kv_cache) -> object | None:
+    def for_step(
+        self, tail: layer_tail.LayerTail, weights, cos_sin: torch.Tensor, kv_cache
+    ) -> object | None:
+        """tail: the model's fused tail as this step's for_step() returned it (not None)."""
         if variants.selected("cpu_decoder") != "fused":
             return None
-        step = self.tail.for_step()  # (the fused tail's variants and module)
-        if step is None or not attention_kernel.applies(
-            kv_cache.layers[0][0], self.config.head_dim
-        ):
+        if not attention_kernel.applies(kv_cache.layers[0][0], self.config.head_dim):
             return None
         data = kv_cache.data
         key = (data.data_ptr(), tuple(data.shape), data.dtype, id(kv_cache), id(weights))
         key += (id(cos_sin), cos_sin._version)
         if self._built is None or self._built[0] != key:
             self._built = None  # (the old decoder's addresses are dropped first)
-            self._built = (key, *self._build(weights, cos_sin, kv_cache))
+            self._built = (key, *self._build(tail, weights, cos_sin, kv_cache))
         decoder = self._built[1]
         if decoder is None:
             return None
-        settings = step.settings
+        settings = tail.settings
         return lambda h, residual, meta: _run(decoder, settings, h, residual, meta)
 
-    def _build(self, weights, cos_sin, kv_cache) -> tuple:
+    def _build(self, tail: layer_tail.LayerTail, weights, cos_sin, kv_cache) -> tuple:
         """(the module's Decoder or None, the objects whose addresses it holds)."""
         c, w = self.config, weights
         layers = w.layers
@@ -88,11 +75,15 @@ class CpuDecoder:
             and all(k.stride() == v.stride() == k0.stride() for k, v in kv_cache.layers)
         )
         qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        if not fits or not all(_qkv_fits(layer, qkv_rows, c.hidden_size) for layer in layers):
+        qkv_fits = (
+            layer_tail.quantized_fits(layer.qkv, layer.qkv_bias, qkv_rows, c.hidden_size)
+            for layer in layers
+        )
+        if not fits or not all(qkv_fits):
             return None, ()
         tuples = []
         for i, (layer, (k, v)) in enumerate(zip(layers, kv_cache.layers, strict=True)):
-            fused = self.tail.weights_of(layer)
+            fused = tail.weights_of(layer)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else w.norm
             vectors = (layer.post_norm, next_norm)
             if fused is None or not all(layer_tail.fp32_vector(x, c.hidden_size) for x in vectors):
@@ -102,7 +93,7 @@ class CpuDecoder:
                 (qkv, *fused, *(x.data_ptr() for x in vectors), k.data_ptr(), v.data_ptr())
             )
         factors = rope.factors_table(cos_sin)
-        scale = c.head_dim**-0.5 if c.attn_scale is None else c.attn_scale
+        scale = attention_kernel.score_scale(c.head_dim, c.attn_scale, None)
         decoder = quant_gemv.cpu_module().Decoder(
             layers=tuples, hq=c.num_heads, hkv=c.num_kv_heads, d=c.head_dim,
             hidden=c.hidden_size, intermediate=c.intermediate_size, eps=c.rms_norm_eps,

@@ -32,7 +32,8 @@ def fp32_vector(t: torch.Tensor | None, size: int) -> bool:
     )
 
 
-def _quantized(w, bias: torch.Tensor | None, n: int, k: int) -> bool:
+def quantized_fits(w, bias: torch.Tensor | None, n: int, k: int) -> bool:
+    """Whether w (and bias) is an int4/int8 [n, k] weight csrc/cpu/'s GEMV takes."""
     return (
         isinstance(w, QuantizedWeight)
         and w.format in ("int4", "int8")
@@ -49,9 +50,9 @@ def runs(layer, hidden: int, intermediate: int, q_size: int, hidden_act: str) ->
         and layer.router is None
         and layer.attn_out_norm is None
         and layer.mlp_out_norm is None
-        and _quantized(layer.o, layer.o_bias, hidden, q_size)
-        and _quantized(layer.gate_up, layer.gate_up_bias, 2 * intermediate, hidden)
-        and _quantized(layer.down, layer.down_bias, hidden, intermediate)
+        and quantized_fits(layer.o, layer.o_bias, hidden, q_size)
+        and quantized_fits(layer.gate_up, layer.gate_up_bias, 2 * intermediate, hidden)
+        and quantized_fits(layer.down, layer.down_bias, hidden, intermediate)
         and fp32_vector(layer.post_norm, hidden)
     )
 

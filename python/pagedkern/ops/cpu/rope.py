@@ -25,6 +25,7 @@ import torch
 
 from ...reference.rope import quantize_e4m3
 from . import quant_gemv
+from .attention_kernel import dense_fp32_heads
 from .norm import rms_norm
 
 
@@ -304,13 +305,13 @@ def _in_cpp(q, k, v, k_cache, v_cache, k_scale, v_scale) -> bool:
     """Whether csrc/cpu/rope_cache.cpp runs this call: fp32 rows (heads dense) and an fp32
     cache of one layout for k and v, no fp8 scales, the module built."""
     return (
-        q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        k_cache.dtype == v_cache.dtype == torch.float32
         and k_scale is None
         and v_scale is None
         and k_cache.stride() == v_cache.stride()
         and k_cache.stride(3) == 1
         and q.shape[2] <= 512
-        and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v))
+        and all(map(dense_fp32_heads, (q, k, v)))
         and quant_gemv.available()
     )
 
