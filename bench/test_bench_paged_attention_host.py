@@ -150,7 +150,7 @@ def test_step_attention_host_cost(stub, record, smoke, monkeypatch, decodes, pre
     monkeypatch.setattr(launch_module, "use_reference", lambda views: False)
     monkeypatch.setattr(launch_module, "current_stream", lambda views, device, stream=None: 0)
     # the kernel path's host cost: not the CPU backend's decode plan, which gathers the pages
-    monkeypatch.setattr(StepAttention, "_on_cpu_backend", lambda self, options, k_cache: False)
+    monkeypatch.setattr(StepAttention, "_on_cpu_backend", lambda self, k_cache: False)
     hq, hkv, d, bs, context = 32, 8, 128, 16, 2048
     width = context // bs
     chunks = [
