@@ -1,10 +1,14 @@
 """The CPU backend's one-call decoder (ops/cpu/decoder.py, csrc/cpu/decoder.cpp) against the
 layer loop it replaces (cpu_decoder:layers): the same hidden states and the same KV-cache
-writes bit for bit, for int4 and int8 weights, with and without q/k/v and O biases, prefill
-chunks, decode rows and both in one step, over several steps; one decoder call a step; the
-models, caches and variants it refuses run the loop; and an int4 engine's steps take it."""
+writes bit for bit, for int4 and int8 weights, with and without q/k/v and O biases, for the
+dense families' layers (QK-norm, sliding windows, GeGLU, sandwich norms, soft-cap, sinks, a
+local RoPE base) and a hybrid cache's per-group tables, over prefill chunks, decode rows and
+both in one step, over several steps; one decoder call a step; the models, caches and variants
+it refuses run the loop; and int4 engines' steps take it."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -12,6 +16,8 @@ import torch
 from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import PRESETS, SequenceChunk, build_batch, load_model
+from pagedkern.model.config import FULL, SLIDING
+from pagedkern.model.kv_cache import kv_layer_groups
 from pagedkern.ops.cpu import decoder, quant_gemv
 
 pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu is not built")
@@ -23,9 +29,7 @@ def runs(monkeypatch) -> list[int]:
     """The rows of each decoder call."""
     seen: list[int] = []
     real = decoder._run
-    monkeypatch.setattr(
-        decoder, "_run", lambda d, s, h, r, meta: seen.append(h.shape[0]) or real(d, s, h, r, meta)
-    )
+    monkeypatch.setattr(decoder, "_run", lambda *a: seen.append(a[-3].shape[0]) or real(*a))
     return seen
 
 
@@ -42,12 +46,33 @@ def _steps(model):
     ]
 
 
-def _run_steps(model, variant: str, kernels) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _with_groups(ids, meta, groups):
+    """The batch with a hybrid cache's tables: group g's blocks are group 0's plus GROUP_STEP * g
+    (disjoint ids in one pool, as the engine's per-kind tables)."""
+    if groups is None:
+        return ids, meta
+    steps = range(1, groups.num_groups)
+    tables = tuple(meta.block_tables + GROUP_STEP * g for g in steps)
+    slots = meta.slot_mapping.long()
+    mappings = tuple(torch.where(slots >= 0, slots + GROUP_STEP * g * BLOCK, -1) for g in steps)
+    return ids, dataclasses.replace(meta, group_block_tables=tables, group_slot_mappings=mappings)
+
+
+GROUP_STEP = 10  # block ids a group's table is shifted by
+
+
+def _run_steps(model, variant: str, kernels, grouped=False):
+    """(the hidden states of each step, the whole KV cache after them)."""
     kernels(cpu_decoder=variant)
-    kv = model.allocate_kv_cache(12, BLOCK)
+    groups = kv_layer_groups(model.config) if grouped else None
+    blocks = 12 if groups is None else 12 + GROUP_STEP * (groups.num_groups - 1)
+    kv = model.allocate_kv_cache(blocks, BLOCK, groups)
     kv.data.fill_(float("nan"))  # never-written slots stay NaN
     with ops.use_backend("cpu"):
-        hidden = [model.hidden_states(*build_batch(step, BLOCK), kv) for step in _steps(model)]
+        hidden = [
+            model.hidden_states(*_with_groups(*build_batch(step, BLOCK), groups), kv)
+            for step in _steps(model)
+        ]
     return hidden, kv.data
 
 
@@ -66,16 +91,67 @@ def test_the_decoder_gives_the_layer_loops_bits(quantization, biases, kernels, r
     torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=0, equal_nan=True)
 
 
+WINDOW = 8  # (sequence b's 70 tokens reach well past it)
+FAMILIES = {
+    "qwen3": dict(qk_norm=True),
+    "mistral": dict(sliding_window=WINDOW, layer_types=(SLIDING, SLIDING)),
+    "gemma2": dict(
+        hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=8.0, attn_scale=0.2,
+        attn_soft_cap=5.0, final_soft_cap=30.0, sliding_window=WINDOW,
+        layer_types=(SLIDING, FULL),
+    ),
+    "gemma3": dict(
+        qk_norm=True, hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=8.0,
+        sliding_window=WINDOW, num_layers=3, layer_types=(SLIDING, SLIDING, FULL),
+        rope_local_theta=100.0,
+    ),
+    "sinks": {},  # (gpt-oss's attention: its learned sink logits, set below)
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one table", "per-kind tables"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_dense_families_layers_give_the_loops_bits(family, grouped, kernels, runs):
+    config = PRESETS["tiny"].replace(**FAMILIES[family])
+    if grouped and kv_layer_groups(config) is None:
+        pytest.skip("one kind of layer: no per-kind tables")
+    model, _ = load_model(config, quantization="int4", seed=5)
+    if family == "sinks":
+        for n, layer in enumerate(model.weights.layers):
+            layer.sinks = torch.linspace(-1.0, 2.0, config.num_heads) * (n + 1)
+    got, got_kv = _run_steps(model, "fused", kernels, grouped)
+    assert runs == [40, 51, 21, 2]  # one call a step, every row
+    want, want_kv = _run_steps(model, "layers", kernels, grouped)
+    assert len(runs) == 4  # the loop made none
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert not g.isnan().any()
+        assert torch.equal(g, w), f"step {step}"
+    torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_families_options_change_the_result(kernels):
+    """Each option the decoder takes reaches its computation: a model with it differs from the
+    same weights without it (so the equality above is not two paths ignoring it alike)."""
+    base, _ = load_model(PRESETS["tiny"].replace(**FAMILIES["gemma3"]), quantization="int4")
+    plain = base.config.replace(sliding_window=None, layer_types=(), rope_local_theta=None)
+    hidden = _run_steps(base, "fused", kernels)[0][-1]
+    for change in (dict(qk_norm=False), dict(hidden_act="silu"), dict(sandwich_norms=False)):
+        other, _ = load_model(base.config.replace(**change), quantization="int4")
+        assert not torch.equal(_run_steps(other, "fused", kernels)[0][-1], hidden), change
+    windowless, _ = load_model(plain, quantization="int4")
+    assert not torch.equal(_run_steps(windowless, "fused", kernels)[0][-1], hidden)
+
+
 @pytest.mark.parametrize(
-    "case",
-    ["fp32 weights", "sliding window", "fp8 cache", "tiles attention", "layers variant"],
-)
+    "case", ["fp32 weights", "whole-projection QK-norm", "fp8 cache", "tiles attention",
+             "layers variant"],
+)  # fmt: skip
 def test_what_it_refuses_runs_the_layer_loop(case, kernels, runs):
     config, quantization, kv_dtype = PRESETS["tiny"], "int4", "auto"
     if case == "fp32 weights":
         quantization = None
-    elif case == "sliding window":
-        config = config.replace(sliding_window=8, layer_types=("sliding", "full"))
+    elif case == "whole-projection QK-norm":  # (OLMoE's)
+        config = config.replace(qk_norm=True, qk_norm_whole=True)
     elif case == "fp8 cache":
         kv_dtype = "fp8"
     elif case == "tiles attention":

@@ -1,6 +1,7 @@
 """The CPU backend's layer tail in one C++ call (ops/cpu/layer_tail.py, csrc/cpu/layer_tail.cpp)
-against the reference ops one by one: random int4 / int8 weights, odd row counts, biases,
-activations whose SiLU spans e^x's whole range, the output poisoned with NaN beforehand; a row's
+against the reference ops one by one: random int4 / int8 weights, odd row counts, biases, SiLU
+and GeGLU (GELU-tanh) MLPs, sandwich norms, activations whose SiLU / tanh span e^x's whole
+range, the output poisoned with NaN beforehand; a row's
 bits independent of the other rows and the thread count; the layers and variants it declines;
 and a model's forward and greedy tokens with the tail fused and not."""
 
@@ -30,7 +31,9 @@ def _quantize(w: torch.Tensor, fmt: str):
     return quantize_int8(w) if fmt == "int8" else quantize_int4(w, 32)
 
 
-def _layer(fmt: str, bias: bool, seed: int = 0, scale: float = 1.0) -> LayerWeights:
+def _layer(
+    fmt: str, bias: bool, seed: int = 0, scale: float = 1.0, sandwich: bool = False
+) -> LayerWeights:
     g = torch.Generator().manual_seed(seed)
 
     def w(n, k):
@@ -49,16 +52,21 @@ def _layer(fmt: str, bias: bool, seed: int = 0, scale: float = 1.0) -> LayerWeig
         o_bias=b(HIDDEN),
         gate_up_bias=b(2 * INTER),
         down_bias=b(HIDDEN),
+        attn_out_norm=torch.rand(HIDDEN, generator=g) + 0.5 if sandwich else None,
+        mlp_out_norm=torch.rand(HIDDEN, generator=g) + 0.5 if sandwich else None,
     )
 
 
-def _tail() -> layer_tail.LayerTail:
-    tail = layer_tail.LayerTail(HIDDEN, INTER, Q_SIZE, "silu", 1e-5).for_step()
+def _tail(act: str = "silu") -> layer_tail.LayerTail:
+    tail = layer_tail.LayerTail(HIDDEN, INTER, Q_SIZE, act, 1e-5).for_step()
     assert tail is not None
     return tail
 
 
-def _reference(attn, residual, layer, next_norm, eps=1e-5):
+MLPS = {"silu": ("silu", False), "geglu, sandwich norms": ("gelu_tanh", True)}
+
+
+def _reference(attn, residual, layer, next_norm, eps=1e-5, act="silu"):
     """The model's layer_tail as the reference ops compute it (residual updated in place), the
     GEMMs exact (float64) over the weights as the C++ GEMV stores them (int4: fp16 scales)."""
 
@@ -66,9 +74,14 @@ def _reference(attn, residual, layer, next_norm, eps=1e-5):
         return exact_linear(x, w, b, torch.float16 if w.format == "int4" else None)
 
     h = linear(attn.view(attn.shape[0], -1), layer.o, layer.o_bias)
+    if layer.attn_out_norm is not None:
+        h = reference.rms_norm(h, layer.attn_out_norm, eps)
     h, residual = reference.fused_add_rms_norm(h, residual, layer.post_norm, eps)
-    act = reference.silu_and_mul(linear(h, layer.gate_up, layer.gate_up_bias))
-    h = linear(act, layer.down, layer.down_bias)
+    gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
+    mlp = reference.gelu_tanh_and_mul if act == "gelu_tanh" else reference.silu_and_mul
+    h = linear(mlp(gate_up), layer.down, layer.down_bias)
+    if layer.mlp_out_norm is not None:
+        h = reference.rms_norm(h, layer.mlp_out_norm, eps)
     return reference.fused_add_rms_norm(h, residual, next_norm, eps)
 
 
@@ -83,12 +96,14 @@ def _inputs(rows: int, seed: int, scale: float = 1.0):
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("rows", [1, 3, 17])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_fused_tail_computes_the_reference_ops(fmt, rows, bias):
-    layer = _layer(fmt, bias, seed=rows)
+@pytest.mark.parametrize("mlp", MLPS)
+def test_the_fused_tail_computes_the_reference_ops(fmt, rows, bias, mlp):
+    act, sandwich = MLPS[mlp]
+    layer = _layer(fmt, bias, seed=rows, sandwich=sandwich)
     attn, residual, next_norm = _inputs(rows, seed=rows)
-    want_h, want_residual = _reference(attn, residual.clone(), layer, next_norm)
+    want_h, want_residual = _reference(attn, residual.clone(), layer, next_norm, act=act)
     out = torch.full((rows, HIDDEN), float("nan"))
-    got = _tail()(attn, residual, layer, next_norm, out=out)
+    got = _tail(act)(attn, residual, layer, next_norm, out=out)
     assert got is not None and got[0] is out and got[1] is residual
     assert not out.isnan().any()
     # the C++ GEMV's activations are 16 bits per block of 32 (~2e-5 of a GEMM's |terms|)
@@ -97,20 +112,28 @@ def test_the_fused_tail_computes_the_reference_ops(fmt, rows, bias):
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_the_fused_tail_matches_the_cpu_ops_closely(fmt):
+@pytest.mark.parametrize("mlp", MLPS)
+def test_the_fused_tail_matches_the_cpu_ops_closely(fmt, mlp):
     """Against the CPU backend's own ops (the same C++ GEMV): only the norm's sums and e^x
-    round differently; activations large enough that SiLU's argument spans -100..100."""
-    layer = _layer(fmt, bias=True, seed=3, scale=40.0)
+    round differently; activations large enough that SiLU's argument (GELU's tanh) spans
+    -100..100."""
+    act, sandwich = MLPS[mlp]
+    layer = _layer(fmt, bias=True, seed=3, scale=40.0, sandwich=sandwich)
     attn, residual, next_norm = _inputs(9, seed=3, scale=3.0)
     with ops.use_backend("cpu"):
         h = ops.quant_linear(attn.view(9, -1), layer.o, layer.o_bias)
+        if sandwich:
+            h = ops.rms_norm(h, layer.attn_out_norm, 1e-5)
         want_residual = residual.clone()
         h, _ = ops.fused_add_rms_norm(h, want_residual, layer.post_norm, 1e-5)
         gate_up = ops.quant_linear(h, layer.gate_up, layer.gate_up_bias)
         assert gate_up[:, :INTER].abs().max() > 80  # e^-x saturates for some
-        h = ops.quant_linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+        mlp_op = ops.gelu_tanh_and_mul if act == "gelu_tanh" else ops.silu_and_mul
+        h = ops.quant_linear(mlp_op(gate_up), layer.down, layer.down_bias)
+        if sandwich:
+            h = ops.rms_norm(h, layer.mlp_out_norm, 1e-5)
         want_h, _ = ops.fused_add_rms_norm(h, want_residual, next_norm, 1e-5)
-    got_h, got_residual = _tail()(attn, residual, layer, next_norm)
+    got_h, got_residual = _tail(act)(attn, residual, layer, next_norm)
     # (a last-bit difference before a GEMV can move its 16-bit activation rounding: ~3e-5 of
     # the block's largest value)
     for got, want in ((got_residual, want_residual), (got_h, want_h)):
@@ -144,14 +167,21 @@ def test_nan_in_a_row_stays_in_that_row():
 @pytest.mark.parametrize(
     "change",
     [
-        dict(attn_out_norm=torch.ones(HIDDEN)),
-        dict(mlp_out_norm=torch.ones(HIDDEN)),
+        dict(attn_out_norm=torch.ones(HIDDEN, dtype=torch.bfloat16)),
+        dict(mlp_out_norm=torch.ones(HIDDEN + 1)),
         dict(router=torch.ones(4, HIDDEN)),
         dict(down=torch.randn(HIDDEN, INTER)),  # a float weight
         dict(post_norm=torch.ones(HIDDEN, dtype=torch.bfloat16)),
         dict(o_bias=torch.ones(HIDDEN, dtype=torch.bfloat16)),
     ],
-    ids=["attn_out_norm", "mlp_out_norm", "experts", "float_down", "bf16_norm", "bf16_bias"],
+    ids=[
+        "bf16_attn_out_norm",
+        "short_mlp_out_norm",
+        "experts",
+        "float_down",
+        "bf16_norm",
+        "bf16_bias",
+    ],
 )
 def test_layers_it_does_not_compute_are_declined(change):
     layer = dataclasses.replace(_layer("int4", bias=False), **change)
@@ -161,11 +191,11 @@ def test_layers_it_does_not_compute_are_declined(change):
     assert torch.equal(residual, before)  # untouched: the ops run instead
 
 
-def test_gelu_models_bf16_activations_and_other_variants_are_declined():
+def test_other_activations_bf16_rows_and_other_variants_are_declined():
     layer = _layer("int4", bias=False)
     attn, residual, next_norm = _inputs(2, seed=8)
-    gelu = layer_tail.LayerTail(HIDDEN, INTER, Q_SIZE, "gelu_tanh", 1e-5).for_step()
-    assert gelu(attn, residual, layer, next_norm) is None
+    exact_gelu = layer_tail.LayerTail(HIDDEN, INTER, Q_SIZE, "gelu", 1e-5).for_step()
+    assert exact_gelu(attn, residual, layer, next_norm) is None
     assert _tail()(attn.bfloat16(), residual.bfloat16(), layer, next_norm) is None
     for variant in (dict(cpu_layer_tail="ops"), dict(cpu_quant_linear="int_pack")):
         with use_kernels(**variant):

@@ -102,6 +102,36 @@ def test_qk_norm_and_half_precision_through_the_op():
         torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2, equal_nan=True)
 
 
+@pytest.mark.parametrize(("tokens", "d"), [(1, 64), (7, 40), (rope._FEW + 3, 128)])
+def test_fp32_qk_norm_matches_the_reference(path, tokens, d, monkeypatch):
+    """fp32 QK-norm: on the C++ path inside the one call (csrc/cpu/rms.h's sums: within 1e-6 of
+    torch's), on the torch path by torch.rms_norm; then the rotation and the stores."""
+    q, k, v, positions, slots = _case(tokens, 5, 1, d, True, tokens + d)
+    cos_sin = reference.cos_sin_cache(d, 512)
+    g = torch.Generator().manual_seed(d)
+    q_norm, k_norm = (torch.rand(d, generator=g) + 0.5 for _ in "qk")
+    want = [t.clone() for t in (q, k, v)]
+    want[0].copy_(reference.rms_norm(want[0], q_norm, 1e-5))
+    want[1].copy_(reference.rms_norm(want[1], k_norm, 1e-5))
+    want_data, want_kc, want_vc = _caches(1, d, torch.float32)
+    reference.rope_and_cache(*want, positions, cos_sin, want_kc, want_vc, slots)
+    calls = []
+    if path == "cpp":
+        module = quant_gemv.cpu_module()
+        real = module.rope_cache
+        monkeypatch.setattr(module, "rope_cache", lambda **kw: calls.append(kw) or real(**kw))
+    got_data, got_kc, got_vc = _caches(1, d, torch.float32)
+    rope.begin_step()
+    rope.rope_and_cache(
+        q, k, v, positions, cos_sin, got_kc, got_vc, slots, q_norm=q_norm, k_norm=k_norm,
+        norm_eps=1e-5,
+    )  # fmt: skip
+    assert [c["q_norm"] != 0 for c in calls] == ([True] if path == "cpp" else [])
+    for got, ref in zip((q, k, got_data), (want[0], want[1], want_data), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert got_data.isnan().any() and not q.isnan().any()
+
+
 def test_a_steps_rows_are_reused_within_the_step_only():
     q, k, v, positions, slots = _case(4, 4, 2, 16, True, 5)
     cos_sin = reference.cos_sin_cache(16, 512)

@@ -13,30 +13,42 @@ namespace pagedkern_cpu {
 void decoder(const DecoderShape& s, const std::vector<DecoderLayer>& layers,
              const DecoderStep& t) {
   const int q_size = s.hq * s.d, qkv_size = (s.hq + 2 * s.hkv) * s.d;
-  for (const DecoderLayer& layer : layers)
+  for (const DecoderLayer& layer : layers) {
     if (layer.qkv.n != qkv_size || layer.qkv.k != s.hidden || layer.o.k != q_size)
       throw std::invalid_argument("decoder: a layer's QKV or O weight does not fit the shape");
+    if (layer.group < 0 || layer.group >= int(t.groups.size()))
+      throw std::invalid_argument("decoder: a layer's KV group has no tables in this step");
+  }
   if (t.m <= 0) return;
   thread_local std::vector<float> qkv_buf, attn_buf;
   qkv_buf.resize(size_t(t.m) * qkv_size);
   attn_buf.resize(size_t(t.m) * q_size);
   float *qkv = qkv_buf.data(), *attn = attn_buf.data();
   for (const DecoderLayer& layer : layers) {
-    const LayerTailArgs tail{layer.o,         layer.gate_up, layer.down,
-                             layer.post_norm, layer.next_norm, s.eps,
-                             t.m,             s.hidden,      s.intermediate,
-                             t.threads,       s.parallel_min_macs, t.path,
-                             t.activation_bits};
+    LayerTailArgs tail{layer.o,         layer.gate_up, layer.down,
+                       layer.post_norm, layer.next_norm, s.eps,
+                       t.m,             s.hidden,      s.intermediate,
+                       t.threads,       s.parallel_min_macs, t.path,
+                       t.activation_bits};
+    tail.activation = s.activation;
+    tail.attn_out_norm = layer.attn_out_norm;
+    tail.mlp_out_norm = layer.mlp_out_norm;
+    const DecoderTables& tables = t.groups[layer.group];
     linear(layer.qkv, tail, t.h, s.hidden, qkv);  // the tail's GEMV (+ bias)
     float *q = qkv, *k = qkv + q_size, *v = k + s.hkv * s.d;
-    rope_cache({q, qkv_size, k, qkv_size, v, qkv_size, t.m, s.hq, s.hkv, s.d, s.factors,
-                s.num_positions, t.positions, t.slots, layer.k_cache, layer.v_cache,
-                s.block_stride, s.head_stride, s.slot_stride, s.num_blocks, s.block_size,
-                t.threads});
+    RopeCacheArgs rope{q, qkv_size, k, qkv_size, v, qkv_size, t.m, s.hq, s.hkv, s.d,
+                       layer.factors, layer.num_positions, t.positions, tables.slots,
+                       layer.k_cache, layer.v_cache, s.block_stride, s.head_stride,
+                       s.slot_stride, s.num_blocks, s.block_size, t.threads};
+    rope.q_norm = layer.q_norm;
+    rope.k_norm = layer.k_norm;
+    rope.norm_eps = s.eps;
+    rope_cache(rope);
     attention({q, qkv_size, attn, q_size, nullptr, layer.k_cache, layer.v_cache, kCacheF32,
                s.block_stride, s.head_stride, s.slot_stride, s.num_blocks, s.hq, s.hkv,
-               s.block_size, s.d, t.block_tables, t.table_stride, t.num_seqs, t.table_width,
-               t.row_seq, t.row_pos, t.m, s.scale, 0.0f, 0, nullptr, 1.0f, t.threads, -1});
+               s.block_size, s.d, tables.block_tables, tables.table_stride, t.num_seqs,
+               tables.table_width, t.row_seq, t.row_pos, t.m, s.scale, s.soft_cap,
+               layer.window, layer.sinks, 1.0f, t.threads, -1});
     layer_tail(tail, attn, q_size, t.residual, t.h);
   }
 }

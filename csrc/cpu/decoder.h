@@ -1,6 +1,8 @@
-// pagedkern._cpu: a step's whole stack of plain Llama-family layers in one call, fp32 rows:
-// per layer the QKV GEMV (+ bias), RoPE + the k/v store (rope_cache.h), attention over the
-// paged cache (attention.h), then the layer tail (layer_tail.h).
+// pagedkern._cpu: a step's whole stack of dense Llama-family layers in one call, fp32 rows:
+// per layer the QKV GEMV (+ bias), QK-norm, RoPE + the k/v store (rope_cache.h), attention
+// over the paged cache with the layer's window, sinks and the model's soft-cap (attention.h),
+// then the layer tail with its sandwich norms and activation (layer_tail.h). Llama, Mistral,
+// Qwen2/3 and Gemma 2/3 layers; a hybrid cache's layers read their group's tables.
 //
 // Design: each piece is the function the per-op path calls, in the same order on the same
 // buffers, so the call gives that path's bits (a row's result still depends on its own inputs
@@ -19,20 +21,35 @@ namespace pagedkern_cpu {
 
 struct DecoderLayer {
   QuantLinear qkv, o, gate_up, down;
-  const float* post_norm;  // [hidden]
-  const float* next_norm;  // [hidden]: the next layer's input norm, the final norm last
-  float* k_cache;          // [blocks, Hkv, block_size, D] (Decoder's strides)
+  const float* post_norm;      // [hidden]
+  const float* next_norm;      // [hidden]: the next layer's input norm, the final norm last
+  const float* attn_out_norm;  // [hidden] sandwich norms (Gemma 2/3), or null
+  const float* mlp_out_norm;
+  const float* q_norm;  // [D] QK-norm (Qwen3, Gemma 3), or null
+  const float* k_norm;
+  const float* sinks;  // [hq] attention sinks, or null
+  int window;          // sliding window (attention.h), 0: none
+  const float* factors;  // [num_positions, 2D] this layer's RoPE rows (rope_cache.h)
+  int64_t num_positions;
+  int group;       // the KV layer group whose block tables and slots it reads
+  float* k_cache;  // [blocks, Hkv, block_size, D] (Decoder's strides)
   float* v_cache;
 };
 
 struct DecoderShape {
   int hq, hkv, d, hidden, intermediate;
-  float eps, scale;  // the RMSNorms' epsilon, the attention's score scale
+  float eps, scale, soft_cap;  // the RMSNorms' epsilon; the attention's score scale, soft-cap
+  int activation;              // layer_tail.h's Activation
   int64_t block_stride, head_stride, slot_stride, num_blocks;
   int block_size;
-  const float* factors;  // [num_positions, 2D] RoPE rows (rope_cache.h)
-  int64_t num_positions;
   int64_t parallel_min_macs;
+};
+
+struct DecoderTables {  // one KV layer group's (a cache of one table: one)
+  const int64_t* slots;  // [m]
+  const int32_t* block_tables;
+  int64_t table_stride;
+  int table_width;
 };
 
 struct DecoderStep {
@@ -40,17 +57,15 @@ struct DecoderStep {
   float* h;                  // [m, hidden]: the first layer's normed input, then the output
   float* residual;           // [m, hidden], updated in place
   const int64_t* positions;  // [m]
-  const int64_t* slots;      // [m]
   const int32_t* row_seq;    // [m] (attention.h)
   const int32_t* row_pos;    // [m]
-  const int32_t* block_tables;
-  int64_t table_stride;
-  int num_seqs, table_width;
+  std::vector<DecoderTables> groups;
+  int num_seqs;
   int threads, path, activation_bits;
 };
 
-// Throws where rope_cache or attention would refuse: at the first layer, whose indices are
-// every layer's.
+// Throws where rope_cache or attention would refuse: at a group's first layer, whose indices
+// are the group's.
 void decoder(const DecoderShape& shape, const std::vector<DecoderLayer>& layers,
              const DecoderStep& step);
 

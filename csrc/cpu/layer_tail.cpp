@@ -9,11 +9,10 @@
 
 #include "parallel.h"
 #include "quant_gemv.h"
+#include "rms.h"
 
 namespace pagedkern_cpu {
 namespace {
-
-constexpr int kLanes = 16;  // partial sums of a row's squares, combined in a fixed order
 
 // e^x within ~3e-7 relative, in operations the compiler vectorizes (no libm call): x = n ln2 + r,
 // |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n by exponent bits. Saturates below
@@ -44,23 +43,8 @@ inline float fast_exp(float x) {
 // residual[r] += y[r]; out[r] = residual[r] * rsqrt(mean(residual[r]^2) + eps) * weight
 void add_rms_norm(float* residual, const float* y, float* out, const float* weight, float eps,
                   int h) {
-  float partial[kLanes] = {};
-  int i = 0;
-  for (; i + kLanes <= h; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      const float v = residual[i + l] + y[i + l];
-      residual[i + l] = v;
-      partial[l] += v * v;
-    }
-  for (; i < h; ++i) {
-    const float v = residual[i] + y[i];
-    residual[i] = v;
-    partial[i % kLanes] += v * v;
-  }
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int l = 0; l < width; ++l) partial[l] += partial[l + width];
-  const float inv = 1.0f / std::sqrt(partial[0] / float(h) + eps);
-  for (int j = 0; j < h; ++j) out[j] = residual[j] * inv * weight[j];
+  for (int i = 0; i < h; ++i) residual[i] += y[i];
+  rms_norm_row(residual, out, weight, eps, h);
 }
 
 // out[j] = silu(g[j]) * g[I + j]
@@ -68,6 +52,16 @@ void silu_and_mul(const float* g, float* out, int intermediate) {
   for (int j = 0; j < intermediate; ++j) {
     const float x = g[j];
     out[j] = x / (1.0f + fast_exp(-x)) * g[intermediate + j];
+  }
+}
+
+// out[j] = gelu_tanh(g[j]) * g[I + j], tanh(u) = 1 - 2 / (e^(2u) + 1) (exact at both ends)
+void gelu_tanh_and_mul(const float* g, float* out, int intermediate) {
+  for (int j = 0; j < intermediate; ++j) {
+    const float x = g[j];
+    const float u = 0.7978845608f * (x + 0.044715f * x * x * x);
+    const float tanh_u = 1.0f - 2.0f / (fast_exp(2.0f * u) + 1.0f);
+    out[j] = 0.5f * x * (1.0f + tanh_u) * g[intermediate + j];
   }
 }
 
@@ -110,15 +104,22 @@ void layer_tail(const LayerTailArgs& a, const float* attn, int64_t attn_stride, 
   linear(a.o, a, attn, attn_stride, y);
   for_rows(a, h, [&](int r) {
     const int64_t at = int64_t(r) * h;
+    if (a.attn_out_norm != nullptr) rms_norm_row(y + at, y + at, a.attn_out_norm, a.eps, h);
     add_rms_norm(residual + at, y + at, h_out + at, a.post_norm, a.eps, h);
   });
   linear(a.gate_up, a, h_out, h, g);
   for_rows(a, int64_t(inter) * 8, [&](int r) {
-    silu_and_mul(g + int64_t(r) * 2 * inter, act + int64_t(r) * inter, inter);
+    const float* gr = g + int64_t(r) * 2 * inter;
+    float* out = act + int64_t(r) * inter;
+    if (a.activation == kGeluTanh)
+      gelu_tanh_and_mul(gr, out, inter);
+    else
+      silu_and_mul(gr, out, inter);
   });
   linear(a.down, a, act, inter, y);
   for_rows(a, h, [&](int r) {
     const int64_t at = int64_t(r) * h;
+    if (a.mlp_out_norm != nullptr) rms_norm_row(y + at, y + at, a.mlp_out_norm, a.eps, h);
     add_rms_norm(residual + at, y + at, h_out + at, a.next_norm, a.eps, h);
   });
 }

@@ -1,7 +1,8 @@
 // pagedkern._cpu: a Llama-family layer after attention in one call, fp32 rows:
 //   h = attn @ Wo.T (+ bo);              residual += h;  h = rms_norm(residual) * post_norm
-//   g = h @ Wgu.T (+ bgu);               a = silu(g[:, :I]) * g[:, I:]
+//   g = h @ Wgu.T (+ bgu);               a = silu(g[:, :I]) * g[:, I:]   (or GELU-tanh: GeGLU)
 //   h = a @ Wd.T (+ bd);                 residual += h;  h = rms_norm(residual) * next_norm
+// and, with sandwich norms (Gemma 2/3), each product's output normed before its residual add.
 // with the quantized GEMV of quant_gemv.h for the three products.
 //
 // Design: at batch 1 the layer's math between GEMVs is ~10 kFLOP, while the ops that express it
@@ -28,6 +29,8 @@ struct QuantLinear {
   int n, k;
 };
 
+enum Activation { kSilu = 0, kGeluTanh = 1 };
+
 struct LayerTailArgs {
   QuantLinear o, gate_up, down;
   const float* post_norm;  // [hidden]
@@ -38,6 +41,9 @@ struct LayerTailArgs {
                            // `parallel_min_macs` multiply-adds (or elementwise steps) up
   int64_t parallel_min_macs;
   int path, activation_bits;
+  int activation = kSilu;                // Activation
+  const float* attn_out_norm = nullptr;  // [hidden]: sandwich norms, or null
+  const float* mlp_out_norm = nullptr;
 };
 
 // y [m, w.n] (dense) = x [m, w.k] (row stride x_stride) @ W.T (+ bias): the tail's GEMV, on

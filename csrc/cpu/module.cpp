@@ -93,11 +93,14 @@ PYBIND11_MODULE(_cpu, mod) {
          uintptr_t post_norm, uintptr_t next_norm, float eps, int m, int hidden,
          int intermediate, uintptr_t attn, int64_t attn_stride, uintptr_t residual,
          uintptr_t h_out, int threads, int64_t parallel_min_macs, int path,
-         int activation_bits) {
-        const LayerTailArgs args{quant_linear(o), quant_linear(gate_up), quant_linear(down),
-                                 ptr<const float>(post_norm), ptr<const float>(next_norm), eps,
-                                 m, hidden, intermediate, threads, parallel_min_macs, path,
-                                 activation_bits};
+         int activation_bits, int activation, uintptr_t attn_out_norm, uintptr_t mlp_out_norm) {
+        LayerTailArgs args{quant_linear(o), quant_linear(gate_up), quant_linear(down),
+                           ptr<const float>(post_norm), ptr<const float>(next_norm), eps,
+                           m, hidden, intermediate, threads, parallel_min_macs, path,
+                           activation_bits};
+        args.activation = activation;
+        args.attn_out_norm = ptr<const float>(attn_out_norm);
+        args.mlp_out_norm = ptr<const float>(mlp_out_norm);
         py::gil_scoped_release release;
         layer_tail(args, ptr<const float>(attn), attn_stride, ptr<float>(residual),
                    ptr<float>(h_out));
@@ -106,7 +109,8 @@ PYBIND11_MODULE(_cpu, mod) {
       py::arg("next_norm"), py::arg("eps"), py::arg("m"), py::arg("hidden"),
       py::arg("intermediate"), py::arg("attn"), py::arg("attn_stride"), py::arg("residual"),
       py::arg("h_out"), py::arg("threads"), py::arg("parallel_min_macs"), py::arg("path"),
-      py::arg("activation_bits"));
+      py::arg("activation_bits"), py::arg("activation") = int(kSilu),
+      py::arg("attn_out_norm") = 0, py::arg("mlp_out_norm") = 0);
   mod.def("attention_path_supported", &attention_path_supported, py::arg("path"));
   mod.def(
       "attention",
@@ -141,13 +145,17 @@ PYBIND11_MODULE(_cpu, mod) {
          int64_t v_row_stride, int rows, int hq, int hkv, int d, uintptr_t factors,
          int64_t num_positions, uintptr_t positions, uintptr_t slots, uintptr_t k_cache,
          uintptr_t v_cache, int64_t block_stride, int64_t head_stride, int64_t slot_stride,
-         int64_t num_blocks, int block_size, int threads) {
-        const RopeCacheArgs args{ptr<float>(q), q_row_stride, ptr<float>(k), k_row_stride,
+         int64_t num_blocks, int block_size, int threads, uintptr_t q_norm, uintptr_t k_norm,
+         float norm_eps) {
+        RopeCacheArgs args{ptr<float>(q), q_row_stride, ptr<float>(k), k_row_stride,
                                  ptr<const float>(v), v_row_stride, rows, hq, hkv, d,
                                  ptr<const float>(factors), num_positions,
                                  ptr<const int64_t>(positions), ptr<const int64_t>(slots),
                                  ptr<float>(k_cache), ptr<float>(v_cache), block_stride,
                                  head_stride, slot_stride, num_blocks, block_size, threads};
+        args.q_norm = ptr<const float>(q_norm);
+        args.k_norm = ptr<const float>(k_norm);
+        args.norm_eps = norm_eps;
         py::gil_scoped_release release;
         rope_cache(args);
       },
@@ -156,50 +164,69 @@ PYBIND11_MODULE(_cpu, mod) {
       py::arg("d"), py::arg("factors"), py::arg("num_positions"), py::arg("positions"),
       py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_stride"),
       py::arg("head_stride"), py::arg("slot_stride"), py::arg("num_blocks"),
-      py::arg("block_size"), py::arg("threads"));
-  // (qkv, o, gate_up, down, post_norm, next_norm, k_cache, v_cache) per layer
-  using LayerTuple = std::tuple<LinearTuple, LinearTuple, LinearTuple, LinearTuple, uintptr_t,
-                                uintptr_t, uintptr_t, uintptr_t>;
+      py::arg("block_size"), py::arg("threads"), py::arg("q_norm") = 0, py::arg("k_norm") = 0,
+      py::arg("norm_eps") = 1e-6f);
   struct Decoder {
     DecoderShape shape;
     std::vector<DecoderLayer> layers;
   };
   py::class_<Decoder>(mod, "Decoder")
-      .def(py::init([](const std::vector<LayerTuple>& layers, int hq, int hkv, int d, int hidden,
-                       int intermediate, float eps, float scale, int64_t block_stride,
-                       int64_t head_stride, int64_t slot_stride, int64_t num_blocks,
-                       int block_size, uintptr_t factors, int64_t num_positions,
-                       int64_t parallel_min_macs) {
+      .def(py::init([](const std::vector<py::dict>& layers, int hq, int hkv, int d, int hidden,
+                       int intermediate, float eps, float scale, float soft_cap, int activation,
+                       int64_t block_stride, int64_t head_stride, int64_t slot_stride,
+                       int64_t num_blocks, int block_size, int64_t parallel_min_macs) {
              auto decoder = std::make_unique<Decoder>();
-             decoder->shape = {hq, hkv, d, hidden, intermediate, eps, scale, block_stride,
-                               head_stride, slot_stride, num_blocks, block_size,
-                               ptr<const float>(factors), num_positions, parallel_min_macs};
-             for (const auto& [qkv, o, gate_up, down, post, next, k, v] : layers)
-               decoder->layers.push_back({quant_linear(qkv), quant_linear(o),
-                                          quant_linear(gate_up), quant_linear(down),
-                                          ptr<const float>(post), ptr<const float>(next),
-                                          ptr<float>(k), ptr<float>(v)});
+             decoder->shape = {hq,           hkv,          d,           hidden,
+                               intermediate, eps,          scale,       soft_cap,
+                               activation,   block_stride, head_stride, slot_stride,
+                               num_blocks,   block_size,   parallel_min_macs};
+             // a layer: ops/cpu/decoder.py's dict of weight tuples, addresses (0: none), ints
+             for (const py::dict& layer : layers) {
+               const auto linear = [&](const char* key) {
+                 return quant_linear(layer[key].cast<LinearTuple>());
+               };
+               const auto floats = [&](const char* key) {
+                 return ptr<float>(layer[key].cast<uintptr_t>());
+               };
+               decoder->layers.push_back(
+                   {linear("qkv"), linear("o"), linear("gate_up"), linear("down"),
+                    floats("post_norm"), floats("next_norm"), floats("attn_out_norm"),
+                    floats("mlp_out_norm"), floats("q_norm"), floats("k_norm"), floats("sinks"),
+                    layer["window"].cast<int>(), floats("factors"),
+                    layer["num_positions"].cast<int64_t>(), layer["group"].cast<int>(),
+                    floats("k_cache"), floats("v_cache")});
+             }
              return decoder;
            }),
            py::kw_only(), py::arg("layers"), py::arg("hq"), py::arg("hkv"), py::arg("d"),
            py::arg("hidden"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"),
-           py::arg("block_stride"), py::arg("head_stride"), py::arg("slot_stride"),
-           py::arg("num_blocks"), py::arg("block_size"), py::arg("factors"),
-           py::arg("num_positions"), py::arg("parallel_min_macs"))
+           py::arg("soft_cap"), py::arg("activation"), py::arg("block_stride"),
+           py::arg("head_stride"), py::arg("slot_stride"), py::arg("num_blocks"),
+           py::arg("block_size"), py::arg("parallel_min_macs"))
       .def(
           "run",
           [](const Decoder& self, int m, uintptr_t h, uintptr_t residual, uintptr_t positions,
-             uintptr_t slots, uintptr_t row_seq, uintptr_t row_pos, uintptr_t block_tables,
-             int64_t table_stride, int num_seqs, int table_width, int threads, int path,
-             int activation_bits) {
-            const DecoderStep step{m, ptr<float>(h), ptr<float>(residual),
-                                   ptr<const int64_t>(positions), ptr<const int64_t>(slots),
-                                   ptr<const int32_t>(row_seq), ptr<const int32_t>(row_pos),
-                                   ptr<const int32_t>(block_tables), table_stride, num_seqs,
-                                   table_width, threads, path, activation_bits};
+             uintptr_t row_seq, uintptr_t row_pos,
+             const std::vector<std::tuple<uintptr_t, uintptr_t, int64_t, int>>& groups,
+             int num_seqs, int threads, int path, int activation_bits) {
+            DecoderStep step{m,
+                             ptr<float>(h),
+                             ptr<float>(residual),
+                             ptr<const int64_t>(positions),
+                             ptr<const int32_t>(row_seq),
+                             ptr<const int32_t>(row_pos),
+                             {},
+                             num_seqs,
+                             threads,
+                             path,
+                             activation_bits};
+            for (const auto& [slots, tables, stride, width] : groups)
+              step.groups.push_back(
+                  {ptr<const int64_t>(slots), ptr<const int32_t>(tables), stride, width});
             py::gil_scoped_release release;
             decoder(self.shape, self.layers, step);
           },
-          "m, h, residual, positions, slots, row_seq, row_pos, block_tables, table_stride, "
-          "num_seqs, table_width, threads, path, activation_bits (positional: one call a step)");
+          "m, h, residual, positions, row_seq, row_pos, groups [(slots, block_tables, "
+          "table_stride, table_width)], num_seqs, threads, path, activation_bits (positional: "
+          "one call a step)");
 }

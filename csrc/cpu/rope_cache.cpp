@@ -8,11 +8,14 @@
 #include <string>
 
 #include "parallel.h"
+#include "rms.h"
 
 namespace pagedkern_cpu {
 namespace {
 
-void rotate(float* x, const float* f, int d) {
+// x normalised by `norm` (if given), then rotated
+void rotate(float* x, const float* f, int d, const float* norm, float eps) {
+  if (norm != nullptr) rms_norm_row(x, x, norm, eps, d);
   const int half = d / 2;
   const float* cos2 = f;      // [cos, cos]
   const float* sin2 = f + d;  // [-sin, sin]
@@ -30,6 +33,8 @@ void rope_cache(const RopeCacheArgs& a) {
   if (a.d <= 0 || a.d % 2 || a.d > 512)
     throw std::invalid_argument("rope_cache: head size must be even and at most 512, got " +
                                 std::to_string(a.d));
+  if ((a.q_norm == nullptr) != (a.k_norm == nullptr))
+    throw std::invalid_argument("rope_cache: q_norm and k_norm come together");
   const int64_t slots = a.num_blocks * a.block_size;
   for (int t = 0; t < a.rows; ++t) {
     if (a.positions[t] < 0 || a.positions[t] >= a.num_positions)
@@ -47,9 +52,10 @@ void rope_cache(const RopeCacheArgs& a) {
     const int t1 = int(int64_t(a.rows) * (part + 1) / parts);
     for (int t = int(int64_t(a.rows) * part / parts); t < t1; ++t) {
       const float* f = a.factors + a.positions[t] * 2 * a.d;
-      for (int h = 0; h < a.hq; ++h) rotate(a.q + t * a.q_row_stride + h * a.d, f, a.d);
+      for (int h = 0; h < a.hq; ++h)
+        rotate(a.q + t * a.q_row_stride + h * a.d, f, a.d, a.q_norm, a.norm_eps);
       float* k = a.k + t * a.k_row_stride;
-      for (int h = 0; h < a.hkv; ++h) rotate(k + h * a.d, f, a.d);
+      for (int h = 0; h < a.hkv; ++h) rotate(k + h * a.d, f, a.d, a.k_norm, a.norm_eps);
       const int64_t slot = a.slots[t];
       if (slot < 0) continue;
       const int64_t at =

@@ -1,5 +1,6 @@
-// pagedkern._cpu's rope_and_cache for fp32 rows and an fp32 paged cache: RoPE of q and k in
-// place, then k and v stored at each row's slot, one call a layer.
+// pagedkern._cpu's rope_and_cache for fp32 rows and an fp32 paged cache: QK-norm if given
+// (each head RMS-normalised, rms.h), RoPE of q and k in place, then k and v stored at each
+// row's slot, one call a layer.
 //
 // The rotation is ops/cpu/rope.py's, operation for operation: x' = x * [cos, cos] +
 // roll(x, D/2) * [-sin, sin], each product rounded, then their sum (the module is compiled
@@ -30,6 +31,9 @@ struct RopeCacheArgs {
   int64_t num_blocks;
   int block_size;
   int threads;  // rows split over this many of OpenMP's threads (a prefill chunk's thousands)
+  const float* q_norm = nullptr;  // [D] QK-norm weights (Qwen3, Gemma 3), both or neither
+  const float* k_norm = nullptr;
+  float norm_eps = 1e-6f;
 };
 
 // Throws std::out_of_range before writing anything if a position or slot is out of range.

@@ -249,7 +249,9 @@ class LlamaModel:
         layer loop runs (another backend, no fused tail, fp8 calibration, layers it refuses)."""
         if self._tail is None or self._kv_amax is not None or self.dtype != torch.float32:
             return None
-        return self._cpu_decoder.for_step(self._tail, self.weights, self.cos_sin, kv_cache)
+        return self._cpu_decoder.for_step(
+            self._tail, self.weights, self.cos_sin, self.cos_sin_local, kv_cache
+        )
 
     def _linear(self, x: torch.Tensor, weight: Linear, bias: torch.Tensor | None = None):
         """linear() through the step's op table."""

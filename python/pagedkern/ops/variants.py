@@ -233,8 +233,9 @@ VARIANTS: dict[str, OpVariants] = {
                 Variant(
                     "fused",
                     1,
-                    "csrc/cpu/decoder.cpp: a step's plain quantized Llama-family layers in one C++ "
-                    "call (QKV GEMV, RoPE + cache, attention kernel, layer tail)",
+                    "csrc/cpu/decoder.cpp: a step's quantized dense layers (Llama, Mistral, "
+                    "Qwen2/3, Gemma 2/3) in one C++ call (QKV GEMV, QK-norm + RoPE + cache, "
+                    "attention kernel with windows / sinks / soft-cap, layer tail)",
                     None,
                 ),
                 Variant("layers", 0, "the layer loop in Python, one call per op", None),
@@ -246,8 +247,9 @@ VARIANTS: dict[str, OpVariants] = {
                 Variant(
                     "fused",
                     1,
-                    "csrc/cpu/layer_tail.cpp: O GEMV, add+norm, gate/up GEMV, SiLU x mul, down "
-                    "GEMV, add+norm in one C++ call (quantized int4/int8 SiLU layers)",
+                    "csrc/cpu/layer_tail.cpp: O GEMV, add+norm, gate/up GEMV, SiLU or GELU-tanh x "
+                    "mul, down GEMV, add+norm (and sandwich norms) in one C++ call (quantized "
+                    "int4/int8 dense layers)",
                     None,
                 ),
                 Variant("ops", 0, "the ops one by one, as on every other backend", None),

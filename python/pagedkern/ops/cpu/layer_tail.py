@@ -1,12 +1,13 @@
 """The CPU backend's layer tail: a Llama-family layer after attention in one C++ call
-(csrc/cpu/layer_tail.h): O GEMV, residual add + RMSNorm, gate/up GEMV, SiLU x mul, down GEMV,
-residual add + the next norm, with the quantized GEMV of quant_gemv.py for the products.
+(csrc/cpu/layer_tail.h): O GEMV, residual add + RMSNorm, gate/up GEMV, SiLU (or GELU-tanh) x
+mul, down GEMV, residual add + the next norm (with sandwich norms, Gemma's, each GEMV's output
+normed before its add), with the quantized GEMV of quant_gemv.py for the products.
 
 At batch 1 those ~15 torch ops and three GEMV wrappers cost more in dispatch than in math
 (~70 µs a layer of SmolLM2-135M on an idle Xeon core). A layer runs here when the C++ module is
 built, the `cpu_layer_tail` variant is `fused` (the default), its GEMMs run csrc/cpu/'s GEMV
 (`cpu_quant_linear` not `int_pack`), and its shape is the plain one: int4/int8 O, gate/up and
-down weights, a SiLU MLP, no sandwich norms, no experts, fp32 activations, one rank. Every
+down weights, a SiLU or GeGLU MLP, no experts, fp32 activations, one rank. Every
 other layer, and every other backend, runs the ops one by one. Whether a layer runs here is
 fixed per model and variant, never per batch: a row's result depends on its own inputs only
 (the GEMV's rows and the elementwise passes are row by row), so the engine's greedy outputs
@@ -32,6 +33,11 @@ def fp32_vector(t: torch.Tensor | None, size: int) -> bool:
     )
 
 
+def address(t: torch.Tensor | None) -> int:
+    """t's data address, 0 for None (csrc/cpu/'s null)."""
+    return 0 if t is None else t.data_ptr()
+
+
 def quantized_fits(w, bias: torch.Tensor | None, n: int, k: int) -> bool:
     """Whether w (and bias) is an int4/int8 [n, k] weight csrc/cpu/'s GEMV takes."""
     return (
@@ -43,13 +49,16 @@ def quantized_fits(w, bias: torch.Tensor | None, n: int, k: int) -> bool:
     )
 
 
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # csrc/cpu/layer_tail.h's Activation
+
+
 def runs(layer, hidden: int, intermediate: int, q_size: int, hidden_act: str) -> bool:
     """Whether `layer` (model/weights.py LayerWeights) has the shape this call computes."""
     return (
-        hidden_act == "silu"
+        hidden_act in ACTIVATIONS
         and layer.router is None
-        and layer.attn_out_norm is None
-        and layer.mlp_out_norm is None
+        and fp32_vector(layer.attn_out_norm, hidden)
+        and fp32_vector(layer.mlp_out_norm, hidden)
         and quantized_fits(layer.o, layer.o_bias, hidden, q_size)
         and quantized_fits(layer.gate_up, layer.gate_up_bias, 2 * intermediate, hidden)
         and quantized_fits(layer.down, layer.down_bias, hidden, intermediate)
@@ -146,6 +155,8 @@ class LayerTail:
             o=o, gate_up=gate_up, down=down, post_norm=layer.post_norm.data_ptr(),
             next_norm=next_norm.data_ptr(), eps=self.eps, m=m, hidden=self.hidden,
             intermediate=self.intermediate, attn=attn.data_ptr(), attn_stride=self.q_size,
-            residual=residual.data_ptr(), h_out=h.data_ptr(), **self._step,
+            residual=residual.data_ptr(), h_out=h.data_ptr(),
+            activation=ACTIVATIONS[self.hidden_act], attn_out_norm=address(layer.attn_out_norm),
+            mlp_out_norm=address(layer.mlp_out_norm), **self._step,
         )  # fmt: skip
         return h, residual

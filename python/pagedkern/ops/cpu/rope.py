@@ -13,7 +13,8 @@ model's KVCache), through a view whose rows are the slots (row b * Hkv * bs + of
 view's rows overlap, each slot's heads sit a block row apart).
 
 fp32 rows over an fp32 cache (the CPU default) take one C++ call a layer instead
-(csrc/cpu/rope_cache.cpp): the same products and sums, so the same bits; the torch ops above
+(csrc/cpu/rope_cache.cpp): the same products and sums, so the same bits (QK-norm there too, in
+csrc/cpu/rms.h's fixed order: not torch.rms_norm's bits, ~1e-7 apart); the torch ops above
 run the rest (half-precision rows, bf16 / fp8 caches) and wherever pagedkern._cpu is not built.
 """
 
@@ -185,13 +186,14 @@ def rope_and_cache(
     """ops.rope_and_cache's function (arguments validated by it, or the model's own tensors):
     QK-norm if given, RoPE of q and k in place, k and v into the cache (fp8: E4M3 of k / k_scale
     and v / v_scale, the rotation quantized before its rounding to k's dtype)."""
+    if q.shape[0] and _in_cpp(q, k, v, k_cache, v_cache, k_scale, v_scale, q_norm, k_norm):
+        norms = {} if q_norm is None else dict(q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps)
+        _rope_cache_cpp(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, **norms)
+        return
     if q_norm is not None:  # in place, as the kernel: the heads normalised, then rotated
         q.copy_(rms_norm(q, q_norm, norm_eps))
         k.copy_(rms_norm(k, k_norm, norm_eps))
     if q.shape[0] == 0:
-        return
-    if _in_cpp(q, k, v, k_cache, v_cache, k_scale, v_scale):
-        _rope_cache_cpp(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
         return
     rows = _rows(positions, cos_sin, slot_mapping, k_cache.shape[2])
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -301,11 +303,17 @@ def _pair_step(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
     return step // size
 
 
-def _in_cpp(q, k, v, k_cache, v_cache, k_scale, v_scale) -> bool:
+def _in_cpp(q, k, v, k_cache, v_cache, k_scale, v_scale, q_norm=None, k_norm=None) -> bool:
     """Whether csrc/cpu/rope_cache.cpp runs this call: fp32 rows (heads dense) and an fp32
-    cache of one layout for k and v, no fp8 scales, the module built."""
+    cache of one layout for k and v, no fp8 scales, QK-norm weights (if any) fp32 [D], the
+    module built."""
+    d = q.shape[2]
     return (
-        k_cache.dtype == v_cache.dtype == torch.float32
+        all(
+            w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.shape == (d,))
+            for w in (q_norm, k_norm)
+        )
+        and k_cache.dtype == v_cache.dtype == torch.float32
         and k_scale is None
         and v_scale is None
         and k_cache.stride() == v_cache.stride()
@@ -321,7 +329,19 @@ def _in_cpp(q, k, v, k_cache, v_cache, k_scale, v_scale) -> bool:
 _step_indices: dict[tuple[int, int], tuple] = {}
 
 
-def _rope_cache_cpp(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> None:
+def _rope_cache_cpp(
+    q,
+    k,
+    v,
+    positions,
+    cos_sin,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    q_norm=None,
+    k_norm=None,
+    norm_eps: float = 1e-6,
+) -> None:
     key = (id(positions), id(slot_mapping))
     found = _step_indices.get(key)
     if found is None or found[0] is not positions or found[1] is not slot_mapping:
@@ -337,5 +357,6 @@ def _rope_cache_cpp(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
         k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
         block_stride=k_cache.stride(0), head_stride=k_cache.stride(1),
         slot_stride=k_cache.stride(2), num_blocks=k_cache.shape[0], block_size=k_cache.shape[2],
-        threads=torch.get_num_threads(),
+        threads=torch.get_num_threads(), q_norm=0 if q_norm is None else q_norm.data_ptr(),
+        k_norm=0 if k_norm is None else k_norm.data_ptr(), norm_eps=float(norm_eps),
     )  # fmt: skip
