@@ -42,7 +42,7 @@ BENCH_ENV = {
     "(default 512,2048,4000).",
     "PAGEDKERN_BENCH_BACKENDS": "bench/test_bench_cpu_vs_llamacpp.py: pagedkern backends "
     "(default cpu,reference).",
-    "PAGEDKERN_BENCH_CACHE": "bench/llama_1b_gguf.py: where the ~1B random-weight Q4_0 GGUF is "
+    "PAGEDKERN_BENCH_CACHE": "bench/random_gguf.py: where the random-weight Q4_0 GGUFs are "
     "built and kept (default: <pagedkern's cache>/bench).",
     "PAGEDKERN_BENCH_PROFILE": "bench/test_bench_http_frontend.py: a folder; the HTTP front end "
     "runs under a sampling profiler, writes its counts there and the bench prints CPU µs per "

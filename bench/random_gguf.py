@@ -1,12 +1,16 @@
-"""A ~1B-parameter Llama-shaped GGUF with random weights, quantized Q4_0 by llama.cpp's own
-tools, for comparing pagedkern with llama.cpp where memory bandwidth, not per-op dispatch,
-decides a decode token (bench/test_bench_cpu_vs_llamacpp.py).
+"""Random-weight GGUFs of deployed model shapes, quantized Q4_0 by llama.cpp's own tools, for
+comparing pagedkern with llama.cpp beyond the default 135M model
+(bench/test_bench_cpu_vs_llamacpp.py):
 
-The shape is Llama 3.2 1B's (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, intermediate
-8192, tied embeddings) with the default model's vocabulary (SmolLM2's 49152 tokens; its
-tokenizer rebuilt from the GGUF, which llama.cpp's converter recognises as "smollm"): ~1.07B
-parameters, ~0.6 GB as Q4_0. The weights are N(0, 0.02) and the norms 1, so activations and
-logits stay finite through the 16 layers.
+- `llama-1b`: Llama 3.2 1B's shape (hidden 2048, 16 layers, 32 query / 8 KV heads of 64,
+  intermediate 8192, tied embeddings), ~1.07B parameters, ~0.6 GB as Q4_0: a decode token is
+  bound by memory bandwidth, not per-op dispatch;
+- `qwen3-0.6b`: Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 query / 8 KV heads of 128,
+  intermediate 3072, QK-norm, tied embeddings), ~0.44B parameters with this vocabulary.
+
+Both take the default model's vocabulary (SmolLM2's 49152 tokens; its tokenizer rebuilt from
+the GGUF, which llama.cpp's converter recognises as "smollm"). The weights are N(0, 0.02) and
+the norms 1, so activations and logits stay finite through the layers.
 
 Built once through llama.cpp's real path: an HF folder (config.json, the tokenizer, one f16
 safetensors file) -> convert_hf_to_gguf.py --outtype f16 -> llama-quantize Q4_0. The result is
@@ -20,25 +24,48 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-# Bump when the shape or the weights change, so a cached file is never a stale model.
-VERSION = 1
-NAME = f"llama-1b-random-v{VERSION}-q4_0.gguf"
-SHAPE = {
-    "hidden_size": 2048,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "intermediate_size": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": True,
-}
+
+@dataclass(frozen=True)
+class RandomModel:
+    name: str
+    version: int  # bumped when the shape or the weights change: a cached file is never stale
+    architecture: str  # config.json's architectures[0] (which converter llama.cpp runs)
+    model_type: str
+    shape: dict
+    qk_norm: bool = False
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.name}-random-v{self.version}-q4_0.gguf"
+
+
+MODELS = {
+    model.name: model
+    for model in (
+        RandomModel(
+            "llama-1b", 1, "LlamaForCausalLM", "llama",
+            dict(
+                hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, intermediate_size=8192, rms_norm_eps=1e-5,
+                rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+            ),
+        ),
+        RandomModel(
+            "qwen3-0.6b", 1, "Qwen3ForCausalLM", "qwen3",
+            dict(
+                hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                num_key_value_heads=8, head_dim=128, intermediate_size=3072, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+            ),
+            qk_norm=True,
+        ),
+    )
+}  # fmt: skip
 _STD = 0.02
 _SEED = 1234
 # Runs convert_hf_to_gguf.py (argv[1]). Its Llama converter imports sentencepiece before it looks
@@ -84,10 +111,12 @@ def can_build(llama_bin: Path) -> bool:
     return (llama_bin / "llama-quantize").exists() and converter_script(llama_bin) is not None
 
 
-def llama_1b_q4_0(llama_bin: Path, folder: Path | None = None) -> Path:
-    """The cached Q4_0 GGUF, built first if absent (llama_bin: llama-quantize's folder)."""
+def random_q4_0(model: RandomModel, llama_bin: Path, folder: Path | None = None) -> Path:
+    """The cached Q4_0 GGUF of `model`, built first if absent (llama_bin: llama-quantize's
+    folder)."""
     folder = folder or cache_folder()
-    target = folder / NAME
+    name = model.file_name
+    target = folder / name
     if target.is_file():
         return target
     script = converter_script(llama_bin)
@@ -95,17 +124,17 @@ def llama_1b_q4_0(llama_bin: Path, folder: Path | None = None) -> Path:
         raise FileNotFoundError(
             f"{llama_bin}: no llama-quantize, or no convert_hf_to_gguf.py above it"
         )
-    work = folder / f"{NAME}.build"
+    work = folder / f"{name}.build"
     shutil.rmtree(work, ignore_errors=True)
     hf = work / "hf"
     try:
-        write_hf_folder(hf)
+        write_hf_folder(model, hf)
         f16 = work / "model-f16.gguf"
         convert = [sys.executable, "-c", _CONVERT, str(script), str(hf)]
         convert += ["--outtype", "f16", "--outfile", str(f16)]
         subprocess.run(convert, check=True, capture_output=True, text=True)
         shutil.rmtree(hf)  # ~2 GB: gone before the quantized copy is written
-        partial = work / NAME
+        partial = work / name
         quantize = [str(llama_bin / "llama-quantize"), str(f16), str(partial), "Q4_0"]
         subprocess.run(quantize, check=True, capture_output=True, text=True)
         partial.replace(target)  # atomic: a half-written file is never taken for the model
@@ -116,7 +145,7 @@ def llama_1b_q4_0(llama_bin: Path, folder: Path | None = None) -> Path:
     return target
 
 
-def write_hf_folder(folder: Path) -> None:
+def write_hf_folder(model: RandomModel, folder: Path) -> None:
     """config.json, the default model's tokenizer and random f16 weights, in HF's layout."""
     from safetensors.torch import save_file
 
@@ -132,31 +161,32 @@ def write_hf_folder(folder: Path) -> None:
     config_path.write_text(json.dumps(tok_config, ensure_ascii=False))
     vocab = tokenizer.vocab_size
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [model.architecture],
+        "model_type": model.model_type,
         "vocab_size": vocab,
         "hidden_act": "silu",
         "torch_dtype": "float16",
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
-        **SHAPE,
+        **model.shape,
     }
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    save_file(_random_weights(vocab), str(folder / "model.safetensors"))
+    save_file(_random_weights(model, vocab), str(folder / "model.safetensors"))
 
 
-def _random_weights(vocab: int) -> dict[str, torch.Tensor]:
+def _random_weights(model: RandomModel, vocab: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(_SEED)
-    h, inter = SHAPE["hidden_size"], SHAPE["intermediate_size"]
-    q = SHAPE["num_attention_heads"] * SHAPE["head_dim"]
-    kv = SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
+    shape = model.shape
+    h, inter, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q = shape["num_attention_heads"] * d
+    kv = shape["num_key_value_heads"] * d
 
     def normal(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * _STD).to(torch.float16)
 
     weights = {"model.embed_tokens.weight": normal(vocab, h)}
     weights["model.norm.weight"] = torch.ones(h, dtype=torch.float16)
-    for i in range(SHAPE["num_hidden_layers"]):
+    for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.float16)
         weights[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.float16)
@@ -167,8 +197,11 @@ def _random_weights(vocab: int) -> dict[str, torch.Tensor]:
         weights[p + "mlp.gate_proj.weight"] = normal(inter, h)
         weights[p + "mlp.up_proj.weight"] = normal(inter, h)
         weights[p + "mlp.down_proj.weight"] = normal(h, inter)
+        if model.qk_norm:
+            weights[p + "self_attn.q_norm.weight"] = torch.ones(d, dtype=torch.float16)
+            weights[p + "self_attn.k_norm.weight"] = torch.ones(d, dtype=torch.float16)
     return weights
 
 
-if __name__ == "__main__":  # python bench/llama_1b_gguf.py $LLAMA_CPP_BIN: build it alone
-    print(llama_1b_q4_0(Path(sys.argv[1])))
+if __name__ == "__main__":  # python bench/random_gguf.py $LLAMA_CPP_BIN [name]: build one alone
+    print(random_q4_0(MODELS[sys.argv[2] if len(sys.argv) > 2 else "llama-1b"], Path(sys.argv[1])))

