@@ -76,3 +76,14 @@ def kernels(monkeypatch):
         monkeypatch.setenv(ENV_NAME, kernels_value(**chosen))
 
     return select
+
+
+@pytest.fixture
+def decoder_runs(monkeypatch) -> list[int]:
+    """The rows of each call of the CPU backend's one-call decoder (ops/cpu/decoder.py)."""
+    from pagedkern.ops.cpu import decoder
+
+    seen: list[int] = []
+    real = decoder._run
+    monkeypatch.setattr(decoder, "_run", lambda *a: seen.append(a[-3].shape[0]) or real(*a))
+    return seen

@@ -18,19 +18,10 @@ from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import PRESETS, SequenceChunk, build_batch, load_model
 from pagedkern.model.config import FULL, SLIDING
 from pagedkern.model.kv_cache import kv_layer_groups
-from pagedkern.ops.cpu import decoder, quant_gemv
+from pagedkern.ops.cpu import quant_gemv
 
 pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu is not built")
 BLOCK = 16
-
-
-@pytest.fixture
-def runs(monkeypatch) -> list[int]:
-    """The rows of each decoder call."""
-    seen: list[int] = []
-    real = decoder._run
-    monkeypatch.setattr(decoder, "_run", lambda *a: seen.append(a[-3].shape[0]) or real(*a))
-    return seen
 
 
 def _steps(model):
@@ -78,13 +69,13 @@ def _run_steps(model, variant: str, kernels, grouped=False):
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 @pytest.mark.parametrize("biases", [False, True])
-def test_the_decoder_gives_the_layer_loops_bits(quantization, biases, kernels, runs):
+def test_the_decoder_gives_the_layer_loops_bits(quantization, biases, kernels, decoder_runs):
     config = PRESETS["tiny"].replace(qkv_bias=biases, o_bias=biases)
     model, _ = load_model(config, quantization=quantization, seed=3)
     got, got_kv = _run_steps(model, "fused", kernels)
-    assert runs == [40, 51, 21, 2]  # one call a step, every row
+    assert decoder_runs == [40, 51, 21, 2]  # one call a step, every row
     want, want_kv = _run_steps(model, "layers", kernels)
-    assert len(runs) == 4  # the loop made none
+    assert len(decoder_runs) == 4  # the loop made none
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert not g.isnan().any()
         assert torch.equal(g, w), f"step {step}"
@@ -111,7 +102,7 @@ FAMILIES = {
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["one table", "per-kind tables"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_dense_families_layers_give_the_loops_bits(family, grouped, kernels, runs):
+def test_the_dense_families_layers_give_the_loops_bits(family, grouped, kernels, decoder_runs):
     config = PRESETS["tiny"].replace(**FAMILIES[family])
     if grouped and kv_layer_groups(config) is None:
         pytest.skip("one kind of layer: no per-kind tables")
@@ -120,9 +111,9 @@ def test_the_dense_families_layers_give_the_loops_bits(family, grouped, kernels,
         for n, layer in enumerate(model.weights.layers):
             layer.sinks = torch.linspace(-1.0, 2.0, config.num_heads) * (n + 1)
     got, got_kv = _run_steps(model, "fused", kernels, grouped)
-    assert runs == [40, 51, 21, 2]  # one call a step, every row
+    assert decoder_runs == [40, 51, 21, 2]  # one call a step, every row
     want, want_kv = _run_steps(model, "layers", kernels, grouped)
-    assert len(runs) == 4  # the loop made none
+    assert len(decoder_runs) == 4  # the loop made none
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert not g.isnan().any()
         assert torch.equal(g, w), f"step {step}"
@@ -146,7 +137,7 @@ def test_the_families_options_change_the_result(kernels):
     "case", ["fp32 weights", "whole-projection QK-norm", "fp8 cache", "tiles attention",
              "layers variant"],
 )  # fmt: skip
-def test_what_it_refuses_runs_the_layer_loop(case, kernels, runs):
+def test_what_it_refuses_runs_the_layer_loop(case, kernels, decoder_runs):
     config, quantization, kv_dtype = PRESETS["tiny"], "int4", "auto"
     if case == "fp32 weights":
         quantization = None
@@ -162,14 +153,14 @@ def test_what_it_refuses_runs_the_layer_loop(case, kernels, runs):
     kv = model.allocate_kv_cache(12, BLOCK)
     with ops.use_backend("cpu"):
         h = model.hidden_states(*build_batch(_steps(model)[0], BLOCK), kv)
-    assert runs == [] and not h.isnan().any()
+    assert decoder_runs == [] and not h.isnan().any()
 
 
-def test_an_int4_engine_steps_through_it(runs):
+def test_an_int4_engine_steps_through_it(decoder_runs):
     config = EngineConfig(
         model="synthetic:tiny", backend="cpu", quantization="int4", num_blocks=64, block_size=4
     )
     engine = Engine.from_config(config)
     engine.add_request(prompt_ids=list(range(3, 30)), params=SamplingParams(max_tokens=5))
     list(engine.run_until_done())
-    assert runs[0] == 27 and runs[1:] == [1, 1, 1, 1]
+    assert decoder_runs[0] == 27 and decoder_runs[1:] == [1, 1, 1, 1]

@@ -1,70 +1,46 @@
-"""The one-call CPU decoder on the dense families as transformers builds them: tiny random
-Qwen3, Gemma 2 and Gemma 3 models saved by transformers with weights on the int8 grid, loaded
-with int8 weights. The prefill's logits through the decoder are transformers' own (within the
-C++ GEMV's 16-bit activations), and an
-engine's greedy steps on the CPU backend (chunked prefill, two requests, Gemma's per-kind block
-tables) give the layer loop's tokens and logprobs exactly."""
+"""The one-call CPU decoder on the dense families as transformers builds them: the tiny random
+Qwen3, Gemma 2 and Gemma 3 test models, their weights moved onto the int8 grid, saved by
+transformers and loaded with int8 weights. The prefill's logits through the decoder are
+transformers' own (within the C++ GEMV's 16-bit activations), and an engine's greedy steps on
+the CPU backend (chunked prefill, two requests, Gemma's per-kind block tables) give the layer
+loop's tokens and logprobs exactly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from hf_model_files import all_logits, write_tokenizer
+from test_model_gemma import PROMPT
+from test_model_gemma import _hf_model as gemma_model
+from test_model_transformers import ARCHITECTURES as DENSE
 from transformers_oracle import hf_logits, relative
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import load_model
-from pagedkern.ops.cpu import decoder, quant_gemv
+from pagedkern.ops.cpu import quant_gemv
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu is not built")
 
-PROMPT = [5, 77, 301, 12, 250, 9, 33, 120, 64, 7, 199, 3, 42, 318, 91, 17, 260, 88, 2, 150]
-COMMON = dict(
-    vocab_size=400,  # the tokenizer write_tokenizer trains
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    initializer_range=0.2,  # peaked logits: greedy choices far from ties
-)
-GEMMA = dict(sliding_window=6, query_pre_attn_scalar=24)
-LOCAL_ROPE = {
-    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-    "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
-}
-FAMILIES = {
-    "qwen3": lambda: transformers.Qwen3ForCausalLM(
-        transformers.Qwen3Config(rope_theta=1e6, **COMMON)
-    ),
-    "gemma2": lambda: transformers.Gemma2ForCausalLM(
-        transformers.Gemma2Config(
-            attn_logit_softcapping=2.0, final_logit_softcapping=5.0, **GEMMA, **COMMON
-        )
-    ),
-    "gemma3": lambda: transformers.Gemma3ForCausalLM(
-        transformers.Gemma3TextConfig(
-            rope_parameters=LOCAL_ROPE, sliding_window_pattern=3, **GEMMA, **COMMON
-        )
-    ),
-}
+FAMILIES = ("gemma2", "gemma3", "qwen3")
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def _transformers_model(family: str):
+    """The test models of test_model_gemma / test_model_transformers (fp32, eval mode)."""
+    if family == "qwen3":
+        make_config, model_class = DENSE["qwen3"]
+        torch.manual_seed(0)
+        return model_class(make_config()).float().eval()
+    return gemma_model(family)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def saved(request, tmp_path_factory):
-    torch.manual_seed(0)
-    hf = FAMILIES[request.param]().float().eval()
+    hf = _transformers_model(request.param)
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name and request.param.startswith("gemma"):
-                p.normal_(0.0, 0.3)  # (transformers starts Gemma's norms at a scale of 1)
-            elif p.ndim == 2 and "embed_tokens" not in name:  # onto the int8 grid
-                scale = p.abs().amax(dim=1, keepdim=True) / 127.0
+        for p in hf.parameters():
+            if p.ndim == 2:  # onto the int8 grid (a tied embedding is the int8 head)
+                scale = (p.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
                 p.copy_(torch.round(p / scale) * scale)
     folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder, safe_serialization=True)
@@ -72,16 +48,7 @@ def saved(request, tmp_path_factory):
     return folder, hf, request.param
 
 
-@pytest.fixture
-def runs(monkeypatch) -> list[int]:
-    """The rows of each decoder call."""
-    seen: list[int] = []
-    real = decoder._run
-    monkeypatch.setattr(decoder, "_run", lambda *a: seen.append(a[-3].shape[0]) or real(*a))
-    return seen
-
-
-def test_the_prefill_through_the_decoder_gives_transformers_logits(saved, runs):
+def test_the_prefill_through_the_decoder_gives_transformers_logits(saved, decoder_runs):
     """The weights lie on the per-channel int8 grid (scale max|w| / 127: quantize_int8's), so
     transformers in fp32 computes the int8 model exactly; only the C++ GEMV's 16-bit
     activations (~2e-5 a GEMM) stand between the two."""
@@ -89,7 +56,7 @@ def test_the_prefill_through_the_decoder_gives_transformers_logits(saved, runs):
     model, _ = load_model(str(folder), "cpu", torch.float32, quantization="int8")
     assert model.weights.layers[0].qkv.format == "int8"
     got = all_logits(model, PROMPT)
-    assert runs == [len(PROMPT)]  # the whole prompt in one decoder call
+    assert decoder_runs == [len(PROMPT)]  # the whole prompt in one decoder call
     want = hf_logits(hf, PROMPT)
     assert relative(got, want) < 1e-3, relative(got, want)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -113,13 +80,15 @@ def _greedy(folder, family: str) -> list:
     return [got[r.request_id] for r in requests]
 
 
-def test_an_engines_steps_through_the_decoder_give_the_loops_tokens(saved, runs, kernels):
+def test_an_engines_steps_through_the_decoder_give_the_loops_tokens(saved, decoder_runs, kernels):
     folder, _, family = saved
     kernels(cpu_decoder="fused")
     fused = _greedy(folder, family)
-    assert len(runs) > 12 and 2 in runs  # chunked prefill steps, then two decode rows a step
+    assert (
+        len(decoder_runs) > 12 and 2 in decoder_runs
+    )  # chunked prefill steps, then two decode rows a step
     kernels(cpu_decoder="layers")
-    made = len(runs)
+    made = len(decoder_runs)
     assert _greedy(folder, family) == fused
-    assert len(runs) == made  # the loop made no decoder call
+    assert len(decoder_runs) == made  # the loop made no decoder call
     assert all(len(tokens) == 12 for tokens in fused)
