@@ -1,10 +1,10 @@
 """The CPU backend's one-call decoder (ops/cpu/decoder.py, csrc/cpu/decoder.cpp) against the
 layer loop it replaces (cpu_decoder:layers): the same hidden states and the same KV-cache
-writes bit for bit, for int4 and int8 weights, with and without q/k/v and O biases, for the
-dense families' layers (QK-norm, sliding windows, GeGLU, sandwich norms, soft-cap, sinks, a
-local RoPE base) and a hybrid cache's per-group tables, over prefill chunks, decode rows and
-both in one step, over several steps; one decoder call a step; the models, caches and variants
-it refuses run the loop; and int4 engines' steps take it."""
+writes bit for bit, for int4 and int8 weights, with and without q/k/v and O biases, fp32 and fp8
+caches, for the dense families' layers (QK-norm, sliding windows, GeGLU, sandwich norms,
+soft-cap, sinks, a local RoPE base) and a hybrid cache's per-group tables, over prefill chunks,
+decode rows and both in one step, over several steps; one decoder call a step; the models,
+caches and variants it refuses run the loop; and int4 engines' steps take it."""
 
 from __future__ import annotations
 
@@ -69,9 +69,14 @@ def _run_steps(model, variant: str, kernels, grouped=False):
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 @pytest.mark.parametrize("biases", [False, True])
-def test_the_decoder_gives_the_layer_loops_bits(quantization, biases, kernels, decoder_runs):
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_the_decoder_gives_the_layer_loops_bits(
+    quantization, biases, kv_dtype, kernels, decoder_runs
+):
     config = PRESETS["tiny"].replace(qkv_bias=biases, o_bias=biases)
-    model, _ = load_model(config, quantization=quantization, seed=3)
+    model, _ = load_model(config, quantization=quantization, kv_cache_dtype=kv_dtype, seed=3)
+    if kv_dtype == "fp8":  # calibrated per-layer scales, unlike each other and 1
+        assert len(set(model.kv_scales())) == config.num_layers and model.kv_scales()[0][0] != 1
     got, got_kv = _run_steps(model, "fused", kernels)
     assert decoder_runs == [40, 51, 21, 2]  # one call a step, every row
     want, want_kv = _run_steps(model, "layers", kernels)
@@ -79,7 +84,14 @@ def test_the_decoder_gives_the_layer_loops_bits(quantization, biases, kernels, d
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert not g.isnan().any()
         assert torch.equal(g, w), f"step {step}"
-    torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=0, equal_nan=True)
+    assert_same_cache(got_kv, want_kv)
+
+
+def assert_same_cache(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same bytes (fp8 caches compared as bytes; NaN poison where nothing was written)."""
+    if got.dtype == torch.float8_e4m3fn:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 WINDOW = 8  # (sequence b's 70 tokens reach well past it)
@@ -100,13 +112,16 @@ FAMILIES = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["one table", "per-kind tables"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_dense_families_layers_give_the_loops_bits(family, grouped, kernels, decoder_runs):
+def test_the_dense_families_layers_give_the_loops_bits(
+    family, grouped, kv_dtype, kernels, decoder_runs
+):
     config = PRESETS["tiny"].replace(**FAMILIES[family])
     if grouped and kv_layer_groups(config) is None:
         pytest.skip("one kind of layer: no per-kind tables")
-    model, _ = load_model(config, quantization="int4", seed=5)
+    model, _ = load_model(config, quantization="int4", kv_cache_dtype=kv_dtype, seed=5)
     if family == "sinks":
         for n, layer in enumerate(model.weights.layers):
             layer.sinks = torch.linspace(-1.0, 2.0, config.num_heads) * (n + 1)
@@ -117,7 +132,7 @@ def test_the_dense_families_layers_give_the_loops_bits(family, grouped, kernels,
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert not g.isnan().any()
         assert torch.equal(g, w), f"step {step}"
-    torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=0, equal_nan=True)
+    assert_same_cache(got_kv, want_kv)
 
 
 def test_the_families_options_change_the_result(kernels):
@@ -134,22 +149,22 @@ def test_the_families_options_change_the_result(kernels):
 
 
 @pytest.mark.parametrize(
-    "case", ["fp32 weights", "whole-projection QK-norm", "fp8 cache", "tiles attention",
+    "case", ["fp32 weights", "whole-projection QK-norm", "bf16 activations", "tiles attention",
              "layers variant"],
 )  # fmt: skip
 def test_what_it_refuses_runs_the_layer_loop(case, kernels, decoder_runs):
-    config, quantization, kv_dtype = PRESETS["tiny"], "int4", "auto"
+    config, quantization, dtype = PRESETS["tiny"], "int4", None
     if case == "fp32 weights":
         quantization = None
     elif case == "whole-projection QK-norm":  # (OLMoE's)
         config = config.replace(qk_norm=True, qk_norm_whole=True)
-    elif case == "fp8 cache":
-        kv_dtype = "fp8"
+    elif case == "bf16 activations":
+        dtype = torch.bfloat16
     elif case == "tiles attention":
         kernels(cpu_attention="tiles")
     elif case == "layers variant":
         kernels(cpu_decoder="layers")
-    model, _ = load_model(config, quantization=quantization, kv_cache_dtype=kv_dtype)
+    model, _ = load_model(config, quantization=quantization, dtype=dtype)
     kv = model.allocate_kv_cache(12, BLOCK)
     with ops.use_backend("cpu"):
         h = model.hidden_states(*build_batch(_steps(model)[0], BLOCK), kv)

@@ -206,3 +206,27 @@ def test_many_rows_split_over_threads_match_the_reference(path):
         torch.set_num_threads(threads)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_e4m3_rounding_is_torchs(path):
+    """csrc/cpu/rope_cache.cpp's E4M3 conversion against torch's cast on every E4M3 value, every
+    midpoint between neighbours (ties to even), a hair either side of each, and random values
+    over the whole range, subnormals and signed zeros included."""
+    if path == "torch":
+        pytest.skip("the C++ conversion")
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = values[~values.isnan()].unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    hair = mids.abs() * 2**-20
+    g = torch.Generator().manual_seed(11)
+    spread = torch.randn(20000, generator=g) * torch.exp2(
+        torch.randint(-12, 9, (20000,), generator=g)
+    )
+    xs = torch.cat([finite, mids, mids + hair, mids - hair, spread.clamp(-448, 448),
+                    torch.tensor([0.0, -0.0, 448.0, -448.0, 2**-10, -(2**-10)])])  # fmt: skip
+    module = quant_gemv.cpu_module()
+    got = torch.tensor([module.e4m3_from_float(x) for x in xs.tolist()], dtype=torch.uint8)
+    want = xs.to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = (got != want).nonzero().flatten()[:5]
+    assert bad.numel() == 0, [(xs[i].item(), got[i].item(), want[i].item()) for i in bad]
+    assert module.e4m3_from_float(float("nan")) & 0x7F == 0x7F

@@ -64,6 +64,7 @@ bool attention_path_supported(int path);
 
 namespace attention_detail {
 float e4m3_to_float(uint8_t x);  // exact (no infinities; S.1111.111 is NaN)
+const float* e4m3_table();       // [256]: e4m3_to_float of every byte (what the pages read)
 void portable(const AttentionArgs& args);
 void avx2(const AttentionArgs& args);  // not called where not built (not x86)
 }  // namespace attention_detail

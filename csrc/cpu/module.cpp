@@ -146,16 +146,19 @@ PYBIND11_MODULE(_cpu, mod) {
          int64_t num_positions, uintptr_t positions, uintptr_t slots, uintptr_t k_cache,
          uintptr_t v_cache, int64_t block_stride, int64_t head_stride, int64_t slot_stride,
          int64_t num_blocks, int block_size, int threads, uintptr_t q_norm, uintptr_t k_norm,
-         float norm_eps) {
+         float norm_eps, bool fp8, float k_inv_scale, float v_inv_scale) {
         RopeCacheArgs args{ptr<float>(q), q_row_stride, ptr<float>(k), k_row_stride,
                                  ptr<const float>(v), v_row_stride, rows, hq, hkv, d,
                                  ptr<const float>(factors), num_positions,
                                  ptr<const int64_t>(positions), ptr<const int64_t>(slots),
-                                 ptr<float>(k_cache), ptr<float>(v_cache), block_stride,
+                                 ptr<void>(k_cache), ptr<void>(v_cache), block_stride,
                                  head_stride, slot_stride, num_blocks, block_size, threads};
         args.q_norm = ptr<const float>(q_norm);
         args.k_norm = ptr<const float>(k_norm);
         args.norm_eps = norm_eps;
+        args.fp8 = fp8;
+        args.k_inv_scale = k_inv_scale;
+        args.v_inv_scale = v_inv_scale;
         py::gil_scoped_release release;
         rope_cache(args);
       },
@@ -165,21 +168,23 @@ PYBIND11_MODULE(_cpu, mod) {
       py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_stride"),
       py::arg("head_stride"), py::arg("slot_stride"), py::arg("num_blocks"),
       py::arg("block_size"), py::arg("threads"), py::arg("q_norm") = 0, py::arg("k_norm") = 0,
-      py::arg("norm_eps") = 1e-6f);
+      py::arg("norm_eps") = 1e-6f, py::arg("fp8") = false, py::arg("k_inv_scale") = 1.0f,
+      py::arg("v_inv_scale") = 1.0f);
+  mod.def("e4m3_from_float", &e4m3_from_float, py::arg("x"));
   struct Decoder {
     DecoderShape shape;
     std::vector<DecoderLayer> layers;
   };
   py::class_<Decoder>(mod, "Decoder")
       .def(py::init([](const std::vector<py::dict>& layers, int hq, int hkv, int d, int hidden,
-                       int intermediate, float eps, float scale, float soft_cap, int activation,
+                       int intermediate, float eps, float soft_cap, int activation, bool fp8,
                        int64_t block_stride, int64_t head_stride, int64_t slot_stride,
                        int64_t num_blocks, int block_size, int64_t parallel_min_macs) {
              auto decoder = std::make_unique<Decoder>();
-             decoder->shape = {hq,           hkv,          d,           hidden,
-                               intermediate, eps,          scale,       soft_cap,
-                               activation,   block_stride, head_stride, slot_stride,
-                               num_blocks,   block_size,   parallel_min_macs};
+             decoder->shape = {hq,           hkv,         d,           hidden,
+                               intermediate, eps,         soft_cap,    activation,
+                               fp8,          block_stride, head_stride, slot_stride,
+                               num_blocks,   block_size,  parallel_min_macs};
              // a layer: ops/cpu/decoder.py's dict of weight tuples, addresses (0: none), ints
              for (const py::dict& layer : layers) {
                const auto linear = [&](const char* key) {
@@ -188,19 +193,21 @@ PYBIND11_MODULE(_cpu, mod) {
                const auto floats = [&](const char* key) {
                  return ptr<float>(layer[key].cast<uintptr_t>());
                };
+               const auto number = [&](const char* key) { return layer[key].cast<float>(); };
                decoder->layers.push_back(
                    {linear("qkv"), linear("o"), linear("gate_up"), linear("down"),
                     floats("post_norm"), floats("next_norm"), floats("attn_out_norm"),
                     floats("mlp_out_norm"), floats("q_norm"), floats("k_norm"), floats("sinks"),
                     layer["window"].cast<int>(), floats("factors"),
                     layer["num_positions"].cast<int64_t>(), layer["group"].cast<int>(),
-                    floats("k_cache"), floats("v_cache")});
+                    floats("k_cache"), floats("v_cache"), number("scale"),
+                    number("out_scale"), number("k_inv_scale"), number("v_inv_scale")});
              }
              return decoder;
            }),
            py::kw_only(), py::arg("layers"), py::arg("hq"), py::arg("hkv"), py::arg("d"),
-           py::arg("hidden"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"),
-           py::arg("soft_cap"), py::arg("activation"), py::arg("block_stride"),
+           py::arg("hidden"), py::arg("intermediate"), py::arg("eps"), py::arg("soft_cap"),
+           py::arg("activation"), py::arg("fp8"), py::arg("block_stride"),
            py::arg("head_stride"), py::arg("slot_stride"), py::arg("num_blocks"),
            py::arg("block_size"), py::arg("parallel_min_macs"))
       .def(

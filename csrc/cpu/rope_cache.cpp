@@ -3,6 +3,7 @@
 #include "rope_cache.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -27,7 +28,33 @@ void rotate(float* x, const float* f, int d, const float* norm, float eps) {
   for (int i = 0; i < d; ++i) x[i] = x[i] * cos2[i] + rolled[i];
 }
 
+// d values x * inv, clamped to +-448, as E4M3 (reference.quantize_e4m3)
+void store_e4m3(uint8_t* out, const float* x, float inv, int d) {
+  for (int c = 0; c < d; ++c) {
+    const float y = x[c] * inv;
+    out[c] = e4m3_from_float(std::isnan(y) ? y : std::fmin(std::fmax(y, -448.0f), 448.0f));
+  }
+}
+
 }  // namespace
+
+uint8_t e4m3_from_float(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint8_t sign = uint8_t((bits >> 24) & 0x80);
+  if (std::isnan(x)) return sign | 0x7F;
+  const float a = std::fabs(x);
+  if (a < 0.015625f)  // below 2^-6: subnormals m * 2^-9 (m = 8 rounds up to the first normal)
+    return sign | uint8_t(std::nearbyint(a * 512.0f));
+  int e;
+  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1): a in [2^(e-1), 2^e)
+  const int exponent = e - 1;
+  const float mantissa = std::ldexp(a, -exponent) - 1.0f;  // [0, 1), exact
+  int q = int(std::nearbyint(mantissa * 8.0f));            // round to nearest even
+  int biased = exponent + 7;
+  if (q == 8) q = 0, ++biased;
+  return sign | uint8_t(biased << 3 | q);
+}
 
 void rope_cache(const RopeCacheArgs& a) {
   if (a.d <= 0 || a.d % 2 || a.d > 512)
@@ -62,8 +89,14 @@ void rope_cache(const RopeCacheArgs& a) {
           slot / a.block_size * a.block_stride + slot % a.block_size * a.slot_stride;
       const float* v = a.v + t * a.v_row_stride;
       for (int h = 0; h < a.hkv; ++h) {
-        std::memcpy(a.k_cache + at + h * a.head_stride, k + h * a.d, a.d * sizeof(float));
-        std::memcpy(a.v_cache + at + h * a.head_stride, v + h * a.d, a.d * sizeof(float));
+        const int64_t to = at + h * a.head_stride;
+        if (a.fp8) {
+          store_e4m3(static_cast<uint8_t*>(a.k_cache) + to, k + h * a.d, a.k_inv_scale, a.d);
+          store_e4m3(static_cast<uint8_t*>(a.v_cache) + to, v + h * a.d, a.v_inv_scale, a.d);
+        } else {
+          std::memcpy(static_cast<float*>(a.k_cache) + to, k + h * a.d, a.d * sizeof(float));
+          std::memcpy(static_cast<float*>(a.v_cache) + to, v + h * a.d, a.d * sizeof(float));
+        }
       }
     }
   });

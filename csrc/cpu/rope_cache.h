@@ -1,6 +1,7 @@
-// pagedkern._cpu's rope_and_cache for fp32 rows and an fp32 paged cache: QK-norm if given
-// (each head RMS-normalised, rms.h), RoPE of q and k in place, then k and v stored at each
-// row's slot, one call a layer.
+// pagedkern._cpu's rope_and_cache for fp32 rows and an fp32 or fp8 (E4M3) paged cache: QK-norm
+// if given (each head RMS-normalised, rms.h), RoPE of q and k in place, then k and v stored at
+// each row's slot (fp8: k * fp32(1 / k_scale), likewise v, clamped to +-448 and rounded to
+// nearest even, as reference.quantize_e4m3 writes them), one call a layer.
 //
 // The rotation is ops/cpu/rope.py's, operation for operation: x' = x * [cos, cos] +
 // roll(x, D/2) * [-sin, sin], each product rounded, then their sum (the module is compiled
@@ -25,8 +26,8 @@ struct RopeCacheArgs {
   int64_t num_positions;
   const int64_t* positions;  // [T]
   const int64_t* slots;      // [T]: block * block_size + offset, -1: not stored
-  float* k_cache;            // [blocks, Hkv, block_size, D] at the strides below, D dense
-  float* v_cache;
+  void* k_cache;             // [blocks, Hkv, block_size, D] at the strides below, D dense
+  void* v_cache;
   int64_t block_stride, head_stride, slot_stride;  // elements, the same for k and v
   int64_t num_blocks;
   int block_size;
@@ -34,7 +35,13 @@ struct RopeCacheArgs {
   const float* q_norm = nullptr;  // [D] QK-norm weights (Qwen3, Gemma 3), both or neither
   const float* k_norm = nullptr;
   float norm_eps = 1e-6f;
+  bool fp8 = false;          // an E4M3 cache (else fp32)
+  float k_inv_scale = 1.0f;  // fp8: fp32(1 / k_scale), fp32(1 / v_scale)
+  float v_inv_scale = 1.0f;
 };
+
+// x (|x| <= 448 or NaN) to E4M3, rounded to nearest even; NaN keeps its sign (0x7F / 0xFF)
+uint8_t e4m3_from_float(float x);
 
 // Throws std::out_of_range before writing anything if a position or slot is out of range.
 void rope_cache(const RopeCacheArgs& args);

@@ -8,10 +8,10 @@ loop's bits; it removes the Python between them (at batch 1 on SmolLM2-135M, ~40
 token's time on a 2-vCPU host). A model runs it where every layer has a shape it computes:
 int4/int8 QKV (a fused QKV weight), the fused layer tail's shape (layer_tail.runs: SiLU or
 GeGLU, sandwich norms or none), per-head QK-norm or none, any sliding windows, attention sinks
-and soft-cap, an fp32 cache without fp8 scales (a hybrid cache's layer groups read their own
-tables), the attention kernel selected (cpu_attention:kernel) and C++-built: Llama, Mistral,
-Qwen2/3 and Gemma 2/3. Whether it runs is fixed per model, cache and variants, never per batch.
-`PAGEDKERN_KERNELS=cpu_decoder:layers` runs the layer loop instead.
+and soft-cap, an fp32 or fp8 (E4M3, per-layer scales) cache (a hybrid cache's layer groups
+read their own tables), the attention kernel selected (cpu_attention:kernel) and C++-built:
+Llama, Mistral, Qwen2/3 and Gemma 2/3. Whether it runs is fixed per model, cache and variants,
+never per batch. `PAGEDKERN_KERNELS=cpu_decoder:layers` runs the layer loop instead.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class CpuDecoder:
         data = kv_cache.data
         key = (data.data_ptr(), tuple(data.shape), data.dtype, id(kv_cache), id(weights))
         key += (id(cos_sin), cos_sin._version, id(cos_sin_local), cos_sin_local._version)
+        key += (tuple(kv_cache.scales or ()),)
         if self._built is None or self._built[0] != key:
             self._built = None  # (the old decoder's addresses are dropped first)
             self._built = (key, *self._build(tail, weights, cos_sin, cos_sin_local, kv_cache))
@@ -77,8 +78,7 @@ class CpuDecoder:
         k0 = kv_cache.layers[0][0]
         fits = (
             _plain(c, layers)
-            and kv_cache.scales is None
-            and k0.dtype == torch.float32
+            and k0.dtype in (torch.float32, torch.float8_e4m3fn)
             and k0.stride(3) == 1
             and c.head_dim % 8 == 0
             and c.head_dim <= 512
@@ -95,6 +95,7 @@ class CpuDecoder:
         tables = {id(t): rope.factors_table(t) for t in (cos_sin, cos_sin_local)}
         group_of = kv_cache.groups.layer_group if kv_cache.groups is not None else None
         address = layer_tail.address
+        kv_scales = kv_cache.scales or [(None, None)] * len(layers)
         made = []
         for i, (layer, (k, v)) in enumerate(zip(layers, kv_cache.layers, strict=True)):
             fused = tail.weights_of(layer)
@@ -104,6 +105,8 @@ class CpuDecoder:
                 return None, ()
             window = c.layer_window(i)
             factors = tables[id(cos_sin if window is None else cos_sin_local)]
+            k_scale, v_scale = kv_scales[i]  # (an fp8 cache's, as the loop's attention takes them)
+            scale = attention_kernel.score_scale(c.head_dim, c.attn_scale, k_scale)
             made.append(dict(
                 qkv=layer_tail.linear_tuple(layer.qkv, layer.qkv_bias), o=fused[0],
                 gate_up=fused[1], down=fused[2], post_norm=address(layer.post_norm),
@@ -112,14 +115,14 @@ class CpuDecoder:
                 k_norm=address(layer.k_norm), sinks=address(layer.sinks),
                 window=window or 0, factors=factors.data_ptr(), num_positions=factors.shape[0],
                 group=0 if group_of is None else group_of[i], k_cache=k.data_ptr(),
-                v_cache=v.data_ptr(),
+                v_cache=v.data_ptr(), scale=scale, out_scale=1.0 if v_scale is None else v_scale,
+                k_inv_scale=rope.inverse(k_scale), v_inv_scale=rope.inverse(v_scale),
             ))  # fmt: skip
-        scale = attention_kernel.score_scale(c.head_dim, c.attn_scale, None)
         decoder = quant_gemv.cpu_module().Decoder(
             layers=made, hq=c.num_heads, hkv=c.num_kv_heads, d=c.head_dim,
             hidden=c.hidden_size, intermediate=c.intermediate_size, eps=c.rms_norm_eps,
-            scale=scale, soft_cap=c.attn_soft_cap or 0.0,
-            activation=layer_tail.ACTIVATIONS[c.hidden_act], block_stride=k0.stride(0),
+            soft_cap=c.attn_soft_cap or 0.0, activation=layer_tail.ACTIVATIONS[c.hidden_act],
+            fp8=k0.dtype == torch.float8_e4m3fn, block_stride=k0.stride(0),
             head_stride=k0.stride(1), slot_stride=k0.stride(2), num_blocks=k0.shape[0],
             block_size=k0.shape[2], parallel_min_macs=quant_gemv.PARALLEL_MIN_MACS,
         )  # fmt: skip

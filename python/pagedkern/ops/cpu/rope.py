@@ -12,10 +12,11 @@ index_copy_ where the caches are the two halves of one layer's [2, blocks, Hkv, 
 model's KVCache), through a view whose rows are the slots (row b * Hkv * bs + offset: the
 view's rows overlap, each slot's heads sit a block row apart).
 
-fp32 rows over an fp32 cache (the CPU default) take one C++ call a layer instead
-(csrc/cpu/rope_cache.cpp): the same products and sums, so the same bits (QK-norm there too, in
-csrc/cpu/rms.h's fixed order: not torch.rms_norm's bits, ~1e-7 apart); the torch ops above
-run the rest (half-precision rows, bf16 / fp8 caches) and wherever pagedkern._cpu is not built.
+fp32 rows over an fp32 or fp8 cache (the CPU default, and --kv-cache-dtype fp8) take one C++
+call a layer instead (csrc/cpu/rope_cache.cpp): the same products and sums, and the fp8 write's
+product, clamp and rounding, so the same bits (QK-norm there too, in csrc/cpu/rms.h's fixed
+order: not torch.rms_norm's bits, ~1e-7 apart); the torch ops above run the rest
+(half-precision rows, bf16 caches) and wherever pagedkern._cpu is not built.
 """
 
 from __future__ import annotations
@@ -186,9 +187,14 @@ def rope_and_cache(
     """ops.rope_and_cache's function (arguments validated by it, or the model's own tensors):
     QK-norm if given, RoPE of q and k in place, k and v into the cache (fp8: E4M3 of k / k_scale
     and v / v_scale, the rotation quantized before its rounding to k's dtype)."""
-    if q.shape[0] and _in_cpp(q, k, v, k_cache, v_cache, k_scale, v_scale, q_norm, k_norm):
-        norms = {} if q_norm is None else dict(q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps)
-        _rope_cache_cpp(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, **norms)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if not fp8 and (k_scale is not None or v_scale is not None):
+        raise ValueError("k_scale and v_scale apply to an fp8 (float8_e4m3fn) cache only")
+    if q.shape[0] and _in_cpp(q, k, v, k_cache, v_cache, q_norm, k_norm):
+        options = {} if q_norm is None else dict(q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps)
+        if fp8:
+            options.update(fp8=True, k_inv_scale=inverse(k_scale), v_inv_scale=inverse(v_scale))
+        _rope_cache_cpp(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, **options)
         return
     if q_norm is not None:  # in place, as the kernel: the heads normalised, then rotated
         q.copy_(rms_norm(q, q_norm, norm_eps))
@@ -196,9 +202,6 @@ def rope_and_cache(
     if q.shape[0] == 0:
         return
     rows = _rows(positions, cos_sin, slot_mapping, k_cache.shape[2])
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if not fp8 and (k_scale is not None or v_scale is not None):
-        raise ValueError("k_scale and v_scale apply to an fp8 (float8_e4m3fn) cache only")
     fused = _fused(q, k, v)  # q, k and v heads of one QKV output
     qk = None
     if fused or _adjacent(q, k):  # q and k rotated as one tensor
@@ -303,19 +306,18 @@ def _pair_step(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
     return step // size
 
 
-def _in_cpp(q, k, v, k_cache, v_cache, k_scale, v_scale, q_norm=None, k_norm=None) -> bool:
-    """Whether csrc/cpu/rope_cache.cpp runs this call: fp32 rows (heads dense) and an fp32
-    cache of one layout for k and v, no fp8 scales, QK-norm weights (if any) fp32 [D], the
-    module built."""
+def _in_cpp(q, k, v, k_cache, v_cache, q_norm=None, k_norm=None) -> bool:
+    """Whether csrc/cpu/rope_cache.cpp runs this call: fp32 rows (heads dense) and an fp32 or
+    fp8 (E4M3) cache of one layout for k and v, QK-norm weights (if any) fp32 [D], the module
+    built."""
     d = q.shape[2]
     return (
         all(
             w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.shape == (d,))
             for w in (q_norm, k_norm)
         )
-        and k_cache.dtype == v_cache.dtype == torch.float32
-        and k_scale is None
-        and v_scale is None
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in (torch.float32, torch.float8_e4m3fn)
         and k_cache.stride() == v_cache.stride()
         and k_cache.stride(3) == 1
         and q.shape[2] <= 512
@@ -327,6 +329,12 @@ def _in_cpp(q, k, v, k_cache, v_cache, k_scale, v_scale, q_norm=None, k_norm=Non
 # The step's int64 positions and slots for the C++ call, by (positions, slot_mapping) identity
 # (begin_step forgets them, as the rows above)
 _step_indices: dict[tuple[int, int], tuple] = {}
+
+
+def inverse(scale: float | None) -> float:
+    """1 / scale as the fp8 write multiplies by it (the module rounds it to fp32: the
+    reference's fp32(1 / scale)); 1 for None."""
+    return 1.0 if scale is None else 1.0 / scale
 
 
 def _rope_cache_cpp(
@@ -341,7 +349,9 @@ def _rope_cache_cpp(
     q_norm=None,
     k_norm=None,
     norm_eps: float = 1e-6,
+    **fp8,
 ) -> None:
+    """fp8: fp8=True, k_inv_scale and v_inv_scale (inverse()) for an E4M3 cache."""
     key = (id(positions), id(slot_mapping))
     found = _step_indices.get(key)
     if found is None or found[0] is not positions or found[1] is not slot_mapping:
@@ -358,5 +368,5 @@ def _rope_cache_cpp(
         block_stride=k_cache.stride(0), head_stride=k_cache.stride(1),
         slot_stride=k_cache.stride(2), num_blocks=k_cache.shape[0], block_size=k_cache.shape[2],
         threads=torch.get_num_threads(), q_norm=0 if q_norm is None else q_norm.data_ptr(),
-        k_norm=0 if k_norm is None else k_norm.data_ptr(), norm_eps=float(norm_eps),
+        k_norm=0 if k_norm is None else k_norm.data_ptr(), norm_eps=float(norm_eps), **fp8,
     )  # fmt: skip
