@@ -3,7 +3,8 @@
 op its own call (`cpu_layer_tail:ops` too: how Gemma's layers ran before the fused tail took
 GeGLU and sandwich norms), per model family's layer
 shape: SmolLM2-135M (Llama), Qwen3-0.6B (QK-norm) and Gemma-3-1B (QK-norm, GeGLU, sandwich
-norms, 5 local layers per global one, a local RoPE base), int4 (G = 32) random weights. A decode
+norms, 5 local layers per global one, a local RoPE base), int4 (G = 32) random weights, and
+SmolLM2 over an fp8 (E4M3) KV cache. A decode
 step of B sequences of CONTEXT tokens each (every layer, no LM head: the vocabulary is shrunk),
 milliseconds, median of interleaved rounds in one run, and the ratios to fused. One thread
 by default (PAGEDKERN_BENCH_THREADS). Full sizes with PAGEDKERN_BENCH_CPU=1 (or
@@ -36,10 +37,11 @@ QWEN3_06B = dict(
     hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
     head_dim=128, rope_theta=1e6, qk_norm=True,
 )  # fmt: skip
-SHAPES = {  # name -> the preset and its changes (vocabularies shrunk: no LM head is timed)
-    "smollm2-135m": ("smollm2-135m", {}),
-    "qwen3-0.6b": ("smollm2-135m", QWEN3_06B),
-    "gemma3-1b": ("gemma3-1b", {}),
+SHAPES = {  # name -> the preset, its changes (vocabularies shrunk: no LM head is timed), KV dtype
+    "smollm2-135m": ("smollm2-135m", {}, "auto"),
+    "smollm2 fp8kv": ("smollm2-135m", {}, "fp8"),
+    "qwen3-0.6b": ("smollm2-135m", QWEN3_06B, "auto"),
+    "gemma3-1b": ("gemma3-1b", {}, "auto"),
 }
 VARIANTS = {  # column -> the variants it selects
     "fused": dict(cpu_decoder="fused"),
@@ -47,7 +49,7 @@ VARIANTS = {  # column -> the variants it selects
     "ops": dict(cpu_decoder="layers", cpu_layer_tail="ops"),
 }
 if not FULL:
-    SHAPES = {"tiny qwen3": ("tiny", dict(qk_norm=True))}
+    SHAPES = {"tiny qwen3": ("tiny", dict(qk_norm=True), "fp8")}
 
 
 def _step_ms(model, kv, batch, steps: int) -> float:
@@ -69,9 +71,9 @@ def _step_ms(model, kv, batch, steps: int) -> float:
 def test_cpu_decoder_against_the_layer_loop(capsys):
     torch.set_num_threads(THREADS)
     lines = []
-    for name, (preset, changes) in SHAPES.items():
+    for name, (preset, changes, kv_dtype) in SHAPES.items():
         config = PRESETS[preset].replace(vocab_size=512, **changes)
-        model, _ = load_model(config, quantization="int4", seed=0)
+        model, _ = load_model(config, quantization="int4", kv_cache_dtype=kv_dtype, seed=0)
         kv = model.allocate_kv_cache(max(BATCHES) * 20 + 8, BLOCK)
         with ops.use_backend("cpu"):
             prefill = [

@@ -87,6 +87,13 @@ void linear(const QuantLinear& w, const LayerTailArgs& a, const float* x, int64_
       for (int j = 0; j < w.n; ++j) y[int64_t(r) * w.n + j] += w.bias[j];
 }
 
+void gated_activation(int activation, const float* g, float* out, int intermediate) {
+  if (activation == kGeluTanh)
+    gelu_tanh_and_mul(g, out, intermediate);
+  else
+    silu_and_mul(g, out, intermediate);
+}
+
 void layer_tail(const LayerTailArgs& a, const float* attn, int64_t attn_stride, float* residual,
                 float* h_out) {
   const int h = a.hidden, inter = a.intermediate;
@@ -109,12 +116,7 @@ void layer_tail(const LayerTailArgs& a, const float* attn, int64_t attn_stride, 
   });
   linear(a.gate_up, a, h_out, h, g);
   for_rows(a, int64_t(inter) * 8, [&](int r) {
-    const float* gr = g + int64_t(r) * 2 * inter;
-    float* out = act + int64_t(r) * inter;
-    if (a.activation == kGeluTanh)
-      gelu_tanh_and_mul(gr, out, inter);
-    else
-      silu_and_mul(gr, out, inter);
+    gated_activation(a.activation, g + int64_t(r) * 2 * inter, act + int64_t(r) * inter, inter);
   });
   linear(a.down, a, act, inter, y);
   for_rows(a, h, [&](int r) {

@@ -51,6 +51,10 @@ struct LayerTailArgs {
 void linear(const QuantLinear& w, const LayerTailArgs& a, const float* x, int64_t x_stride,
             float* y);
 
+// out[j] = act(g[j]) * g[intermediate + j] for one row (act: SiLU or GELU-tanh, e^x by a
+// polynomial: ~3e-7 relative)
+void gated_activation(int activation, const float* g, float* out, int intermediate);
+
 // attn [m, o.k] (row stride attn_stride), residual [m, hidden] in place, h_out [m, hidden].
 void layer_tail(const LayerTailArgs& args, const float* attn, int64_t attn_stride,
                 float* residual, float* h_out);

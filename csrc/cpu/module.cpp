@@ -11,6 +11,7 @@
 #include "attention.h"
 #include "decoder.h"
 #include "layer_tail.h"
+#include "moe_experts.h"
 #include "quant_gemv.h"
 #include "rope_cache.h"
 
@@ -171,6 +172,46 @@ PYBIND11_MODULE(_cpu, mod) {
       py::arg("norm_eps") = 1e-6f, py::arg("fp8") = false, py::arg("k_inv_scale") = 1.0f,
       py::arg("v_inv_scale") = 1.0f);
   mod.def("e4m3_from_float", &e4m3_from_float, py::arg("x"));
+  struct MoeExperts {  // one layer's stacked experts, as tiles, for its calls
+    std::vector<QuantLinear> gate_up, down;
+    int hidden_size, intermediate, activation;
+  };
+  py::class_<MoeExperts>(mod, "MoeExperts")
+      .def(py::init([](const std::vector<LinearTuple>& gate_up,
+                       const std::vector<LinearTuple>& down, int hidden_size, int intermediate,
+                       int activation) {
+             if (gate_up.size() != down.size())
+               throw std::invalid_argument("MoeExperts: gate_up and down differ in experts");
+             auto experts = std::make_unique<MoeExperts>();
+             for (size_t e = 0; e < gate_up.size(); ++e) {
+               experts->gate_up.push_back(quant_linear(gate_up[e]));
+               experts->down.push_back(quant_linear(down[e]));
+             }
+             experts->hidden_size = hidden_size;
+             experts->intermediate = intermediate;
+             experts->activation = activation;
+             return experts;
+           }),
+           py::kw_only(), py::arg("gate_up"), py::arg("down"), py::arg("hidden_size"),
+           py::arg("intermediate"), py::arg("activation"))
+      .def(
+          "run",
+          [](const MoeExperts& self, uintptr_t hidden, int m, int top_k, uintptr_t ids,
+             uintptr_t weights, uintptr_t out, int threads, int64_t parallel_min_macs, int path,
+             int activation_bits) {
+            const MoeExpertsArgs args{ptr<const float>(hidden),   m,
+                                      self.hidden_size,           self.intermediate,
+                                      top_k,                      int(self.gate_up.size()),
+                                      ptr<const int32_t>(ids),    ptr<const float>(weights),
+                                      self.gate_up.data(),        self.down.data(),
+                                      self.activation,            ptr<float>(out),
+                                      threads,                    parallel_min_macs,
+                                      path,                       activation_bits};
+            py::gil_scoped_release release;
+            moe_experts(args);
+          },
+          "hidden, m, top_k, ids, weights, out, threads, parallel_min_macs, path, "
+          "activation_bits (positional: one call a layer)");
   struct Decoder {
     DecoderShape shape;
     std::vector<DecoderLayer> layers;

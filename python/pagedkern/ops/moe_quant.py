@@ -6,9 +6,10 @@ them here). Validation, then
       the QuantizedWeight codes, the int4 scales repacked once per weight and dtype:
       kernel_operands; ops.moe's split-K choice), five or six launches on the caller's stream,
       no host synchronisation;
-  CPU tensors (and what the kernel does not cover): the tokens grouped by expert with one sort
-      and a loop over the experts that received tokens, each expert's GEMMs through
-      quant_linear (torch's CPU int4/int8 kernels, the dense layers' own; on a GPU its kernels).
+  CPU tensors on the CPU backend: one C++ call a layer where it fits (ops/cpu/moe_quant.py);
+  otherwise (the reference backend, what neither covers): the tokens grouped by expert with one
+      sort and a loop over the experts that received tokens, each expert's GEMMs through
+      quant_linear (the dense layers' own; on a GPU its kernels).
 
 The float64 ground truth is reference.fused_moe over the dequantized experts
 (reference.moe_quantized)."""
@@ -24,7 +25,7 @@ from ..reference.moe import moe_route as route_reference
 from ..reference.quantized_weight import QuantizedWeight
 from . import support
 from .arrays import DTYPE_CODES, check_dtype, check_ndim, check_shape, view
-from .launch import kernel_or_reference, launch_context
+from .launch import host_backend, kernel_or_reference, launch_context
 from .quant_gemm import quant_linear
 
 
@@ -107,6 +108,14 @@ def fused_moe_quantized(
     if can.supported and (any(b is not None for b in biases) or scoring == "softmax_topk"):
         can = support.KernelSupport(False, "gpt-oss's biases or routing over quantized experts")
     if not kernel_or_reference("fused_moe", [hv, rv, *codes], can):
+        if host_backend([hv, rv, *codes]) == "cpu":  # the CPU backend's one C++ call
+            from .cpu import moe_quant as cpu_moe
+
+            if cpu_moe.applies(hidden, w_gate_up, w_down, activation, biases):
+                return cpu_moe.fused_moe_quantized(
+                    hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation,
+                    scoring, biases,
+                )  # fmt: skip
         swiglu = (swiglu_alpha, swiglu_limit)
         return experts_on_host(hidden, router_logits, w_gate_up, w_down, top_k, renormalize,
                                activation, scoring, biases, swiglu)  # fmt: skip

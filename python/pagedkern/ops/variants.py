@@ -242,6 +242,19 @@ VARIANTS: dict[str, OpVariants] = {
             ),
         ),
         OpVariants(
+            "cpu_moe",  # the cpu backend's quantized experts (no GPU involved)
+            (
+                Variant(
+                    "fused",
+                    1,
+                    "csrc/cpu/moe_experts.cpp: a layer's routed int4/int8 experts in one C++ "
+                    "call (grouping, each expert's GEMVs, activation, weighted sum)",
+                    None,
+                ),
+                Variant("loop", 0, "a loop over the experts, torch ops and a GEMV call each", None),
+            ),
+        ),
+        OpVariants(
             "cpu_layer_tail",  # the cpu backend's layer after attention (no GPU involved)
             (
                 Variant(

@@ -1,0 +1,69 @@
+// moe_experts.h: route the pairs to their experts, each expert's two GEMVs over its rows, the
+// weighted sum per token.
+
+#include "moe_experts.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace pagedkern_cpu {
+
+void moe_experts(const MoeExpertsArgs& a) {
+  const int h = a.hidden_size, inter = a.intermediate, pairs = a.m * a.top_k;
+  for (int e = 0; e < a.experts; ++e)
+    if (a.gate_up[e].n != 2 * inter || a.gate_up[e].k != h || a.down[e].n != h ||
+        a.down[e].k != inter)
+      throw std::invalid_argument("moe_experts: expert " + std::to_string(e) +
+                                  "'s weights do not chain");
+  std::vector<int> count(a.experts + 1, 0);
+  for (int p = 0; p < pairs; ++p) {
+    const int e = a.ids[p];
+    if (e < 0 || e >= a.experts)
+      throw std::invalid_argument("moe_experts: ids[" + std::to_string(p) + "] = " +
+                                  std::to_string(e) + " is outside the " +
+                                  std::to_string(a.experts) + " experts");
+    ++count[e + 1];
+  }
+  std::fill(a.out, a.out + int64_t(a.m) * h, 0.0f);
+  if (pairs == 0) return;
+  for (int e = 0; e < a.experts; ++e) count[e + 1] += count[e];  // row offsets per expert
+  thread_local std::vector<int> order;                           // pairs by (expert, pair)
+  thread_local std::vector<float> x_buf, g_buf, act_buf, y_buf;
+  order.resize(pairs);
+  {
+    std::vector<int> next(count.begin(), count.end() - 1);
+    for (int p = 0; p < pairs; ++p) order[next[a.ids[p]]++] = p;
+  }
+  x_buf.resize(size_t(pairs) * h);
+  for (int i = 0; i < pairs; ++i)
+    std::copy_n(a.hidden + int64_t(order[i] / a.top_k) * h, h, x_buf.data() + int64_t(i) * h);
+  g_buf.resize(size_t(pairs) * 2 * inter);
+  act_buf.resize(size_t(pairs) * inter);
+  y_buf.resize(size_t(pairs) * h);
+  for (int e = 0; e < a.experts; ++e) {
+    const int first = count[e], n = count[e + 1] - first;
+    if (n == 0) continue;
+    const LayerTailArgs gemv{a.gate_up[e], a.gate_up[e], a.down[e],       nullptr,
+                             nullptr,      0.0f,         n,               h,
+                             inter,        a.threads,    a.parallel_min_macs, a.path,
+                             a.activation_bits};
+    float* g = g_buf.data() + int64_t(first) * 2 * inter;
+    float* act = act_buf.data() + int64_t(first) * inter;
+    linear(a.gate_up[e], gemv, x_buf.data() + int64_t(first) * h, h, g);
+    for (int r = 0; r < n; ++r)
+      gated_activation(a.activation, g + int64_t(r) * 2 * inter, act + int64_t(r) * inter,
+                       inter);
+    linear(a.down[e], gemv, act, inter, y_buf.data() + int64_t(first) * h);
+  }
+  for (int i = 0; i < pairs; ++i) {  // each token's pairs in expert order
+    const int p = order[i];
+    const float w = a.weights[p];
+    float* o = a.out + int64_t(p / a.top_k) * h;
+    const float* y = y_buf.data() + int64_t(i) * h;
+    for (int c = 0; c < h; ++c) o[c] += w * y[c];
+  }
+}
+
+}  // namespace pagedkern_cpu
