@@ -6,7 +6,10 @@ comparing pagedkern with llama.cpp beyond the default 135M model
   intermediate 8192, tied embeddings), ~1.07B parameters, ~0.6 GB as Q4_0: a decode token is
   bound by memory bandwidth, not per-op dispatch;
 - `qwen3-0.6b`: Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 query / 8 KV heads of 128,
-  intermediate 3072, QK-norm, tied embeddings), ~0.44B parameters with this vocabulary.
+  intermediate 3072, QK-norm, tied embeddings), ~0.44B parameters with this vocabulary;
+- `qwen3-30b-a3b-4l`: 4 of Qwen3-30B-A3B's 48 layers at its width (hidden 2048, 32 query / 4 KV
+  heads of 128, QK-norm, 128 experts of 768, top 8): ~2.6B parameters, ~1.4 GB as Q4_0, a
+  decode token reading ~0.1 GB of routed experts (a 48-layer token reads 12x that).
 
 Both take the default model's vocabulary (SmolLM2's 49152 tokens; its tokenizer rebuilt from
 the GGUF, which llama.cpp's converter recognises as "smollm"). The weights are N(0, 0.02) and
@@ -61,6 +64,17 @@ MODELS = {
                 hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                 num_key_value_heads=8, head_dim=128, intermediate_size=3072, rms_norm_eps=1e-6,
                 rope_theta=1000000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+            ),
+            qk_norm=True,
+        ),
+        RandomModel(
+            "qwen3-30b-a3b-4l", 1, "Qwen3MoeForCausalLM", "qwen3_moe",
+            dict(
+                hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,
+                num_key_value_heads=4, head_dim=128, intermediate_size=6144, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+                num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
             ),
             qk_norm=True,
         ),
@@ -194,9 +208,17 @@ def _random_weights(model: RandomModel, vocab: int) -> dict[str, torch.Tensor]:
         weights[p + "self_attn.k_proj.weight"] = normal(kv, h)
         weights[p + "self_attn.v_proj.weight"] = normal(kv, h)
         weights[p + "self_attn.o_proj.weight"] = normal(h, q)
-        weights[p + "mlp.gate_proj.weight"] = normal(inter, h)
-        weights[p + "mlp.up_proj.weight"] = normal(inter, h)
-        weights[p + "mlp.down_proj.weight"] = normal(h, inter)
+        experts = shape.get("num_experts", 0)
+        if experts:  # every layer a mixture of experts (decoder_sparse_step 1)
+            moe = shape["moe_intermediate_size"]
+            weights[p + "mlp.gate.weight"] = normal(experts, h)
+            for e in range(experts):
+                for name, rows, cols in (("gate", moe, h), ("up", moe, h), ("down", h, moe)):
+                    weights[f"{p}mlp.experts.{e}.{name}_proj.weight"] = normal(rows, cols)
+        else:
+            weights[p + "mlp.gate_proj.weight"] = normal(inter, h)
+            weights[p + "mlp.up_proj.weight"] = normal(inter, h)
+            weights[p + "mlp.down_proj.weight"] = normal(h, inter)
         if model.qk_norm:
             weights[p + "self_attn.q_norm.weight"] = torch.ones(d, dtype=torch.float16)
             weights[p + "self_attn.k_norm.weight"] = torch.ones(d, dtype=torch.float16)

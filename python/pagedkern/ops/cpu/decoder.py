@@ -22,17 +22,14 @@ from .. import variants
 from . import attention_kernel, layer_tail, quant_gemv, rope
 
 
-def _fp32(t: torch.Tensor | None, size: int) -> bool:
-    return layer_tail.fp32_vector(t, size)
-
-
 def _plain(config, layers) -> bool:
-    """Whether every layer's attention is one the C++ decoder computes (no mixture of experts'
-    whole-projection QK-norm; norms and sinks fp32)."""
+    """Whether every layer's attention is one the C++ decoder computes: per-head QK-norm or
+    none (not OLMoE's whole-projection norm), norms and sinks fp32."""
+    fp32 = layer_tail.fp32_vector
     return not config.qk_norm_whole and all(
-        _fp32(layer.q_norm, config.head_dim)
-        and _fp32(layer.k_norm, config.head_dim)
-        and _fp32(layer.sinks, config.num_heads)
+        fp32(layer.q_norm, config.head_dim)
+        and fp32(layer.k_norm, config.head_dim)
+        and fp32(layer.sinks, config.num_heads)
         and (layer.q_norm is None) == (layer.k_norm is None)
         for layer in layers
     )
