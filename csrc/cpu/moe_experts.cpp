@@ -4,9 +4,12 @@
 #include "moe_experts.h"
 
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "parallel.h"
 
 namespace pagedkern_cpu {
 
@@ -42,26 +45,42 @@ void moe_experts(const MoeExpertsArgs& a) {
   g_buf.resize(size_t(pairs) * 2 * inter);
   act_buf.resize(size_t(pairs) * inter);
   y_buf.resize(size_t(pairs) * h);
-  for (int e = 0; e < a.experts; ++e) {
+  // (the buffers are this thread's: the region below reads them through these pointers)
+  const float* x = x_buf.data();
+  float *g_all = g_buf.data(), *act_all = act_buf.data(), *y_all = y_buf.data();
+  std::vector<int> active;  // the experts with rows
+  for (int e = 0; e < a.experts; ++e)
+    if (count[e + 1] > count[e]) active.push_back(e);
+  // one expert's GEMVs (each split over `threads` from parallel_min_macs up) and activation
+  const auto expert = [&](int e, int threads) {
     const int first = count[e], n = count[e + 1] - first;
-    if (n == 0) continue;
     const LayerTailArgs gemv{a.gate_up[e], a.gate_up[e], a.down[e],       nullptr,
                              nullptr,      0.0f,         n,               h,
-                             inter,        a.threads,    a.parallel_min_macs, a.path,
+                             inter,        threads,      a.parallel_min_macs, a.path,
                              a.activation_bits};
-    float* g = g_buf.data() + int64_t(first) * 2 * inter;
-    float* act = act_buf.data() + int64_t(first) * inter;
-    linear(a.gate_up[e], gemv, x_buf.data() + int64_t(first) * h, h, g);
+    float* g = g_all + int64_t(first) * 2 * inter;
+    float* act = act_all + int64_t(first) * inter;
+    linear(a.gate_up[e], gemv, x + int64_t(first) * h, h, g);
     for (int r = 0; r < n; ++r)
       gated_activation(a.activation, g + int64_t(r) * 2 * inter, act + int64_t(r) * inter,
                        inter);
-    linear(a.down[e], gemv, act, inter, y_buf.data() + int64_t(first) * h);
+    linear(a.down[e], gemv, act, inter, y_all + int64_t(first) * h);
+  };
+  if (a.threads > 1 && int(active.size()) >= 2 * a.threads) {
+    // whole experts per thread, taken from a shared counter: one parallel region a layer
+    // instead of two a GEMV (a GEMV row's bits do not depend on the thread count)
+    std::atomic<int> next{0};
+    parallel(a.threads, [&](int, int) {
+      for (int i = next++; i < int(active.size()); i = next++) expert(active[i], 1);
+    });
+  } else {
+    for (int e : active) expert(e, a.threads);
   }
   for (int i = 0; i < pairs; ++i) {  // each token's pairs in expert order
     const int p = order[i];
     const float w = a.weights[p];
     float* o = a.out + int64_t(p / a.top_k) * h;
-    const float* y = y_buf.data() + int64_t(i) * h;
+    const float* y = y_all + int64_t(i) * h;
     for (int c = 0; c < h; ++c) o[c] += w * y[c];
   }
 }

@@ -10,7 +10,9 @@
 // linear: quant_gemv.h's tiles), the activation and the weighted sum run in C++. The routing
 // (top-k, renormalisation, scoring) stays the caller's: it is cheap and its ties are the
 // reference's. A token's sum runs over its own pairs in expert order and each GEMV row depends
-// on its own input only, so a row's result does not depend on the batch.
+// on its own input only, so a row's result does not depend on the batch. Threads take whole
+// experts from a shared counter where there are two or more routed experts a thread (one
+// parallel region a layer), else split each GEMV's rows; either gives the same bits.
 
 #pragma once
 
