@@ -34,7 +34,7 @@ void decoder(const DecoderShape& s, const std::vector<DecoderLayer>& layers,
     tail.attn_out_norm = layer.attn_out_norm;
     tail.mlp_out_norm = layer.mlp_out_norm;
     const DecoderTables& tables = t.groups[layer.group];
-    linear(layer.qkv, tail, t.h, s.hidden, qkv);  // the tail's GEMV (+ bias)
+    linear(layer.qkv, tail.gemv(), t.h, s.hidden, qkv);  // the tail's GEMV (+ bias)
     float *q = qkv, *k = qkv + q_size, *v = k + s.hkv * s.d;
     RopeCacheArgs rope{q, qkv_size, k, qkv_size, v, qkv_size, t.m, s.hq, s.hkv, s.d,
                        layer.factors, layer.num_positions, t.positions, tables.slots,

@@ -77,13 +77,13 @@ void for_rows(const LayerTailArgs& a, int64_t work_per_row, const Body& body) {
 
 }  // namespace
 
-void linear(const QuantLinear& w, const LayerTailArgs& a, const float* x, int64_t x_stride,
+void linear(const QuantLinear& w, const GemvRun& run, const float* x, int64_t x_stride,
             float* y) {
-  const int64_t macs = int64_t(a.m) * w.n * w.k;
-  gemv(w.format, y, w.n, x, x_stride, w.packed, w.scales, a.m, w.n, w.k,
-       macs >= a.parallel_min_macs ? a.threads : 1, a.path, a.activation_bits);
+  const int64_t macs = int64_t(run.m) * w.n * w.k;
+  gemv(w.format, y, w.n, x, x_stride, w.packed, w.scales, run.m, w.n, w.k,
+       macs >= run.parallel_min_macs ? run.threads : 1, run.path, run.activation_bits);
   if (w.bias != nullptr)
-    for (int r = 0; r < a.m; ++r)
+    for (int r = 0; r < run.m; ++r)
       for (int j = 0; j < w.n; ++j) y[int64_t(r) * w.n + j] += w.bias[j];
 }
 
@@ -108,17 +108,17 @@ void layer_tail(const LayerTailArgs& a, const float* attn, int64_t attn_stride, 
   act_buf.resize(size_t(a.m) * inter);
   float *y = y_buf.data(), *g = g_buf.data(), *act = act_buf.data();
 
-  linear(a.o, a, attn, attn_stride, y);
+  linear(a.o, a.gemv(), attn, attn_stride, y);
   for_rows(a, h, [&](int r) {
     const int64_t at = int64_t(r) * h;
     if (a.attn_out_norm != nullptr) rms_norm_row(y + at, y + at, a.attn_out_norm, a.eps, h);
     add_rms_norm(residual + at, y + at, h_out + at, a.post_norm, a.eps, h);
   });
-  linear(a.gate_up, a, h_out, h, g);
+  linear(a.gate_up, a.gemv(), h_out, h, g);
   for_rows(a, int64_t(inter) * 8, [&](int r) {
     gated_activation(a.activation, g + int64_t(r) * 2 * inter, act + int64_t(r) * inter, inter);
   });
-  linear(a.down, a, act, inter, y);
+  linear(a.down, a.gemv(), act, inter, y);
   for_rows(a, h, [&](int r) {
     const int64_t at = int64_t(r) * h;
     if (a.mlp_out_norm != nullptr) rms_norm_row(y + at, y + at, a.mlp_out_norm, a.eps, h);

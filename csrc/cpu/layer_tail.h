@@ -31,6 +31,13 @@ struct QuantLinear {
 
 enum Activation { kSilu = 0, kGeluTanh = 1 };
 
+struct GemvRun {  // how a GEMV call runs over m rows
+  int m;
+  int threads;  // the team's size from `parallel_min_macs` multiply-adds up
+  int64_t parallel_min_macs;
+  int path, activation_bits;
+};
+
 struct LayerTailArgs {
   QuantLinear o, gate_up, down;
   const float* post_norm;  // [hidden]
@@ -44,11 +51,13 @@ struct LayerTailArgs {
   int activation = kSilu;                // Activation
   const float* attn_out_norm = nullptr;  // [hidden]: sandwich norms, or null
   const float* mlp_out_norm = nullptr;
+
+  GemvRun gemv() const { return {m, threads, parallel_min_macs, path, activation_bits}; }
 };
 
-// y [m, w.n] (dense) = x [m, w.k] (row stride x_stride) @ W.T (+ bias): the tail's GEMV, on
-// a.threads from a.parallel_min_macs multiply-adds, a.path, a.activation_bits.
-void linear(const QuantLinear& w, const LayerTailArgs& a, const float* x, int64_t x_stride,
+// y [run.m, w.n] (dense) = x [run.m, w.k] (row stride x_stride) @ W.T (+ bias): the tail's
+// GEMV, on run.threads from run.parallel_min_macs multiply-adds, run.path, run.activation_bits.
+void linear(const QuantLinear& w, const GemvRun& run, const float* x, int64_t x_stride,
             float* y);
 
 // out[j] = act(g[j]) * g[intermediate + j] for one row (act: SiLU or GELU-tanh, e^x by a

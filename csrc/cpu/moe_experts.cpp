@@ -54,10 +54,7 @@ void moe_experts(const MoeExpertsArgs& a) {
   // one expert's GEMVs (each split over `threads` from parallel_min_macs up) and activation
   const auto expert = [&](int e, int threads) {
     const int first = count[e], n = count[e + 1] - first;
-    const LayerTailArgs gemv{a.gate_up[e], a.gate_up[e], a.down[e],       nullptr,
-                             nullptr,      0.0f,         n,               h,
-                             inter,        threads,      a.parallel_min_macs, a.path,
-                             a.activation_bits};
+    const GemvRun gemv{n, threads, a.parallel_min_macs, a.path, a.activation_bits};
     float* g = g_all + int64_t(first) * 2 * inter;
     float* act = act_all + int64_t(first) * inter;
     linear(a.gate_up[e], gemv, x + int64_t(first) * h, h, g);

@@ -195,15 +195,15 @@ class LlamaModel:
         tokens = input_ids.shape[0]
         shadow.enter_layer(0)  # (shadow mode: which layer the op calls that follow belong to)
         h, residual = self.embed_and_norm(input_ids, w.layers[0].input_norm)
+        metas, group_of = _layer_metas(meta, kv_cache)
         if decoder is not None:
-            decoder(h, residual, meta)
+            decoder(h, residual, metas)
             shadow.enter_layer(None)
             return h
         attn = torch.empty(
             tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device
         )
         scales = kv_cache.scales or [None] * cfg.num_layers
-        metas, group_of = _layer_metas(meta, kv_cache)
         for i, (layer, (k_cache, v_cache), kv_scale) in enumerate(
             zip(w.layers, kv_cache.layers, scales, strict=True)
         ):

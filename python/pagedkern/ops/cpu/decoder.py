@@ -37,8 +37,9 @@ def _plain(config, layers) -> bool:
 
 class CpuDecoder:
     """One model's decoder over one set of weights and KV cache at a time (built on first use,
-    rebuilt for others). `for_step(...)` -> a callable run(h, residual, meta) for this step, or
-    None where the model, its cache or the variants rule it out (the caller runs the loop)."""
+    rebuilt for others). `for_step(...)` -> a callable run(h, residual, metas) for this step
+    (metas: the step's metadata per KV layer group, group 0's first), or None where the model,
+    its cache or the variants rule it out (the caller runs the loop)."""
 
     def __init__(self, config):
         self.config = config
@@ -65,8 +66,7 @@ class CpuDecoder:
         if decoder is None:
             return None
         settings = tail.settings
-        groups = 1 if kv_cache.groups is None else kv_cache.groups.num_groups
-        return lambda h, residual, meta: _run(decoder, settings, groups, h, residual, meta)
+        return lambda h, residual, metas: _run(decoder, settings, h, residual, metas)
 
     def _build(self, tail: layer_tail.LayerTail, weights, cos_sin, cos_sin_local, kv_cache):
         """(the module's Decoder or None, the objects whose addresses it holds)."""
@@ -126,10 +126,11 @@ class CpuDecoder:
         return decoder, (weights, tables, kv_cache)  # (kept alive while it reads them)
 
 
-def _run(decoder, settings: dict, groups: int, h, residual, meta) -> None:
+def _run(decoder, settings: dict, h, residual, metas) -> None:
     """The step through the decoder: h [T, H] (the first layer's normed input; the final
-    normed output) and residual [T, H] in place, fp32 contiguous; `groups` KV layer groups
-    (a hybrid cache's; 1: one table)."""
+    normed output) and residual [T, H] in place, fp32 contiguous; metas: the step's
+    AttentionMetadata per KV layer group (one for a cache of one table), as the model's
+    _layer_metas checked and made them."""
     m = h.shape[0]
     if not (
         h.is_contiguous()
@@ -137,16 +138,11 @@ def _run(decoder, settings: dict, groups: int, h, residual, meta) -> None:
         and h.dtype == residual.dtype == torch.float32
     ):
         raise ValueError("the decoder's h and residual must be contiguous float32")
-    if len(meta.group_block_tables) != groups - 1:
-        raise ValueError(
-            f"the KV cache has {groups} layer groups, the batch "
-            f"{1 + len(meta.group_block_tables)} block tables"
-        )
+    meta = metas[0]
     positions = meta.positions.long().contiguous()
     row_seq, row_pos = attention_kernel.chunk_rows(meta.cu_seqlens, meta.seq_lens, m)
     kept, tables = [], []  # (the group tensors stay alive through the call)
-    for g in range(groups):
-        group = meta.for_group(g)
+    for group in metas:
         slots = group.slot_mapping.long().contiguous()
         table = attention_kernel.as_int32(group.block_tables)
         kept += [slots, table]

@@ -28,6 +28,7 @@ import torch
 from ...reference.rope import quantize_e4m3
 from . import quant_gemv
 from .attention_kernel import dense_fp32_heads
+from .layer_tail import address, fp32_vector
 from .norm import rms_norm
 
 
@@ -310,12 +311,9 @@ def _in_cpp(q, k, v, k_cache, v_cache, q_norm=None, k_norm=None) -> bool:
     """Whether csrc/cpu/rope_cache.cpp runs this call: fp32 rows (heads dense) and an fp32 or
     fp8 (E4M3) cache of one layout for k and v, QK-norm weights (if any) fp32 [D], the module
     built."""
-    d = q.shape[2]
     return (
-        all(
-            w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.shape == (d,))
-            for w in (q_norm, k_norm)
-        )
+        fp32_vector(q_norm, q.shape[2])
+        and fp32_vector(k_norm, q.shape[2])
         and k_cache.dtype == v_cache.dtype
         and k_cache.dtype in (torch.float32, torch.float8_e4m3fn)
         and k_cache.stride() == v_cache.stride()
@@ -367,6 +365,6 @@ def _rope_cache_cpp(
         k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
         block_stride=k_cache.stride(0), head_stride=k_cache.stride(1),
         slot_stride=k_cache.stride(2), num_blocks=k_cache.shape[0], block_size=k_cache.shape[2],
-        threads=torch.get_num_threads(), q_norm=0 if q_norm is None else q_norm.data_ptr(),
-        k_norm=0 if k_norm is None else k_norm.data_ptr(), norm_eps=float(norm_eps), **fp8,
+        threads=torch.get_num_threads(), q_norm=address(q_norm), k_norm=address(k_norm),
+        norm_eps=float(norm_eps), **fp8,
     )  # fmt: skip
