@@ -147,6 +147,25 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(path, fmt, group):
     assert torch.equal(quant_gemv.quant_gemv(strided[:, 8:264], qw, path=path), whole)
 
 
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("fmt,group", [*FORMATS, ("int4_sym", 32)])
+def test_rows_sharing_a_weight_load_keep_their_own_bits(fmt, group, bits):
+    """The x86 kernels run rows in chunks (up to 8) over each weight load: every batch size
+    from 1 to 19 splits into different chunks, and each row must equal itself alone."""
+    qw = _weight("int4" if fmt == "int4_sym" else fmt, group, 40, 128, seed=9)
+    if fmt == "int4_sym":  # GGUF Q4_0's shape: the tiles without mins
+        qw.mins = (-8 * qw.scales.float()).half()
+        assert quant_gemv.tile_format(qw) == "int4_sym"
+    x = torch.randn(19, 128)
+    for path in _paths():
+        alone = [quant_gemv.quant_gemv(x[i : i + 1], qw, path=path, activation_bits=bits)[0]
+                 for i in range(19)]  # fmt: skip
+        for m in range(1, 20):
+            batch = quant_gemv.quant_gemv(x[:m], qw, path=path, activation_bits=bits)
+            for i in range(m):
+                assert torch.equal(batch[i], alone[i]), (path, m, i)
+
+
 @pytest.mark.parametrize("fmt,group", FORMATS)
 def test_nan_in_a_row_reaches_its_outputs_only(fmt, group):
     qw = _weight(fmt, group, 40, 128, seed=7)

@@ -59,7 +59,7 @@ constexpr int kBlock = 32;  // K a block
 constexpr int kInt4TileBlockBytes = kRows * kBlock / 2 + kRows * 2 * 2;  // nibbles, d, m
 constexpr int kInt4SymTileBlockBytes = kRows * kBlock / 2 + kRows * 2;   // nibbles, d
 constexpr int kInt8TileBlockBytes = kRows * kBlock;
-constexpr int kRowChunk = 4;  // activation rows computed together over one weight tile
+constexpr int kRowChunk = 4;  // AVX-512: activation rows computed together over one weight tile
 constexpr int kInt8Bias = 128;  // int8 weights are stored as q + 128
 
 // How far ahead of its current block an x86 kernel prefetches the tile it streams. A batch-1
