@@ -20,10 +20,11 @@ from pagedkern.ops.cpu import quant_linear as cpu_quant_linear
 from pagedkern.ops.variants import use_kernels
 from pagedkern.reference.quant_gemm import dequantize
 from pagedkern.reference.quant_gemm import quant_linear as ref_quant_linear
+from pagedkern.reference.quantized_weight import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
 
-FORMATS = [("int8", 0), ("int4", 32), ("int4", 128)]
+FORMATS = [("int8", 0), ("int4", 32), ("int4", 128), ("int8", 32), ("int8", 16)]
 QMAX = {8: 127, 16: 32639}  # the largest quantized activation (csrc/cpu/activations.cpp)
 SHAPES = [(1, 37, 64), (3, 960, 256), (5, 16, 128), (17, 50, 384), (64, 33, 32)]
 
@@ -35,6 +36,11 @@ def _paths() -> list[str]:
 def _weight(fmt: str, group: int, n: int, k: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05 + 0.01 * torch.randn(n, 1, generator=g)
+    if fmt == "int8" and group:  # a scale per group along K (GGUF Q8_0: 32, Q6_K: 16)
+        blocks = w.view(n, k // group, group)
+        scales = (blocks.abs().amax(-1) / 127).clamp_min(1e-12)
+        q = torch.round(blocks / scales[..., None]).clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight("int8", (n, k), q.view(n, k), scales, None, group)
     return quantize_int8(w) if fmt == "int8" else quantize_int4(w, group)
 
 

@@ -73,6 +73,17 @@ void int4_tile(const Args& a, int tile, int r0, int rc) {
   }
 }
 
+// A row's integer sum over k-quads [j0, j1) of an int8 tile block (stored q + 128).
+template <int P>
+int32_t int8_quads(const uint8_t* t, int row, const int8_t* x, int j0, int j1) {
+  return planes_dot<P>(x, [&](const int8_t* xb) {
+    int32_t s = 0;
+    for (int j = j0; j < j1; ++j)
+      for (int i = 0; i < 4; ++i) s += (int(t[64 * j + 4 * row + i]) - kInt8Bias) * xb[4 * j + i];
+    return s;
+  });
+}
+
 template <int P>
 void int8_tile(const Args& a, int tile, int r0, int rc) {
   const int blocks = a.k / kBlock;
@@ -82,18 +93,36 @@ void int8_tile(const Args& a, int tile, int r0, int rc) {
     for (int b = 0; b < blocks; ++b) {
       const uint8_t* t = base + size_t(b) * kInt8TileBlockBytes;
       const float dx = a.xq->dx[a.xq->at(r, b)];
-      for (int row = 0; row < kRows; ++row) {
-        const int32_t isum = planes_dot<P>(a.xq->block(r, b), [&](const int8_t* xb) {
-          int32_t s = 0;
-          for (int j = 0; j < 8; ++j)
-            for (int i = 0; i < 4; ++i) s += (int(t[64 * j + 4 * row + i]) - kInt8Bias) * xb[4 * j + i];
-          return s;
-        });
-        acc[row] = std::fma(dx, float(isum), acc[row]);
-      }
+      for (int row = 0; row < kRows; ++row)
+        acc[row] = std::fma(dx, float(int8_quads<P>(t, row, a.xq->block(r, b), 0, 8)), acc[row]);
     }
     for (int row = 0; row < kRows && tile * kRows + row < a.n; ++row)
       a.y[r * a.y_stride + tile * kRows + row] = acc[row] * a.scales[tile * kRows + row];
+  }
+}
+
+// int8_g32 / int8_g16 (S = 32 / G groups a block): per group, acc = fma(s_g * dx, isum_g, acc)
+template <int P, int S>
+void int8_grouped_tile(const Args& a, int tile, int r0, int rc) {
+  constexpr int kBlockBytes = kRows * kBlock + kRows * 4 * S, kQuads = 8 / S;
+  const int blocks = a.k / kBlock;
+  const uint8_t* base = a.packed + size_t(tile) * blocks * kBlockBytes;
+  for (int r = r0; r < r0 + rc; ++r) {
+    float acc[kRows] = {};
+    for (int b = 0; b < blocks; ++b) {
+      const uint8_t* t = base + size_t(b) * kBlockBytes;
+      const float dx = a.xq->dx[a.xq->at(r, b)];
+      for (int row = 0; row < kRows; ++row)
+        for (int g = 0; g < S; ++g) {
+          const int32_t isum =
+              int8_quads<P>(t, row, a.xq->block(r, b), g * kQuads, (g + 1) * kQuads);
+          float scale;
+          std::memcpy(&scale, t + kRows * kBlock + 4 * (kRows * g + row), 4);
+          acc[row] = std::fma(scale * dx, float(isum), acc[row]);
+        }
+    }
+    for (int row = 0; row < kRows && tile * kRows + row < a.n; ++row)
+      a.y[r * a.y_stride + tile * kRows + row] = acc[row];
   }
 }
 
@@ -104,6 +133,8 @@ TileFn portable_tile(int format, int planes) {
   switch (format) {
     case kInt4: return two ? int4_tile<2, false> : int4_tile<1, false>;
     case kInt4Sym: return two ? int4_tile<2, true> : int4_tile<1, true>;
+    case kInt8G32: return two ? int8_grouped_tile<2, 1> : int8_grouped_tile<1, 1>;
+    case kInt8G16: return two ? int8_grouped_tile<2, 2> : int8_grouped_tile<1, 2>;
     default: return two ? int8_tile<2> : int8_tile<1>;
   }
 }

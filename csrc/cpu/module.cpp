@@ -76,6 +76,14 @@ PYBIND11_MODULE(_cpu, mod) {
       },
       py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("n"), py::arg("k"));
   mod.def(
+      "pack_int8_grouped",
+      [](uintptr_t out, uintptr_t qweight, uintptr_t scales, int n, int k, int group) {
+        pack_int8_grouped(ptr<uint8_t>(out), ptr<const int8_t>(qweight), ptr<const float>(scales),
+                          n, k, group);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("n"),
+      py::arg("k"), py::arg("group"));
+  mod.def(
       "gemv",
       [](int format, uintptr_t y, int64_t y_stride, uintptr_t x, int64_t x_stride,
          uintptr_t packed, uintptr_t scales, int m, int n, int k, int threads, int path,

@@ -14,6 +14,8 @@ const char* format_name(int format) {
     case kInt8: return "int8";
     case kInt4: return "int4";
     case kInt4Sym: return "int4_sym";
+    case kInt8G32: return "int8_g32";
+    case kInt8G16: return "int8_g16";
     default: return "unknown";
   }
 }
@@ -24,7 +26,9 @@ int64_t packed_bytes(int format, int n, int k) {
     case kInt8: block_bytes = kInt8TileBlockBytes; break;
     case kInt4: block_bytes = kInt4TileBlockBytes; break;
     case kInt4Sym: block_bytes = kInt4SymTileBlockBytes; break;
-    default: throw std::invalid_argument("format must be 0 (int8), 1 (int4) or 2 (int4_sym)");
+    case kInt8G32:
+    case kInt8G16: block_bytes = int8_grouped_block_bytes(int8_group(format)); break;
+    default: throw std::invalid_argument("format must be 0..4 (int8, int4, int4_sym, int8_g32, int8_g16)");
   }
   return int64_t((n + kRows - 1) / kRows) * (k / kBlock) * block_bytes;
 }
@@ -77,13 +81,17 @@ void pack_int4(uint8_t* out, const uint8_t* q, const uint16_t* s, const uint16_t
     }
 }
 
-// qweight [N, K] int8 in -127..127, stored as q + 128.
-void pack_int8(uint8_t* out, const int8_t* q, int n, int k) {
+namespace {
+
+// The int8 tiles of qweight [N, K] (stored as q + 128), blocks `block_bytes` apart; with
+// `scales` ([N, K / group] fp32), each block's int8 part is followed by its rows' scales.
+void pack_int8_tiles(uint8_t* out, const int8_t* q, const float* scales, int n, int k, int group,
+                     int block_bytes) {
   if (k <= 0 || k % kBlock) throw std::invalid_argument("k must be a positive multiple of 32");
   const int blocks = k / kBlock, tiles = (n + kRows - 1) / kRows;
   for (int t = 0; t < tiles; ++t)
     for (int b = 0; b < blocks; ++b) {
-      uint8_t* dst = out + (size_t(t) * blocks + b) * kInt8TileBlockBytes;
+      uint8_t* dst = out + (size_t(t) * blocks + b) * block_bytes;
       for (int r = 0; r < kRows; ++r) {
         const int row = t * kRows + r;
         for (int j = 0; j < 8; ++j)
@@ -91,8 +99,26 @@ void pack_int8(uint8_t* out, const int8_t* q, int n, int k) {
             const int w = row < n ? q[size_t(row) * k + b * kBlock + 4 * j + i] : 0;
             dst[64 * j + 4 * r + i] = uint8_t(w + kInt8Bias);
           }
+        if (scales == nullptr) continue;
+        for (int g = 0; g < kBlock / group; ++g) {  // [g][16]
+          const float s = row < n ? scales[size_t(row) * (k / group) + b * (kBlock / group) + g] : 0.0f;
+          std::memcpy(dst + kRows * kBlock + 4 * (kRows * g + r), &s, 4);
+        }
       }
     }
+}
+
+}  // namespace
+
+// qweight [N, K] int8 in -127..127, stored as q + 128.
+void pack_int8(uint8_t* out, const int8_t* q, int n, int k) {
+  pack_int8_tiles(out, q, nullptr, n, k, kBlock, kInt8TileBlockBytes);
+}
+
+void pack_int8_grouped(uint8_t* out, const int8_t* q, const float* scales, int n, int k,
+                       int group) {
+  if (group != 16 && group != 32) throw std::invalid_argument("group must be 16 or 32");
+  pack_int8_tiles(out, q, scales, n, k, group, int8_grouped_block_bytes(group));
 }
 
 }  // namespace pagedkern_cpu

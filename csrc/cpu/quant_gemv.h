@@ -14,7 +14,10 @@
 //   formed in the kernel in fp32 (exact), so its bits equal the int4 tiles' for that weight.
 //   A batch-1 decode is bound by the weight bytes it reads: ~1.1x the int4 tiles' speed.
 //   int8: 8 loads of 64 bytes a block, k-quad j in load j, each weight stored biased as
-//   q + 128 (u8: the unsigned operand of vpdpbusd).
+//   q + 128 (u8: the unsigned operand of vpdpbusd). int8_g32 / int8_g16 (GGUF Q8_0 and Q6_K
+//   exactly): the int8 block, then each row's fp32 scale per group of 32 / 16 of the block
+//   (576 / 640 bytes a block); their dots use the sign trick (|x| u8 x w with x's sign) on
+//   every x86 path, so no bias comes off per group.
 // - Activations are quantized on the fly (activations.cpp), per row and per block of 32, to
 //   8 or 16 bits: dx = max|x| / Q, q = round-to-nearest-even(x / dx) in -Q..Q (Q = 127, or
 //   32639 for 16 bits), sx = dx * sum(q). A 16-bit q is held as two int8 planes, q = 256 hi +
@@ -31,6 +34,7 @@
 //     int4: acc = fma(d * dx, isum, acc); acc = fma(m, sx, acc)      y = acc
 //           (int4_sym: m = -8 * d, in fp32)
 //     int8: acc = fma(dx, isum, acc)                                 y = acc * s
+//     int8_g: per group g of the block, acc = fma(s_g * dx, isum_g, acc)   y = acc
 //   The same operations in the same order on every path (the portable one compiled without FP
 //   contraction, std::fma), so every path returns the same bits, and a row's result depends
 //   only on its own x row and the weights: never on M, the other rows, the thread count or the
@@ -59,6 +63,9 @@ constexpr int kBlock = 32;  // K a block
 constexpr int kInt4TileBlockBytes = kRows * kBlock / 2 + kRows * 2 * 2;  // nibbles, d, m
 constexpr int kInt4SymTileBlockBytes = kRows * kBlock / 2 + kRows * 2;   // nibbles, d
 constexpr int kInt8TileBlockBytes = kRows * kBlock;
+// int8 with a scale per group of G along K (G = 32: GGUF Q8_0, Q5_0; 16: Q6_K): the int8 tile
+// block, then each row's fp32 scales for the block ([32 / G][16])
+constexpr int int8_grouped_block_bytes(int group) { return kRows * kBlock + kRows * 4 * (kBlock / group); }
 constexpr int kRowChunk = 4;  // AVX-512: activation rows computed together over one weight tile
 constexpr int kInt8Bias = 128;  // int8 weights are stored as q + 128
 
@@ -79,7 +86,9 @@ inline void prefetch_ahead(const uint8_t* block) {
 }
 
 // The tile formats (pack.cpp); int4_sym: int4 whose every m is -8 d (m not stored).
-enum Format { kInt8 = 0, kInt4 = 1, kInt4Sym = 2, kNumFormats = 3 };
+// int8_g32 / int8_g16: int8 with an fp32 scale per group of 32 / 16 along K.
+enum Format { kInt8 = 0, kInt4 = 1, kInt4Sym = 2, kInt8G32 = 3, kInt8G16 = 4, kNumFormats = 5 };
+constexpr int int8_group(int format) { return format == kInt8G32 ? 32 : format == kInt8G16 ? 16 : 0; }
 const char* format_name(int format);
 
 enum Path {
@@ -140,6 +149,9 @@ int64_t packed_bytes(int format, int n, int k);
 void pack_int4(uint8_t* out, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
                int n, int k, int group, int format);
 void pack_int8(uint8_t* out, const int8_t* qweight, int n, int k);
+// int8 (-127..127) with fp32 scales [N, K / group] (group 32 or 16) into int8_g32 / int8_g16
+void pack_int8_grouped(uint8_t* out, const int8_t* qweight, const float* scales, int n, int k,
+                       int group);
 
 // y[M, N] (row stride y_stride) = x[M, K] (row stride x_stride) @ W.T, W packed in `format`;
 // path -1: the best.

@@ -32,7 +32,7 @@ def rows(w: Linear, index: torch.Tensor) -> Linear:
     def cut(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
-        rows_last = t.dim() < w.qweight.dim()  # int8's one scale per row
+        rows_last = t.dim() < w.qweight.dim()  # per-channel int8's one scale per row
         return (t[..., index] if rows_last else t[..., index, :]).contiguous()
 
     shape = (*w.shape[:-2], len(index), w.shape[-1])
@@ -46,20 +46,26 @@ def cols(w: Linear, start: int, stop: int, what: str) -> Linear:
     if not isinstance(w, QuantizedWeight):
         return w[..., start:stop].contiguous()
     shape = (*w.shape[:-1], stop - start)
-    if w.format == "int8":  # one scale per output row: unchanged by a column slice
-        return QuantizedWeight("int8", shape, w.qweight[..., start:stop].contiguous(), w.scales)
     g = w.group_size
+    if w.format == "int8" and not g:  # one scale per output row: unchanged by a column slice
+        return QuantizedWeight("int8", shape, w.qweight[..., start:stop].contiguous(), w.scales)
     if start % g or stop % g:
+        alternative = "int8 or none" if w.format == "int4" else "none"
         raise TensorParallelConfigError(
-            f"{what}: an int4 column shard [{start}, {stop}) does not fall on group boundaries "
-            f"(group size {g}); use --quantization int8 or none with this tensor_parallel_size"
+            f"{what}: an {w.format} column shard [{start}, {stop}) does not fall on group "
+            f"boundaries (group size {g}); use --quantization {alternative} with this "
+            "tensor_parallel_size"
         )
+    if w.format == "int8":  # a scale per group along K
+        q, mins = w.qweight[..., start:stop], None
+    else:
+        q, mins = w.qweight[..., start // 2 : stop // 2], w.mins[..., start // g : stop // g]
     return QuantizedWeight(
-        "int4",
+        w.format,
         shape,
-        w.qweight[..., start // 2 : stop // 2].contiguous(),
+        q.contiguous(),
         w.scales[..., start // g : stop // g].contiguous(),
-        w.mins[..., start // g : stop // g].contiguous(),
+        None if mins is None else mins.contiguous(),
         g,
     )
 

@@ -1,4 +1,5 @@
-"""quant_linear: x @ W.T for a weight-only quantized W (int8 per channel, int4 per group).
+"""quant_linear: x @ W.T for a weight-only quantized W (int8 per channel or per group, int4 per
+group).
 
 Dispatch after validation: CPU tensors under the "cpu" backend (and "auto") -> the CPU
 backend's implementation (ops/cpu/quant_linear.py: int8-activation GEMV in C++); under
@@ -85,9 +86,11 @@ def _dequantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tenso
 
 
 def _cuda(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | None) -> torch.Tensor:
-    """csrc/quant_gemm.cu for M <= 64 and half-precision x, else _dequantized_matmul."""
+    """csrc/quant_gemm.cu for M <= 64 and half-precision x, else (and for int8 with a scale
+    per group, which the kernel does not take) _dequantized_matmul."""
     m, (n, k) = x.shape[0], weight.shape
-    if m > QUANT_GEMM_MAX_M or x.dtype not in (torch.float16, torch.bfloat16):
+    grouped_int8 = weight.format == "int8" and weight.group_size
+    if m > QUANT_GEMM_MAX_M or x.dtype not in (torch.float16, torch.bfloat16) or grouped_int8:
         return _dequantized_matmul(x, weight)
     x = (
         x

@@ -190,6 +190,10 @@ def fused_moe_quantized(
     multiple = group_size if fmt == "int4" else 32
     if fmt == "int4" and group_size not in (32, 128):
         return KernelSupport(False, f"int4 experts with group size {group_size} (32 or 128)")
+    if fmt == "int8" and group_size:
+        return KernelSupport(
+            False, f"int8 experts with a scale per {group_size} (per channel only)"
+        )
     if hidden % multiple or inter % multiple or multiple % 32:
         return KernelSupport(False, f"H {hidden} and I {inter} not multiples of {multiple}")
     if activation not in ("silu", "gelu_tanh"):

@@ -22,7 +22,10 @@ def dequantize(weight: QuantizedWeight, kernel_scales: torch.dtype | None = None
         return t if kernel_scales is None else t.to(kernel_scales).double()
 
     if weight.format == "int8":
-        return weight.qweight.double() * rounded(weight.scales)[:, None]
+        scales = rounded(weight.scales)
+        if weight.group_size:  # a scale per group of G along K
+            return weight.qweight.double() * scales.repeat_interleave(weight.group_size, dim=1)
+        return weight.qweight.double() * scales[:, None]
     g = weight.group_size
     q = weight.unpacked_int4().double().view(n, k // g, g)
     scale = weight.scales.double()

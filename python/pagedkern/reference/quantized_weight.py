@@ -3,6 +3,8 @@ reference and kernels). One [N, K] weight (N output channels) in a device-neutra
 which is also what the weights cache stores:
 
   int8: qweight int8 [N, K], scales fp32 [N]             w[n, k] = scales[n] * q[n, k]
+        (group_size G = 16 or 32: scales fp32 [N, K/G]      w[n, k] = scales[n, k // G] * q[n, k];
+        GGUF Q8_0 and Q5_0 are G = 32, Q6_K G = 16, exactly)
   int4: qweight uint8 [N, K/2], byte j = q[2j] | q[2j+1] << 4, q in 0..15;
         scales, mins fp16 [N, K/G] (G = group_size, 32 or 128)
                                                           w[n, k] = scales[n, g] * q + mins[n, g]
@@ -30,7 +32,7 @@ class QuantizedWeight:
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
-    group_size: int = 0  # int4 only
+    group_size: int = 0  # int4: 32 / 128; int8: 0 (per channel), 16 or 32
     packed: dict = field(default_factory=dict)  # kernel key -> packed tensors, made lazily
 
     @property
@@ -90,7 +92,12 @@ class QuantizedWeight:
         sel = slice(None) if rows is None else rows.long()
         if self.format == "int8":
             q = self.qweight[sel].to(torch.float32)
-            return (q * self.scales[sel, None].float()).to(dtype)
+            scales = self.scales[sel].float()
+            if self.group_size:
+                scales = scales.repeat_interleave(self.group_size, dim=-1)
+            else:
+                scales = scales[:, None]
+            return (q * scales).to(dtype)
         n, k = self.shape
         q = (
             self.unpacked_int4()[sel]

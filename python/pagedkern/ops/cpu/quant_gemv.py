@@ -35,7 +35,7 @@ _PACKED_KEY = "cpu-gemv"  # weight.packed: the tiles
 _FORMAT_KEY = "cpu-gemv-format"  # weight.packed: their format, one of TILE_FORMATS
 # csrc/cpu/quant_gemv.h's Format: int4_sym is int4 whose every group has m == -8 d exactly
 # (GGUF Q4_0), packed without the m (4.5 bits a weight, not 5) and giving the same bits.
-TILE_FORMATS = ("int8", "int4", "int4_sym")
+TILE_FORMATS = ("int8", "int4", "int4_sym", "int8_g32", "int8_g16")
 
 
 @functools.cache
@@ -83,8 +83,8 @@ def best_path() -> str:
 
 def packed(weight: QuantizedWeight) -> torch.Tensor:
     """The weight's 16-row tiles (uint8), built once per weight and kept in weight.packed with
-    their format (tile_format): int4_sym where every int4 group has m == -8 d, else the
-    weight's own format."""
+    their format (tile_format): int4_sym where every int4 group has m == -8 d, int8_g32 /
+    int8_g16 for int8 with a scale per group, else the weight's own format."""
     tiles = weight.packed.get(_PACKED_KEY)
     if tiles is None:
         cpu_kernels, (n, k) = cpu_module(), weight.shape
@@ -102,10 +102,19 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
                 mins=mins.data_ptr(), n=n, k=k, group=weight.group_size, format=code,
             )  # fmt: skip
         else:
-            fmt, code = "int8", cpu_kernels.FORMATS["int8"]
+            group = weight.group_size
+            fmt = f"int8_g{group}" if group else "int8"
+            code = cpu_kernels.FORMATS[fmt]
             tiles = torch.empty(cpu_kernels.packed_bytes(format=code, n=n, k=k), dtype=torch.uint8)
             qweight = weight.qweight.contiguous()
-            cpu_kernels.pack_int8(out=tiles.data_ptr(), qweight=qweight.data_ptr(), n=n, k=k)
+            if group:  # int8 with a scale per group of 32 or 16 (GGUF Q8_0, Q6_K): in the tiles
+                scales = weight.scales.float().contiguous()
+                cpu_kernels.pack_int8_grouped(
+                    out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(),
+                    n=n, k=k, group=group,
+                )  # fmt: skip
+            else:
+                cpu_kernels.pack_int8(out=tiles.data_ptr(), qweight=qweight.data_ptr(), n=n, k=k)
         weight.packed[_FORMAT_KEY] = fmt
         weight.packed[_PACKED_KEY] = tiles
     return tiles
@@ -124,8 +133,8 @@ def tile_format_code(weight: QuantizedWeight) -> int:
 
 def scales_address(weight: QuantizedWeight) -> int:
     """The address of an int8 weight's per-channel fp32 scales (made once, kept in
-    weight.packed); 0 for int4, whose scales are in its tiles."""
-    if weight.format != "int8":
+    weight.packed); 0 for int4 and grouped int8, whose scales are in their tiles."""
+    if weight.format != "int8" or weight.group_size:
         return 0
     per_channel = weight.packed.get("cpu-gemv-scales")
     if per_channel is None:
