@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quantize
 from hf_model_files import add_gguf_tokenizer, base_config, dense_logits, finish_gguf, hf_tensors
 
 from pagedkern.model import ModelLoadError, SequenceChunk, build_batch, load_model
-from pagedkern.model.quantized_linear import QuantizedWeight, quantize_int8
+from pagedkern.model.quantized_linear import QuantizedWeight
 from pagedkern.model.weights_cache import cache_root
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -59,8 +59,22 @@ def llama_cpp_tensor_name(name: str) -> str:
     return f"blk.{layer}.{GGUF_LAYER[module]}.{kind}"
 
 
-def write_gguf(path, cfg: dict, arch: str = "llama", skip: str = "", seed: int = 0) -> dict:
-    """A GGUF of the HF-style config; returns the float64 HF-layout tensors as dequantized."""
+def q6_k_bytes(arr: np.ndarray, seed: int) -> np.ndarray:
+    """Random Q6_K blocks of arr's shape (gguf has no Q6_K quantizer): 6-bit q, int8 sub-scales
+    in -8..8 and d = 1e-4, so |w| <= 0.026 (the random weights' size)."""
+    n, k = arr.shape
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // 256, 210), dtype=np.uint8)
+    blocks[:, 192:208] = rng.integers(-8, 9, size=(len(blocks), 16)).astype(np.int8).view(np.uint8)
+    blocks[:, 208:] = np.full(len(blocks), 1e-4, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def write_gguf(
+    path, cfg: dict, arch: str = "llama", skip: str = "", seed: int = 0, types=None
+) -> dict:
+    """A GGUF of the HF-style config; returns the float64 HF-layout tensors as dequantized.
+    types: GGUF name -> its type for matrices (default Q8_0; Q6_K: random blocks)."""
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -73,18 +87,25 @@ def write_gguf(path, cfg: dict, arch: str = "llama", skip: str = "", seed: int =
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     cfg["vocab_size"] = len(add_gguf_tokenizer(w, bos=True))
     expected = {}
-    for name, t in hf_tensors(cfg, seed).items():
+    for i, (name, t) in enumerate(hf_tensors(cfg, seed).items()):
         arr = t.numpy().astype(np.float32)
-        if name.endswith("weight") and arr.ndim == 2:
-            arr = dequantize(quantize(arr, Q8), Q8)  # what the file will hold
+        gname = llama_cpp_tensor_name(name)
+        kind = (types or {}).get(gname, Q8)
+        raw = None
+        if arr.ndim == 2 and kind == gguf.GGMLQuantizationType.Q6_K:
+            raw = q6_k_bytes(arr, seed * 1000 + i)
+            arr = dequantize(raw, kind).reshape(arr.shape)
+        elif name.endswith("weight") and arr.ndim == 2:
+            arr = dequantize(quantize(arr, kind), kind)  # what the file will hold
         expected[name] = torch.from_numpy(arr.astype(np.float64))
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             arr = llama_cpp_permute(arr, nh if "q_proj" in name else nkv)
-        gname = llama_cpp_tensor_name(name)
         if gname == skip:
             continue
-        if arr.ndim == 2:
-            w.add_tensor(gname, quantize(arr, Q8), raw_dtype=Q8)
+        if raw is not None:
+            w.add_tensor(gname, raw, raw_dtype=kind)
+        elif arr.ndim == 2:
+            w.add_tensor(gname, quantize(arr, kind), raw_dtype=kind)
         else:
             w.add_tensor(gname, arr)
     finish_gguf(w)
@@ -112,7 +133,7 @@ def test_gguf_matches_dense(tmp_path, arch):
     else:
         cfg = base_config(model_type="qwen2", tie_word_embeddings=True)
     expected = write_gguf(tmp_path / "m.gguf", cfg, arch)
-    model, tok = load_model(tmp_path / "m.gguf")
+    model, tok = load_model(tmp_path / "m.gguf", quantization="none")  # the float weights
     assert model.config.vocab_size == cfg["vocab_size"]
     assert model.config.qkv_bias == (arch == "qwen2") and model.weights.tied == (arch == "qwen2")
     ids = tok.encode(TEXT)
@@ -127,11 +148,43 @@ def test_gguf_matches_dense(tmp_path, arch):
     assert tok.token_to_id("<|eot_id|>") in tok.stop_token_ids
 
 
+def test_a_q4_k_m_shaped_file_keeps_each_tensors_precision(tmp_path):
+    """Q4_0 layers with Q6_K v, down and head, as llama-quantize's Q4_K_M mixes them: the default
+    is int4; the unfused down and the head are int8 with a scale per 16, the file's values
+    exactly; q/k/v fused with parts of two formats are put in int4 whole (as before); the logits
+    are the file's dense model's within the quantization of that fused projection."""
+    q4, q6 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q6_K
+    cfg = base_config(hidden_size=256, intermediate_size=256)
+    types = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for part in ("attn_q", "attn_k", "ffn_gate", "ffn_up"):
+            types[f"blk.{layer}.{part}.weight"] = q4
+        for part in ("attn_v", "ffn_down", "attn_output"):
+            types[f"blk.{layer}.{part}.weight"] = q6
+    types["output.weight"] = q6
+    expected = write_gguf(tmp_path / "m.gguf", cfg, "llama", types=types)
+    model, tok = load_model(tmp_path / "m.gguf", use_cache=False)
+    assert model.quantization == "int4"
+    w = model.weights
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for qw, name in ((w.layers[i].down, "mlp.down_proj"), (w.layers[i].o, "self_attn.o_proj")):
+            assert (qw.format, qw.group_size) == ("int8", 16)
+            assert torch.equal(qw.dequantize_rows(), expected[p + name + ".weight"].float())
+        assert (w.layers[i].gate_up.format, w.layers[i].gate_up.group_size) == ("int4", 32)
+        assert w.layers[i].qkv.format == "int4"  # (mixed parts)
+    assert (w.lm_head.format, w.lm_head.group_size) == ("int8", 16)
+    assert torch.equal(w.lm_head.dequantize_rows(), expected["lm_head.weight"].float())
+    ids = tok.encode(TEXT)
+    got, want = all_logits(model, ids), dense_logits(expected, cfg, ids)
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+
+
 def test_cache_hit_skips_parsing_and_damage_rebuilds(tmp_path):
     path = tmp_path / "m.gguf"
     write_gguf(path, base_config())
     first, tok = load_model(path)
-    entries = list((tmp_path / "cache").glob("gguf-v*/*"))
+    entries = list((tmp_path / "cache").glob("gguf*-v*/*"))
     assert len(entries) == 1 and (entries[0] / "weights.safetensors").is_file()
     with mock.patch("gguf.GGUFReader", side_effect=AssertionError("parsed the GGUF again")):
         second, tok2 = load_model(path)
@@ -149,9 +202,9 @@ def test_cache_hit_skips_parsing_and_damage_rebuilds(tmp_path):
     other = tmp_path / "other.gguf"
     write_gguf(other, base_config(), seed=1)
     load_model(other, use_cache=False)
-    assert len(list((tmp_path / "cache").glob("gguf-v*/*"))) == 1
+    assert len(list((tmp_path / "cache").glob("gguf*-v*/*"))) == 1
     load_model(other)
-    assert len(list((tmp_path / "cache").glob("gguf-v*/*"))) == 2
+    assert len(list((tmp_path / "cache").glob("gguf*-v*/*"))) == 2
 
 
 def test_cache_location(tmp_path, monkeypatch):
@@ -240,9 +293,10 @@ def test_gguf_tokenizer_errors():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_q8_0_loads_straight_to_int8(tmp_path, arch, monkeypatch):
-    """int8 mode: Q8_0 matrices become per-channel int8 without being dequantized to fp32 (the
-    dequantizer sees only the norms and an untied embedding, which stays float and exact), each
-    equal to quantize_int8 of the dequantized GGUF; a tied embedding is the int8 head."""
+    """A Q8_0 file defaults to int8 mode, and its matrices become int8 with a scale per 32
+    exactly (the file's values) without being dequantized to fp32 (the dequantizer sees only
+    the norms and an untied embedding, which stays float and exact); a tied embedding is the
+    int8 head. The logits are the float model's within the 16-bit activations' rounding."""
     import gguf.quants
 
     tied = arch == "qwen2"
@@ -257,21 +311,24 @@ def test_gguf_q8_0_loads_straight_to_int8(tmp_path, arch, monkeypatch):
         return out
 
     monkeypatch.setattr(gguf.quants, "dequantize", counting)
-    model, _ = load_model(tmp_path / "m.gguf", quantization="int8", use_cache=False)
+    model, tok = load_model(tmp_path / "m.gguf", use_cache=False)
+    assert model.quantization == "int8"
     matrices = [s for s in shapes if len(s) == 2]  # besides the norms (F32)
     assert matrices == ([] if tied else [(cfg["vocab_size"], cfg["hidden_size"])])
     w = model.weights
 
     def check(qw, names):
         want = torch.cat([expected[n] for n in names]).float()
-        assert isinstance(qw, QuantizedWeight) and qw.format == "int8"
-        ref = quantize_int8(want)
-        assert torch.equal(qw.qweight, ref.qweight) and torch.equal(qw.scales, ref.scales)
+        assert isinstance(qw, QuantizedWeight) and (qw.format, qw.group_size) == ("int8", 32)
+        assert torch.equal(qw.dequantize_rows(), want)
 
     p = "model.layers.0."
     check(w.layers[0].qkv, [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
     check(w.layers[0].down, [p + "mlp.down_proj.weight"])
     check(w.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"])
+    ids = tok.encode(TEXT)
+    got, want = all_logits(model, ids), dense_logits(expected, cfg, ids)
+    assert 0 < (got - want).abs().max().item() < 2e-3 * want.abs().max().item()
     if tied:
         assert w.embed is w.lm_head
     else:

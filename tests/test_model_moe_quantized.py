@@ -139,16 +139,17 @@ def test_greedy_tokens_equal_transformers(tmp_path):
 
 def test_q8_0_experts_load_as_int8(tmp_path):
     path, hf = _gguf(tmp_path, "llama", Q.Q8_0)
-    assert gguf_default_quantization(path) == "none"  # (Q8_0 is not a lossless int4)
-    quantized, _ = load_model(str(path), "cpu", torch.float32, quantization="int8")
+    assert gguf_default_quantization(path) == "int8"  # (the file's own precision)
+    quantized, _ = load_model(str(path), "cpu", torch.float32, quantization=None)
     plain, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
     layer = _moe_layers(quantized)[0]
-    assert isinstance(layer.experts_gate_up, QuantizedWeight)
-    assert layer.experts_gate_up.format == "int8" and layer.experts_gate_up.shape == (5, 128, 64)
-    # per-channel int8 from Q8_0's per-32 scales: a requantization, within int8's step
-    error = relative(layer.experts_gate_up.dequantize_rows().double(),
-                     _moe_layers(plain)[0].experts_gate_up.double())  # fmt: skip
-    assert 0 < error < 1e-2
+    for w in (layer.experts_gate_up, layer.experts_down):
+        assert isinstance(w, QuantizedWeight) and (w.format, w.group_size) == ("int8", 32)
+    assert layer.experts_gate_up.shape == (5, 128, 64)
+    # int8 with Q8_0's per-32 scales: the file's values exactly
+    want = _moe_layers(plain)[0]
+    assert torch.equal(layer.experts_gate_up.dequantize_rows(), want.experts_gate_up)
+    assert torch.equal(layer.experts_down.dequantize_rows(), want.experts_down)
     got = all_logits(quantized, PROMPT).double()
     assert relative(got, all_logits(plain, PROMPT).double()) < KERNEL_TOLERANCE
 

@@ -18,6 +18,7 @@ from pagedkern.model.quantized_linear import (
     quantize_int4,
     quantize_int8,
 )
+from pagedkern.ops.cpu import quant_gemv
 from pagedkern.reference.quant_gemm import dequantize as ref_dequantize
 from pagedkern.reference.quant_gemm import quant_linear as ref_quant_linear
 
@@ -133,10 +134,11 @@ def test_gguf_blocks_map_exactly_onto_int4(kind):
     assert gguf_to_int4("Q8_0", raw, n, k) is None
 
 
-@pytest.mark.parametrize("n", [24, 1030])  # 1030: more rows than one requantization chunk
-def test_gguf_q8_0_maps_straight_onto_int8(n):
-    """Q8_0 bytes -> per-channel int8 without an fp32 copy of the tensor: exactly what
-    quantize_int8 gives for gguf's dequantization, so within half a row step of it."""
+@pytest.mark.parametrize("n", [24, 1030])  # 1030: more rows than one conversion chunk
+def test_gguf_q8_0_maps_exactly_onto_int8_per_32(n):
+    """Q8_0 bytes -> int8 with the block's d as the scale of each 32: gguf's dequantization
+    exactly; a tensor holding -128 (which llama.cpp never writes) is requantized per channel,
+    as quantize_int8 gives for the dequantized tensor."""
     k = 96
     rng = np.random.default_rng(n)
     w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 1, (n, 1))
@@ -144,12 +146,47 @@ def test_gguf_q8_0_maps_straight_onto_int8(n):
     raw = quantize(w, GGMLQuantizationType.Q8_0)
     want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).reshape(n, k))
     qw = gguf_to_int8("Q8_0", raw, n, k)
-    assert qw is not None and qw.format == "int8" and qw.shape == (n, k)
-    detour = quantize_int8(want)
-    assert torch.equal(qw.qweight, detour.qweight) and torch.equal(qw.scales, detour.scales)
-    err = (qw.dequantize_rows().double() - want.double()).abs()
-    assert (err <= qw.scales.double()[:, None] * (0.5 + 1e-6)).all()
+    assert qw is not None and (qw.format, qw.shape, qw.group_size) == ("int8", (n, k), 32)
+    assert torch.equal(qw.dequantize_rows(), want)
     assert gguf_to_int8("Q4_1", raw, n, k) is None
+    blocks = raw.reshape(n, k // 32, 34).copy()
+    blocks[5, 1, 2] = 0x80  # a -128
+    raw = blocks.reshape(n, -1)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).reshape(n, k))
+    qw = gguf_to_int8("Q8_0", raw, n, k)
+    detour = quantize_int8(want)
+    assert (qw.format, qw.group_size) == ("int8", 0)
+    assert torch.equal(qw.qweight, detour.qweight) and torch.equal(qw.scales, detour.scales)
+
+
+def _q6k_blocks(rng, n: int, k: int) -> np.ndarray:
+    """Random valid Q6_K bytes (gguf has no Q6_K quantizer): random 6-bit q and int8 scales,
+    a finite fp16 d (zero in one block: its weights are all 0)."""
+    blocks = rng.integers(0, 256, size=(n * k // 256, 210), dtype=np.uint8)
+    d = rng.uniform(-1e-3, 1e-3, size=blocks.shape[0]).astype(np.float16)
+    d[1] = 0
+    blocks[:, -2:] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("n", [3, 1030])
+def test_gguf_q6_k_maps_exactly_onto_int8_per_16(n):
+    """Q6_K bytes -> int8 q - 32 with d * sc as the scale of each 16: gguf's dequantization
+    exactly, and the CPU GEMM over it within the 16-bit activations' rounding."""
+    k = 512
+    raw = _q6k_blocks(np.random.default_rng(n), n, k)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q6_K).reshape(n, k))
+    qw = gguf_to_int8("Q6_K", raw, n, k)
+    assert qw is not None and (qw.format, qw.shape, qw.group_size) == ("int8", (n, k), 16)
+    assert qw.qweight.min() >= -32 and qw.qweight.max() <= 31
+    assert torch.equal(qw.dequantize_rows(), want)
+    assert gguf_to_int8("Q6_K", raw[:, :105], n, 128) is None  # K not whole 256-blocks
+    if not quant_gemv.available():
+        return
+    x = torch.randn(2, k)
+    got = quant_gemv.quant_gemv(x, qw).double()
+    exact = x.double() @ want.double().T
+    assert (got - exact).abs().max() <= 1e-4 * (x.double().abs() @ want.double().abs().T).max()
 
 
 def _q4k_blocks(rng, n: int, k: int) -> np.ndarray:

@@ -116,8 +116,9 @@ class EngineConfig:
     )
     quantization: str | None = _setting(
         None,
-        "weight-only quantization: none, int8 (per channel) or int4 (groups of 32) "
-        "(default: the model's measured best: int4 for a GGUF on the CPU, else none)",
+        "weight-only quantization: none, int8 (per channel) or int4 (groups of 32); a GGUF's "
+        "Q8_0 / Q6_K tensors stay int8 with their block scales in both (default: on the CPU "
+        "the GGUF's own precision: int4 with 4-bit layers, int8 with Q8_0 / Q6_K ones; else none)",
     )
     kv_cache_dtype: str = _setting(
         "auto", "KV cache dtype: auto (the model's dtype) or fp8 (E4M3, per-layer scales)"

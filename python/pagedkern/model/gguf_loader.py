@@ -2,7 +2,10 @@
 
 Quantized tensors are dequantized with gguf.quants.dequantize to fp32, except where they map
 straight onto the target format (quantized_linear): Q4_0/Q4_1/Q4_K layer weights onto int4,
-Q8_0 onto int8 (layers in int8 mode, the LM head whenever it is int8).
+Q8_0 and Q6_K exactly onto int8 with a scale per 32 / 16 weights (in int4 and int8 mode, and
+the LM head whenever it is int8): a Q4_K_M file's Q6_K tensors keep the precision its
+quantizer gave them. A fused projection whose parts differ (Q4_K q and k beside a Q6_K v) is
+put in the mode's format whole (weight_assembly, weight_quantization).
 llama.cpp stores the Q and K projections of "llama" models permuted for its interleaved RoPE
 (pairs 2i, 2i+1); the loader undoes that so every model uses rotate-half RoPE (halves i,
 i + D/2). The converted model is cached (weights_cache), so only the first load of a file pays
@@ -97,11 +100,14 @@ def _convert(
         if mapped and quantization != "none" and len(t.shape) in (2, 3):
             *outer, k = (int(x) for x in reversed(t.shape))  # [E,] N, K
             n = int(np.prod(outer))  # (stacked experts: their rows one after the other)
-            direct = None
+            direct, kind = None, t.tensor_type.name
             if name in int8_tensors or (quantization == "int8" and name not in float_tensors):
-                direct = gguf_to_int8(t.tensor_type.name, t.data, n, k)  # Q8_0
-            elif quantization == "int4" and group_size == 32 and name not in float_tensors:
-                direct = gguf_to_int4(t.tensor_type.name, t.data, n, k)
+                direct = gguf_to_int8(kind, t.data, n, k)  # Q8_0, Q6_K
+            elif quantization == "int4" and name not in float_tensors:
+                # 4-bit blocks onto int4 G = 32; Q8_0 and Q6_K keep their precision
+                direct = gguf_to_int8(kind, t.data, n, k)
+                if direct is None and group_size == 32:
+                    direct = gguf_to_int4(kind, t.data, n, k)
             if direct is not None:
                 return as_experts(direct, outer[0]) if len(outer) == 2 else direct
         try:
@@ -167,13 +173,21 @@ def _convert(
 
 
 def gguf_default_quantization(path: str | os.PathLike) -> str:
-    """'int4' when every layer weight is a 4-bit block that maps onto int4 without loss
-    (Q4_0 / Q4_1 / Q4_K, e.g. the default model), else 'none' (reads the tensor table only);
-    a mixture of experts' stacked experts count as layer weights."""
+    """The mode that keeps every layer weight as the file has it (reads the tensor table
+    only): 'int8' when they are all Q8_0 / Q6_K, 'int4' when they are those and 4-bit blocks
+    (Q4_0 / Q4_1 / Q4_K, e.g. the default model, or a Q4_K_M file), else 'none'; a mixture of
+    experts' stacked experts count as layer weights."""
     reader, _ = _open(os.fspath(path))
-    kinds = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.")}
-    kinds.discard("F32")  # norms
-    return "int4" if kinds and kinds <= {"Q4_0", "Q4_1", "Q4_K"} else "none"
+    kinds = {
+        t.tensor_type.name
+        for t in reader.tensors
+        if t.name.startswith("blk.")
+        and len(t.shape) > 1  # (norms, biases)
+        and "ffn_gate_inp" not in t.name  # the router, F32 in llama.cpp's files, stays float
+    }
+    if kinds and kinds <= {"Q8_0", "Q6_K"}:
+        return "int8"
+    return "int4" if kinds and kinds <= {"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"} else "none"
 
 
 def read_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:

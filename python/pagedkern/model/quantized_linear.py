@@ -3,10 +3,8 @@ QuantizedWeight format (an operand format of the ops, defined with the reference
 reference/quantized_weight.py, reached through ops.quant_gemm).
 
 GGUF Q4_0 (w = d*(q-8)), Q4_1 (w = d*q + m) and Q4_K (w = d*sc*q - dmin*m per 32 weights) map
-onto int4 with G = 32 by rearranging nibbles and scales, never through fp32 weights. Q8_0 has a
-scale per 32 weights, which per-channel int8 cannot hold: its int8 blocks are requantized to
-the row's scale block by block (gguf_to_int8), the same values quantize_int8 gives for the
-dequantized tensor, without a float copy of the whole tensor.
+onto int4 with G = 32 by rearranging nibbles and scales, never through fp32 weights. Q8_0 and
+Q6_K map exactly onto int8 with a scale per 32 and per 16 weights (gguf_to_int8).
 Kernel-specific packed forms (torch's CPU int4pack, bf16 scales) are built once per weight by
 ops.quant_gemm and kept in `packed`.
 """
@@ -196,17 +194,52 @@ def gguf_to_int4(tensor_type: str, data: np.ndarray, n: int, k: int) -> Quantize
 
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 Q8_0_BLOCK_BYTES = 34  # d fp16, 32 int8: w = d * q
-ROWS_PER_CHUNK = 1024  # gguf_to_int8: rows requantized at a time (bounds the float temporaries)
+Q6_K_BLOCK_BYTES = 210  # 256 weights: 128 B low nibbles, 64 B high 2 bits, 16 int8 scales, d fp16
+ROWS_PER_CHUNK = 1024  # gguf_to_int8: rows converted at a time (bounds the temporaries)
 
 
 def gguf_to_int8(tensor_type: str, data: np.ndarray, n: int, k: int) -> QuantizedWeight | None:
-    """A GGUF Q8_0 tensor's raw bytes ([n, bytes per row] uint8) as per-channel int8, or None
-    for other types. Row scale = max |d * q| / 127 (d * q is exact in fp32: 11 x 8 bits), then
-    q' = round(d * q / scale), chunk of rows by chunk of rows: equal to
-    quantize_int8(dequantized tensor), with floats for ROWS_PER_CHUNK rows at a time only."""
-    if tensor_type != "Q8_0" or k % 32:
+    """A GGUF Q8_0 or Q6_K tensor's raw bytes ([n, bytes per row] uint8) as int8 with a scale
+    per group, exactly, or None for other types: Q8_0 (w = d q, d fp16 per 32) is int8 G = 32
+    with scale d; Q6_K (w = d sc (q - 32), q 6 bits, sc int8 per 16, d fp16 per 256) is int8
+    G = 16 with q - 32 and scale d sc (exact in fp32: 11 x 8 bits). A Q8_0 tensor holding -128
+    (llama.cpp writes -127..127; the kernels' sign trick needs it) is requantized per channel
+    instead, as quantize_int8 would the dequantized tensor."""
+    if k % 256 if tensor_type == "Q6_K" else k % 32:
         return None
-    blocks = np.ascontiguousarray(data).reshape(n, k // 32, Q8_0_BLOCK_BYTES)
+    if tensor_type == "Q8_0":
+        blocks = np.ascontiguousarray(data).reshape(n, k // 32, Q8_0_BLOCK_BYTES)
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(n, k)
+        if bool((q == -128).any()):
+            return _q8_0_per_channel(blocks, n, k)
+        d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)).reshape(n, k // 32)
+        return QuantizedWeight("int8", (n, k), q.contiguous(), d.float().contiguous(), None, 32)
+    if tensor_type == "Q6_K":
+        from gguf.quants import Q6_K
+
+        rows = np.ascontiguousarray(data).reshape(n * (k // 256), Q6_K_BLOCK_BYTES)
+        q = torch.empty(n * (k // 256), 256, dtype=torch.int8)
+        scales = torch.empty(n * (k // 256), 16, dtype=torch.float32)
+        for start in range(0, rows.shape[0], ROWS_PER_CHUNK):
+            part = rows[start : start + ROWS_PER_CHUNK]
+            d = torch.from_numpy(part[:, -2:].copy().view(np.float16)).float()  # [b, 1]
+            sc = torch.from_numpy(part[:, -18:-2].copy().view(np.int8)).float()  # [b, 16]
+            dq = Q6_K.dequantize_blocks(part)  # d sc (q - 32), exact in fp32
+            scale = d * sc
+            q_part = dq.reshape(-1, 16, 16) / np.where(scale == 0, 1.0, scale.numpy())[..., None]
+            q[start : start + len(part)] = (
+                torch.from_numpy(np.rint(q_part)).reshape(-1, 256).to(torch.int8)
+            )
+            scales[start : start + len(part)] = scale
+        return QuantizedWeight(
+            "int8", (n, k), q.view(n, k).contiguous(), scales.view(n, k // 16), None, 16
+        )
+    return None
+
+
+def _q8_0_per_channel(blocks: np.ndarray, n: int, k: int) -> QuantizedWeight:
+    """Q8_0 blocks [n, K/32, 34] as per-channel int8: row scale = max |d q| / 127 (d q exact in
+    fp32), q' = round(d q / scale), ROWS_PER_CHUNK rows at a time."""
     q = torch.empty(n, k, dtype=torch.int8)
     scales = torch.empty(n, dtype=torch.float32)
     for start in range(0, n, ROWS_PER_CHUNK):

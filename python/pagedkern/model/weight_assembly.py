@@ -96,7 +96,10 @@ def assemble_weights(
         if names[0] not in shapes:
             return None
         parts = [load(n) for n in names]
-        if all(isinstance(p, QuantizedWeight) for p in parts):
+        kinds = {
+            (p.format, p.group_size) if isinstance(p, QuantizedWeight) else None for p in parts
+        }
+        if len(kinds) == 1 and None not in kinds:  # else floats, put in the mode whole later
             return cat_rows(parts)
         plain = [
             p.dequantize_rows(dtype=dtype) if isinstance(p, QuantizedWeight) else p for p in parts

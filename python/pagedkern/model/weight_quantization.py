@@ -19,16 +19,25 @@ def quantize_weights(
 ) -> LlamaWeights:
     """Every layer's linear weights in `mode` ('none' / 'int8' / 'int4') and the LM head in
     head_mode (default: LM_HEAD_MODE[mode]); weights already in the target format are kept as
-    they are, others are requantized from their floats ('none': dequantized to fp32). A tied
+    they are (and int8 with a scale per group, a GGUF's exact Q8_0 / Q6_K, in any quantized
+    mode), others are requantized from their floats ('none': dequantized to fp32). A tied
     embedding follows the head (its rows are dequantized at lookup). A MoE layer's stacked
     experts follow the layers' mode (convert_experts)."""
+
+    def kept(w: Linear, mode: str) -> bool:
+        """Whether a quantized w stays as it is in `mode`: its format, or int8 with a scale per
+        group (a GGUF's Q8_0 / Q6_K, exact) in any quantized mode."""
+        if not isinstance(w, QuantizedWeight) or mode == "none":
+            return False
+        grouped_int8 = w.format == "int8" and w.group_size > 0
+        return grouped_int8 or (w.format == mode and (mode == "int8" or w.group_size == group_size))
 
     def convert(w: Linear | None, mode: str = mode) -> Linear | None:
         if w is None:  # (a MoE layer's absent dense MLP)
             return None
+        if kept(w, mode):
+            return w
         if isinstance(w, QuantizedWeight):
-            if w.format == mode and (mode == "int8" or w.group_size == group_size):
-                return w
             w = w.dequantize_rows()
         return w.float() if mode == "none" else quantize(w, mode, group_size)
 
@@ -45,11 +54,15 @@ def quantize_weights(
             quantizable(w.shape[-1], mode, group_size) for w in pair.values()
         ):
             return {name: plain(w).float() for name, w in pair.items()}
+        if (
+            all(kept(w, mode) for w in pair.values())
+            and len({(w.format, w.group_size) for w in pair.values()}) == 1
+        ):
+            return pair
+        target = (mode, group_size if mode == "int4" else 0)  # (ops.fused_moe: one form)
         return {
             name: w
-            if isinstance(w, QuantizedWeight)
-            and w.format == mode
-            and (mode == "int8" or w.group_size == group_size)
+            if isinstance(w, QuantizedWeight) and (w.format, w.group_size) == target
             else quantize_experts(plain(w), mode, group_size)
             for name, w in pair.items()
         }
