@@ -101,23 +101,40 @@ void int8_tile(const Args& a, int tile, int r0, int rc) {
   }
 }
 
-// int8_g32 / int8_g16 (S = 32 / G groups a block): per group, acc = fma(s_g * dx, isum_g, acc)
-template <int P, int S>
+// An int6_g16 block's codes as an int8 tile block (q + 128), so the int8 sums read them.
+void int6_as_int8(const uint8_t* t, uint8_t* out) {
+  for (int j = 0; j < 8; ++j)
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t nib = t[64 * (j % 4) + 4 * r + i];
+        const uint8_t low = j < 4 ? nib & 15 : nib >> 4;
+        const uint8_t high = (t[kRows * kBlock / 2 + 64 * (j % 2) + 4 * r + i] >> (2 * (j / 2))) & 3;
+        out[64 * j + 4 * r + i] = uint8_t((low | high << 4) - 32 + kInt8Bias);
+      }
+}
+
+// int8_g32 / int8_g16 (S = 32 / G groups a block): per group, acc = fma(s_g * dx, isum_g, acc);
+// Six: int6_g16, its codes unpacked first
+template <int P, int S, bool Six = false>
 void int8_grouped_tile(const Args& a, int tile, int r0, int rc) {
-  constexpr int kBlockBytes = kRows * kBlock + kRows * 4 * S, kQuads = 8 / S;
+  constexpr int kCodeBytes = Six ? kInt6CodeBytes : kRows * kBlock;
+  constexpr int kBlockBytes = kCodeBytes + kRows * 4 * S, kQuads = 8 / S;
   const int blocks = a.k / kBlock;
   const uint8_t* base = a.packed + size_t(tile) * blocks * kBlockBytes;
+  uint8_t codes[kRows * kBlock];
   for (int r = r0; r < r0 + rc; ++r) {
     float acc[kRows] = {};
     for (int b = 0; b < blocks; ++b) {
-      const uint8_t* t = base + size_t(b) * kBlockBytes;
+      const uint8_t* block = base + size_t(b) * kBlockBytes;
+      if (Six) int6_as_int8(block, codes);
+      const uint8_t* t = Six ? codes : block;
       const float dx = a.xq->dx[a.xq->at(r, b)];
       for (int row = 0; row < kRows; ++row)
         for (int g = 0; g < S; ++g) {
           const int32_t isum =
               int8_quads<P>(t, row, a.xq->block(r, b), g * kQuads, (g + 1) * kQuads);
           float scale;
-          std::memcpy(&scale, t + kRows * kBlock + 4 * (kRows * g + row), 4);
+          std::memcpy(&scale, block + kCodeBytes + 4 * (kRows * g + row), 4);
           acc[row] = std::fma(scale * dx, float(isum), acc[row]);
         }
     }
@@ -135,6 +152,7 @@ TileFn portable_tile(int format, int planes) {
     case kInt4Sym: return two ? int4_tile<2, true> : int4_tile<1, true>;
     case kInt8G32: return two ? int8_grouped_tile<2, 1> : int8_grouped_tile<1, 1>;
     case kInt8G16: return two ? int8_grouped_tile<2, 2> : int8_grouped_tile<1, 2>;
+    case kInt6G16: return two ? int8_grouped_tile<2, 2, true> : int8_grouped_tile<1, 2, true>;
     default: return two ? int8_tile<2> : int8_tile<1>;
   }
 }

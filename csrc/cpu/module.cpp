@@ -84,6 +84,13 @@ PYBIND11_MODULE(_cpu, mod) {
       py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("n"),
       py::arg("k"), py::arg("group"));
   mod.def(
+      "pack_int6",
+      [](uintptr_t out, uintptr_t qweight, uintptr_t scales, int n, int k) {
+        pack_int6(ptr<uint8_t>(out), ptr<const int8_t>(qweight), ptr<const float>(scales), n, k);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("n"),
+      py::arg("k"));
+  mod.def(
       "gemv",
       [](int format, uintptr_t y, int64_t y_stride, uintptr_t x, int64_t x_stride,
          uintptr_t packed, uintptr_t scales, int m, int n, int k, int threads, int path,

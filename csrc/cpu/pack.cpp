@@ -16,6 +16,7 @@ const char* format_name(int format) {
     case kInt4Sym: return "int4_sym";
     case kInt8G32: return "int8_g32";
     case kInt8G16: return "int8_g16";
+    case kInt6G16: return "int6_g16";
     default: return "unknown";
   }
 }
@@ -28,7 +29,8 @@ int64_t packed_bytes(int format, int n, int k) {
     case kInt4Sym: block_bytes = kInt4SymTileBlockBytes; break;
     case kInt8G32:
     case kInt8G16: block_bytes = int8_grouped_block_bytes(int8_group(format)); break;
-    default: throw std::invalid_argument("format must be 0..4 (int8, int4, int4_sym, int8_g32, int8_g16)");
+    case kInt6G16: block_bytes = kInt6TileBlockBytes; break;
+    default: throw std::invalid_argument("format must be 0..5 (int8, int4, int4_sym, int8_g32, int8_g16, int6_g16)");
   }
   return int64_t((n + kRows - 1) / kRows) * (k / kBlock) * block_bytes;
 }
@@ -119,6 +121,42 @@ void pack_int8_grouped(uint8_t* out, const int8_t* q, const float* scales, int n
                        int group) {
   if (group != 16 && group != 32) throw std::invalid_argument("group must be 16 or 32");
   pack_int8_tiles(out, q, scales, n, k, group, int8_grouped_block_bytes(group));
+}
+
+// q + 32 (0..63): byte (j, r, i) of the nibble plane holds k = 4j + i low and 16 + 4j + i high
+// (int4's layout); byte (jj, r, i) of the 2-bit plane holds the high bits of k-quads jj,
+// jj + 2, jj + 4, jj + 6 at bits 0, 2, 4, 6.
+void pack_int6(uint8_t* out, const int8_t* q, const float* scales, int n, int k) {
+  if (k <= 0 || k % kBlock) throw std::invalid_argument("k must be a positive multiple of 32");
+  const int blocks = k / kBlock, tiles = (n + kRows - 1) / kRows;
+  for (int t = 0; t < tiles; ++t)
+    for (int b = 0; b < blocks; ++b) {
+      uint8_t* dst = out + (size_t(t) * blocks + b) * kInt6TileBlockBytes;
+      std::memset(dst, 0, kInt6TileBlockBytes);
+      for (int r = 0; r < kRows; ++r) {
+        const int row = t * kRows + r;
+        if (row >= n) continue;  // zeros: code -32 with scale 0
+        auto code = [&](int c) {
+          const int v = q[size_t(row) * k + b * kBlock + c] + 32;
+          if (v < 0 || v > 63) throw std::invalid_argument("int6 codes must lie in -32..31");
+          return uint8_t(v);
+        };
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 4; ++i)
+            dst[64 * j + 4 * r + i] =
+                uint8_t((code(4 * j + i) & 15) | ((code(16 + 4 * j + i) & 15) << 4));
+        for (int jj = 0; jj < 2; ++jj)
+          for (int i = 0; i < 4; ++i) {
+            uint8_t bits = 0;
+            for (int m = 0; m < 4; ++m) bits |= uint8_t((code(4 * (jj + 2 * m) + i) >> 4) << (2 * m));
+            dst[kRows * kBlock / 2 + 64 * jj + 4 * r + i] = bits;
+          }
+        for (int g = 0; g < 2; ++g) {
+          const float s = scales[size_t(row) * (k / 16) + b * 2 + g];
+          std::memcpy(dst + kInt6CodeBytes + 4 * (kRows * g + r), &s, 4);
+        }
+      }
+    }
 }
 
 }  // namespace pagedkern_cpu

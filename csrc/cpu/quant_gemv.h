@@ -17,7 +17,8 @@
 //   q + 128 (u8: the unsigned operand of vpdpbusd). int8_g32 / int8_g16 (GGUF Q8_0 and Q6_K
 //   exactly): the int8 block, then each row's fp32 scale per group of 32 / 16 of the block
 //   (576 / 640 bytes a block); their dots use the sign trick (|x| u8 x w with x's sign) on
-//   every x86 path, so no bias comes off per group.
+//   every x86 path, so no bias comes off per group. int6_g16 (Q6_K at 8 bits a weight):
+//   int8_g16 whose codes fit 6 bits, unpacked to the same s8 vectors, so the same bits.
 // - Activations are quantized on the fly (activations.cpp), per row and per block of 32, to
 //   8 or 16 bits: dx = max|x| / Q, q = round-to-nearest-even(x / dx) in -Q..Q (Q = 127, or
 //   32639 for 16 bits), sx = dx * sum(q). A 16-bit q is held as two int8 planes, q = 256 hi +
@@ -66,6 +67,10 @@ constexpr int kInt8TileBlockBytes = kRows * kBlock;
 // int8 with a scale per group of G along K (G = 32: GGUF Q8_0, Q5_0; 16: Q6_K): the int8 tile
 // block, then each row's fp32 scales for the block ([32 / G][16])
 constexpr int int8_grouped_block_bytes(int group) { return kRows * kBlock + kRows * 4 * (kBlock / group); }
+// int6_g16: int8_g16 whose codes all lie in -32..31 (GGUF Q6_K's q - 32), held as q + 32 in 6
+// bits: 256 bytes of low nibbles (int4's layout), 128 of 2-bit high parts, then the scales
+constexpr int kInt6CodeBytes = kRows * kBlock / 2 + kRows * kBlock / 4;
+constexpr int kInt6TileBlockBytes = kInt6CodeBytes + kRows * 4 * 2;
 constexpr int kRowChunk = 4;  // AVX-512: activation rows computed together over one weight tile
 constexpr int kInt8Bias = 128;  // int8 weights are stored as q + 128
 
@@ -87,8 +92,12 @@ inline void prefetch_ahead(const uint8_t* block) {
 
 // The tile formats (pack.cpp); int4_sym: int4 whose every m is -8 d (m not stored).
 // int8_g32 / int8_g16: int8 with an fp32 scale per group of 32 / 16 along K.
-enum Format { kInt8 = 0, kInt4 = 1, kInt4Sym = 2, kInt8G32 = 3, kInt8G16 = 4, kNumFormats = 5 };
-constexpr int int8_group(int format) { return format == kInt8G32 ? 32 : format == kInt8G16 ? 16 : 0; }
+enum Format {
+  kInt8 = 0, kInt4 = 1, kInt4Sym = 2, kInt8G32 = 3, kInt8G16 = 4, kInt6G16 = 5, kNumFormats = 6
+};
+constexpr int int8_group(int format) {
+  return format == kInt8G32 ? 32 : format == kInt8G16 || format == kInt6G16 ? 16 : 0;
+}
 const char* format_name(int format);
 
 enum Path {
@@ -152,6 +161,8 @@ void pack_int8(uint8_t* out, const int8_t* qweight, int n, int k);
 // int8 (-127..127) with fp32 scales [N, K / group] (group 32 or 16) into int8_g32 / int8_g16
 void pack_int8_grouped(uint8_t* out, const int8_t* qweight, const float* scales, int n, int k,
                        int group);
+// int8 codes in -32..31 with fp32 scales [N, K / 16] into int6_g16 tiles
+void pack_int6(uint8_t* out, const int8_t* qweight, const float* scales, int n, int k);
 
 // y[M, N] (row stride y_stride) = x[M, K] (row stride x_stride) @ W.T, W packed in `format`;
 // path -1: the best.

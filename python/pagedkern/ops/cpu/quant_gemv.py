@@ -35,7 +35,7 @@ _PACKED_KEY = "cpu-gemv"  # weight.packed: the tiles
 _FORMAT_KEY = "cpu-gemv-format"  # weight.packed: their format, one of TILE_FORMATS
 # csrc/cpu/quant_gemv.h's Format: int4_sym is int4 whose every group has m == -8 d exactly
 # (GGUF Q4_0), packed without the m (4.5 bits a weight, not 5) and giving the same bits.
-TILE_FORMATS = ("int8", "int4", "int4_sym", "int8_g32", "int8_g16")
+TILE_FORMATS = ("int8", "int4", "int4_sym", "int8_g32", "int8_g16", "int6_g16")
 
 
 @functools.cache
@@ -84,7 +84,8 @@ def best_path() -> str:
 def packed(weight: QuantizedWeight) -> torch.Tensor:
     """The weight's 16-row tiles (uint8), built once per weight and kept in weight.packed with
     their format (tile_format): int4_sym where every int4 group has m == -8 d, int8_g32 /
-    int8_g16 for int8 with a scale per group, else the weight's own format."""
+    int8_g16 for int8 with a scale per group (int6_g16 where those codes all fit 6 bits, as
+    GGUF Q6_K's do), else the weight's own format."""
     tiles = weight.packed.get(_PACKED_KEY)
     if tiles is None:
         cpu_kernels, (n, k) = cpu_module(), weight.shape
@@ -102,16 +103,18 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
                 mins=mins.data_ptr(), n=n, k=k, group=weight.group_size, format=code,
             )  # fmt: skip
         else:
-            group = weight.group_size
-            fmt = f"int8_g{group}" if group else "int8"
+            group, qweight = weight.group_size, weight.qweight.contiguous()
+            six = group == 16 and bool(((qweight >= -32) & (qweight <= 31)).all())  # Q6_K's
+            fmt = "int6_g16" if six else f"int8_g{group}" if group else "int8"
             code = cpu_kernels.FORMATS[fmt]
             tiles = torch.empty(cpu_kernels.packed_bytes(format=code, n=n, k=k), dtype=torch.uint8)
-            qweight = weight.qweight.contiguous()
             if group:  # int8 with a scale per group of 32 or 16 (GGUF Q8_0, Q6_K): in the tiles
                 scales = weight.scales.float().contiguous()
-                cpu_kernels.pack_int8_grouped(
+                pack = cpu_kernels.pack_int6 if six else cpu_kernels.pack_int8_grouped
+                extra = {} if six else {"group": group}
+                pack(
                     out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(),
-                    n=n, k=k, group=group,
+                    n=n, k=k, **extra,
                 )  # fmt: skip
             else:
                 cpu_kernels.pack_int8(out=tiles.data_ptr(), qweight=qweight.data_ptr(), n=n, k=k)
