@@ -2,7 +2,8 @@
 integer dots) against torch's int-pack CPU kernels (aten._weight_int4pack_mm_for_cpu,
 aten._weight_int8pack_mm: bf16 activations), at the default model's shapes (SmolLM2-135M: QKV,
 gate/up, down int4 G = 32, the int8 LM head; gate/up as GGUF Q4_0 too, m = -8d: the int4_sym
-tiles) over M = 1 .. 512, interleaved (each case times all three before the next), one thread
+tiles; the head also as GGUF Q8_0 and Q6_K load it: int8 per 32 and int6 per 16) over
+M = 1 .. 512, interleaved (each case times all three before the next), one thread
 by default (PAGEDKERN_BENCH_THREADS). Prints microseconds, the tile bytes read per second at
 M = 1 (16-bit activations) beside the copy bandwidth measured in the same run (the ceiling a
 GEMV approaches), and torch / gemv16: where the ratio falls below 1 is the crossover. Full
@@ -28,8 +29,9 @@ if FULL and torch.cuda.is_available():
 THREADS = int(os.environ.get("PAGEDKERN_BENCH_THREADS", 1))
 SHAPES = (
     [("qkv", "int4", 960, 576), ("gate_up", "int4", 3072, 576), ("gate_up", "q4_0", 3072, 576),
-     ("down", "int4", 576, 1536), ("lm_head", "int8", 49152, 576)]
-    if FULL else [("tiny", "int4", 64, 64), ("tiny", "q4_0", 64, 64), ("tiny", "int8", 64, 64)]
+     ("down", "int4", 576, 1536), ("lm_head", "int8", 49152, 576),
+     ("lm_head", "q8_0", 49152, 576), ("lm_head", "q6_k", 49152, 576)]
+    if FULL else [("tiny", fmt, 64, 64) for fmt in ("int4", "q4_0", "int8", "q8_0", "q6_k")]
 )  # fmt: skip
 MS = (1, 2, 4, 8, 16, 64, 256, 512) if FULL else (1, 3)
 MAX_LM_HEAD_M = 64  # the LM head runs on the sampled rows only
@@ -49,7 +51,19 @@ def _q4_0(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("int4", (n, k), qweight, scales, (-8 * scales.float()).half(), 32)
 
 
+def _int8_groups(w: torch.Tensor, group: int, qmax: int) -> QuantizedWeight:
+    """w as int8 with an fp32 scale per `group` along K, codes within +-qmax: GGUF Q8_0's form
+    (32, 127: the int8_g32 tiles) or Q6_K's (16, 31: codes of 6 bits, the int6_g16 tiles)."""
+    n, k = w.shape
+    blocks = w.view(n, k // group, group)
+    scales = (blocks.abs().amax(-1) / qmax).clamp_min(1e-12)
+    q = torch.round(blocks / scales[..., None]).clamp(-qmax, qmax).to(torch.int8).view(n, k)
+    return QuantizedWeight("int8", (n, k), q, scales, None, group)
+
+
 def _weight(fmt: str, w: torch.Tensor) -> QuantizedWeight:
+    if fmt in ("q8_0", "q6_k"):
+        return _int8_groups(w, *{"q8_0": (32, 127), "q6_k": (16, 31)}[fmt])
     return {"int4": quantize_int4, "q4_0": _q4_0, "int8": quantize_int8}[fmt](w)
 
 
