@@ -116,11 +116,12 @@ def test_gguf_q4_0_packs_int4_sym_and_q4_1_int4():
 
 def test_a_format_the_module_lacks_is_an_error():
     module = quant_gemv.cpu_module()
+    missing = len(module.FORMATS)  # the first code past the module's formats
     with pytest.raises(ValueError, match="format"):
-        module.packed_bytes(format=3, n=16, k=32)
+        module.packed_bytes(format=missing, n=16, k=32)
     y, x = torch.empty(1, 16), torch.zeros(1, 32)
     with pytest.raises(ValueError, match="format"):
         module.gemv(
-            format=7, y=y.data_ptr(), y_stride=16, x=x.data_ptr(), x_stride=32, packed=0,
+            format=missing, y=y.data_ptr(), y_stride=16, x=x.data_ptr(), x_stride=32, packed=0,
             scales=0, m=1, n=16, k=32, threads=1, path=-1, activation_bits=16,
         )  # fmt: skip
