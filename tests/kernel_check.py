@@ -52,3 +52,17 @@ def every_variant(op: str, skip: tuple[str, ...] = ()):
         return request.param
 
     return kernel_variant
+
+
+def cpu_gemv_into_poisoned(module, code: int, tiles, x, n: int, path: str, bits: int, pad: int):
+    """pagedkern._cpu's gemv over packed `tiles` (format `code`) into rows of N + pad poisoned
+    columns; asserts the columns past N stay NaN and returns the [M, N] part."""
+    m, k = x.shape
+    y = poisoned((m, n + pad), torch.float32, "cpu")
+    module.gemv(
+        format=code, y=y.data_ptr(), y_stride=n + pad, x=x.data_ptr(), x_stride=k,
+        packed=tiles.data_ptr(), scales=0, m=m, n=n, k=k, threads=2,
+        path=module.PATHS[path], activation_bits=bits,
+    )  # fmt: skip
+    assert y[:, n:].isnan().all(), "a row past N was written"
+    return y[:, :n]

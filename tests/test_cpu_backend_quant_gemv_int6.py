@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_check import poisoned
+from kernel_check import cpu_gemv_into_poisoned, poisoned
 
 from pagedkern.ops.cpu import quant_gemv
 from pagedkern.reference.quant_gemm import quant_linear as ref_quant_linear
@@ -49,15 +49,7 @@ def _raw_gemv(x: torch.Tensor, weight: QuantizedWeight, fmt: str, path: str, bit
         module.pack_int6(**args)
     else:
         module.pack_int8_grouped(**args, group=16)
-    m = x.shape[0]
-    y = poisoned((m, n + PAD), torch.float32, "cpu")
-    module.gemv(
-        format=code, y=y.data_ptr(), y_stride=n + PAD, x=x.data_ptr(), x_stride=k,
-        packed=tiles.data_ptr(), scales=0, m=m, n=n, k=k, threads=2,
-        path=module.PATHS[path], activation_bits=bits,
-    )  # fmt: skip
-    assert y[:, n:].isnan().all(), "a row past N was written"
-    return tiles, y[:, :n]
+    return tiles, cpu_gemv_into_poisoned(module, code, tiles, x, n, path, bits, PAD)
 
 
 @pytest.mark.parametrize("bits", [16, 8])
