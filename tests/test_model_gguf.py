@@ -149,10 +149,11 @@ def test_gguf_matches_dense(tmp_path, arch):
 
 
 def test_a_q4_k_m_shaped_file_keeps_each_tensors_precision(tmp_path):
-    """Q4_0 layers with Q6_K v, down and head, as llama-quantize's Q4_K_M mixes them: the default
-    is int4; the unfused down and the head are int8 with a scale per 16, the file's values
-    exactly; q/k/v fused with parts of two formats are put in int4 whole (as before); the logits
-    are the file's dense model's within the quantization of that fused projection."""
+    """Q4_0 layers with Q6_K v, down and head, as llama-quantize's Q4_K_M mixes them (and a Q6_K
+    o, one more unfused weight): the default is int4; down, o and the head are int8 with a scale
+    per 16, the file's values exactly; q/k/v fused with parts of two formats are put in int4
+    whole (as before); the logits are the file's dense model's within the quantization of that
+    fused projection."""
     q4, q6 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q6_K
     cfg = base_config(hidden_size=256, intermediate_size=256)
     types = {}
