@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 
 namespace pagedkern_cpu {
 

@@ -85,6 +85,16 @@ void pack_int4(uint8_t* out, const uint8_t* q, const uint16_t* s, const uint16_t
 
 namespace {
 
+// Row r (row `row` of N) of a tile block's fp32 scales ([32 / group][16], at `dst`): block b's
+// groups of scales [N, K / group]; 0 past N.
+void put_scales(uint8_t* dst, const float* scales, int row, int r, int n, int k, int b,
+                int group) {
+  for (int g = 0; g < kBlock / group; ++g) {
+    const float s = row < n ? scales[size_t(row) * (k / group) + b * (kBlock / group) + g] : 0.0f;
+    std::memcpy(dst + 4 * (kRows * g + r), &s, 4);
+  }
+}
+
 // The int8 tiles of qweight [N, K] (stored as q + 128), blocks `block_bytes` apart; with
 // `scales` ([N, K / group] fp32), each block's int8 part is followed by its rows' scales.
 void pack_int8_tiles(uint8_t* out, const int8_t* q, const float* scales, int n, int k, int group,
@@ -101,11 +111,7 @@ void pack_int8_tiles(uint8_t* out, const int8_t* q, const float* scales, int n, 
             const int w = row < n ? q[size_t(row) * k + b * kBlock + 4 * j + i] : 0;
             dst[64 * j + 4 * r + i] = uint8_t(w + kInt8Bias);
           }
-        if (scales == nullptr) continue;
-        for (int g = 0; g < kBlock / group; ++g) {  // [g][16]
-          const float s = row < n ? scales[size_t(row) * (k / group) + b * (kBlock / group) + g] : 0.0f;
-          std::memcpy(dst + kRows * kBlock + 4 * (kRows * g + r), &s, 4);
-        }
+        if (scales != nullptr) put_scales(dst + kRows * kBlock, scales, row, r, n, k, b, group);
       }
     }
 }
@@ -151,10 +157,7 @@ void pack_int6(uint8_t* out, const int8_t* q, const float* scales, int n, int k)
             for (int m = 0; m < 4; ++m) bits |= uint8_t((code(4 * (jj + 2 * m) + i) >> 4) << (2 * m));
             dst[kRows * kBlock / 2 + 64 * jj + 4 * r + i] = bits;
           }
-        for (int g = 0; g < 2; ++g) {
-          const float s = scales[size_t(row) * (k / 16) + b * 2 + g];
-          std::memcpy(dst + kInt6CodeBytes + 4 * (kRows * g + r), &s, 4);
-        }
+        put_scales(dst + kInt6CodeBytes, scales, row, r, n, k, b, 16);
       }
     }
 }
