@@ -21,6 +21,13 @@ def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float()
 
 
+def _quantized_alike(parts: list[Linear]) -> bool:
+    """Whether every part is a QuantizedWeight of one format and group size (fused or stacked
+    as they are; else as floats)."""
+    kinds = {(p.format, p.group_size) if isinstance(p, QuantizedWeight) else None for p in parts}
+    return len(kinds) == 1 and None not in kinds
+
+
 # get(name) -> the tensor under that HF name (any float dtype, any device, or a QuantizedWeight)
 # or None if absent.
 TensorGetter = Callable[[str], "Linear | None"]
@@ -96,10 +103,7 @@ def assemble_weights(
         if names[0] not in shapes:
             return None
         parts = [load(n) for n in names]
-        kinds = {
-            (p.format, p.group_size) if isinstance(p, QuantizedWeight) else None for p in parts
-        }
-        if len(kinds) == 1 and None not in kinds:  # else floats, put in the mode whole later
+        if _quantized_alike(parts):  # else floats, put in the mode whole later
             return cat_rows(parts)
         plain = [
             p.dequantize_rows(dtype=dtype) if isinstance(p, QuantizedWeight) else p for p in parts
@@ -122,11 +126,7 @@ def assemble_weights(
         x = [e for e in x if e + "down_proj.weight" in shapes]  # (expert parallel: its own)
 
         def stacked(pairs: list[list[Linear]]) -> Linear:
-            parts = [w for pair in pairs for w in pair]
-            kinds = {
-                (w.format, w.group_size) if isinstance(w, QuantizedWeight) else None for w in parts
-            }
-            if len(kinds) == 1 and None not in kinds:
+            if _quantized_alike([w for pair in pairs for w in pair]):
                 return stack_experts(
                     [cat_rows(pair) if len(pair) > 1 else pair[0] for pair in pairs]
                 )

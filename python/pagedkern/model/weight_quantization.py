@@ -29,8 +29,8 @@ def quantize_weights(
         group (a GGUF's Q8_0 / Q6_K, exact) in any quantized mode."""
         if not isinstance(w, QuantizedWeight) or mode == "none":
             return False
-        grouped_int8 = w.format == "int8" and w.group_size > 0
-        return grouped_int8 or (w.format == mode and (mode == "int8" or w.group_size == group_size))
+        same = w.format == mode and (mode == "int8" or w.group_size == group_size)
+        return w.int8_per_group or same
 
     def convert(w: Linear | None, mode: str = mode) -> Linear | None:
         if w is None:  # (a MoE layer's absent dense MLP)

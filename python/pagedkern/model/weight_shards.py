@@ -47,7 +47,7 @@ def cols(w: Linear, start: int, stop: int, what: str) -> Linear:
         return w[..., start:stop].contiguous()
     shape = (*w.shape[:-1], stop - start)
     g = w.group_size
-    if w.format == "int8" and not g:  # one scale per output row: unchanged by a column slice
+    if w.format == "int8" and not w.int8_per_group:  # one scale per row: a column slice keeps it
         return QuantizedWeight("int8", shape, w.qweight[..., start:stop].contiguous(), w.scales)
     if start % g or stop % g:
         alternative = "int8 or none" if w.format == "int4" else "none"
@@ -56,7 +56,7 @@ def cols(w: Linear, start: int, stop: int, what: str) -> Linear:
             f"boundaries (group size {g}); use --quantization {alternative} with this "
             "tensor_parallel_size"
         )
-    if w.format == "int8":  # a scale per group along K
+    if w.int8_per_group:
         q, mins = w.qweight[..., start:stop], None
     else:
         q, mins = w.qweight[..., start // 2 : stop // 2], w.mins[..., start // g : stop // g]

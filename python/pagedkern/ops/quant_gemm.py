@@ -89,8 +89,11 @@ def _cuda(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | None) ->
     """csrc/quant_gemm.cu for M <= 64 and half-precision x, else (and for int8 with a scale
     per group, which the kernel does not take) _dequantized_matmul."""
     m, (n, k) = x.shape[0], weight.shape
-    grouped_int8 = weight.format == "int8" and weight.group_size
-    if m > QUANT_GEMM_MAX_M or x.dtype not in (torch.float16, torch.bfloat16) or grouped_int8:
+    if (
+        m > QUANT_GEMM_MAX_M
+        or x.dtype not in (torch.float16, torch.bfloat16)
+        or weight.int8_per_group
+    ):
         return _dequantized_matmul(x, weight)
     x = (
         x

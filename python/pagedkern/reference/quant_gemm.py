@@ -23,7 +23,7 @@ def dequantize(weight: QuantizedWeight, kernel_scales: torch.dtype | None = None
 
     if weight.format == "int8":
         scales = rounded(weight.scales)
-        if weight.group_size:  # a scale per group of G along K
+        if weight.int8_per_group:
             return weight.qweight.double() * scales.repeat_interleave(weight.group_size, dim=1)
         return weight.qweight.double() * scales[:, None]
     g = weight.group_size

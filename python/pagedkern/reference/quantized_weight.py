@@ -58,6 +58,11 @@ class QuantizedWeight:
         )
 
     @property
+    def int8_per_group(self) -> bool:
+        """int8 with a scale per group along K (group_size 16 / 32), not per channel."""
+        return self.format == "int8" and self.group_size > 0
+
+    @property
     def num_experts(self) -> int | None:
         """E of stacked experts, None for one [N, K] weight."""
         return self.shape[0] if len(self.shape) == 3 else None
@@ -93,7 +98,7 @@ class QuantizedWeight:
         if self.format == "int8":
             q = self.qweight[sel].to(torch.float32)
             scales = self.scales[sel].float()
-            if self.group_size:
+            if self.int8_per_group:
                 scales = scales.repeat_interleave(self.group_size, dim=-1)
             else:
                 scales = scales[:, None]

@@ -32,7 +32,7 @@ def cpu_packed(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 def torch_int_pack_mm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x @ W.T by torch's int-pack CPU kernels: x rounded to bf16, bf16 [M, N] out. int8 with
     a scale per group (no torch kernel): the weight dequantized to bf16 and torch's GEMM."""
-    if weight.format == "int8" and weight.group_size:
+    if weight.int8_per_group:
         return x.to(torch.bfloat16) @ weight.dequantize_rows(dtype=torch.bfloat16).T
     w, scales = cpu_packed(weight)
     xb = x.to(torch.bfloat16).contiguous()

@@ -137,7 +137,7 @@ def tile_format_code(weight: QuantizedWeight) -> int:
 def scales_address(weight: QuantizedWeight) -> int:
     """The address of an int8 weight's per-channel fp32 scales (made once, kept in
     weight.packed); 0 for int4 and grouped int8, whose scales are in their tiles."""
-    if weight.format != "int8" or weight.group_size:
+    if weight.format != "int8" or weight.int8_per_group:
         return 0
     per_channel = weight.packed.get("cpu-gemv-scales")
     if per_channel is None:
