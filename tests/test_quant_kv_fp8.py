@@ -124,12 +124,14 @@ def _fp8_attention_args(q_dtype=torch.bfloat16):
 
 
 def test_ops_with_an_fp8_cache_equal_the_reference_and_take_the_scales():
-    # The op layer (CPU tensors: the reference) passes k_scale / v_scale through unchanged.
+    # The op layer passes k_scale / v_scale through unchanged. On CPU tensors it runs the CPU
+    # backend's attention, whose fp32 sums may round a bf16 output one unit apart from the
+    # reference's (a few draws in a hundred); a scale lost or swapped is off by far more.
     q, k_cache, v_cache, tables, lens = _fp8_attention_args()
     scales = dict(k_scale=0.3, v_scale=0.02)
     got = pagedkern.paged_attention(q, k_cache, v_cache, tables, lens, **scales)
     want = reference.paged_attention(q, k_cache, v_cache, tables, lens, **scales)
-    assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5)
     k_deq, v_deq = k_cache.double() * 0.3, v_cache.double() * 0.02
     deq = reference.paged_attention(q.double(), k_deq, v_deq, tables, lens)
     assert float((got.double() - deq).norm() / deq.norm()) < 1e-2
