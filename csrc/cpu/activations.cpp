@@ -1,5 +1,6 @@
 // Activation quantization, one routine for every kernel path: per row and block of 32,
-// dx = max|x| / Q, q = round-to-nearest-even(x / dx) clamped to -Q..Q, sx = dx * sum(q).
+// dx = max|x| / Q, q = round-to-nearest-even(x / dx) clamped to -Q..Q, sx = dx * sum(q), and
+// the sum of the block's first 16 q (int6_g16's per-group bias comes off with it).
 // 8 bits: Q = 127, one plane. 16 bits: Q = 32639 (= 127 * 256 + 127), q split exactly into
 // two int8 planes q = 256 hi + lo, hi = floor((q + 128) / 256) in -127..127, lo in -128..127,
 // so the kernels' u8 x s8 dot products take either plane. A NaN or infinite x makes its
@@ -19,7 +20,7 @@ namespace {
 
 // One block, plain C++ (the reference for the SIMD version below: the same operations).
 void quantize_block(const float* xb, float qmax, int planes, int8_t* qb, float& d_out,
-                    int32_t& sum_out) {
+                    int32_t& sum_out, int32_t& half_out) {
   float amax = 0.f;
   bool finite = true;
   for (int i = 0; i < kBlock; ++i) {
@@ -28,12 +29,13 @@ void quantize_block(const float* xb, float qmax, int planes, int8_t* qb, float& 
   }
   const float d = finite ? amax / qmax : std::nanf("");
   const float inv = d > 0.f ? 1.f / d : 0.f;
-  int32_t sum = 0;
+  int32_t sum = 0, half = 0;
   for (int i = 0; i < kBlock; ++i) {
     float v = std::nearbyint(xb[i] * inv);
     v = std::isnan(v) ? 0.f : std::min(qmax, std::max(-qmax, v));
     const int q = int(v);
     sum += q;
+    if (i < kBlock / 2) half += q;
     if (planes == 2) {
       const int hi = (q + 128) >> 8;  // floor((q + 128) / 256): arithmetic shift
       qb[i] = int8_t(hi);
@@ -44,10 +46,18 @@ void quantize_block(const float* xb, float qmax, int planes, int8_t* qb, float& 
   }
   d_out = d;
   sum_out = sum;
+  half_out = half;
 }
 
 #if QUANT_GEMV_X86
 #define QUANT_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+QUANT_AVX2 inline int32_t hsum(__m256i v) {
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  return _mm_cvtsi128_si32(s4);
+}
 
 QUANT_AVX2 inline void store_bytes(int8_t* dst, const __m256i q[4]) {
   // packs work within 128-bit lanes: reorder the 4-byte groups back into K order
@@ -60,7 +70,7 @@ QUANT_AVX2 inline void store_bytes(int8_t* dst, const __m256i q[4]) {
 // The same block with AVX2: max|x| is exact in any order, x * inv is one fp32 multiply,
 // vcvtps2dq rounds to nearest even (the default MXCSR mode, as nearbyint): the same bits.
 QUANT_AVX2 void quantize_block_avx2(const float* xb, float qmax, int planes, int8_t* qb,
-                                    float& d_out, int32_t& sum_out) {
+                                    float& d_out, int32_t& sum_out, int32_t& half_out) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 inf = _mm256_set1_ps(INFINITY);
   __m256 v[4], amax = _mm256_setzero_ps();
@@ -74,7 +84,7 @@ QUANT_AVX2 void quantize_block_avx2(const float* xb, float qmax, int planes, int
   if (finite != 0xFF) {  // NaN or infinity: a NaN scale, zero q
     std::fill(qb, qb + planes * kBlock, int8_t(0));
     d_out = std::nanf("");
-    sum_out = 0;
+    sum_out = half_out = 0;
     return;
   }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
@@ -83,11 +93,10 @@ QUANT_AVX2 void quantize_block_avx2(const float* xb, float qmax, int planes, int
   const float d = _mm_cvtss_f32(m4) / qmax;
   const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
   const __m256i lim = _mm256_set1_epi32(int(qmax));
-  __m256i q[4], sum = _mm256_setzero_si256();
+  __m256i q[4];
   for (int i = 0; i < 4; ++i) {
     q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
     q[i] = _mm256_min_epi32(lim, _mm256_max_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), lim), q[i]));
-    sum = _mm256_add_epi32(sum, q[i]);
   }
   if (planes == 2) {
     __m256i hi[4], lo[4];
@@ -100,11 +109,9 @@ QUANT_AVX2 void quantize_block_avx2(const float* xb, float qmax, int planes, int
   } else {
     store_bytes(qb, q);
   }
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
   d_out = d;
-  sum_out = _mm_cvtsi128_si32(s4);
+  half_out = hsum(_mm256_add_epi32(q[0], q[1]));
+  sum_out = half_out + hsum(_mm256_add_epi32(q[2], q[3]));
 }
 #endif
 
@@ -117,6 +124,7 @@ void QuantizedRows::resize(int m, int k, int planes_) {
   dx.resize(size_t(m) * blocks);
   sx.resize(size_t(m) * blocks);
   qsum.resize(size_t(m) * blocks);
+  qsum16.resize(size_t(m) * blocks);
 }
 
 void quantize_rows(const float* x, int64_t x_stride, int r0, int r1, bool simd,
@@ -131,7 +139,7 @@ void quantize_rows(const float* x, int64_t x_stride, int r0, int r1, bool simd,
     for (int b = 0; b < blocks; ++b) {
       const size_t at = out.at(r, b);
       block(x + r * x_stride + b * kBlock, qmax, planes, &out.q[at * planes * kBlock], out.dx[at],
-            out.qsum[at]);
+            out.qsum[at], out.qsum16[at]);
       out.sx[at] = out.dx[at] * float(out.qsum[at]);
     }
 }

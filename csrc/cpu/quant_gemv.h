@@ -18,7 +18,9 @@
 //   exactly): the int8 block, then each row's fp32 scale per group of 32 / 16 of the block
 //   (576 / 640 bytes a block); their dots use the sign trick (|x| u8 x w with x's sign) on
 //   every x86 path, so no bias comes off per group. int6_g16 (Q6_K at 8 bits a weight):
-//   int8_g16 whose codes fit 6 bits, unpacked to the same s8 vectors, so the same bits.
+//   int8_g16 whose codes fit 6 bits, stored as q + 32; the x86 kernels feed those unsigned
+//   codes to the u8 operand and take 32 * sum(x) off each group's integer sum, the same
+//   integers as int8_g16's, so the same bits.
 // - Activations are quantized on the fly (activations.cpp), per row and per block of 32, to
 //   8 or 16 bits: dx = max|x| / Q, q = round-to-nearest-even(x / dx) in -Q..Q (Q = 127, or
 //   32639 for 16 bits), sx = dx * sum(q). A 16-bit q is held as two int8 planes, q = 256 hi +
@@ -119,7 +121,8 @@ struct QuantizedRows {
   std::vector<int8_t> q;      // [M, blocks, planes, 32]: plane 0 = hi (16 bits) or q (8 bits)
   std::vector<float> dx;      // [M, blocks]
   std::vector<float> sx;      // [M, blocks]: dx * sum(q)
-  std::vector<int32_t> qsum;  // [M, blocks]: sum(q)
+  std::vector<int32_t> qsum;    // [M, blocks]: sum(q)
+  std::vector<int32_t> qsum16;  // [M, blocks]: sum(q) over the block's first 16
   const int8_t* block(int row, int b) const {
     return &q[(size_t(row) * blocks + b) * planes * kBlock];
   }
