@@ -24,7 +24,8 @@ from pagedkern.reference.quantized_weight import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
 
-FORMATS = [("int8", 0), ("int4", 32), ("int4", 128), ("int8", 32), ("int8", 16)]
+# ("int5", 32): int8 codes 0..31 with a scale and a min per 32 (GGUF Q5_*: int5_g32 tiles)
+FORMATS = [("int8", 0), ("int4", 32), ("int4", 128), ("int8", 32), ("int8", 16), ("int5", 32)]
 QMAX = {8: 127, 16: 32639}  # the largest quantized activation (csrc/cpu/activations.cpp)
 SHAPES = [(1, 37, 64), (3, 960, 256), (5, 16, 128), (17, 50, 384), (64, 33, 32)]
 
@@ -36,6 +37,14 @@ def _paths() -> list[str]:
 def _weight(fmt: str, group: int, n: int, k: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05 + 0.01 * torch.randn(n, 1, generator=g)
+    if fmt == "int5":  # Q5_K's form: s = d sc, m = -dmin mn (fp16 d, dmin; 6-bit sc, mn)
+        d = (torch.rand(n, 1, generator=g) * 1e-3 + 1e-4).half().float()
+        sc = torch.randint(1, 64, (n, k // 32), generator=g).float()
+        scales = d * sc
+        mins = -(d * torch.randint(0, 64, (n, k // 32), generator=g).float())
+        q = torch.randint(0, 32, (n, k), generator=g, dtype=torch.int8)
+        q[0, 0], q[-1, -1] = 0, 31
+        return QuantizedWeight("int8", (n, k), q, scales, mins, 32)
     if fmt == "int8" and group:  # a scale per group along K (GGUF Q8_0: 32, Q6_K: 16)
         blocks = w.view(n, k // group, group)
         scales = (blocks.abs().amax(-1) / 127).clamp_min(1e-12)
@@ -63,6 +72,8 @@ def test_matches_the_reference_within_the_activation_rounding(path, fmt, group, 
     if fmt == "int4":
         k = -(-k // group) * group  # whole groups
     qw = _weight(fmt, group, n, k, seed=m * 131 + n + k)
+    if fmt == "int5":
+        assert quant_gemv.tile_format(qw) == "int5_g32"
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n + k)) * 2.0
     x[0, :32] = 0.0  # an all-zero block (scale 0)
     out = poisoned((m, n), torch.float32, "cpu")
@@ -181,6 +192,22 @@ def test_nan_in_a_row_reaches_its_outputs_only(fmt, group):
         got = quant_gemv.quant_gemv(x, qw, path=path)
         assert torch.isnan(got[1]).all()
         assert torch.isfinite(got[[0, 2]]).all()
+
+
+def test_int8_with_mins_needs_5_bit_codes_per_32():
+    """The int5_g32 tiles take codes 0..31 with a scale and a min per 32, nothing else."""
+    qw = _weight("int5", 32, 16, 64, seed=8)
+    bad = QuantizedWeight("int8", qw.shape, qw.qweight.clone(), qw.scales, qw.mins, 32)
+    bad.qweight[3, 5] = 32
+    with pytest.raises(ValueError, match="codes in 0..31"):
+        quant_gemv.packed(bad)
+    bad.qweight[3, 5] = -1
+    with pytest.raises(ValueError, match="codes in 0..31"):
+        quant_gemv.packed(bad)
+    scales16 = qw.scales.repeat_interleave(2, dim=1)
+    sixteen = QuantizedWeight("int8", qw.shape, qw.qweight, scales16, scales16, 16)
+    with pytest.raises(ValueError, match="group_size 32"):
+        quant_gemv.packed(sixteen)
 
 
 @pytest.fixture(autouse=True)

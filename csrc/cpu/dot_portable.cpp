@@ -39,17 +39,21 @@ int32_t planes_dot(const int8_t* xb, Dot dot) {
   return P == 2 ? 256 * dot(xb) + dot(xb + kBlock) : dot(xb);
 }
 
-// Sym: int4_sym tiles (no m stored, m = -8 d in fp32: the same bits as the stored m)
-template <int P, bool Sym>
+// F: int4, int4_sym (no m stored, m = -8 d in fp32: the same bits as the stored m) or int5_g32
+// (a fifth bit a code; d and m stored in fp32)
+template <int P, int F>
 void int4_tile(const Args& a, int tile, int r0, int rc) {
-  constexpr int kBlockBytes = Sym ? kInt4SymTileBlockBytes : kInt4TileBlockBytes;
+  constexpr bool Five = F == kInt5G32;
+  constexpr int kBlockBytes =
+      F == kInt4Sym ? kInt4SymTileBlockBytes : Five ? kInt5TileBlockBytes : kInt4TileBlockBytes;
   const int blocks = a.k / kBlock;
   const uint8_t* base = a.packed + size_t(tile) * blocks * kBlockBytes;
   for (int r = r0; r < r0 + rc; ++r) {
     float acc[kRows] = {};
     for (int b = 0; b < blocks; ++b) {
       const uint8_t* t = base + size_t(b) * kBlockBytes;
-      const uint16_t* d16 = reinterpret_cast<const uint16_t*>(t + kRows * kBlock / 2);
+      const uint8_t* fifth = t + kRows * kBlock / 2;
+      const uint8_t* dm = t + kRows * kBlock / 2 + (Five ? kRows * 4 : 0);
       const float dx = a.xq->dx[a.xq->at(r, b)], sx = a.xq->sx[a.xq->at(r, b)];
       for (int row = 0; row < kRows; ++row) {
         const int32_t isum = planes_dot<P>(a.xq->block(r, b), [&](const int8_t* xb) {
@@ -57,12 +61,24 @@ void int4_tile(const Args& a, int tile, int r0, int rc) {
           for (int j = 0; j < 4; ++j)
             for (int i = 0; i < 4; ++i) {
               const uint8_t byte = t[64 * j + 4 * row + i];
-              s += int(byte & 0x0F) * xb[4 * j + i] + int(byte >> 4) * xb[16 + 4 * j + i];
+              int lo = byte & 0x0F, hi = byte >> 4;
+              if (Five) {
+                lo |= ((fifth[4 * row + i] >> j) & 1) << 4;
+                hi |= ((fifth[4 * row + i] >> (j + 4)) & 1) << 4;
+              }
+              s += lo * xb[4 * j + i] + hi * xb[16 + 4 * j + i];
             }
           return s;
         });
-        const float d = half_to_float(d16[row]);
-        const float mn = Sym ? -8.0f * d : half_to_float(d16[kRows + row]);
+        float d, mn;
+        if (Five) {
+          std::memcpy(&d, dm + 4 * row, 4);
+          std::memcpy(&mn, dm + 4 * (kRows + row), 4);
+        } else {
+          const uint16_t* d16 = reinterpret_cast<const uint16_t*>(dm);
+          d = half_to_float(d16[row]);
+          mn = F == kInt4Sym ? -8.0f * d : half_to_float(d16[kRows + row]);
+        }
         const float ddx = d * dx;
         acc[row] = std::fma(ddx, float(isum), acc[row]);
         acc[row] = std::fma(mn, sx, acc[row]);
@@ -148,8 +164,9 @@ void int8_grouped_tile(const Args& a, int tile, int r0, int rc) {
 TileFn portable_tile(int format, int planes) {
   const bool two = planes == 2;
   switch (format) {
-    case kInt4: return two ? int4_tile<2, false> : int4_tile<1, false>;
-    case kInt4Sym: return two ? int4_tile<2, true> : int4_tile<1, true>;
+    case kInt4: return two ? int4_tile<2, kInt4> : int4_tile<1, kInt4>;
+    case kInt4Sym: return two ? int4_tile<2, kInt4Sym> : int4_tile<1, kInt4Sym>;
+    case kInt5G32: return two ? int4_tile<2, kInt5G32> : int4_tile<1, kInt5G32>;
     case kInt8G32: return two ? int8_grouped_tile<2, 1> : int8_grouped_tile<1, 1>;
     case kInt8G16: return two ? int8_grouped_tile<2, 2> : int8_grouped_tile<1, 2>;
     case kInt6G16: return two ? int8_grouped_tile<2, 2, true> : int8_grouped_tile<1, 2, true>;

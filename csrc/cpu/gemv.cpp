@@ -38,7 +38,7 @@ void gemv(int format, float* y, int64_t y_stride, const float* x, int64_t x_stri
           int activation_bits) {
   if (k <= 0 || k % kBlock) throw std::invalid_argument("k must be a positive multiple of 32");
   if (format < 0 || format >= kNumFormats)
-    throw std::invalid_argument("format must be 0..5 (int8, int4, int4_sym, int8_g32, int8_g16, int6_g16)");
+    throw std::invalid_argument(kFormatsMessage);
   if (activation_bits != 8 && activation_bits != 16)
     throw std::invalid_argument("activation_bits must be 8 or 16");
   const int resolved = resolve_path(path);

@@ -91,6 +91,14 @@ PYBIND11_MODULE(_cpu, mod) {
       py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("n"),
       py::arg("k"));
   mod.def(
+      "pack_int5",
+      [](uintptr_t out, uintptr_t qweight, uintptr_t scales, uintptr_t mins, int n, int k) {
+        pack_int5(ptr<uint8_t>(out), ptr<const uint8_t>(qweight), ptr<const float>(scales),
+                  ptr<const float>(mins), n, k);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("mins"),
+      py::arg("n"), py::arg("k"));
+  mod.def(
       "gemv",
       [](int format, uintptr_t y, int64_t y_stride, uintptr_t x, int64_t x_stride,
          uintptr_t packed, uintptr_t scales, int m, int n, int k, int threads, int path,

@@ -17,6 +17,7 @@ const char* format_name(int format) {
     case kInt8G32: return "int8_g32";
     case kInt8G16: return "int8_g16";
     case kInt6G16: return "int6_g16";
+    case kInt5G32: return "int5_g32";
     default: return "unknown";
   }
 }
@@ -30,7 +31,8 @@ int64_t packed_bytes(int format, int n, int k) {
     case kInt8G32:
     case kInt8G16: block_bytes = int8_grouped_block_bytes(int8_group(format)); break;
     case kInt6G16: block_bytes = kInt6TileBlockBytes; break;
-    default: throw std::invalid_argument("format must be 0..5 (int8, int4, int4_sym, int8_g32, int8_g16, int6_g16)");
+    case kInt5G32: block_bytes = kInt5TileBlockBytes; break;
+    default: throw std::invalid_argument(kFormatsMessage);
   }
   return int64_t((n + kRows - 1) / kRows) * (k / kBlock) * block_bytes;
 }
@@ -158,6 +160,38 @@ void pack_int6(uint8_t* out, const int8_t* q, const float* scales, int n, int k)
             dst[kRows * kBlock / 2 + 64 * jj + 4 * r + i] = bits;
           }
         put_scales(dst + kInt6CodeBytes, scales, row, r, n, k, b, 16);
+      }
+    }
+}
+
+// u (0..31): the nibble plane as int4's; byte (r, i) of the 64-byte fifth-bit plane holds
+// k = 4j + i's fifth bit at bit j; then the block's 16 scales and 16 mins (fp32).
+void pack_int5(uint8_t* out, const uint8_t* q, const float* scales, const float* mins, int n,
+               int k) {
+  if (k <= 0 || k % kBlock) throw std::invalid_argument("k must be a positive multiple of 32");
+  const int blocks = k / kBlock, tiles = (n + kRows - 1) / kRows;
+  for (int t = 0; t < tiles; ++t)
+    for (int b = 0; b < blocks; ++b) {
+      uint8_t* dst = out + (size_t(t) * blocks + b) * kInt5TileBlockBytes;
+      std::memset(dst, 0, kInt5TileBlockBytes);
+      for (int r = 0; r < kRows; ++r) {
+        const int row = t * kRows + r;
+        if (row >= n) continue;  // zeros: scale and min 0
+        auto code = [&](int c) {
+          const int v = q[size_t(row) * k + b * kBlock + c];
+          if (v > 31) throw std::invalid_argument("int5 codes must lie in 0..31");
+          return v;
+        };
+        uint8_t* fifth = dst + kRows * kBlock / 2;
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 4; ++i)
+            dst[64 * j + 4 * r + i] =
+                uint8_t((code(4 * j + i) & 15) | ((code(16 + 4 * j + i) & 15) << 4));
+        for (int j = 0; j < 8; ++j)
+          for (int i = 0; i < 4; ++i) fifth[4 * r + i] |= uint8_t((code(4 * j + i) >> 4) << j);
+        const size_t g = size_t(row) * blocks + b;
+        std::memcpy(dst + kRows * kBlock / 2 + kRows * 4 + 4 * r, scales + g, 4);
+        std::memcpy(dst + kRows * kBlock / 2 + kRows * 8 + 4 * r, mins + g, 4);
       }
     }
 }

@@ -21,6 +21,10 @@
 //   int8_g16 whose codes fit 6 bits, stored as q + 32; the x86 kernels feed those unsigned
 //   codes to the u8 operand and take 32 * sum(x) off each group's integer sum, the same
 //   integers as int8_g16's, so the same bits.
+//   int5_g32 (GGUF Q5_0, Q5_1 and Q5_K exactly: w = s u + m, u in 0..31, fp32 s and m per
+//   group of 32, i.e. per block): int4's nibble plane, 64 bytes of fifth bits (byte (r, i)
+//   holds k = 4j + i's at bit j), then the block's 16 s and 16 m (fp32): 448 bytes a block,
+//   7 bits a weight. Its dots and fp32 chain are int4's, with the fifth bit or-ed in.
 // - Activations are quantized on the fly (activations.cpp), per row and per block of 32, to
 //   8 or 16 bits: dx = max|x| / Q, q = round-to-nearest-even(x / dx) in -Q..Q (Q = 127, or
 //   32639 for 16 bits), sx = dx * sum(q). A 16-bit q is held as two int8 planes, q = 256 hi +
@@ -35,7 +39,7 @@
 //   (int8's bias removed as 128 * sum(q)).
 // - Per row and block, in K order, in fp32 with explicit fused multiply-adds:
 //     int4: acc = fma(d * dx, isum, acc); acc = fma(m, sx, acc)      y = acc
-//           (int4_sym: m = -8 * d, in fp32)
+//           (int4_sym: m = -8 * d, in fp32; int5_g32: d and m stored in fp32)
 //     int8: acc = fma(dx, isum, acc)                                 y = acc * s
 //     int8_g: per group g of the block, acc = fma(s_g * dx, isum_g, acc)   y = acc
 //   The same operations in the same order on every path (the portable one compiled without FP
@@ -73,6 +77,7 @@ constexpr int int8_grouped_block_bytes(int group) { return kRows * kBlock + kRow
 // bits: 256 bytes of low nibbles (int4's layout), 128 of 2-bit high parts, then the scales
 constexpr int kInt6CodeBytes = kRows * kBlock / 2 + kRows * kBlock / 4;
 constexpr int kInt6TileBlockBytes = kInt6CodeBytes + kRows * 4 * 2;
+constexpr int kInt5TileBlockBytes = kRows * kBlock / 2 + kRows * 4 + kRows * 4 * 2;
 constexpr int kRowChunk = 4;  // AVX-512: activation rows computed together over one weight tile
 constexpr int kInt8Bias = 128;  // int8 weights are stored as q + 128
 
@@ -93,14 +98,18 @@ inline void prefetch_ahead(const uint8_t* block) {
 }
 
 // The tile formats (pack.cpp); int4_sym: int4 whose every m is -8 d (m not stored).
-// int8_g32 / int8_g16: int8 with an fp32 scale per group of 32 / 16 along K.
+// int8_g32 / int8_g16: int8 with an fp32 scale per group of 32 / 16 along K. int5_g32: 5-bit
+// codes with an fp32 scale and min per 32.
 enum Format {
-  kInt8 = 0, kInt4 = 1, kInt4Sym = 2, kInt8G32 = 3, kInt8G16 = 4, kInt6G16 = 5, kNumFormats = 6
+  kInt8 = 0, kInt4 = 1, kInt4Sym = 2, kInt8G32 = 3, kInt8G16 = 4, kInt6G16 = 5, kInt5G32 = 6,
+  kNumFormats = 7
 };
 constexpr int int8_group(int format) {
   return format == kInt8G32 ? 32 : format == kInt8G16 || format == kInt6G16 ? 16 : 0;
 }
 const char* format_name(int format);
+constexpr const char* kFormatsMessage =
+    "format must be 0..6 (int8, int4, int4_sym, int8_g32, int8_g16, int6_g16, int5_g32)";
 
 enum Path {
   kPortable = 0,
@@ -166,6 +175,9 @@ void pack_int8_grouped(uint8_t* out, const int8_t* qweight, const float* scales,
                        int group);
 // int8 codes in -32..31 with fp32 scales [N, K / 16] into int6_g16 tiles
 void pack_int6(uint8_t* out, const int8_t* qweight, const float* scales, int n, int k);
+// codes in 0..31 (one a byte) with fp32 scales and mins [N, K / 32] into int5_g32 tiles
+void pack_int5(uint8_t* out, const uint8_t* qweight, const float* scales, const float* mins,
+               int n, int k);
 
 // y[M, N] (row stride y_stride) = x[M, K] (row stride x_stride) @ W.T, W packed in `format`;
 // path -1: the best.

@@ -22,9 +22,9 @@ def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _quantized_alike(parts: list[Linear]) -> bool:
-    """Whether every part is a QuantizedWeight of one format and group size (fused or stacked
-    as they are; else as floats)."""
-    kinds = {(p.format, p.group_size) if isinstance(p, QuantizedWeight) else None for p in parts}
+    """Whether every part is a QuantizedWeight of one kind (format, group size, mins or not):
+    fused or stacked as they are; else as floats."""
+    kinds = {p.kind if isinstance(p, QuantizedWeight) else None for p in parts}
     return len(kinds) == 1 and None not in kinds
 
 

@@ -54,10 +54,7 @@ def quantize_weights(
             quantizable(w.shape[-1], mode, group_size) for w in pair.values()
         ):
             return {name: plain(w).float() for name, w in pair.items()}
-        if (
-            all(kept(w, mode) for w in pair.values())
-            and len({(w.format, w.group_size) for w in pair.values()}) == 1
-        ):
+        if all(kept(w, mode) for w in pair.values()) and len({w.kind for w in pair.values()}) == 1:
             return pair
         target = (mode, group_size if mode == "int4" else 0)  # (ops.fused_moe: one form)
         return {

@@ -56,10 +56,8 @@ def cols(w: Linear, start: int, stop: int, what: str) -> Linear:
             f"boundaries (group size {g}); use --quantization {alternative} with this "
             "tensor_parallel_size"
         )
-    if w.int8_per_group:
-        q, mins = w.qweight[..., start:stop], None
-    else:
-        q, mins = w.qweight[..., start // 2 : stop // 2], w.mins[..., start // g : stop // g]
+    q = w.qweight[..., start:stop] if w.int8_per_group else w.qweight[..., start // 2 : stop // 2]
+    mins = None if w.mins is None else w.mins[..., start // g : stop // g]
     return QuantizedWeight(
         w.format,
         shape,

@@ -39,10 +39,12 @@ def check_experts(hidden, router_logits, w_gate_up, w_down, top_k: int) -> tuple
                 f"{name} must be stacked quantized experts (QuantizedWeight [E, N, K]) like the "
                 f"other expert weight, got {what}"
             )
-    if (w_gate_up.format, w_gate_up.group_size) != (w_down.format, w_down.group_size):
+    if w_gate_up.kind != w_down.kind:
         raise ValueError(
-            f"w_gate_up ({w_gate_up.format}, group {w_gate_up.group_size}) and w_down "
-            f"({w_down.format}, group {w_down.group_size}) must share format and group size"
+            f"w_gate_up ({w_gate_up.format}, group {w_gate_up.group_size}, mins "
+            f"{w_gate_up.mins is not None}) and w_down ({w_down.format}, group "
+            f"{w_down.group_size}, mins {w_down.mins is not None}) must share format, group "
+            "size and mins"
         )
     hv, rv = view(hidden, "hidden"), view(router_logits, "router_logits")
     check_dtype(hv, ("float16", "bfloat16", "float32"))

@@ -23,9 +23,11 @@ def dequantize(weight: QuantizedWeight, kernel_scales: torch.dtype | None = None
 
     if weight.format == "int8":
         scales = rounded(weight.scales)
-        if weight.int8_per_group:
-            return weight.qweight.double() * scales.repeat_interleave(weight.group_size, dim=1)
-        return weight.qweight.double() * scales[:, None]
+        if not weight.int8_per_group:
+            return weight.qweight.double() * scales[:, None]
+        g = weight.group_size
+        w = weight.qweight.double() * scales.repeat_interleave(g, dim=1)
+        return w if weight.mins is None else w + rounded(weight.mins).repeat_interleave(g, dim=1)
     g = weight.group_size
     q = weight.unpacked_int4().double().view(n, k // g, g)
     scale = weight.scales.double()

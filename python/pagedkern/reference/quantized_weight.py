@@ -4,7 +4,9 @@ which is also what the weights cache stores:
 
   int8: qweight int8 [N, K], scales fp32 [N]             w[n, k] = scales[n] * q[n, k]
         (group_size G = 16 or 32: scales fp32 [N, K/G]      w[n, k] = scales[n, k // G] * q[n, k];
-        GGUF Q8_0 and Q5_0 are G = 32, Q6_K G = 16, exactly)
+        GGUF Q8_0 is G = 32, Q6_K G = 16, exactly; with mins fp32 [N, K/G] as well,
+                                                          w[n, k] = scales[n, g] * q + mins[n, g]:
+        GGUF Q5_0, Q5_1 and Q5_K exactly, G = 32, q in 0..31)
   int4: qweight uint8 [N, K/2], byte j = q[2j] | q[2j+1] << 4, q in 0..15;
         scales, mins fp16 [N, K/G] (G = group_size, 32 or 128)
                                                           w[n, k] = scales[n, g] * q + mins[n, g]
@@ -63,6 +65,12 @@ class QuantizedWeight:
         return self.format == "int8" and self.group_size > 0
 
     @property
+    def kind(self) -> tuple[str, int, bool]:
+        """(format, group_size, whether it has mins): weights fuse or stack as they are only
+        when their kinds match."""
+        return self.format, self.group_size, self.mins is not None
+
+    @property
     def num_experts(self) -> int | None:
         """E of stacked experts, None for one [N, K] weight."""
         return self.shape[0] if len(self.shape) == 3 else None
@@ -98,11 +106,12 @@ class QuantizedWeight:
         if self.format == "int8":
             q = self.qweight[sel].to(torch.float32)
             scales = self.scales[sel].float()
-            if self.int8_per_group:
-                scales = scales.repeat_interleave(self.group_size, dim=-1)
-            else:
-                scales = scales[:, None]
-            return (q * scales).to(dtype)
+            if not self.int8_per_group:
+                return (q * scales[:, None]).to(dtype)
+            w = q * scales.repeat_interleave(self.group_size, dim=-1)
+            if self.mins is not None:
+                w += self.mins[sel].float().repeat_interleave(self.group_size, dim=-1)
+            return w.to(dtype)
         n, k = self.shape
         q = (
             self.unpacked_int4()[sel]

@@ -35,7 +35,7 @@ _PACKED_KEY = "cpu-gemv"  # weight.packed: the tiles
 _FORMAT_KEY = "cpu-gemv-format"  # weight.packed: their format, one of TILE_FORMATS
 # csrc/cpu/quant_gemv.h's Format: int4_sym is int4 whose every group has m == -8 d exactly
 # (GGUF Q4_0), packed without the m (4.5 bits a weight, not 5) and giving the same bits.
-TILE_FORMATS = ("int8", "int4", "int4_sym", "int8_g32", "int8_g16", "int6_g16")
+TILE_FORMATS = ("int8", "int4", "int4_sym", "int8_g32", "int8_g16", "int6_g16", "int5_g32")
 
 
 @functools.cache
@@ -85,7 +85,8 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
     """The weight's 16-row tiles (uint8), built once per weight and kept in weight.packed with
     their format (tile_format): int4_sym where every int4 group has m == -8 d, int8_g32 /
     int8_g16 for int8 with a scale per group (int6_g16 where those codes all fit 6 bits, as
-    GGUF Q6_K's do), else the weight's own format."""
+    GGUF Q6_K's do), int5_g32 for int8 with a scale and a min per 32 (GGUF Q5_*: codes in
+    0..31), else the weight's own format."""
     tiles = weight.packed.get(_PACKED_KEY)
     if tiles is None:
         cpu_kernels, (n, k) = cpu_module(), weight.shape
@@ -101,6 +102,23 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
             cpu_kernels.pack_int4(
                 out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(),
                 mins=mins.data_ptr(), n=n, k=k, group=weight.group_size, format=code,
+            )  # fmt: skip
+        elif weight.mins is not None:  # int8 with mins: codes 0..31 per 32 (GGUF Q5_*)
+            if weight.group_size != 32:
+                raise ValueError(
+                    f"int8 weights with mins need group_size 32, got {weight.group_size}"
+                )
+            fmt, qweight = "int5_g32", weight.qweight.contiguous()
+            if bool(((qweight < 0) | (qweight > 31)).any()):
+                raise ValueError("int8 weights with mins need codes in 0..31 (int5_g32 tiles)")
+            scales, mins = weight.scales.float().contiguous(), weight.mins.float().contiguous()
+            tiles = torch.empty(
+                cpu_kernels.packed_bytes(format=cpu_kernels.FORMATS[fmt], n=n, k=k),
+                dtype=torch.uint8,
+            )
+            cpu_kernels.pack_int5(
+                out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(),
+                mins=mins.data_ptr(), n=n, k=k,
             )  # fmt: skip
         else:
             group, qweight = weight.group_size, weight.qweight.contiguous()
