@@ -17,6 +17,7 @@ from hf_model_files import add_gguf_tokenizer, base_config, dense_logits, finish
 from pagedkern.model import ModelLoadError, SequenceChunk, build_batch, load_model
 from pagedkern.model.quantized_linear import QuantizedWeight
 from pagedkern.model.weights_cache import cache_root
+from pagedkern.ops.cpu import quant_gemv
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 
@@ -70,11 +71,27 @@ def q6_k_bytes(arr: np.ndarray, seed: int) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
+def q5_k_bytes(arr: np.ndarray, seed: int) -> np.ndarray:
+    """Random Q5_K blocks of arr's shape (gguf has no Q5_K quantizer): 5-bit q, 6-bit sub-scales
+    and mins, d = dmin = 1e-5, so w = d sc q - dmin mn lies in -0.0007..0.02."""
+    n, k = arr.shape
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // 256, 176), dtype=np.uint8)
+    blocks[:, :4] = np.full((len(blocks), 2), 1e-5, dtype=np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+RANDOM_BLOCKS = {
+    gguf.GGMLQuantizationType.Q6_K: q6_k_bytes,
+    gguf.GGMLQuantizationType.Q5_K: q5_k_bytes,
+}
+
+
 def write_gguf(
     path, cfg: dict, arch: str = "llama", skip: str = "", seed: int = 0, types=None
 ) -> dict:
     """A GGUF of the HF-style config; returns the float64 HF-layout tensors as dequantized.
-    types: GGUF name -> its type for matrices (default Q8_0; Q6_K: random blocks)."""
+    types: GGUF name -> its type for matrices (default Q8_0; Q6_K, Q5_K: random blocks)."""
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -92,20 +109,19 @@ def write_gguf(
         gname = llama_cpp_tensor_name(name)
         kind = (types or {}).get(gname, Q8)
         raw = None
-        if arr.ndim == 2 and kind == gguf.GGMLQuantizationType.Q6_K:
-            raw = q6_k_bytes(arr, seed * 1000 + i)
+        if arr.ndim == 2:  # quantized once: the file's blocks, and the values they hold
+            raw = RANDOM_BLOCKS[kind](arr, seed * 1000 + i) if kind in RANDOM_BLOCKS else None
+            raw = quantize(arr, kind) if raw is None else raw
             arr = dequantize(raw, kind).reshape(arr.shape)
-        elif name.endswith("weight") and arr.ndim == 2:
-            arr = dequantize(quantize(arr, kind), kind)  # what the file will hold
         expected[name] = torch.from_numpy(arr.astype(np.float64))
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
-            arr = llama_cpp_permute(arr, nh if "q_proj" in name else nkv)
+            heads = nh if "q_proj" in name else nkv
+            arr = llama_cpp_permute(arr, heads)
+            raw = None if raw is None else llama_cpp_permute(raw, heads)  # (whole rows of blocks)
         if gname == skip:
             continue
         if raw is not None:
             w.add_tensor(gname, raw, raw_dtype=kind)
-        elif arr.ndim == 2:
-            w.add_tensor(gname, quantize(arr, kind), raw_dtype=kind)
         else:
             w.add_tensor(gname, arr)
     finish_gguf(w)
@@ -179,6 +195,47 @@ def test_a_q4_k_m_shaped_file_keeps_each_tensors_precision(tmp_path):
     ids = tok.encode(TEXT)
     got, want = all_logits(model, ids), dense_logits(expected, cfg, ids)
     assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+
+
+def test_a_q5_k_m_shaped_file_keeps_each_tensors_precision(tmp_path):
+    """Q5_K layers with Q6_K down and head, as llama-quantize's Q5_K_M mixes them, and Q5_0 /
+    Q5_1 gate and up (the legacy 5-bit blocks): the default is int8; every matrix is the file's
+    values exactly (codes with a scale and a min per 32, or a scale per 16), the fused ones
+    included (all three 5-bit kinds are one form); the CPU GEMM runs their own tiles, and the
+    logits are the file's dense model's within the 16-bit activations' rounding."""
+    t = gguf.GGMLQuantizationType
+    cfg = base_config(hidden_size=256, intermediate_size=512)
+    types = {"output.weight": t.Q6_K}
+    for layer in range(cfg["num_hidden_layers"]):
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            types[f"blk.{layer}.{part}.weight"] = t.Q5_K
+        types[f"blk.{layer}.ffn_down.weight"] = t.Q6_K
+        types[f"blk.{layer}.ffn_gate.weight"] = t.Q5_0 if layer == 0 else t.Q5_1
+        types[f"blk.{layer}.ffn_up.weight"] = t.Q5_0
+    expected = write_gguf(tmp_path / "m.gguf", cfg, "llama", types=types)
+    model, tok = load_model(tmp_path / "m.gguf", use_cache=False)
+    assert model.quantization == "int8"
+    w = model.weights
+
+    def exact(qw, names, group, mins):
+        assert isinstance(qw, QuantizedWeight) and (qw.format, qw.group_size) == ("int8", group)
+        assert (qw.mins is not None) == mins
+        want = torch.cat([expected[n] for n in names]).float()
+        assert torch.equal(qw.dequantize_rows(), want)
+
+    for i in range(cfg["num_hidden_layers"]):
+        p, layer = f"model.layers.{i}.", w.layers[i]
+        exact(layer.qkv, [p + f"self_attn.{x}_proj.weight" for x in "qkv"], 32, True)
+        exact(layer.o, [p + "self_attn.o_proj.weight"], 32, True)
+        exact(layer.down, [p + "mlp.down_proj.weight"], 16, False)
+        exact(layer.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], 32, True)
+    exact(w.lm_head, ["lm_head.weight"], 16, False)
+    if quant_gemv.available():
+        assert quant_gemv.tile_format(w.layers[0].qkv) == "int5_g32"
+        assert quant_gemv.tile_format(w.layers[0].down) == "int6_g16"
+    ids = tok.encode(TEXT)
+    got, want = all_logits(model, ids), dense_logits(expected, cfg, ids)
+    assert 0 < (got - want).abs().max().item() < 2e-3 * want.abs().max().item()
 
 
 def test_cache_hit_skips_parsing_and_damage_rebuilds(tmp_path):

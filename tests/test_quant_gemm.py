@@ -189,6 +189,47 @@ def test_gguf_q6_k_maps_exactly_onto_int8_per_16(n):
     assert (got - exact).abs().max() <= 1e-4 * (x.double().abs() @ want.double().abs().T).max()
 
 
+def _q5k_blocks(rng, n: int, k: int) -> np.ndarray:
+    """Random valid Q5_K bytes (gguf has no Q5_K quantizer): finite fp16 d / dmin (d zero in
+    one block), random 6-bit scales and mins, nibbles and fifth bits."""
+    blocks = rng.integers(0, 256, size=(n * k // 256, 176), dtype=np.uint8)
+    d = rng.uniform(-1e-2, 1e-2, size=(blocks.shape[0], 2)).astype(np.float16)
+    d[1, 0] = 0
+    blocks[:, :4] = d.view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K"])
+@pytest.mark.parametrize("n", [5, 1030])  # 1030: more rows than one conversion chunk
+def test_gguf_q5_maps_exactly_onto_int8_codes_with_mins(kind, n):
+    """Q5_0 / Q5_1 / Q5_K bytes -> int8 codes 0..31 with an fp32 scale and min per 32: gguf's
+    dequantization bit for bit, and the CPU GEMM over it (int5_g32 tiles) within the 16-bit
+    activations' rounding."""
+    k, rng = 512, np.random.default_rng(n)
+    qtype = GGMLQuantizationType[kind]
+    if kind == "Q5_K":
+        raw = _q5k_blocks(rng, n, k)
+    else:
+        w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 1, (n, 1))
+        w[2] += 0.5  # Q5_1: a min far from zero
+        raw = quantize(w, qtype)
+    want = torch.from_numpy(dequantize(raw, qtype).reshape(n, k))
+    qw = gguf_to_int8(kind, raw, n, k)
+    assert qw is not None and (qw.format, qw.shape, qw.group_size) == ("int8", (n, k), 32)
+    assert qw.mins is not None and qw.mins.shape == qw.scales.shape == (n, k // 32)
+    assert qw.qweight.min() >= 0 and qw.qweight.max() <= 31
+    assert torch.equal(qw.dequantize_rows(), want)
+    if kind == "Q5_K":
+        assert gguf_to_int8(kind, raw[:, :88], n, 128) is None  # K not whole 256-blocks
+    if not quant_gemv.available():
+        return
+    assert quant_gemv.tile_format(qw) == "int5_g32"
+    x = torch.randn(3, k)
+    got = quant_gemv.quant_gemv(x, qw).double()
+    exact = x.double() @ want.double().T
+    assert (got - exact).abs().max() <= 1e-4 * (x.double().abs() @ want.double().abs().T).max()
+
+
 def _q4k_blocks(rng, n: int, k: int) -> np.ndarray:
     """Random valid Q4_K bytes (gguf has no Q4_K quantizer): positive fp16 d/dmin, random 6-bit
     scales and nibbles."""

@@ -2,10 +2,11 @@
 
 Quantized tensors are dequantized with gguf.quants.dequantize to fp32, except where they map
 straight onto the target format (quantized_linear): Q4_0/Q4_1/Q4_K layer weights onto int4,
-Q8_0 and Q6_K exactly onto int8 with a scale per 32 / 16 weights (in int4 and int8 mode, and
-the LM head whenever it is int8): a Q4_K_M file's Q6_K tensors keep the precision its
-quantizer gave them. A fused projection whose parts differ (Q4_K q and k beside a Q6_K v) is
-put in the mode's format whole (weight_assembly, weight_quantization).
+Q8_0 and Q6_K exactly onto int8 with a scale per 32 / 16 weights, Q5_0 / Q5_1 / Q5_K onto int8
+codes with a scale and a min per 32 (in int4 and int8 mode, and the LM head whenever it is
+int8): a Q4_K_M or Q5_K_M file's tensors keep the precision its quantizer gave them. A fused
+projection whose parts differ (Q4_K q and k beside a Q6_K v) is put in the mode's format whole
+(weight_assembly, weight_quantization).
 llama.cpp stores the Q and K projections of "llama" models permuted for its interleaved RoPE
 (pairs 2i, 2i+1); the loader undoes that so every model uses rotate-half RoPE (halves i,
 i + D/2). The converted model is cached (weights_cache), so only the first load of a file pays
@@ -102,9 +103,9 @@ def _convert(
             n = int(np.prod(outer))  # (stacked experts: their rows one after the other)
             direct, kind = None, t.tensor_type.name
             if name in int8_tensors or (quantization == "int8" and name not in float_tensors):
-                direct = gguf_to_int8(kind, t.data, n, k)  # Q8_0, Q6_K
+                direct = gguf_to_int8(kind, t.data, n, k)  # Q8_0, Q6_K, Q5_*
             elif quantization == "int4" and name not in float_tensors:
-                # 4-bit blocks onto int4 G = 32; Q8_0 and Q6_K keep their precision
+                # 4-bit blocks onto int4 G = 32; Q8_0, Q6_K and Q5_* keep their precision
                 direct = gguf_to_int8(kind, t.data, n, k)
                 if direct is None and group_size == 32:
                     direct = gguf_to_int4(kind, t.data, n, k)
@@ -174,9 +175,10 @@ def _convert(
 
 def gguf_default_quantization(path: str | os.PathLike) -> str:
     """The mode that keeps every layer weight as the file has it (reads the tensor table
-    only): 'int8' when they are all Q8_0 / Q6_K, 'int4' when they are those and 4-bit blocks
-    (Q4_0 / Q4_1 / Q4_K, e.g. the default model, or a Q4_K_M file), else 'none'; a mixture of
-    experts' stacked experts count as layer weights."""
+    only): 'int8' when they are all Q8_0 / Q6_K / Q5_0 / Q5_1 / Q5_K (e.g. a Q5_K_M file),
+    'int4' when they are those and 4-bit blocks (Q4_0 / Q4_1 / Q4_K, e.g. the default model,
+    or a Q4_K_M file), else 'none'; a mixture of experts' stacked experts count as layer
+    weights."""
     reader, _ = _open(os.fspath(path))
     kinds = {
         t.tensor_type.name
@@ -185,9 +187,10 @@ def gguf_default_quantization(path: str | os.PathLike) -> str:
         and len(t.shape) > 1  # (norms, biases)
         and "ffn_gate_inp" not in t.name  # the router, F32 in llama.cpp's files, stays float
     }
-    if kinds and kinds <= {"Q8_0", "Q6_K"}:
+    exact = {"Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K"}  # (gguf_to_int8)
+    if kinds and kinds <= exact:
         return "int8"
-    return "int4" if kinds and kinds <= {"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"} else "none"
+    return "int4" if kinds and kinds <= exact | {"Q4_0", "Q4_1", "Q4_K"} else "none"
 
 
 def read_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:

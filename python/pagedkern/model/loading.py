@@ -83,8 +83,8 @@ def load_model(
     quantization: weight-only 'none' / 'int8' (per channel) / 'int4' (groups of group_size);
     None: what measured best (bench/test_bench_quant.py): on the CPU a GGUF file keeps its own
     precision where it maps (gguf_default_quantization: 'int4' for Q4_0/Q4_1/Q4_K layers, e.g.
-    the default model, also beside Q8_0/Q6_K ones; 'int8' for Q8_0/Q6_K alone); all else, and
-    everything on CUDA, 'none'. Float weights are quantized at load; on CUDA a
+    the default model, also beside Q8_0/Q6_K/Q5_* ones; 'int8' for Q8_0/Q6_K/Q5_* alone); all
+    else, and everything on CUDA, 'none'. Float weights are quantized at load; on CUDA a
     quantized model's linear weights are then dequantized to `dtype` (gemm_weights: its
     values through bf16/fp16 GEMMs, which beat quant_gemm.cu). kv_cache_dtype: "auto" (the
     activation dtype) or "fp8" (E4M3 with per-layer scales, attention on the reference ops).

@@ -4,7 +4,8 @@ reference/quantized_weight.py, reached through ops.quant_gemm).
 
 GGUF Q4_0 (w = d*(q-8)), Q4_1 (w = d*q + m) and Q4_K (w = d*sc*q - dmin*m per 32 weights) map
 onto int4 with G = 32 by rearranging nibbles and scales, never through fp32 weights. Q8_0 and
-Q6_K map exactly onto int8 with a scale per 32 and per 16 weights (gguf_to_int8).
+Q6_K map exactly onto int8 with a scale per 32 and per 16 weights, Q5_0, Q5_1 and Q5_K onto
+int8 codes 0..31 with a scale and a min per 32 (gguf_to_int8).
 Kernel-specific packed forms (torch's CPU int4pack, bf16 scales) are built once per weight by
 ops.quant_gemm and kept in `packed`.
 """
@@ -199,14 +200,17 @@ ROWS_PER_CHUNK = 1024  # gguf_to_int8: rows converted at a time (bounds the temp
 
 
 def gguf_to_int8(tensor_type: str, data: np.ndarray, n: int, k: int) -> QuantizedWeight | None:
-    """A GGUF Q8_0 or Q6_K tensor's raw bytes ([n, bytes per row] uint8) as int8 with a scale
-    per group, exactly, or None for other types: Q8_0 (w = d q, d fp16 per 32) is int8 G = 32
-    with scale d; Q6_K (w = d sc (q - 32), q 6 bits, sc int8 per 16, d fp16 per 256) is int8
-    G = 16 with q - 32 and scale d sc (exact in fp32: 11 x 8 bits). A Q8_0 tensor holding -128
-    (llama.cpp writes -127..127; the kernels' sign trick needs it) is requantized per channel
-    instead, as quantize_int8 would the dequantized tensor."""
-    if k % 256 if tensor_type == "Q6_K" else k % 32:
+    """A GGUF Q8_0, Q6_K or Q5_* tensor's raw bytes ([n, bytes per row] uint8) as int8 with a
+    scale per group, exactly, or None for other types: Q8_0 (w = d q, d fp16 per 32) is int8
+    G = 32 with scale d; Q6_K (w = d sc (q - 32), q 6 bits, sc int8 per 16, d fp16 per 256) is
+    int8 G = 16 with q - 32 and scale d sc (exact in fp32: 11 x 8 bits); Q5_0 / Q5_1 / Q5_K
+    are codes 0..31 with a scale and a min per 32 (gguf_q5_to_int8). A Q8_0 tensor holding
+    -128 (llama.cpp writes -127..127; the kernels' sign trick needs it) is requantized per
+    channel instead, as quantize_int8 would the dequantized tensor."""
+    if k % 256 if tensor_type in ("Q6_K", "Q5_K") else k % 32:
         return None
+    if tensor_type in Q5_BLOCK_BYTES:
+        return gguf_q5_to_int8(tensor_type, data, n, k)
     if tensor_type == "Q8_0":
         blocks = np.ascontiguousarray(data).reshape(n, k // 32, Q8_0_BLOCK_BYTES)
         q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(n, k)
@@ -235,6 +239,53 @@ def gguf_to_int8(tensor_type: str, data: np.ndarray, n: int, k: int) -> Quantize
             "int8", (n, k), q.view(n, k).contiguous(), scales.view(n, k // 16), None, 16
         )
     return None
+
+
+Q5_BLOCK_BYTES = {"Q5_0": 22, "Q5_1": 24, "Q5_K": 176}
+
+
+def gguf_q5_to_int8(tensor_type: str, data: np.ndarray, n: int, k: int) -> QuantizedWeight:
+    """Q5_0 (w = d (q - 16)), Q5_1 (w = d q + m) or Q5_K (w = d sc q - dmin mn per 32, sc and
+    mn 6 bits, d and dmin fp16 per 256) as int8 codes q (0..31) with fp32 scales and mins per
+    32: (d, -16 d), (d, m), (d sc, -dmin mn), every one exact in fp32, so w = s q + m is the
+    file's value bit for bit. ROWS_PER_CHUNK rows at a time (bounds the temporaries)."""
+    rows = np.ascontiguousarray(data).reshape(n, -1)
+    q = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, k // 32, dtype=torch.float32)
+    mins = torch.empty(n, k // 32, dtype=torch.float32)
+    for start in range(0, n, ROWS_PER_CHUNK):
+        blocks = rows[start : start + ROWS_PER_CHUNK].reshape(-1, Q5_BLOCK_BYTES[tensor_type])
+        part_q, part_s, part_m = _q5_blocks(tensor_type, blocks)
+        stop = min(start + ROWS_PER_CHUNK, n)
+        q[start:stop] = torch.from_numpy(part_q.view(np.int8)).reshape(-1, k)
+        scales[start:stop] = torch.from_numpy(part_s.astype(np.float32)).reshape(-1, k // 32)
+        mins[start:stop] = torch.from_numpy(part_m.astype(np.float32)).reshape(-1, k // 32)
+    return QuantizedWeight("int8", (n, k), q, scales, mins, 32)
+
+
+def _q5_blocks(tensor_type: str, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(codes [groups, 32] uint8, scales, mins [groups]) of Q5_* blocks."""
+
+    def half(at: int) -> np.ndarray:
+        return blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+
+    if tensor_type == "Q5_K":
+        from gguf.quants import Q4_K
+
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+        scales = half(0)[:, None] * sc.astype(np.float32)
+        mins = -(half(2)[:, None] * mn.astype(np.float32))
+        qh = blocks[:, 16:48]  # bit s of byte l: weight l of sub-block s's fifth bit
+        qs = blocks[:, 48:].reshape(-1, 4, 1, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+        fifth = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+        return (low | (fifth << 4)).reshape(-1, 32), scales.reshape(-1), mins.reshape(-1)
+    at = 2 if tensor_type == "Q5_0" else 4  # (Q5_1: d, m, then the fifth bits)
+    high = blocks[:, at : at + 4].copy().view(np.uint32)[:, 0]  # bit j: weight j's fifth bit
+    fifth = ((high[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    q = _nibbles_32(blocks[:, at + 4 :]) | (fifth << 4)
+    d = half(0)
+    return q, d, -16 * d if tensor_type == "Q5_0" else half(2)
 
 
 def _q8_0_per_channel(blocks: np.ndarray, n: int, k: int) -> QuantizedWeight:

@@ -23,7 +23,7 @@ from .tokenizer import Tokenizer
 from .weights import LlamaWeights
 
 # Bump when the cached layout or the conversion changes, so stale entries are never read.
-CACHE_FORMAT = 3  # 2: quantized entries (int8/int4 parts with .qmeta); 3: GGUF Q8_0 / Q6_K exact
+CACHE_FORMAT = 4  # 2: int8/int4 parts with .qmeta; 3: GGUF Q8_0 / Q6_K exact; 4: Q5_* exact
 _WEIGHTS, _CONFIG, _DONE = "weights.safetensors", "pagedkern_config.json", "complete"
 
 
@@ -92,8 +92,8 @@ def store_entry(
 
 # The remembered defaults' own version (cheap to recompute: the tensor table only). 3: a
 # mixture of experts' Q4 experts count as layer weights (such files default to int4); 4: Q8_0
-# and Q6_K layers keep a quantized default
-DEFAULTS_FORMAT = 4
+# and Q6_K layers keep a quantized default; 5: so do Q5_* ones
+DEFAULTS_FORMAT = 5
 
 
 def _default_file(digest: str) -> Path:
