@@ -2,7 +2,8 @@
 integer dots) against torch's int-pack CPU kernels (aten._weight_int4pack_mm_for_cpu,
 aten._weight_int8pack_mm: bf16 activations), at the default model's shapes (SmolLM2-135M: QKV,
 gate/up, down int4 G = 32, the int8 LM head; gate/up as GGUF Q4_0 too, m = -8d: the int4_sym
-tiles; the head also as GGUF Q8_0 and Q6_K load it: int8 per 32 and int6 per 16) over
+tiles, and as Q5_K: codes 0..31 with a scale and min per 32, the int5_g32 tiles; the head also
+as GGUF Q8_0 and Q6_K load it: int8 per 32 and int6 per 16) over
 M = 1 .. 512, interleaved (each case times all three before the next), one thread
 by default (PAGEDKERN_BENCH_THREADS). Prints microseconds, the tile bytes read per second at
 M = 1 (16-bit activations) beside the copy bandwidth measured in the same run (the ceiling a
@@ -29,9 +30,9 @@ if FULL and torch.cuda.is_available():
 THREADS = int(os.environ.get("PAGEDKERN_BENCH_THREADS", 1))
 SHAPES = (
     [("qkv", "int4", 960, 576), ("gate_up", "int4", 3072, 576), ("gate_up", "q4_0", 3072, 576),
-     ("down", "int4", 576, 1536), ("lm_head", "int8", 49152, 576),
+     ("gate_up", "q5_k", 3072, 576), ("down", "int4", 576, 1536), ("lm_head", "int8", 49152, 576),
      ("lm_head", "q8_0", 49152, 576), ("lm_head", "q6_k", 49152, 576)]
-    if FULL else [("tiny", fmt, 64, 64) for fmt in ("int4", "q4_0", "int8", "q8_0", "q6_k")]
+    if FULL else [("tiny", fmt, 64, 64) for fmt in ("int4", "q4_0", "q5_k", "int8", "q8_0", "q6_k")]
 )  # fmt: skip
 MS = (1, 2, 4, 8, 16, 64, 256, 512) if FULL else (1, 3)
 MAX_LM_HEAD_M = 64  # the LM head runs on the sampled rows only
@@ -61,7 +62,20 @@ def _int8_groups(w: torch.Tensor, group: int, qmax: int) -> QuantizedWeight:
     return QuantizedWeight("int8", (n, k), q, scales, None, group)
 
 
+def _q5_k(w: torch.Tensor) -> QuantizedWeight:
+    """w in Q5_K's form: per 32, codes 0..31 with an fp32 scale (max - min) / 31 and the min
+    (llama.cpp forms both from 6-bit sub-scales; the tiles and the speed are the same)."""
+    n, k = w.shape
+    blocks = w.view(n, k // 32, 32)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    scales = ((hi - lo) / 31).clamp_min(1e-12)
+    q = ((blocks - lo[..., None]) / scales[..., None]).round().clamp(0, 31).to(torch.int8)
+    return QuantizedWeight("int8", (n, k), q.view(n, k), scales, lo, 32)
+
+
 def _weight(fmt: str, w: torch.Tensor) -> QuantizedWeight:
+    if fmt == "q5_k":
+        return _q5_k(w)
     if fmt in ("q8_0", "q6_k"):
         return _int8_groups(w, *{"q8_0": (32, 127), "q6_k": (16, 31)}[fmt])
     return {"int4": quantize_int4, "q4_0": _q4_0, "int8": quantize_int8}[fmt](w)
