@@ -192,6 +192,7 @@ def test_default_max_tokens_stop_strings_and_seeds(client, solo):
 
 
 def test_models_health_metrics(server, client):
+    client.completions.create(model=TINY, prompt="hi", max_tokens=2)  # a first token to count
     models = client.models.list()
     assert [m.id for m in models.data] == [TINY]
     assert client.models.retrieve(TINY).id == TINY
