@@ -5,8 +5,8 @@ straight onto the target format (quantized_linear): Q4_0/Q4_1/Q4_K layer weights
 Q8_0 and Q6_K exactly onto int8 with a scale per 32 / 16 weights, Q5_0 / Q5_1 / Q5_K onto int8
 codes with a scale and a min per 32 (in int4 and int8 mode, and the LM head whenever it is
 int8): a Q4_K_M or Q5_K_M file's tensors keep the precision its quantizer gave them. A fused
-projection whose parts differ (Q4_K q and k beside a Q6_K v) is put in the mode's format whole
-(weight_assembly, weight_quantization).
+projection whose parts differ (Q4_K q and k beside a Q6_K v) is requantized whole to int8 with a
+scale per 32 (weight_assembly).
 llama.cpp stores the Q and K projections of "llama" models permuted for its interleaved RoPE
 (pairs 2i, 2i+1); the loader undoes that so every model uses rotate-half RoPE (halves i,
 i + D/2). The converted model is cached (weights_cache), so only the first load of a file pays

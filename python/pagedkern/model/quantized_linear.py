@@ -125,6 +125,18 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("int8", tuple(w.shape), q.contiguous(), scales.contiguous())
 
 
+def quantize_int8_grouped(w: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
+    """Symmetric int8 with a scale per group of `group_size` along K (max|w| / 127 of the group,
+    GGUF Q8_0's form at 32), computed in fp32."""
+    n, k = w.shape
+    if group_size not in (16, 32) or k % group_size:
+        raise ValueError(f"int8 group size {group_size} must be 16 or 32 and divide {k}")
+    g = w.float().view(n, k // group_size, group_size)
+    scales = (g.abs().amax(dim=-1) / 127.0).clamp_min(1e-12)
+    q = torch.round(g / scales[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k)
+    return QuantizedWeight("int8", (n, k), q.contiguous(), scales.contiguous(), None, group_size)
+
+
 def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP) -> QuantizedWeight:
     """Asymmetric group-wise int4: per group of `group_size` weights along K, scale = (max -
     min) / 15 and min, both stored fp16; q = round((w - min) / scale) in 0..15."""

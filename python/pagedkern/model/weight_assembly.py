@@ -12,7 +12,7 @@ from .checkpoint_layout import expected_shapes, layer_norm_names, mixtral_name
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gpt_oss import gpt_oss_experts
-from .quantized_linear import QuantizedWeight, cat_rows, stack_experts
+from .quantized_linear import QuantizedWeight, cat_rows, quantize_int8_grouped, stack_experts
 from .tensor_shard import TensorShard
 from .weights import LayerWeights, Linear, LlamaWeights
 
@@ -103,12 +103,17 @@ def assemble_weights(
         if names[0] not in shapes:
             return None
         parts = [load(n) for n in names]
-        if _quantized_alike(parts):  # else floats, put in the mode whole later
+        if _quantized_alike(parts):
             return cat_rows(parts)
+        if all(isinstance(p, QuantizedWeight) for p in parts) and parts[0].shape[1] % 32 == 0:
+            # parts of two forms (a Q4_K_M / Q5_K_M file's Q6_K v beside its q and k): int8
+            # per 32 of their values, within 1/254 of each group's largest weight
+            whole = torch.cat([p.dequantize_rows() for p in parts])
+            return quantize_int8_grouped(whole, 32).to(device)
         plain = [
             p.dequantize_rows(dtype=dtype) if isinstance(p, QuantizedWeight) else p for p in parts
         ]
-        return torch.cat(plain)
+        return torch.cat(plain)  # floats, put in the mode whole later
 
     def floats(t: Linear) -> torch.Tensor:
         return t.dequantize_rows(dtype=dtype) if isinstance(t, QuantizedWeight) else t

@@ -96,9 +96,13 @@ class LlamaWeights:
 
     @property
     def quantization(self) -> str:
-        """'int8' / 'int4' (the format of the layers' linear weights) or 'none'."""
-        qkv = self.layers[0].qkv if self.layers else None
-        return qkv.format if isinstance(qkv, QuantizedWeight) else "none"
+        """'int8' / 'int4' (the format of the first layer's quantized MLP weights, the most of
+        its bytes, else of its QKV: a GGUF's fused projection of two forms may differ) or
+        'none'."""
+        layer = self.layers[0] if self.layers else None
+        candidates = () if layer is None else (layer.gate_up, layer.experts_gate_up, layer.qkv)
+        w = next((w for w in candidates if isinstance(w, QuantizedWeight)), None)
+        return "none" if w is None else w.format
 
     @property
     def nbytes(self) -> int:
