@@ -131,69 +131,74 @@ void pack_int8_grouped(uint8_t* out, const int8_t* q, const float* scales, int n
   pack_int8_tiles(out, q, scales, n, k, group, int8_grouped_block_bytes(group));
 }
 
-// q + 32 (0..63): byte (j, r, i) of the nibble plane holds k = 4j + i low and 16 + 4j + i high
-// (int4's layout); byte (jj, r, i) of the 2-bit plane holds the high bits of k-quads jj,
-// jj + 2, jj + 4, jj + 6 at bits 0, 2, 4, 6.
-void pack_int6(uint8_t* out, const int8_t* q, const float* scales, int n, int k) {
+namespace {
+
+// Every live row of every tile block: row(dst, row of N, row of the tile, block), over blocks
+// zeroed first (rows past N stay zeros).
+template <typename Row>
+void for_tile_rows(uint8_t* out, int n, int k, int block_bytes, const Row& row_fn) {
   if (k <= 0 || k % kBlock) throw std::invalid_argument("k must be a positive multiple of 32");
   const int blocks = k / kBlock, tiles = (n + kRows - 1) / kRows;
   for (int t = 0; t < tiles; ++t)
     for (int b = 0; b < blocks; ++b) {
-      uint8_t* dst = out + (size_t(t) * blocks + b) * kInt6TileBlockBytes;
-      std::memset(dst, 0, kInt6TileBlockBytes);
-      for (int r = 0; r < kRows; ++r) {
-        const int row = t * kRows + r;
-        if (row >= n) continue;  // zeros: code -32 with scale 0
-        auto code = [&](int c) {
-          const int v = q[size_t(row) * k + b * kBlock + c] + 32;
-          if (v < 0 || v > 63) throw std::invalid_argument("int6 codes must lie in -32..31");
-          return uint8_t(v);
-        };
-        for (int j = 0; j < 4; ++j)
-          for (int i = 0; i < 4; ++i)
-            dst[64 * j + 4 * r + i] =
-                uint8_t((code(4 * j + i) & 15) | ((code(16 + 4 * j + i) & 15) << 4));
-        for (int jj = 0; jj < 2; ++jj)
-          for (int i = 0; i < 4; ++i) {
-            uint8_t bits = 0;
-            for (int m = 0; m < 4; ++m) bits |= uint8_t((code(4 * (jj + 2 * m) + i) >> 4) << (2 * m));
-            dst[kRows * kBlock / 2 + 64 * jj + 4 * r + i] = bits;
-          }
-        put_scales(dst + kInt6CodeBytes, scales, row, r, n, k, b, 16);
-      }
+      uint8_t* dst = out + (size_t(t) * blocks + b) * block_bytes;
+      std::memset(dst, 0, block_bytes);
+      for (int r = 0; r < kRows && t * kRows + r < n; ++r) row_fn(dst, t * kRows + r, r, b);
     }
 }
 
-// u (0..31): the nibble plane as int4's; byte (r, i) of the 64-byte fifth-bit plane holds
-// k = 4j + i's fifth bit at bit j; then the block's 16 scales and 16 mins (fp32).
+// Row r's low 4 bits of its block's 32 codes into int4's nibble plane: byte (j, r, i) holds
+// k = 4j + i low and 16 + 4j + i high.
+template <typename Code>
+void put_nibbles(uint8_t* dst, int r, const Code& code) {
+  for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 4; ++i)
+      dst[64 * j + 4 * r + i] = uint8_t((code(4 * j + i) & 15) | ((code(16 + 4 * j + i) & 15) << 4));
+}
+
+}  // namespace
+
+// q + 32 (0..63): the nibble plane, then byte (jj, r, i) of the 2-bit plane holds the high bits
+// of k-quads jj, jj + 2, jj + 4, jj + 6 at bits 0, 2, 4, 6; then the scales. Rows past N are
+// zeros: code -32 with scale 0.
+void pack_int6(uint8_t* out, const int8_t* q, const float* scales, int n, int k) {
+  for_tile_rows(out, n, k, kInt6TileBlockBytes, [&](uint8_t* dst, int row, int r, int b) {
+    auto code = [&](int c) {
+      const int v = q[size_t(row) * k + b * kBlock + c] + 32;
+      if (v < 0 || v > 63) throw std::invalid_argument("int6 codes must lie in -32..31");
+      return v;
+    };
+    put_nibbles(dst, r, code);
+    for (int jj = 0; jj < 2; ++jj)
+      for (int i = 0; i < 4; ++i) {
+        uint8_t bits = 0;
+        for (int m = 0; m < 4; ++m) bits |= uint8_t((code(4 * (jj + 2 * m) + i) >> 4) << (2 * m));
+        dst[kRows * kBlock / 2 + 64 * jj + 4 * r + i] = bits;
+      }
+    put_scales(dst + kInt6CodeBytes, scales, row, r, n, k, b, 16);
+  });
+}
+
+// u (0..31): the nibble plane; byte (r, i) of the 64-byte fifth-bit plane holds k = 4j + i's
+// fifth bit at bit j; then the block's 16 scales and 16 mins (fp32). Rows past N: scale and
+// min 0.
 void pack_int5(uint8_t* out, const uint8_t* q, const float* scales, const float* mins, int n,
                int k) {
-  if (k <= 0 || k % kBlock) throw std::invalid_argument("k must be a positive multiple of 32");
-  const int blocks = k / kBlock, tiles = (n + kRows - 1) / kRows;
-  for (int t = 0; t < tiles; ++t)
-    for (int b = 0; b < blocks; ++b) {
-      uint8_t* dst = out + (size_t(t) * blocks + b) * kInt5TileBlockBytes;
-      std::memset(dst, 0, kInt5TileBlockBytes);
-      for (int r = 0; r < kRows; ++r) {
-        const int row = t * kRows + r;
-        if (row >= n) continue;  // zeros: scale and min 0
-        auto code = [&](int c) {
-          const int v = q[size_t(row) * k + b * kBlock + c];
-          if (v > 31) throw std::invalid_argument("int5 codes must lie in 0..31");
-          return v;
-        };
-        uint8_t* fifth = dst + kRows * kBlock / 2;
-        for (int j = 0; j < 4; ++j)
-          for (int i = 0; i < 4; ++i)
-            dst[64 * j + 4 * r + i] =
-                uint8_t((code(4 * j + i) & 15) | ((code(16 + 4 * j + i) & 15) << 4));
-        for (int j = 0; j < 8; ++j)
-          for (int i = 0; i < 4; ++i) fifth[4 * r + i] |= uint8_t((code(4 * j + i) >> 4) << j);
-        const size_t g = size_t(row) * blocks + b;
-        std::memcpy(dst + kRows * kBlock / 2 + kRows * 4 + 4 * r, scales + g, 4);
-        std::memcpy(dst + kRows * kBlock / 2 + kRows * 8 + 4 * r, mins + g, 4);
-      }
-    }
+  const int blocks = k / kBlock;
+  for_tile_rows(out, n, k, kInt5TileBlockBytes, [&](uint8_t* dst, int row, int r, int b) {
+    auto code = [&](int c) {
+      const int v = q[size_t(row) * k + b * kBlock + c];
+      if (v > 31) throw std::invalid_argument("int5 codes must lie in 0..31");
+      return v;
+    };
+    put_nibbles(dst, r, code);
+    uint8_t* fifth = dst + kRows * kBlock / 2;
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) fifth[4 * r + i] |= uint8_t((code(4 * j + i) >> 4) << j);
+    const size_t g = size_t(row) * blocks + b;
+    std::memcpy(fifth + kRows * 4 + 4 * r, scales + g, 4);
+    std::memcpy(fifth + kRows * 8 + 4 * r, mins + g, 4);
+  });
 }
 
 }  // namespace pagedkern_cpu
