@@ -50,6 +50,33 @@ bool int4_symmetric(const uint16_t* s, const uint16_t* mn, int64_t count) {
   return true;
 }
 
+namespace {
+
+// Every live row of every tile block: row(dst, row of N, row of the tile, block), over blocks
+// zeroed first (rows past N stay zeros).
+template <typename Row>
+void for_tile_rows(uint8_t* out, int n, int k, int block_bytes, const Row& row_fn) {
+  if (k <= 0 || k % kBlock) throw std::invalid_argument("k must be a positive multiple of 32");
+  const int blocks = k / kBlock, tiles = (n + kRows - 1) / kRows;
+  for (int t = 0; t < tiles; ++t)
+    for (int b = 0; b < blocks; ++b) {
+      uint8_t* dst = out + (size_t(t) * blocks + b) * block_bytes;
+      std::memset(dst, 0, block_bytes);
+      for (int r = 0; r < kRows && t * kRows + r < n; ++r) row_fn(dst, t * kRows + r, r, b);
+    }
+}
+
+// Row r's low 4 bits of its block's 32 codes into int4's nibble plane: byte (j, r, i) holds
+// k = 4j + i low and 16 + 4j + i high.
+template <typename Code>
+void put_nibbles(uint8_t* dst, int r, const Code& code) {
+  for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 4; ++i)
+      dst[64 * j + 4 * r + i] = uint8_t((code(4 * j + i) & 15) | ((code(16 + 4 * j + i) & 15) << 4));
+}
+
+}  // namespace
+
 // qweight [N, K/2] uint8 (weight 2i in the low nibble of byte i), scales/mins [N, K/G] fp16.
 // int4_sym: the same without the m (the caller checked int4_symmetric).
 void pack_int4(uint8_t* out, const uint8_t* q, const uint16_t* s, const uint16_t* mn, int n, int k,
@@ -59,30 +86,18 @@ void pack_int4(uint8_t* out, const uint8_t* q, const uint16_t* s, const uint16_t
   if (format != kInt4 && format != kInt4Sym)
     throw std::invalid_argument("pack_int4: format must be 1 (int4) or 2 (int4_sym)");
   const bool sym = format == kInt4Sym;
-  const int block_bytes = sym ? kInt4SymTileBlockBytes : kInt4TileBlockBytes;
-  const int blocks = k / kBlock, tiles = (n + kRows - 1) / kRows, groups = k / group;
-  auto nibble = [&](int row, int col) -> uint8_t {
-    const uint8_t byte = q[size_t(row) * (k / 2) + col / 2];
-    return col % 2 ? byte >> 4 : byte & 0x0F;
-  };
-  for (int t = 0; t < tiles; ++t)
-    for (int b = 0; b < blocks; ++b) {
-      uint8_t* dst = out + (size_t(t) * blocks + b) * block_bytes;
-      uint16_t* dm = reinterpret_cast<uint16_t*>(dst + kRows * kBlock / 2);
-      for (int r = 0; r < kRows; ++r) {
-        const int row = t * kRows + r;
-        const bool live = row < n;
-        for (int j = 0; j < 4; ++j)
-          for (int i = 0; i < 4; ++i) {
-            const int c = b * kBlock + 4 * j + i;
-            dst[64 * j + 4 * r + i] =
-                live ? uint8_t(nibble(row, c) | (nibble(row, c + 16) << 4)) : 0;
-          }
-        const size_t g = size_t(row) * groups + size_t(b) * kBlock / group;
-        dm[r] = live ? s[g] : 0;
-        if (!sym) dm[kRows + r] = live ? mn[g] : 0;
-      }
-    }
+  const int groups = k / group;
+  for_tile_rows(out, n, k, sym ? kInt4SymTileBlockBytes : kInt4TileBlockBytes,
+                [&](uint8_t* dst, int row, int r, int b) {
+                  put_nibbles(dst, r, [&](int c) {
+                    const uint8_t byte = q[size_t(row) * (k / 2) + (b * kBlock + c) / 2];
+                    return c % 2 ? byte >> 4 : byte & 0x0F;
+                  });
+                  uint16_t* dm = reinterpret_cast<uint16_t*>(dst + kRows * kBlock / 2);
+                  const size_t g = size_t(row) * groups + size_t(b) * kBlock / group;
+                  dm[r] = s[g];
+                  if (!sym) dm[kRows + r] = mn[g];
+                });
 }
 
 namespace {
@@ -130,33 +145,6 @@ void pack_int8_grouped(uint8_t* out, const int8_t* q, const float* scales, int n
   if (group != 16 && group != 32) throw std::invalid_argument("group must be 16 or 32");
   pack_int8_tiles(out, q, scales, n, k, group, int8_grouped_block_bytes(group));
 }
-
-namespace {
-
-// Every live row of every tile block: row(dst, row of N, row of the tile, block), over blocks
-// zeroed first (rows past N stay zeros).
-template <typename Row>
-void for_tile_rows(uint8_t* out, int n, int k, int block_bytes, const Row& row_fn) {
-  if (k <= 0 || k % kBlock) throw std::invalid_argument("k must be a positive multiple of 32");
-  const int blocks = k / kBlock, tiles = (n + kRows - 1) / kRows;
-  for (int t = 0; t < tiles; ++t)
-    for (int b = 0; b < blocks; ++b) {
-      uint8_t* dst = out + (size_t(t) * blocks + b) * block_bytes;
-      std::memset(dst, 0, block_bytes);
-      for (int r = 0; r < kRows && t * kRows + r < n; ++r) row_fn(dst, t * kRows + r, r, b);
-    }
-}
-
-// Row r's low 4 bits of its block's 32 codes into int4's nibble plane: byte (j, r, i) holds
-// k = 4j + i low and 16 + 4j + i high.
-template <typename Code>
-void put_nibbles(uint8_t* dst, int r, const Code& code) {
-  for (int j = 0; j < 4; ++j)
-    for (int i = 0; i < 4; ++i)
-      dst[64 * j + 4 * r + i] = uint8_t((code(4 * j + i) & 15) | ((code(16 + 4 * j + i) & 15) << 4));
-}
-
-}  // namespace
 
 // q + 32 (0..63): the nibble plane, then byte (jj, r, i) of the 2-bit plane holds the high bits
 // of k-quads jj, jj + 2, jj + 4, jj + 6 at bits 0, 2, 4, 6; then the scales. Rows past N are
