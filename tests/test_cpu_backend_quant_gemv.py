@@ -13,7 +13,7 @@ import torch
 from kernel_check import poisoned
 
 from pagedkern import ops
-from pagedkern.model.quantized_linear import quantize_int4, quantize_int8
+from pagedkern.model.quantized_linear import quantize_int4, quantize_int8, quantize_int8_grouped
 from pagedkern.ops import variants
 from pagedkern.ops.cpu import quant_gemv
 from pagedkern.ops.cpu import quant_linear as cpu_quant_linear
@@ -46,10 +46,7 @@ def _weight(fmt: str, group: int, n: int, k: int, seed: int):
         q[0, 0], q[-1, -1] = 0, 31
         return QuantizedWeight("int8", (n, k), q, scales, mins, 32)
     if fmt == "int8" and group:  # a scale per group along K (GGUF Q8_0: 32, Q6_K: 16)
-        blocks = w.view(n, k // group, group)
-        scales = (blocks.abs().amax(-1) / 127).clamp_min(1e-12)
-        q = torch.round(blocks / scales[..., None]).clamp(-127, 127).to(torch.int8)
-        return QuantizedWeight("int8", (n, k), q.view(n, k), scales, None, group)
+        return quantize_int8_grouped(w, group)
     return quantize_int8(w) if fmt == "int8" else quantize_int4(w, group)
 
 
