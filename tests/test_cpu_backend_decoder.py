@@ -176,6 +176,8 @@ def test_an_int4_engine_steps_through_it(decoder_runs):
         model="synthetic:tiny", backend="cpu", quantization="int4", num_blocks=64, block_size=4
     )
     engine = Engine.from_config(config)
-    engine.add_request(prompt_ids=list(range(3, 30)), params=SamplingParams(max_tokens=5))
+    engine.add_request(
+        prompt_ids=list(range(3, 30)), params=SamplingParams(max_tokens=5, ignore_eos=True)
+    )
     list(engine.run_until_done())
     assert decoder_runs[0] == 27 and decoder_runs[1:] == [1, 1, 1, 1]
