@@ -46,7 +46,7 @@ def test_the_table_names_every_op():
     }
     assert faster == {
         "flash_prefill", "paged_attention", "rms_norm", "fused_add_rms_norm", "quant_linear",
-        "rope_and_cache", "silu_and_mul", "fused_moe",
+        "rope_and_cache", "silu_and_mul", "fused_moe", "sample",
     }  # fmt: skip
 
 

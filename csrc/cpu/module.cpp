@@ -14,6 +14,7 @@
 #include "moe_experts.h"
 #include "quant_gemv.h"
 #include "rope_cache.h"
+#include "sampling.h"
 
 namespace py = pybind11;
 using namespace pagedkern_cpu;
@@ -37,7 +38,7 @@ QuantLinear quant_linear(const LinearTuple& w) {
 }  // namespace
 
 PYBIND11_MODULE(_cpu, mod) {
-  mod.doc() = "pagedkern's CPU kernels: quantized GEMV with run-time ISA dispatch, layer tail, attention, RoPE + cache write, decoder";
+  mod.doc() = "pagedkern's CPU kernels: quantized GEMV with run-time ISA dispatch, layer tail, attention, RoPE + cache write, decoder, sampling";
   py::dict paths;
   for (int path = 0; path < kNumPaths; ++path) paths[path_name(path)] = path;
   mod.attr("PATHS") = paths;
@@ -50,6 +51,24 @@ PYBIND11_MODULE(_cpu, mod) {
   for (int format = 0; format < kNumFormats; ++format) formats[format_name(format)] = format;
   mod.attr("FORMATS") = formats;
   mod.def("path_supported", &path_supported, py::arg("path"));
+  mod.def(
+      "sample",
+      [](uintptr_t out, uintptr_t logits, int64_t logits_stride, int rows, int vocab,
+         uintptr_t temperature, uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t seeds,
+         uintptr_t offsets, int threads) {
+        const SampleArgs args{ptr<int32_t>(out),         ptr<const float>(logits),
+                              logits_stride,             rows,
+                              vocab,                     ptr<const float>(temperature),
+                              ptr<const float>(top_p),   ptr<const int32_t>(top_k),
+                              ptr<const float>(min_p),   ptr<const int64_t>(seeds),
+                              ptr<const int64_t>(offsets), threads};
+        py::gil_scoped_release release;
+        sample(args);
+      },
+      py::kw_only(), py::arg("out"), py::arg("logits"), py::arg("logits_stride"), py::arg("rows"),
+      py::arg("vocab"), py::arg("temperature"), py::arg("top_p"), py::arg("top_k"),
+      py::arg("min_p"), py::arg("seeds"), py::arg("offsets"), py::arg("threads"));
+  mod.def("philox_uniform", &philox_uniform, py::arg("seed"), py::arg("offset"));
   mod.def("best_path", &best_path);
   mod.def("packed_bytes", &packed_bytes, py::kw_only(), py::arg("format"), py::arg("n"),
           py::arg("k"));

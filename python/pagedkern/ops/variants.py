@@ -242,6 +242,19 @@ VARIANTS: dict[str, OpVariants] = {
             ),
         ),
         OpVariants(
+            "cpu_sample",  # the cpu backend's sampling (no GPU involved)
+            (
+                Variant(
+                    "kernel",
+                    1,
+                    "csrc/cpu/sampling.cpp: a row's id in a few passes over its logits, "
+                    "thresholds for min-p / top-k / top-p instead of sorting the vocabulary",
+                    None,
+                ),
+                Variant("reference", 0, "reference/sampling.py's torch ops", None),
+            ),
+        ),
+        OpVariants(
             "cpu_moe",  # the cpu backend's quantized experts (no GPU involved)
             (
                 Variant(

@@ -65,7 +65,7 @@ def uniform(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return uniforms(seeds, offsets)[0]
 
 
-def _per_row(value, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def per_row(value, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     t = torch.as_tensor(value, device=device).to(dtype)
     return t.expand(rows) if t.dim() == 0 else t.reshape(rows)
 
@@ -115,10 +115,10 @@ def sampling_distribution(
     against exactly this (reference/rejection_sampling.py)."""
     rows, vocab = logits.shape
     dev = logits.device
-    temperature = _per_row(temperature, rows, torch.float32, dev)
-    top_p = _per_row(top_p, rows, torch.float32, dev)
-    top_k = _per_row(top_k, rows, torch.int64, dev)
-    min_p = _per_row(0.0 if min_p is None else min_p, rows, torch.float32, dev)
+    temperature = per_row(temperature, rows, torch.float32, dev)
+    top_p = per_row(top_p, rows, torch.float32, dev)
+    top_k = per_row(top_k, rows, torch.int64, dev)
+    min_p = per_row(0.0 if min_p is None else min_p, rows, torch.float32, dev)
     x = process_logits(logits, **processing)
     greedy = torch.nn.functional.one_hot(x.argmax(dim=-1), vocab).double()
     probs = kept_probs(x, temperature, top_p, top_k, min_p).double()
@@ -150,12 +150,12 @@ def sample(
     top_logprobs_out float32 [B, N]. Semantics in the module docstrings."""
     rows, vocab = logits.shape
     dev = logits.device
-    temperature = _per_row(temperature, rows, torch.float32, dev)
-    top_p = _per_row(top_p, rows, torch.float32, dev)
-    top_k = _per_row(top_k, rows, torch.int64, dev)
-    seeds = _per_row(seeds, rows, torch.int64, dev)
-    offsets = _per_row(offsets, rows, torch.int64, dev)
-    min_p = _per_row(0.0 if min_p is None else min_p, rows, torch.float32, dev)
+    temperature = per_row(temperature, rows, torch.float32, dev)
+    top_p = per_row(top_p, rows, torch.float32, dev)
+    top_k = per_row(top_k, rows, torch.int64, dev)
+    seeds = per_row(seeds, rows, torch.int64, dev)
+    offsets = per_row(offsets, rows, torch.int64, dev)
+    min_p = per_row(0.0 if min_p is None else min_p, rows, torch.float32, dev)
 
     x = process_logits(logits, **processing)
     processed = x
@@ -170,15 +170,29 @@ def sample(
         valid = sampled & torch.isfinite(total[:, 0]) & (total[:, 0] > 0)
         ids = torch.where(valid, drawn, ids)
     ids = ids.to(torch.int32)
-    if logprobs is not None or top_ids is not None:
-        lp = logprobs_of(processed, temperature)
-        if logprobs is not None:
-            logprobs.copy_(lp.gather(1, ids.long()[:, None])[:, 0])
-        if top_ids is not None and top_ids.shape[1]:
-            best_ids, best = top_logprobs(lp, top_ids.shape[1])
-            top_ids.copy_(best_ids)
-            top_logprobs_out.copy_(best)
+    write_logprobs(processed, temperature, ids, logprobs, top_ids, top_logprobs_out)
     if out is None:
         return ids
     out.copy_(ids)
     return out
+
+
+def write_logprobs(
+    processed: torch.Tensor,
+    temperature: torch.Tensor,
+    ids: torch.Tensor,
+    logprobs: torch.Tensor | None,
+    top_ids: torch.Tensor | None,
+    top_logprobs_out: torch.Tensor | None,
+) -> None:
+    """`sample`'s logprob outputs, where given, for the sampled `ids` of the processed logits
+    (process_logits) at each row's temperature ([B] tensor)."""
+    if logprobs is None and top_ids is None:
+        return
+    lp = logprobs_of(processed, temperature)
+    if logprobs is not None:
+        logprobs.copy_(lp.gather(1, ids.long()[:, None])[:, 0])
+    if top_ids is not None and top_ids.shape[1]:
+        best_ids, best = top_logprobs(lp, top_ids.shape[1])
+        top_ids.copy_(best_ids)
+        top_logprobs_out.copy_(best)

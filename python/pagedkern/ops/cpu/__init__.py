@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ... import reference
-from . import activation, attention, moe, norm, quant_linear, rope
+from . import activation, attention, moe, norm, quant_linear, rope, sampling
 
 # op -> its CPU implementation; the reference's own function where the CPU has no faster one
 IMPLEMENTATIONS = {
@@ -20,7 +20,7 @@ IMPLEMENTATIONS = {
     "gelu_tanh_and_mul": reference.gelu_tanh_and_mul,
     "rope_and_cache": rope.rope_and_cache,  # fp32: one C++ call; else per-step RoPE rows
     "fused_moe": moe.fused_moe,  # the GEMMs grouped over all experts, one call each
-    "sample": reference.sample,
+    "sample": sampling.sample,  # the C++ rows (reference: cpu_sample:reference)
     "rejection_sample": reference.rejection_sample,
     "quant_linear": quant_linear.quant_linear,  # int8-activation GEMV (csrc/cpu/quant_gemv.cpp)
 }

@@ -1,0 +1,84 @@
+"""The CPU backend's sampling: csrc/cpu/sampling.cpp (sampling.h has its design), a row's id in
+a few passes over its logits, with min-p, top-k and top-p as thresholds instead of the
+reference's sorts of the whole vocabulary (~10 ms a row at V = 49k with top-p, against
+~0.5 ms here). The semantics are reference/sampling.py's and the draw the same philox draw, so
+the ids are the reference's but where rounding moves a boundary (the same distribution).
+
+Logits processing (penalties, bias, masks) and the logprob outputs stay the reference's torch
+ops: they run only for the requests that ask for them. Variant `cpu_sample`: `kernel` (the
+default where pagedkern._cpu is built) or `reference`."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import reference
+from ...reference.logits_processing import process_logits
+from ...reference.sampling import per_row, write_logprobs
+from .. import variants
+from . import quant_gemv
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature,
+    top_p,
+    top_k,
+    seeds,
+    offsets=0,
+    out: torch.Tensor | None = None,
+    *,
+    min_p=None,
+    logprobs: torch.Tensor | None = None,
+    top_ids: torch.Tensor | None = None,
+    top_logprobs_out: torch.Tensor | None = None,
+    **processing,
+) -> torch.Tensor:
+    """reference.sample's signature and semantics (ops.sample has checked the arguments)."""
+    if variants.selected("cpu_sample") != "kernel" or not quant_gemv.available():
+        return reference.sample(
+            logits, temperature, top_p, top_k, seeds, offsets, out, min_p=min_p,
+            logprobs=logprobs, top_ids=top_ids, top_logprobs_out=top_logprobs_out, **processing,
+        )  # fmt: skip
+    rows, vocab = logits.shape
+    processed = None
+    if any(value is not None for value in processing.values()) or logits.dtype != torch.float32:
+        processed = process_logits(logits, **processing)  # (fp32, a new tensor)
+    x = logits if processed is None else processed
+    if vocab > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    params = {
+        "temperature": _row_array(temperature, rows, torch.float32),
+        "top_p": _row_array(top_p, rows, torch.float32),
+        "top_k": _row_array(top_k, rows, torch.int32, vocab),
+        "min_p": _row_array(0.0 if min_p is None else min_p, rows, torch.float32),
+        "seeds": _row_array(seeds, rows, torch.int64),
+        "offsets": _row_array(offsets, rows, torch.int64),
+    }
+    ids = out if out is not None else torch.empty(rows, dtype=torch.int32)
+    if rows:
+        quant_gemv.cpu_module().sample(
+            out=ids.data_ptr(), logits=x.data_ptr(), logits_stride=x.stride(0), rows=rows,
+            vocab=vocab, threads=torch.get_num_threads(),
+            **{name: value.data_ptr() for name, value in params.items()},
+        )  # fmt: skip
+    if logprobs is not None or top_ids is not None:
+        if processed is None:
+            processed = process_logits(logits)
+        write_logprobs(processed, params["temperature"], ids, logprobs, top_ids, top_logprobs_out)
+    return ids
+
+
+def _row_array(value, rows: int, dtype: torch.dtype, vocab: int | None = None) -> torch.Tensor:
+    """A per-row parameter as a contiguous [rows] `dtype` tensor (the engine's already is);
+    top_k (given `vocab`) clamped into int32 first, since k <= 0 and k >= vocab are both off."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dtype == dtype
+        and value.shape == (rows,)
+        and value.is_contiguous()
+    ):
+        return value
+    if vocab is not None:
+        return per_row(value, rows, torch.int64, torch.device("cpu")).clamp(-1, vocab).int()
+    return per_row(value, rows, dtype, torch.device("cpu")).contiguous()
