@@ -233,8 +233,8 @@ int draw_dense(const float* p, int vocab, float p_lo, double u, int fallback) {
   const double target = u * total;
   double cdf = 0.0;
   int c = 0;
-  while (c < chunks - 1 && !(cdf + sums[c] > target && sums[c] > 0.0)) cdf += sums[c++];
-  while (sums[c] == 0.0) --c;  // (rounding ran past the end: the last chunk with mass)
+  while (c < chunks - 1 && !(cdf + sums[c] > target)) cdf += sums[c++];
+  while (sums[c] == 0.0) cdf -= sums[--c];  // (rounding ran past the end: the last with mass)
   int last = fallback;
   for (int i = c * kChunk, end = std::min(vocab, i + kChunk); i < end; ++i) {
     if (!(p[i] > 0.0f && p[i] >= p_lo)) continue;
