@@ -4,7 +4,8 @@ which sort the whole vocabulary for top-k and top-p), and the usual PyTorch top-
 (softmax, sort, cumsum, mask, multinomial).
 
 SmolLM2's vocabulary (49152) and Qwen3's (151936), batch 1 and 16, logits N(0, 4^2) at
-temperature 0.8: greedy, plain sampling, top-p 0.9, top-k 50 + top-p 0.95. GB/s is one read of
+temperature 0.8: greedy, plain sampling, top-p 0.9, top-k 50 + top-p 0.95, and top-p 0.9 with the
+sampled token's logprob and the top 5 (OpenAI's logprobs / top_logprobs). GB/s is one read of
 the logits (the rows make a few passes, mostly from cache), against one large copy's rate (the
 host's ceiling). Full sizes with PAGEDKERN_BENCH_SMOKE=0 (or PAGEDKERN_BENCH_CPU=1); smoke
 mode runs a small vocabulary once."""
@@ -26,11 +27,12 @@ FULL = not smoke_mode() or os.environ.get("PAGEDKERN_BENCH_CPU") == "1"
 VOCABS = (49152, 151936) if FULL else (1000,)
 ROUNDS = 5 if FULL else 1
 TEMPERATURE = 0.8
-CASES = {  # (temperature, top_p, top_k)
-    "greedy": (0.0, 1.0, 0),
-    "plain": (TEMPERATURE, 1.0, 0),
-    "top-p 0.9": (TEMPERATURE, 0.9, 0),
-    "top-k 50 + top-p 0.95": (TEMPERATURE, 0.95, 50),
+CASES = {  # (temperature, top_p, top_k, top logprobs)
+    "greedy": (0.0, 1.0, 0, 0),
+    "plain": (TEMPERATURE, 1.0, 0, 0),
+    "top-p 0.9": (TEMPERATURE, 0.9, 0, 0),
+    "top-k 50 + top-p 0.95": (TEMPERATURE, 0.95, 50, 0),
+    "top-p 0.9 + 5 logprobs": (TEMPERATURE, 0.9, 0, 5),
 }
 
 
@@ -66,7 +68,7 @@ def test_cpu_sampling(vocab, rows, capsys):
     seeds = torch.arange(rows, dtype=torch.int64) * 7919
     offsets = torch.zeros(rows, dtype=torch.int64)
     lines = []
-    for case, (temperature, top_p, top_k) in CASES.items():
+    for case, (temperature, top_p, top_k, top_n) in CASES.items():
         params = (
             torch.full((rows,), temperature),
             torch.full((rows,), top_p),
@@ -74,12 +76,19 @@ def test_cpu_sampling(vocab, rows, capsys):
             seeds,
             offsets,
         )
+        outputs = {}
+        if top_n:  # the sampled token's logprob and the top-N, as the engine asks for them
+            outputs = {
+                "logprobs": torch.empty(rows),
+                "top_ids": torch.empty(rows, top_n, dtype=torch.int32),
+                "top_logprobs_out": torch.empty(rows, top_n),
+            }
         candidates = {
-            "cpu backend": lambda p=params: cpu_sampling.sample(logits, *p),
-            "reference": lambda p=params: reference.sample(logits, *p),
+            "cpu backend": lambda p=params, o=outputs: cpu_sampling.sample(logits, *p, **o),
+            "reference": lambda p=params, o=outputs: reference.sample(logits, *p, **o),
         }
-        if temperature > 0:
-            candidates["torch sort top-p"] = lambda c=CASES[case]: sort_top_p(logits, *c)
+        if temperature > 0 and not top_n:
+            candidates["torch sort top-p"] = lambda c=CASES[case]: sort_top_p(logits, *c[:3])
         want = reference.sample(logits, *params)
         times: dict[str, list[float]] = {name: [] for name in candidates}
         for _ in range(ROUNDS):

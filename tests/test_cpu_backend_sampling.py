@@ -194,8 +194,42 @@ def test_processing_logprobs_and_half_logits_match_the_reference():
         top_lp = torch.full((rows, 4), math.nan)
         ids = fn(logits, p, logprobs=lp, top_ids=top_ids, top_logprobs_out=top_lp, **processing)
         outputs[name] = (ids, lp, top_ids, top_lp)
-    for got, want in zip(outputs["cpp"], outputs["reference"], strict=True):
-        assert torch.equal(got, want)
+    (ids, lp, top_ids, top_lp), (want_ids, want_lp, want_top_ids, want_top_lp) = (
+        outputs["cpp"],
+        outputs["reference"],
+    )
+    assert torch.equal(ids, want_ids) and torch.equal(top_ids, want_top_ids)
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)  # (-inf where it is -inf)
+    torch.testing.assert_close(top_lp, want_top_lp, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 21, 1000, 49157])
+def test_logprob_outputs_follow_the_reference(vocab):
+    """The sampled id's log-probability and the top-N (ties to the lower id) over odd shapes,
+    greedy and sampled rows, ties, a row holding +inf, a row with nothing finite and one whose
+    scaled logits overflow."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 7
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[1] = logits[1].round()  # many ties
+    logits[2, : min(3, vocab)] = INF
+    logits[3] = -INF
+    logits[4, ::2] = math.nan
+    logits[5, 0] = 3e38
+    p = _params(rows, g)
+    p["temperature"][:] = torch.tensor([0.0, 0.7, 1.0, 1.0, 0.5, 1e-37, 1.3])
+    n = min(20, vocab)
+    outputs = []
+    for fn in (_cpp, _reference):
+        lp = torch.full((rows,), math.nan)
+        top_ids = torch.full((rows, n), -1, dtype=torch.int32)
+        top_lp = torch.full((rows, n), math.nan)
+        ids = fn(logits, p, logprobs=lp, top_ids=top_ids, top_logprobs_out=top_lp)
+        outputs.append((ids, lp, top_ids, top_lp))
+    (ids, lp, top_ids, top_lp), (want_ids, want_lp, want_top_ids, want_top_lp) = outputs
+    assert torch.equal(ids, want_ids) and torch.equal(top_ids, want_top_ids)
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(top_lp, want_top_lp, atol=1e-5, rtol=1e-5)
 
 
 def test_ops_sample_runs_the_kernel_and_the_variant_selects_the_reference(monkeypatch):

@@ -55,19 +55,26 @@ PYBIND11_MODULE(_cpu, mod) {
       "sample",
       [](uintptr_t out, uintptr_t logits, int64_t logits_stride, int rows, int vocab,
          uintptr_t temperature, uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t seeds,
-         uintptr_t offsets, int threads) {
-        const SampleArgs args{ptr<int32_t>(out),         ptr<const float>(logits),
-                              logits_stride,             rows,
-                              vocab,                     ptr<const float>(temperature),
-                              ptr<const float>(top_p),   ptr<const int32_t>(top_k),
-                              ptr<const float>(min_p),   ptr<const int64_t>(seeds),
-                              ptr<const int64_t>(offsets), threads};
+         uintptr_t offsets, int threads, uintptr_t logprobs, uintptr_t top_ids,
+         uintptr_t top_logprobs, int top_n) {
+        SampleArgs args{ptr<int32_t>(out),         ptr<const float>(logits),
+                        logits_stride,             rows,
+                        vocab,                     ptr<const float>(temperature),
+                        ptr<const float>(top_p),   ptr<const int32_t>(top_k),
+                        ptr<const float>(min_p),   ptr<const int64_t>(seeds),
+                        ptr<const int64_t>(offsets), threads};
+        args.logprobs = ptr<float>(logprobs);
+        args.top_ids = ptr<int32_t>(top_ids);
+        args.top_logprobs = ptr<float>(top_logprobs);
+        args.top_n = top_n;
         py::gil_scoped_release release;
         sample(args);
       },
       py::kw_only(), py::arg("out"), py::arg("logits"), py::arg("logits_stride"), py::arg("rows"),
       py::arg("vocab"), py::arg("temperature"), py::arg("top_p"), py::arg("top_k"),
-      py::arg("min_p"), py::arg("seeds"), py::arg("offsets"), py::arg("threads"));
+      py::arg("min_p"), py::arg("seeds"), py::arg("offsets"), py::arg("threads"),
+      py::arg("logprobs") = 0, py::arg("top_ids") = 0, py::arg("top_logprobs") = 0,
+      py::arg("top_n") = 0);
   mod.def("philox_uniform", &philox_uniform, py::arg("seed"), py::arg("offset"));
   mod.def("best_path", &best_path);
   mod.def("packed_bytes", &packed_bytes, py::kw_only(), py::arg("format"), py::arg("n"),

@@ -332,6 +332,64 @@ int sample_row(const float* x, int vocab, float temperature, float top_p, int to
   const float p_lo = top_p < 1.0f ? top_p_threshold(s, vocab, top_p, candidates) : 0.0f;
   return draw_dense(s, vocab, p_lo, u, argmax);
 }
+// The row's log-probabilities as reference/logits_processing.py's logprobs_of defines them
+// (log_softmax of s = x / T, T = 1 for greedy rows; a row holding +inf uniform over its +inf
+// entries; NaN and an overflowed +inf as -inf): the sampled id's, and the top_n largest
+// (descending, ties to the lower id).
+void row_logprobs(const float* x, int vocab, float temperature, int id, float* logprob,
+                  int32_t* top_ids, float* top_values, int top_n) {
+  thread_local std::vector<float> s_buffer, e_buffer;
+  s_buffer.resize(vocab);
+  e_buffer.resize(vocab);
+  float* s = s_buffer.data();
+  float* e = e_buffer.data();
+  const float t = temperature > 0.0f ? temperature : 1.0f;
+  if (max_of(x, vocab) == kInf) {
+    for (int i = 0; i < vocab; ++i) s[i] = x[i] == kInf ? 0.0f : -kInf;
+  } else {
+    for (int i = 0; i < vocab; ++i) {
+      const float q = x[i] / t;
+      s[i] = q != q || q == kInf ? -kInf : q;
+    }
+  }
+  const float s_max = max_of(s, vocab);
+  float log_sum = kInf;  // (nothing finite: every log-probability -inf)
+  if (s_max != -kInf) {
+    for (int i = 0; i < vocab; ++i) e[i] = exp_nonpositive(s[i] - s_max);
+    log_sum = static_cast<float>(std::log(sum_of(e, vocab)));
+  }
+  const auto value = [&](int i) { return s_max == -kInf ? -kInf : (s[i] - s_max) - log_sum; };
+  if (logprob != nullptr) *logprob = value(id);
+  if (top_n <= 0) return;
+  // the top_n by (s descending, id ascending): a scan in id order where only a strictly larger
+  // s displaces the heap's worst (an equal one has a larger id)
+  const auto better = [](const Candidate& a, const Candidate& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  thread_local std::vector<Candidate> heap;  // a heap whose front is the worst kept
+  heap.clear();
+  for (int i = 0; i < vocab; i += kBlock) {
+    const int end = std::min(vocab, i + kBlock);
+    if (static_cast<int>(heap.size()) == top_n && !(max_of(s + i, end - i) > heap.front().first))
+      continue;
+    for (int j = i; j < end; ++j) {
+      if (static_cast<int>(heap.size()) < top_n) {
+        heap.emplace_back(s[j], j);
+        std::push_heap(heap.begin(), heap.end(), better);
+      } else if (s[j] > heap.front().first) {
+        std::pop_heap(heap.begin(), heap.end(), better);
+        heap.back() = {s[j], j};
+        std::push_heap(heap.begin(), heap.end(), better);
+      }
+    }
+  }
+  std::sort(heap.begin(), heap.end(), better);
+  for (int n = 0; n < top_n; ++n) {
+    top_ids[n] = heap[n].second;
+    top_values[n] = value(heap[n].second);
+  }
+}
+
 }  // namespace
 
 double philox_uniform(int64_t seed, int64_t offset) {
@@ -358,8 +416,16 @@ double philox_uniform(int64_t seed, int64_t offset) {
 void sample(const SampleArgs& a) {
   parallel(std::min(a.threads, a.rows), [&](int part, int parts) {
     for (int r = part; r < a.rows; r += parts) {
-      a.out[r] = sample_row(a.logits + r * a.logits_stride, a.vocab, a.temperature[r], a.top_p[r],
-                            a.top_k[r], a.min_p[r], a.seeds[r], a.offsets[r]);
+      const float* x = a.logits + r * a.logits_stride;
+      a.out[r] = sample_row(x, a.vocab, a.temperature[r], a.top_p[r], a.top_k[r], a.min_p[r],
+                            a.seeds[r], a.offsets[r]);
+      if (a.logprobs != nullptr || a.top_n > 0) {
+        row_logprobs(x, a.vocab, a.temperature[r], a.out[r],
+                     a.logprobs != nullptr ? a.logprobs + r : nullptr,
+                     a.top_n > 0 ? a.top_ids + static_cast<int64_t>(r) * a.top_n : nullptr,
+                     a.top_n > 0 ? a.top_logprobs + static_cast<int64_t>(r) * a.top_n : nullptr,
+                     a.top_n);
+      }
     }
   });
 }

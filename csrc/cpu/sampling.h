@@ -15,6 +15,8 @@
 //      the mass over the probabilities' top 12 bits, and only the bin it falls in is sorted;
 //   5. the draw walks the kept probabilities in id order, summing in double, to the first id
 //      whose cumulative mass exceeds u * total.
+// Logprob outputs follow reference/logits_processing.py: log_softmax of s (at T = 1 for greedy
+// rows) before any truncation, one pass for the sum of every exponential and a top-N heap scan.
 // Sums run in a fixed order, so a row's id depends only on the row and its parameters (never
 // on the batch or the thread count). The probabilities round differently from torch's softmax
 // (~1 ulp), so an id can differ from the reference's only where u * total falls within that
@@ -38,6 +40,12 @@ struct SampleArgs {
   const int64_t* seeds;      // [rows]
   const int64_t* offsets;    // [rows]
   int threads;               // rows are split over up to this many threads
+  // optional outputs (null: not written): the sampled id's log-probability [rows], and the
+  // top_n largest [rows, top_n] (ids, values; descending, ties to the lower id)
+  float* logprobs = nullptr;
+  int32_t* top_ids = nullptr;
+  float* top_logprobs = nullptr;
+  int top_n = 0;
 };
 
 void sample(const SampleArgs& args);

@@ -4,8 +4,9 @@ reference's sorts of the whole vocabulary (~10 ms a row at V = 49k with top-p, a
 ~0.5 ms here). The semantics are reference/sampling.py's and the draw the same philox draw, so
 the ids are the reference's but where rounding moves a boundary (the same distribution).
 
-Logits processing (penalties, bias, masks) and the logprob outputs stay the reference's torch
-ops: they run only for the requests that ask for them. Variant `cpu_sample`: `kernel` (the
+Logits processing (penalties, bias, masks) stays the reference's torch ops (it runs only for the
+requests that ask for it); the logprob outputs are the C++ rows' too (log_softmax's values to
+rounding, the same top-N ids). Variant `cpu_sample`: `kernel` (the
 default where pagedkern._cpu is built) or `reference`."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from ... import reference
 from ...reference.logits_processing import process_logits
-from ...reference.sampling import per_row, write_logprobs
+from ...reference.sampling import per_row
 from .. import variants
 from . import quant_gemv
 
@@ -41,10 +42,9 @@ def sample(
             logprobs=logprobs, top_ids=top_ids, top_logprobs_out=top_logprobs_out, **processing,
         )  # fmt: skip
     rows, vocab = logits.shape
-    processed = None
+    x = logits  # (the kernel reads NaN as -inf itself)
     if any(value is not None for value in processing.values()) or logits.dtype != torch.float32:
-        processed = process_logits(logits, **processing)  # (fp32, a new tensor)
-    x = logits if processed is None else processed
+        x = process_logits(logits, **processing)  # fp32, a new tensor
     if vocab > 1 and x.stride(1) != 1:
         x = x.contiguous()
     params = {
@@ -55,17 +55,17 @@ def sample(
         "seeds": _row_array(seeds, rows, torch.int64),
         "offsets": _row_array(offsets, rows, torch.int64),
     }
-    ids = out if out is not None else torch.empty(rows, dtype=torch.int32)
+    ids = torch.empty(rows, dtype=torch.int32) if out is None else out
+    top_n = 0 if top_ids is None else top_ids.shape[1]
     if rows:
         quant_gemv.cpu_module().sample(
-            out=ids.data_ptr(), logits=x.data_ptr(), logits_stride=x.stride(0), rows=rows,
-            vocab=vocab, threads=torch.get_num_threads(),
-            **{name: value.data_ptr() for name, value in params.items()},
+            out=_output(ids, (rows,), torch.int32), logits=x.data_ptr(),
+            logits_stride=x.stride(0), rows=rows, vocab=vocab, threads=torch.get_num_threads(),
+            logprobs=0 if logprobs is None else _output(logprobs, (rows,), torch.float32),
+            top_ids=_output(top_ids, (rows, top_n), torch.int32) if top_n else 0,
+            top_logprobs=_output(top_logprobs_out, (rows, top_n), torch.float32) if top_n else 0,
+            top_n=top_n, **{name: value.data_ptr() for name, value in params.items()},
         )  # fmt: skip
-    if logprobs is not None or top_ids is not None:
-        if processed is None:
-            processed = process_logits(logits)
-        write_logprobs(processed, params["temperature"], ids, logprobs, top_ids, top_logprobs_out)
     return ids
 
 
@@ -82,3 +82,12 @@ def _row_array(value, rows: int, dtype: torch.dtype, vocab: int | None = None) -
     if vocab is not None:
         return per_row(value, rows, torch.int64, torch.device("cpu")).clamp(-1, vocab).int()
     return per_row(value, rows, dtype, torch.device("cpu")).contiguous()
+
+
+def _output(tensor: torch.Tensor, shape: tuple, dtype: torch.dtype) -> int:
+    """The address of an output the kernel writes (ops.sample has checked it; a direct caller's
+    wrong one is refused here rather than written out of bounds)."""
+    if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
+        raise ValueError(f"an output {tuple(tensor.shape)} {tensor.dtype} must be contiguous "
+                         f"{shape} {dtype}")  # fmt: skip
+    return tensor.data_ptr()
