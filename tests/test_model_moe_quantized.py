@@ -20,6 +20,9 @@ from transformers_oracle import engine_greedy, hf_greedy, hf_logits, relative
 
 from pagedkern.model import load_model
 from pagedkern.model.gguf_loader import gguf_default_quantization
+from pagedkern.model.loading import gemm_weights
+from pagedkern.model.weight_quantization import experts_in_one_form
+from pagedkern.ops.variants import use_kernels
 from pagedkern.reference.quantized_weight import QuantizedWeight
 
 transformers = pytest.importorskip("transformers")
@@ -114,20 +117,34 @@ def test_q4_1_experts_map_onto_int4_too(tmp_path):
     assert relative(got, all_logits(plain, PROMPT).double()) < KERNEL_TOLERANCE
 
 
-def test_a_down_projection_in_another_type_is_requantized_alone(tmp_path):
-    # Q4_0 gate/up, Q8_0 down (as Q4_K_M files put down in Q6_K): in int4 mode gate/up keep the
-    # file's codes, down is dequantized and requantized to int4; both int4 for the kernels
+def test_a_down_projection_in_another_type_keeps_its_own_form(tmp_path):
+    # Q4_0 gate/up, Q8_0 down (as Q4_K_M files put down in Q6_K): in int4 mode each keeps the
+    # file's codes (int4, int8 per 32) and the CPU kernel takes both forms; for CUDA's fused
+    # kernel (one form for both GEMMs) gemm_weights requantizes down to gate/up's int4
     make_config, model_class = CONFIGS["qwen3moe"]
     hf = _save(tmp_path / "hf", make_config, model_class)
     path = tmp_path / "mixed.gguf"
-    write_moe_gguf(path, hf, "qwen3moe", expert_type=Q.Q4_0, down_type=Q.Q8_0)
+    write_moe_gguf(path, hf, "qwen3moe", expert_type=Q.Q4_0, down_type=Q.Q8_0, dense_type=Q.Q4_0)
     quantized, _ = load_model(str(path), "cpu", torch.float32, quantization="int4")
     plain, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
     layer, float_layer = _moe_layers(quantized)[0], _moe_layers(plain)[0]
-    assert layer.experts_gate_up.format == layer.experts_down.format == "int4"
-    assert torch.equal(layer.experts_gate_up.dequantize_rows(), float_layer.experts_gate_up)
-    error = relative(layer.experts_down.dequantize_rows().double(), float_layer.experts_down)
+    assert layer.experts_gate_up.kind == ("int4", 32, True)
+    assert layer.experts_down.kind == ("int8", 32, False)
+    for field in ("experts_gate_up", "experts_down"):  # the file's values exactly
+        assert torch.equal(getattr(layer, field).dequantize_rows(), getattr(float_layer, field))
+    got = all_logits(quantized, PROMPT).double()
+    assert relative(got, all_logits(plain, PROMPT).double()) < KERNEL_TOLERANCE
+    with use_kernels(cpu_moe="loop"):  # the host loop over the same two forms
+        assert relative(all_logits(quantized, PROMPT).double(), got) < 1e-4
+
+    one = experts_in_one_form(layer)
+    assert one.experts_gate_up is layer.experts_gate_up
+    assert one.experts_down.kind == ("int4", 32, True)
+    error = relative(one.experts_down.dequantize_rows().double(), float_layer.experts_down)
     assert 0 < error < 0.15  # int4's step over Q8_0's values
+    cuda_form = gemm_weights(quantized.weights, torch.device("cuda"), torch.float16)
+    moe = [w for w in cuda_form.layers if w.router is not None]
+    assert all(w.experts_gate_up.kind == w.experts_down.kind for w in moe)
 
 
 def test_greedy_tokens_equal_transformers(tmp_path):

@@ -11,6 +11,7 @@ from kernel_check import relative_error
 from moe_quant_check import quantized_operands
 
 from pagedkern import ops
+from pagedkern.ops.variants import use_kernels
 from pagedkern.reference.moe_quantized import fused_moe_quantized
 
 # two GEMMs on bf16 activations through torch's int kernels (quant_linear: ~0.5% each)
@@ -50,8 +51,6 @@ def test_arguments_are_checked_and_named():
         ops.fused_moe(x, logits, gu, down.dequantize_rows(), 2)
     with pytest.raises(ValueError, match="w_gate_up must be stacked quantized experts"):
         ops.fused_moe(x, logits, gu.expert(0), down, 2)  # one expert's [N, K] weight
-    with pytest.raises(ValueError, match="share format"):
-        ops.fused_moe(x, logits, gu, down8, 2)
     with pytest.raises(ValueError, match=r"w_gate_up \(4, 64, 64\) must be \[E, 2I, H = 32\]"):
         ops.fused_moe(x[:, :32], logits, gu, down, 2)
     with pytest.raises(ValueError, match="w_down"):
@@ -66,3 +65,16 @@ def test_arguments_are_checked_and_named():
         ops.fused_moe(x, logits, gu, down, 2, tile_m=32)
     with pytest.raises(ValueError, match="w_down_bias"):
         ops.fused_moe(x, logits, gu, down, 2, w_down_bias=torch.zeros(4, 63))
+
+
+@pytest.mark.parametrize("path", ["fused", "loop"])
+def test_experts_of_two_forms(path):
+    """int4 gate/up beside int8 down (a GGUF's Q4_K beside Q6_K): the CPU backend's call and
+    the host loop give the dequantized experts' function."""
+    x, logits, gu, _ = quantized_operands(5, 4, 64, 32, torch.float32, "int4", 32, seed=1)
+    _, _, _, down8 = quantized_operands(5, 4, 64, 32, torch.float32, "int8", 0, seed=2)
+    assert gu.kind != down8.kind
+    want = ops.fused_moe(x, logits, gu.dequantize_rows(), down8.dequantize_rows(), 2)
+    with use_kernels(cpu_moe=path):
+        got = ops.fused_moe(x, logits, gu, down8, 2)
+    assert relative_error(got, want) <= HOST_TOLERANCE

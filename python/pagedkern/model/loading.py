@@ -19,7 +19,7 @@ from .synthetic import synthetic_weights
 from .synthetic_tokenizer import synthetic_tokenizer
 from .tensor_shard import TensorShard
 from .tokenizer import Tokenizer
-from .weight_quantization import quantize_weights
+from .weight_quantization import experts_in_one_form, quantize_weights
 from .weight_shards import shard_weights
 from .weights import LINEAR_FIELDS, LayerWeights, LlamaWeights
 
@@ -165,7 +165,8 @@ def keeps_quantized_weights(device: torch.device) -> bool:
 def gemm_weights(weights: LlamaWeights, device: torch.device, dtype: torch.dtype) -> LlamaWeights:
     """`weights` as the GEMMs on `device` take them: as they are where keeps_quantized_weights,
     else every quantized linear weight (and a quantized head and tied embedding) dequantized to
-    `dtype`, one tensor at a time: the quantized model's values through bf16/fp16 GEMMs."""
+    `dtype`, one tensor at a time: the quantized model's values through bf16/fp16 GEMMs; and
+    a MoE layer's experts of two forms in one (experts_in_one_form)."""
     if keeps_quantized_weights(device) or weights.quantization == "none":
         return weights
 
@@ -179,7 +180,8 @@ def gemm_weights(weights: LlamaWeights, device: torch.device, dtype: torch.dtype
                 for f in LayerWeights.__dataclass_fields__
             }
         )
-        for layer in weights.layers
+        # (experts stay quantized, for the fused MoE kernel: one form for both of its GEMMs)
+        for layer in map(experts_in_one_form, weights.layers)
     ]
     head = plain(weights.lm_head)
     embed = head if weights.tied else plain(weights.embed)

@@ -3,7 +3,7 @@ stacked experts of MoE layers and the LM head, each put in its mode."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
 
@@ -46,7 +46,9 @@ def quantize_weights(
 
     def convert_experts(layer: LayerWeights) -> dict[str, Linear | None]:
         """The stacked experts in `mode`: both GEMMs or neither (they stay float where an
-        in-features count does not divide into the mode's blocks)."""
+        in-features count does not divide into the mode's blocks). Each keeps its own form
+        where `kept` (a Q4_K_M file's Q4_K gate/up beside its Q6_K down, both exact: the CPU
+        kernel takes each projection's form; gemm_weights gives CUDA's kernel one)."""
         pair = {"experts_gate_up": layer.experts_gate_up, "experts_down": layer.experts_down}
         if layer.experts_gate_up is None:
             return pair
@@ -54,13 +56,8 @@ def quantize_weights(
             quantizable(w.shape[-1], mode, group_size) for w in pair.values()
         ):
             return {name: plain(w).float() for name, w in pair.items()}
-        if all(kept(w, mode) for w in pair.values()) and len({w.kind for w in pair.values()}) == 1:
-            return pair
-        target = (mode, group_size if mode == "int4" else 0)  # (ops.fused_moe: one form)
         return {
-            name: w
-            if isinstance(w, QuantizedWeight) and (w.format, w.group_size) == target
-            else quantize_experts(plain(w), mode, group_size)
+            name: w if kept(w, mode) else quantize_experts(plain(w), mode, group_size)
             for name, w in pair.items()
         }
 
@@ -78,3 +75,21 @@ def quantize_weights(
     head = convert(weights.lm_head, LM_HEAD_MODE[mode] if head_mode is None else head_mode)
     embed = head if weights.tied else plain(weights.embed)
     return LlamaWeights(embed, layers, weights.norm, head, weights.rope_freq_factors)
+
+
+def experts_in_one_form(layer: LayerWeights) -> LayerWeights:
+    """`layer` with its stacked experts in one form, as CUDA's fused MoE kernel takes them:
+    where gate/up and down differ, each not already in the target form is requantized to it
+    (gate/up's int4 with its group size; else int8 per channel)."""
+    gate_up, down = layer.experts_gate_up, layer.experts_down
+    if not (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)):
+        return layer
+    if gate_up.kind == down.kind:
+        return layer
+    mode, group = ("int4", gate_up.group_size) if gate_up.format == "int4" else ("int8", 0)
+    target = (mode, group, mode == "int4")  # the kind quantize_experts makes (int4: with mins)
+
+    def one_form(w: QuantizedWeight) -> QuantizedWeight:
+        return w if w.kind == target else quantize_experts(w.dequantize_rows(), mode, group)
+
+    return replace(layer, experts_gate_up=one_form(gate_up), experts_down=one_form(down))

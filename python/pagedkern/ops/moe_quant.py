@@ -39,13 +39,6 @@ def check_experts(hidden, router_logits, w_gate_up, w_down, top_k: int) -> tuple
                 f"{name} must be stacked quantized experts (QuantizedWeight [E, N, K]) like the "
                 f"other expert weight, got {what}"
             )
-    if w_gate_up.kind != w_down.kind:
-        raise ValueError(
-            f"w_gate_up ({w_gate_up.format}, group {w_gate_up.group_size}, mins "
-            f"{w_gate_up.mins is not None}) and w_down ({w_down.format}, group "
-            f"{w_down.group_size}, mins {w_down.mins is not None}) must share format, group "
-            "size and mins"
-        )
     hv, rv = view(hidden, "hidden"), view(router_logits, "router_logits")
     check_dtype(hv, ("float16", "bfloat16", "float32"))
     check_ndim(hv, 2)
@@ -109,6 +102,8 @@ def fused_moe_quantized(
     can = support.fused_moe_quantized(hv.dtype, experts, fmt, group, h, inter, activation)
     if can.supported and (any(b is not None for b in biases) or scoring == "softmax_topk"):
         can = support.KernelSupport(False, "gpt-oss's biases or routing over quantized experts")
+    if can.supported and w_gate_up.kind != w_down.kind:  # (the loader gives CUDA one form)
+        can = support.KernelSupport(False, "gate/up and down experts of two forms")
     if not kernel_or_reference("fused_moe", [hv, rv, *codes], can):
         if host_backend([hv, rv, *codes]) == "cpu":  # the CPU backend's one C++ call
             from .cpu import moe_quant as cpu_moe
