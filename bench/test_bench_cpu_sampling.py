@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 from measure import smoke_mode
+from test_bench_sampling import sort_top_p  # (the GPU suite's baseline, the same recipe)
 
 from pagedkern import reference
 from pagedkern.ops.cpu import quant_gemv
@@ -34,18 +35,6 @@ CASES = {  # (temperature, top_p, top_k, top logprobs)
     "top-k 50 + top-p 0.95": (TEMPERATURE, 0.95, 50, 0),
     "top-p 0.9 + 5 logprobs": (TEMPERATURE, 0.9, 0, 5),
 }
-
-
-def sort_top_p(logits, temperature, top_p, top_k):
-    """The common PyTorch sampler: full sort of the vocabulary, cumulative sum, mask,
-    multinomial."""
-    probs = torch.softmax(logits / temperature, dim=-1)
-    ranked, order = probs.sort(dim=-1, descending=True)
-    drop = ranked.cumsum(-1) - ranked >= top_p
-    if top_k > 0:
-        drop[:, top_k:] = True
-    ranked = ranked.masked_fill(drop, 0.0)
-    return order.gather(-1, torch.multinomial(ranked, 1))[:, 0]
 
 
 def _copy_gbps() -> float:
