@@ -132,6 +132,31 @@ def test_edge_rows():
         assert got == _reference(logits, p).tolist()
 
 
+@pytest.mark.parametrize("quad", [0, 1, 2, 3])
+def test_a_nan_never_hides_the_largest_logit(quad):
+    """NaN beside the largest logit in each 4-lane position of a 16-token block (a vector max
+    that lets NaN win drops its partner lane's values: a wrong max, probabilities above 1, and
+    top-p's scan never ended)."""
+    rows, vocab = 8, 64
+    g = torch.Generator().manual_seed(quad)
+    logits = torch.randn(rows, vocab, generator=g)
+    for r in range(rows):
+        block = 16 * (r % 4)
+        logits[r, block + 4 * quad + r % 4] = 50.0 + r  # the row's largest
+        for other in range(4):  # NaN in every other quad of that block, same lane
+            if other != quad:
+                logits[r, block + 4 * other + r % 4] = math.nan
+    p = _params(rows, g)
+    p["temperature"][:4] = 0.0
+    p["temperature"][4:] = 2.0
+    p["top_p"][:] = 0.9
+    p["top_k"][4:6] = 2
+    p["min_p"][:] = 0.0
+    got = _cpp(logits, p)
+    assert torch.equal(got, _reference(logits, p))
+    assert torch.equal(got[:4], logits[:4].nan_to_num(-INF).argmax(-1).int())
+
+
 def test_frequencies_follow_the_distribution():
     """20000 draws of one row (offsets 0..N-1: the deterministic philox stream) against the
     reference distribution, within 5 standard deviations per token."""

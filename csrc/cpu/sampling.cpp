@@ -64,13 +64,17 @@ inline float exp_nonpositive(float x) {
 // 16-value blocks where there is one: the scans below skip whole blocks by it.
 #if defined(__SSE2__) || defined(_M_X64)
 inline float max_of(const float* x, int n) {
-  __m128 m = _mm_set1_ps(-kInf);
+  // maxps(a, b) is a > b ? a : b: b whenever a is NaN, so x always goes first against a running
+  // maximum that never holds NaN (x against x would let a NaN hide the other's values)
+  __m128 m0 = _mm_set1_ps(-kInf), m1 = m0, m2 = m0, m3 = m0;
   int i = 0;
-  for (; i + 16 <= n; i += 16) {  // maxps(a, b) is a > b ? a : b: a NaN in x gives m
-    const __m128 a = _mm_max_ps(_mm_loadu_ps(x + i), _mm_loadu_ps(x + i + 4));
-    const __m128 b = _mm_max_ps(_mm_loadu_ps(x + i + 8), _mm_loadu_ps(x + i + 12));
-    m = _mm_max_ps(_mm_max_ps(a, b), m);
+  for (; i + 16 <= n; i += 16) {
+    m0 = _mm_max_ps(_mm_loadu_ps(x + i), m0);
+    m1 = _mm_max_ps(_mm_loadu_ps(x + i + 4), m1);
+    m2 = _mm_max_ps(_mm_loadu_ps(x + i + 8), m2);
+    m3 = _mm_max_ps(_mm_loadu_ps(x + i + 12), m3);
   }
+  __m128 m = _mm_max_ps(_mm_max_ps(m0, m1), _mm_max_ps(m2, m3));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   float out = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
   for (; i < n; ++i) out = x[i] > out ? x[i] : out;
@@ -101,7 +105,7 @@ std::pair<float, int> max_and_argmax(const float* x, int vocab) {
   if (m == -kInf) return {m, 0};
   int at = 0;
   while (at + kBlock <= vocab && max_of(x + at, kBlock) != m) at += kBlock;
-  while (x[at] != m) ++at;
+  while (at < vocab - 1 && x[at] != m) ++at;
   return {m, at};
 }
 
@@ -153,7 +157,9 @@ float top_p_cut(std::vector<Candidate>& candidates, float top_p, double above) {
       const float group = candidates[j].first;
       if (j > 0 && !(static_cast<float>(before) < top_p)) return kept;  // this group and after: out
       kept = group;
-      while (j < m && candidates[j].first == group) before += candidates[j++].first;
+      do {  // (at least one: the loop ends whatever the values)
+        before += candidates[j++].first;
+      } while (j < m && candidates[j].first == group);
     }
     if (m == n) return kept;  // every candidate kept
     // nth_element left nothing larger than candidates[m] past m: the next group starts at m
