@@ -170,29 +170,15 @@ def sample(
         valid = sampled & torch.isfinite(total[:, 0]) & (total[:, 0] > 0)
         ids = torch.where(valid, drawn, ids)
     ids = ids.to(torch.int32)
-    write_logprobs(processed, temperature, ids, logprobs, top_ids, top_logprobs_out)
+    if logprobs is not None or top_ids is not None:
+        lp = logprobs_of(processed, temperature)
+        if logprobs is not None:
+            logprobs.copy_(lp.gather(1, ids.long()[:, None])[:, 0])
+        if top_ids is not None and top_ids.shape[1]:
+            best_ids, best = top_logprobs(lp, top_ids.shape[1])
+            top_ids.copy_(best_ids)
+            top_logprobs_out.copy_(best)
     if out is None:
         return ids
     out.copy_(ids)
     return out
-
-
-def write_logprobs(
-    processed: torch.Tensor,
-    temperature: torch.Tensor,
-    ids: torch.Tensor,
-    logprobs: torch.Tensor | None,
-    top_ids: torch.Tensor | None,
-    top_logprobs_out: torch.Tensor | None,
-) -> None:
-    """`sample`'s logprob outputs, where given, for the sampled `ids` of the processed logits
-    (process_logits) at each row's temperature ([B] tensor)."""
-    if logprobs is None and top_ids is None:
-        return
-    lp = logprobs_of(processed, temperature)
-    if logprobs is not None:
-        logprobs.copy_(lp.gather(1, ids.long()[:, None])[:, 0])
-    if top_ids is not None and top_ids.shape[1]:
-        best_ids, best = top_logprobs(lp, top_ids.shape[1])
-        top_ids.copy_(best_ids)
-        top_logprobs_out.copy_(best)
