@@ -99,6 +99,19 @@ double sum_of(const float* x, int n) {
   return sum;
 }
 
+// s = x / t as the reference scales a row: a row holding +inf is uniform over its +inf entries
+// (0 there, -inf elsewhere); NaN, and an x / t that overflows to +inf, count as -inf.
+void scale_row(const float* x, int vocab, float x_max, float t, float* s) {
+  if (x_max == kInf) {
+    for (int i = 0; i < vocab; ++i) s[i] = x[i] == kInf ? 0.0f : -kInf;
+    return;
+  }
+  for (int i = 0; i < vocab; ++i) {
+    const float q = x[i] / t;
+    s[i] = q != q || q == kInf ? -kInf : q;
+  }
+}
+
 // The largest x (NaN counts as -inf) and the first id holding it (0 when nothing is above -inf).
 std::pair<float, int> max_and_argmax(const float* x, int vocab) {
   const float m = max_of(x, vocab);
@@ -216,24 +229,16 @@ float top_p_threshold(const float* p, int vocab, float top_p, std::vector<Candid
   return top_p_cut(candidates, top_p, before);
 }
 
-// The first kept id (p >= p_lo, p > 0) whose cumulative probability in id order exceeds
-// u * (the kept total): chunk sums, then a walk inside the chunk that crosses.
-int draw_dense(const float* p, int vocab, float p_lo, double u, int fallback) {
+// The first id with p > 0 whose cumulative probability in id order exceeds u * (the total):
+// chunk sums, then a walk inside the chunk that crosses.
+int draw_dense(const float* p, int vocab, double u, int fallback) {
   const int chunks = (vocab + kChunk - 1) / kChunk;
   thread_local std::vector<double> sums;
-  sums.assign(chunks, 0.0);
+  sums.resize(chunks);
   double total = 0.0;
   for (int c = 0; c < chunks; ++c) {
-    const int begin = c * kChunk, end = std::min(vocab, begin + kChunk);
-    float lanes[kLanes] = {};
-    int i = begin;
-    for (; i + kLanes <= end; i += kLanes)
-      for (int l = 0; l < kLanes; ++l) lanes[l] += p[i + l] >= p_lo ? p[i + l] : 0.0f;
-    double sum = 0.0;
-    for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-    for (; i < end; ++i) sum += p[i] >= p_lo ? p[i] : 0.0f;
-    sums[c] = sum;
-    total += sum;
+    sums[c] = sum_of(p + c * kChunk, std::min(vocab - c * kChunk, kChunk));
+    total += sums[c];
   }
   if (!(total > 0.0) || !std::isfinite(total)) return fallback;
   const double target = u * total;
@@ -243,7 +248,7 @@ int draw_dense(const float* p, int vocab, float p_lo, double u, int fallback) {
   while (sums[c] == 0.0) cdf -= sums[--c];  // (rounding ran past the end: the last with mass)
   int last = fallback;
   for (int i = c * kChunk, end = std::min(vocab, i + kChunk); i < end; ++i) {
-    if (!(p[i] > 0.0f && p[i] >= p_lo)) continue;
+    if (!(p[i] > 0.0f)) continue;
     cdf += p[i];
     last = i;
     if (cdf > target) return i;
@@ -252,15 +257,15 @@ int draw_dense(const float* p, int vocab, float p_lo, double u, int fallback) {
 }
 
 // draw_dense over a few kept tokens, (probability, id) in id order.
-int draw_sparse(const std::vector<Candidate>& kept, float p_lo, double u, int fallback) {
+int draw_sparse(const std::vector<Candidate>& kept, double u, int fallback) {
   double total = 0.0;
-  for (const auto& [p, id] : kept) total += p >= p_lo ? p : 0.0f;
+  for (const auto& [p, id] : kept) total += p;
   if (!(total > 0.0) || !std::isfinite(total)) return fallback;
   const double target = u * total;
   double cdf = 0.0;
   int last = fallback;
   for (const auto& [p, id] : kept) {
-    if (!(p > 0.0f && p >= p_lo)) continue;
+    if (!(p > 0.0f)) continue;
     cdf += p;
     last = id;
     if (cdf > target) return id;
@@ -274,24 +279,15 @@ int sample_row(const float* x, int vocab, float temperature, float top_p, int to
   const auto [x_max, argmax] = max_and_argmax(x, vocab);
   if (!(temperature > 0.0f)) return argmax;
 
-  // s = x / T (dividing by T > 0 keeps the order: s_max = x_max / T); a row holding +inf is
-  // uniform over its +inf entries
+  // s = x / T; dividing by T > 0 keeps the order, so s_max = x_max / T (an overflowed s_max:
+  // the greedy fallback, before any overflowed s is read)
   thread_local std::vector<float> s_buffer, scratch;
   thread_local std::vector<Candidate> candidates;
   s_buffer.resize(vocab);
   float* s = s_buffer.data();
-  float s_max;
-  if (x_max == kInf) {
-    for (int i = 0; i < vocab; ++i) s[i] = x[i] == kInf ? 0.0f : -kInf;
-    s_max = 0.0f;
-  } else {
-    for (int i = 0; i < vocab; ++i) {
-      const float q = x[i] / temperature;
-      s[i] = q != q ? -kInf : q;  // (NaN counts as -inf)
-    }
-    s_max = x_max / temperature;
-  }
+  const float s_max = x_max == kInf ? 0.0f : x_max / temperature;
   if (!std::isfinite(s_max)) return argmax;  // nothing finite, or s overflowed
+  scale_row(x, vocab, x_max, temperature, s);
 
   // min-p and top-k: one lower bound on s
   float lo = -kInf;
@@ -318,12 +314,14 @@ int sample_row(const float* x, int vocab, float temperature, float top_p, int to
     if (!(sum > 0.0)) return argmax;  // (min-p above 1 drops everything)
     const float inv = static_cast<float>(1.0 / sum);
     for (auto& c : kept) c.first *= inv;
-    float p_lo = 0.0f;
-    if (top_p < 1.0f) {
+    if (top_p < 1.0f) {  // top-p's cut: below it, out
       candidates.assign(kept.begin(), kept.end());
-      p_lo = top_p_cut(candidates, top_p, 0.0);
+      const float p_lo = top_p_cut(candidates, top_p, 0.0);
+      kept.erase(std::remove_if(kept.begin(), kept.end(),
+                                [&](const Candidate& c) { return !(c.first >= p_lo); }),
+                 kept.end());
     }
-    return draw_sparse(kept, p_lo, u, argmax);
+    return draw_sparse(kept, u, argmax);
   }
 
   // every token may be kept: exponentiate the row in vectorized passes (s becomes p)
@@ -335,9 +333,13 @@ int sample_row(const float* x, int vocab, float temperature, float top_p, int to
   if (!(sum > 0.0)) return argmax;  // (min-p above 1 drops everything)
   const float inv = static_cast<float>(1.0 / sum);
   for (int j = 0; j < vocab; ++j) s[j] *= inv;
-  const float p_lo = top_p < 1.0f ? top_p_threshold(s, vocab, top_p, candidates) : 0.0f;
-  return draw_dense(s, vocab, p_lo, u, argmax);
+  if (top_p < 1.0f) {  // top-p's cut: below it, out
+    const float p_lo = top_p_threshold(s, vocab, top_p, candidates);
+    for (int j = 0; j < vocab; ++j) s[j] = s[j] >= p_lo ? s[j] : 0.0f;
+  }
+  return draw_dense(s, vocab, u, argmax);
 }
+
 // The row's log-probabilities as reference/logits_processing.py's logprobs_of defines them
 // (log_softmax of s = x / T, T = 1 for greedy rows; a row holding +inf uniform over its +inf
 // entries; NaN and an overflowed +inf as -inf): the sampled id's, and the top_n largest
@@ -349,15 +351,7 @@ void row_logprobs(const float* x, int vocab, float temperature, int id, float* l
   e_buffer.resize(vocab);
   float* s = s_buffer.data();
   float* e = e_buffer.data();
-  const float t = temperature > 0.0f ? temperature : 1.0f;
-  if (max_of(x, vocab) == kInf) {
-    for (int i = 0; i < vocab; ++i) s[i] = x[i] == kInf ? 0.0f : -kInf;
-  } else {
-    for (int i = 0; i < vocab; ++i) {
-      const float q = x[i] / t;
-      s[i] = q != q || q == kInf ? -kInf : q;
-    }
-  }
+  scale_row(x, vocab, max_of(x, vocab), temperature > 0.0f ? temperature : 1.0f, s);
   const float s_max = max_of(s, vocab);
   float log_sum = kInf;  // (nothing finite: every log-probability -inf)
   if (s_max != -kInf) {
