@@ -3,7 +3,8 @@ integer dots) against torch's int-pack CPU kernels (aten._weight_int4pack_mm_for
 aten._weight_int8pack_mm: bf16 activations), at the default model's shapes (SmolLM2-135M: QKV,
 gate/up, down int4 G = 32, the int8 LM head; gate/up as GGUF Q4_0 too, m = -8d: the int4_sym
 tiles, and as Q5_K: codes 0..31 with a scale and min per 32, the int5_g32 tiles; the head also
-as GGUF Q8_0 and Q6_K load it: int8 per 32 and int6 per 16) over
+as GGUF Q8_0 and Q6_K load it: int8 per 32 and int6 per 16, the Q6_K head at K = 1024, a
+multiple of Q6_K's 256, as Qwen3-0.6B's) over
 M = 1 .. 512, interleaved (each case times all three before the next), one thread
 by default (PAGEDKERN_BENCH_THREADS). Prints microseconds, the tile bytes read per second at
 M = 1 (16-bit activations) beside the copy bandwidth measured in the same run (the ceiling a
@@ -31,8 +32,9 @@ THREADS = int(os.environ.get("PAGEDKERN_BENCH_THREADS", 1))
 SHAPES = (
     [("qkv", "int4", 960, 576), ("gate_up", "int4", 3072, 576), ("gate_up", "q4_0", 3072, 576),
      ("gate_up", "q5_k", 3072, 576), ("down", "int4", 576, 1536), ("lm_head", "int8", 49152, 576),
-     ("lm_head", "q8_0", 49152, 576), ("lm_head", "q6_k", 49152, 576)]
-    if FULL else [("tiny", fmt, 64, 64) for fmt in ("int4", "q4_0", "q5_k", "int8", "q8_0", "q6_k")]
+     ("lm_head", "q8_0", 49152, 576), ("lm_head", "q6_k", 49152, 1024)]
+    if FULL else [("tiny", fmt, 64, 256 if fmt == "q6_k" else 64)
+                  for fmt in ("int4", "q4_0", "q5_k", "int8", "q8_0", "q6_k")]
 )  # fmt: skip
 MS = (1, 2, 4, 8, 16, 64, 256, 512) if FULL else (1, 3)
 MAX_LM_HEAD_M = 64  # the LM head runs on the sampled rows only
@@ -52,14 +54,30 @@ def _q4_0(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("int4", (n, k), qweight, scales, (-8 * scales.float()).half(), 32)
 
 
-def _int8_groups(w: torch.Tensor, group: int, qmax: int) -> QuantizedWeight:
-    """w as int8 with an fp32 scale per `group` along K, codes within +-qmax: GGUF Q8_0's form
-    (32, 127: the int8_g32 tiles) or Q6_K's (16, 31: codes of 6 bits, the int6_g16 tiles)."""
+def _q8_0(w: torch.Tensor) -> QuantizedWeight:
+    """w as int8 with an fp32 scale per 32 along K: GGUF Q8_0's form (the int8_g32 tiles)."""
     n, k = w.shape
-    blocks = w.view(n, k // group, group)
-    scales = (blocks.abs().amax(-1) / qmax).clamp_min(1e-12)
-    q = torch.round(blocks / scales[..., None]).clamp(-qmax, qmax).to(torch.int8).view(n, k)
-    return QuantizedWeight("int8", (n, k), q, scales, None, group)
+    blocks = w.view(n, k // 32, 32)
+    scales = (blocks.abs().amax(-1) / 127).clamp_min(1e-12)
+    q = torch.round(blocks / scales[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+    return QuantizedWeight("int8", (n, k), q, scales, None, 32)
+
+
+def _q6_k(w: torch.Tensor) -> QuantizedWeight:
+    """w in Q6_K's form (llama.cpp's rounding, simplified): per 16, codes -32..31 under a scale
+    d * sc, sc int8 per 16 and d fp16 per 256 with the largest sc -128 (the int6_k tiles)."""
+    n, k = w.shape
+    blocks = w.view(n, k // 16, 16)
+    group = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))[..., 0] / -32
+    supers = group.view(n, k // 256, 16)
+    top = supers.gather(-1, supers.abs().argmax(-1, keepdim=True))
+    d = (top / -128).half().float()
+    inv = torch.where(d == 0, 0.0, 1 / d)
+    sc = (supers * inv).round().clamp(-128, 127)
+    scales = (sc * d).view(n, k // 16)
+    inv_s = torch.where(scales == 0, 0.0, 1 / scales)
+    q = (blocks * inv_s[..., None]).round().clamp(-32, 31).to(torch.int8).view(n, k)
+    return QuantizedWeight("int8", (n, k), q, scales, None, 16)
 
 
 def _q5_k(w: torch.Tensor) -> QuantizedWeight:
@@ -74,11 +92,9 @@ def _q5_k(w: torch.Tensor) -> QuantizedWeight:
 
 
 def _weight(fmt: str, w: torch.Tensor) -> QuantizedWeight:
-    if fmt == "q5_k":
-        return _q5_k(w)
-    if fmt in ("q8_0", "q6_k"):
-        return _int8_groups(w, *{"q8_0": (32, 127), "q6_k": (16, 31)}[fmt])
-    return {"int4": quantize_int4, "q4_0": _q4_0, "int8": quantize_int8}[fmt](w)
+    makers = {"int4": quantize_int4, "q4_0": _q4_0, "q5_k": _q5_k, "int8": quantize_int8,
+              "q8_0": _q8_0, "q6_k": _q6_k}  # fmt: skip
+    return makers[fmt](w)
 
 
 def _best_us(fn, reps: int) -> float:
@@ -97,6 +113,7 @@ def test_cpu_quant_gemv(capsys):
         w = torch.randn(n, k)
         qw = _weight(fmt, w)
         nbytes = quant_gemv.packed(qw).numel()
+        label = f"{name} {fmt} ({quant_gemv.tile_format(qw)})"  # the tiles it runs
         for m in MS:
             if name == "lm_head" and m > MAX_LM_HEAD_M:
                 continue
@@ -110,7 +127,7 @@ def test_cpu_quant_gemv(capsys):
             theirs = _best_us(lambda: torch_int_pack_mm(x, qw), reps)  # noqa: B023
             gbs = f"{nbytes / ours / 1e3:7.1f}" if m == 1 else " " * 7
             lines.append(
-                f"  {name:8s} {fmt} M={m:<4d} {ours:10.1f} {ours8:10.1f} {theirs:10.1f} {gbs} "
+                f"  {label:30s} M={m:<4d} {ours:10.1f} {ours8:10.1f} {theirs:10.1f} {gbs} "
                 f"{theirs / ours:9.2f}x {ours / ours8:9.2f}x"
             )
     with capsys.disabled():
@@ -119,7 +136,7 @@ def test_cpu_quant_gemv(capsys):
             f"copy bandwidth {_copy_gbs():.1f} GB/s; microseconds (best of 3)"
         )
         print(
-            f"  {'weight':13s} {'M':6s} {'gemv16':>10s} {'gemv8':>10s} {'torch':>10s} "
+            f"  {'weight (tiles)':30s} {'M':6s} {'gemv16':>10s} {'gemv8':>10s} {'torch':>10s} "
             f"{'GB/s':>7s} {'torch/gemv16':>10s} {'gemv16/gemv8':>10s}"
         )
         print("\n".join(lines))

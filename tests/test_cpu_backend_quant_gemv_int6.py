@@ -1,8 +1,11 @@
-"""The CPU GEMM's int6_g16 tiles (csrc/cpu/pack.cpp pack_int6): int8 with a scale per 16 whose
-codes all lie in -32..31 (a GGUF Q6_K tensor, as model/quantized_linear.gguf_to_int8 gives it)
-held in 6 bits, 8 bits a weight with the scales, against 10 for the int8_g16 tiles of the same
-weight. Unpacked to the same codes, they must give the int8_g16 tiles' bits on every path, M
-and activation width; quant_gemv picks them by itself, and refuses nothing it should take."""
+"""The CPU GEMM's 6-bit tiles (csrc/cpu/pack.cpp): int8 with a scale per 16 whose codes all lie
+in -32..31 (a GGUF Q6_K tensor, as model/quantized_linear.gguf_to_int8 gives it) held in 6 bits.
+int6_k (pack_int6_k) keeps Q6_K's own scales, an int8 per 16 times an fp32 per 256, factored
+back out of the fp32 scales exactly: 6.625 bits a weight. int6_g16 (pack_int6), for scales that
+do not factor or K not a multiple of 256, keeps them in fp32: 8 bits a weight. Against 10 for
+the int8_g16 tiles of the same weight. Unpacked to the same codes and scales, both must give the
+int8_g16 tiles' bits on every path, M and activation width; quant_gemv picks them by itself, and
+refuses nothing it should take."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pagedkern.reference.quantized_weight import QuantizedWeight
 pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
 
 SHAPES = [(1, 37, 64), (3, 960, 256), (5, 16, 128), (17, 50, 384), (64, 33, 32)]
+K_SHAPES = [(1, 37, 256), (3, 960, 512), (5, 16, 256), (9, 50, 768), (64, 33, 256)]
 PAD = 3  # poisoned columns past N: no kernel may write them
 
 
@@ -27,15 +31,25 @@ def _paths() -> list[str]:
 
 def _six_bit_weight(n: int, k: int, seed: int) -> QuantizedWeight:
     """Q6_K's shape: codes -32..31 (both ends present), fp32 scales per 16 (d * sc: an fp16 d
-    times an int8), one row's scales all zero."""
+    per 256 times an int8), one row's scales all zero."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
     q[0, 0], q[-1, -1] = -32, 31
-    d = torch.rand(n, 1, generator=g).half().float() * 1e-3
+    d = (torch.rand(n, (k + 255) // 256, generator=g) * 1e-3).half().float()
     sc = torch.randint(-128, 128, (n, k // 16), generator=g).float()
-    scales = d * sc
+    scales = d.repeat_interleave(16, dim=1)[:, : k // 16] * sc
     scales[n // 2] = 0
     return QuantizedWeight("int8", (n, k), q, scales, None, 16)
+
+
+def _factored(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """factor_int6_scales's d [N, K / 256] and c [N, K / 16] (asserting it factors)."""
+    module, (n, k) = quant_gemv.cpu_module(), weight.shape
+    d, c = torch.empty(n, k // 256), torch.empty(n, k // 16, dtype=torch.int8)
+    assert module.factor_int6_scales(
+        scales=weight.scales.data_ptr(), n=n, k=k, d=d.data_ptr(), c=c.data_ptr()
+    )
+    return d, c
 
 
 def _raw_gemv(x: torch.Tensor, weight: QuantizedWeight, fmt: str, path: str, bits: int):
@@ -47,6 +61,10 @@ def _raw_gemv(x: torch.Tensor, weight: QuantizedWeight, fmt: str, path: str, bit
                 scales=weight.scales.data_ptr(), n=n, k=k)  # fmt: skip
     if fmt == "int6_g16":
         module.pack_int6(**args)
+    elif fmt == "int6_k":
+        d, c = _factored(weight)
+        del args["scales"]
+        module.pack_int6_k(**args, c=c.data_ptr(), d=d.data_ptr())
     else:
         module.pack_int8_grouped(**args, group=16)
     return tiles, cpu_gemv_into_poisoned(module, code, tiles, x, n, path, bits, PAD)
@@ -64,8 +82,10 @@ def test_int6_tiles_give_the_int8_g16_tiles_bits(m, n, k, path, bits):
     assert not want.isnan().any() and torch.equal(six, want)
     out = poisoned((m, n), torch.float32, "cpu")
     got = quant_gemv.quant_gemv(x, weight, path=path, out=out, activation_bits=bits)
-    assert quant_gemv.tile_format(weight) == "int6_g16"
-    assert torch.equal(quant_gemv.packed(weight), six_tiles) and torch.equal(got, want)
+    if k % 256:  # else its scales factor: int6_k (below)
+        assert quant_gemv.tile_format(weight) == "int6_g16"
+        assert torch.equal(quant_gemv.packed(weight), six_tiles)
+    assert torch.equal(got, want)
     exact = ref_quant_linear(x.double(), weight)  # a loose check that neither is wrong
     assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-2
 
@@ -90,3 +110,75 @@ def test_pack_int6_refuses_codes_outside_six_bits():
     with pytest.raises(ValueError, match="-32..31"):
         module.pack_int6(out=tiles.data_ptr(), qweight=qt.data_ptr(), scales=scales.data_ptr(),
                          n=16, k=32)  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("path", _paths())
+@pytest.mark.parametrize("m,n,k", K_SHAPES)
+def test_int6_k_tiles_give_the_int8_g16_tiles_bits(m, n, k, path, bits):
+    weight = _six_bit_weight(n, k, seed=m * 5 + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n + k)) * 2.0
+    k_tiles, got_k = _raw_gemv(x, weight, "int6_k", path, bits)
+    int8_tiles, want = _raw_gemv(x, weight, "int8_g16", path, bits)
+    tiles = (n + 15) // 16
+    assert k_tiles.numel() == tiles * (k // 256) * 3392  # 6.625 bits a weight
+    assert not want.isnan().any() and torch.equal(got_k, want)
+    out = poisoned((m, n), torch.float32, "cpu")
+    got = quant_gemv.quant_gemv(x, weight, path=path, out=out, activation_bits=bits)
+    assert quant_gemv.tile_format(weight) == "int6_k"
+    assert torch.equal(quant_gemv.packed(weight), k_tiles) and torch.equal(got, want)
+
+
+def _scales_of(d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return (c.float().view(*d.shape, 16) * d[..., None]).view(c.shape)
+
+
+def test_factoring_recovers_exact_scales_of_every_kind():
+    """Q6_K scales of llama.cpp's form (the largest c -128) and others (the largest 127 or 77;
+    d of either sign, fp16 or of 16 significant bits, tiny and huge: any d whose products with
+    an int8 are exact in fp32), all-zero and signed-zero blocks: each factors, and c * d gives
+    each scale back bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 12, 512
+    c = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
+    d = torch.randn(n, k // 256, generator=g).half().float()
+    c.view(n, -1, 16)[0, :, 5] = -128
+    c.view(n, -1, 16)[1, :, :] = c.view(n, -1, 16)[1].clamp(-127, 127)
+    c.view(n, -1, 16)[1, :, 3] = 127
+    c.view(n, -1, 16)[2, :, :] = torch.randint(-77, 78, (k // 256, 16), generator=g)
+    c.view(n, -1, 16)[2, :, 9] = -77
+    d[3] = (torch.randn(k // 256, generator=g) * 2**15).round() * 2.0**-120  # not fp16, tiny
+    d[4] = d[4] * 2.0**100
+    c.view(n, -1, 16)[5, 0] = 0  # an all-zero super-block
+    scales = _scales_of(d, c)
+    scales[6, :16] = -0.0
+    weight = QuantizedWeight("int8", (n, k), torch.zeros(n, k, dtype=torch.int8), scales, None, 16)
+    got_d, got_c = _factored(weight)
+    back = _scales_of(got_d, got_c)
+    assert torch.equal(back, scales)  # == treats -0 as 0; the bits of every non-zero scale:
+    nonzero = scales != 0
+    assert torch.equal(back[nonzero].view(torch.int32), scales[nonzero].view(torch.int32))
+    assert quant_gemv.tile_format(weight) == "int6_k"
+
+
+@pytest.mark.parametrize("case", ["random_fp32", "nan", "inf", "k_not_256"])
+def test_scales_that_do_not_factor_keep_the_int6_g16_tiles(case):
+    n, k = 20, 512 if case != "k_not_256" else 288
+    weight = _six_bit_weight(n, k, seed=4)
+    if case == "random_fp32":
+        weight.scales[7, 16:32] = torch.rand(16) + 0.5  # no int8 c times one d gives these
+    elif case == "nan":
+        weight.scales[7, 3] = float("nan")
+    elif case == "inf":
+        weight.scales[0, 30] = float("inf")
+    assert quant_gemv.tile_format(weight) == "int6_g16"
+    if case in ("random_fp32", "k_not_256"):
+        x = torch.randn(3, k)
+        _, want = _raw_gemv(x, weight, "int8_g16", quant_gemv.best_path(), 16)
+        assert torch.equal(quant_gemv.quant_gemv(x, weight), want)
+
+
+def test_int6_k_tiles_refuse_k_not_a_multiple_of_256():
+    module = quant_gemv.cpu_module()
+    with pytest.raises(ValueError, match="256"):
+        module.packed_bytes(format=module.FORMATS["int6_k"], n=16, k=288)

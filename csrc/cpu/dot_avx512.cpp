@@ -119,6 +119,7 @@ TileFn avx512_tile(int format, int planes) {
     case kInt8G32:
     case kInt8G16:
     case kInt6G16:
+    case kInt6K:
     case kInt5G32: return avx2_tile(format, planes);  // the 256-bit kernel: the same bits
     case kInt4: return two ? int4_tile<2, false> : int4_tile<1, false>;
     case kInt4Sym: return two ? int4_tile<2, true> : int4_tile<1, true>;

@@ -134,6 +134,7 @@ TileFn neon_tile(int format, int planes) {
     case kInt8G32:
     case kInt8G16:
     case kInt6G16:
+    case kInt6K:
     case kInt5G32: return portable_tile(format, planes);  // no NEON kernel yet: the same bits
     case kInt4: return two ? int4_tile<2, false> : int4_tile<1, false>;
     case kInt4Sym: return two ? int4_tile<2, true> : int4_tile<1, true>;

@@ -130,18 +130,24 @@ void int6_as_int8(const uint8_t* t, uint8_t* out) {
 }
 
 // int8_g32 / int8_g16 (S = 32 / G groups a block): per group, acc = fma(s_g * dx, isum_g, acc);
-// Six: int6_g16, its codes unpacked first
-template <int P, int S, bool Six = false>
+// int6_g16 and int6_k (F) unpack their codes first; int6_k's scale is float(c) * d.
+template <int P, int S, int F>
 void int8_grouped_tile(const Args& a, int tile, int r0, int rc) {
+  constexpr bool Six = F == kInt6G16 || F == kInt6K;
   constexpr int kCodeBytes = Six ? kInt6CodeBytes : kRows * kBlock;
   constexpr int kBlockBytes = kCodeBytes + kRows * 4 * S, kQuads = 8 / S;
   const int blocks = a.k / kBlock;
   const uint8_t* base = a.packed + size_t(tile) * blocks * kBlockBytes;
+  const float* tile_d = nullptr;  // int6_k's
+  if (F == kInt6K) {
+    tile_d = int6k_d(a.packed + size_t(tile) * int6k_tile_bytes(a.k));
+    base = int6k_blocks(a.packed + size_t(tile) * int6k_tile_bytes(a.k), a.k);
+  }
   uint8_t codes[kRows * kBlock];
   for (int r = r0; r < r0 + rc; ++r) {
     float acc[kRows] = {};
     for (int b = 0; b < blocks; ++b) {
-      const uint8_t* block = base + size_t(b) * kBlockBytes;
+      const uint8_t* block = base + size_t(b) * (F == kInt6K ? kInt6KBlockBytes : kBlockBytes);
       if (Six) int6_as_int8(block, codes);
       const uint8_t* t = Six ? codes : block;
       const float dx = a.xq->dx[a.xq->at(r, b)];
@@ -150,7 +156,11 @@ void int8_grouped_tile(const Args& a, int tile, int r0, int rc) {
           const int32_t isum =
               int8_quads<P>(t, row, a.xq->block(r, b), g * kQuads, (g + 1) * kQuads);
           float scale;
-          std::memcpy(&scale, block + kCodeBytes + 4 * (kRows * g + row), 4);
+          if (F == kInt6K)
+            scale = float(int8_t(block[kCodeBytes + kRows * g + row])) *
+                    tile_d[kRows * (b * kBlock / kInt6KSuper) + row];
+          else
+            std::memcpy(&scale, block + kCodeBytes + 4 * (kRows * g + row), 4);
           acc[row] = std::fma(scale * dx, float(isum), acc[row]);
         }
     }
@@ -167,9 +177,10 @@ TileFn portable_tile(int format, int planes) {
     case kInt4: return two ? int4_tile<2, kInt4> : int4_tile<1, kInt4>;
     case kInt4Sym: return two ? int4_tile<2, kInt4Sym> : int4_tile<1, kInt4Sym>;
     case kInt5G32: return two ? int4_tile<2, kInt5G32> : int4_tile<1, kInt5G32>;
-    case kInt8G32: return two ? int8_grouped_tile<2, 1> : int8_grouped_tile<1, 1>;
-    case kInt8G16: return two ? int8_grouped_tile<2, 2> : int8_grouped_tile<1, 2>;
-    case kInt6G16: return two ? int8_grouped_tile<2, 2, true> : int8_grouped_tile<1, 2, true>;
+    case kInt8G32: return two ? int8_grouped_tile<2, 1, kInt8G32> : int8_grouped_tile<1, 1, kInt8G32>;
+    case kInt8G16: return two ? int8_grouped_tile<2, 2, kInt8G16> : int8_grouped_tile<1, 2, kInt8G16>;
+    case kInt6G16: return two ? int8_grouped_tile<2, 2, kInt6G16> : int8_grouped_tile<1, 2, kInt6G16>;
+    case kInt6K: return two ? int8_grouped_tile<2, 2, kInt6K> : int8_grouped_tile<1, 2, kInt6K>;
     default: return two ? int8_tile<2> : int8_tile<1>;
   }
 }

@@ -117,6 +117,21 @@ PYBIND11_MODULE(_cpu, mod) {
       py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("n"),
       py::arg("k"));
   mod.def(
+      "factor_int6_scales",
+      [](uintptr_t scales, int n, int k, uintptr_t d, uintptr_t c) {
+        py::gil_scoped_release release;
+        return factor_int6_scales(ptr<const float>(scales), n, k, ptr<float>(d), ptr<int8_t>(c));
+      },
+      py::kw_only(), py::arg("scales"), py::arg("n"), py::arg("k"), py::arg("d"), py::arg("c"));
+  mod.def(
+      "pack_int6_k",
+      [](uintptr_t out, uintptr_t qweight, uintptr_t c, uintptr_t d, int n, int k) {
+        pack_int6_k(ptr<uint8_t>(out), ptr<const int8_t>(qweight), ptr<const int8_t>(c),
+                    ptr<const float>(d), n, k);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("c"), py::arg("d"),
+      py::arg("n"), py::arg("k"));
+  mod.def(
       "pack_int5",
       [](uintptr_t out, uintptr_t qweight, uintptr_t scales, uintptr_t mins, int n, int k) {
         pack_int5(ptr<uint8_t>(out), ptr<const uint8_t>(qweight), ptr<const float>(scales),

@@ -2,6 +2,8 @@
 // by block of 32 K (layout: quant_gemv.h); int4 whose every m is -8 d into int4_sym tiles (no
 // m). Rows past N are zeros (their outputs are never stored).
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
@@ -18,6 +20,7 @@ const char* format_name(int format) {
     case kInt8G16: return "int8_g16";
     case kInt6G16: return "int6_g16";
     case kInt5G32: return "int5_g32";
+    case kInt6K: return "int6_k";
     default: return "unknown";
   }
 }
@@ -32,6 +35,10 @@ int64_t packed_bytes(int format, int n, int k) {
     case kInt8G16: block_bytes = int8_grouped_block_bytes(int8_group(format)); break;
     case kInt6G16: block_bytes = kInt6TileBlockBytes; break;
     case kInt5G32: block_bytes = kInt5TileBlockBytes; break;
+    case kInt6K:
+      if (k % kInt6KSuper)
+        throw std::invalid_argument("int6_k tiles need k a multiple of 256");
+      return int64_t((n + kRows - 1) / kRows) * int64_t(int6k_tile_bytes(k));
     default: throw std::invalid_argument(kFormatsMessage);
   }
   return int64_t((n + kRows - 1) / kRows) * (k / kBlock) * block_bytes;
@@ -146,25 +153,93 @@ void pack_int8_grouped(uint8_t* out, const int8_t* q, const float* scales, int n
   pack_int8_tiles(out, q, scales, n, k, group, int8_grouped_block_bytes(group));
 }
 
-// q + 32 (0..63): the nibble plane, then byte (jj, r, i) of the 2-bit plane holds the high bits
-// of k-quads jj, jj + 2, jj + 4, jj + 6 at bits 0, 2, 4, 6; then the scales. Rows past N are
-// zeros: code -32 with scale 0.
+namespace {
+
+// Row `row`'s block b of codes q + 32 (0..63) as row r of a tile block's 6-bit codes: the nibble
+// plane, then byte (jj, r, i) of the 2-bit plane holds the high bits of k-quads jj, jj + 2,
+// jj + 4, jj + 6 at bits 0, 2, 4, 6.
+void put_int6_codes(uint8_t* dst, const int8_t* q, int row, int r, int k, int b) {
+  auto code = [&](int c) {
+    const int v = q[size_t(row) * k + b * kBlock + c] + 32;
+    if (v < 0 || v > 63) throw std::invalid_argument("int6 codes must lie in -32..31");
+    return v;
+  };
+  put_nibbles(dst, r, code);
+  for (int jj = 0; jj < 2; ++jj)
+    for (int i = 0; i < 4; ++i) {
+      uint8_t bits = 0;
+      for (int m = 0; m < 4; ++m) bits |= uint8_t((code(4 * (jj + 2 * m) + i) >> 4) << (2 * m));
+      dst[kRows * kBlock / 2 + 64 * jj + 4 * r + i] = bits;
+    }
+}
+
+// One row's 16 scales of a 256 as float(c[g]) * d, exactly: d = s / c for the largest |s|'s
+// candidate c, -128 first (llama.cpp's quantizer gives the largest -128), then 127 down to 1.
+bool factor_super_block(const float* s, float& d, int8_t* c) {
+  int top = 0;
+  for (int g = 0; g < 16; ++g) {
+    if (!std::isfinite(s[g])) return false;
+    if (std::fabs(s[g]) > std::fabs(s[top])) top = g;
+  }
+  if (s[top] == 0.0f) {  // all zero (either sign: a zero scale adds +0 to the chain either way)
+    d = 0.0f;
+    std::fill_n(c, 16, int8_t(0));
+    return true;
+  }
+  for (int ct = 128; ct >= 1; --ct) {  // the largest's c: -128, then 127 .. 1 (d of s's sign)
+    d = s[top] / (ct == 128 ? -128.0f : float(ct));
+    if (!std::isfinite(d) || d == 0.0f) continue;
+    bool exact = true;
+    for (int g = 0; g < 16 && exact; ++g) {
+      const float v = std::nearbyint(s[g] / d);
+      exact = v >= -128.0f && v <= 127.0f && v * d == s[g];
+      if (exact) c[g] = int8_t(v);
+    }
+    if (exact) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+// q + 32 (0..63) as put_int6_codes, then the scales. Rows past N are zeros: code -32 with
+// scale 0.
 void pack_int6(uint8_t* out, const int8_t* q, const float* scales, int n, int k) {
   for_tile_rows(out, n, k, kInt6TileBlockBytes, [&](uint8_t* dst, int row, int r, int b) {
-    auto code = [&](int c) {
-      const int v = q[size_t(row) * k + b * kBlock + c] + 32;
-      if (v < 0 || v > 63) throw std::invalid_argument("int6 codes must lie in -32..31");
-      return v;
-    };
-    put_nibbles(dst, r, code);
-    for (int jj = 0; jj < 2; ++jj)
-      for (int i = 0; i < 4; ++i) {
-        uint8_t bits = 0;
-        for (int m = 0; m < 4; ++m) bits |= uint8_t((code(4 * (jj + 2 * m) + i) >> 4) << (2 * m));
-        dst[kRows * kBlock / 2 + 64 * jj + 4 * r + i] = bits;
-      }
+    put_int6_codes(dst, q, row, r, k, b);
     put_scales(dst + kInt6CodeBytes, scales, row, r, n, k, b, 16);
   });
+}
+
+bool factor_int6_scales(const float* scales, int n, int k, float* d, int8_t* c) {
+  if (k <= 0 || k % kInt6KSuper) throw std::invalid_argument("k must be a positive multiple of 256");
+  const int64_t supers = int64_t(n) * (k / kInt6KSuper);
+  for (int64_t i = 0; i < supers; ++i)
+    if (!factor_super_block(scales + 16 * i, d[i], c + 16 * i)) return false;
+  return true;
+}
+
+// Per tile: the rows' d, then each block's int6_g16 codes and its rows' c per group
+// (quant_gemv.h). Rows past N are zeros: code -32, c 0, d 0.
+void pack_int6_k(uint8_t* out, const int8_t* q, const int8_t* c, const float* d, int n, int k) {
+  const int64_t bytes = packed_bytes(kInt6K, n, k);  // checks k
+  std::memset(out, 0, size_t(bytes));
+  const int blocks = k / kBlock, supers = k / kInt6KSuper, tiles = (n + kRows - 1) / kRows;
+  for (int t = 0; t < tiles; ++t) {
+    uint8_t* tile = out + size_t(t) * int6k_tile_bytes(k);
+    auto* tile_d = const_cast<float*>(int6k_d(tile));
+    auto* first = const_cast<uint8_t*>(int6k_blocks(tile, k));
+    for (int r = 0; r < kRows && t * kRows + r < n; ++r) {
+      const int row = t * kRows + r;
+      for (int sb = 0; sb < supers; ++sb) tile_d[kRows * sb + r] = d[size_t(row) * supers + sb];
+      for (int b = 0; b < blocks; ++b) {
+        uint8_t* dst = first + size_t(b) * kInt6KBlockBytes;
+        put_int6_codes(dst, q, row, r, k, b);
+        for (int g = 0; g < 2; ++g)
+          dst[kInt6CodeBytes + kRows * g + r] = uint8_t(c[size_t(row) * (k / 16) + 2 * b + g]);
+      }
+    }
+  }
 }
 
 // u (0..31): the nibble plane; byte (r, i) of the 64-byte fifth-bit plane holds k = 4j + i's

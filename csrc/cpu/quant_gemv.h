@@ -20,11 +20,13 @@
 //   every x86 path, so no bias comes off per group. int6_g16 (Q6_K at 8 bits a weight):
 //   int8_g16 whose codes fit 6 bits, stored as q + 32; the x86 kernels feed those unsigned
 //   codes to the u8 operand and take 32 * sum(x) off each group's integer sum, the same
-//   integers as int8_g16's, so the same bits.
-//   int5_g32 (GGUF Q5_0, Q5_1 and Q5_K exactly: w = s u + m, u in 0..31, fp32 s and m per
-//   group of 32, i.e. per block): int4's nibble plane, 64 bytes of fifth bits (byte (r, i)
-//   holds k = 4j + i's at bit j), then the block's 16 s and 16 m (fp32): 448 bytes a block,
-//   7 bits a weight. Its dots and fp32 chain are int4's, with the fifth bit or-ed in.
+//   integers as int8_g16's, so the same bits. int6_k (Q6_K at 6.625 bits a weight, its own
+//   two-level scales): int6_g16's codes with each group's scale as an int8 c times an fp32 d
+//   per row and 256 K (the pack factors the fp32 scales so that float(c) * d equals each one
+//   exactly, as a GGUF Q6_K's fp16 d times int8 sc always does). A tile holds its d
+//   ([K / 256][16] fp32), then its blocks: int6_g16's 384 code bytes and the block's c
+//   ([2][16] int8). The kernels form each group's fp32 scales as float(c) * d, the values
+//   int6_g16 stores, so the same bits.
 // - Activations are quantized on the fly (activations.cpp), per row and per block of 32, to
 //   8 or 16 bits: dx = max|x| / Q, q = round-to-nearest-even(x / dx) in -Q..Q (Q = 127, or
 //   32639 for 16 bits), sx = dx * sum(q). A 16-bit q is held as two int8 planes, q = 256 hi +
@@ -77,6 +79,9 @@ constexpr int int8_grouped_block_bytes(int group) { return kRows * kBlock + kRow
 // bits: 256 bytes of low nibbles (int4's layout), 128 of 2-bit high parts, then the scales
 constexpr int kInt6CodeBytes = kRows * kBlock / 2 + kRows * kBlock / 4;
 constexpr int kInt6TileBlockBytes = kInt6CodeBytes + kRows * 4 * 2;
+// int6_k: a tile's d [K / 256][16] fp32, then its blocks: the codes, then c [2][16] int8
+constexpr int kInt6KSuper = 256;  // K a d
+constexpr int kInt6KBlockBytes = kInt6CodeBytes + kRows * 2;
 constexpr int kInt5TileBlockBytes = kRows * kBlock / 2 + kRows * 4 + kRows * 4 * 2;
 constexpr int kRowChunk = 4;  // AVX-512: activation rows computed together over one weight tile
 constexpr int kInt8Bias = 128;  // int8 weights are stored as q + 128
@@ -99,17 +104,26 @@ inline void prefetch_ahead(const uint8_t* block) {
 
 // The tile formats (pack.cpp); int4_sym: int4 whose every m is -8 d (m not stored).
 // int8_g32 / int8_g16: int8 with an fp32 scale per group of 32 / 16 along K. int5_g32: 5-bit
-// codes with an fp32 scale and min per 32.
+// codes with an fp32 scale and min per 32. int6_k: int6_g16 with Q6_K's two-level scales.
 enum Format {
   kInt8 = 0, kInt4 = 1, kInt4Sym = 2, kInt8G32 = 3, kInt8G16 = 4, kInt6G16 = 5, kInt5G32 = 6,
-  kNumFormats = 7
+  kInt6K = 7, kNumFormats = 8
 };
 constexpr int int8_group(int format) {
-  return format == kInt8G32 ? 32 : format == kInt8G16 || format == kInt6G16 ? 16 : 0;
+  return format == kInt8G32 ? 32 : format == kInt8G16 || format == kInt6G16 || format == kInt6K ? 16 : 0;
 }
 const char* format_name(int format);
 constexpr const char* kFormatsMessage =
-    "format must be 0..6 (int8, int4, int4_sym, int8_g32, int8_g16, int6_g16, int5_g32)";
+    "format must be 0..7 (int8, int4, int4_sym, int8_g32, int8_g16, int6_g16, int5_g32, int6_k)";
+
+// An int6_k tile's bytes (k a multiple of 256), its d, and its first block
+inline size_t int6k_tile_bytes(int k) {
+  return size_t(k / kInt6KSuper) * kRows * 4 + size_t(k / kBlock) * kInt6KBlockBytes;
+}
+inline const float* int6k_d(const uint8_t* tile) { return reinterpret_cast<const float*>(tile); }
+inline const uint8_t* int6k_blocks(const uint8_t* tile, int k) {
+  return tile + size_t(k / kInt6KSuper) * kRows * 4;
+}
 
 enum Path {
   kPortable = 0,
@@ -175,6 +189,13 @@ void pack_int8_grouped(uint8_t* out, const int8_t* qweight, const float* scales,
                        int group);
 // int8 codes in -32..31 with fp32 scales [N, K / 16] into int6_g16 tiles
 void pack_int6(uint8_t* out, const int8_t* qweight, const float* scales, int n, int k);
+// Factors fp32 scales [N, K / 16] (K a multiple of 256) as d [N, K / 256] fp32 times c
+// [N, K / 16] int8 with float(c) * d equal to each scale bit for bit (+0 for a zero); false
+// (d and c left partial) where some row's 16 scales of a 256 have no such factoring.
+bool factor_int6_scales(const float* scales, int n, int k, float* d, int8_t* c);
+// int8 codes in -32..31 with scales factored as c * d into int6_k tiles
+void pack_int6_k(uint8_t* out, const int8_t* qweight, const int8_t* c, const float* d, int n,
+                 int k);
 // codes in 0..31 (one a byte) with fp32 scales and mins [N, K / 32] into int5_g32 tiles
 void pack_int5(uint8_t* out, const uint8_t* qweight, const float* scales, const float* mins,
                int n, int k);

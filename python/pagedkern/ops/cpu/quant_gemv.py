@@ -35,7 +35,9 @@ _PACKED_KEY = "cpu-gemv"  # weight.packed: the tiles
 _FORMAT_KEY = "cpu-gemv-format"  # weight.packed: their format, one of TILE_FORMATS
 # csrc/cpu/quant_gemv.h's Format: int4_sym is int4 whose every group has m == -8 d exactly
 # (GGUF Q4_0), packed without the m (4.5 bits a weight, not 5) and giving the same bits.
-TILE_FORMATS = ("int8", "int4", "int4_sym", "int8_g32", "int8_g16", "int6_g16", "int5_g32")
+TILE_FORMATS = (
+    "int8", "int4", "int4_sym", "int8_g32", "int8_g16", "int6_g16", "int5_g32", "int6_k"
+)  # fmt: skip
 
 
 @functools.cache
@@ -85,8 +87,9 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
     """The weight's 16-row tiles (uint8), built once per weight and kept in weight.packed with
     their format (tile_format): int4_sym where every int4 group has m == -8 d, int8_g32 /
     int8_g16 for int8 with a scale per group (int6_g16 where those codes all fit 6 bits, as
-    GGUF Q6_K's do), int5_g32 for int8 with a scale and a min per 32 (GGUF Q5_*: codes in
-    0..31), else the weight's own format."""
+    GGUF Q6_K's do, and int6_k where their scales also factor as Q6_K's int8 per 16 times one
+    per 256, as a Q6_K file's always do), int5_g32 for int8 with a scale and a min per 32 (GGUF
+    Q5_*: codes in 0..31), else the weight's own format."""
     tiles = weight.packed.get(_PACKED_KEY)
     if tiles is None:
         cpu_kernels, (n, k) = cpu_module(), weight.shape
@@ -121,24 +124,44 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
                 mins=mins.data_ptr(), n=n, k=k,
             )  # fmt: skip
         else:
-            group, qweight = weight.group_size, weight.qweight.contiguous()
-            six = group == 16 and bool(((qweight >= -32) & (qweight <= 31)).all())  # Q6_K's
-            fmt = "int6_g16" if six else f"int8_g{group}" if group else "int8"
-            code = cpu_kernels.FORMATS[fmt]
-            tiles = torch.empty(cpu_kernels.packed_bytes(format=code, n=n, k=k), dtype=torch.uint8)
-            if group:  # int8 with a scale per group of 32 or 16 (GGUF Q8_0, Q6_K): in the tiles
-                scales = weight.scales.float().contiguous()
-                pack = cpu_kernels.pack_int6 if six else cpu_kernels.pack_int8_grouped
-                extra = {} if six else {"group": group}
-                pack(
-                    out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(),
-                    n=n, k=k, **extra,
-                )  # fmt: skip
-            else:
-                cpu_kernels.pack_int8(out=tiles.data_ptr(), qweight=qweight.data_ptr(), n=n, k=k)
+            fmt, tiles = _pack_int8(cpu_kernels, weight)
         weight.packed[_FORMAT_KEY] = fmt
         weight.packed[_PACKED_KEY] = tiles
     return tiles
+
+
+def _pack_int8(cpu_kernels: ModuleType, weight: QuantizedWeight) -> tuple[str, torch.Tensor]:
+    """An int8 weight without mins as tiles: (format, tiles)."""
+    (n, k), group, qweight = weight.shape, weight.group_size, weight.qweight.contiguous()
+    if not group:
+        tiles = torch.empty(cpu_kernels.packed_bytes(format=0, n=n, k=k), dtype=torch.uint8)
+        cpu_kernels.pack_int8(out=tiles.data_ptr(), qweight=qweight.data_ptr(), n=n, k=k)
+        return "int8", tiles
+    scales = weight.scales.float().contiguous()
+    if group == 16 and bool(((qweight >= -32) & (qweight <= 31)).all()):  # Q6_K's codes
+        if k % 256 == 0:
+            d = torch.empty(n, k // 256)
+            c = torch.empty(n, k // 16, dtype=torch.int8)
+            if cpu_kernels.factor_int6_scales(
+                scales=scales.data_ptr(), n=n, k=k, d=d.data_ptr(), c=c.data_ptr()
+            ):
+                tiles = torch.empty(
+                    cpu_kernels.packed_bytes(format=cpu_kernels.FORMATS["int6_k"], n=n, k=k),
+                    dtype=torch.uint8,
+                )
+                cpu_kernels.pack_int6_k(
+                    out=tiles.data_ptr(), qweight=qweight.data_ptr(), c=c.data_ptr(),
+                    d=d.data_ptr(), n=n, k=k,
+                )  # fmt: skip
+                return "int6_k", tiles
+        fmt, pack, extra = "int6_g16", cpu_kernels.pack_int6, {}
+    else:  # GGUF Q8_0's and other grouped int8
+        fmt, pack, extra = f"int8_g{group}", cpu_kernels.pack_int8_grouped, {"group": group}
+    code = cpu_kernels.FORMATS[fmt]
+    tiles = torch.empty(cpu_kernels.packed_bytes(format=code, n=n, k=k), dtype=torch.uint8)
+    pack(out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(), n=n, k=k,
+         **extra)  # fmt: skip
+    return fmt, tiles
 
 
 def tile_format(weight: QuantizedWeight) -> str:
