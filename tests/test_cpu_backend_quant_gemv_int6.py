@@ -180,5 +180,13 @@ def test_scales_that_do_not_factor_keep_the_int6_g16_tiles(case):
 
 def test_int6_k_tiles_refuse_k_not_a_multiple_of_256():
     module = quant_gemv.cpu_module()
+    code = module.FORMATS["int6_k"]
     with pytest.raises(ValueError, match="256"):
-        module.packed_bytes(format=module.FORMATS["int6_k"], n=16, k=288)
+        module.packed_bytes(format=code, n=16, k=288)
+    x, y, tiles = torch.randn(1, 288), torch.empty(1, 16), torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="256"):
+        module.gemv(
+            format=code, y=y.data_ptr(), y_stride=16, x=x.data_ptr(), x_stride=288,
+            packed=tiles.data_ptr(), scales=0, m=1, n=16, k=288, threads=1, path=-1,
+            activation_bits=16,
+        )  # fmt: skip

@@ -17,8 +17,9 @@
 //   q + 128 (u8: the unsigned operand of vpdpbusd). int8_g32 / int8_g16 (GGUF Q8_0 and Q6_K
 //   exactly): the int8 block, then each row's fp32 scale per group of 32 / 16 of the block
 //   (576 / 640 bytes a block); their dots use the sign trick (|x| u8 x w with x's sign) on
-//   every x86 path, so no bias comes off per group. int6_g16 (Q6_K at 8 bits a weight):
-//   int8_g16 whose codes fit 6 bits, stored as q + 32; the x86 kernels feed those unsigned
+//   every x86 path, so no bias comes off per group. int6_g16 (Q6_K-like codes at 8 bits a
+//   weight, where the scales do not factor as int6_k's): int8_g16 whose codes fit 6 bits,
+//   stored as q + 32, in 384 code bytes a block; the x86 kernels feed those unsigned
 //   codes to the u8 operand and take 32 * sum(x) off each group's integer sum, the same
 //   integers as int8_g16's, so the same bits. int6_k (Q6_K at 6.625 bits a weight, its own
 //   two-level scales): int6_g16's codes with each group's scale as an int8 c times an fp32 d
@@ -27,6 +28,10 @@
 //   ([K / 256][16] fp32), then its blocks: int6_g16's 384 code bytes and the block's c
 //   ([2][16] int8). The kernels form each group's fp32 scales as float(c) * d, the values
 //   int6_g16 stores, so the same bits.
+//   int5_g32 (GGUF Q5_0, Q5_1 and Q5_K exactly: w = s u + m, u in 0..31, fp32 s and m per
+//   group of 32, i.e. per block): int4's nibble plane, 64 bytes of fifth bits (byte (r, i)
+//   holds k = 4j + i's at bit j), then the block's 16 s and 16 m (fp32): 448 bytes a block,
+//   7 bits a weight. Its dots and fp32 chain are int4's, with the fifth bit or-ed in.
 // - Activations are quantized on the fly (activations.cpp), per row and per block of 32, to
 //   8 or 16 bits: dx = max|x| / Q, q = round-to-nearest-even(x / dx) in -Q..Q (Q = 127, or
 //   32639 for 16 bits), sx = dx * sum(q). A 16-bit q is held as two int8 planes, q = 256 hi +
