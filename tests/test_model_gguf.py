@@ -14,7 +14,7 @@ import torch
 from gguf.quants import dequantize, quantize
 from hf_model_files import add_gguf_tokenizer, base_config, dense_logits, finish_gguf, hf_tensors
 
-from pagedkern.model import ModelLoadError, SequenceChunk, build_batch, load_model
+from pagedkern.model import ModelLoadError, SequenceChunk, build_batch, load_model, weights_cache
 from pagedkern.model.quantized_linear import QuantizedWeight
 from pagedkern.model.weights_cache import cache_root
 from pagedkern.ops.cpu import quant_gemv
@@ -267,6 +267,29 @@ def test_cache_hit_skips_parsing_and_damage_rebuilds(tmp_path):
     assert len(list((tmp_path / "cache").glob("gguf*-v*/*"))) == 1
     load_model(other)
     assert len(list((tmp_path / "cache").glob("gguf*-v*/*"))) == 2
+
+
+def test_a_new_entry_drops_the_same_files_entries_of_older_formats(tmp_path, monkeypatch):
+    """A conversion cached under an older CACHE_FORMAT is never read again: writing the file's
+    new entry deletes it (other files' old entries and other kinds stay)."""
+    path, other = tmp_path / "m.gguf", tmp_path / "other.gguf"
+    write_gguf(path, base_config())
+    write_gguf(other, base_config(), seed=1)
+    root = tmp_path / "cache"
+    monkeypatch.setattr(weights_cache, "CACHE_FORMAT", weights_cache.CACHE_FORMAT - 1)
+    load_model(path)
+    load_model(other)
+    old = sorted(root.glob("gguf*-v*/*"))
+    assert len(old) == 2
+    monkeypatch.undo()
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(root))
+    load_model(path)
+    new = [e for e in root.glob("gguf*-v*/*") if e not in old]
+    assert len(new) == 1 and (new[0] / "complete").is_file()
+    digest = new[0].name
+    remaining = sorted(root.glob("gguf*-v*/*"))
+    assert [e.name for e in remaining].count(digest) == 1  # the old copy is gone
+    assert any(e.name != digest for e in remaining)  # the other file's old entry stays
 
 
 def test_cache_location(tmp_path, monkeypatch):

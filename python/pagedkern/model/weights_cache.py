@@ -2,10 +2,12 @@
 per source file and quantization mode (kind "gguf", "gguf-int8", "gguf-int4g32", ...), keyed
 by the file's SHA-256, holding the fused weights as safetensors (fp32, or a quantized model's
 int8/int4 parts: never an fp32 copy of a quantized model), the ModelConfig and the tokenizer.
-Location: $PAGEDKERN_CACHE_DIR, else $XDG_CACHE_HOME/pagedkern, else ~/.cache/pagedkern."""
+Location: $PAGEDKERN_CACHE_DIR, else $XDG_CACHE_HOME/pagedkern, else ~/.cache/pagedkern. Writing
+a file's entry deletes that file's entries of the same kind in older cache formats."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -89,6 +91,18 @@ def store_entry(
     except OSError as exc:
         if not (folder / _DONE).is_file():
             warnings.warn(f"pagedkern: could not cache converted model: {exc}", stacklevel=2)
+    if (folder / _DONE).is_file():
+        _drop_older_formats(kind, digest)
+
+
+def _drop_older_formats(kind: str, digest: str) -> None:
+    """Deletes this file's entries of `kind` in older cache formats (this version never reads
+    them, and a model's entry is as big as its weights), and their folders once empty."""
+    for version in range(1, CACHE_FORMAT):
+        generation = cache_root() / f"{kind}-v{version}"
+        shutil.rmtree(generation / digest, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            generation.rmdir()  # only when empty (other files' entries stay)
 
 
 # The remembered defaults' own version (cheap to recompute: the tensor table only). 3: a
