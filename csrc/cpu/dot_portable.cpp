@@ -140,8 +140,9 @@ void int8_grouped_tile(const Args& a, int tile, int r0, int rc) {
   const uint8_t* base = a.packed + size_t(tile) * blocks * kBlockBytes;
   const float* tile_d = nullptr;  // int6_k's
   if (F == kInt6K) {
-    tile_d = int6k_d(a.packed + size_t(tile) * int6k_tile_bytes(a.k));
-    base = int6k_blocks(a.packed + size_t(tile) * int6k_tile_bytes(a.k), a.k);
+    const uint8_t* start = a.packed + size_t(tile) * int6k_tile_bytes(a.k);
+    tile_d = int6k_d(start);
+    base = int6k_blocks(start, a.k);
   }
   uint8_t codes[kRows * kBlock];
   for (int r = r0; r < r0 + rc; ++r) {

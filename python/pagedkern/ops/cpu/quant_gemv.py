@@ -100,11 +100,11 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
                 scales=scales.data_ptr(), mins=mins.data_ptr(), count=scales.numel()
             )
             fmt = "int4_sym" if symmetric else "int4"
-            code = cpu_kernels.FORMATS[fmt]
-            tiles = torch.empty(cpu_kernels.packed_bytes(format=code, n=n, k=k), dtype=torch.uint8)
+            tiles = _empty_tiles(cpu_kernels, fmt, n, k)
             cpu_kernels.pack_int4(
                 out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(),
-                mins=mins.data_ptr(), n=n, k=k, group=weight.group_size, format=code,
+                mins=mins.data_ptr(), n=n, k=k, group=weight.group_size,
+                format=cpu_kernels.FORMATS[fmt],
             )  # fmt: skip
         elif weight.mins is not None:  # int8 with mins: codes 0..31 per 32 (GGUF Q5_*)
             if weight.group_size != 32:
@@ -115,10 +115,7 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
             if bool(((qweight < 0) | (qweight > 31)).any()):
                 raise ValueError("int8 weights with mins need codes in 0..31 (int5_g32 tiles)")
             scales, mins = weight.scales.float().contiguous(), weight.mins.float().contiguous()
-            tiles = torch.empty(
-                cpu_kernels.packed_bytes(format=cpu_kernels.FORMATS[fmt], n=n, k=k),
-                dtype=torch.uint8,
-            )
+            tiles = _empty_tiles(cpu_kernels, fmt, n, k)
             cpu_kernels.pack_int5(
                 out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(),
                 mins=mins.data_ptr(), n=n, k=k,
@@ -130,11 +127,18 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
     return tiles
 
 
+def _empty_tiles(cpu_kernels: ModuleType, fmt: str, n: int, k: int) -> torch.Tensor:
+    """Room for an [N, K] weight's tiles in format `fmt` (uint8)."""
+    return torch.empty(
+        cpu_kernels.packed_bytes(format=cpu_kernels.FORMATS[fmt], n=n, k=k), dtype=torch.uint8
+    )
+
+
 def _pack_int8(cpu_kernels: ModuleType, weight: QuantizedWeight) -> tuple[str, torch.Tensor]:
     """An int8 weight without mins as tiles: (format, tiles)."""
     (n, k), group, qweight = weight.shape, weight.group_size, weight.qweight.contiguous()
     if not group:
-        tiles = torch.empty(cpu_kernels.packed_bytes(format=0, n=n, k=k), dtype=torch.uint8)
+        tiles = _empty_tiles(cpu_kernels, "int8", n, k)
         cpu_kernels.pack_int8(out=tiles.data_ptr(), qweight=qweight.data_ptr(), n=n, k=k)
         return "int8", tiles
     scales = weight.scales.float().contiguous()
@@ -145,10 +149,7 @@ def _pack_int8(cpu_kernels: ModuleType, weight: QuantizedWeight) -> tuple[str, t
             if cpu_kernels.factor_int6_scales(
                 scales=scales.data_ptr(), n=n, k=k, d=d.data_ptr(), c=c.data_ptr()
             ):
-                tiles = torch.empty(
-                    cpu_kernels.packed_bytes(format=cpu_kernels.FORMATS["int6_k"], n=n, k=k),
-                    dtype=torch.uint8,
-                )
+                tiles = _empty_tiles(cpu_kernels, "int6_k", n, k)
                 cpu_kernels.pack_int6_k(
                     out=tiles.data_ptr(), qweight=qweight.data_ptr(), c=c.data_ptr(),
                     d=d.data_ptr(), n=n, k=k,
@@ -157,8 +158,7 @@ def _pack_int8(cpu_kernels: ModuleType, weight: QuantizedWeight) -> tuple[str, t
         fmt, pack, extra = "int6_g16", cpu_kernels.pack_int6, {}
     else:  # GGUF Q8_0's and other grouped int8
         fmt, pack, extra = f"int8_g{group}", cpu_kernels.pack_int8_grouped, {"group": group}
-    code = cpu_kernels.FORMATS[fmt]
-    tiles = torch.empty(cpu_kernels.packed_bytes(format=code, n=n, k=k), dtype=torch.uint8)
+    tiles = _empty_tiles(cpu_kernels, fmt, n, k)
     pack(out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(), n=n, k=k,
          **extra)  # fmt: skip
     return fmt, tiles
