@@ -273,10 +273,10 @@ int draw_sparse(const std::vector<Candidate>& kept, double u, int fallback) {
   return last;
 }
 
-int sample_row(const float* x, int vocab, float temperature, float top_p, int top_k, float min_p,
-               int64_t seed, int64_t offset) {
-  // the argmax: greedy rows, and the fallback of a row with nothing to draw from
-  const auto [x_max, argmax] = max_and_argmax(x, vocab);
+// x_max and argmax: max_and_argmax(x) (the argmax is greedy rows' id, and the fallback of a row
+// with nothing to draw from).
+int sample_row(const float* x, int vocab, float x_max, int argmax, float temperature, float top_p,
+               int top_k, float min_p, int64_t seed, int64_t offset) {
   if (!(temperature > 0.0f)) return argmax;
 
   // s = x / T; dividing by T > 0 keeps the order, so s_max = x_max / T (an overflowed s_max:
@@ -343,15 +343,15 @@ int sample_row(const float* x, int vocab, float temperature, float top_p, int to
 // The row's log-probabilities as reference/logits_processing.py's logprobs_of defines them
 // (log_softmax of s = x / T, T = 1 for greedy rows; a row holding +inf uniform over its +inf
 // entries; NaN and an overflowed +inf as -inf): the sampled id's, and the top_n largest
-// (descending, ties to the lower id).
-void row_logprobs(const float* x, int vocab, float temperature, int id, float* logprob,
-                  int32_t* top_ids, float* top_values, int top_n) {
+// (descending, ties to the lower id). x_max: max_of(x).
+void row_logprobs(const float* x, int vocab, float x_max, float temperature, int id,
+                  float* logprob, int32_t* top_ids, float* top_values, int top_n) {
   thread_local std::vector<float> s_buffer, e_buffer;
   s_buffer.resize(vocab);
   e_buffer.resize(vocab);
   float* s = s_buffer.data();
   float* e = e_buffer.data();
-  scale_row(x, vocab, max_of(x, vocab), temperature > 0.0f ? temperature : 1.0f, s);
+  scale_row(x, vocab, x_max, temperature > 0.0f ? temperature : 1.0f, s);
   const float s_max = max_of(s, vocab);
   float log_sum = kInf;  // (nothing finite: every log-probability -inf)
   if (s_max != -kInf) {
@@ -417,10 +417,11 @@ void sample(const SampleArgs& a) {
   parallel(std::min(a.threads, a.rows), [&](int part, int parts) {
     for (int r = part; r < a.rows; r += parts) {
       const float* x = a.logits + r * a.logits_stride;
-      a.out[r] = sample_row(x, a.vocab, a.temperature[r], a.top_p[r], a.top_k[r], a.min_p[r],
-                            a.seeds[r], a.offsets[r]);
+      const auto [x_max, argmax] = max_and_argmax(x, a.vocab);
+      a.out[r] = sample_row(x, a.vocab, x_max, argmax, a.temperature[r], a.top_p[r], a.top_k[r],
+                            a.min_p[r], a.seeds[r], a.offsets[r]);
       if (a.logprobs != nullptr || a.top_n > 0) {
-        row_logprobs(x, a.vocab, a.temperature[r], a.out[r],
+        row_logprobs(x, a.vocab, x_max, a.temperature[r], a.out[r],
                      a.logprobs != nullptr ? a.logprobs + r : nullptr,
                      a.top_n > 0 ? a.top_ids + static_cast<int64_t>(r) * a.top_n : nullptr,
                      a.top_n > 0 ? a.top_logprobs + static_cast<int64_t>(r) * a.top_n : nullptr,
