@@ -2,9 +2,9 @@
 (`cpu_decoder:layers`: the same C++ pieces, one Python call each) and against the loop with every
 op its own call (`cpu_layer_tail:ops` too: how Gemma's layers ran before the fused tail took
 GeGLU and sandwich norms), per model family's layer
-shape: SmolLM2-135M (Llama), Qwen3-0.6B (QK-norm) and Gemma-3-1B (QK-norm, GeGLU, sandwich
-norms, 5 local layers per global one, a local RoPE base), int4 (G = 32) random weights, and
-SmolLM2 over an fp8 (E4M3) KV cache. A decode
+shape: SmolLM2-135M (Llama), Qwen3-0.6B (QK-norm), Gemma-3-1B (QK-norm, GeGLU, sandwich
+norms, 5 local layers per global one, a local RoPE base) and four Qwen3-30B-A3B MoE layers,
+int4 (G = 32) random weights, and SmolLM2 over an fp8 (E4M3) KV cache. A decode
 step of B sequences of CONTEXT tokens each (every layer, no LM head: the vocabulary is shrunk),
 milliseconds, median of interleaved rounds in one run, and the ratios to fused. One thread
 by default (PAGEDKERN_BENCH_THREADS). Full sizes with PAGEDKERN_BENCH_CPU=1 (or
@@ -42,6 +42,8 @@ SHAPES = {  # name -> the preset, its changes (vocabularies shrunk: no LM head i
     "smollm2 fp8kv": ("smollm2-135m", {}, "fp8"),
     "qwen3-0.6b": ("smollm2-135m", QWEN3_06B, "auto"),
     "gemma3-1b": ("gemma3-1b", {}, "auto"),
+    # Qwen3-30B-A3B's layer with 32 of its 128 experts (a token's work is the same: top 8)
+    "qwen3-moe": ("qwen3-30b-a3b", dict(num_layers=4, num_experts=32), "auto"),
 }
 VARIANTS = {  # column -> the variants it selects
     "fused": dict(cpu_decoder="fused"),
@@ -49,7 +51,14 @@ VARIANTS = {  # column -> the variants it selects
     "ops": dict(cpu_decoder="layers", cpu_layer_tail="ops"),
 }
 if not FULL:
-    SHAPES = {"tiny qwen3": ("tiny", dict(qk_norm=True), "fp8")}
+    SHAPES = {
+        "tiny qwen3": ("tiny", dict(qk_norm=True), "fp8"),
+        "tiny moe": (
+            "tiny",
+            dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+            "auto",
+        ),
+    }
 
 
 def _step_ms(model, kv, batch, steps: int) -> float:

@@ -2,9 +2,10 @@
 layer loop it replaces (cpu_decoder:layers): the same hidden states and the same KV-cache
 writes bit for bit, for int4 and int8 weights, with and without q/k/v and O biases, fp32 and fp8
 caches, for the dense families' layers (QK-norm, sliding windows, GeGLU, sandwich norms,
-soft-cap, sinks, a local RoPE base) and a hybrid cache's per-group tables, over prefill chunks,
-decode rows and both in one step, over several steps; one decoder call a step; the models,
-caches and variants it refuses run the loop; and int4 engines' steps take it."""
+soft-cap, sinks, a local RoPE base), mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE's shared
+expert, sigmoid scoring after a dense layer) and a hybrid cache's per-group tables, over
+prefill chunks, decode rows and both in one step, over several steps; one decoder call a step;
+the models, caches and variants it refuses run the loop; and int4 engines' steps take it."""
 
 from __future__ import annotations
 
@@ -109,15 +110,23 @@ FAMILIES = {
         rope_local_theta=100.0,
     ),
     "sinks": {},  # (gpt-oss's attention: its learned sink logits, set below)
+    # mixture-of-experts layers (their MLP: csrc/cpu/moe_mlp.h)
+    "qwen3_moe": dict(qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen2_moe": dict(
+        qkv_bias=True, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+        norm_topk_prob=False, shared_expert_size=64,
+    ),
+    "dense_and_moe": dict(  # a dense first layer, then sigmoid-scored experts with GeGLU
+        hidden_act="gelu_tanh", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        moe_scoring="sigmoid", dense_layers=(0,),
+    ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["one table", "per-kind tables"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_dense_families_layers_give_the_loops_bits(
-    family, grouped, kv_dtype, kernels, decoder_runs
-):
+def test_the_families_layers_give_the_loops_bits(family, grouped, kv_dtype, kernels, decoder_runs):
     config = PRESETS["tiny"].replace(**FAMILIES[family])
     if grouped and kv_layer_groups(config) is None:
         pytest.skip("one kind of layer: no per-kind tables")
@@ -133,6 +142,10 @@ def test_the_dense_families_layers_give_the_loops_bits(
         assert not g.isnan().any()
         assert torch.equal(g, w), f"step {step}"
     assert_same_cache(got_kv, want_kv)
+    if config.num_experts:  # (and the loop ran the MoE layers' MLP in the tail's call)
+        tail = model._cpu_tail.for_step()
+        moe = [tail.weights_of(layer).moe is not None for layer in model.weights.layers]
+        assert moe == [config.is_moe_layer(n) for n in range(config.num_layers)]
 
 
 def test_the_families_options_change_the_result(kernels):
@@ -150,11 +163,17 @@ def test_the_families_options_change_the_result(kernels):
 
 @pytest.mark.parametrize(
     "case", ["fp32 weights", "whole-projection QK-norm", "bf16 activations", "tiles attention",
-             "layers variant"],
+             "layers variant", "experts on the host loop", "gpt-oss experts"],
 )  # fmt: skip
 def test_what_it_refuses_runs_the_layer_loop(case, kernels, decoder_runs):
     config, quantization, dtype = PRESETS["tiny"], "int4", None
-    if case == "fp32 weights":
+    if case in ("experts on the host loop", "gpt-oss experts"):
+        config = config.replace(**FAMILIES["qwen3_moe"])
+    if case == "experts on the host loop":
+        kernels(cpu_moe="loop")
+    elif case == "gpt-oss experts":  # (its clamped SwiGLU runs the ops)
+        config = config.replace(swiglu_limit=7.0)
+    elif case == "fp32 weights":
         quantization = None
     elif case == "whole-projection QK-norm":  # (OLMoE's)
         config = config.replace(qk_norm=True, qk_norm_whole=True)

@@ -3,7 +3,8 @@ csrc/cpu/moe_experts.cpp) against the float reference over the dequantized exper
 the host loop it replaces (cpu_moe:loop): int4 (G 32 / 128) and int8, odd token counts, top-k
 from 1 to E, idle experts and one expert taking every token, SiLU and GELU-tanh, expert biases;
 a token's bits independent of the batch and the thread count; ids outside the experts refused;
-what it does not take runs the loop; and a quantized Qwen3-MoE-shaped model through it."""
+what it does not take runs the loop; and a quantized Qwen3-MoE-shaped model through it (and
+through the layer tail's MoE MLP, csrc/cpu/moe_mlp.cpp, which its steps take by default)."""
 
 from __future__ import annotations
 
@@ -106,8 +107,8 @@ def test_ids_outside_the_experts_are_refused():
     out = torch.full((2, 32), float("nan"))
     module = quant_gemv.cpu_module()
     with pytest.raises(ValueError, match=r"ids\[1\] = 4 is outside the 4 experts"):
-        experts.run(x.data_ptr(), 2, 2, ids.data_ptr(), weights.data_ptr(), out.data_ptr(), 1,
-                    1 << 16, module.PATHS["portable"], 16)  # fmt: skip
+        experts.run_routed(x.data_ptr(), 2, 2, ids.data_ptr(), weights.data_ptr(),
+                           out.data_ptr(), 1, 1 << 16, module.PATHS["portable"], 16)  # fmt: skip
     assert out.isnan().all()  # nothing written
 
 
@@ -127,17 +128,28 @@ def test_what_it_does_not_take_runs_the_loop(case, calls, kernels):
     assert calls == [] and not out.isnan().any()
 
 
-def test_a_quantized_moe_models_steps_take_it(calls, kernels):
+@pytest.mark.parametrize("shared", [0, 64], ids=["routed", "shared expert"])
+def test_a_quantized_moe_models_steps_take_it(shared, calls, kernels):
+    """By default a MoE layer's MLP runs in the layer tail's call (router and top-k in C++:
+    csrc/cpu/moe_mlp.cpp); without the tail, model/moe.py's ops with one experts call a layer;
+    both close to the host loop."""
     config = PRESETS["tiny"].replace(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
-    )
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        shared_expert_size=shared,
+    )  # fmt: skip
     model, _ = load_model(config, quantization="int4", seed=2)
     chunks = [SequenceChunk(list(range(3, 23)), 0, [1, 2])]
-    got = {}
-    for variant in ("fused", "loop"):
-        kernels(cpu_moe=variant)
+    got, made = {}, {}
+    runs = {"tail": {}, "ops": dict(cpu_layer_tail="ops"), "loop": dict(cpu_moe="loop")}
+    for name, chosen in runs.items():
+        kernels(cpu_decoder="layers", **chosen)
         kv = model.allocate_kv_cache(4, 16)
         with ops.use_backend("cpu"):
-            got[variant] = model.hidden_states(*build_batch(chunks, 16), kv)
-    assert calls == [20] * config.num_layers  # one call a layer, every row
-    torch.testing.assert_close(got["fused"], got["loop"], rtol=1e-4, atol=1e-4)
+            got[name] = model.hidden_states(*build_batch(chunks, 16), kv)
+        made[name] = len(calls)
+        kernels(cpu_layer_tail="fused", cpu_moe="fused")
+    assert made == {"tail": 0, "ops": config.num_layers, "loop": config.num_layers}
+    assert calls == [20] * config.num_layers  # the ops' one call a layer, every row
+    assert not got["tail"].isnan().any()
+    torch.testing.assert_close(got["tail"], got["loop"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got["ops"], got["loop"], rtol=1e-4, atol=1e-4)

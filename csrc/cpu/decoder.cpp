@@ -18,6 +18,11 @@ void decoder(const DecoderShape& s, const std::vector<DecoderLayer>& layers,
       throw std::invalid_argument("decoder: a layer's QKV or O weight does not fit the shape");
     if (layer.group < 0 || layer.group >= int(t.groups.size()))
       throw std::invalid_argument("decoder: a layer's KV group has no tables in this step");
+    if (layer.moe != nullptr) {
+      if (layer.moe->hidden != s.hidden)
+        throw std::invalid_argument("decoder: a layer's MoE MLP does not fit the shape");
+      check_moe_mlp(*layer.moe);
+    }
   }
   if (t.m <= 0) return;
   thread_local std::vector<float> qkv_buf, attn_buf;
@@ -33,6 +38,7 @@ void decoder(const DecoderShape& s, const std::vector<DecoderLayer>& layers,
     tail.activation = s.activation;
     tail.attn_out_norm = layer.attn_out_norm;
     tail.mlp_out_norm = layer.mlp_out_norm;
+    tail.moe = layer.moe;
     const DecoderTables& tables = t.groups[layer.group];
     linear(layer.qkv, tail.gemv(), t.h, s.hidden, qkv);  // the tail's GEMV (+ bias)
     float *q = qkv, *k = qkv + q_size, *v = k + s.hkv * s.d;

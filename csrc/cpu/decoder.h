@@ -1,9 +1,10 @@
-// pagedkern._cpu: a step's whole stack of dense Llama-family layers in one call, fp32 rows:
+// pagedkern._cpu: a step's whole stack of Llama-family layers in one call, fp32 rows:
 // per layer the QKV GEMV (+ bias), QK-norm, RoPE + the k/v store (rope_cache.h), attention
 // over the paged cache with the layer's window, sinks and the model's soft-cap (attention.h),
-// then the layer tail with its sandwich norms and activation (layer_tail.h). Llama, Mistral,
-// Qwen2/3 and Gemma 2/3 layers over fp32 or fp8 (E4M3, per-layer scales) caches; a hybrid
-// cache's layers read their group's tables.
+// then the layer tail with its sandwich norms and activation, or a mixture-of-experts layer's
+// MLP (layer_tail.h, moe_mlp.h). Llama, Mistral, Qwen2/3, Qwen2/3-MoE, Mixtral and Gemma 2/3
+// layers over fp32 or fp8 (E4M3, per-layer scales) caches; a hybrid cache's layers read their
+// group's tables.
 //
 // Design: each piece is the function the per-op path calls, in the same order on the same
 // buffers, so the call gives that path's bits (a row's result still depends on its own inputs
@@ -17,11 +18,12 @@
 #include <vector>
 
 #include "layer_tail.h"
+#include "moe_mlp.h"
 
 namespace pagedkern_cpu {
 
 struct DecoderLayer {
-  QuantLinear qkv, o, gate_up, down;
+  QuantLinear qkv, o, gate_up, down;  // (gate_up, down: unused by a MoE layer)
   const float* post_norm;      // [hidden]
   const float* next_norm;      // [hidden]: the next layer's input norm, the final norm last
   const float* attn_out_norm;  // [hidden] sandwich norms (Gemma 2/3), or null
@@ -38,6 +40,7 @@ struct DecoderLayer {
   float scale;      // the attention's score scale (an fp8 cache's k_scale in it)
   float out_scale;  // an fp8 cache's v_scale (1: none)
   float k_inv_scale, v_inv_scale;  // fp8: fp32(1 / k_scale), fp32(1 / v_scale) (rope_cache.h)
+  const MoeMlp* moe = nullptr;     // a mixture-of-experts layer's MLP, or null
 };
 
 struct DecoderShape {

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "moe_mlp.h"
 #include "parallel.h"
 #include "quant_gemv.h"
 #include "rms.h"
@@ -96,10 +97,14 @@ void gated_activation(int activation, const float* g, float* out, int intermedia
 
 void layer_tail(const LayerTailArgs& a, const float* attn, int64_t attn_stride, float* residual,
                 float* h_out) {
-  const int h = a.hidden, inter = a.intermediate;
-  if (a.o.n != h || a.gate_up.n != 2 * inter || a.gate_up.k != h || a.down.n != h ||
-      a.down.k != inter)
+  const int h = a.hidden, inter = a.moe != nullptr ? 0 : a.intermediate;
+  if (a.o.n != h || (a.moe == nullptr && (a.gate_up.n != 2 * inter || a.gate_up.k != h ||
+                                          a.down.n != h || a.down.k != inter)))
     throw std::invalid_argument("layer_tail: the weights' shapes do not chain");
+  if (a.moe != nullptr) {
+    if (a.moe->hidden != h) throw std::invalid_argument("layer_tail: the MoE MLP's hidden size");
+    check_moe_mlp(*a.moe);
+  }
   if (a.m <= 0) return;
   // reused across the 30-odd layers of a step and across steps (a decode step's sizes repeat)
   thread_local std::vector<float> y_buf, g_buf, act_buf;
@@ -114,11 +119,16 @@ void layer_tail(const LayerTailArgs& a, const float* attn, int64_t attn_stride, 
     if (a.attn_out_norm != nullptr) rms_norm_row(y + at, y + at, a.attn_out_norm, a.eps, h);
     add_rms_norm(residual + at, y + at, h_out + at, a.post_norm, a.eps, h);
   });
-  linear(a.gate_up, a.gemv(), h_out, h, g);
-  for_rows(a, int64_t(inter) * 8, [&](int r) {
-    gated_activation(a.activation, g + int64_t(r) * 2 * inter, act + int64_t(r) * inter, inter);
-  });
-  linear(a.down, a.gemv(), act, inter, y);
+  if (a.moe != nullptr) {
+    moe_mlp(*a.moe, h_out, a.m, a.gemv(), y);
+  } else {
+    linear(a.gate_up, a.gemv(), h_out, h, g);
+    for_rows(a, int64_t(inter) * 8, [&](int r) {
+      gated_activation(a.activation, g + int64_t(r) * 2 * inter, act + int64_t(r) * inter,
+                       inter);
+    });
+    linear(a.down, a.gemv(), act, inter, y);
+  }
   for_rows(a, h, [&](int r) {
     const int64_t at = int64_t(r) * h;
     if (a.mlp_out_norm != nullptr) rms_norm_row(y + at, y + at, a.mlp_out_norm, a.eps, h);

@@ -2,8 +2,9 @@
 //   h = attn @ Wo.T (+ bo);              residual += h;  h = rms_norm(residual) * post_norm
 //   g = h @ Wgu.T (+ bgu);               a = silu(g[:, :I]) * g[:, I:]   (or GELU-tanh: GeGLU)
 //   h = a @ Wd.T (+ bd);                 residual += h;  h = rms_norm(residual) * next_norm
-// and, with sandwich norms (Gemma 2/3), each product's output normed before its residual add.
-// with the quantized GEMV of quant_gemv.h for the three products.
+// and, with sandwich norms (Gemma 2/3), each product's output normed before its residual add,
+// with the quantized GEMV of quant_gemv.h for the three products. A mixture-of-experts layer
+// runs its MLP (moe_mlp.h: router, top-k, experts, shared expert) in place of the two.
 //
 // Design: at batch 1 the layer's math between GEMVs is ~10 kFLOP, while the ops that express it
 // in torch cost ~10 µs of dispatch each (Python, then ATen); one call here replaces ~15 of them
@@ -20,6 +21,8 @@
 #include <cstdint>
 
 namespace pagedkern_cpu {
+
+struct MoeMlp;  // moe_mlp.h
 
 struct QuantLinear {
   int format;             // the tiles' Format (quant_gemv.h)
@@ -51,6 +54,7 @@ struct LayerTailArgs {
   int activation = kSilu;                // Activation
   const float* attn_out_norm = nullptr;  // [hidden]: sandwich norms, or null
   const float* mlp_out_norm = nullptr;
+  const MoeMlp* moe = nullptr;  // a MoE layer's MLP (gate_up, down, intermediate unused)
 
   GemvRun gemv() const { return {m, threads, parallel_min_macs, path, activation_bits}; }
 };

@@ -12,6 +12,7 @@
 #include "decoder.h"
 #include "layer_tail.h"
 #include "moe_experts.h"
+#include "moe_mlp.h"
 #include "quant_gemv.h"
 #include "rope_cache.h"
 #include "sampling.h"
@@ -158,7 +159,8 @@ PYBIND11_MODULE(_cpu, mod) {
          uintptr_t post_norm, uintptr_t next_norm, float eps, int m, int hidden,
          int intermediate, uintptr_t attn, int64_t attn_stride, uintptr_t residual,
          uintptr_t h_out, int threads, int64_t parallel_min_macs, int path,
-         int activation_bits, int activation, uintptr_t attn_out_norm, uintptr_t mlp_out_norm) {
+         int activation_bits, int activation, uintptr_t attn_out_norm, uintptr_t mlp_out_norm,
+         const MoeMlp* moe) {
         LayerTailArgs args{quant_linear(o), quant_linear(gate_up), quant_linear(down),
                            ptr<const float>(post_norm), ptr<const float>(next_norm), eps,
                            m, hidden, intermediate, threads, parallel_min_macs, path,
@@ -166,6 +168,7 @@ PYBIND11_MODULE(_cpu, mod) {
         args.activation = activation;
         args.attn_out_norm = ptr<const float>(attn_out_norm);
         args.mlp_out_norm = ptr<const float>(mlp_out_norm);
+        args.moe = moe;
         py::gil_scoped_release release;
         layer_tail(args, ptr<const float>(attn), attn_stride, ptr<float>(residual),
                    ptr<float>(h_out));
@@ -175,7 +178,8 @@ PYBIND11_MODULE(_cpu, mod) {
       py::arg("intermediate"), py::arg("attn"), py::arg("attn_stride"), py::arg("residual"),
       py::arg("h_out"), py::arg("threads"), py::arg("parallel_min_macs"), py::arg("path"),
       py::arg("activation_bits"), py::arg("activation") = int(kSilu),
-      py::arg("attn_out_norm") = 0, py::arg("mlp_out_norm") = 0);
+      py::arg("attn_out_norm") = 0, py::arg("mlp_out_norm") = 0,
+      py::arg("moe") = py::none());
   mod.def("attention_path_supported", &attention_path_supported, py::arg("path"));
   mod.def(
       "attention",
@@ -236,35 +240,47 @@ PYBIND11_MODULE(_cpu, mod) {
       py::arg("norm_eps") = 1e-6f, py::arg("fp8") = false, py::arg("k_inv_scale") = 1.0f,
       py::arg("v_inv_scale") = 1.0f);
   mod.def("e4m3_from_float", &e4m3_from_float, py::arg("x"));
-  struct MoeExperts {  // one layer's stacked experts, as tiles, for its calls
-    std::vector<QuantLinear> gate_up, down;
-    int hidden_size, intermediate, activation;
-  };
-  py::class_<MoeExperts>(mod, "MoeExperts")
+  // one layer's MLP: its stacked experts as tiles, its router and shared expert, if any
+  py::class_<MoeMlp, std::shared_ptr<MoeMlp>>(mod, "MoeMlp")
       .def(py::init([](const std::vector<LinearTuple>& gate_up,
                        const std::vector<LinearTuple>& down, int hidden_size, int intermediate,
-                       int activation) {
+                       int activation, uintptr_t router, uintptr_t router_bias, int top_k,
+                       int scoring, bool renormalize, const LinearTuple& shared_gate_up,
+                       const LinearTuple& shared_down, uintptr_t shared_gate) {
              if (gate_up.size() != down.size())
-               throw std::invalid_argument("MoeExperts: gate_up and down differ in experts");
-             auto experts = std::make_unique<MoeExperts>();
+               throw std::invalid_argument("MoeMlp: gate_up and down differ in experts");
+             auto moe = std::make_shared<MoeMlp>();
              for (size_t e = 0; e < gate_up.size(); ++e) {
-               experts->gate_up.push_back(quant_linear(gate_up[e]));
-               experts->down.push_back(quant_linear(down[e]));
+               moe->gate_up.push_back(quant_linear(gate_up[e]));
+               moe->down.push_back(quant_linear(down[e]));
              }
-             experts->hidden_size = hidden_size;
-             experts->intermediate = intermediate;
-             experts->activation = activation;
-             return experts;
+             moe->hidden = hidden_size;
+             moe->intermediate = intermediate;
+             moe->activation = activation;
+             moe->experts = int(gate_up.size());
+             moe->router = ptr<const float>(router);
+             moe->router_bias = ptr<const float>(router_bias);
+             moe->top_k = top_k;
+             moe->scoring = scoring;
+             moe->renormalize = renormalize;
+             moe->shared_gate_up = quant_linear(shared_gate_up);
+             moe->shared_down = quant_linear(shared_down);
+             moe->shared_gate = ptr<const float>(shared_gate);
+             if (moe->router != nullptr) check_moe_mlp(*moe);
+             return moe;
            }),
            py::kw_only(), py::arg("gate_up"), py::arg("down"), py::arg("hidden_size"),
-           py::arg("intermediate"), py::arg("activation"))
+           py::arg("intermediate"), py::arg("activation"), py::arg("router") = 0,
+           py::arg("router_bias") = 0, py::arg("top_k") = 0, py::arg("scoring") = 0,
+           py::arg("renormalize") = false, py::arg("shared_gate_up") = LinearTuple{},
+           py::arg("shared_down") = LinearTuple{}, py::arg("shared_gate") = 0)
       .def(
-          "run",
-          [](const MoeExperts& self, uintptr_t hidden, int m, int top_k, uintptr_t ids,
+          "run_routed",
+          [](const MoeMlp& self, uintptr_t hidden, int m, int top_k, uintptr_t ids,
              uintptr_t weights, uintptr_t out, int threads, int64_t parallel_min_macs, int path,
              int activation_bits) {
             const MoeExpertsArgs args{ptr<const float>(hidden),   m,
-                                      self.hidden_size,           self.intermediate,
+                                      self.hidden,                self.intermediate,
                                       top_k,                      int(self.gate_up.size()),
                                       ptr<const int32_t>(ids),    ptr<const float>(weights),
                                       self.gate_up.data(),        self.down.data(),
@@ -275,10 +291,31 @@ PYBIND11_MODULE(_cpu, mod) {
             moe_experts(args);
           },
           "hidden, m, top_k, ids, weights, out, threads, parallel_min_macs, path, "
-          "activation_bits (positional: one call a layer)");
+          "activation_bits (positional: the routed experts alone, the caller's routing)")
+      .def(
+          "run",
+          [](const MoeMlp& self, uintptr_t h, int m, uintptr_t out, int threads,
+             int64_t parallel_min_macs, int path, int activation_bits) {
+            const GemvRun run{m, threads, parallel_min_macs, path, activation_bits};
+            py::gil_scoped_release release;
+            moe_mlp(self, ptr<const float>(h), m, run, ptr<float>(out));
+          },
+          "h, m, out, threads, parallel_min_macs, path, activation_bits (positional: the "
+          "whole MLP, router included)")
+      .def(
+          "route",
+          [](const MoeMlp& self, uintptr_t h, int m, uintptr_t ids, uintptr_t weights,
+             int threads, int64_t parallel_min_macs) {
+            check_moe_mlp(self);
+            const GemvRun run{m, threads, parallel_min_macs, 0, 16};
+            py::gil_scoped_release release;
+            moe_route(self, ptr<const float>(h), m, run, ptr<int32_t>(ids), ptr<float>(weights));
+          },
+          "h, m, ids, weights, threads, parallel_min_macs (positional: the router alone)");
   struct Decoder {
     DecoderShape shape;
     std::vector<DecoderLayer> layers;
+    std::vector<std::shared_ptr<MoeMlp>> moe;  // (its MoE layers' MLPs, held while it lives)
   };
   py::class_<Decoder>(mod, "Decoder")
       .def(py::init([](const std::vector<py::dict>& layers, int hq, int hkv, int d, int hidden,
@@ -307,6 +344,10 @@ PYBIND11_MODULE(_cpu, mod) {
                     layer["num_positions"].cast<int64_t>(), layer["group"].cast<int>(),
                     floats("k_cache"), floats("v_cache"), number("scale"),
                     number("out_scale"), number("k_inv_scale"), number("v_inv_scale")});
+               if (layer.contains("moe") && !layer["moe"].is_none()) {
+                 decoder->moe.push_back(layer["moe"].cast<std::shared_ptr<MoeMlp>>());
+                 decoder->layers.back().moe = decoder->moe.back().get();
+               }
              }
              return decoder;
            }),

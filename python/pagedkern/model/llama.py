@@ -100,8 +100,16 @@ class LlamaModel:
         self._cpu_tail = None
         if self.device.type == "cpu" and tp.size == 1:
             c = self.local
+            routing = None  # (MoE layers: as model/moe.py routes; gpt-oss's runs the ops)
+            if c.num_experts > 0 and c.swiglu_limit is None:
+                routing = (c.num_experts_per_tok, c.norm_topk_prob, c.moe_scoring)
             self._cpu_tail = LayerTail(
-                c.hidden_size, c.intermediate_size, c.q_size, c.hidden_act, c.rms_norm_eps
+                c.hidden_size,
+                c.intermediate_size,
+                c.q_size,
+                c.hidden_act,
+                c.rms_norm_eps,
+                routing,
             )
         self._tail = None  # the step's: _cpu_tail on the CPU backend where it runs, else None
         # ... and every plain layer of a step in one C++ call (ops/cpu/decoder.py)

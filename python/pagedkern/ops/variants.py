@@ -233,9 +233,9 @@ VARIANTS: dict[str, OpVariants] = {
                 Variant(
                     "fused",
                     1,
-                    "csrc/cpu/decoder.cpp: a step's quantized dense layers (Llama, Mistral, "
-                    "Qwen2/3, Gemma 2/3) in one C++ call (QKV GEMV, QK-norm + RoPE + cache, "
-                    "attention kernel with windows / sinks / soft-cap, layer tail)",
+                    "csrc/cpu/decoder.cpp: a step's quantized layers (Llama, Mistral, Qwen2/3, "
+                    "Gemma 2/3, and Qwen2/3-MoE, Mixtral) in one C++ call (QKV GEMV, QK-norm + "
+                    "RoPE + cache, attention kernel with windows / sinks / soft-cap, layer tail)",
                     None,
                 ),
                 Variant("layers", 0, "the layer loop in Python, one call per op", None),
@@ -261,7 +261,8 @@ VARIANTS: dict[str, OpVariants] = {
                     "fused",
                     1,
                     "csrc/cpu/moe_experts.cpp: a layer's routed int4/int8 experts in one C++ "
-                    "call (grouping, each expert's GEMVs, activation, weighted sum)",
+                    "call (grouping, each expert's GEMVs, activation, weighted sum); in the "
+                    "layer tail with the router and top-k (moe_mlp.cpp)",
                     None,
                 ),
                 Variant("loop", 0, "a loop over the experts, torch ops and a GEMV call each", None),
@@ -275,7 +276,7 @@ VARIANTS: dict[str, OpVariants] = {
                     1,
                     "csrc/cpu/layer_tail.cpp: O GEMV, add+norm, gate/up GEMV, SiLU or GELU-tanh x "
                     "mul, down GEMV, add+norm (and sandwich norms) in one C++ call (quantized "
-                    "int4/int8 dense layers)",
+                    "int4/int8 layers; a MoE layer's router, experts and shared expert)",
                     None,
                 ),
                 Variant("ops", 0, "the ops one by one, as on every other backend", None),

@@ -1,17 +1,19 @@
-"""The CPU backend's decoder: a step's whole stack of dense Llama-family layers in one C++ call
-(csrc/cpu/decoder.h): per layer the QKV GEMV, QK-norm, RoPE + the k/v store, attention, the
-layer tail.
+"""The CPU backend's decoder: a step's whole stack of Llama-family layers (dense or
+mixture-of-experts) in one C++ call (csrc/cpu/decoder.h): per layer the QKV GEMV, QK-norm,
+RoPE + the k/v store, attention, the layer tail.
 
 Each piece is the function the layer loop calls one by one (quant_gemv, rope_cache, the
 attention kernel, layer_tail), in the same order on the same buffers, so the call gives the
 loop's bits; it removes the Python between them (at batch 1 on SmolLM2-135M, ~40% of a
 token's time on a 2-vCPU host). A model runs it where every layer has a shape it computes:
 int4/int8 QKV (a fused QKV weight), the fused layer tail's shape (layer_tail.runs: SiLU or
-GeGLU, sandwich norms or none), per-head QK-norm or none, any sliding windows, attention sinks
-and soft-cap, an fp32 or fp8 (E4M3, per-layer scales) cache (a hybrid cache's layer groups
-read their own tables), the attention kernel selected (cpu_attention:kernel) and C++-built:
-Llama, Mistral, Qwen2/3 and Gemma 2/3. Whether it runs is fixed per model, cache and variants,
-never per batch. `PAGEDKERN_KERNELS=cpu_decoder:layers` runs the layer loop instead.
+GeGLU, sandwich norms or none; a MoE layer's MLP where moe_quant.layer_mlp takes it),
+per-head QK-norm or none, any sliding windows, attention sinks and soft-cap, an fp32 or fp8
+(E4M3, per-layer scales) cache (a hybrid cache's layer groups read their own tables), the
+attention kernel selected (cpu_attention:kernel) and C++-built: Llama, Mistral, Qwen2/3,
+Qwen2/3-MoE, Mixtral, OLMoE-shaped MoE without its whole-projection QK-norm, and Gemma 2/3.
+Whether it runs is fixed per model, cache and variants, never per batch.
+`PAGEDKERN_KERNELS=cpu_decoder:layers` runs the layer loop instead.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from __future__ import annotations
 import torch
 
 from .. import variants
-from . import attention_kernel, layer_tail, quant_gemv, rope
+from . import attention_kernel, layer_tail, module_args, quant_gemv, rope
 
 
 def _plain(config, layers) -> bool:
     """Whether every layer's attention is one the C++ decoder computes: per-head QK-norm or
     none (not OLMoE's whole-projection norm), norms and sinks fp32."""
-    fp32 = layer_tail.fp32_vector
+    fp32 = module_args.fp32_vector
     return not config.qk_norm_whole and all(
         fp32(layer.q_norm, config.head_dim)
         and fp32(layer.k_norm, config.head_dim)
@@ -84,29 +86,30 @@ class CpuDecoder:
         )
         qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         qkv_fits = (
-            layer_tail.quantized_fits(layer.qkv, layer.qkv_bias, qkv_rows, c.hidden_size)
+            module_args.quantized_fits(layer.qkv, layer.qkv_bias, qkv_rows, c.hidden_size)
             for layer in layers
         )
         if not fits or not all(qkv_fits):
             return None, ()
         tables = {id(t): rope.factors_table(t) for t in (cos_sin, cos_sin_local)}
         group_of = kv_cache.groups.layer_group if kv_cache.groups is not None else None
-        address = layer_tail.address
+        address = module_args.address
         kv_scales = kv_cache.scales or [(None, None)] * len(layers)
         made = []
         for i, (layer, (k, v)) in enumerate(zip(layers, kv_cache.layers, strict=True)):
             fused = tail.weights_of(layer)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else w.norm
             vectors = (layer.post_norm, next_norm)
-            if fused is None or not all(layer_tail.fp32_vector(x, c.hidden_size) for x in vectors):
+            if fused is None or not all(module_args.fp32_vector(x, c.hidden_size) for x in vectors):
                 return None, ()
             window = c.layer_window(i)
             factors = tables[id(cos_sin if window is None else cos_sin_local)]
             k_scale, v_scale = kv_scales[i]  # (an fp8 cache's, as the loop's attention takes them)
             scale = attention_kernel.score_scale(c.head_dim, c.attn_scale, k_scale)
             made.append(dict(
-                qkv=layer_tail.linear_tuple(layer.qkv, layer.qkv_bias), o=fused[0],
-                gate_up=fused[1], down=fused[2], post_norm=address(layer.post_norm),
+                qkv=module_args.linear_tuple(layer.qkv, layer.qkv_bias), o=fused.o,
+                gate_up=fused.gate_up, down=fused.down, moe=fused.moe,
+                post_norm=address(layer.post_norm),
                 next_norm=address(next_norm), attn_out_norm=address(layer.attn_out_norm),
                 mlp_out_norm=address(layer.mlp_out_norm), q_norm=address(layer.q_norm),
                 k_norm=address(layer.k_norm), sinks=address(layer.sinks),
@@ -118,7 +121,7 @@ class CpuDecoder:
         decoder = quant_gemv.cpu_module().Decoder(
             layers=made, hq=c.num_heads, hkv=c.num_kv_heads, d=c.head_dim,
             hidden=c.hidden_size, intermediate=c.intermediate_size, eps=c.rms_norm_eps,
-            soft_cap=c.attn_soft_cap or 0.0, activation=layer_tail.ACTIVATIONS[c.hidden_act],
+            soft_cap=c.attn_soft_cap or 0.0, activation=module_args.ACTIVATIONS[c.hidden_act],
             fp8=k0.dtype == torch.float8_e4m3fn, block_stride=k0.stride(0),
             head_stride=k0.stride(1), slot_stride=k0.stride(2), num_blocks=k0.shape[0],
             block_size=k0.shape[2], parallel_min_macs=quant_gemv.PARALLEL_MIN_MACS,

@@ -21,51 +21,114 @@ import torch
 from ...reference.moe import moe_route
 from ...reference.quantized_weight import QuantizedWeight
 from .. import variants
-from . import layer_tail, quant_gemv
+from . import module_args, quant_gemv
 
-_KEY = "cpu_moe_experts"  # where a stacked weight keeps the module's MoeExperts
+_KEY = "cpu_moe_experts"  # where a stacked weight keeps the module's MoeMlp of its experts
+SCORINGS = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}  # csrc/cpu/moe_mlp.h's MoeScoring
+
+
+def _expert_tuples(w: QuantizedWeight, bias) -> list:
+    """Each expert of a stacked [E, N, K] weight as csrc/cpu/module.cpp takes a weight (its
+    tiles packed once, kept on w.expert(e))."""
+    return [
+        module_args.linear_tuple(w.expert(e), None if bias is None else bias[e])
+        for e in range(w.shape[0])
+    ]
+
+
+def _mlp(w_gate_up: QuantizedWeight, w_down: QuantizedWeight, biases, activation: str, **more):
+    """The module's MoeMlp over these stacked experts (more: its router and shared expert)."""
+    _, hidden, inter = w_down.shape  # [E, H, I]
+    return quant_gemv.cpu_module().MoeMlp(
+        gate_up=_expert_tuples(w_gate_up, biases[0]), down=_expert_tuples(w_down, biases[1]),
+        hidden_size=hidden, intermediate=inter, activation=module_args.ACTIVATIONS[activation],
+        **more,
+    )  # fmt: skip
 
 
 def _experts(w_gate_up: QuantizedWeight, w_down: QuantizedWeight, biases, activation: str):
-    """The module's MoeExperts for these stacked weights, built once (its tiles per expert)."""
+    """The module's MoeMlp for these stacked weights without a router (ops.fused_moe's call,
+    routed by the caller), built once."""
     key = (id(w_down), *(id(b) for b in biases), activation)
     found = w_gate_up.packed.get(_KEY)
     if found is None or found[0] != key:
-        experts, hidden, inter = w_down.shape  # [E, H, I]
-
-        def tuples(w: QuantizedWeight, bias) -> list:
-            return [
-                layer_tail.linear_tuple(w.expert(e), None if bias is None else bias[e])
-                for e in range(experts)
-            ]
-
-        made = quant_gemv.cpu_module().MoeExperts(
-            gate_up=tuples(w_gate_up, biases[0]), down=tuples(w_down, biases[1]),
-            hidden_size=hidden, intermediate=inter,
-            activation=layer_tail.ACTIVATIONS[activation],
-        )  # fmt: skip
+        made = _mlp(w_gate_up, w_down, biases, activation)
         found = w_gate_up.packed[_KEY] = (key, made, w_down, biases)  # (kept alive with it)
     return found[1]
 
 
+def _fp32(t: torch.Tensor | None, shape: tuple) -> bool:
+    return t is None or (
+        isinstance(t, torch.Tensor)
+        and t.dtype == torch.float32
+        and t.is_contiguous()
+        and tuple(t.shape) == shape
+    )
+
+
+def layer_mlp(layer, top_k: int, renormalize: bool, scoring: str, activation: str):
+    """A mixture-of-experts layer's whole MLP as the module's MoeMlp (csrc/cpu/moe_mlp.h: its
+    fp32 router, top-k, int4 / int8 experts and Qwen2-MoE's shared expert), for the layer tail
+    to run in place of a dense MLP; None where the call does not compute it (the variant, the
+    shapes, gpt-oss's clamped SwiGLU): the layer then runs model/moe.py's ops."""
+    w_gate_up, w_down, router = layer.experts_gate_up, layer.experts_down, layer.router
+    biases = (layer.experts_gate_up_bias, layer.experts_down_bias)
+    if not isinstance(w_gate_up, QuantizedWeight) or not isinstance(w_down, QuantizedWeight):
+        return None
+    experts, hidden = router.shape
+    shared = layer.gate_up is not None
+    fits = (
+        scoring in SCORINGS
+        and 0 < top_k <= experts
+        and w_gate_up.shape[0] == experts
+        and _fp32(router, (experts, hidden))
+        and _fp32(layer.router_bias, (experts,))
+        and experts_fit(w_gate_up, w_down, activation, biases)
+    )
+    if shared:
+        size = layer.down.shape[1]
+        fits = (
+            fits
+            and layer.gate_up_bias is None
+            and layer.down_bias is None
+            and module_args.quantized_fits(layer.gate_up, None, 2 * size, hidden)
+            and module_args.quantized_fits(layer.down, None, hidden, size)
+            and _fp32(layer.shared_gate, (1, hidden))
+        )
+    if not fits or (not shared and layer.shared_gate is not None):
+        return None
+    more = dict(
+        router=router.data_ptr(), router_bias=module_args.address(layer.router_bias),
+        top_k=top_k, scoring=SCORINGS[scoring], renormalize=renormalize,
+    )  # fmt: skip
+    if shared:
+        more |= dict(
+            shared_gate_up=module_args.linear_tuple(layer.gate_up, None),
+            shared_down=module_args.linear_tuple(layer.down, None),
+            shared_gate=layer.shared_gate.data_ptr(),
+        )
+    return _mlp(w_gate_up, w_down, biases, activation, **more)
+
+
 def applies(hidden, w_gate_up, w_down, activation: str, biases) -> bool:
     """Whether the C++ call computes this one (the variant, the module, the shapes)."""
+    return hidden.dtype == torch.float32 and experts_fit(w_gate_up, w_down, activation, biases)
+
+
+def experts_fit(w_gate_up, w_down, activation: str, biases) -> bool:
+    """Whether the module's MoeMlp takes these stacked experts (and the variants select it)."""
     experts, two_inter, h = w_gate_up.shape
     inter = w_down.shape[2]
     return (
         variants.selected("cpu_moe") == "fused"
         and quant_gemv.available()
-        and hidden.dtype == torch.float32
-        and activation in layer_tail.ACTIVATIONS
+        and activation in module_args.ACTIVATIONS
         and variants.selected("cpu_quant_linear") != "int_pack"
         and all(
-            layer_tail.quantized_fits(w.expert(0), None, n, k)
+            module_args.quantized_fits(w.expert(0), None, n, k)
             for w, n, k in ((w_gate_up, two_inter, h), (w_down, h, inter))
         )
-        and all(
-            b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.shape[0] == experts)
-            for b in biases
-        )
+        and all(_fp32(b, (experts, n)) for b, n in zip(biases, (two_inter, h), strict=True))
     )
 
 
@@ -84,7 +147,7 @@ def fused_moe_quantized(
     weights = weights.float().contiguous()
     x = hidden.contiguous()
     linear = variants.selected("cpu_quant_linear")
-    _experts(w_gate_up, w_down, biases, activation).run(
+    _experts(w_gate_up, w_down, biases, activation).run_routed(
         x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
         torch.get_num_threads(), quant_gemv.PARALLEL_MIN_MACS,
         quant_gemv.cpu_module().PATHS[quant_gemv.best_path()],

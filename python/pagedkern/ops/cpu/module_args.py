@@ -1,0 +1,48 @@
+"""How csrc/cpu/module.cpp takes its operands: a quantized weight as a tuple of its tile
+format, addresses and shape; a tensor as its address (0: none); an activation as its code.
+What the layer tail, the MoE MLP and the decoder pass, checked here once per weight."""
+
+from __future__ import annotations
+
+import torch
+
+from ...reference.quantized_weight import QuantizedWeight
+from . import quant_gemv
+
+# (tile format code, tiles, scales, bias, n, k): as csrc/cpu/module.cpp takes a weight
+LinearTuple = tuple[int, int, int, int, int, int]
+
+
+def fp32_vector(t: torch.Tensor | None, size: int) -> bool:
+    return t is None or (
+        t.dtype == torch.float32 and t.is_contiguous() and tuple(t.shape) == (size,)
+    )
+
+
+def address(t: torch.Tensor | None) -> int:
+    """t's data address, 0 for None (csrc/cpu/'s null)."""
+    return 0 if t is None else t.data_ptr()
+
+
+def quantized_fits(w, bias: torch.Tensor | None, n: int, k: int) -> bool:
+    """Whether w (and bias) is an int4/int8 [n, k] weight csrc/cpu/'s GEMV takes."""
+    return (
+        isinstance(w, QuantizedWeight)
+        and w.format in ("int4", "int8")
+        and tuple(w.shape) == (n, k)
+        and k % 32 == 0
+        and fp32_vector(bias, n)
+    )
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # csrc/cpu/layer_tail.h's Activation
+NO_LINEAR = (0, 0, 0, 0, 0, 0)  # no weight (n = 0)
+
+
+def linear_tuple(w: QuantizedWeight, bias: torch.Tensor | None) -> LinearTuple:
+    """A quantized weight (and bias) as csrc/cpu/module.cpp takes it (tiles packed once)."""
+    n, k = w.shape
+    address = 0 if bias is None else bias.data_ptr()
+    tiles = quant_gemv.packed(w)
+    code = quant_gemv.tile_format_code(w)
+    return (code, tiles.data_ptr(), quant_gemv.scales_address(w), address, n, k)
