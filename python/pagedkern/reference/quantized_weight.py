@@ -86,10 +86,11 @@ class QuantizedWeight:
             )
         return experts[e]
 
-    def unpacked_int4(self) -> torch.Tensor:
-        """int4: q values as uint8 [N, K] (0..15)."""
-        lo, hi = self.qweight & 15, self.qweight >> 4
-        return torch.stack([lo, hi], dim=-1).view(self.shape)
+    def unpacked_int4(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """int4: q values as uint8 [N, K] (0..15); of `rows` only: [len(rows), K]."""
+        packed = self.qweight if rows is None else self.qweight[rows]
+        lo, hi = packed & 15, packed >> 4
+        return torch.stack([lo, hi], dim=-1).view(*packed.shape[:-1], self.shape[-1])
 
     def dequantize_rows(
         self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
@@ -113,8 +114,8 @@ class QuantizedWeight:
                 w += self.mins[sel].float().repeat_interleave(self.group_size, dim=-1)
             return w.to(dtype)
         n, k = self.shape
-        q = (
-            self.unpacked_int4()[sel]
+        q = (  # (an embedding lookup unpacks its rows only)
+            self.unpacked_int4(None if rows is None else rows.long())
             .to(torch.float32)
             .view(-1, k // self.group_size, self.group_size)
         )
