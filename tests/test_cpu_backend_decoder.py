@@ -190,6 +190,19 @@ def test_what_it_refuses_runs_the_layer_loop(case, kernels, decoder_runs):
     assert decoder_runs == [] and not h.isnan().any()
 
 
+def test_a_variant_switched_between_steps_reaches_the_next_step(kernels, decoder_runs):
+    """The decoder built for a MoE model is not reused once `cpu_moe:loop` rules its MLP out."""
+    model, _ = load_model(PRESETS["tiny"].replace(**FAMILIES["qwen3_moe"]), quantization="int4")
+    kv = model.allocate_kv_cache(12, BLOCK)
+    steps = _steps(model)
+    with ops.use_backend("cpu"):
+        model.hidden_states(*build_batch(steps[0], BLOCK), kv)
+        assert decoder_runs == [40]
+        kernels(cpu_moe="loop")
+        h = model.hidden_states(*build_batch(steps[1][:1], BLOCK), kv)
+    assert decoder_runs == [40] and not h.isnan().any()
+
+
 def test_an_int4_engine_steps_through_it(decoder_runs):
     config = EngineConfig(
         model="synthetic:tiny", backend="cpu", quantization="int4", num_blocks=64, block_size=4

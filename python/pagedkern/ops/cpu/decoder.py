@@ -60,7 +60,7 @@ class CpuDecoder:
         data = kv_cache.data
         key = (data.data_ptr(), tuple(data.shape), data.dtype, id(kv_cache), id(weights))
         key += (id(cos_sin), cos_sin._version, id(cos_sin_local), cos_sin_local._version)
-        key += (tuple(kv_cache.scales or ()),)
+        key += (tuple(kv_cache.scales or ()), variants.selected("cpu_moe"))  # (MoE layers' MLP)
         if self._built is None or self._built[0] != key:
             self._built = None  # (the old decoder's addresses are dropped first)
             self._built = (key, *self._build(tail, weights, cos_sin, cos_sin_local, kv_cache))
