@@ -12,28 +12,17 @@
 #include "moe_experts.h"
 #include "parallel.h"
 #include "quant_gemv.h"  // QUANT_GEMV_X86, path_supported
+#include "rms.h"         // fixed_order_dot
 
 namespace pagedkern_cpu {
 namespace {
 
-// x . w in a fixed order: 16 partial sums (element i into lane i % 16), then a halving tree
-float dot(const float* x, const float* w, int n) {
-  constexpr int kLanes = 16;
-  float partial[kLanes] = {};
-  int i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) partial[l] += x[i + l] * w[i + l];
-  for (; i < n; ++i) partial[i % kLanes] += x[i] * w[i];
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int l = 0; l < width; ++l) partial[l] += partial[l + width];
-  return partial[0];
-}
-
 #if defined(__GNUC__) || defined(__clang__)
-// The router's GEMM: dot()'s lanes as two 8-float vectors (GCC / clang vector extensions, so
-// one source serves the baseline ISA and AVX2), a tile of 2 rows x 2 experts sharing each load.
-// Each lane is a multiply then an add, as dot()'s (the module is built without FP
-// contraction), so every tile and ISA gives dot()'s bits.
+// The router's GEMM: fixed_order_dot's lanes as two 8-float vectors (GCC / clang vector
+// extensions, so one source serves the baseline ISA and AVX2), a tile of 2 rows x 2 experts
+// sharing each load.
+// Each lane is a multiply then an add, as fixed_order_dot's (the module is built without FP
+// contraction), so every tile and ISA gives fixed_order_dot's bits.
 typedef float V8 __attribute__((vector_size(32)));
 
 // (through a reference: a V8 returned by value would be an ABI question in the baseline build)
@@ -95,7 +84,8 @@ __attribute__((always_inline)) inline void router_gemm_body(const float* x, int 
     }
     for (; e < e1; ++e)
       for (int r = r0; r < r1; ++r)
-        logits[int64_t(r) * experts + e] = dot(x + int64_t(r) * n, w + int64_t(e) * n, n);
+        logits[int64_t(r) * experts + e] =
+            fixed_order_dot(x + int64_t(r) * n, w + int64_t(e) * n, n);
   }
 }
 
@@ -113,7 +103,7 @@ __attribute__((target("avx2"))) void router_gemm_avx2(const float* x, int m, int
 #endif
 #endif
 
-// logits[r, e] = x[r] . w[e] (dot()'s bits) for experts [e0, e1)
+// logits[r, e] = x[r] . w[e] (fixed_order_dot's bits) for experts [e0, e1)
 void router_gemm(const float* x, int m, int n, const float* w, int e0, int e1, float* logits,
                  int experts) {
 #if defined(__GNUC__) || defined(__clang__)
@@ -125,7 +115,8 @@ void router_gemm(const float* x, int m, int n, const float* w, int e0, int e1, f
 #else
   for (int e = e0; e < e1; ++e)
     for (int r = 0; r < m; ++r)
-      logits[int64_t(r) * experts + e] = dot(x + int64_t(r) * n, w + int64_t(e) * n, n);
+      logits[int64_t(r) * experts + e] =
+          fixed_order_dot(x + int64_t(r) * n, w + int64_t(e) * n, n);
 #endif
 }
 
@@ -250,7 +241,8 @@ void moe_mlp(const MoeMlp& moe, const float* h, int m, const GemvRun& run, float
                      act_buf.data() + int64_t(r) * shared, shared);
   linear(moe.shared_down, run, act_buf.data(), shared, y_buf.data());
   for (int r = 0; r < m; ++r) {
-    const float gate = sigmoid(dot(h + int64_t(r) * hidden, moe.shared_gate, hidden));
+    const float gate =
+        sigmoid(fixed_order_dot(h + int64_t(r) * hidden, moe.shared_gate, hidden));
     float* o = out + int64_t(r) * hidden;
     const float* y = y_buf.data() + int64_t(r) * hidden;
     for (int c = 0; c < hidden; ++c) o[c] += gate * y[c];

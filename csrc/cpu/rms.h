@@ -1,6 +1,7 @@
-// The CPU kernels' RMSNorm statistic, one fixed order for every caller (the layer tail's norms,
-// QK-norm in rope_cache): 16 partial sums of squares, element i into lane i % 16 in ascending
-// order, combined by a halving tree. A row's result depends on the row only, on every CPU.
+// The CPU kernels' fixed-order sums, one order for every caller (the layer tail's norms, QK-norm
+// in rope_cache, the MoE router's dots): 16 partial sums, element i into lane i % 16 in
+// ascending order, combined by a halving tree. A row's result depends on the row only, on
+// every CPU.
 
 #pragma once
 
@@ -8,17 +9,22 @@
 
 namespace pagedkern_cpu {
 
-// 1 / sqrt(mean(x^2) + eps) of x[0 .. n)
-inline float inv_rms(const float* x, int n, float eps) {
+// x . w of x[0 .. n), w[0 .. n) in the fixed order
+inline float fixed_order_dot(const float* x, const float* w, int n) {
   constexpr int kLanes = 16;
   float partial[kLanes] = {};
   int i = 0;
   for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) partial[l] += x[i + l] * x[i + l];
-  for (; i < n; ++i) partial[i % kLanes] += x[i] * x[i];
+    for (int l = 0; l < kLanes; ++l) partial[l] += x[i + l] * w[i + l];
+  for (; i < n; ++i) partial[i % kLanes] += x[i] * w[i];
   for (int width = kLanes / 2; width > 0; width /= 2)
     for (int l = 0; l < width; ++l) partial[l] += partial[l + width];
-  return 1.0f / std::sqrt(partial[0] / float(n) + eps);
+  return partial[0];
+}
+
+// 1 / sqrt(mean(x^2) + eps) of x[0 .. n)
+inline float inv_rms(const float* x, int n, float eps) {
+  return 1.0f / std::sqrt(fixed_order_dot(x, x, n) / float(n) + eps);
 }
 
 // out[j] = x[j] * inv_rms(x) * weight[j] (out may be x)
