@@ -66,13 +66,21 @@ void gelu_tanh_and_mul(const float* g, float* out, int intermediate) {
   }
 }
 
-// body(r) for every row r, rows split over the team from the GEMVs' threshold of work
+// out[j] = act(g[j]) * g[intermediate + j] for one row
+void gated_activation(int activation, const float* g, float* out, int intermediate) {
+  if (activation == kGeluTanh)
+    gelu_tanh_and_mul(g, out, intermediate);
+  else
+    silu_and_mul(g, out, intermediate);
+}
+
+// body(r) for every row r of run.m, rows split over the team from the GEMVs' threshold of work
 template <typename Body>
-void for_rows(const LayerTailArgs& a, int64_t work_per_row, const Body& body) {
-  const int threads = int64_t(a.m) * work_per_row >= a.parallel_min_macs ? a.threads : 1;
-  parallel(std::min(threads, a.m), [&](int part, int parts) {
-    const int r1 = int(int64_t(a.m) * (part + 1) / parts);
-    for (int r = int(int64_t(a.m) * part / parts); r < r1; ++r) body(r);
+void for_rows(const GemvRun& run, int64_t work_per_row, const Body& body) {
+  const int threads = int64_t(run.m) * work_per_row >= run.parallel_min_macs ? run.threads : 1;
+  parallel(std::min(threads, run.m), [&](int part, int parts) {
+    const int r1 = int(int64_t(run.m) * (part + 1) / parts);
+    for (int r = int(int64_t(run.m) * part / parts); r < r1; ++r) body(r);
   });
 }
 
@@ -88,18 +96,27 @@ void linear(const QuantLinear& w, const GemvRun& run, const float* x, int64_t x_
       for (int j = 0; j < w.n; ++j) y[int64_t(r) * w.n + j] += w.bias[j];
 }
 
-void gated_activation(int activation, const float* g, float* out, int intermediate) {
-  if (activation == kGeluTanh)
-    gelu_tanh_and_mul(g, out, intermediate);
-  else
-    silu_and_mul(g, out, intermediate);
+void gated_mlp(const QuantLinear& gate_up, const QuantLinear& down, int activation,
+               const GemvRun& run, const float* x, int64_t x_stride, float* y) {
+  const int inter = down.k;
+  // this thread's (the routed experts run it on every thread of the team at once)
+  thread_local std::vector<float> g_buf, act_buf;
+  g_buf.resize(size_t(run.m) * 2 * inter);
+  act_buf.resize(size_t(run.m) * inter);
+  float *g = g_buf.data(), *act = act_buf.data();
+  linear(gate_up, run, x, x_stride, g);
+  for_rows(run, int64_t(inter) * 8, [&](int r) {
+    gated_activation(activation, g + int64_t(r) * 2 * inter, act + int64_t(r) * inter, inter);
+  });
+  linear(down, run, act, inter, y);
 }
 
 void layer_tail(const LayerTailArgs& a, const float* attn, int64_t attn_stride, float* residual,
                 float* h_out) {
-  const int h = a.hidden, inter = a.moe != nullptr ? 0 : a.intermediate;
-  if (a.o.n != h || (a.moe == nullptr && (a.gate_up.n != 2 * inter || a.gate_up.k != h ||
-                                          a.down.n != h || a.down.k != inter)))
+  const int h = a.hidden, inter = a.intermediate;
+  const bool dense_chains = a.gate_up.n == 2 * inter && a.gate_up.k == h && a.down.n == h &&
+                            a.down.k == inter;
+  if (a.o.n != h || (a.moe == nullptr && !dense_chains))
     throw std::invalid_argument("layer_tail: the weights' shapes do not chain");
   if (a.moe != nullptr) {
     if (a.moe->hidden != h) throw std::invalid_argument("layer_tail: the MoE MLP's hidden size");
@@ -107,29 +124,21 @@ void layer_tail(const LayerTailArgs& a, const float* attn, int64_t attn_stride, 
   }
   if (a.m <= 0) return;
   // reused across the 30-odd layers of a step and across steps (a decode step's sizes repeat)
-  thread_local std::vector<float> y_buf, g_buf, act_buf;
+  thread_local std::vector<float> y_buf;
   y_buf.resize(size_t(a.m) * h);
-  g_buf.resize(size_t(a.m) * 2 * inter);
-  act_buf.resize(size_t(a.m) * inter);
-  float *y = y_buf.data(), *g = g_buf.data(), *act = act_buf.data();
+  float* y = y_buf.data();
 
   linear(a.o, a.gemv(), attn, attn_stride, y);
-  for_rows(a, h, [&](int r) {
+  for_rows(a.gemv(), h, [&](int r) {
     const int64_t at = int64_t(r) * h;
     if (a.attn_out_norm != nullptr) rms_norm_row(y + at, y + at, a.attn_out_norm, a.eps, h);
     add_rms_norm(residual + at, y + at, h_out + at, a.post_norm, a.eps, h);
   });
-  if (a.moe != nullptr) {
+  if (a.moe != nullptr)
     moe_mlp(*a.moe, h_out, a.m, a.gemv(), y);
-  } else {
-    linear(a.gate_up, a.gemv(), h_out, h, g);
-    for_rows(a, int64_t(inter) * 8, [&](int r) {
-      gated_activation(a.activation, g + int64_t(r) * 2 * inter, act + int64_t(r) * inter,
-                       inter);
-    });
-    linear(a.down, a.gemv(), act, inter, y);
-  }
-  for_rows(a, h, [&](int r) {
+  else
+    gated_mlp(a.gate_up, a.down, a.activation, a.gemv(), h_out, h, y);
+  for_rows(a.gemv(), h, [&](int r) {
     const int64_t at = int64_t(r) * h;
     if (a.mlp_out_norm != nullptr) rms_norm_row(y + at, y + at, a.mlp_out_norm, a.eps, h);
     add_rms_norm(residual + at, y + at, h_out + at, a.next_norm, a.eps, h);

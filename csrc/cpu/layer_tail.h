@@ -64,9 +64,12 @@ struct LayerTailArgs {
 void linear(const QuantLinear& w, const GemvRun& run, const float* x, int64_t x_stride,
             float* y);
 
-// out[j] = act(g[j]) * g[intermediate + j] for one row (act: SiLU or GELU-tanh, e^x by a
-// polynomial: ~3e-7 relative)
-void gated_activation(int activation, const float* g, float* out, int intermediate);
+// y [run.m, down.n] (dense) = down(act(g) * u) of [g | u] = gate_up(x), x [run.m, gate_up.k]
+// rows x_stride apart: a gated MLP (the dense layer's, each routed expert's, a shared
+// expert's). act: SiLU or GELU-tanh, e^x by a polynomial (~3e-7 relative); its rows split over
+// run.threads from run.parallel_min_macs steps up, as the GEMVs.
+void gated_mlp(const QuantLinear& gate_up, const QuantLinear& down, int activation,
+               const GemvRun& run, const float* x, int64_t x_stride, float* y);
 
 // attn [m, o.k] (row stride attn_stride), residual [m, hidden] in place, h_out [m, hidden].
 void layer_tail(const LayerTailArgs& args, const float* attn, int64_t attn_stride,

@@ -33,7 +33,7 @@ void moe_experts(const MoeExpertsArgs& a) {
   if (pairs == 0) return;
   for (int e = 0; e < a.experts; ++e) count[e + 1] += count[e];  // row offsets per expert
   thread_local std::vector<int> order;                           // pairs by (expert, pair)
-  thread_local std::vector<float> x_buf, g_buf, act_buf, y_buf;
+  thread_local std::vector<float> x_buf, y_buf;
   order.resize(pairs);
   {
     std::vector<int> next(count.begin(), count.end() - 1);
@@ -42,26 +42,20 @@ void moe_experts(const MoeExpertsArgs& a) {
   x_buf.resize(size_t(pairs) * h);
   for (int i = 0; i < pairs; ++i)
     std::copy_n(a.hidden + int64_t(order[i] / a.top_k) * h, h, x_buf.data() + int64_t(i) * h);
-  g_buf.resize(size_t(pairs) * 2 * inter);
-  act_buf.resize(size_t(pairs) * inter);
   y_buf.resize(size_t(pairs) * h);
   // (the buffers are this thread's: the region below reads them through these pointers)
   const float* x = x_buf.data();
-  float *g_all = g_buf.data(), *act_all = act_buf.data(), *y_all = y_buf.data();
+  float* y_all = y_buf.data();
   std::vector<int> active;  // the experts with rows
   for (int e = 0; e < a.experts; ++e)
     if (count[e + 1] > count[e]) active.push_back(e);
-  // one expert's GEMVs (each split over `threads` from parallel_min_macs up) and activation
+  // one expert's gated MLP over its rows (each GEMV split over `threads` from
+  // parallel_min_macs up)
   const auto expert = [&](int e, int threads) {
     const int first = count[e], n = count[e + 1] - first;
     const GemvRun gemv{n, threads, a.parallel_min_macs, a.path, a.activation_bits};
-    float* g = g_all + int64_t(first) * 2 * inter;
-    float* act = act_all + int64_t(first) * inter;
-    linear(a.gate_up[e], gemv, x + int64_t(first) * h, h, g);
-    for (int r = 0; r < n; ++r)
-      gated_activation(a.activation, g + int64_t(r) * 2 * inter, act + int64_t(r) * inter,
-                       inter);
-    linear(a.down[e], gemv, act, inter, y_all + int64_t(first) * h);
+    gated_mlp(a.gate_up[e], a.down[e], a.activation, gemv, x + int64_t(first) * h, h,
+              y_all + int64_t(first) * h);
   };
   if (a.threads > 1 && int(active.size()) >= 2 * a.threads) {
     // whole experts per thread, taken from a shared counter: one parallel region a layer

@@ -140,13 +140,9 @@ void route_row(const MoeMlp& moe, const float* logits, int* order, int32_t* ids,
   for (int j = 0; j < k; ++j) ids[j] = order[j];
   if (moe.scoring == kSigmoid) {
     for (int j = 0; j < k; ++j) w[j] = sigmoid(logits[ids[j]]);
-  } else {  // softmax over all experts, or over the k chosen (its max is the first chosen)
+  } else {  // softmax over all experts, or over the k chosen
     const bool all = moe.scoring == kSoftmax;
-    float top = logits[0];
-    if (all)
-      for (int i = 1; i < e; ++i) top = std::max(top, logits[i]);
-    else
-      top = logits[ids[0]];
+    const float top = logits[ids[0]];  // the row's max (NaN: a NaN row's, as torch's softmax)
     float sum = 0.0f;
     if (all)
       for (int i = 0; i < e; ++i) sum += std::exp(logits[i] - top);
@@ -198,7 +194,6 @@ void moe_route(const MoeMlp& moe, const float* h, int m, const GemvRun& run, int
   logits_buf.resize(size_t(m) * e);
   float* logits = logits_buf.data();
   const int64_t macs = int64_t(m) * e * hidden;
-  // experts split over the team: each logit is one dot, whoever computes it
   // experts split over the team (in pairs, the GEMM's tile): each logit is one dot, whoever
   // computes it
   const int pairs = (e + 1) / 2;
@@ -222,7 +217,7 @@ void moe_mlp(const MoeMlp& moe, const float* h, int m, const GemvRun& run, float
   if (m <= 0) return;
   const int hidden = moe.hidden;
   thread_local std::vector<int32_t> ids;
-  thread_local std::vector<float> weights, g_buf, act_buf, y_buf;
+  thread_local std::vector<float> weights, y_buf;
   ids.resize(size_t(m) * moe.top_k);
   weights.resize(size_t(m) * moe.top_k);
   moe_route(moe, h, m, run, ids.data(), weights.data());
@@ -231,15 +226,8 @@ void moe_mlp(const MoeMlp& moe, const float* h, int m, const GemvRun& run, float
                run.threads, run.parallel_min_macs, run.path, run.activation_bits});
   if (moe.shared_gate_up.n == 0) return;
   // the shared expert: out += sigmoid(h . shared_gate) * down(silu(g) * u)
-  const int shared = moe.shared_down.k;
-  g_buf.resize(size_t(m) * 2 * shared);
-  act_buf.resize(size_t(m) * shared);
   y_buf.resize(size_t(m) * hidden);
-  linear(moe.shared_gate_up, run, h, hidden, g_buf.data());
-  for (int r = 0; r < m; ++r)
-    gated_activation(kSilu, g_buf.data() + int64_t(r) * 2 * shared,
-                     act_buf.data() + int64_t(r) * shared, shared);
-  linear(moe.shared_down, run, act_buf.data(), shared, y_buf.data());
+  gated_mlp(moe.shared_gate_up, moe.shared_down, kSilu, run, h, hidden, y_buf.data());
   for (int r = 0; r < m; ++r) {
     const float gate =
         sigmoid(fixed_order_dot(h + int64_t(r) * hidden, moe.shared_gate, hidden));
