@@ -13,10 +13,18 @@ from . import quant_gemv
 LinearTuple = tuple[int, int, int, int, int, int]
 
 
-def fp32_vector(t: torch.Tensor | None, size: int) -> bool:
+def fp32_tensor(t: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
+    """Whether t is None or a contiguous fp32 tensor of `shape` (what csrc/cpu/ reads raw)."""
     return t is None or (
-        t.dtype == torch.float32 and t.is_contiguous() and tuple(t.shape) == (size,)
+        isinstance(t, torch.Tensor)
+        and t.dtype == torch.float32
+        and t.is_contiguous()
+        and tuple(t.shape) == shape
     )
+
+
+def fp32_vector(t: torch.Tensor | None, size: int) -> bool:
+    return fp32_tensor(t, (size,))
 
 
 def address(t: torch.Tensor | None) -> int:

@@ -12,6 +12,9 @@ the GEMV takes, biases fp32 if any. Its activation's e^x is a polynomial (~3e-7 
 it is the host loop's function within fp32 rounding, not bit for bit; a token's result depends
 on its own routing only (its pairs summed in expert order), never on the batch.
 `PAGEDKERN_KERNELS=cpu_moe:loop` runs the host loop instead.
+
+layer_mlp builds the same call with the layer's router and shared expert for the layer tail
+(csrc/cpu/moe_mlp.h), which then runs the whole MoE MLP, routing included, in C++.
 """
 
 from __future__ import annotations
@@ -57,15 +60,6 @@ def _experts(w_gate_up: QuantizedWeight, w_down: QuantizedWeight, biases, activa
     return found[1]
 
 
-def _fp32(t: torch.Tensor | None, shape: tuple) -> bool:
-    return t is None or (
-        isinstance(t, torch.Tensor)
-        and t.dtype == torch.float32
-        and t.is_contiguous()
-        and tuple(t.shape) == shape
-    )
-
-
 def layer_mlp(layer, top_k: int, renormalize: bool, scoring: str, activation: str):
     """A mixture-of-experts layer's whole MLP as the module's MoeMlp (csrc/cpu/moe_mlp.h: its
     fp32 router, top-k, int4 / int8 experts and Qwen2-MoE's shared expert), for the layer tail
@@ -81,8 +75,8 @@ def layer_mlp(layer, top_k: int, renormalize: bool, scoring: str, activation: st
         scoring in SCORINGS
         and 0 < top_k <= experts
         and w_gate_up.shape[0] == experts
-        and _fp32(router, (experts, hidden))
-        and _fp32(layer.router_bias, (experts,))
+        and module_args.fp32_tensor(router, (experts, hidden))
+        and module_args.fp32_tensor(layer.router_bias, (experts,))
         and experts_fit(w_gate_up, w_down, activation, biases)
     )
     if shared:
@@ -93,7 +87,7 @@ def layer_mlp(layer, top_k: int, renormalize: bool, scoring: str, activation: st
             and layer.down_bias is None
             and module_args.quantized_fits(layer.gate_up, None, 2 * size, hidden)
             and module_args.quantized_fits(layer.down, None, hidden, size)
-            and _fp32(layer.shared_gate, (1, hidden))
+            and module_args.fp32_tensor(layer.shared_gate, (1, hidden))
         )
     if not fits or (not shared and layer.shared_gate is not None):
         return None
@@ -128,7 +122,10 @@ def experts_fit(w_gate_up, w_down, activation: str, biases) -> bool:
             module_args.quantized_fits(w.expert(0), None, n, k)
             for w, n, k in ((w_gate_up, two_inter, h), (w_down, h, inter))
         )
-        and all(_fp32(b, (experts, n)) for b, n in zip(biases, (two_inter, h), strict=True))
+        and all(
+            module_args.fp32_tensor(b, (experts, n))
+            for b, n in zip(biases, (two_inter, h), strict=True)
+        )
     )
 
 
