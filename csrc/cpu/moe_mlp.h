@@ -13,8 +13,8 @@
 // in the same one call as a dense one, in the layer loop and in the one-call decoder alike (the
 // same function on the same buffers: the same bits either way). What it removes is the Python
 // between the router GEMM, the routing's ~8 torch ops and the experts' call, and with it the
-// layer's attention glue once the decoder takes the whole stack: a Qwen3-30B-A3B-shaped decode
-// token measured 1.24x faster on a 2-vCPU host (bench/results/2026-12-06-epyc-avx2-moe-decoder.md).
+// layer's attention glue once the decoder takes the whole stack (measured:
+// bench/results/2026-12-06-epyc-avx2-moe-decoder.md).
 // The router is an fp32 GEMM (the loaders keep it float: llama.cpp's files hold it F32): each
 // logit a dot in a fixed order of 16 partial sums, computed in tiles of 2 rows x 2 experts
 // (vector extensions: the baseline ISA or AVX2, mul then add, the same bits), experts split
