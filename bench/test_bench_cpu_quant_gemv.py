@@ -2,7 +2,8 @@
 integer dots) against torch's int-pack CPU kernels (aten._weight_int4pack_mm_for_cpu,
 aten._weight_int8pack_mm: bf16 activations), at the default model's shapes (SmolLM2-135M: QKV,
 gate/up, down int4 G = 32, the int8 LM head; gate/up as GGUF Q4_0 too, m = -8d: the int4_sym
-tiles, and as Q5_K: codes 0..31 with a scale and min per 32, the int5_g32 tiles; the head also
+tiles, as Q4_K: fp32 scales and mins of two levels, the int4_k tiles, and as Q5_K: codes
+0..31 with a scale and min per 32, the int5_g32 tiles; the head also
 as GGUF Q8_0 and Q6_K load it: int8 per 32 and int6 per 16, the Q6_K head at K = 1024, a
 multiple of Q6_K's 256, as Qwen3-0.6B's) over
 M = 1 .. 512, interleaved (each case times all three before the next), one thread
@@ -31,10 +32,11 @@ if FULL and torch.cuda.is_available():
 THREADS = int(os.environ.get("PAGEDKERN_BENCH_THREADS", 1))
 SHAPES = (
     [("qkv", "int4", 960, 576), ("gate_up", "int4", 3072, 576), ("gate_up", "q4_0", 3072, 576),
-     ("gate_up", "q5_k", 3072, 576), ("down", "int4", 576, 1536), ("lm_head", "int8", 49152, 576),
-     ("lm_head", "q8_0", 49152, 576), ("lm_head", "q6_k", 49152, 1024)]
-    if FULL else [("tiny", fmt, 64, 256 if fmt == "q6_k" else 64)
-                  for fmt in ("int4", "q4_0", "q5_k", "int8", "q8_0", "q6_k")]
+     ("gate_up", "q4_k", 3072, 768), ("gate_up", "q5_k", 3072, 576), ("down", "int4", 576, 1536),
+     ("lm_head", "int8", 49152, 576), ("lm_head", "q8_0", 49152, 576),
+     ("lm_head", "q6_k", 49152, 1024)]
+    if FULL else [("tiny", fmt, 64, 256 if fmt in ("q6_k", "q4_k") else 64)
+                  for fmt in ("int4", "q4_0", "q4_k", "q5_k", "int8", "q8_0", "q6_k")]
 )  # fmt: skip
 MS = (1, 2, 4, 8, 16, 64, 256, 512) if FULL else (1, 3)
 MAX_LM_HEAD_M = 64  # the LM head runs on the sampled rows only
@@ -80,6 +82,28 @@ def _q6_k(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("int8", (n, k), q, scales, None, 16)
 
 
+def _q4_k(w: torch.Tensor) -> QuantizedWeight:
+    """w in Q4_K's form (llama.cpp's rounding, simplified): per 32, codes 0..15 under a scale
+    d * sc and a min -dmin * mn (the group's min, at most 0), sc and mn 6 bits, d and dmin fp16
+    per 256 with the largest sc and mn 63 (the int4_k tiles)."""
+    n, k = w.shape
+    blocks = w.view(n, k // 32, 32)
+    lo = blocks.amin(-1).clamp_max(0)
+    group = ((blocks.amax(-1) - lo) / 15).clamp_min(1e-12)
+
+    def two_level(values: torch.Tensor) -> torch.Tensor:  # [n, k / 32], >= 0
+        supers = values.view(n, k // 256, 8)
+        d = (supers.amax(-1, keepdim=True) / 63).half().float()
+        c = (supers / torch.where(d == 0, 1.0, d)).round().clamp(0, 63)
+        return (c * d).view(n, k // 32)
+
+    scales, mins = two_level(group), -two_level(-lo)
+    inv = torch.where(scales == 0, 0.0, 1 / scales)
+    q = ((blocks - mins[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+    q = q.view(n, k)
+    return QuantizedWeight("int4", (n, k), (q[:, 0::2] | (q[:, 1::2] << 4)), scales, mins, 32)
+
+
 def _q5_k(w: torch.Tensor) -> QuantizedWeight:
     """w in Q5_K's form: per 32, codes 0..31 with an fp32 scale (max - min) / 31 and the min
     (llama.cpp forms both from 6-bit sub-scales; the tiles and the speed are the same)."""
@@ -92,7 +116,8 @@ def _q5_k(w: torch.Tensor) -> QuantizedWeight:
 
 
 def _weight(fmt: str, w: torch.Tensor) -> QuantizedWeight:
-    makers = {"int4": quantize_int4, "q4_0": _q4_0, "q5_k": _q5_k, "int8": quantize_int8,
+    makers = {"int4": quantize_int4, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k,
+              "int8": quantize_int8,
               "q8_0": _q8_0, "q6_k": _q6_k}  # fmt: skip
     return makers[fmt](w)
 

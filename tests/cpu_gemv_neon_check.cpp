@@ -50,6 +50,17 @@ Packed pack(int format, int n, int k, int group) {
   const bool sym = format == kInt4Sym;
   std::vector<uint8_t> q(size_t(n) * k / 2);
   for (auto& v : q) v = uint8_t(uniform(0, 255));
+  if (format == kInt4K) {  // c any byte; d of 16 significant bits, dm negative
+    std::vector<uint8_t> cs(size_t(n) * (k / kBlock)), cm(cs.size());
+    for (size_t i = 0; i < cs.size(); ++i) cs[i] = uint8_t(uniform(0, 255)), cm[i] = uint8_t(uniform(0, 255));
+    std::vector<float> d(size_t(n) * (k / kInt4KSuper)), dm(d.size());
+    for (size_t i = 0; i < d.size(); ++i) {
+      d[i] = std::ldexp(float(uniform(1, 1 << 16)), -28);
+      dm[i] = -std::ldexp(float(uniform(0, 1 << 16)), -26);
+    }
+    pack_int4_k(p.tiles.data(), q.data(), cs.data(), cm.data(), d.data(), dm.data(), n, k);
+    return p;
+  }
   std::vector<uint16_t> d(size_t(n) * (k / group)), m(d.size());
   for (size_t i = 0; i < d.size(); ++i) {
     d[i] = random_half(false, !sym);
@@ -140,6 +151,7 @@ int main(int argc, char** argv) {
     check_same_bits(kInt4Sym, 32, n, n == 40 ? 96 : 256);
     check_same_bits(kInt4Sym, 128, n, n == 40 ? 128 : 384);
     check_same_bits(kInt8, 0, n, n == 40 ? 96 : 256);
+    check_same_bits(kInt4K, 32, n, n == 40 ? 256 : 512);
   }
   return check_report();
 }

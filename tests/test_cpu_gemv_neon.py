@@ -1,9 +1,10 @@
 """The CPU GEMM's Arm path (csrc/cpu/dot_neon.cpp, `neon_dotprod`) without Arm hardware:
 tests/cpu_gemv_neon_check.cpp and csrc/cpu/ (minus the pybind module) cross-compiled for baseline
 aarch64 and run under qemu-aarch64. With a dotprod CPU (`-cpu max`) the path runs and returns the
-portable path's bits for int4 (G 32, 128), int4_sym and int8 tiles, 8- and 16-bit activations,
-M 1/3/5/17 and N 40/1000 (a partial last tile); on a CPU without dotprod (`-cpu cortex-a53`) it
-is reported unsupported, refused with an error rather than SIGILL, and best_path is portable.
+portable path's bits for int4 (G 32, 128), int4_sym, int4_k and int8 tiles, 8- and 16-bit
+activations, M 1/3/5/17 and N 40/1000 (a partial last tile); on a CPU without dotprod
+(`-cpu cortex-a53`) it is reported unsupported, refused with an error rather than SIGILL, and
+best_path is portable.
 Skipped where the cross compiler or qemu-user is missing (Debian: g++-aarch64-linux-gnu,
 qemu-user). Also: the Python side's path names and codes are the module's."""
 

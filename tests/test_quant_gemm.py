@@ -116,7 +116,8 @@ def test_rows_state_dict_and_fusion():
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 def test_gguf_blocks_map_exactly_onto_int4(kind):
     """Q4_0 / Q4_1 / Q4_K bytes -> int4 without fp32 weights: dequantizing the result gives
-    gguf's own dequantization (up to Q4_K's d*sc product rounded to fp16)."""
+    gguf's own dequantization exactly (Q4_K's d*sc and dmin*m in fp32, which fp16 cannot hold),
+    and the CPU GEMM keeps those values (Q4_K: the int4_k tiles)."""
     qtype = GGMLQuantizationType[kind]
     n, k = 24, 512
     rng = np.random.default_rng(0)
@@ -129,9 +130,18 @@ def test_gguf_blocks_map_exactly_onto_int4(kind):
     qw = gguf_to_int4(kind, raw, n, k)
     assert qw is not None and qw.format == "int4" and qw.group_size == 32
     got = qw.dequantize_rows().double()
-    tol = 0.0 if kind != "Q4_K" else 2**-10 * want.abs().max().item()
-    assert (got - want).abs().max().item() <= tol
+    assert torch.equal(got, want)
+    assert qw.scales.dtype == (torch.float32 if kind == "Q4_K" else torch.float16)
     assert gguf_to_int4("Q8_0", raw, n, k) is None
+    if not quant_gemv.available():
+        return
+    assert (
+        quant_gemv.tile_format(qw) == {"Q4_0": "int4_sym", "Q4_1": "int4", "Q4_K": "int4_k"}[kind]
+    )
+    x = torch.randn(3, k)
+    exact = x.double() @ want.T
+    got = quant_gemv.quant_gemv(x, qw).double()
+    assert (got - exact).abs().max() <= 1e-4 * (x.double().abs() @ want.abs().T).max()
 
 
 @pytest.mark.parametrize("n", [24, 1030])  # 1030: more rows than one conversion chunk

@@ -22,12 +22,22 @@ AVX512_TARGET inline __m512i x4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Sym: int4_sym tiles (no m stored, m = -8 d in fp32: the same bits as the stored m)
-template <int P, bool Sym>
+// 16 bytes at p (unsigned) as fp32 lanes
+AVX512_TARGET inline __m512 u8_floats(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// F: int4, int4_sym (no m stored, m = -8 d in fp32: the same bits as the stored m) or int4_k
+// (d and m as float(c) times the super-block's d / dm)
+template <int P, int F>
 AVX512_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
-  constexpr int kBlockBytes = Sym ? kInt4SymTileBlockBytes : kInt4TileBlockBytes;
+  constexpr bool Sym = F == kInt4Sym, K4 = F == kInt4K;
+  constexpr int kBlockBytes =
+      Sym ? kInt4SymTileBlockBytes : K4 ? kInt4KBlockBytes : kInt4TileBlockBytes;
   const int blocks = a.k / kBlock;
-  const uint8_t* base = a.packed + size_t(tile) * blocks * kBlockBytes;
+  const uint8_t* base =
+      a.packed + size_t(tile) * (K4 ? int4k_tile_bytes(a.k) : size_t(blocks) * kBlockBytes);
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int live = std::min(kRows, a.n - tile * kRows);
   const __mmask16 mask = __mmask16((1u << live) - 1);
@@ -35,9 +45,11 @@ AVX512_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
     const int rows = std::min(rc, kRowChunk);
     __m512 acc[kRowChunk];
     for (int i = 0; i < kRowChunk; ++i) acc[i] = _mm512_setzero_ps();
+    Int4KCursor walk{base};  // int4_k's
     for (int b = 0; b < blocks; ++b) {
-      const uint8_t* t = base + size_t(b) * kBlockBytes;
-      prefetch_ahead<kBlockBytes>(t);
+      const Int4KBlock kb = K4 ? walk.next() : Int4KBlock{};
+      const uint8_t* t = K4 ? kb.nibbles : base + size_t(b) * kBlockBytes;
+      prefetch_ahead<kBlockBytes>(base + size_t(b) * kBlockBytes);  // (int4_k: its share)
       __m512i wl[4], wh[4];
       for (int j = 0; j < 4; ++j) {
         const __m512i w = _mm512_loadu_si512(t + 64 * j);
@@ -45,10 +57,15 @@ AVX512_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
         wh[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
       }
       const uint8_t* dm = t + kRows * kBlock / 2;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
-      const __m512 mn =
-          Sym ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
-              : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + 32)));
+      __m512 d, mn;
+      if constexpr (K4) {
+        d = _mm512_mul_ps(u8_floats(kb.cs), _mm512_loadu_ps(kb.d));
+        mn = _mm512_mul_ps(u8_floats(kb.cm), _mm512_loadu_ps(kb.dm));
+      } else {
+        d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
+        mn = Sym ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
+                 : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + 32)));
+      }
       for (int i = 0; i < rows; ++i) {
         const int r = r0 + i;
         const int8_t* xb = a.xq->block(r, b);
@@ -121,8 +138,9 @@ TileFn avx512_tile(int format, int planes) {
     case kInt6G16:
     case kInt6K:
     case kInt5G32: return avx2_tile(format, planes);  // the 256-bit kernel: the same bits
-    case kInt4: return two ? int4_tile<2, false> : int4_tile<1, false>;
-    case kInt4Sym: return two ? int4_tile<2, true> : int4_tile<1, true>;
+    case kInt4: return two ? int4_tile<2, kInt4> : int4_tile<1, kInt4>;
+    case kInt4Sym: return two ? int4_tile<2, kInt4Sym> : int4_tile<1, kInt4Sym>;
+    case kInt4K: return two ? int4_tile<2, kInt4K> : int4_tile<1, kInt4K>;
     default: return two ? int8_tile<2> : int8_tile<1>;
   }
 }

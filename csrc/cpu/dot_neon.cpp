@@ -38,21 +38,42 @@ NEON_DOTPROD_TARGET inline float32x4_t halves(const uint16_t* h) {
   return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h)));
 }
 
-// Sym: int4_sym tiles (no m stored, m = -8 d in fp32: the same bits as the stored m)
-template <int P, bool Sym>
+// 16 bytes at p (unsigned) as four fp32 vectors of 4 (exact)
+NEON_DOTPROD_TARGET inline void u8_floats(const uint8_t* p, float32x4_t out[4]) {
+  const uint8x16_t v = vld1q_u8(p);
+  const uint16x8_t lo = vmovl_u8(vget_low_u8(v)), hi = vmovl_u8(vget_high_u8(v));
+  out[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo)));
+  out[1] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(lo)));
+  out[2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi)));
+  out[3] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(hi)));
+}
+
+// F: int4, int4_sym (no m stored, m = -8 d in fp32: the same bits as the stored m) or int4_k
+// (d and m as float(c) times the super-block's d / dm)
+template <int P, int F>
 NEON_DOTPROD_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
-  constexpr int kBlockBytes = Sym ? kInt4SymTileBlockBytes : kInt4TileBlockBytes;
+  constexpr bool Sym = F == kInt4Sym, K4 = F == kInt4K;
+  constexpr int kBlockBytes =
+      Sym ? kInt4SymTileBlockBytes : K4 ? kInt4KBlockBytes : kInt4TileBlockBytes;
   const int blocks = a.k / kBlock;
-  const uint8_t* base = a.packed + size_t(tile) * blocks * kBlockBytes;
+  const uint8_t* base =
+      a.packed + size_t(tile) * (K4 ? int4k_tile_bytes(a.k) : size_t(blocks) * kBlockBytes);
   const uint8x16_t low = vdupq_n_u8(0x0F);
   for (; rc > 0; r0 += kRowChunk, rc -= kRowChunk) {
     const int rows = std::min(rc, kRowChunk);
     float32x4_t acc[kRowChunk][4];
     for (int i = 0; i < kRowChunk; ++i)
       for (int c = 0; c < 4; ++c) acc[i][c] = vdupq_n_f32(0.f);
+    Int4KCursor walk{base};  // int4_k's
     for (int b = 0; b < blocks; ++b) {
-      const uint8_t* t = base + size_t(b) * kBlockBytes;
+      const Int4KBlock kb = K4 ? walk.next() : Int4KBlock{};
+      const uint8_t* t = K4 ? kb.nibbles : base + size_t(b) * kBlockBytes;
       const uint16_t* d16 = reinterpret_cast<const uint16_t*>(t + kRows * kBlock / 2);
+      float32x4_t cs[4], cm[4];  // int4_k's c as floats, by rows 4c..4c+3
+      if (K4) {
+        u8_floats(kb.cs, cs);
+        u8_floats(kb.cm, cm);
+      }
       for (int c = 0; c < 4; ++c) {  // rows 4c..4c+3 of the tile
         int8x16_t wl[4], wh[4];
         for (int j = 0; j < 4; ++j) {
@@ -60,8 +81,14 @@ NEON_DOTPROD_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
           wl[j] = vreinterpretq_s8_u8(vandq_u8(w, low));
           wh[j] = vreinterpretq_s8_u8(vshrq_n_u8(w, 4));
         }
-        const float32x4_t d = halves(d16 + 4 * c);
-        const float32x4_t mn = Sym ? vmulq_f32(vdupq_n_f32(-8.0f), d) : halves(d16 + kRows + 4 * c);
+        float32x4_t d, mn;
+        if (K4) {
+          d = vmulq_f32(cs[c], vld1q_f32(kb.d + 4 * c));
+          mn = vmulq_f32(cm[c], vld1q_f32(kb.dm + 4 * c));
+        } else {
+          d = halves(d16 + 4 * c);
+          mn = Sym ? vmulq_f32(vdupq_n_f32(-8.0f), d) : halves(d16 + kRows + 4 * c);
+        }
         for (int i = 0; i < rows; ++i) {
           const int r = r0 + i;
           const int8_t* xb = a.xq->block(r, b);
@@ -136,8 +163,9 @@ TileFn neon_tile(int format, int planes) {
     case kInt6G16:
     case kInt6K:
     case kInt5G32: return portable_tile(format, planes);  // no NEON kernel yet: the same bits
-    case kInt4: return two ? int4_tile<2, false> : int4_tile<1, false>;
-    case kInt4Sym: return two ? int4_tile<2, true> : int4_tile<1, true>;
+    case kInt4: return two ? int4_tile<2, kInt4> : int4_tile<1, kInt4>;
+    case kInt4Sym: return two ? int4_tile<2, kInt4Sym> : int4_tile<1, kInt4Sym>;
+    case kInt4K: return two ? int4_tile<2, kInt4K> : int4_tile<1, kInt4K>;
     default: return two ? int8_tile<2> : int8_tile<1>;
   }
 }

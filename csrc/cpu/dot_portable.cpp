@@ -39,19 +39,25 @@ int32_t planes_dot(const int8_t* xb, Dot dot) {
   return P == 2 ? 256 * dot(xb) + dot(xb + kBlock) : dot(xb);
 }
 
-// F: int4, int4_sym (no m stored, m = -8 d in fp32: the same bits as the stored m) or int5_g32
-// (a fifth bit a code; d and m stored in fp32)
+// F: int4, int4_sym (no m stored, m = -8 d in fp32: the same bits as the stored m), int5_g32
+// (a fifth bit a code; d and m stored in fp32) or int4_k (d = float(cs) * the super-block's d,
+// m = float(cm) * its dm: int5_g32's fp32 values)
 template <int P, int F>
 void int4_tile(const Args& a, int tile, int r0, int rc) {
-  constexpr bool Five = F == kInt5G32;
-  constexpr int kBlockBytes =
-      F == kInt4Sym ? kInt4SymTileBlockBytes : Five ? kInt5TileBlockBytes : kInt4TileBlockBytes;
+  constexpr bool Five = F == kInt5G32, K4 = F == kInt4K;
+  constexpr int kBlockBytes = F == kInt4Sym ? kInt4SymTileBlockBytes
+                              : Five        ? kInt5TileBlockBytes
+                              : K4          ? kInt4KBlockBytes
+                                            : kInt4TileBlockBytes;
   const int blocks = a.k / kBlock;
-  const uint8_t* base = a.packed + size_t(tile) * blocks * kBlockBytes;
+  const uint8_t* base =
+      a.packed + size_t(tile) * (K4 ? int4k_tile_bytes(a.k) : size_t(blocks) * kBlockBytes);
   for (int r = r0; r < r0 + rc; ++r) {
     float acc[kRows] = {};
+    Int4KCursor walk{base};  // int4_k's
     for (int b = 0; b < blocks; ++b) {
-      const uint8_t* t = base + size_t(b) * kBlockBytes;
+      const Int4KBlock kb = K4 ? walk.next() : Int4KBlock{};
+      const uint8_t* t = K4 ? kb.nibbles : base + size_t(b) * kBlockBytes;
       const uint8_t* fifth = t + kRows * kBlock / 2;
       const uint8_t* dm = t + kRows * kBlock / 2 + (Five ? kRows * 4 : 0);
       const float dx = a.xq->dx[a.xq->at(r, b)], sx = a.xq->sx[a.xq->at(r, b)];
@@ -71,7 +77,10 @@ void int4_tile(const Args& a, int tile, int r0, int rc) {
           return s;
         });
         float d, mn;
-        if (Five) {
+        if (K4) {
+          d = float(kb.cs[row]) * kb.d[row];
+          mn = float(kb.cm[row]) * kb.dm[row];
+        } else if (Five) {
           std::memcpy(&d, dm + 4 * row, 4);
           std::memcpy(&mn, dm + 4 * (kRows + row), 4);
         } else {
@@ -178,6 +187,7 @@ TileFn portable_tile(int format, int planes) {
     case kInt4: return two ? int4_tile<2, kInt4> : int4_tile<1, kInt4>;
     case kInt4Sym: return two ? int4_tile<2, kInt4Sym> : int4_tile<1, kInt4Sym>;
     case kInt5G32: return two ? int4_tile<2, kInt5G32> : int4_tile<1, kInt5G32>;
+    case kInt4K: return two ? int4_tile<2, kInt4K> : int4_tile<1, kInt4K>;
     case kInt8G32: return two ? int8_grouped_tile<2, 1, kInt8G32> : int8_grouped_tile<1, 1, kInt8G32>;
     case kInt8G16: return two ? int8_grouped_tile<2, 2, kInt8G16> : int8_grouped_tile<1, 2, kInt8G16>;
     case kInt6G16: return two ? int8_grouped_tile<2, 2, kInt6G16> : int8_grouped_tile<1, 2, kInt6G16>;

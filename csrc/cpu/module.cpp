@@ -133,6 +133,26 @@ PYBIND11_MODULE(_cpu, mod) {
       py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("c"), py::arg("d"),
       py::arg("n"), py::arg("k"));
   mod.def(
+      "factor_int4_scales",
+      [](uintptr_t scales, uintptr_t mins, int n, int k, uintptr_t d, uintptr_t dm, uintptr_t cs,
+         uintptr_t cm) {
+        py::gil_scoped_release release;
+        return factor_int4_scales(ptr<const float>(scales), ptr<const float>(mins), n, k,
+                                  ptr<float>(d), ptr<float>(dm), ptr<uint8_t>(cs),
+                                  ptr<uint8_t>(cm));
+      },
+      py::kw_only(), py::arg("scales"), py::arg("mins"), py::arg("n"), py::arg("k"),
+      py::arg("d"), py::arg("dm"), py::arg("cs"), py::arg("cm"));
+  mod.def(
+      "pack_int4_k",
+      [](uintptr_t out, uintptr_t qweight, uintptr_t cs, uintptr_t cm, uintptr_t d, uintptr_t dm,
+         int n, int k) {
+        pack_int4_k(ptr<uint8_t>(out), ptr<const uint8_t>(qweight), ptr<const uint8_t>(cs),
+                    ptr<const uint8_t>(cm), ptr<const float>(d), ptr<const float>(dm), n, k);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("cs"), py::arg("cm"),
+      py::arg("d"), py::arg("dm"), py::arg("n"), py::arg("k"));
+  mod.def(
       "pack_int5",
       [](uintptr_t out, uintptr_t qweight, uintptr_t scales, uintptr_t mins, int n, int k) {
         pack_int5(ptr<uint8_t>(out), ptr<const uint8_t>(qweight), ptr<const float>(scales),

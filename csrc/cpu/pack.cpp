@@ -21,6 +21,7 @@ const char* format_name(int format) {
     case kInt6G16: return "int6_g16";
     case kInt5G32: return "int5_g32";
     case kInt6K: return "int6_k";
+    case kInt4K: return "int4_k";
     default: return "unknown";
   }
 }
@@ -39,6 +40,10 @@ int64_t packed_bytes(int format, int n, int k) {
       if (k % kInt6KSuper)
         throw std::invalid_argument("int6_k tiles need k a multiple of 256");
       return int64_t((n + kRows - 1) / kRows) * int64_t(int6k_tile_bytes(k));
+    case kInt4K:
+      if (k % kInt4KSuper)
+        throw std::invalid_argument("int4_k tiles need k a multiple of 256");
+      return int64_t((n + kRows - 1) / kRows) * int64_t(int4k_tile_bytes(k));
     default: throw std::invalid_argument(kFormatsMessage);
   }
   return int64_t((n + kRows - 1) / kRows) * (k / kBlock) * block_bytes;
@@ -82,6 +87,12 @@ void put_nibbles(uint8_t* dst, int r, const Code& code) {
       dst[64 * j + 4 * r + i] = uint8_t((code(4 * j + i) & 15) | ((code(16 + 4 * j + i) & 15) << 4));
 }
 
+// Code c of block b of row `row` of int4 qweight [N, K / 2] (weight 2i in byte i's low nibble)
+int int4_code(const uint8_t* q, int row, int k, int b, int c) {
+  const uint8_t byte = q[size_t(row) * (k / 2) + (b * kBlock + c) / 2];
+  return c % 2 ? byte >> 4 : byte & 0x0F;
+}
+
 }  // namespace
 
 // qweight [N, K/2] uint8 (weight 2i in the low nibble of byte i), scales/mins [N, K/G] fp16.
@@ -96,10 +107,7 @@ void pack_int4(uint8_t* out, const uint8_t* q, const uint16_t* s, const uint16_t
   const int groups = k / group;
   for_tile_rows(out, n, k, sym ? kInt4SymTileBlockBytes : kInt4TileBlockBytes,
                 [&](uint8_t* dst, int row, int r, int b) {
-                  put_nibbles(dst, r, [&](int c) {
-                    const uint8_t byte = q[size_t(row) * (k / 2) + (b * kBlock + c) / 2];
-                    return c % 2 ? byte >> 4 : byte & 0x0F;
-                  });
+                  put_nibbles(dst, r, [&](int c) { return int4_code(q, row, k, b, c); });
                   uint16_t* dm = reinterpret_cast<uint16_t*>(dst + kRows * kBlock / 2);
                   const size_t g = size_t(row) * groups + size_t(b) * kBlock / group;
                   dm[r] = s[g];
@@ -173,27 +181,31 @@ void put_int6_codes(uint8_t* dst, const int8_t* q, int row, int r, int k, int b)
     }
 }
 
-// One row's 16 scales of a 256 as float(c[g]) * d, exactly: d = s / c for the largest |s|'s
-// candidate c, -128 first (llama.cpp's quantizer gives the largest -128), then 127 down to 1.
-bool factor_super_block(const float* s, float& d, int8_t* c) {
+// One row's `groups` scales of a 256 as float(c[g]) * d exactly, c in lo..hi: d = s / c for
+// the largest |s|'s candidate c, `first` (what GGUF's quantizer gives the largest: Q6_K's
+// -128, Q4_K's 63) tried first, then hi down to 1 (d of s's sign).
+template <typename C>
+bool factor_super_block(const float* s, int groups, int first, int lo, int hi, float& d, C* c) {
   int top = 0;
-  for (int g = 0; g < 16; ++g) {
+  for (int g = 0; g < groups; ++g) {
     if (!std::isfinite(s[g])) return false;
     if (std::fabs(s[g]) > std::fabs(s[top])) top = g;
   }
   if (s[top] == 0.0f) {  // all zero (either sign: a zero scale adds +0 to the chain either way)
     d = 0.0f;
-    std::fill_n(c, 16, int8_t(0));
+    std::fill_n(c, groups, C(0));
     return true;
   }
-  for (int ct = 128; ct >= 1; --ct) {  // the largest's c: -128, then 127 .. 1 (d of s's sign)
-    d = s[top] / (ct == 128 ? -128.0f : float(ct));
+  for (int i = 0; i <= hi; ++i) {
+    const int ct = i == 0 ? first : hi + 1 - i;
+    if (i > 0 && ct == first) continue;
+    d = s[top] / float(ct);
     if (!std::isfinite(d) || d == 0.0f) continue;
     bool exact = true;
-    for (int g = 0; g < 16 && exact; ++g) {
+    for (int g = 0; g < groups && exact; ++g) {
       const float v = std::nearbyint(s[g] / d);
-      exact = v >= -128.0f && v <= 127.0f && v * d == s[g];
-      if (exact) c[g] = int8_t(v);
+      exact = v >= float(lo) && v <= float(hi) && v * d == s[g];
+      if (exact) c[g] = C(v);
     }
     if (exact) return true;
   }
@@ -215,7 +227,7 @@ bool factor_int6_scales(const float* scales, int n, int k, float* d, int8_t* c) 
   if (k <= 0 || k % kInt6KSuper) throw std::invalid_argument("k must be a positive multiple of 256");
   const int64_t supers = int64_t(n) * (k / kInt6KSuper);
   for (int64_t i = 0; i < supers; ++i)
-    if (!factor_super_block(scales + 16 * i, d[i], c + 16 * i)) return false;
+    if (!factor_super_block(scales + 16 * i, 16, -128, -128, 127, d[i], c + 16 * i)) return false;
   return true;
 }
 
@@ -237,6 +249,41 @@ void pack_int6_k(uint8_t* out, const int8_t* q, const int8_t* c, const float* d,
         put_int6_codes(dst, q, row, r, k, b);
         for (int g = 0; g < 2; ++g)
           dst[kInt6CodeBytes + kRows * g + r] = uint8_t(c[size_t(row) * (k / 16) + 2 * b + g]);
+      }
+    }
+  }
+}
+
+bool factor_int4_scales(const float* scales, const float* mins, int n, int k, float* d,
+                        float* dm, uint8_t* cs, uint8_t* cm) {
+  if (k <= 0 || k % kInt4KSuper) throw std::invalid_argument("k must be a positive multiple of 256");
+  const int64_t supers = int64_t(n) * (k / kInt4KSuper);
+  for (int64_t i = 0; i < supers; ++i)
+    if (!factor_super_block(scales + 8 * i, 8, 63, 0, 255, d[i], cs + 8 * i) ||
+        !factor_super_block(mins + 8 * i, 8, 63, 0, 255, dm[i], cm + 8 * i))
+      return false;
+  return true;
+}
+
+// Per tile and super-block: the rows' d and dm, cs and cm, then the blocks' nibble planes
+// (quant_gemv.h). Rows past N are zeros: code 0, c 0, d 0.
+void pack_int4_k(uint8_t* out, const uint8_t* q, const uint8_t* cs, const uint8_t* cm,
+                 const float* d, const float* dm, int n, int k) {
+  const int64_t bytes = packed_bytes(kInt4K, n, k);  // checks k
+  std::memset(out, 0, size_t(bytes));
+  const int blocks = k / kBlock, supers = k / kInt4KSuper, tiles = (n + kRows - 1) / kRows;
+  for (int t = 0; t < tiles; ++t) {
+    uint8_t* tile = out + size_t(t) * int4k_tile_bytes(k);
+    for (int r = 0; r < kRows && t * kRows + r < n; ++r) {
+      const int row = t * kRows + r;
+      for (int b = 0; b < blocks; ++b) {
+        const Int4KBlock kb = int4k_block(tile, b);
+        put_nibbles(const_cast<uint8_t*>(kb.nibbles), r,
+                    [&](int c) { return int4_code(q, row, k, b, c); });
+        const_cast<uint8_t*>(kb.cs)[r] = cs[size_t(row) * blocks + b];
+        const_cast<uint8_t*>(kb.cm)[r] = cm[size_t(row) * blocks + b];
+        const_cast<float*>(kb.d)[r] = d[size_t(row) * supers + b / 8];
+        const_cast<float*>(kb.dm)[r] = dm[size_t(row) * supers + b / 8];
       }
     }
   }

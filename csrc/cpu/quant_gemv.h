@@ -28,6 +28,16 @@
 //   ([K / 256][16] fp32), then its blocks: int6_g16's 384 code bytes and the block's c
 //   ([2][16] int8). The kernels form each group's fp32 scales as float(c) * d, the values
 //   int6_g16 stores, so the same bits.
+//   int4_k (GGUF Q4_K at 4.75 bits a weight, its own two-level scales: w = s q + m, s and m
+//   per 32 an unsigned 8-bit c times an fp32 d per row and 256 K, as a Q4_K's fp16 d times
+//   its 6-bit sc and its fp16 dmin times its 6-bit m always factor): a tile is its
+//   super-blocks of 256 K, each its rows' d and dm ([2][16] fp32), cs and cm ([8][16] uint8),
+//   then its 8 blocks' nibble planes (int4's): 2432 bytes, every plane on cache lines of its
+//   own (the c beside each block's 256 nibble bytes, 288 bytes a block, put every other
+//   block's 64-byte loads across two lines: 4-14% slower than int4 at M = 4 and 16 on a Xeon,
+//   against 2-8%; bench/results/2026-12-06-xeon-int4-k.md).
+//   The kernels form s = float(cs) d and m = float(cm) dm, the fp32 values int5_g32 would
+//   store, so int4_k gives int5_g32's bits for codes in 0..15.
 //   int5_g32 (GGUF Q5_0, Q5_1 and Q5_K exactly: w = s u + m, u in 0..31, fp32 s and m per
 //   group of 32, i.e. per block): int4's nibble plane, 64 bytes of fifth bits (byte (r, i)
 //   holds k = 4j + i's at bit j), then the block's 16 s and 16 m (fp32): 448 bytes a block,
@@ -87,6 +97,12 @@ constexpr int kInt6TileBlockBytes = kInt6CodeBytes + kRows * 4 * 2;
 // int6_k: a tile's d [K / 256][16] fp32, then its blocks: the codes, then c [2][16] int8
 constexpr int kInt6KSuper = 256;  // K a d
 constexpr int kInt6KBlockBytes = kInt6CodeBytes + kRows * 2;
+// int4_k: a super-block of 256 K is d, dm [2][16] fp32, cs, cm [2][8][16] uint8, then 8
+// nibble planes
+constexpr int kInt4KSuper = 256;  // K a d
+constexpr int kInt4KHeaderBytes = kRows * 4 * 2 + kRows * 8 * 2;
+constexpr int kInt4KSuperBytes = kInt4KHeaderBytes + 8 * kRows * kBlock / 2;
+constexpr int kInt4KBlockBytes = kInt4KSuperBytes / 8;  // a block's share
 constexpr int kInt5TileBlockBytes = kRows * kBlock / 2 + kRows * 4 + kRows * 4 * 2;
 constexpr int kRowChunk = 4;  // AVX-512: activation rows computed together over one weight tile
 constexpr int kInt8Bias = 128;  // int8 weights are stored as q + 128
@@ -110,16 +126,18 @@ inline void prefetch_ahead(const uint8_t* block) {
 // The tile formats (pack.cpp); int4_sym: int4 whose every m is -8 d (m not stored).
 // int8_g32 / int8_g16: int8 with an fp32 scale per group of 32 / 16 along K. int5_g32: 5-bit
 // codes with an fp32 scale and min per 32. int6_k: int6_g16 with Q6_K's two-level scales.
+// int4_k: int4's codes with Q4_K's two-level scales and mins.
 enum Format {
   kInt8 = 0, kInt4 = 1, kInt4Sym = 2, kInt8G32 = 3, kInt8G16 = 4, kInt6G16 = 5, kInt5G32 = 6,
-  kInt6K = 7, kNumFormats = 8
+  kInt6K = 7, kInt4K = 8, kNumFormats = 9
 };
 constexpr int int8_group(int format) {
   return format == kInt8G32 ? 32 : format == kInt8G16 || format == kInt6G16 || format == kInt6K ? 16 : 0;
 }
 const char* format_name(int format);
 constexpr const char* kFormatsMessage =
-    "format must be 0..7 (int8, int4, int4_sym, int8_g32, int8_g16, int6_g16, int5_g32, int6_k)";
+    "format must be 0..8 (int8, int4, int4_sym, int8_g32, int8_g16, int6_g16, int5_g32, int6_k, "
+    "int4_k)";
 
 // An int6_k tile's bytes (k a multiple of 256), its d, and its first block
 inline size_t int6k_tile_bytes(int k) {
@@ -129,6 +147,32 @@ inline const float* int6k_d(const uint8_t* tile) { return reinterpret_cast<const
 inline const uint8_t* int6k_blocks(const uint8_t* tile, int k) {
   return tile + size_t(k / kInt6KSuper) * kRows * 4;
 }
+
+// An int4_k tile's bytes (k a multiple of 256), and block b's parts: its nibble plane, its 16
+// rows' cs and cm, its super-block's 16 d and dm
+inline size_t int4k_tile_bytes(int k) { return size_t(k / kInt4KSuper) * kInt4KSuperBytes; }
+struct Int4KBlock {
+  const uint8_t *nibbles, *cs, *cm;
+  const float *d, *dm;
+};
+inline Int4KBlock int4k_block_of(const uint8_t* super, int i) {  // block i (0..7) of a super
+  const uint8_t* cs = super + kRows * 8 + i * kRows;
+  const float* d = reinterpret_cast<const float*>(super);
+  return {super + kInt4KHeaderBytes + i * (kRows * kBlock / 2), cs, cs + 8 * kRows, d, d + kRows};
+}
+inline Int4KBlock int4k_block(const uint8_t* tile, int b) {
+  return int4k_block_of(tile + size_t(b / 8) * kInt4KSuperBytes, b % 8);
+}
+// The blocks of an int4_k tile in order (the kernels' walk: no division a block)
+struct Int4KCursor {
+  const uint8_t* super;
+  int i = 0;
+  Int4KBlock next() {
+    const Int4KBlock block = int4k_block_of(super, i);
+    if (++i == 8) i = 0, super += kInt4KSuperBytes;
+    return block;
+  }
+};
 
 enum Path {
   kPortable = 0,
@@ -201,6 +245,15 @@ bool factor_int6_scales(const float* scales, int n, int k, float* d, int8_t* c);
 // int8 codes in -32..31 with scales factored as c * d into int6_k tiles
 void pack_int6_k(uint8_t* out, const int8_t* qweight, const int8_t* c, const float* d, int n,
                  int k);
+// Factors int4's fp32 scales and mins [N, K / 32] (K a multiple of 256) as d, dm [N, K / 256]
+// fp32 times cs, cm [N, K / 32] uint8, float(cs) * d and float(cm) * dm equal to each scale and
+// min bit for bit (+0 for a zero); false (the outputs left partial) where some row's 8 scales
+// or mins of a 256 have no such factoring.
+bool factor_int4_scales(const float* scales, const float* mins, int n, int k, float* d,
+                        float* dm, uint8_t* cs, uint8_t* cm);
+// int4 codes (qweight [N, K / 2] as pack_int4's) with scales and mins factored into int4_k tiles
+void pack_int4_k(uint8_t* out, const uint8_t* qweight, const uint8_t* cs, const uint8_t* cm,
+                 const float* d, const float* dm, int n, int k);
 // codes in 0..31 (one a byte) with fp32 scales and mins [N, K / 32] into int5_g32 tiles
 void pack_int5(uint8_t* out, const uint8_t* qweight, const float* scales, const float* mins,
                int n, int k);

@@ -3,8 +3,9 @@ QuantizedWeight format (an operand format of the ops, defined with the reference
 reference/quantized_weight.py, reached through ops.quant_gemm).
 
 GGUF Q4_0 (w = d*(q-8)), Q4_1 (w = d*q + m) and Q4_K (w = d*sc*q - dmin*m per 32 weights) map
-onto int4 with G = 32 by rearranging nibbles and scales, never through fp32 weights. Q8_0 and
-Q6_K map exactly onto int8 with a scale per 32 and per 16 weights, Q5_0, Q5_1 and Q5_K onto
+exactly onto int4 with G = 32 by rearranging nibbles and scales, never through fp32 weights
+(Q4_K's d*sc and dmin*m as fp32 scales and mins: their 17 significant bits do not fit fp16).
+Q8_0 and Q6_K map exactly onto int8 with a scale per 32 and per 16 weights, Q5_0, Q5_1 and Q5_K onto
 int8 codes 0..31 with a scale and a min per 32 (gguf_to_int8).
 Kernel-specific packed forms (torch's CPU int4pack, bf16 scales) are built once per weight by
 ops.quant_gemm and kept in `packed`.
@@ -46,16 +47,24 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     kind = (first.format, first.shape[1], first.group_size)
     if any((p.format, p.shape[1], p.group_size) != kind for p in parts):
         raise ValueError("fused weights must share format, in-features and group size")
-    mins = None if first.mins is None else torch.cat([p.mins for p in parts])
+    mins = None if first.mins is None else _joined([p.mins for p in parts], torch.cat)
     rows = sum(p.shape[0] for p in parts)
     return QuantizedWeight(
         first.format,
         (rows, first.shape[1]),
         torch.cat([p.qweight for p in parts]),
-        torch.cat([p.scales for p in parts]),
+        _joined([p.scales for p in parts], torch.cat),
         mins,
         first.group_size,
     )
+
+
+def _joined(tensors: list[torch.Tensor], join) -> torch.Tensor:
+    """Scales or mins joined by `join` (torch.cat / torch.stack); fp16 beside fp32 (a Q4_0 or
+    Q4_1 part beside a Q4_K one) in fp32, which holds both exactly."""
+    if len({t.dtype for t in tensors}) > 1:
+        tensors = [t.float() for t in tensors]
+    return join(tensors)
 
 
 def permute_rows(qw: QuantizedWeight, permute) -> QuantizedWeight:
@@ -72,12 +81,12 @@ def stack_experts(parts: list[QuantizedWeight]) -> QuantizedWeight:
     kind = (first.format, tuple(first.shape), first.group_size)
     if any((p.format, tuple(p.shape), p.group_size) != kind for p in parts):
         raise ValueError("stacked experts must share format, shape and group size")
-    mins = None if first.mins is None else torch.stack([p.mins for p in parts])
+    mins = None if first.mins is None else _joined([p.mins for p in parts], torch.stack)
     return QuantizedWeight(
         first.format,
         (len(parts), *first.shape),
         torch.stack([p.qweight for p in parts]),
-        torch.stack([p.scales for p in parts]),
+        _joined([p.scales for p in parts], torch.stack),
         mins,
         first.group_size,
     )
@@ -178,7 +187,8 @@ def _nibbles_32(qs: np.ndarray) -> np.ndarray:
 
 def gguf_to_int4(tensor_type: str, data: np.ndarray, n: int, k: int) -> QuantizedWeight | None:
     """A GGUF Q4_0 / Q4_1 / Q4_K tensor's raw bytes ([n, bytes per row] uint8) as int4 with
-    G = 32, or None for other types."""
+    G = 32, exactly (Q4_K's scales and mins in fp32, the others' in fp16), or None for other
+    types."""
     blocks = np.ascontiguousarray(data).reshape(-1, _BLOCK_BYTES.get(tensor_type, 1))
     if tensor_type == "Q4_0":  # d fp16, 16 bytes: w = d * (q - 8)
         d = blocks[:, :2].view(np.float16)[:, 0]
@@ -199,9 +209,9 @@ def gguf_to_int4(tensor_type: str, data: np.ndarray, n: int, k: int) -> Quantize
     else:
         return None
     q = torch.from_numpy(np.ascontiguousarray(q)).view(n, k)
-    groups = k // 32
-    scales = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float16)).view(n, groups)
-    mins = torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float16)).view(n, groups)
+    groups, dtype = k // 32, np.float32 if tensor_type == "Q4_K" else np.float16
+    scales = torch.from_numpy(np.ascontiguousarray(scales, dtype=dtype)).view(n, groups)
+    mins = torch.from_numpy(np.ascontiguousarray(mins, dtype=dtype)).view(n, groups)
     return _int4(q, scales, mins, 32)
 
 

@@ -25,8 +25,8 @@ from .tokenizer import Tokenizer
 from .weights import LlamaWeights
 
 # Bump when the cached layout or the conversion changes, so stale entries are never read.
-CACHE_FORMAT = 6  # 2: int8/int4 parts with .qmeta; 3: GGUF Q8_0 / Q6_K exact; 4: Q5_* exact;
-# 5: fused parts of two forms as int8 per 32; 6: MoE experts of two forms kept
+CACHE_FORMAT = 7  # 2: int8/int4 parts with .qmeta; 3: GGUF Q8_0 / Q6_K exact; 4: Q5_* exact;
+# 5: fused parts of two forms as int8 per 32; 6: MoE experts of two forms kept; 7: Q4_K exact
 _WEIGHTS, _CONFIG, _DONE = "weights.safetensors", "pagedkern_config.json", "complete"
 
 

@@ -110,12 +110,13 @@ def _cuda(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | None) ->
     if marlin and unsupported_reason(weight) is None:  # pair stores: out 8-byte aligned
         _marlin(module, device, handle, x, weight, out)
         return out
+    scales, mins = _half_scales(weight) if int4 else (weight.scales, None)
     module.quant_gemm(
         out=ov.ptr,
         x=xv.ptr,
         qweight=weight.qweight.data_ptr(),
-        scales=weight.scales.data_ptr(),
-        mins=weight.mins.data_ptr() if int4 else 0,
+        scales=scales.data_ptr(),
+        mins=mins.data_ptr() if int4 else 0,
         m=m,
         n=n,
         k=k,
@@ -128,6 +129,20 @@ def _cuda(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | None) ->
         stream=handle,
     )
     return out
+
+
+def _half_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int4 weight's scales and mins as csrc/quant_gemm.cu reads them, fp16: its own, or
+    fp16 copies of fp32 ones (GGUF Q4_K's, rounded), made once and kept in weight.packed."""
+    if weight.scales.dtype == torch.float16 and weight.mins.dtype == torch.float16:
+        return weight.scales, weight.mins
+    half = weight.packed.get("cuda-fp16-scales")
+    if half is None:
+        half = weight.packed["cuda-fp16-scales"] = (
+            weight.scales.half().contiguous(),
+            weight.mins.half().contiguous(),
+        )
+    return half
 
 
 def marlin_packed(weight: QuantizedWeight, dtype: torch.dtype) -> MarlinInt4:

@@ -8,7 +8,8 @@ which is also what the weights cache stores:
                                                           w[n, k] = scales[n, g] * q + mins[n, g]:
         GGUF Q5_0, Q5_1 and Q5_K exactly, G = 32, q in 0..31)
   int4: qweight uint8 [N, K/2], byte j = q[2j] | q[2j+1] << 4, q in 0..15;
-        scales, mins fp16 [N, K/G] (G = group_size, 32 or 128)
+        scales, mins fp16 [N, K/G] (G = group_size, 32 or 128), or fp32 where fp16 cannot hold
+        them (GGUF Q4_K's d sc and dmin m: 17 significant bits)
                                                           w[n, k] = scales[n, g] * q + mins[n, g]
 
 Stacked experts (a mixture of experts' [E, N, K] weights, as ops.fused_moe takes them): the

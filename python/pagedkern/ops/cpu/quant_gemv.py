@@ -36,7 +36,8 @@ _FORMAT_KEY = "cpu-gemv-format"  # weight.packed: their format, one of TILE_FORM
 # csrc/cpu/quant_gemv.h's Format: int4_sym is int4 whose every group has m == -8 d exactly
 # (GGUF Q4_0), packed without the m (4.5 bits a weight, not 5) and giving the same bits.
 TILE_FORMATS = (
-    "int8", "int4", "int4_sym", "int8_g32", "int8_g16", "int6_g16", "int5_g32", "int6_k"
+    "int8", "int4", "int4_sym", "int8_g32", "int8_g16", "int6_g16", "int5_g32", "int6_k",
+    "int4_k",
 )  # fmt: skip
 
 
@@ -85,45 +86,104 @@ def best_path() -> str:
 
 def packed(weight: QuantizedWeight) -> torch.Tensor:
     """The weight's 16-row tiles (uint8), built once per weight and kept in weight.packed with
-    their format (tile_format): int4_sym where every int4 group has m == -8 d, int8_g32 /
-    int8_g16 for int8 with a scale per group (int6_g16 where those codes all fit 6 bits, as
+    their format (tile_format). int4 (_pack_int4): int4_sym where every group has m == -8 d in
+    fp16 (GGUF Q4_0), int4_k where the scales and mins factor as Q4_K's (a GGUF Q4_K's always
+    do), int4 where they are fp16 values, else int5_g32 (fp32 scales and mins, exactly). int8:
+    int8_g32 / int8_g16 with a scale per group (int6_g16 where those codes all fit 6 bits, as
     GGUF Q6_K's do, and int6_k where their scales also factor as Q6_K's int8 per 16 times one
-    per 256, as a Q6_K file's always do), int5_g32 for int8 with a scale and a min per 32 (GGUF
-    Q5_*: codes in 0..31), else the weight's own format."""
+    per 256, as a Q6_K file's always do), int5_g32 with a scale and a min per 32 (GGUF Q5_*:
+    codes in 0..31), else per-channel int8. Every choice gives the bits of the fp32 chain on
+    the weight's own values."""
     tiles = weight.packed.get(_PACKED_KEY)
     if tiles is None:
-        cpu_kernels, (n, k) = cpu_module(), weight.shape
+        cpu_kernels = cpu_module()
         if weight.format == "int4":
-            qweight, scales = weight.qweight.contiguous(), weight.scales.half().contiguous()
-            mins = weight.mins.half().contiguous()
-            symmetric = cpu_kernels.int4_symmetric(
-                scales=scales.data_ptr(), mins=mins.data_ptr(), count=scales.numel()
-            )
-            fmt = "int4_sym" if symmetric else "int4"
-            tiles = _empty_tiles(cpu_kernels, fmt, n, k)
-            cpu_kernels.pack_int4(
-                out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(),
-                mins=mins.data_ptr(), n=n, k=k, group=weight.group_size,
-                format=cpu_kernels.FORMATS[fmt],
-            )  # fmt: skip
+            fmt, tiles = _pack_int4(cpu_kernels, weight)
         elif weight.mins is not None:  # int8 with mins: codes 0..31 per 32 (GGUF Q5_*)
             if weight.group_size != 32:
                 raise ValueError(
                     f"int8 weights with mins need group_size 32, got {weight.group_size}"
                 )
-            fmt, qweight = "int5_g32", weight.qweight.contiguous()
+            qweight = weight.qweight.contiguous()
             if bool(((qweight < 0) | (qweight > 31)).any()):
                 raise ValueError("int8 weights with mins need codes in 0..31 (int5_g32 tiles)")
-            scales, mins = weight.scales.float().contiguous(), weight.mins.float().contiguous()
-            tiles = _empty_tiles(cpu_kernels, fmt, n, k)
-            cpu_kernels.pack_int5(
-                out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(),
-                mins=mins.data_ptr(), n=n, k=k,
-            )  # fmt: skip
+            fmt, tiles = "int5_g32", _pack_int5(cpu_kernels, weight, qweight.view(torch.uint8))
         else:
             fmt, tiles = _pack_int8(cpu_kernels, weight)
         weight.packed[_FORMAT_KEY] = fmt
         weight.packed[_PACKED_KEY] = tiles
+    return tiles
+
+
+def _pack_int4(cpu_kernels: ModuleType, weight: QuantizedWeight) -> tuple[str, torch.Tensor]:
+    """An int4 weight as tiles: (format, tiles). Its scales and mins may be fp16 or fp32 (GGUF
+    Q4_K's d sc, exact in fp32 only); the tiles keep their values exactly."""
+    (n, k), group, qweight = weight.shape, weight.group_size, weight.qweight.contiguous()
+    scales, mins = weight.scales.float(), weight.mins.float()
+    half_scales, half_mins = scales.half(), mins.half()
+    in_half = bool(
+        torch.equal(half_scales.float(), scales) and torch.equal(half_mins.float(), mins)
+    )
+    if in_half:
+        half_scales, half_mins = half_scales.contiguous(), half_mins.contiguous()
+        if cpu_kernels.int4_symmetric(
+            scales=half_scales.data_ptr(), mins=half_mins.data_ptr(), count=half_scales.numel()
+        ):
+            return "int4_sym", _pack_int4_half(
+                cpu_kernels, weight, "int4_sym", half_scales, half_mins
+            )
+    per_32 = group // 32  # (G = 128: each group's pair over its four blocks of 32)
+    scales = scales.repeat_interleave(per_32, dim=-1).contiguous()
+    mins = mins.repeat_interleave(per_32, dim=-1).contiguous()
+    if k % 256 == 0:
+        d, dm = torch.empty(n, k // 256), torch.empty(n, k // 256)
+        cs = torch.empty(n, k // 32, dtype=torch.uint8)
+        cm = torch.empty(n, k // 32, dtype=torch.uint8)
+        if cpu_kernels.factor_int4_scales(
+            scales=scales.data_ptr(), mins=mins.data_ptr(), n=n, k=k, d=d.data_ptr(),
+            dm=dm.data_ptr(), cs=cs.data_ptr(), cm=cm.data_ptr(),
+        ):  # fmt: skip
+            tiles = _empty_tiles(cpu_kernels, "int4_k", n, k)
+            cpu_kernels.pack_int4_k(
+                out=tiles.data_ptr(), qweight=qweight.data_ptr(), cs=cs.data_ptr(),
+                cm=cm.data_ptr(), d=d.data_ptr(), dm=dm.data_ptr(), n=n, k=k,
+            )  # fmt: skip
+            return "int4_k", tiles
+    if in_half:
+        return "int4", _pack_int4_half(cpu_kernels, weight, "int4", half_scales, half_mins)
+    codes = weight.unpacked_int4().contiguous()
+    exact = QuantizedWeight("int8", (n, k), codes.view(torch.int8), scales, mins, 32)
+    return "int5_g32", _pack_int5(cpu_kernels, exact, codes)
+
+
+def _pack_int4_half(
+    cpu_kernels: ModuleType,
+    weight: QuantizedWeight,
+    fmt: str,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+) -> torch.Tensor:
+    """int4 or int4_sym tiles of an int4 weight with its fp16 scales and mins."""
+    (n, k), qweight = weight.shape, weight.qweight.contiguous()
+    tiles = _empty_tiles(cpu_kernels, fmt, n, k)
+    cpu_kernels.pack_int4(
+        out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=scales.data_ptr(),
+        mins=mins.data_ptr(), n=n, k=k, group=weight.group_size, format=cpu_kernels.FORMATS[fmt],
+    )  # fmt: skip
+    return tiles
+
+
+def _pack_int5(
+    cpu_kernels: ModuleType, weight: QuantizedWeight, codes: torch.Tensor
+) -> torch.Tensor:
+    """int5_g32 tiles: codes [N, K] uint8 (0..31) with the weight's fp32 scales, mins per 32."""
+    (n, k), codes = weight.shape, codes.contiguous()
+    scales, mins = weight.scales.float().contiguous(), weight.mins.float().contiguous()
+    tiles = _empty_tiles(cpu_kernels, "int5_g32", n, k)
+    cpu_kernels.pack_int5(
+        out=tiles.data_ptr(), qweight=codes.data_ptr(), scales=scales.data_ptr(),
+        mins=mins.data_ptr(), n=n, k=k,
+    )  # fmt: skip
     return tiles
 
 
