@@ -66,3 +66,18 @@ def cpu_gemv_into_poisoned(module, code: int, tiles, x, n: int, path: str, bits:
     )  # fmt: skip
     assert y[:, n:].isnan().all(), "a row past N was written"
     return y[:, :n]
+
+
+def assert_quant_gemv_picks(weight, fmt: str, tiles, x, want, path: str, bits: int) -> None:
+    """ops.cpu.quant_gemv on `weight` packs exactly `tiles` (format `fmt`) and returns `want`
+    bit for bit, into a poisoned out; and it lies near the float64 reference (a loose check
+    that neither is wrong)."""
+    from pagedkern.ops.cpu import quant_gemv
+    from pagedkern.reference.quant_gemm import quant_linear
+
+    out = poisoned((x.shape[0], weight.shape[0]), torch.float32, "cpu")
+    got = quant_gemv.quant_gemv(x, weight, path=path, out=out, activation_bits=bits)
+    assert quant_gemv.tile_format(weight) == fmt
+    assert torch.equal(quant_gemv.packed(weight), tiles) and torch.equal(got, want)
+    exact = quant_linear(x.double(), weight)
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-2

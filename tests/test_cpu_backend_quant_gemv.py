@@ -277,3 +277,18 @@ def test_the_int8_variant_runs_8_bit_activations():
         got = ops.quant_linear(x, qw)
     assert torch.equal(got, quant_gemv.quant_gemv(x, qw, activation_bits=8))
     assert not torch.equal(got, quant_gemv.quant_gemv(x, qw))
+
+
+@pytest.mark.parametrize("fmt", ["int6_k", "int4_k"])
+def test_two_level_tiles_refuse_k_not_a_multiple_of_256(fmt):
+    module = quant_gemv.cpu_module()
+    code = module.FORMATS[fmt]
+    with pytest.raises(ValueError, match="256"):
+        module.packed_bytes(format=code, n=16, k=288)
+    x, y, tiles = torch.randn(1, 288), torch.empty(1, 16), torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="256"):
+        module.gemv(
+            format=code, y=y.data_ptr(), y_stride=16, x=x.data_ptr(), x_stride=288,
+            packed=tiles.data_ptr(), scales=0, m=1, n=16, k=288, threads=1, path=-1,
+            activation_bits=16,
+        )  # fmt: skip

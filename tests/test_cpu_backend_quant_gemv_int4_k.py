@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_check import cpu_gemv_into_poisoned, poisoned
+from kernel_check import assert_quant_gemv_picks, cpu_gemv_into_poisoned
 
 from pagedkern.ops.cpu import quant_gemv
 from pagedkern.reference.quant_gemm import quant_linear as ref_quant_linear
@@ -102,12 +102,7 @@ def test_int4_k_tiles_give_the_int5_g32_tiles_bits(m, n, k, path, bits):
     assert k_tiles.numel() == tiles * (k // 256) * 2432  # 4.75 bits a weight
     assert five_tiles.numel() == tiles * (k // 32) * 448
     assert not want.isnan().any() and torch.equal(got_k, want)
-    out = poisoned((m, n), torch.float32, "cpu")
-    got = quant_gemv.quant_gemv(x, weight, path=path, out=out, activation_bits=bits)
-    assert quant_gemv.tile_format(weight) == "int4_k"
-    assert torch.equal(quant_gemv.packed(weight), k_tiles) and torch.equal(got, want)
-    exact = ref_quant_linear(x.double(), weight)  # a loose check that neither is wrong
-    assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-2
+    assert_quant_gemv_picks(weight, "int4_k", k_tiles, x, want, path, bits)
 
 
 @pytest.mark.parametrize("bits", [16, 8])
@@ -214,17 +209,3 @@ def test_quant_gemv_picks_the_smallest_exact_tiles(case, fmt):
     if fmt in ("int5_g32", "int4_k") and weight.group_size == 32:
         _, want = _raw_gemv(x, weight, "int5_g32", quant_gemv.best_path(), 16)
         assert torch.equal(got, want.double())
-
-
-def test_int4_k_tiles_refuse_k_not_a_multiple_of_256():
-    module = quant_gemv.cpu_module()
-    code = module.FORMATS["int4_k"]
-    with pytest.raises(ValueError, match="256"):
-        module.packed_bytes(format=code, n=16, k=288)
-    x, y, tiles = torch.randn(1, 288), torch.empty(1, 16), torch.zeros(4096, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="256"):
-        module.gemv(
-            format=code, y=y.data_ptr(), y_stride=16, x=x.data_ptr(), x_stride=288,
-            packed=tiles.data_ptr(), scales=0, m=1, n=16, k=288, threads=1, path=-1,
-            activation_bits=16,
-        )  # fmt: skip

@@ -8,11 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_check import cpu_gemv_into_poisoned, poisoned
+from kernel_check import assert_quant_gemv_picks, cpu_gemv_into_poisoned
 
 from pagedkern.model.quantized_linear import gguf_to_int4, quantize_int4
 from pagedkern.ops.cpu import quant_gemv
-from pagedkern.reference.quant_gemm import quant_linear as ref_quant_linear
 from pagedkern.reference.quantized_weight import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
@@ -60,12 +59,7 @@ def test_int4_sym_tiles_give_the_int4_tiles_bits(m, n, k, group, path, bits):
     int4_tiles, want = _raw_gemv(x, weight, "int4", path, bits)
     assert sym_tiles.numel() * 10 == int4_tiles.numel() * 9  # 288 bytes a block, not 320
     assert not want.isnan().any() and torch.equal(sym, want)
-    out = poisoned((m, n), torch.float32, "cpu")
-    got = quant_gemv.quant_gemv(x, weight, path=path, out=out, activation_bits=bits)
-    assert quant_gemv.tile_format(weight) == "int4_sym"
-    assert torch.equal(quant_gemv.packed(weight), sym_tiles) and torch.equal(got, want)
-    exact = ref_quant_linear(x.double(), weight)  # a loose check that neither is wrong
-    assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-2
+    assert_quant_gemv_picks(weight, "int4_sym", sym_tiles, x, want, path, bits)
 
 
 def _with_mins(weight: QuantizedWeight, mins: torch.Tensor) -> QuantizedWeight:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_check import cpu_gemv_into_poisoned, poisoned
+from kernel_check import assert_quant_gemv_picks, cpu_gemv_into_poisoned, poisoned
 
 from pagedkern.ops.cpu import quant_gemv
 from pagedkern.reference.quant_gemm import quant_linear as ref_quant_linear
@@ -123,10 +123,7 @@ def test_int6_k_tiles_give_the_int8_g16_tiles_bits(m, n, k, path, bits):
     tiles = (n + 15) // 16
     assert k_tiles.numel() == tiles * (k // 256) * 3392  # 6.625 bits a weight
     assert not want.isnan().any() and torch.equal(got_k, want)
-    out = poisoned((m, n), torch.float32, "cpu")
-    got = quant_gemv.quant_gemv(x, weight, path=path, out=out, activation_bits=bits)
-    assert quant_gemv.tile_format(weight) == "int6_k"
-    assert torch.equal(quant_gemv.packed(weight), k_tiles) and torch.equal(got, want)
+    assert_quant_gemv_picks(weight, "int6_k", k_tiles, x, want, path, bits)
 
 
 def _scales_of(d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -176,17 +173,3 @@ def test_scales_that_do_not_factor_keep_the_int6_g16_tiles(case):
         x = torch.randn(3, k)
         _, want = _raw_gemv(x, weight, "int8_g16", quant_gemv.best_path(), 16)
         assert torch.equal(quant_gemv.quant_gemv(x, weight), want)
-
-
-def test_int6_k_tiles_refuse_k_not_a_multiple_of_256():
-    module = quant_gemv.cpu_module()
-    code = module.FORMATS["int6_k"]
-    with pytest.raises(ValueError, match="256"):
-        module.packed_bytes(format=code, n=16, k=288)
-    x, y, tiles = torch.randn(1, 288), torch.empty(1, 16), torch.zeros(4096, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="256"):
-        module.gemv(
-            format=code, y=y.data_ptr(), y_stride=16, x=x.data_ptr(), x_stride=288,
-            packed=tiles.data_ptr(), scales=0, m=1, n=16, k=288, threads=1, path=-1,
-            activation_bits=16,
-        )  # fmt: skip
