@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import quantize
+from gguf_q4_k import quantize_q4_k
 from hf_model_files import all_logits, finish_gguf, gguf_writer_like_llama_cpp
 from test_model_gguf import llama_cpp_permute, llama_cpp_tensor_name
 from test_model_moe import ARCHITECTURES, _save
@@ -71,12 +72,20 @@ def write_moe_gguf(path, hf, arch: str, expert_type=None, dense_type=None, down_
         for gname, part in moe.items():
             kind = down_type if "ffn_down_exps" in gname and down_type else expert_type
             if "_exps." in gname and kind is not None and part.shape[-1] % 32 == 0:
-                w.add_tensor(gname, quantize(part, kind), raw_dtype=kind)
+                w.add_tensor(gname, quantized(part, kind), raw_dtype=kind)
             elif dense_type is not None and "_shexp." in gname and _blocks(part):
                 w.add_tensor(gname, quantize(part, dense_type), raw_dtype=dense_type)
             else:
                 w.add_tensor(gname, part)
     finish_gguf(w)
+
+
+def quantized(arr: np.ndarray, kind) -> np.ndarray:
+    """arr's GGUF bytes in `kind` (Q4_K by tests/gguf_q4_k.py: gguf has no Q4_K quantizer)."""
+    if kind != gguf.GGMLQuantizationType.Q4_K:
+        return quantize(arr, kind)
+    rows = quantize_q4_k(arr.reshape(-1, arr.shape[-1]))
+    return rows.reshape(*arr.shape[:-1], rows.shape[-1])
 
 
 def _blocks(arr: np.ndarray) -> bool:

@@ -14,14 +14,16 @@ import torch
 from gguf.quants import dequantize, quantize
 from hf_model_files import all_logits
 from test_model_moe import _save
-from test_model_moe_gguf import write_moe_gguf
+from test_model_moe_gguf import quantized, write_moe_gguf
 from test_model_transformers import PROMPT
 from transformers_oracle import engine_greedy, hf_greedy, hf_logits, relative
 
+from pagedkern import ops
 from pagedkern.model import load_model
 from pagedkern.model.gguf_loader import gguf_default_quantization
 from pagedkern.model.loading import gemm_weights
 from pagedkern.model.weight_quantization import experts_in_one_form
+from pagedkern.ops.cpu import quant_gemv
 from pagedkern.ops.variants import use_kernels
 from pagedkern.reference.quantized_weight import QuantizedWeight
 
@@ -105,8 +107,6 @@ def test_q4_experts_load_as_int4_and_match_the_dequantized_model(tmp_path, arch)
 
 
 def test_q4_1_experts_map_onto_int4_too(tmp_path):
-    # (Q4_K goes through the same gguf_to_int4, tested on its own in test_quant_gemm: gguf has
-    # no Q4_K quantizer to write a model with)
     path, _ = _gguf(tmp_path, "qwen3moe", Q.Q4_1)
     quantized, _ = load_model(str(path), "cpu", torch.float32, quantization="int4")
     plain, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
@@ -115,6 +115,44 @@ def test_q4_1_experts_map_onto_int4_too(tmp_path):
     assert torch.equal(layer.experts_down.dequantize_rows(), float_layer.experts_down)
     got = all_logits(quantized, PROMPT).double()
     assert relative(got, all_logits(plain, PROMPT).double()) < KERNEL_TOLERANCE
+
+
+def test_q4_k_experts_load_exactly_and_run_the_int4_k_tiles(tmp_path):
+    """Q4_K experts (a Q4_K_M file's): int4 with fp32 scales and mins that dequantize to the
+    file's values bit for bit (fp16 cannot hold Q4_K's d sc; the file dequantized at load is
+    transformers' model on the same weights), run on the CPU as int4_k tiles: the layer's
+    fused_moe within the 16-bit activations' error of the float experts'."""
+    make_config, model_class = CONFIGS["qwen3moe"]
+    sizes = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256)
+
+    def experts_in_q4_k(hf) -> None:  # transformers' model holds the file's expert weights
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if ".mlp.experts." in name:
+                    rows = p.detach().float().numpy().reshape(-1, p.shape[-1])
+                    back = dequantize(quantized(rows, Q.Q4_K), Q.Q4_K).reshape(p.shape)
+                    p.copy_(torch.from_numpy(back))
+
+    hf = _save(tmp_path / "hf", lambda: make_config(**sizes), model_class, experts_in_q4_k)
+    path = tmp_path / "q4_k.gguf"
+    write_moe_gguf(path, hf, "qwen3moe", expert_type=Q.Q4_K)
+    quantized_model, _ = load_model(str(path), "cpu", torch.float32, quantization="int4")
+    plain, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
+    assert relative(all_logits(plain, PROMPT).double(), hf_logits(hf, PROMPT)) < 1e-5
+    hidden = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    for got, want in zip(_moe_layers(quantized_model), _moe_layers(plain), strict=True):
+        for field in ("experts_gate_up", "experts_down"):
+            w = getattr(got, field)
+            assert isinstance(w, QuantizedWeight) and w.format == "int4"
+            assert w.scales.dtype == torch.float32
+            assert torch.equal(w.dequantize_rows(), getattr(want, field)), field
+            if quant_gemv.available():
+                assert quant_gemv.tile_format(w.expert(0)) == "int4_k", field
+        logits = hidden @ want.router.T
+        args = dict(top_k=3, renormalize=True)
+        out = ops.fused_moe(hidden, logits, got.experts_gate_up, got.experts_down, **args)
+        exact = ops.fused_moe(hidden, logits, want.experts_gate_up, want.experts_down, **args)
+        assert not out.isnan().any() and relative(out.double(), exact.double()) < 1e-3
 
 
 def test_a_down_projection_in_another_type_keeps_its_own_form(tmp_path):
