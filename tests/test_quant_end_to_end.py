@@ -25,15 +25,16 @@ from pagedkern.ops.variants import use_kernels
 
 MAX_TOKENS = 8  # CI budget: 4 modes x 32 prompts
 # mode -> (min identical answers, max mean |delta logprob| of fp32's chosen tokens), from the
-# measurement at MAX_TOKENS = 8 (torch 2.13 CPU; again on 2026-12-01 with the CPU decode fast
-# path on, which changes no bit): int8 27/32 = 0.844 and 0.037, int4 27/32 and 0.024, fp8 KV
-# 22/32 = 0.688 and 0.048. The bounds allow one more flipped answer (other CPUs run other
-# kernel variants) and ~1.35x the measured |dlogprob|; all above the required 0.60 for int4 and
-# fp8 KV. (Measured with torch's int-pack kernels, bf16 activations; the cpu backend's default
-# since, cpu_quant_linear:int16_activations, is closer to fp32 per GEMM and passes the same
-# bounds; its int8_activations variant measured int4 at 27/32 and 0.033.)
+# measurement at MAX_TOKENS = 8. With torch's int-pack kernels (bf16 activations; torch 2.13
+# CPU, 2026-12-01): int8 27/32 = 0.844 and 0.037, int4 27/32 and 0.024, fp8 KV 22/32 = 0.688
+# and 0.048; but their rounding differs between hosts (on an AVX-512 Xeon int8 gave 23/32 and
+# int4 lost "Paris"). The tests run the cpu backend, whose bits are the same on every host
+# (16-bit activations, closer to fp32 per GEMM; 2026-12-06): int8 26/32 = 0.812 and 0.030,
+# int4 32/32 and 0.0002 (the default GGUF's own int4 codes: only the activations' rounding
+# differs), fp8 KV 23/32 and 0.049. The bounds allow one more flipped answer and ~1.35x the
+# measured |dlogprob|; all above the required 0.60 for int4 and fp8 KV.
 BOUNDS = {
-    ("int8", "auto"): (0.80, 0.05),
+    ("int8", "auto"): (0.78, 0.05),
     ("int4", "auto"): (0.80, 0.033),
     ("none", "fp8"): (0.65, 0.065),
 }
@@ -47,7 +48,7 @@ def engine_kwargs(quantization: str, kv: str) -> dict:
     return dict(
         quantization=quantization,
         kv_cache_dtype=kv,
-        backend="reference",
+        backend="cpu",  # its bits are the same on every host (torch's int-pack kernels' are not)
         device="cpu",
         max_num_seqs=32,
         kv_cache_gib=0.25,
