@@ -1,5 +1,6 @@
-// AVX-512 VNNI tile kernels: a tile's 16 rows are one zmm of 32-bit lanes; kRowChunk
-// activation rows share each weight load (prefill, batched decode). vpdpbusd takes u8 x s8:
+// AVX-512 VNNI tile kernels (int8, int4, int4_sym, int4_k; the other formats run the 256-bit
+// body, dot_x86_256.inc, with EVEX vpdpbusd): a tile's 16 rows are one zmm of 32-bit lanes;
+// kRowChunk activation rows share each weight load (prefill, batched decode). vpdpbusd: u8 x s8:
 // int4 nibbles are u8 as they are, int8 weights are stored biased (q + 128) and the bias
 // comes off as 128 * sum(q) a block.
 
@@ -10,6 +11,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace pagedkern_cpu {
 namespace {
@@ -130,6 +132,13 @@ AVX512_TARGET void int8_tile(const Args& a, int tile, int r0, int rc) {
 
 }  // namespace
 
+// The formats without a 512-bit kernel: the 256-bit body with EVEX vpdpbusd (every AVX-512 VNNI
+// CPU has it with VL; VEX AVX-VNNI came later), the same bits as the other paths
+#define DOT256_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+#define DOT256_VNNI 2
+#define DOT256_NS avx512_256
+#include "dot_x86_256.inc"
+
 TileFn avx512_tile(int format, int planes) {
   const bool two = planes == 2;
   switch (format) {
@@ -137,7 +146,7 @@ TileFn avx512_tile(int format, int planes) {
     case kInt8G16:
     case kInt6G16:
     case kInt6K:
-    case kInt5G32: return avx2_tile(format, planes);  // the 256-bit kernel: the same bits
+    case kInt5G32: return avx512_256::tile_fn(format, planes);
     case kInt4: return two ? int4_tile<2, kInt4> : int4_tile<1, kInt4>;
     case kInt4Sym: return two ? int4_tile<2, kInt4Sym> : int4_tile<1, kInt4Sym>;
     case kInt4K: return two ? int4_tile<2, kInt4K> : int4_tile<1, kInt4K>;

@@ -48,8 +48,10 @@
 //   lo (hi in -127..127, lo in -128..127), so the same u8 x s8 dot products serve both
 //   widths: 8 bits is llama.cpp's Q8 (its error, ~0.5% a GEMM); 16 bits costs a second dot a
 //   weight load and is ~250x closer to the fp32 product (closer than bf16 activations).
-// - A block's integer dot products of 16 rows at once (dot_*.cpp): AVX-512 VNNI vpdpbusd,
-//   AVX-VNNI (256-bit vpdpbusd), AVX2 vpmaddubsw + vpmaddwd (pairs fit in s16: int8 weights
+// - A block's integer dot products of 16 rows at once (dot_*.cpp): AVX-512 VNNI vpdpbusd
+//   (zmm for int8 and the int4 formats; the others run the 256-bit body with EVEX vpdpbusd
+//   ymm, 1.06-1.47x the AVX2 body on a Xeon), AVX-VNNI (256-bit vpdpbusd), AVX2 vpmaddubsw +
+//   vpmaddwd (pairs fit in s16: int8 weights
 //   take the sign trick |x| x sign(x) w), Arm NEON SDOT (dotprod, s8 x s8: a 64-byte load is
 //   four q registers of 4 rows; int8 weights XOR 0x80 are q, no bias to remove), or plain
 //   C++. Integer sums are exact, so every path gives the same integers: isum = sum(w q)
