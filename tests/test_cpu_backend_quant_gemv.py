@@ -292,3 +292,54 @@ def test_two_level_tiles_refuse_k_not_a_multiple_of_256(fmt):
             packed=tiles.data_ptr(), scales=0, m=1, n=16, k=288, threads=1, path=-1,
             activation_bits=16,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case, part",
+    [
+        ("int4 scales one group short", "scales"),
+        ("int4 mins missing", "mins"),
+        ("int4 qweight int8", "qweight"),
+        ("int4 qweight a row short", "qweight"),
+        ("int8 per-channel scales of groups", "scales"),
+        ("int8 grouped scales per channel", "scales"),
+        ("int8 integer scales", "scales"),
+        ("int8 group 64", "group_size"),
+        ("K not a multiple of 32", "multiple of 32"),
+    ],
+)
+def test_malformed_weights_are_refused_before_the_pack_reads_them(case, part):
+    """The pack reads the parts by address: a part of the wrong shape or dtype would be read
+    out of bounds, so the call refuses it, naming the part."""
+    n, k = 20, 64
+    four = quantize_int4(torch.randn(n, k), 32)
+    eight = quantize_int8(torch.randn(n, k))
+    grouped = quantize_int8_grouped(torch.randn(n, k), 32)
+    weight = {
+        "int4 scales one group short": QuantizedWeight(
+            "int4", (n, k), four.qweight, four.scales[:, :1], four.mins, 32
+        ),
+        "int4 mins missing": QuantizedWeight("int4", (n, k), four.qweight, four.scales, None, 32),
+        "int4 qweight int8": QuantizedWeight(
+            "int4", (n, k), four.qweight.view(torch.int8), four.scales, four.mins, 32
+        ),
+        "int4 qweight a row short": QuantizedWeight(
+            "int4", (n, k), four.qweight[1:], four.scales, four.mins, 32
+        ),
+        "int8 per-channel scales of groups": QuantizedWeight(
+            "int8", (n, k), eight.qweight, grouped.scales
+        ),
+        "int8 grouped scales per channel": QuantizedWeight(
+            "int8", (n, k), grouped.qweight, eight.scales, None, 32
+        ),
+        "int8 integer scales": QuantizedWeight(
+            "int8", (n, k), eight.qweight, eight.scales.to(torch.int32)
+        ),
+        "int8 group 64": QuantizedWeight("int8", (n, k), grouped.qweight, grouped.scales, None, 64),
+        "K not a multiple of 32": QuantizedWeight(
+            "int8", (n, 48), eight.qweight[:, :48], eight.scales
+        ),
+    }[case]
+    with pytest.raises(ValueError, match=part):
+        quant_gemv.quant_gemv(torch.randn(2, weight.shape[1]), weight)
+    assert quant_gemv._PACKED_KEY not in weight.packed

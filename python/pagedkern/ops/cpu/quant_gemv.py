@@ -96,6 +96,7 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
     the weight's own values."""
     tiles = weight.packed.get(_PACKED_KEY)
     if tiles is None:
+        check_parts(weight)
         cpu_kernels = cpu_module()
         if weight.format == "int4":
             fmt, tiles = _pack_int4(cpu_kernels, weight)
@@ -113,6 +114,42 @@ def packed(weight: QuantizedWeight) -> torch.Tensor:
         weight.packed[_FORMAT_KEY] = fmt
         weight.packed[_PACKED_KEY] = tiles
     return tiles
+
+
+def check_parts(weight: QuantizedWeight) -> None:
+    """The weight's parts against its format, shape and group size, with an error naming the
+    part (the pack reads them by address): int4 qweight uint8 [N, K / 2], scales and mins float
+    [N, K / G] (G 32 or 128); int8 qweight int8 [N, K], scales float [N] or [N, K / G] (G 16
+    or 32), mins none or as the scales; K a multiple of 32."""
+    if len(weight.shape) != 2:
+        raise ValueError(f"weight shape must be [N, K], got {tuple(weight.shape)}")
+    (n, k), fmt, g = weight.shape, weight.format, weight.group_size
+
+    def need(part: str, tensor, dtype, shape: tuple[int, ...]) -> None:
+        ok_dtype = tensor is not None and (
+            tensor.is_floating_point() if dtype == "float" else tensor.dtype == dtype
+        )
+        if not ok_dtype or tuple(tensor.shape) != shape or tensor.device.type != "cpu":
+            got = "None" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
+            raise ValueError(
+                f"{fmt} weight [{n}, {k}], group {g}: {part} must be a CPU {dtype} {shape}, "
+                f"got {got}"
+            )
+
+    if fmt not in ("int4", "int8") or k <= 0 or k % 32 or n <= 0:
+        raise ValueError(f"weight {fmt!r} [{n}, {k}]: int4 or int8, K a positive multiple of 32")
+    groups = {"int4": (32, 128), "int8": (0, 16, 32)}[fmt]
+    if g not in groups or (g and k % g):
+        raise ValueError(f"{fmt} weight [{n}, {k}]: group_size {g} must be one of {groups}")
+    if fmt == "int4":
+        need("qweight", weight.qweight, torch.uint8, (n, k // 2))
+        need("scales", weight.scales, "float", (n, k // g))
+        need("mins", weight.mins, "float", (n, k // g))
+        return
+    need("qweight", weight.qweight, torch.int8, (n, k))
+    need("scales", weight.scales, "float", (n, k // g) if g else (n,))
+    if weight.mins is not None:
+        need("mins", weight.mins, "float", (n, k // g) if g else (n,))
 
 
 def _pack_int4(cpu_kernels: ModuleType, weight: QuantizedWeight) -> tuple[str, torch.Tensor]:
