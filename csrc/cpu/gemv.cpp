@@ -39,10 +39,7 @@ void gemv(int format, float* y, int64_t y_stride, const float* x, int64_t x_stri
   if (k <= 0 || k % kBlock) throw std::invalid_argument("k must be a positive multiple of 32");
   if (format < 0 || format >= kNumFormats)
     throw std::invalid_argument(kFormatsMessage);
-  if (format == kInt6K && k % kInt6KSuper)
-    throw std::invalid_argument("int6_k tiles need k a multiple of 256");
-  if (format == kInt4K && k % kInt4KSuper)
-    throw std::invalid_argument("int4_k tiles need k a multiple of 256");
+  check_format_k(format, k);
   if (activation_bits != 8 && activation_bits != 16)
     throw std::invalid_argument("activation_bits must be 8 or 16");
   const int resolved = resolve_path(path);

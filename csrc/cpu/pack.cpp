@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 #include "quant_gemv.h"
 
@@ -26,6 +27,13 @@ const char* format_name(int format) {
   }
 }
 
+void check_format_k(int format, int k) {
+  const int multiple = format_k_multiple(format);
+  if (k <= 0 || k % multiple)
+    throw std::invalid_argument(std::string(format_name(format)) + " tiles need k a positive " +
+                                "multiple of " + std::to_string(multiple));
+}
+
 int64_t packed_bytes(int format, int n, int k) {
   int block_bytes;
   switch (format) {
@@ -37,12 +45,10 @@ int64_t packed_bytes(int format, int n, int k) {
     case kInt6G16: block_bytes = kInt6TileBlockBytes; break;
     case kInt5G32: block_bytes = kInt5TileBlockBytes; break;
     case kInt6K:
-      if (k % kInt6KSuper)
-        throw std::invalid_argument("int6_k tiles need k a multiple of 256");
+      check_format_k(format, k);
       return int64_t((n + kRows - 1) / kRows) * int64_t(int6k_tile_bytes(k));
     case kInt4K:
-      if (k % kInt4KSuper)
-        throw std::invalid_argument("int4_k tiles need k a multiple of 256");
+      check_format_k(format, k);
       return int64_t((n + kRows - 1) / kRows) * int64_t(int4k_tile_bytes(k));
     default: throw std::invalid_argument(kFormatsMessage);
   }
@@ -224,7 +230,7 @@ void pack_int6(uint8_t* out, const int8_t* q, const float* scales, int n, int k)
 }
 
 bool factor_int6_scales(const float* scales, int n, int k, float* d, int8_t* c) {
-  if (k <= 0 || k % kInt6KSuper) throw std::invalid_argument("k must be a positive multiple of 256");
+  check_format_k(kInt6K, k);
   const int64_t supers = int64_t(n) * (k / kInt6KSuper);
   for (int64_t i = 0; i < supers; ++i)
     if (!factor_super_block(scales + 16 * i, 16, -128, -128, 127, d[i], c + 16 * i)) return false;
@@ -256,7 +262,7 @@ void pack_int6_k(uint8_t* out, const int8_t* q, const int8_t* c, const float* d,
 
 bool factor_int4_scales(const float* scales, const float* mins, int n, int k, float* d,
                         float* dm, uint8_t* cs, uint8_t* cm) {
-  if (k <= 0 || k % kInt4KSuper) throw std::invalid_argument("k must be a positive multiple of 256");
+  check_format_k(kInt4K, k);
   const int64_t supers = int64_t(n) * (k / kInt4KSuper);
   for (int64_t i = 0; i < supers; ++i)
     if (!factor_super_block(scales + 8 * i, 8, 63, 0, 255, d[i], cs + 8 * i) ||

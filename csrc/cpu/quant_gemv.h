@@ -34,8 +34,8 @@
 //   super-blocks of 256 K, each its rows' d and dm ([2][16] fp32), cs and cm ([8][16] uint8),
 //   then its 8 blocks' nibble planes (int4's): 2432 bytes, every plane on cache lines of its
 //   own (the c beside each block's 256 nibble bytes, 288 bytes a block, put every other
-//   block's 64-byte loads across two lines: 4-14% slower than int4 at M = 4 and 16 on a Xeon,
-//   against 2-8%; bench/results/2026-12-06-xeon-int4-k.md).
+//   block's 64-byte loads across two lines, measurably slower:
+//   bench/results/2026-12-06-xeon-int4-k.md).
 //   The kernels form s = float(cs) d and m = float(cm) dm, the fp32 values int5_g32 would
 //   store, so int4_k gives int5_g32's bits for codes in 0..15.
 //   int5_g32 (GGUF Q5_0, Q5_1 and Q5_K exactly: w = s u + m, u in 0..31, fp32 s and m per
@@ -50,9 +50,8 @@
 //   weight load and is ~250x closer to the fp32 product (closer than bf16 activations).
 // - A block's integer dot products of 16 rows at once (dot_*.cpp): AVX-512 VNNI vpdpbusd
 //   (zmm for int8 and the int4 formats; the others run the 256-bit body with EVEX vpdpbusd
-//   ymm, 1.06-1.47x the AVX2 body on a Xeon), AVX-VNNI (256-bit vpdpbusd), AVX2 vpmaddubsw +
-//   vpmaddwd (pairs fit in s16: int8 weights
-//   take the sign trick |x| x sign(x) w), Arm NEON SDOT (dotprod, s8 x s8: a 64-byte load is
+//   ymm, faster than the AVX2 body), AVX-VNNI (256-bit vpdpbusd), AVX2 vpmaddubsw + vpmaddwd
+//   (pairs fit in s16: int8 weights take the sign trick |x| x sign(x) w), Arm NEON SDOT (dotprod, s8 x s8: a 64-byte load is
 //   four q registers of 4 rows; int8 weights XOR 0x80 are q, no bias to remove), or plain
 //   C++. Integer sums are exact, so every path gives the same integers: isum = sum(w q)
 //   (int8's bias removed as 128 * sum(q)).
@@ -137,6 +136,12 @@ constexpr int int8_group(int format) {
   return format == kInt8G32 ? 32 : format == kInt8G16 || format == kInt6G16 || format == kInt6K ? 16 : 0;
 }
 const char* format_name(int format);
+// The K a format's tiles take a multiple of: whole super-blocks for the two-level formats
+constexpr int format_k_multiple(int format) {
+  return format == kInt6K ? kInt6KSuper : format == kInt4K ? kInt4KSuper : kBlock;
+}
+// Throws std::invalid_argument unless k is a positive multiple of format_k_multiple(format)
+void check_format_k(int format, int k);
 constexpr const char* kFormatsMessage =
     "format must be 0..8 (int8, int4, int4_sym, int8_g32, int8_g16, int6_g16, int5_g32, int6_k, "
     "int4_k)";

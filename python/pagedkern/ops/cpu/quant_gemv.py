@@ -307,8 +307,6 @@ def quant_gemv(
     n = weight.shape[0]
     if k != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)}: K must equal the weight's {weight.shape[1]}")
-    if weight.format not in ("int4", "int8"):
-        raise ValueError(f"weight format {weight.format!r} (int4 or int8)")
     if path is not None and path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if activation_bits not in ACTIVATION_BITS:
