@@ -80,18 +80,34 @@ def test_matches_the_reference(options, hq, hkv, d, block_size, dtype):
     assert_close_to(lse, want_lse, torch.float32)
 
 
-def test_every_path_gives_the_same_bits():
+@pytest.mark.parametrize(
+    "hq,hkv,d,block_size",
+    [
+        (6, 2, 64, 16),  # GQA 3: blocks of rows start at odd rows
+        (16, 8, 128, 16),  # Qwen3's heads
+        (8, 1, 72, 5),  # GQA 8; a 64-lane P.V pass and 8 lanes
+        (4, 4, 136, 16),  # no GQA; two 64-lane passes and 8 lanes
+        (15, 5, 40, 8),  # 32 + 8 lanes
+        (2, 1, 8, 3),  # one 8-lane chunk a key
+    ],
+)
+def test_every_path_gives_the_same_bits(hq, hkv, d, block_size):
+    """Paths that group rows and lanes differently (AVX-512: two rows a register, up to six
+    rows a pass) compute each row's operations alike."""
     if len(PATHS) < 2:
         pytest.skip(f"this CPU runs only {PATHS}")
     for seed, options in enumerate(OPTIONS):
         for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
-            q, k, v, cu, tables, lens = _case(seed, [50, 1, 3], [50, 700, 260], dtype=dtype)
-            options_ = _options(options, 6, seed)
+            q, k, v, cu, tables, lens = _case(
+                seed, [50, 1, 3, 17], [50, 700, 260, 140], hq, hkv, d, block_size, dtype
+            )
+            options_ = _options(options, hq, seed)
             results = []
             for path in PATHS:
-                lse = poisoned((q.shape[0], 6), torch.float32, "cpu")
+                lse = poisoned((q.shape[0], hq), torch.float32, "cpu")
                 out = _attend(q, k, v, cu, tables, lens, path=path, lse=lse, **options_)
                 results.append((out, lse))
+            assert not results[0][0].isnan().any()
             for out, lse in results[1:]:
                 assert torch.equal(out, results[0][0]), (options, dtype)
                 assert torch.equal(lse, results[0][1]), (options, dtype)

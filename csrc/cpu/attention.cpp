@@ -95,7 +95,7 @@ const float* attention_detail::e4m3_table() {
 }
 
 bool attention_path_supported(int path) {
-  return path == kPortable || (path == kAvx2 && path_supported(kAvx2));
+  return path == kPortable || ((path == kAvx2 || path == kAvx512Vnni) && path_supported(path));
 }
 
 namespace {
@@ -116,11 +116,17 @@ void attention(const AttentionArgs& a) {
   check(a.window >= 0 && a.soft_cap >= 0.0f, "window and soft_cap must be >= 0");
   check(a.cache_dtype >= kCacheF32 && a.cache_dtype <= kCacheE4M3, "unknown cache dtype code");
   int path = a.path;
-  if (path < 0) path = attention_path_supported(kAvx2) ? kAvx2 : kPortable;
-  if (path != kPortable && path != kAvx2)
-    throw std::invalid_argument("attention: path must be -1, portable or avx2");
+  if (path < 0)
+    for (int best : {kAvx512Vnni, kAvx2, kPortable})
+      if (attention_path_supported(best)) {
+        path = best;
+        break;
+      }
+  if (path != kPortable && path != kAvx2 && path != kAvx512Vnni)
+    throw std::invalid_argument("attention: path must be -1, portable, avx2 or avx512");
   if (!attention_path_supported(path))
-    throw std::runtime_error("attention: this CPU (or this build) does not run the avx2 path");
+    throw std::runtime_error(std::string("attention: this CPU (or this build) does not run the ") +
+                             path_name(path) + " path");
   // every block a row reads, before any thread starts (then no row reads out of bounds)
   std::vector<int> reach(a.num_seqs, -1);
   for (int t = 0; t < a.rows; ++t) {
@@ -152,7 +158,9 @@ void attention(const AttentionArgs& a) {
       if (a.lse) a.lse[int64_t(t) * a.hq + h] = a.sinks ? a.sinks[h] : -INFINITY;
     }
   }
-  if (path == kAvx2)
+  if (path == kAvx512Vnni)
+    attention_detail::avx512(a);
+  else if (path == kAvx2)
     attention_detail::avx2(a);
   else
     attention_detail::portable(a);

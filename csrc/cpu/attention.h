@@ -15,8 +15,9 @@
 //   absolute key positions (lane l holds keys = l mod 8), then the same tree.
 // - P.V: per output lane an fma chain over the row's keys in ascending order, then times
 //   1 / sum. Tiles of keys walked by the block only reload the accumulators (exact).
-// - Paths: AVX2 + FMA (x86, by target attribute; run on AVX-512 CPUs too) and plain C++ with
-//   std::fma written op for op alike, so every path gives the same bits.
+// - Paths: AVX-512 (attention_avx512.cpp: the hot loops over 16 lanes, two rows a register
+//   for the scores), AVX2 + FMA (x86, by target attribute) and plain C++ with std::fma
+//   written op for op alike, so every path gives the same bits.
 // - Threads: (row block, KV head) tasks taken from a shared counter over OpenMP's threads
 //   (parallel.h); a task's rows are computed by one thread, so the thread count changes no bit.
 
@@ -52,21 +53,23 @@ struct AttentionArgs {
   const float* sinks;  // [Hq] logits or null
   float out_scale;   // applied to the output (fp8 caches' v_scale; 1: none)
   int threads;
-  int path;  // -1: the best this CPU runs; kPortable or kAvx2
+  int path;  // -1: the best this CPU runs; kPortable, kAvx2 or kAvx512Vnni
 };
 
 // Throws std::invalid_argument / std::out_of_range (before any thread starts) on bad shapes, a
 // row's sequence outside the tables, a position past its table or a block id outside the cache.
 void attention(const AttentionArgs& args);
 
-// The paths of AttentionArgs::path this CPU runs: kAvx2 where AVX2 + FMA exist.
+// The paths of AttentionArgs::path this CPU runs: kAvx2 where AVX2 + FMA exist, kAvx512Vnni
+// where quant_gemv's path of that name runs (AVX-512 F, BW, VL, VNNI; the kernel uses F and VL).
 bool attention_path_supported(int path);
 
 namespace attention_detail {
 float e4m3_to_float(uint8_t x);  // exact (no infinities; S.1111.111 is NaN)
 const float* e4m3_table();       // [256]: e4m3_to_float of every byte (what the pages read)
 void portable(const AttentionArgs& args);
-void avx2(const AttentionArgs& args);  // not called where not built (not x86)
+void avx2(const AttentionArgs& args);    // not called where not built (not x86)
+void avx512(const AttentionArgs& args);  // (the same)
 }  // namespace attention_detail
 
 }  // namespace pagedkern_cpu

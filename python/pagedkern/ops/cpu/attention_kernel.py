@@ -7,8 +7,8 @@ A row's result depends only on its own q, keys and position (one fixed order of 
 operations, see attention.h), so batch invariance holds by construction whatever the BLAS: the
 tiled bmm path (attention.py) keeps it only by padding every GEMM to rows and keys a BLAS rounds
 alike. The kernel is not the reference's function bit for bit (it sums in another order, and
-e^x by a polynomial): it is tested against it with a tolerance, and its paths (AVX2, plain C++)
-against each other bit for bit.
+e^x by a polynomial): it is tested against it with a tolerance, and its paths (AVX-512, AVX2,
+plain C++) against each other bit for bit.
 
 Variant `cpu_attention`: `kernel` (the default where pagedkern._cpu is built) or `tiles`
 (attention.py's BLAS tiles, which also run head sizes that are not a multiple of 8). Either runs
@@ -23,7 +23,8 @@ import torch
 from .. import variants
 from . import quant_gemv
 
-PATHS = {"portable": 0, "avx2": 1}  # csrc/cpu/quant_gemv.h's Path values the kernel runs
+# csrc/cpu/quant_gemv.h's Path values the kernel runs (avx512: its avx512_vnni CPUs)
+PATHS = {"portable": 0, "avx2": 1, "avx512": 3}
 # cache dtypes the kernel reads (converted to fp32 exactly), by csrc/cpu/attention.h's code
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 
