@@ -245,8 +245,8 @@ void pack_int6_k(uint8_t* out, const int8_t* q, const int8_t* c, const float* d,
   const int blocks = k / kBlock, supers = k / kInt6KSuper, tiles = (n + kRows - 1) / kRows;
   for (int t = 0; t < tiles; ++t) {
     uint8_t* tile = out + size_t(t) * int6k_tile_bytes(k);
-    auto* tile_d = const_cast<float*>(int6k_d(tile));
-    auto* first = const_cast<uint8_t*>(int6k_blocks(tile, k));
+    float* tile_d = int6k_d(tile);
+    uint8_t* first = int6k_blocks(tile, k);
     for (int r = 0; r < kRows && t * kRows + r < n; ++r) {
       const int row = t * kRows + r;
       for (int sb = 0; sb < supers; ++sb) tile_d[kRows * sb + r] = d[size_t(row) * supers + sb];
@@ -283,13 +283,12 @@ void pack_int4_k(uint8_t* out, const uint8_t* q, const uint8_t* cs, const uint8_
     for (int r = 0; r < kRows && t * kRows + r < n; ++r) {
       const int row = t * kRows + r;
       for (int b = 0; b < blocks; ++b) {
-        const Int4KBlock kb = int4k_block(tile, b);
-        put_nibbles(const_cast<uint8_t*>(kb.nibbles), r,
-                    [&](int c) { return int4_code(q, row, k, b, c); });
-        const_cast<uint8_t*>(kb.cs)[r] = cs[size_t(row) * blocks + b];
-        const_cast<uint8_t*>(kb.cm)[r] = cm[size_t(row) * blocks + b];
-        const_cast<float*>(kb.d)[r] = d[size_t(row) * supers + b / 8];
-        const_cast<float*>(kb.dm)[r] = dm[size_t(row) * supers + b / 8];
+        const Int4KParts<uint8_t> kb = int4k_block(tile, b);
+        put_nibbles(kb.nibbles, r, [&](int c) { return int4_code(q, row, k, b, c); });
+        kb.cs[r] = cs[size_t(row) * blocks + b];
+        kb.cm[r] = cm[size_t(row) * blocks + b];
+        kb.d[r] = d[size_t(row) * supers + b / 8];
+        kb.dm[r] = dm[size_t(row) * supers + b / 8];
       }
     }
   }

@@ -79,6 +79,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace pagedkern_cpu {
@@ -146,28 +147,41 @@ constexpr const char* kFormatsMessage =
     "format must be 0..8 (int8, int4, int4_sym, int8_g32, int8_g16, int6_g16, int5_g32, int6_k, "
     "int4_k)";
 
+// The tile accessors below take the tile's bytes as Byte: const uint8_t where the kernels read
+// them, uint8_t where the pack writes them (and give float pointers of the same constness).
+template <class Byte>
+using FloatOf = std::conditional_t<std::is_const_v<Byte>, const float, float>;
+
 // An int6_k tile's bytes (k a multiple of 256), its d, and its first block
 inline size_t int6k_tile_bytes(int k) {
   return size_t(k / kInt6KSuper) * kRows * 4 + size_t(k / kBlock) * kInt6KBlockBytes;
 }
-inline const float* int6k_d(const uint8_t* tile) { return reinterpret_cast<const float*>(tile); }
-inline const uint8_t* int6k_blocks(const uint8_t* tile, int k) {
+template <class Byte>
+inline FloatOf<Byte>* int6k_d(Byte* tile) {
+  return reinterpret_cast<FloatOf<Byte>*>(tile);
+}
+template <class Byte>
+inline Byte* int6k_blocks(Byte* tile, int k) {
   return tile + size_t(k / kInt6KSuper) * kRows * 4;
 }
 
 // An int4_k tile's bytes (k a multiple of 256), and block b's parts: its nibble plane, its 16
 // rows' cs and cm, its super-block's 16 d and dm
 inline size_t int4k_tile_bytes(int k) { return size_t(k / kInt4KSuper) * kInt4KSuperBytes; }
-struct Int4KBlock {
-  const uint8_t *nibbles, *cs, *cm;
-  const float *d, *dm;
+template <class Byte>
+struct Int4KParts {
+  Byte *nibbles, *cs, *cm;
+  FloatOf<Byte> *d, *dm;
 };
-inline Int4KBlock int4k_block_of(const uint8_t* super, int i) {  // block i (0..7) of a super
-  const uint8_t* cs = super + kRows * 8 + i * kRows;
-  const float* d = reinterpret_cast<const float*>(super);
+using Int4KBlock = Int4KParts<const uint8_t>;
+template <class Byte>
+inline Int4KParts<Byte> int4k_block_of(Byte* super, int i) {  // block i (0..7) of a super
+  Byte* cs = super + kRows * 8 + i * kRows;
+  FloatOf<Byte>* d = reinterpret_cast<FloatOf<Byte>*>(super);
   return {super + kInt4KHeaderBytes + i * (kRows * kBlock / 2), cs, cs + 8 * kRows, d, d + kRows};
 }
-inline Int4KBlock int4k_block(const uint8_t* tile, int b) {
+template <class Byte>
+inline Int4KParts<Byte> int4k_block(Byte* tile, int b) {
   return int4k_block_of(tile + size_t(b / 8) * kInt4KSuperBytes, b % 8);
 }
 // The blocks of an int4_k tile in order (the kernels' walk: no division a block)
