@@ -9,7 +9,8 @@ multiple of Q6_K's 256, as Qwen3-0.6B's) over
 M = 1 .. 512, interleaved (each case times all three before the next), one thread
 by default (PAGEDKERN_BENCH_THREADS). Prints microseconds, the tile bytes read per second at
 M = 1 (16-bit activations) beside the copy bandwidth measured in the same run (the ceiling a
-GEMV approaches), and torch / gemv16: where the ratio falls below 1 is the crossover. Full
+GEMV approaches), and torch / gemv16: where the ratio falls below 1 is the crossover; on a CPU
+whose default path is AMX, vnni16 / gemv16 (the AMX tiles against the VNNI kernels). Full
 sizes with PAGEDKERN_BENCH_CPU=1 (or PAGEDKERN_BENCH_SMOKE=0) on a machine without a GPU; smoke
 mode runs tiny shapes once."""
 
@@ -38,8 +39,10 @@ SHAPES = (
     if FULL else [("tiny", fmt, 64, 256 if fmt in ("q6_k", "q4_k") else 64)
                   for fmt in ("int4", "q4_0", "q4_k", "q5_k", "int8", "q8_0", "q6_k")]
 )  # fmt: skip
-MS = (1, 2, 4, 8, 16, 64, 256, 512) if FULL else (1, 3)
+MS = (1, 2, 4, 8, 16, 64, 256, 512) if FULL else (1, 3, 16)
 MAX_LM_HEAD_M = 64  # the LM head runs on the sampled rows only
+# where the default path is AMX, gemv16 is also timed on the avx512_vnni kernels (M >= 16)
+AMX = quant_gemv.available() and quant_gemv.best_path() == "avx512_amx"
 
 
 def _q4_0(w: torch.Tensor) -> QuantizedWeight:
@@ -151,10 +154,17 @@ def test_cpu_quant_gemv(capsys):
             )
             theirs = _best_us(lambda: torch_int_pack_mm(x, qw), reps)  # noqa: B023
             gbs = f"{nbytes / ours / 1e3:7.1f}" if m == 1 else " " * 7
-            lines.append(
+            line = (
                 f"  {label:30s} M={m:<4d} {ours:10.1f} {ours8:10.1f} {theirs:10.1f} {gbs} "
                 f"{theirs / ours:9.2f}x {ours / ours8:9.2f}x"
             )
+            if AMX and m >= 16:  # the AMX tiles against the VNNI kernels they extend
+                vnni = _best_us(
+                    lambda: quant_gemv.quant_gemv(x, qw, path="avx512_vnni"),  # noqa: B023
+                    reps,
+                )
+                line += f" {vnni / ours:9.2f}x"
+            lines.append(line)
     with capsys.disabled():
         print(
             f"\nCPU quantized GEMM, {THREADS} thread(s), path {quant_gemv.best_path()}, "
@@ -163,5 +173,6 @@ def test_cpu_quant_gemv(capsys):
         print(
             f"  {'weight (tiles)':30s} {'M':6s} {'gemv16':>10s} {'gemv8':>10s} {'torch':>10s} "
             f"{'GB/s':>7s} {'torch/gemv16':>10s} {'gemv16/gemv8':>10s}"
+            + (f" {'vnni16/gemv16':>10s}" if AMX else "")
         )
         print("\n".join(lines))

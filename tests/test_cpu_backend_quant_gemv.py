@@ -95,13 +95,34 @@ def test_16_bit_activations_are_closer_than_bf16(fmt, group):
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("fmt,group", FORMATS)
 def test_every_path_gives_the_same_bits(fmt, group, bits):
+    """37 rows: the AMX path's two groups of 16 and its 5 rows left on the VNNI kernel."""
     qw = _weight(fmt, group, 75, 256, seed=3)
-    x = torch.randn(6, 256)
+    x = torch.randn(37, 256)
     x[1, 40] = x[1, 32:64].abs().max() * -1.0  # a block's extreme: q = -QMAX
+    x[20, 70] = x[20, 64:96].abs().max()  # (in the second group: q = +QMAX)
     results = [quant_gemv.quant_gemv(x, qw, path=p, activation_bits=bits) for p in _paths()]
     assert "portable" in _paths() and len(results) >= 1
     for other in results[1:]:
         assert torch.equal(other, results[0])
+
+
+@pytest.mark.skipif("avx512_amx" not in _paths(), reason="no AMX tiles on this CPU (or kernel)")
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("fmt", ["int4", "int4_sym"])
+def test_amx_tiles_give_the_vnni_bits_at_every_row_count(fmt, bits):
+    """The AMX path computes whole groups of 16 rows (the rest on the VNNI kernel) from a copy
+    of the quantized rows made per call: row counts around the groups, each call after a larger
+    or smaller one."""
+    qw = _weight("int4", 32, 70, 320, seed=12)
+    if fmt == "int4_sym":
+        qw.mins = (-8 * qw.scales.float()).half()
+    assert quant_gemv.tile_format(qw) == fmt
+    x = torch.randn(100, 320, generator=torch.Generator().manual_seed(12))
+    for m in (100, 15, 16, 33, 31, 48, 17, 64):
+        rows = x[m % 7 : m % 7 + m]
+        amx = quant_gemv.quant_gemv(rows, qw, path="avx512_amx", activation_bits=bits)
+        vnni = quant_gemv.quant_gemv(rows, qw, path="avx512_vnni", activation_bits=bits)
+        assert torch.equal(amx, vnni), m
 
 
 def test_the_isa_variant_forces_a_path(monkeypatch):

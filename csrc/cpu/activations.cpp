@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "quant_gemv.h"
 
@@ -125,6 +126,16 @@ void QuantizedRows::resize(int m, int k, int planes_) {
   sx.resize(size_t(m) * blocks);
   qsum.resize(size_t(m) * blocks);
   qsum16.resize(size_t(m) * blocks);
+}
+
+void group_rows(int g0, int g1, QuantizedRows& out) {
+  for (int g = g0; g < g1; ++g)
+    for (int b = 0; b < out.blocks; ++b)
+      for (int p = 0; p < out.planes; ++p) {
+        int8_t* tile = &out.groups[out.group_at(16 * g, b, p)];
+        for (int i = 0; i < 16; ++i)
+          std::memcpy(tile + i * kBlock, out.block(16 * g + i, b) + p * kBlock, kBlock);
+      }
 }
 
 void quantize_rows(const float* x, int64_t x_stride, int r0, int r1, bool simd,

@@ -14,6 +14,7 @@ namespace {
 
 TileFn tile_fn(int format, int path, int planes) {
   switch (path) {
+    case kAvx512Amx: return amx_tile(format, planes);
     case kAvx512Vnni: return avx512_tile(format, planes);
     case kAvxVnni: return avxvnni_tile(format, planes);
     case kAvx2: return avx2_tile(format, planes);
@@ -56,6 +57,18 @@ void gemv(int format, float* y, int64_t y_stride, const float* x, int64_t x_stri
     quantize_rows(x, x_stride, int(int64_t(m) * part / parts),
                   int(int64_t(m) * (part + 1) / parts), resolved != kPortable, xq);
   });
+  // the AMX kernels (the int4 formats) read 16 rows' block plane as one contiguous tile
+  const bool amx = resolved == kAvx512Amx &&
+                   (format == kInt4 || format == kInt4Sym || format == kInt4K);
+  const int groups = amx ? m / 16 : 0;
+  xq.grouped_rows = 16 * groups;
+  if (groups > 0) {
+    xq.groups.resize(size_t(xq.grouped_rows) * xq.blocks * xq.planes * kBlock);
+    parallel(std::min(threads, groups), [&](int part, int parts) {
+      group_rows(int(int64_t(groups) * part / parts), int(int64_t(groups) * (part + 1) / parts),
+                 xq);
+    });
+  }
   parallel(std::min(threads, tiles), [&](int part, int parts) {
     const int t0 = int(int64_t(tiles) * part / parts), t1 = int(int64_t(tiles) * (part + 1) / parts);
     for (int t = t0; t < t1; ++t) fn(args, t, 0, m);

@@ -4,6 +4,14 @@
 
 #include "quant_gemv.h"
 
+#if QUANT_GEMV_X86
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
 #if QUANT_GEMV_NEON && defined(__linux__)
 #include <sys/auxv.h>
 #ifndef HWCAP_ASIMDDP
@@ -30,6 +38,24 @@ bool arm_dotprod() {
 #endif
 }
 
+// AMX tiles with int8 dots, usable by this process: the CPU has them (cpuid 7.0 EDX bits 24,
+// 25) and Linux grants the tile data's state (arch_prctl ARCH_REQ_XCOMP_PERM, once a process;
+// a kernel or VM that refuses it leaves the path off). Elsewhere: false.
+bool amx_int8() {
+#if QUANT_GEMV_X86 && defined(__linux__)
+  static const bool ready = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
+      return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ready;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 bool path_supported(int path) {
@@ -45,13 +71,14 @@ bool path_supported(int path) {
   if (path == kAvx512Vnni)
     return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  if (path == kAvx512Amx) return path_supported(kAvx512Vnni) && amx_int8();
 #endif
   if (path == kNeonDotprod) return arm_dotprod();
   return false;
 }
 
 int best_path() {
-  for (int path : {kAvx512Vnni, kAvxVnni, kAvx2, kNeonDotprod})
+  for (int path : {kAvx512Amx, kAvx512Vnni, kAvxVnni, kAvx2, kNeonDotprod})
     if (path_supported(path)) return path;
   return kPortable;
 }
@@ -63,6 +90,7 @@ const char* path_name(int path) {
     case kAvxVnni: return "avx_vnni";
     case kAvx512Vnni: return "avx512_vnni";
     case kNeonDotprod: return "neon_dotprod";
+    case kAvx512Amx: return "avx512_amx";
     default: return "?";
   }
 }

@@ -201,7 +201,8 @@ enum Path {
   kAvxVnni = 2,
   kAvx512Vnni = 3,
   kNeonDotprod = 4,  // aarch64
-  kNumPaths = 5
+  kAvx512Amx = 5,    // avx512_vnni, with AMX tiles for the int4 formats on 16+ rows
+  kNumPaths = 6
 };
 
 bool path_supported(int path);
@@ -216,12 +217,23 @@ struct QuantizedRows {
   std::vector<float> sx;      // [M, blocks]: dx * sum(q)
   std::vector<int32_t> qsum;    // [M, blocks]: sum(q)
   std::vector<int32_t> qsum16;  // [M, blocks]: sum(q) over the block's first 16
+  // The AMX kernels' copy of rows [0, grouped_rows): [M / 16][blocks][planes][16 rows][32],
+  // each block plane of 16 rows one contiguous tile (group_rows fills it; 0: none this call).
+  std::vector<int8_t> groups;
+  int grouped_rows = 0;
   const int8_t* block(int row, int b) const {
     return &q[(size_t(row) * blocks + b) * planes * kBlock];
   }
+  size_t group_at(int row, int b, int p) const {  // row: a multiple of 16
+    return ((size_t(row / 16) * blocks + b) * planes + p) * 16 * kBlock;
+  }
+  const int8_t* group_tile(int row, int b, int p) const { return &groups[group_at(row, b, p)]; }
   size_t at(int row, int b) const { return size_t(row) * blocks + b; }
   void resize(int m, int k, int planes);
 };
+
+// Groups [g0, g1) of 16 quantized rows into out.groups (sized for out.grouped_rows beforehand).
+void group_rows(int g0, int g1, QuantizedRows& out);
 
 // Rows [r0, r1) of x into `out` (resized for all M rows beforehand). simd: with AVX2 (the
 // x86 SIMD paths; the same bits as the plain C++ the portable path runs).
@@ -243,6 +255,7 @@ TileFn portable_tile(int format, int planes);
 TileFn avx2_tile(int format, int planes);     // nullptr where not built (not x86)
 TileFn avxvnni_tile(int format, int planes);  // nullptr where not built (old compiler)
 TileFn avx512_tile(int format, int planes);   // nullptr where not built
+TileFn amx_tile(int format, int planes);      // (the same)
 TileFn neon_tile(int format, int planes);     // nullptr where not built (not aarch64)
 
 float half_to_float(uint16_t h);

@@ -201,6 +201,12 @@ VARIANTS: dict[str, OpVariants] = {
             "cpu_gemv_isa",  # which instruction set csrc/cpu/'s GEMV runs (the same bits)
             (
                 Variant("auto", -1, "the best this CPU runs", None),
+                Variant(
+                    "avx512_amx",
+                    5,
+                    "avx512_vnni, with AMX tdpbsud tiles for the int4 formats on 16+ rows",
+                    None,
+                ),
                 Variant("avx512_vnni", 3, "AVX-512 VNNI vpdpbusd zmm", None),
                 Variant("avx_vnni", 2, "AVX-VNNI vpdpbusd ymm", None),
                 Variant("avx2", 1, "AVX2 vpmaddubsw + vpmaddwd", None),

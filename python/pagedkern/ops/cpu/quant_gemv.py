@@ -22,9 +22,10 @@ import torch
 from ...reference.quantized_weight import QuantizedWeight
 from .. import variants
 
-# The ISA paths (csrc/cpu/quant_gemv.h's Path), worst to best (x86's, then Arm's: a CPU runs
-# portable and one family's); the cpu_gemv_isa variant forces one.
-PATHS = ("portable", "avx2", "avx_vnni", "avx512_vnni", "neon_dotprod")
+# The ISA paths in csrc/cpu/quant_gemv.h's Path order: x86's worst to best but for the last,
+# Arm's, and AMX (added after it, x86's best; a CPU runs portable and one family's); the
+# cpu_gemv_isa variant forces one.
+PATHS = ("portable", "avx2", "avx_vnni", "avx512_vnni", "neon_dotprod", "avx512_amx")
 ACTIVATION_BITS = (8, 16)
 # Multiply-adds below which a call runs on the calling thread alone. The threads are torch's own
 # OpenMP team (csrc/cpu/gemv.cpp). Every decode GEMV is split: splitting only the large calls
