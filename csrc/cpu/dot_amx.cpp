@@ -20,6 +20,7 @@
 //   on the same threads with its own).
 
 #include "quant_gemv.h"
+#include "int4_scales_avx512.h"
 
 #if QUANT_GEMV_X86
 #include <immintrin.h>
@@ -53,13 +54,7 @@ AMX_TARGET void configure() {
   _tile_loadconfig(&c);
 }
 
-// 16 bytes at p (unsigned) as fp32 lanes (dot_avx512.cpp's)
-AMX_TARGET inline __m512 u8_floats(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// A tile's blocks as B tiles (b), and each block's 16 d and 16 m (fp32, as int4_tile forms them)
+// A tile's blocks as B tiles (b), and each block's 16 d and 16 m (int4_block_scales)
 template <int F>
 AMX_TARGET void unpack(const Args& a, int tile, uint8_t* b_tiles, float* dm) {
   constexpr bool Sym = F == kInt4Sym, K4 = F == kInt4K;
@@ -78,16 +73,8 @@ AMX_TARGET void unpack(const Args& a, int tile, uint8_t* b_tiles, float* dm) {
       _mm512_storeu_si512(out + 64 * j, _mm512_and_si512(w, low));
       _mm512_storeu_si512(out + 64 * (4 + j), _mm512_and_si512(_mm512_srli_epi16(w, 4), low));
     }
-    const uint8_t* scales = t + kRows * kBlock / 2;
     __m512 d, mn;
-    if constexpr (K4) {
-      d = _mm512_mul_ps(u8_floats(kb.cs), _mm512_loadu_ps(kb.d));
-      mn = _mm512_mul_ps(u8_floats(kb.cm), _mm512_loadu_ps(kb.dm));
-    } else {
-      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-      mn = Sym ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
-               : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
-    }
+    int4_block_scales<F>(t, kb, d, mn);
     _mm512_storeu_ps(dm + 32 * b, d);
     _mm512_storeu_ps(dm + 32 * b + 16, mn);
   }

@@ -5,6 +5,7 @@
 // comes off as 128 * sum(q) a block.
 
 #include "quant_gemv.h"
+#include "int4_scales_avx512.h"
 
 #if QUANT_GEMV_X86
 #include <immintrin.h>
@@ -22,12 +23,6 @@ AVX512_TARGET inline __m512i x4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
-}
-
-// 16 bytes at p (unsigned) as fp32 lanes
-AVX512_TARGET inline __m512 u8_floats(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // F: int4, int4_sym (no m stored, m = -8 d in fp32: the same bits as the stored m) or int4_k
@@ -58,16 +53,8 @@ AVX512_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
         wl[j] = _mm512_and_si512(w, low);
         wh[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
       }
-      const uint8_t* dm = t + kRows * kBlock / 2;
       __m512 d, mn;
-      if constexpr (K4) {
-        d = _mm512_mul_ps(u8_floats(kb.cs), _mm512_loadu_ps(kb.d));
-        mn = _mm512_mul_ps(u8_floats(kb.cm), _mm512_loadu_ps(kb.dm));
-      } else {
-        d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
-        mn = Sym ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
-                 : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + 32)));
-      }
+      int4_block_scales<F>(t, kb, d, mn);
       for (int i = 0; i < rows; ++i) {
         const int r = r0 + i;
         const int8_t* xb = a.xq->block(r, b);
