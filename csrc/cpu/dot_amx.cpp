@@ -19,14 +19,13 @@
 //   loaded at every call and released at its end (other code, such as a BLAS, uses the tiles
 //   on the same threads with its own).
 
+#include "int4_block_avx512.h"
 #include "quant_gemv.h"
-#include "int4_scales_avx512.h"
 
 #if QUANT_GEMV_X86
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 namespace pagedkern_cpu {
@@ -57,16 +56,14 @@ AMX_TARGET void configure() {
 // A tile's blocks as B tiles (b), and each block's 16 d and 16 m (int4_block_scales)
 template <int F>
 AMX_TARGET void unpack(const Args& a, int tile, uint8_t* b_tiles, float* dm) {
-  constexpr bool Sym = F == kInt4Sym, K4 = F == kInt4K;
-  constexpr int kBlockBytes = Sym ? kInt4SymTileBlockBytes : kInt4TileBlockBytes;
+  constexpr bool K4 = F == kInt4K;
   const int blocks = a.k / kBlock;
-  const uint8_t* base =
-      a.packed + size_t(tile) * (K4 ? int4k_tile_bytes(a.k) : size_t(blocks) * kBlockBytes);
+  const uint8_t* base = int4_tile_base<F>(a, tile);
   const __m512i low = _mm512_set1_epi8(0x0F);
   Int4KCursor walk{base};
   for (int b = 0; b < blocks; ++b) {
     const Int4KBlock kb = K4 ? walk.next() : Int4KBlock{};
-    const uint8_t* t = K4 ? kb.nibbles : base + size_t(b) * kBlockBytes;
+    const uint8_t* t = K4 ? kb.nibbles : base + size_t(b) * kInt4BlockBytes<F>;
     uint8_t* out = b_tiles + size_t(b) * kBBytes;
     for (int j = 0; j < 4; ++j) {
       const __m512i w = _mm512_loadu_si512(t + 64 * j);
@@ -80,8 +77,8 @@ AMX_TARGET void unpack(const Args& a, int tile, uint8_t* b_tiles, float* dm) {
   }
 }
 
-// Block b's int32 sums c[plane][row][column] into the 16 rows' accumulators: int4_tile's
-// epilogue, op for op
+// Block b's int32 sums c[plane][row][column] into the 16 rows' accumulators (int4_fold, as
+// int4_tile folds)
 template <int P>
 AMX_TARGET __attribute__((always_inline)) inline void fold(__m512* acc, const int32_t (*c)[16][16],
                                                            const float* sc, const QuantizedRows& xq,
@@ -89,14 +86,9 @@ AMX_TARGET __attribute__((always_inline)) inline void fold(__m512* acc, const in
   const __m512 d = _mm512_loadu_ps(sc), mn = _mm512_loadu_ps(sc + 16);
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
-    __m512i isum = _mm512_load_si512(c[0][i]);
-    if constexpr (P == 2)
-      isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 8), _mm512_load_si512(c[P - 1][i]));
-    const size_t at = xq.at(g + i, b);
-    const __m512 dx = _mm512_set1_ps(xq.dx[at]);
-    const __m512 sx = _mm512_set1_ps(xq.sx[at]);
-    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), acc[i]);
-    acc[i] = _mm512_fmadd_ps(mn, sx, acc[i]);
+    const __m512i isum =
+        int4_planes(_mm512_load_si512(c[0][i]), _mm512_load_si512(c[P - 1][i]), P);
+    acc[i] = int4_fold(acc[i], d, mn, isum, xq, xq.at(g + i, b));
   }
 }
 
@@ -170,19 +162,22 @@ AMX_TARGET void int4_amx(const Args& a, int tile, int r0, int rc) {
 
 }  // namespace
 
+bool amx_format(int format) { return format == kInt4 || format == kInt4Sym || format == kInt4K; }
+
 TileFn amx_tile(int format, int planes) {
+  if (!amx_format(format)) return avx512_tile(format, planes);
   const bool two = planes == 2;
   switch (format) {
     case kInt4: return two ? int4_amx<2, kInt4> : int4_amx<1, kInt4>;
     case kInt4Sym: return two ? int4_amx<2, kInt4Sym> : int4_amx<1, kInt4Sym>;
-    case kInt4K: return two ? int4_amx<2, kInt4K> : int4_amx<1, kInt4K>;
-    default: return avx512_tile(format, planes);
+    default: return two ? int4_amx<2, kInt4K> : int4_amx<1, kInt4K>;  // kInt4K
   }
 }
 
 }  // namespace pagedkern_cpu
 #else
 namespace pagedkern_cpu {
+bool amx_format(int) { return false; }
 TileFn amx_tile(int, int) { return nullptr; }
 }  // namespace pagedkern_cpu
 #endif

@@ -4,8 +4,8 @@
 // int4 nibbles are u8 as they are, int8 weights are stored biased (q + 128) and the bias
 // comes off as 128 * sum(q) a block.
 
+#include "int4_block_avx512.h"
 #include "quant_gemv.h"
-#include "int4_scales_avx512.h"
 
 #if QUANT_GEMV_X86
 #include <immintrin.h>
@@ -29,12 +29,10 @@ AVX512_TARGET inline __m512i x4(const int8_t* p) {
 // (d and m as float(c) times the super-block's d / dm)
 template <int P, int F>
 AVX512_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
-  constexpr bool Sym = F == kInt4Sym, K4 = F == kInt4K;
-  constexpr int kBlockBytes =
-      Sym ? kInt4SymTileBlockBytes : K4 ? kInt4KBlockBytes : kInt4TileBlockBytes;
+  constexpr bool K4 = F == kInt4K;
+  constexpr int kBlockBytes = kInt4BlockBytes<F>;
   const int blocks = a.k / kBlock;
-  const uint8_t* base =
-      a.packed + size_t(tile) * (K4 ? int4k_tile_bytes(a.k) : size_t(blocks) * kBlockBytes);
+  const uint8_t* base = int4_tile_base<F>(a, tile);
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int live = std::min(kRows, a.n - tile * kRows);
   const __mmask16 mask = __mmask16((1u << live) - 1);
@@ -65,13 +63,9 @@ AVX512_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
             lo[p] = _mm512_dpbusd_epi32(lo[p], wl[j], x4(xb + p * kBlock + 4 * j));
             hi[p] = _mm512_dpbusd_epi32(hi[p], wh[j], x4(xb + p * kBlock + 16 + 4 * j));
           }
-        __m512i isum = _mm512_add_epi32(lo[0], hi[0]);
-        if (P == 2)
-          isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 8), _mm512_add_epi32(lo[1], hi[1]));
-        const __m512 dx = _mm512_set1_ps(a.xq->dx[a.xq->at(r, b)]);
-        const __m512 sx = _mm512_set1_ps(a.xq->sx[a.xq->at(r, b)]);
-        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), acc[i]);
-        acc[i] = _mm512_fmadd_ps(mn, sx, acc[i]);
+        const __m512i isum = int4_planes(_mm512_add_epi32(lo[0], hi[0]),
+                                         _mm512_add_epi32(lo[P - 1], hi[P - 1]), P);
+        acc[i] = int4_fold(acc[i], d, mn, isum, *a.xq, a.xq->at(r, b));
       }
     }
     for (int i = 0; i < rows; ++i)

@@ -256,6 +256,7 @@ TileFn avx2_tile(int format, int planes);     // nullptr where not built (not x8
 TileFn avxvnni_tile(int format, int planes);  // nullptr where not built (old compiler)
 TileFn avx512_tile(int format, int planes);   // nullptr where not built
 TileFn amx_tile(int format, int planes);      // (the same)
+bool amx_format(int format);  // whether amx_tile has AMX kernels for it (else avx512_tile's)
 TileFn neon_tile(int format, int planes);     // nullptr where not built (not aarch64)
 
 float half_to_float(uint16_t h);
