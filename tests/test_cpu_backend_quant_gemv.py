@@ -201,6 +201,37 @@ def test_rows_sharing_a_weight_load_keep_their_own_bits(fmt, group, bits):
                 assert torch.equal(batch[i], alone[i]), (path, m, i)
 
 
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int4_sym", 32)])
+def test_tiles_read_together_keep_their_own_bits(fmt, group, bits):
+    """At up to 4 rows the AVX-512 int4 kernels read 8, 4 or 2 weight tiles at once, their
+    blocks interleaved, and a thread's last tiles one by one: 1 to 5 rows of 22 tiles (the last
+    partial) on 1 and 2 threads, into a poisoned out, give the portable path's bits."""
+    n, k = 16 * 21 + 5, 256
+    qw = _weight("int4", group, n, k, seed=21)
+    if fmt == "int4_sym":
+        qw.mins = (-8 * qw.scales.float()).half()
+    assert quant_gemv.tile_format(qw) == fmt
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(22))
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the GEMV's threads are torch's OpenMP team
+        for m in range(1, 6):
+            want = quant_gemv.quant_gemv(x[:m], qw, path="portable", activation_bits=bits)
+            assert not want.isnan().any()
+            for path in _paths():
+                for threads in (1, 2):
+                    buffer = poisoned((m * n + 16,), torch.float32, "cpu")
+                    out = buffer[: m * n].view(m, n)
+                    quant_gemv.quant_gemv(
+                        x[:m], qw, path=path, out=out, threads=threads, activation_bits=bits
+                    )
+                    assert torch.equal(out, want), (path, m, threads)
+                    assert buffer[m * n :].isnan().all(), "a column past N was written"
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("fmt,group", FORMATS)
 def test_nan_in_a_row_reaches_its_outputs_only(fmt, group):
     qw = _weight(fmt, group, 40, 128, seed=7)

@@ -18,7 +18,15 @@ from pagedkern.reference.quantized_weight import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
 
-SHAPES = [(1, 37, 256), (3, 960, 512), (5, 16, 256), (9, 50, 768), (64, 33, 256)]
+SHAPES = [
+    (1, 37, 256),
+    (1, 301, 256),
+    (2, 165, 512),
+    (3, 960, 512),
+    (5, 16, 256),
+    (9, 50, 768),
+    (64, 33, 256),
+]
 PAD = 3  # poisoned columns past N: no kernel may write them
 
 

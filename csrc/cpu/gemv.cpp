@@ -32,6 +32,10 @@ int resolve_path(int path) {
   return path;
 }
 
+// The most rows the streamed kernels take: beyond, each weight tile is read once for many
+// rows, and one tile at a time keeps it in L1 for them
+constexpr int kStreamedRows = kRowChunk;
+
 }  // namespace
 
 void gemv(int format, float* y, int64_t y_stride, const float* x, int64_t x_stride,
@@ -67,8 +71,12 @@ void gemv(int format, float* y, int64_t y_stride, const float* x, int64_t x_stri
                  xq);
     });
   }
+  // few rows: the kernels that read several tiles' weights at once, where the path has them
+  const bool streamed = m <= kStreamedRows && (resolved == kAvx512Vnni || resolved == kAvx512Amx);
+  const TilesFn tiles_fn = streamed ? avx512_tiles(format, activation_bits / 8) : nullptr;
   parallel(std::min(threads, tiles), [&](int part, int parts) {
     const int t0 = int(int64_t(tiles) * part / parts), t1 = int(int64_t(tiles) * (part + 1) / parts);
+    if (tiles_fn != nullptr) return tiles_fn(args, t0, t1, 0, m);
     for (int t = t0; t < t1; ++t) fn(args, t, 0, m);
   });
 }

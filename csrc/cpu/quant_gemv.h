@@ -258,6 +258,11 @@ TileFn avx512_tile(int format, int planes);   // nullptr where not built
 TileFn amx_tile(int format, int planes);      // (the same)
 bool amx_format(int format);  // whether amx_tile has AMX kernels for it (else avx512_tile's)
 TileFn neon_tile(int format, int planes);     // nullptr where not built (not aarch64)
+// Rows [r0, r0 + rc) of x against tiles [t0, t1), several tiles' weight streams read at once
+// (few rows: a GEMV that reads its weights from DRAM once); nullptr: no such kernel (the
+// driver runs the TileFn tile by tile). The same bits as the path's TileFn.
+using TilesFn = void (*)(const Args&, int t0, int t1, int r0, int rc);
+TilesFn avx512_tiles(int format, int planes);  // avx512_vnni and avx512_amx
 
 float half_to_float(uint16_t h);
 
