@@ -202,16 +202,17 @@ def test_rows_sharing_a_weight_load_keep_their_own_bits(fmt, group, bits):
 
 
 @pytest.mark.parametrize("bits", [16, 8])
-@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int4_sym", 32)])
+@pytest.mark.parametrize("fmt,group", [*FORMATS, ("int4_sym", 32)])
 def test_tiles_read_together_keep_their_own_bits(fmt, group, bits):
-    """At up to 4 rows the AVX-512 int4 kernels read 8, 4 or 2 weight tiles at once, their
-    blocks interleaved, and a thread's last tiles one by one: 1 to 5 rows of 22 tiles (the last
-    partial) on 1 and 2 threads, into a poisoned out, give the portable path's bits."""
+    """At up to 4 rows the x86 kernels read several weight tiles at once (AVX-512 int4 and
+    int8: 8, 4 or 2; the 256-bit kernels: 4 or 2), their blocks interleaved, and a thread's
+    last tiles one by one: 1 to 5 rows of 22 tiles (the last partial) on 1 and 2 threads, into
+    a poisoned out, give the portable path's bits."""
     n, k = 16 * 21 + 5, 256
-    qw = _weight("int4", group, n, k, seed=21)
+    qw = _weight("int4" if fmt == "int4_sym" else fmt, group, n, k, seed=21)
     if fmt == "int4_sym":
         qw.mins = (-8 * qw.scales.float()).half()
-    assert quant_gemv.tile_format(qw) == fmt
+        assert quant_gemv.tile_format(qw) == fmt
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(22))
     previous = torch.get_num_threads()
     try:

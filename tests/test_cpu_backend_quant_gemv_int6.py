@@ -20,8 +20,11 @@ from pagedkern.reference.quantized_weight import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
 
-SHAPES = [(1, 37, 64), (3, 960, 256), (5, 16, 128), (17, 50, 384), (64, 33, 32)]
-K_SHAPES = [(1, 37, 256), (3, 960, 512), (5, 16, 256), (9, 50, 768), (64, 33, 256)]
+# 1 and 2 rows of 19 and 11 tiles: the x86 kernels' tiles read at once, and the rest
+SHAPES = [(1, 37, 64), (1, 301, 64), (2, 165, 128), (3, 960, 256), (5, 16, 128), (17, 50, 384),
+          (64, 33, 32)]  # fmt: skip
+K_SHAPES = [(1, 37, 256), (1, 301, 256), (2, 165, 512), (3, 960, 512), (5, 16, 256),
+            (9, 50, 768), (64, 33, 256)]  # fmt: skip
 PAD = 3  # poisoned columns past N: no kernel may write them
 
 

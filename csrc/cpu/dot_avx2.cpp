@@ -17,10 +17,12 @@ namespace pagedkern_cpu {
 #include "dot_x86_256.inc"
 
 TileFn avx2_tile(int format, int planes) { return avx2::tile_fn(format, planes); }
+TilesFn avx2_tiles(int format, int planes) { return avx2::tiles_fn(format, planes); }
 
 }  // namespace pagedkern_cpu
 #else
 namespace pagedkern_cpu {
 TileFn avx2_tile(int, int) { return nullptr; }
+TilesFn avx2_tiles(int, int) { return nullptr; }
 }  // namespace pagedkern_cpu
 #endif

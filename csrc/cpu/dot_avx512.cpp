@@ -1,8 +1,9 @@
 // AVX-512 VNNI tile kernels (int8, int4, int4_sym, int4_k; the other formats run the 256-bit
 // body, dot_x86_256.inc, with EVEX vpdpbusd): a tile's 16 rows are one zmm of 32-bit lanes;
-// kRowChunk activation rows share each weight load (prefill, batched decode). vpdpbusd: u8 x s8:
-// int4 nibbles are u8 as they are, int8 weights are stored biased (q + 128) and the bias
-// comes off as 128 * sum(q) a block.
+// up to kRowChunk activation rows share each weight load (prefill, batched decode), and at up
+// to kRowChunk rows several tiles are read at once (int4_rows). vpdpbusd: u8 x s8: int4
+// nibbles are u8 as they are, int8 weights are stored biased (q + 128) and the bias comes off
+// as 128 * sum(q) a block.
 
 #include "int4_block_avx512.h"
 #include "quant_gemv.h"
@@ -15,7 +16,18 @@
 #include <type_traits>
 
 namespace pagedkern_cpu {
+
+// The formats without a 512-bit kernel: the 256-bit body with EVEX vpdpbusd (every AVX-512 VNNI
+// CPU has it with VL; VEX AVX-VNNI came later), the same bits as the other paths
+#define DOT256_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+#define DOT256_VNNI 2
+#define DOT256_NS avx512_256
+#include "dot_x86_256.inc"
+
 namespace {
+
+using avx512_256::in_chunks;
+using avx512_256::streamed;
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
@@ -25,30 +37,30 @@ AVX512_TARGET inline __m512i x4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// R rows from r0 of x against S int4-family weight tiles from `tile`, their blocks interleaved
-// one by one, so one core reads S weight streams at once: its hardware prefetchers keep more
+// R rows from r0 of x against T int4-family weight tiles from `tile`, their blocks interleaved
+// one by one, so one core reads T weight streams at once: its hardware prefetchers keep more
 // lines in flight over several streams than over one (a batch-1 GEMV from DRAM on the Xeon,
-// 1 thread: 10 GB/s at S = 1, 12-13 GB/s at S = 4 to 8; spans of 4 and 8 blocks a stream
+// 1 thread: 10 GB/s at T = 1, 12.6-13 GB/s at T = 8; spans of 4 and 8 blocks a stream
 // measured no faster than one stream). Each (tile, row) runs its blocks in order with the same
-// operations whatever S and R, so the bits never depend on them.
+// operations whatever T and R, so the bits never depend on them.
 // F: int4, int4_sym (no m stored, m = -8 d in fp32: the same bits as the stored m) or int4_k
 // (d and m as float(c) times the super-block's d / dm).
-template <int P, int F, int R, int S>
+template <int P, int F, int R, int T>
 AVX512_TARGET void int4_rows(const Args& a, int tile, int r0) {
   constexpr bool K4 = F == kInt4K;
   constexpr int kBlockBytes = kInt4BlockBytes<F>;
   const int blocks = a.k / kBlock;
   const QuantizedRows& xq = *a.xq;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const uint8_t* base[S];
-  Int4KCursor walk[S];  // int4_k's
-  __m512 acc[S][R];
-  for (int s = 0; s < S; ++s) {
+  const uint8_t* base[T];
+  Int4KCursor walk[T];  // int4_k's
+  __m512 acc[T][R];
+  for (int s = 0; s < T; ++s) {
     base[s] = int4_tile_base<F>(a, tile + s), walk[s] = Int4KCursor{base[s]};
     for (int i = 0; i < R; ++i) acc[s][i] = _mm512_setzero_ps();
   }
   for (int b = 0; b < blocks; ++b)
-    for (int s = 0; s < S; ++s) {
+    for (int s = 0; s < T; ++s) {
       const Int4KBlock kb = K4 ? walk[s].next() : Int4KBlock{};
       const uint8_t* t = K4 ? kb.nibbles : base[s] + size_t(b) * kBlockBytes;
       prefetch_ahead<kBlockBytes>(base[s] + size_t(b) * kBlockBytes);  // (int4_k: its share)
@@ -74,7 +86,7 @@ AVX512_TARGET void int4_rows(const Args& a, int tile, int r0) {
         acc[s][i] = int4_fold(acc[s][i], d, mn, isum, xq, xq.at(r0 + i, b));
       }
     }
-  for (int s = 0; s < S; ++s) {
+  for (int s = 0; s < T; ++s) {
     const int live = std::min(kRows, a.n - (tile + s) * kRows);
     const __mmask16 mask = __mmask16((1u << live) - 1);
     for (int i = 0; i < R; ++i)
@@ -82,85 +94,82 @@ AVX512_TARGET void int4_rows(const Args& a, int tile, int r0) {
   }
 }
 
-// Tiles [t0, t1) against rows [r0, r0 + R), kStreams<R> tiles at a time (the accumulators,
-// S x R zmm, stay in registers), the rest one by one
-template <int R>
-constexpr int kStreams = R == 1 ? 8 : R == 2 ? 4 : 2;
-
-template <int P, int F, int R>
-AVX512_TARGET void int4_streams(const Args& a, int t0, int t1, int r0) {
-  int t = t0;
-  for (; t + kStreams<R> <= t1; t += kStreams<R>) int4_rows<P, F, R, kStreams<R>>(a, t, r0);
-  for (; t < t1; ++t) int4_rows<P, F, R, 1>(a, t, r0);
-}
-
-// Rows [r0, r0 + rc) in chunks of kRowChunk: run(std::integral_constant<int, rows>, first row)
-template <typename Run>
-AVX512_TARGET void in_row_chunks(int r0, int rc, const Run& run) {
-  for (; rc >= kRowChunk; r0 += kRowChunk, rc -= kRowChunk)
-    run(std::integral_constant<int, kRowChunk>{}, r0);
-  static_assert(kRowChunk == 4);
-  if (rc == 3) run(std::integral_constant<int, 3>{}, r0);
-  if (rc == 2) run(std::integral_constant<int, 2>{}, r0);
-  if (rc == 1) run(std::integral_constant<int, 1>{}, r0);
-}
-
 template <int P, int F>
 AVX512_TARGET void int4_tile(const Args& a, int tile, int r0, int rc) {
-  in_row_chunks(r0, rc, [&](auto rows, int r) { int4_rows<P, F, decltype(rows)::value, 1>(a, tile, r); });
+  in_chunks<kRowChunk>(r0, rc, [&](auto rows, int r) {
+    int4_rows<P, F, decltype(rows)::value, 1>(a, tile, r);
+  });
 }
+
+// T x R accumulators: 8 tiles at one row, 4 at two, 2 at four
+constexpr int kTiles512 = 8;
 
 template <int P, int F>
 AVX512_TARGET void int4_tiles(const Args& a, int t0, int t1, int r0, int rc) {
-  in_row_chunks(r0, rc, [&](auto rows, int r) { int4_streams<P, F, decltype(rows)::value>(a, t0, t1, r); });
+  streamed<kTiles512>(t0, t1, r0, rc, [&](auto rows, auto tiles, int r, int t) {
+    int4_rows<P, F, decltype(rows)::value, decltype(tiles)::value>(a, t, r);
+  });
+}
+
+// int8: R rows against T tiles from `tile` (int4_rows' interleave), the bias off each block
+// as 128 * sum(q), each output times its channel's scale
+template <int P, int R, int T>
+AVX512_TARGET void int8_rows(const Args& a, int tile, int r0) {
+  const int blocks = a.k / kBlock;
+  const QuantizedRows& xq = *a.xq;
+  const uint8_t* base[T];
+  __m512 acc[T][R];
+  for (int s = 0; s < T; ++s) {
+    base[s] = a.packed + size_t(tile + s) * blocks * kInt8TileBlockBytes;
+    for (int i = 0; i < R; ++i) acc[s][i] = _mm512_setzero_ps();
+  }
+  for (int b = 0; b < blocks; ++b)
+    for (int s = 0; s < T; ++s) {
+      const uint8_t* t = base[s] + size_t(b) * kInt8TileBlockBytes;
+      prefetch_ahead<kInt8TileBlockBytes>(t);
+      __m512i part[R][P];
+      for (int i = 0; i < R; ++i)
+        for (int p = 0; p < P; ++p) part[i][p] = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = _mm512_loadu_si512(t + 64 * j);
+        for (int i = 0; i < R; ++i)
+          for (int p = 0; p < P; ++p)
+            part[i][p] = _mm512_dpbusd_epi32(part[i][p], w,
+                                             x4(xq.block(r0 + i, b) + p * kBlock + 4 * j));
+      }
+      for (int i = 0; i < R; ++i) {
+        const size_t at = xq.at(r0 + i, b);
+        __m512i isum = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(part[i][0], 8), part[i][P - 1])
+                              : part[i][0];
+        isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(kInt8Bias * xq.qsum[at]));
+        acc[s][i] = _mm512_fmadd_ps(_mm512_set1_ps(xq.dx[at]), _mm512_cvtepi32_ps(isum), acc[s][i]);
+      }
+    }
+  for (int s = 0; s < T; ++s) {
+    const int live = std::min(kRows, a.n - (tile + s) * kRows);
+    const __mmask16 mask = __mmask16((1u << live) - 1);
+    const __m512 scale = _mm512_maskz_loadu_ps(mask, a.scales + (tile + s) * kRows);
+    for (int i = 0; i < R; ++i)
+      _mm512_mask_storeu_ps(a.y + (r0 + i) * a.y_stride + (tile + s) * kRows, mask,
+                            _mm512_mul_ps(acc[s][i], scale));
+  }
 }
 
 template <int P>
 AVX512_TARGET void int8_tile(const Args& a, int tile, int r0, int rc) {
-  const int blocks = a.k / kBlock;
-  const uint8_t* base = a.packed + size_t(tile) * blocks * kInt8TileBlockBytes;
-  const int live = std::min(kRows, a.n - tile * kRows);
-  const __mmask16 mask = __mmask16((1u << live) - 1);
-  const __m512 s = _mm512_maskz_loadu_ps(mask, a.scales + tile * kRows);
-  for (; rc > 0; r0 += kRowChunk, rc -= kRowChunk) {
-    const int rows = std::min(rc, kRowChunk);
-    __m512 acc[kRowChunk];
-    for (int i = 0; i < kRowChunk; ++i) acc[i] = _mm512_setzero_ps();
-    for (int b = 0; b < blocks; ++b) {
-      const uint8_t* t = base + size_t(b) * kInt8TileBlockBytes;
-      prefetch_ahead<kInt8TileBlockBytes>(t);
-      __m512i part[kRowChunk][P];
-      for (int i = 0; i < kRowChunk; ++i)
-        for (int p = 0; p < P; ++p) part[i][p] = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) {
-        const __m512i w = _mm512_loadu_si512(t + 64 * j);
-        for (int i = 0; i < rows; ++i)
-          for (int p = 0; p < P; ++p)
-            part[i][p] = _mm512_dpbusd_epi32(part[i][p], w,
-                                             x4(a.xq->block(r0 + i, b) + p * kBlock + 4 * j));
-      }
-      for (int i = 0; i < rows; ++i) {
-        const size_t at = a.xq->at(r0 + i, b);
-        __m512i isum = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(part[i][0], 8), part[i][P - 1])
-                              : part[i][0];
-        isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(kInt8Bias * a.xq->qsum[at]));
-        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a.xq->dx[at]), _mm512_cvtepi32_ps(isum), acc[i]);
-      }
-    }
-    for (int i = 0; i < rows; ++i)
-      _mm512_mask_storeu_ps(a.y + (r0 + i) * a.y_stride + tile * kRows, mask,
-                            _mm512_mul_ps(acc[i], s));
-  }
+  in_chunks<kRowChunk>(r0, rc, [&](auto rows, int r) {
+    int8_rows<P, decltype(rows)::value, 1>(a, tile, r);
+  });
+}
+
+template <int P>
+AVX512_TARGET void int8_tiles(const Args& a, int t0, int t1, int r0, int rc) {
+  streamed<kTiles512>(t0, t1, r0, rc, [&](auto rows, auto tiles, int r, int t) {
+    int8_rows<P, decltype(rows)::value, decltype(tiles)::value>(a, t, r);
+  });
 }
 
 }  // namespace
-
-// The formats without a 512-bit kernel: the 256-bit body with EVEX vpdpbusd (every AVX-512 VNNI
-// CPU has it with VL; VEX AVX-VNNI came later), the same bits as the other paths
-#define DOT256_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
-#define DOT256_VNNI 2
-#define DOT256_NS avx512_256
-#include "dot_x86_256.inc"
 
 TilesFn avx512_tiles(int format, int planes) {
   const bool two = planes == 2;
@@ -168,7 +177,8 @@ TilesFn avx512_tiles(int format, int planes) {
     case kInt4: return two ? int4_tiles<2, kInt4> : int4_tiles<1, kInt4>;
     case kInt4Sym: return two ? int4_tiles<2, kInt4Sym> : int4_tiles<1, kInt4Sym>;
     case kInt4K: return two ? int4_tiles<2, kInt4K> : int4_tiles<1, kInt4K>;
-    default: return nullptr;
+    case kInt8: return two ? int8_tiles<2> : int8_tiles<1>;
+    default: return avx512_256::tiles_fn(format, planes);
   }
 }
 

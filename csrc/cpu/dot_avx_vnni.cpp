@@ -18,10 +18,12 @@ namespace pagedkern_cpu {
 #include "dot_x86_256.inc"
 
 TileFn avxvnni_tile(int format, int planes) { return avx_vnni::tile_fn(format, planes); }
+TilesFn avxvnni_tiles(int format, int planes) { return avx_vnni::tiles_fn(format, planes); }
 
 }  // namespace pagedkern_cpu
 #else
 namespace pagedkern_cpu {
 TileFn avxvnni_tile(int, int) { return nullptr; }
+TilesFn avxvnni_tiles(int, int) { return nullptr; }
 }  // namespace pagedkern_cpu
 #endif

@@ -23,6 +23,16 @@ TileFn tile_fn(int format, int path, int planes) {
   }
 }
 
+TilesFn tiles_fn(int format, int path, int planes) {
+  switch (path) {
+    case kAvx512Amx:
+    case kAvx512Vnni: return avx512_tiles(format, planes);
+    case kAvxVnni: return avxvnni_tiles(format, planes);
+    case kAvx2: return avx2_tiles(format, planes);
+    default: return nullptr;
+  }
+}
+
 int resolve_path(int path) {
   if (path < 0) return best_path();
   if (path >= kNumPaths) throw std::invalid_argument("path must be -1 or 0.." + std::to_string(kNumPaths - 1));
@@ -72,11 +82,11 @@ void gemv(int format, float* y, int64_t y_stride, const float* x, int64_t x_stri
     });
   }
   // few rows: the kernels that read several tiles' weights at once, where the path has them
-  const bool streamed = m <= kStreamedRows && (resolved == kAvx512Vnni || resolved == kAvx512Amx);
-  const TilesFn tiles_fn = streamed ? avx512_tiles(format, activation_bits / 8) : nullptr;
+  const TilesFn streamed =
+      m <= kStreamedRows ? tiles_fn(format, resolved, activation_bits / 8) : nullptr;
   parallel(std::min(threads, tiles), [&](int part, int parts) {
     const int t0 = int(int64_t(tiles) * part / parts), t1 = int(int64_t(tiles) * (part + 1) / parts);
-    if (tiles_fn != nullptr) return tiles_fn(args, t0, t1, 0, m);
+    if (streamed != nullptr) return streamed(args, t0, t1, 0, m);
     for (int t = t0; t < t1; ++t) fn(args, t, 0, m);
   });
 }

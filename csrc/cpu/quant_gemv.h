@@ -263,6 +263,8 @@ TileFn neon_tile(int format, int planes);     // nullptr where not built (not aa
 // driver runs the TileFn tile by tile). The same bits as the path's TileFn.
 using TilesFn = void (*)(const Args&, int t0, int t1, int r0, int rc);
 TilesFn avx512_tiles(int format, int planes);  // avx512_vnni and avx512_amx
+TilesFn avxvnni_tiles(int format, int planes);
+TilesFn avx2_tiles(int format, int planes);
 
 float half_to_float(uint16_t h);
 
