@@ -110,15 +110,15 @@ def test_every_path_gives_the_same_bits(fmt, group, bits):
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("fmt", ["int4", "int4_sym"])
 def test_amx_tiles_give_the_vnni_bits_at_every_row_count(fmt, bits):
-    """The AMX path computes whole groups of 16 rows (the rest on the VNNI kernel) from a copy
-    of the quantized rows made per call: row counts around the groups, each call after a larger
-    or smaller one."""
+    """The AMX path computes whole groups of 16 rows from 32 rows (the rest, and fewer rows, on
+    the VNNI kernel) from a copy of the quantized rows made per call: row counts around the
+    groups and the threshold, each call after a larger or smaller one."""
     qw = _weight("int4", 32, 70, 320, seed=12)
     if fmt == "int4_sym":
         qw.mins = (-8 * qw.scales.float()).half()
     assert quant_gemv.tile_format(qw) == fmt
     x = torch.randn(100, 320, generator=torch.Generator().manual_seed(12))
-    for m in (100, 15, 16, 33, 31, 48, 17, 64):
+    for m in (100, 15, 16, 33, 31, 32, 48, 17, 64):
         rows = x[m % 7 : m % 7 + m]
         amx = quant_gemv.quant_gemv(rows, qw, path="avx512_amx", activation_bits=bits)
         vnni = quant_gemv.quant_gemv(rows, qw, path="avx512_vnni", activation_bits=bits)

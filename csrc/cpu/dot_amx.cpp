@@ -1,6 +1,6 @@
-// AMX tile kernels for the int4 formats (int4, int4_sym, int4_k) on 16 or more activation rows
-// (prefill, large batches): the `avx512_amx` path. Fewer rows, and the other formats, run the
-// avx512_vnni kernels (dot_avx512.cpp).
+// AMX tile kernels for the int4 formats (int4, int4_sym, int4_k) on 32 or more activation rows
+// (prefill, large batches; gemv.cpp's kAmxMinRows): the `avx512_amx` path. Fewer rows, and the
+// other formats, run the avx512_vnni kernels (dot_avx512.cpp).
 //
 // Design. Every integer dot of a block of 32 K is exact however it is summed, so a block's
 // int32 sums from tdpbsud (signed activations x unsigned nibbles) equal the VNNI kernel's;

@@ -201,7 +201,7 @@ enum Path {
   kAvxVnni = 2,
   kAvx512Vnni = 3,
   kNeonDotprod = 4,  // aarch64
-  kAvx512Amx = 5,    // avx512_vnni, with AMX tiles for the int4 formats on 16+ rows
+  kAvx512Amx = 5,    // avx512_vnni, with AMX tiles for the int4 formats on 32+ rows
   kNumPaths = 6
 };
 
