@@ -205,9 +205,9 @@ def test_rows_sharing_a_weight_load_keep_their_own_bits(fmt, group, bits):
 @pytest.mark.parametrize("fmt,group", [*FORMATS, ("int4_sym", 32)])
 def test_tiles_read_together_keep_their_own_bits(fmt, group, bits):
     """At up to 4 rows the x86 kernels read several weight tiles at once (AVX-512 int4 and
-    int8: 8, 4 or 2; the 256-bit kernels: 4 or 2), their blocks interleaved, and a thread's
-    last tiles one by one: 1 to 5 rows of 22 tiles (the last partial) on 1 and 2 threads, into
-    a poisoned out, give the portable path's bits."""
+    int8, and the 256-bit kernels' EVEX build: 8, 4 or 2; AVX2, AVX-VNNI: 4 or 2), their
+    blocks interleaved, and a thread's last tiles one by one: 1 to 5 rows of 22 tiles (the
+    last partial) on 1 and 2 threads, into a poisoned out, give the portable path's bits."""
     n, k = 16 * 21 + 5, 256
     qw = _weight("int4" if fmt == "int4_sym" else fmt, group, n, k, seed=21)
     if fmt == "int4_sym":
