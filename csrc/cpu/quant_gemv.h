@@ -70,7 +70,9 @@
 //   path asked for explicitly that the CPU lacks is an error, never SIGILL.
 // - Threads (gemv.cpp): the N tiles split into contiguous ranges over OpenMP's threads, which
 //   are torch's intra-op threads (the same libgomp, loaded by torch first): no second pool
-//   competing with torch's spinning workers on a small host.
+//   competing with torch's spinning workers on a small host. At up to kRowChunk rows (decode)
+//   the x86 kernels read several of a thread's tiles at once, their blocks interleaved
+//   (TilesFn): one core's prefetchers keep more lines in flight over several streams.
 //
 // Pointers are passed as integers (as the CUDA extension takes them); the Python side
 // (ops/cpu/quant_gemv.py) validates shapes, dtypes and contiguity.
