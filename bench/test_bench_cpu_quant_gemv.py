@@ -10,7 +10,10 @@ M = 1 .. 512, interleaved (each case times all three before the next), one threa
 by default (PAGEDKERN_BENCH_THREADS). Prints microseconds, the tile bytes read per second at
 M = 1 (16-bit activations) beside the copy bandwidth measured in the same run (the ceiling a
 GEMV approaches), and torch / gemv16: where the ratio falls below 1 is the crossover; on a CPU
-whose default path is AMX, vnni16 / gemv16 (the AMX tiles against the VNNI kernels). Full
+whose default path is AMX, vnni16 / gemv16 (the AMX tiles against the VNNI kernels). Those
+weights stay in the cache between calls; test_cpu_gemv_from_dram times a decode's GEMV as a
+model runs it, one row over copies of the weight that pass the last-level cache (a ~1B Q4_0
+model's gate/up and down, Q6_K and Q8_0 heads), beside the copy bandwidth of as many bytes. Full
 sizes with PAGEDKERN_BENCH_CPU=1 (or PAGEDKERN_BENCH_SMOKE=0) on a machine without a GPU; smoke
 mode runs tiny shapes once."""
 
@@ -175,4 +178,51 @@ def test_cpu_quant_gemv(capsys):
             f"{'GB/s':>7s} {'torch/gemv16':>10s} {'gemv16/gemv8':>10s}"
             + (f" {'vnni16/gemv16':>10s}" if AMX else "")
         )
+        print("\n".join(lines))
+
+
+# one row over copies of each weight past DRAM_BYTES: read from DRAM, as a decode reads a model
+DRAM_BYTES = (768 << 20) if FULL else (1 << 18)
+DRAM_SHAPES = (
+    [("gate_up", "q4_0", 8192, 2048), ("down", "q4_0", 2048, 8192),
+     ("lm_head", "q6_k", 49152, 2048), ("lm_head", "q8_0", 49152, 1024)]
+    if FULL else [("tiny", "q4_0", 64, 256), ("tiny", "q6_k", 64, 256)]
+)  # fmt: skip
+
+
+def _copy(weight: QuantizedWeight) -> QuantizedWeight:
+    """weight with its own tensors (and so its own packed tiles, made here)."""
+    mins = None if weight.mins is None else weight.mins.clone()
+    copy = QuantizedWeight(weight.format, weight.shape, weight.qweight.clone(),
+                           weight.scales.clone(), mins, weight.group_size)  # fmt: skip
+    quant_gemv.packed(copy)
+    return copy
+
+
+@pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
+def test_cpu_gemv_from_dram(capsys):
+    torch.set_num_threads(THREADS)
+    lines = []
+    for name, fmt, n, k in DRAM_SHAPES:
+        first = _weight(fmt, torch.randn(n, k))
+        nbytes = quant_gemv.packed(first).numel()
+        copies = [first] + [_copy(first) for _ in range(max(1, DRAM_BYTES // nbytes) - 1)]
+        x = torch.randn(1, k)
+
+        def every_copy(copies=copies, x=x) -> None:
+            for weight in copies:
+                quant_gemv.quant_gemv(x, weight)
+
+        us = best_host_us(every_copy, 1, 3 if FULL else 1) / len(copies)
+        label = f"{name} {fmt} ({quant_gemv.tile_format(first)}) {n}x{k}"
+        lines.append(f"  {label:42s} x{len(copies):<4d} {us:10.1f} {nbytes / us / 1e3:7.1f}")
+        del copies
+    with capsys.disabled():
+        print(
+            f"\nCPU quantized GEMV from DRAM, one row, {THREADS} thread(s), path "
+            f"{quant_gemv.best_path()}, copy bandwidth over {DRAM_BYTES / 2**20:g} MB "
+            f"{host_copy_bandwidth(DRAM_BYTES, 2 if FULL else 1):.1f} GB/s (read + written); "
+            "microseconds a call (best of 3)"
+        )
+        print(f"  {'weight (tiles)':42s} {'copies':5s} {'us':>10s} {'GB/s':>7s}")
         print("\n".join(lines))
