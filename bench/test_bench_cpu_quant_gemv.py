@@ -216,10 +216,8 @@ def test_cpu_gemv_from_dram(capsys):
         us = best_host_us(every_copy, 1, 3 if FULL else 1) / len(copies)
         label = f"{name} {fmt} ({quant_gemv.tile_format(first)}) {n}x{k}"
         lines.append(f"  {label:42s} x{len(copies):<4d} {us:10.1f} {nbytes / us / 1e3:7.1f}")
-        del (
-            copies,
-            every_copy,
-        )  # this shape's copies freed before the next's (the closure holds them)
+        # this shape's copies freed before the next's (the closure holds them too)
+        del copies, every_copy
     with capsys.disabled():
         print(
             f"\nCPU quantized GEMV from DRAM, one row, {THREADS} thread(s), path "
