@@ -70,7 +70,7 @@ def _run_steps(model, variant: str, kernels, grouped=False):
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 @pytest.mark.parametrize("biases", [False, True])
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "bfloat16", "float16"])
 def test_the_decoder_gives_the_layer_loops_bits(
     quantization, biases, kv_dtype, kernels, decoder_runs
 ):
@@ -123,7 +123,7 @@ FAMILIES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "bfloat16", "float16"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["one table", "per-kind tables"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_families_layers_give_the_loops_bits(family, grouped, kv_dtype, kernels, decoder_runs):

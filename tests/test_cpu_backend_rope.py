@@ -1,8 +1,9 @@
 """The CPU backend's rope_and_cache (ops/cpu/rope.py: the C++ call for fp32 rows and caches,
 and the torch ops, each) against reference.rope_and_cache: q, k and the cache pages bit for bit
 (the same products and sums), over odd shapes, q/k/v as views of one fused QKV output and as
-separate tensors, one cache allocation or two, skipped slots, fp8 caches, QK-norm, and a step's
-rows reused by its later layers but never by a call with other positions or slots."""
+separate tensors, one cache allocation or two, skipped slots, bf16, fp16 and fp8 caches,
+QK-norm, and a step's rows reused by its later layers but never by a call with other positions
+or slots."""
 
 from __future__ import annotations
 
@@ -62,14 +63,15 @@ class _Pair:
     ("tokens", "hq", "hkv", "d"),
     [(1, 9, 3, 64), (5, 4, 4, 16), (13, 6, 2, 32), (rope._FEW + 8, 4, 2, 16)],  # host, tensors
 )
-@pytest.mark.parametrize("cache", ["same", "fp8", "separate"])
+@pytest.mark.parametrize("cache", ["same", "fp8", "bfloat16", "float16", "separate"])
 @pytest.mark.parametrize("skipped", [True, False])
 def test_matches_the_reference(fused, tokens, hq, hkv, d, cache, skipped):
     q, k, v, positions, slots = _case(tokens, hq, hkv, d, fused, tokens * hq + d)
     if skipped:
         slots[tokens // 2] = -1  # a row not written
     cos_sin = reference.cos_sin_cache(d, 512)
-    dtype = torch.float8_e4m3fn if cache == "fp8" else torch.float32
+    dtype = {"fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtype = dtype.get(cache, torch.float32)  # (16-bit caches under fp32 rows: K/V rounded)
     scales = dict(k_scale=0.37, v_scale=1.9) if cache == "fp8" else {}
     want_q, want_k, want_v = q.clone(), k.clone(), v.clone()
     want_data, want_kc, want_vc = _caches(hkv, d, dtype)
@@ -230,3 +232,32 @@ def test_the_e4m3_rounding_is_torchs(path):
     bad = (got != want).nonzero().flatten()[:5]
     assert bad.numel() == 0, [(xs[i].item(), got[i].item(), want[i].item()) for i in bad]
     assert module.e4m3_from_float(float("nan")) & 0x7F == 0x7F
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_16_bit_rounding_is_torchs(path, dtype):
+    """csrc/cpu/rope_cache.cpp's bf16 and fp16 conversions against torch's cast on every value
+    of the format, every midpoint between neighbours (ties to even), a hair either side of
+    each, and random values over fp32's range (subnormals, overflow to infinity, signed zeros);
+    NaN stays NaN."""
+    if path == "torch":
+        pytest.skip("the C++ conversion")
+    values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    finite = values[values.isfinite()].unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    hair = mids.abs() * 2**-20 + 2**-140  # (2^-140: a step either side of a zero midpoint)
+    g = torch.Generator().manual_seed(12)
+    spread = torch.randn(20000, generator=g) * torch.exp2(
+        torch.randint(-140, 128, (20000,), generator=g).float()
+    )
+    specials = [0.0, -0.0, float("inf"), float("-inf"), 65504.0, 65520.0, -65520.0, 65519.99]
+    xs = torch.cat([finite, mids, mids + hair, mids - hair, spread, torch.tensor(specials)])
+    xs = xs[~xs.isnan()]  # (inf - inf at the top; torch's own casts write NaN two ways)
+    module = quant_gemv.cpu_module()
+    convert = module.bf16_from_float if dtype == torch.bfloat16 else module.f16_from_float
+    got = torch.tensor([convert(x) for x in xs.tolist()], dtype=torch.int32)
+    want = xs.to(dtype).view(torch.int16).int() & 0xFFFF
+    bad = (got != want).nonzero().flatten()[:5]
+    assert bad.numel() == 0, [(xs[i].item(), got[i].item(), want[i].item()) for i in bad]
+    nan = torch.tensor([convert(float("nan")), convert(-float("nan"))], dtype=torch.int32)
+    assert nan.to(torch.int16).view(dtype).isnan().all()

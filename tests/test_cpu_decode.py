@@ -151,7 +151,7 @@ def test_a_softmax_scale_not_a_power_of_two(lengths, kernels):
     _assert_planned_equals_one_shot(model, lengths, kernels)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "bfloat16", "float16"])
 def test_decode_rows_beside_a_prefill_chunk(kv_dtype, kernels):
     # The engine's batches mix prefill chunks with decode rows: the decode rows' plan then runs
     # beside the prefill's, bit for bit the one-shot ops on the same batch. (Against a
@@ -176,7 +176,7 @@ def test_decode_rows_beside_a_prefill_chunk(kv_dtype, kernels):
     torch.testing.assert_close(rows, decode_only, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "bfloat16", "float16"])
 @pytest.mark.parametrize("lengths", [[37], [5, 40, 17], [20, 20, 20]])
 def test_the_next_step_reuses_the_copy_bit_for_bit(
     lengths, kv_dtype, gathers, kernels, bookkeeping

@@ -197,7 +197,7 @@ def serve_strict(model: str, backend: str, dtype: str, kv_cache_dtype: str):
     return report
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "bfloat16"])
 def test_the_gpu_stage_runs_here_on_the_reference(kv_cache_dtype):
     """The shadow stage's own code path on the CPU: a failure a CPU can show never waits for
     a GPU."""

@@ -49,12 +49,12 @@ void decoder(const DecoderShape& s, const std::vector<DecoderLayer>& layers,
     rope.q_norm = layer.q_norm;
     rope.k_norm = layer.k_norm;
     rope.norm_eps = s.eps;
-    rope.fp8 = s.fp8;
+    rope.cache_dtype = s.cache_dtype;
     rope.k_inv_scale = layer.k_inv_scale;
     rope.v_inv_scale = layer.v_inv_scale;
     rope_cache(rope);
     attention({q, qkv_size, attn, q_size, nullptr, layer.k_cache, layer.v_cache,
-               s.fp8 ? kCacheE4M3 : kCacheF32, s.block_stride, s.head_stride, s.slot_stride,
+               s.cache_dtype, s.block_stride, s.head_stride, s.slot_stride,
                s.num_blocks, s.hq, s.hkv, s.block_size, s.d, tables.block_tables,
                tables.table_stride, t.num_seqs, tables.table_width, t.row_seq, t.row_pos, t.m,
                layer.scale, s.soft_cap, layer.window, layer.sinks, layer.out_scale, t.threads,

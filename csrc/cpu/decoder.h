@@ -3,8 +3,8 @@
 // over the paged cache with the layer's window, sinks and the model's soft-cap (attention.h),
 // then the layer tail with its sandwich norms and activation, or a mixture-of-experts layer's
 // MLP (layer_tail.h, moe_mlp.h). Llama, Mistral, Qwen2/3, Qwen2/3-MoE, Mixtral and Gemma 2/3
-// layers over fp32 or fp8 (E4M3, per-layer scales) caches; a hybrid cache's layers read their
-// group's tables.
+// layers over fp32, bf16, fp16 or fp8 (E4M3, per-layer scales) caches; a hybrid cache's layers
+// read their group's tables.
 //
 // Design: each piece is the function the per-op path calls, in the same order on the same
 // buffers, so the call gives that path's bits (a row's result still depends on its own inputs
@@ -35,7 +35,7 @@ struct DecoderLayer {
   const float* factors;  // [num_positions, 2D] this layer's RoPE rows (rope_cache.h)
   int64_t num_positions;
   int group;      // the KV layer group whose block tables and slots it reads
-  void* k_cache;  // [blocks, Hkv, block_size, D] (Decoder's strides), fp32 or E4M3
+  void* k_cache;  // [blocks, Hkv, block_size, D] (Decoder's strides), of DecoderShape's dtype
   void* v_cache;
   float scale;      // the attention's score scale (an fp8 cache's k_scale in it)
   float out_scale;  // an fp8 cache's v_scale (1: none)
@@ -47,7 +47,7 @@ struct DecoderShape {
   int hq, hkv, d, hidden, intermediate;
   float eps, soft_cap;  // the RMSNorms' epsilon, the attention's soft-cap
   int activation;       // layer_tail.h's Activation
-  bool fp8;             // E4M3 caches (else fp32)
+  int cache_dtype;      // attention.h's CacheDtype
   int64_t block_stride, head_stride, slot_stride, num_blocks;
   int block_size;
   int64_t parallel_min_macs;

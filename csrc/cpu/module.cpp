@@ -235,7 +235,7 @@ PYBIND11_MODULE(_cpu, mod) {
          int64_t num_positions, uintptr_t positions, uintptr_t slots, uintptr_t k_cache,
          uintptr_t v_cache, int64_t block_stride, int64_t head_stride, int64_t slot_stride,
          int64_t num_blocks, int block_size, int threads, uintptr_t q_norm, uintptr_t k_norm,
-         float norm_eps, bool fp8, float k_inv_scale, float v_inv_scale) {
+         float norm_eps, int cache_dtype, float k_inv_scale, float v_inv_scale) {
         RopeCacheArgs args{ptr<float>(q), q_row_stride, ptr<float>(k), k_row_stride,
                                  ptr<const float>(v), v_row_stride, rows, hq, hkv, d,
                                  ptr<const float>(factors), num_positions,
@@ -245,7 +245,7 @@ PYBIND11_MODULE(_cpu, mod) {
         args.q_norm = ptr<const float>(q_norm);
         args.k_norm = ptr<const float>(k_norm);
         args.norm_eps = norm_eps;
-        args.fp8 = fp8;
+        args.cache_dtype = cache_dtype;
         args.k_inv_scale = k_inv_scale;
         args.v_inv_scale = v_inv_scale;
         py::gil_scoped_release release;
@@ -257,9 +257,11 @@ PYBIND11_MODULE(_cpu, mod) {
       py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_stride"),
       py::arg("head_stride"), py::arg("slot_stride"), py::arg("num_blocks"),
       py::arg("block_size"), py::arg("threads"), py::arg("q_norm") = 0, py::arg("k_norm") = 0,
-      py::arg("norm_eps") = 1e-6f, py::arg("fp8") = false, py::arg("k_inv_scale") = 1.0f,
+      py::arg("norm_eps") = 1e-6f, py::arg("cache_dtype") = 0, py::arg("k_inv_scale") = 1.0f,
       py::arg("v_inv_scale") = 1.0f);
   mod.def("e4m3_from_float", &e4m3_from_float, py::arg("x"));
+  mod.def("bf16_from_float", &bf16_from_float, py::arg("x"));
+  mod.def("f16_from_float", &f16_from_float, py::arg("x"));
   // one layer's MLP: its stacked experts as tiles, its router and shared expert, if any
   py::class_<MoeMlp, std::shared_ptr<MoeMlp>>(mod, "MoeMlp")
       .def(py::init([](const std::vector<LinearTuple>& gate_up,
@@ -339,13 +341,14 @@ PYBIND11_MODULE(_cpu, mod) {
   };
   py::class_<Decoder>(mod, "Decoder")
       .def(py::init([](const std::vector<py::dict>& layers, int hq, int hkv, int d, int hidden,
-                       int intermediate, float eps, float soft_cap, int activation, bool fp8,
+                       int intermediate, float eps, float soft_cap, int activation,
+                       int cache_dtype,
                        int64_t block_stride, int64_t head_stride, int64_t slot_stride,
                        int64_t num_blocks, int block_size, int64_t parallel_min_macs) {
              auto decoder = std::make_unique<Decoder>();
              decoder->shape = {hq,           hkv,         d,           hidden,
                                intermediate, eps,         soft_cap,    activation,
-                               fp8,          block_stride, head_stride, slot_stride,
+                               cache_dtype,  block_stride, head_stride, slot_stride,
                                num_blocks,   block_size,  parallel_min_macs};
              // a layer: ops/cpu/decoder.py's dict of weight tuples, addresses (0: none), ints
              for (const py::dict& layer : layers) {
@@ -373,7 +376,7 @@ PYBIND11_MODULE(_cpu, mod) {
            }),
            py::kw_only(), py::arg("layers"), py::arg("hq"), py::arg("hkv"), py::arg("d"),
            py::arg("hidden"), py::arg("intermediate"), py::arg("eps"), py::arg("soft_cap"),
-           py::arg("activation"), py::arg("fp8"), py::arg("block_stride"),
+           py::arg("activation"), py::arg("cache_dtype"), py::arg("block_stride"),
            py::arg("head_stride"), py::arg("slot_stride"), py::arg("num_blocks"),
            py::arg("block_size"), py::arg("parallel_min_macs"))
       .def(

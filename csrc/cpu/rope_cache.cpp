@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "attention.h"  // CacheDtype
 #include "parallel.h"
 #include "rms.h"
 
@@ -36,7 +37,45 @@ void store_e4m3(uint8_t* out, const float* x, float inv, int d) {
   }
 }
 
+// d values as 16 bits (bf16_from_float or f16_from_float)
+template <uint16_t (*Round)(float)>
+void store_16(uint16_t* out, const float* x, int d) {
+  for (int c = 0; c < d; ++c) out[c] = Round(x[c]);
+}
+
+uint32_t bits_of(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+
+float float_of(uint32_t bits) {
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
 }  // namespace
+
+uint16_t bf16_from_float(float x) {
+  if (std::isnan(x)) return 0x7FC0;
+  const uint32_t bits = bits_of(x);
+  return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// The FP16 library's fp16_ieee_from_fp32_value (torch's c10::Half): the float adds round the
+// mantissa to nearest even at fp16's precision, subnormals included; overflow scales to inf.
+uint16_t f16_from_float(float x) {
+  const float scale_to_inf = 0x1.0p+112f, scale_to_zero = 0x1.0p-110f;
+  float base = (std::fabs(x) * scale_to_inf) * scale_to_zero;
+  const uint32_t w = bits_of(x), shl1_w = w + w, sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = float_of((bias >> 1) + 0x07800000u) + base;
+  const uint32_t b = bits_of(base);
+  const uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
+  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
 
 uint8_t e4m3_from_float(float x) {
   uint32_t bits;
@@ -62,6 +101,9 @@ void rope_cache(const RopeCacheArgs& a) {
                                 std::to_string(a.d));
   if ((a.q_norm == nullptr) != (a.k_norm == nullptr))
     throw std::invalid_argument("rope_cache: q_norm and k_norm come together");
+  if (a.cache_dtype < kCacheF32 || a.cache_dtype > kCacheE4M3)
+    throw std::invalid_argument("rope_cache: unknown cache dtype code " +
+                                std::to_string(a.cache_dtype));
   const int64_t slots = a.num_blocks * a.block_size;
   for (int t = 0; t < a.rows; ++t) {
     if (a.positions[t] < 0 || a.positions[t] >= a.num_positions)
@@ -90,12 +132,23 @@ void rope_cache(const RopeCacheArgs& a) {
       const float* v = a.v + t * a.v_row_stride;
       for (int h = 0; h < a.hkv; ++h) {
         const int64_t to = at + h * a.head_stride;
-        if (a.fp8) {
-          store_e4m3(static_cast<uint8_t*>(a.k_cache) + to, k + h * a.d, a.k_inv_scale, a.d);
-          store_e4m3(static_cast<uint8_t*>(a.v_cache) + to, v + h * a.d, a.v_inv_scale, a.d);
-        } else {
-          std::memcpy(static_cast<float*>(a.k_cache) + to, k + h * a.d, a.d * sizeof(float));
-          std::memcpy(static_cast<float*>(a.v_cache) + to, v + h * a.d, a.d * sizeof(float));
+        const float *kh = k + h * a.d, *vh = v + h * a.d;
+        switch (a.cache_dtype) {
+          case kCacheE4M3:
+            store_e4m3(static_cast<uint8_t*>(a.k_cache) + to, kh, a.k_inv_scale, a.d);
+            store_e4m3(static_cast<uint8_t*>(a.v_cache) + to, vh, a.v_inv_scale, a.d);
+            break;
+          case kCacheBF16:
+            store_16<bf16_from_float>(static_cast<uint16_t*>(a.k_cache) + to, kh, a.d);
+            store_16<bf16_from_float>(static_cast<uint16_t*>(a.v_cache) + to, vh, a.d);
+            break;
+          case kCacheF16:
+            store_16<f16_from_float>(static_cast<uint16_t*>(a.k_cache) + to, kh, a.d);
+            store_16<f16_from_float>(static_cast<uint16_t*>(a.v_cache) + to, vh, a.d);
+            break;
+          default:
+            std::memcpy(static_cast<float*>(a.k_cache) + to, kh, a.d * sizeof(float));
+            std::memcpy(static_cast<float*>(a.v_cache) + to, vh, a.d * sizeof(float));
         }
       }
     }

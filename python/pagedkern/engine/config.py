@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..model.kv_cache import KV_CACHE_DTYPES
 from .validation import (
     INT32_MAX,
     ParameterTypeError,
@@ -121,7 +122,9 @@ class EngineConfig:
         "the GGUF's own precision: int4 with 4-bit layers, int8 with Q8_0 / Q6_K ones; else none)",
     )
     kv_cache_dtype: str = _setting(
-        "auto", "KV cache dtype: auto (the model's dtype) or fp8 (E4M3, per-layer scales)"
+        "auto",
+        "KV cache dtype: auto (the model's dtype), fp8 (E4M3, per-layer scales), or bfloat16 / "
+        "float16 (on the CPU: half the bytes of its float32 cache, K and V rounded to nearest)",
     )
     async_scheduling: bool = _setting(
         False,
@@ -179,8 +182,11 @@ class EngineConfig:
             raise ParameterTypeError(f"model must be a string or None, got {self.model!r}")
         if self.quantization not in (None, "none", "int8", "int4"):
             raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.device is not None and not isinstance(self.device, (str, torch.device)):

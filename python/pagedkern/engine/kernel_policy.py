@@ -83,7 +83,7 @@ def decode_graphs(
                 "back to the host, which CUDA-graph capture forbids"
             )
         return bool(requested)
-    kv_dtype = support.FP8_KV_DTYPE if kv_cache_dtype == "fp8" else None
+    kv_dtype = {"auto": None, "fp8": support.FP8_KV_DTYPE}.get(kv_cache_dtype, kv_cache_dtype)
     decisions = support.model_support(dtype, head_dim, block_size, vocab, kv_dtype, attention, moe)
     missing = {op: d.reason for op, d in decisions.items() if not d.supported}
     if backend == "cuda" and missing:

@@ -17,10 +17,30 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ops.cpu import huge_pages
 from .config import SLIDING, ModelConfig
 
 FP8 = torch.float8_e4m3fn
-KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's activation dtype
+# auto: the model's activation dtype; bfloat16 / float16: half the bytes of float32 activations
+KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16")
+
+
+def kv_element(kv_cache_dtype: str, activations: torch.dtype) -> torch.dtype:
+    """The cache element of a kv_cache_dtype for a model of these activations. A 16-bit cache
+    holds float32 activations' K/V rounded (to nearest even) or 16-bit activations' own."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return activations
+    if kv_cache_dtype == "fp8":
+        return FP8
+    element = getattr(torch, kv_cache_dtype)
+    if activations not in (torch.float32, element):
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype} with {activations} activations: a 16-bit cache "
+            "holds float32 activations or its own dtype's (use auto)"
+        )
+    return element
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,4 +188,8 @@ def allocate_kv_cache(
         block_size,
         config.head_dim,
     )
-    return KVCache(torch.zeros(shape, dtype=dtype, device=device), scales, groups)
+    if torch.device(device).type == "cpu":  # read in page-sized runs: huge pages spare the TLB
+        data = huge_pages.zeros(shape, dtype)
+    else:
+        data = torch.zeros(shape, dtype=dtype, device=device)
+    return KVCache(data, scales, groups)

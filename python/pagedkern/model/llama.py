@@ -33,7 +33,7 @@ from ..ops.index_checks import check_rope_indices
 from .attention_metadata import AttentionMetadata
 from .collectives import SINGLE, Collectives
 from .config import ModelConfig
-from .kv_cache import FP8, KV_CACHE_DTYPES, KVCache, KVLayerGroups, allocate_kv_cache
+from .kv_cache import FP8, KVCache, KVLayerGroups, allocate_kv_cache, kv_element
 from .linear import LogitsProjection, linear
 from .moe import moe_mlp
 from .quantized_linear import QuantizedWeight
@@ -61,10 +61,6 @@ class LlamaModel:
         tp: Collectives = SINGLE,
         local: ModelConfig | None = None,
     ):
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
-            )
         self.config = config
         self.tp = tp
         self.local = local or config  # this rank's heads, intermediate and vocabulary rows
@@ -75,7 +71,7 @@ class LlamaModel:
         self.dtype = weights.norm.dtype  # activations; linear weights may be quantized
         self.quantization = weights.quantization
         self.kv_cache_dtype = kv_cache_dtype
-        self.kv_dtype = FP8 if kv_cache_dtype == "fp8" else self.dtype  # KV cache elements
+        self.kv_dtype = kv_element(kv_cache_dtype, self.dtype)  # KV cache elements
         self._kv_scales: list[tuple[float, float]] | None = None  # fp8: calibrated once
         self._kv_amax: list[tuple[float, float]] | None = None  # collects |k|, |v| maxima
         self.max_positions = max_positions or config.max_position_embeddings

@@ -30,17 +30,22 @@ def check_heads(a: ArrayView, tokens: int, head_dim: int) -> None:
 
 
 FP8_KV_DTYPE = "float8_e4m3fn"  # = support.FP8_KV_DTYPE
+# a cache of half the bytes under float32 activations (the CPU backend's --kv-cache-dtype)
+NARROW_KV_DTYPES = ("bfloat16", "float16")
 
 
 def check_kv_cache(
     cache: ArrayView, like: ArrayView, num_kv_heads: int, head_dim: int, fp8: bool = False
 ) -> None:
-    """[num_blocks, Hkv, block_size, D] pages, contiguous, in the dtype of `like`, or (fp8:
-    ops that read and write E4M3 caches) float8_e4m3fn."""
+    """[num_blocks, Hkv, block_size, D] pages, contiguous, in the dtype of `like`, bfloat16 or
+    float16 under a float32 `like`, or (fp8: ops that read and write E4M3 caches)
+    float8_e4m3fn."""
     check_ndim(cache, 4)
     check_shape(cache, (None, num_kv_heads, None, head_dim))
-    if cache.dtype != like.dtype and not (fp8 and cache.dtype == FP8_KV_DTYPE):
-        also = f" or {FP8_KV_DTYPE}" if fp8 else ""
+    narrow = like.dtype == "float32" and cache.dtype in NARROW_KV_DTYPES
+    if cache.dtype != like.dtype and not narrow and not (fp8 and cache.dtype == FP8_KV_DTYPE):
+        also = " (or bfloat16, float16 under float32)"
+        also += f" or {FP8_KV_DTYPE}" if fp8 else ""
         raise TypeError(f"{cache.describe()} must have the dtype of {like.describe()}{also}")
     check_contiguous(cache)
 

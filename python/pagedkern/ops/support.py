@@ -41,7 +41,13 @@ def _dtype(dtype: str, allowed: tuple[str, ...]) -> KernelSupport | None:
 
 
 def _kv_cache(dtype: str, kv_dtype: str | None) -> KernelSupport | None:
-    """An fp8 (E4M3) cache: the kernels read and write it for float16/bfloat16 activations."""
+    """Caches of the activations' dtype; an fp8 (E4M3) cache: the kernels read and write it for
+    float16/bfloat16 activations."""
+    if kv_dtype not in (None, dtype, FP8_KV_DTYPE):
+        return KernelSupport(
+            False, f"a {kv_dtype} KV cache with {dtype} activations (the kernels read caches "
+            "of the activations' dtype or fp8)",
+        )  # fmt: skip
     if kv_dtype == FP8_KV_DTYPE and dtype not in HALF_DTYPES:
         return KernelSupport(
             False, f"an fp8 (E4M3) KV cache with {dtype} activations (the kernel covers "

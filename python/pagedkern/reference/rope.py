@@ -65,13 +65,14 @@ def rope_and_cache(
 
     q: [T, Hq, D]; k, v: [T, Hkv, D] (views into a fused QKV output are fine);
     positions: [T] int; cos_sin: [max_positions, D] float32 from `cos_sin_cache`;
-    k_cache, v_cache: [num_blocks, Hkv, block_size, D] (HND pages), dtype of k or
-    float8_e4m3fn; slot_mapping: [T] int, slot = block * block_size + offset, -1 = do not write
-    this token.
+    k_cache, v_cache: [num_blocks, Hkv, block_size, D] (HND pages), dtype of k, a 16-bit dtype
+    under float32 k, or float8_e4m3fn; slot_mapping: [T] int, slot = block * block_size +
+    offset, -1 = do not write this token.
 
     Rotate-half: with x = [x1, x2] split at D/2 and (cos, sin) = cos_sin[position],
-    x' = [x1 cos - x2 sin, x2 cos + x1 sin], computed in fp32, rounded once into q and k. A
-    16-bit cache receives the rotated k as stored in k. An fp8 (E4M3) cache receives
+    x' = [x1 cos - x2 sin, x2 cos + x1 sin], computed in fp32, rounded once into q and k. A cache
+    of k's dtype receives the rotated k as stored in k; a 16-bit cache under float32 k receives
+    k and v rounded to it (to nearest even, as torch casts). An fp8 (E4M3) cache receives
     `quantize_e4m3(x', k_scale)` of the fp32 rotation (before its rounding to k's dtype) and
     `quantize_e4m3(v, v_scale)`: the stored values are k / k_scale and v / v_scale (the cache's
     per-layer scales, KVCache.scales; default 1), which attention dequantizes (paged_attention's
@@ -97,5 +98,5 @@ def rope_and_cache(
         )
         v_cache[blocks, :, offsets] = quantize_e4m3(v[keep], 1.0 if v_scale is None else v_scale)
     else:
-        k_cache[blocks, :, offsets] = k[keep]
-        v_cache[blocks, :, offsets] = v[keep]
+        k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)
+        v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)

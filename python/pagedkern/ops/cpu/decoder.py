@@ -8,10 +8,11 @@ loop's bits; it removes the Python between them (at batch 1 on SmolLM2-135M, ~40
 token's time on a 2-vCPU host). A model runs it where every layer has a shape it computes:
 int4/int8 QKV (a fused QKV weight), the fused layer tail's shape (layer_tail.runs: SiLU or
 GeGLU, sandwich norms or none; a MoE layer's MLP where moe_quant.layer_mlp takes it),
-per-head QK-norm or none, any sliding windows, attention sinks and soft-cap, an fp32 or fp8
-(E4M3, per-layer scales) cache (a hybrid cache's layer groups read their own tables), the
-attention kernel selected (cpu_attention:kernel) and C++-built: Llama, Mistral, Qwen2/3,
-Qwen2/3-MoE, Mixtral, OLMoE-shaped MoE without its whole-projection QK-norm, and Gemma 2/3.
+per-head QK-norm or none, any sliding windows, attention sinks and soft-cap, an fp32, bf16,
+fp16 or fp8 (E4M3, per-layer scales) cache (a hybrid cache's layer groups read their own
+tables), the attention kernel selected (cpu_attention:kernel) and C++-built: Llama, Mistral,
+Qwen2/3, Qwen2/3-MoE, Mixtral, OLMoE-shaped MoE without its whole-projection QK-norm, and
+Gemma 2/3.
 Whether it runs is fixed per model, cache and variants, never per batch.
 `PAGEDKERN_KERNELS=cpu_decoder:layers` runs the layer loop instead.
 """
@@ -77,7 +78,7 @@ class CpuDecoder:
         k0 = kv_cache.layers[0][0]
         fits = (
             _plain(c, layers)
-            and k0.dtype in (torch.float32, torch.float8_e4m3fn)
+            and k0.dtype in attention_kernel.CACHE_DTYPES
             and k0.stride(3) == 1
             and c.head_dim % 8 == 0
             and c.head_dim <= 512
@@ -122,7 +123,7 @@ class CpuDecoder:
             layers=made, hq=c.num_heads, hkv=c.num_kv_heads, d=c.head_dim,
             hidden=c.hidden_size, intermediate=c.intermediate_size, eps=c.rms_norm_eps,
             soft_cap=c.attn_soft_cap or 0.0, activation=module_args.ACTIVATIONS[c.hidden_act],
-            fp8=k0.dtype == torch.float8_e4m3fn, block_stride=k0.stride(0),
+            cache_dtype=attention_kernel.CACHE_DTYPES[k0.dtype], block_stride=k0.stride(0),
             head_stride=k0.stride(1), slot_stride=k0.stride(2), num_blocks=k0.shape[0],
             block_size=k0.shape[2], parallel_min_macs=quant_gemv.PARALLEL_MIN_MACS,
         )  # fmt: skip

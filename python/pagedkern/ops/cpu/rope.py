@@ -12,11 +12,12 @@ index_copy_ where the caches are the two halves of one layer's [2, blocks, Hkv, 
 model's KVCache), through a view whose rows are the slots (row b * Hkv * bs + offset: the
 view's rows overlap, each slot's heads sit a block row apart).
 
-fp32 rows over an fp32 or fp8 cache (the CPU default, and --kv-cache-dtype fp8) take one C++
-call a layer instead (csrc/cpu/rope_cache.cpp): the same products and sums, and the fp8 write's
-product, clamp and rounding, so the same bits (QK-norm there too, in csrc/cpu/rms.h's fixed
-order: not torch.rms_norm's bits, ~1e-7 apart); the torch ops above run the rest
-(half-precision rows, bf16 caches) and wherever pagedkern._cpu is not built.
+fp32 rows over an fp32, bf16, fp16 or fp8 cache (the CPU default, and --kv-cache-dtype
+bfloat16, float16, fp8) take one C++ call a layer instead (csrc/cpu/rope_cache.cpp): the same
+products and sums, the 16-bit casts' rounding, and the fp8 write's product, clamp and rounding,
+so the same bits (QK-norm there too, in csrc/cpu/rms.h's fixed order: not torch.rms_norm's
+bits, ~1e-7 apart); the torch ops above run the rest (half-precision rows) and wherever
+pagedkern._cpu is not built.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from ...reference.rope import quantize_e4m3
 from . import quant_gemv
-from .attention_kernel import dense_fp32_heads
+from .attention_kernel import CACHE_DTYPES, dense_fp32_heads
 from .layer_tail import address, fp32_vector
 from .norm import rms_norm
 
@@ -193,8 +194,9 @@ def rope_and_cache(
         raise ValueError("k_scale and v_scale apply to an fp8 (float8_e4m3fn) cache only")
     if q.shape[0] and _in_cpp(q, k, v, k_cache, v_cache, q_norm, k_norm):
         options = {} if q_norm is None else dict(q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps)
+        options.update(cache_dtype=CACHE_DTYPES[k_cache.dtype])
         if fp8:
-            options.update(fp8=True, k_inv_scale=inverse(k_scale), v_inv_scale=inverse(v_scale))
+            options.update(k_inv_scale=inverse(k_scale), v_inv_scale=inverse(v_scale))
         _rope_cache_cpp(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, **options)
         return
     if q_norm is not None:  # in place, as the kernel: the heads normalised, then rotated
@@ -216,9 +218,12 @@ def rope_and_cache(
     else:
         _rotate(q, rows.factors)
         k_rotated = _rotate(k, rows.factors)
+    narrow = not fp8 and k_cache.dtype != k.dtype  # a 16-bit cache under fp32 rows
     if fp8:
         k_new = quantize_e4m3(k_rotated, 1.0 if k_scale is None else k_scale)
         v_new = quantize_e4m3(v, 1.0 if v_scale is None else v_scale)
+    elif narrow:
+        k_new, v_new = k.to(k_cache.dtype), v.to(k_cache.dtype)
     else:
         k_new, v_new = k, v
     if rows.keep is not None:
@@ -227,12 +232,12 @@ def rope_and_cache(
         dense, step = _cache_layout(k_cache, v_cache)
         if dense:
             slot_rows = rows.cache_rows(k_cache.shape[1])
-            if step is not None and (fused or _adjacent(k, v)):  # one store into both caches
+            if step is not None and not narrow and (fused or _adjacent(k, v)):  # one store
                 kv = k.as_strided((2, *k.shape), (k.shape[1] * k.shape[2], *k.stride()))
                 _slot_rows(k_cache, step).index_copy_(1, slot_rows, kv)
                 return
-            _slot_rows(k_cache).index_copy_(0, slot_rows, k)
-            _slot_rows(v_cache).index_copy_(0, slot_rows, v)
+            _slot_rows(k_cache).index_copy_(0, slot_rows, k_new)
+            _slot_rows(v_cache).index_copy_(0, slot_rows, v_new)
             return
     blocks, offsets = rows.blocks_offsets()
     k_cache[blocks, :, offsets] = k_new
@@ -308,14 +313,14 @@ def _pair_step(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
 
 
 def _in_cpp(q, k, v, k_cache, v_cache, q_norm=None, k_norm=None) -> bool:
-    """Whether csrc/cpu/rope_cache.cpp runs this call: fp32 rows (heads dense) and an fp32 or
-    fp8 (E4M3) cache of one layout for k and v, QK-norm weights (if any) fp32 [D], the module
-    built."""
+    """Whether csrc/cpu/rope_cache.cpp runs this call: fp32 rows (heads dense) and a cache of a
+    dtype the module writes (fp32, bf16, fp16, fp8 E4M3), one layout for k and v, QK-norm
+    weights (if any) fp32 [D], the module built."""
     return (
         fp32_vector(q_norm, q.shape[2])
         and fp32_vector(k_norm, q.shape[2])
         and k_cache.dtype == v_cache.dtype
-        and k_cache.dtype in (torch.float32, torch.float8_e4m3fn)
+        and k_cache.dtype in CACHE_DTYPES
         and k_cache.stride() == v_cache.stride()
         and k_cache.stride(3) == 1
         and q.shape[2] <= 512
@@ -349,7 +354,8 @@ def _rope_cache_cpp(
     norm_eps: float = 1e-6,
     **fp8,
 ) -> None:
-    """fp8: fp8=True, k_inv_scale and v_inv_scale (inverse()) for an E4M3 cache."""
+    """fp8: cache_dtype (attention_kernel.CACHE_DTYPES), and an E4M3 cache's k_inv_scale and
+    v_inv_scale (inverse())."""
     key = (id(positions), id(slot_mapping))
     found = _step_indices.get(key)
     if found is None or found[0] is not positions or found[1] is not slot_mapping:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from ... import __version__
 from ...engine import EngineConfig, engine_fields
+from ...engine.config import KV_CACHE_DTYPES
 from ..http.settings import LOG_LEVELS, ServerSettings
 from ..tools import ALIASES as TOOL_PARSER_ALIASES
 from ..tools import REASONING_PARSERS, TOOL_PARSERS
@@ -146,7 +147,7 @@ def build_parser() -> Parser:
     )
     e.add_argument(
         "--kv-cache-dtype",
-        choices=("auto", "fp8"),
+        choices=KV_CACHE_DTYPES,
         default=field_default(EngineConfig, "kv_cache_dtype"),
         help=_field_help(EngineConfig, "kv_cache_dtype", "KV cache dtype"),
     )
