@@ -1,5 +1,6 @@
 """pagedkern on the CPU against llama.cpp on the same GGUF with the same thread count: decode at
-batch 1 (llama-bench's tg128), prefill of 512 / 2048 / 4000 tokens (pp512 ...), and 16 streams
+batch 1 (llama-bench's tg128), decode of 32 tokens after a 4000-token prompt (tg32 @ d4000:
+attention over a deep cache), prefill of 512 / 2048 / 4000 tokens (pp512 ...), and 16 streams
 of a 48-token prompt and 32 new tokens (llama-batched-bench -npp 48 -ntg 32 -npl 16, its total
 tokens per second). pagedkern runs in process on the "cpu" backend and, beside it, on the
 "reference" backend (what the CPU ran before the CPU backend); the prefix cache is off.
@@ -15,7 +16,9 @@ decode token is bound by memory bandwidth rather than per-op dispatch, of Qwen3-
 head size 128) and of 4 layers of Qwen3-30B-A3B (128 experts, top 8); `-k smollm2` / `-k
 llama_1b` / `-k qwen3_06b` / `-k qwen3_moe` picks one. PAGEDKERN_BENCH_THREADS:
 threads for both (default: all CPUs); PAGEDKERN_BENCH_PREFILLS (default 512,2048,4000; empty:
-no prefill) and PAGEDKERN_BENCH_BACKENDS (default cpu,reference) narrow a run.
+no prefill), PAGEDKERN_BENCH_DEPTHS (default 4000; empty: none) and PAGEDKERN_BENCH_BACKENDS
+(default cpu,reference) narrow a run; PAGEDKERN_BENCH_KV_CACHE_DTYPE sets pagedkern's KV cache
+(default auto: fp32 on the CPU; llama.cpp's is f16, the bytes of float16).
 Full sizes with PAGEDKERN_BENCH_SMOKE=0 (or PAGEDKERN_BENCH_CPU=1) on a machine without a GPU;
 smoke mode runs the tiny synthetic model once on short inputs (numbers meaningless, llama.cpp
 not run)."""
@@ -43,7 +46,11 @@ THREADS = int(os.environ.get("PAGEDKERN_BENCH_THREADS", os.cpu_count() or 1))
 ROUNDS = int(os.environ.get("PAGEDKERN_BENCH_ROUNDS", 2)) if FULL else 1
 _LENGTHS = os.environ.get("PAGEDKERN_BENCH_PREFILLS", "512,2048,4000")
 PREFILLS = tuple(int(n) for n in _LENGTHS.split(",") if n.strip()) if FULL else (24,)
+_DEPTHS = os.environ.get("PAGEDKERN_BENCH_DEPTHS", "4000")
+DEPTHS = tuple(int(n) for n in _DEPTHS.split(",") if n.strip()) if FULL else (24,)
 DECODE = 128 if FULL else 8
+DEPTH_DECODE = 32 if FULL else 4
+KV_CACHE_DTYPE = os.environ.get("PAGEDKERN_BENCH_KV_CACHE_DTYPE", "auto")
 STREAMS, STREAM_PROMPT, STREAM_NEW = (16, 48, 32) if FULL else (4, 8, 4)
 BACKENDS = tuple(os.environ.get("PAGEDKERN_BENCH_BACKENDS", "cpu,reference").split(","))
 
@@ -93,8 +100,8 @@ def _engine(backend: str, gguf: str | None) -> Engine:
     config = EngineConfig(
         model=model, backend=backend, device="cpu", enable_prefix_caching=False,
         max_num_seqs=max(STREAMS, 1),
-        max_model_len=max(PREFILLS, default=STREAM_PROMPT + STREAM_NEW) + DECODE + 16,
-        max_num_batched_tokens=2048, kv_cache_gib=1.0,
+        max_model_len=max((*PREFILLS, *DEPTHS, STREAM_PROMPT + STREAM_NEW)) + DECODE + 16,
+        max_num_batched_tokens=2048, kv_cache_gib=1.0, kv_cache_dtype=KV_CACHE_DTYPE,
     )  # fmt: skip
     return Engine.from_config(config)
 
@@ -125,6 +132,17 @@ def _decode_tps(engine: Engine, salt: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def _depth_decode_tps(engine: Engine, depth: int, salt: int) -> float:
+    """Tokens per second of DEPTH_DECODE tokens after a `depth`-token prompt (its prefill and
+    first token not timed), as llama-bench's tg @ d."""
+    engine.add_request(prompt_ids=_prompt(depth, salt), params=_greedy(DEPTH_DECODE + 1))
+    while not any(out.token_ids for out in engine.step()):
+        pass
+    start = time.perf_counter()
+    tokens = sum(len(out.token_ids) for out in engine.run_until_done())
+    return tokens / (time.perf_counter() - start)
+
+
 def _streams_tps(engine: Engine, salt: int) -> float:
     """llama-batched-bench's S: (prompt + new tokens) x streams / the whole batch's time."""
     for i in range(STREAMS):
@@ -142,10 +160,10 @@ def _greedy(n: int) -> SamplingParams:
 # --- llama.cpp, as subprocesses ----------------------------------------------------------------
 
 
-def _llama_bench(binary: Path, gguf: str, prompt: int, gen: int) -> float:
+def _llama_bench(binary: Path, gguf: str, prompt: int, gen: int, depth: int = 0) -> float:
     cmd = [
         str(binary / "llama-bench"), "-m", gguf, "-t", str(THREADS), "-p", str(prompt),
-        "-n", str(gen), "-r", "1", "-o", "json",
+        "-n", str(gen), "-d", str(depth), "-r", "1", "-o", "json",
     ]  # fmt: skip
     rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     return float(rows[0]["avg_ts"])
@@ -170,6 +188,11 @@ def _measures() -> dict[str, tuple]:
             _decode_tps, lambda b, g: _llama_bench(b, g, 0, DECODE),
         ),
     }  # fmt: skip
+    for d in DEPTHS:
+        table[f"decode after {d} (tg{DEPTH_DECODE} @ d{d})"] = (
+            lambda e, s, d=d: _depth_decode_tps(e, d, s),
+            lambda b, g, d=d: _llama_bench(b, g, 0, DEPTH_DECODE, d),
+        )
     for n in PREFILLS:
         table[f"prefill {n} (pp{n})"] = (
             lambda e, s, n=n: _prefill_tps(e, n, s),
@@ -207,14 +230,15 @@ def test_cpu_vs_llamacpp(model, capsys):
     with capsys.disabled():
         model = gguf or "synthetic:tiny (smoke)"
         print(f"\npagedkern vs llama.cpp, {Path(model).name}, {THREADS} threads, tokens/s")
+        print(f"  (pagedkern's KV cache: {KV_CACHE_DTYPE}; llama.cpp's: its default, f16)")
         load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
         print(f"  (best of {ROUNDS} interleaved rounds; {load})")
-        head = f"  {'measure':30s}" + "".join(f" {b:>10s}" for b in BACKENDS)
+        head = f"  {'measure':34s}" + "".join(f" {b:>10s}" for b in BACKENDS)
         head += f" {'llama.cpp':>10s} {'cpu/llama':>10s}" if binary else " (no LLAMA_CPP_BIN)"
         both = "cpu" in BACKENDS and "reference" in BACKENDS
         print(head + (f" {'cpu/ref':>8s}" if both else ""))
         for name in _measures():
-            line = f"  {name:30s}" + "".join(f" {best[name, b]:10.1f}" for b in BACKENDS)
+            line = f"  {name:34s}" + "".join(f" {best[name, b]:10.1f}" for b in BACKENDS)
             if binary:
                 theirs = best[name, "llama.cpp"]
                 line += f" {theirs:10.1f} {best[name, BACKENDS[0]] / theirs:9.2f}x"
