@@ -5,7 +5,7 @@ slots; values within LOGITS_ATOL + KV_RTOL relative).
 One TP group per model (module-scoped): tiny at TP = 2 (KV heads split 2 -> 1 per rank), an HF
 folder with 6 query heads and 1 KV head at TP = 3 (KV replicated, biases, uneven vocabulary
 shards), the default model (SmolLM2-135M GGUF, 9/3 heads, in fp32) at 3 (`slow`), and a tiny
-Gemma 2 (test_model_gemma's) at 2.
+Gemma 2 (test_model_gemma's) at 2; tiny again over a float16 cache.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ CASES = {
     "mqa-tp3": ("mqa", 3),
     "smollm2-tp3": (None, 3),
     "gemma2-tp2": ("gemma2", 2),  # sandwich norms, soft-caps and windows on each rank's heads
+    "tiny-tp2-float16-kv": ("synthetic:tiny", 2),  # a 16-bit cache under fp32 activations
 }
 # fp32 weights for the default model too: its CPU int4 GEMM runs bf16 activations, whose output
 # rounding TP moves (each rank rounds its partial sum), so only fp32 can match token for token.
@@ -59,9 +60,13 @@ def engines(request, tmp_path_factory):
         _hf_model("gemma2").save_pretrained(folder, safe_serialization=True)
         write_tokenizer(folder)
         spec = str(folder)
-    settings = dict(SETTINGS, quantization="none")
+    kv = "float16" if request.param.endswith("float16-kv") else "auto"
+    settings = dict(SETTINGS, quantization="none", kv_cache_dtype=kv)
     # TP runs one block table for all layers: so does its reference (same blocks, same slots)
     reference = LLM(spec, kv_per_kind_tables=False, **settings)
+    assert reference.engine.kv_cache.data.dtype == (
+        torch.float16 if kv == "float16" else torch.float32
+    )
     with LLM(spec, tensor_parallel_size=size, **settings) as parallel:
         yield reference, parallel, size
 
@@ -92,9 +97,11 @@ def test_greedy_logits_and_kv_shards_match_tp1(engines):
     config = reference.engine.model.config
     for rank, cache in enumerate(caches):
         heads = list(kv_heads_of_rank(config, rank, size))
-        assert cache.shape[3] == len(heads)
+        assert cache.shape[3] == len(heads) and cache.dtype == full.dtype
         assert cache.abs().sum() > 0
-        torch.testing.assert_close(cache, full[:, :, :, heads], atol=LOGITS_ATOL, rtol=KV_RTOL)
+        # (a 16-bit cache: a value TP's fp32 sums move across a rounding boundary is one unit)
+        rtol = max(KV_RTOL, torch.finfo(cache.dtype).eps)
+        torch.testing.assert_close(cache, full[:, :, :, heads], atol=LOGITS_ATOL, rtol=rtol)
 
 
 def test_seeded_sampling_matches_tp1(engines):
