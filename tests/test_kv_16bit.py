@@ -126,7 +126,7 @@ def test_the_model_over_a_16_bit_cache_stays_near_fp32(dtype):
         assert not got.isnan().any()
     torch.testing.assert_close(results["cpu"], results["reference"], rtol=1e-4, atol=1e-4)
     error = (results["cpu"] - results["fp32"]).norm() / results["fp32"].norm()
-    bound = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    bound = 1e-2 if dtype == torch.bfloat16 else 2e-3  # (measured 3.7e-3, 4.8e-4)
     assert 0 < error < bound
 
 
