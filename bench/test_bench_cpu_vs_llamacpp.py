@@ -122,22 +122,12 @@ def _prefill_tps(engine: Engine, n: int, salt: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _decode_tps(engine: Engine, salt: int) -> float:
-    """Tokens per second of DECODE tokens after a one-token prompt (batch 1)."""
-    engine.add_request(prompt_ids=_prompt(1, salt), params=_greedy(DECODE + 1))
+def _decode_tps(engine: Engine, salt: int, depth: int = 1, tokens: int = DECODE) -> float:
+    """Tokens per second of `tokens` decoded at batch 1 after a `depth`-token prompt (its
+    prefill and first token not timed; depth > 1: llama-bench's tg @ d)."""
+    engine.add_request(prompt_ids=_prompt(depth, salt), params=_greedy(tokens + 1))
     while not any(out.token_ids for out in engine.step()):
         pass  # the prefill step and the first token
-    start = time.perf_counter()
-    tokens = sum(len(out.token_ids) for out in engine.run_until_done())
-    return tokens / (time.perf_counter() - start)
-
-
-def _depth_decode_tps(engine: Engine, depth: int, salt: int) -> float:
-    """Tokens per second of DEPTH_DECODE tokens after a `depth`-token prompt (its prefill and
-    first token not timed), as llama-bench's tg @ d."""
-    engine.add_request(prompt_ids=_prompt(depth, salt), params=_greedy(DEPTH_DECODE + 1))
-    while not any(out.token_ids for out in engine.step()):
-        pass
     start = time.perf_counter()
     tokens = sum(len(out.token_ids) for out in engine.run_until_done())
     return tokens / (time.perf_counter() - start)
@@ -190,7 +180,7 @@ def _measures() -> dict[str, tuple]:
     }  # fmt: skip
     for d in DEPTHS:
         table[f"decode after {d} (tg{DEPTH_DECODE} @ d{d})"] = (
-            lambda e, s, d=d: _depth_decode_tps(e, d, s),
+            lambda e, s, d=d: _decode_tps(e, s, d, DEPTH_DECODE),
             lambda b, g, d=d: _llama_bench(b, g, 0, DEPTH_DECODE, d),
         )
     for n in PREFILLS:

@@ -78,8 +78,7 @@ uint16_t f16_from_float(float x) {
 }
 
 uint8_t e4m3_from_float(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t bits = bits_of(x);
   const uint8_t sign = uint8_t((bits >> 24) & 0x80);
   if (std::isnan(x)) return sign | 0x7F;
   const float a = std::fabs(x);

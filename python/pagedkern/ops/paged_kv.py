@@ -17,6 +17,7 @@ from .arrays import (
     empty_like,
     view,
 )
+from .support import FP8_KV_DTYPE, HALF_DTYPES
 
 
 def check_heads(a: ArrayView, tokens: int, head_dim: int) -> None:
@@ -29,11 +30,6 @@ def check_heads(a: ArrayView, tokens: int, head_dim: int) -> None:
         )
 
 
-FP8_KV_DTYPE = "float8_e4m3fn"  # = support.FP8_KV_DTYPE
-# a cache of half the bytes under float32 activations (the CPU backend's --kv-cache-dtype)
-NARROW_KV_DTYPES = ("bfloat16", "float16")
-
-
 def check_kv_cache(
     cache: ArrayView, like: ArrayView, num_kv_heads: int, head_dim: int, fp8: bool = False
 ) -> None:
@@ -42,7 +38,8 @@ def check_kv_cache(
     float8_e4m3fn."""
     check_ndim(cache, 4)
     check_shape(cache, (None, num_kv_heads, None, head_dim))
-    narrow = like.dtype == "float32" and cache.dtype in NARROW_KV_DTYPES
+    # a cache of half the bytes under float32 activations (the CPU backend's --kv-cache-dtype)
+    narrow = like.dtype == "float32" and cache.dtype in HALF_DTYPES
     if cache.dtype != like.dtype and not narrow and not (fp8 and cache.dtype == FP8_KV_DTYPE):
         also = " (or bfloat16, float16 under float32)"
         also += f" or {FP8_KV_DTYPE}" if fp8 else ""

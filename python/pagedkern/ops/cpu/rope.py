@@ -194,7 +194,6 @@ def rope_and_cache(
         raise ValueError("k_scale and v_scale apply to an fp8 (float8_e4m3fn) cache only")
     if q.shape[0] and _in_cpp(q, k, v, k_cache, v_cache, q_norm, k_norm):
         options = {} if q_norm is None else dict(q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps)
-        options.update(cache_dtype=CACHE_DTYPES[k_cache.dtype])
         if fp8:
             options.update(k_inv_scale=inverse(k_scale), v_inv_scale=inverse(v_scale))
         _rope_cache_cpp(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, **options)
@@ -354,8 +353,7 @@ def _rope_cache_cpp(
     norm_eps: float = 1e-6,
     **fp8,
 ) -> None:
-    """fp8: cache_dtype (attention_kernel.CACHE_DTYPES), and an E4M3 cache's k_inv_scale and
-    v_inv_scale (inverse())."""
+    """fp8: k_inv_scale and v_inv_scale (inverse()) for an E4M3 cache."""
     key = (id(positions), id(slot_mapping))
     found = _step_indices.get(key)
     if found is None or found[0] is not positions or found[1] is not slot_mapping:
@@ -372,5 +370,5 @@ def _rope_cache_cpp(
         block_stride=k_cache.stride(0), head_stride=k_cache.stride(1),
         slot_stride=k_cache.stride(2), num_blocks=k_cache.shape[0], block_size=k_cache.shape[2],
         threads=torch.get_num_threads(), q_norm=address(q_norm), k_norm=address(k_norm),
-        norm_eps=float(norm_eps), **fp8,
+        norm_eps=float(norm_eps), cache_dtype=CACHE_DTYPES[k_cache.dtype], **fp8,
     )  # fmt: skip
