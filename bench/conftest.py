@@ -45,7 +45,7 @@ BENCH_ENV = {
     "PAGEDKERN_BENCH_DEPTHS": "bench/test_bench_cpu_vs_llamacpp.py: prompt lengths before a "
     "timed decode (default 4000; llama-bench's tg @ d).",
     "PAGEDKERN_BENCH_KV_CACHE_DTYPE": "bench/test_bench_cpu_vs_llamacpp.py: pagedkern's KV cache "
-    "dtype (default auto; float16: llama.cpp's f16 bytes).",
+    "dtype (default auto: float16 on the CPU, llama.cpp's f16 bytes).",
     "PAGEDKERN_BENCH_CACHE": "bench/random_gguf.py: where the random-weight Q4_0 GGUFs are "
     "built and kept (default: <pagedkern's cache>/bench).",
     "PAGEDKERN_BENCH_PROFILE": "bench/test_bench_http_frontend.py: a folder; the HTTP front end "

@@ -18,7 +18,7 @@ llama_1b` / `-k qwen3_06b` / `-k qwen3_moe` picks one. PAGEDKERN_BENCH_THREADS:
 threads for both (default: all CPUs); PAGEDKERN_BENCH_PREFILLS (default 512,2048,4000; empty:
 no prefill), PAGEDKERN_BENCH_DEPTHS (default 4000; empty: none) and PAGEDKERN_BENCH_BACKENDS
 (default cpu,reference) narrow a run; PAGEDKERN_BENCH_KV_CACHE_DTYPE sets pagedkern's KV cache
-(default auto: fp32 on the CPU; llama.cpp's is f16, the bytes of float16).
+(default auto: float16 on the CPU, llama.cpp's f16 bytes; float32: the exact cache).
 Full sizes with PAGEDKERN_BENCH_SMOKE=0 (or PAGEDKERN_BENCH_CPU=1) on a machine without a GPU;
 smoke mode runs the tiny synthetic model once on short inputs (numbers meaningless, llama.cpp
 not run)."""

@@ -9,9 +9,12 @@ from pagedkern.engine import LLM, SamplingParams
 
 # A small pool (preemption), small blocks (prefix hits on short shared prefixes) and a small
 # token budget (chunked prefill) so one workload exercises every scheduling path.
-SETTINGS = dict(block_size=4, num_blocks=40, max_num_batched_tokens=24, max_num_seqs=8, seed=3)
-# fp32 everywhere: TP changes only the summation order of the all-reduces (and the GEMMs'
-# split K), so logits agree to float32 rounding of sums of O(1) terms.
+SETTINGS = dict(
+    block_size=4, num_blocks=40, max_num_batched_tokens=24, max_num_seqs=8, seed=3,
+    kv_cache_dtype="float32",
+)  # fmt: skip
+# fp32 everywhere, the cache too: TP changes only the summation order of the all-reduces (and
+# the GEMMs' split K), so logits agree to float32 rounding of sums of O(1) terms.
 LOGITS_ATOL = 2e-4
 # The KV cache holds K/V projections that reach ~10, where the same rounding of sums is the
 # same relative size (measured: 2.1e-4 at 10.7 on an AMD EPYC, 1.98e-5 relative).

@@ -174,7 +174,10 @@ def saved(request, tmp_path_factory):
 
 
 def _engine(folder, **args) -> Engine:
-    config = dict(model=str(folder), backend="reference", dtype="float32", block_size=BLOCK)
+    config = dict(
+        model=str(folder), backend="reference", dtype="float32", kv_cache_dtype="float32",
+        block_size=BLOCK,
+    )  # fmt: skip
     return Engine.from_config(EngineConfig(**{**config, "num_blocks": 96, **args}))
 
 

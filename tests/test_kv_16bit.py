@@ -34,16 +34,35 @@ def test_the_model_holds_its_cache_in_half_the_bytes(dtype):
     assert cache.scales is None and not cache.is_fp8
 
 
-def test_the_cache_element_follows_the_activations():
-    assert kv_element("auto", torch.float16) == torch.float16
-    assert kv_element("bfloat16", torch.bfloat16) == torch.bfloat16  # (the same as auto)
-    assert kv_element("float16", torch.float32) == torch.float16
-    with pytest.raises(ValueError, match="kv_cache_dtype float16 with torch.bfloat16"):
-        kv_element("float16", torch.bfloat16)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        kv_element("int8", torch.float32)
+def test_the_cpu_default_is_a_float16_cache_and_float32_a_choice():
+    default, _ = load_model("synthetic:tiny")
+    exact, _ = load_model("synthetic:tiny", kv_cache_dtype="float32")
+    assert default.dtype == exact.dtype == torch.float32
+    assert default.allocate_kv_cache(2, 16).data.dtype == torch.float16
+    assert exact.allocate_kv_cache(2, 16).data.dtype == torch.float32
+    args = build_parser().parse_args(["--kv-cache-dtype", "float32"])
+    assert args.kv_cache_dtype == "float32"
+
+
+def test_the_cache_element_follows_the_activations_and_the_device():
+    for device in ("cpu", "cuda"):
+        assert kv_element("auto", torch.float16, device) == torch.float16
+        assert kv_element("auto", torch.bfloat16, device) == torch.bfloat16
+        assert kv_element("bfloat16", torch.bfloat16, device) == torch.bfloat16  # (= auto)
+        assert kv_element("float16", torch.float32, device) == torch.float16
+        assert kv_element("float32", torch.float32, device) == torch.float32
+        with pytest.raises(ValueError, match="kv_cache_dtype float16 with torch.bfloat16"):
+            kv_element("float16", torch.bfloat16, device)
+        with pytest.raises(ValueError, match="float32 cache holds float32 activations only"):
+            kv_element("float32", torch.bfloat16, device)
+        with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+            kv_element("int8", torch.float32, device)
+    # float32 activations: a float16 cache on the CPU (llama.cpp's default), their own on CUDA
+    assert kv_element("auto", torch.float32, "cpu") == torch.float16
+    assert kv_element("auto", torch.float32, "cuda") == torch.float32
     assert EngineConfig(kv_cache_dtype="float16").kv_cache_dtype == "float16"
-    with pytest.raises(ValueError, match="auto, fp8, bfloat16, float16"):
+    assert EngineConfig(kv_cache_dtype="float32").kv_cache_dtype == "float32"
+    with pytest.raises(ValueError, match="auto, fp8, bfloat16, float16, float32"):
         EngineConfig(kv_cache_dtype="half")
     args = build_parser().parse_args(["--kv-cache-dtype", "bfloat16"])
     assert args.kv_cache_dtype == "bfloat16"
@@ -109,7 +128,7 @@ def test_the_model_over_a_16_bit_cache_stays_near_fp32(dtype):
     # states by about their rounding (bf16 2^-9, fp16 2^-12), and the CPU backend agrees with
     # the reference over the same rounded pages.
     name = str(dtype).removeprefix("torch.")
-    wide, _ = load_model("synthetic:tiny")
+    wide, _ = load_model("synthetic:tiny", kv_cache_dtype="float32")
     narrow, _ = load_model("synthetic:tiny", kv_cache_dtype=name)
     prompt = list(range(3, 40))
     results = {}

@@ -96,7 +96,7 @@ def saved(request, tmp_path_factory):
 
 def test_prefill_logits_equal_transformers(saved):
     folder, hf = saved
-    model, _ = load_model(str(folder), "cpu", torch.float32)
+    model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
     want = hf_logits(hf, PROMPT)
     got = all_logits(model, PROMPT).double()
     assert relative(got, want) < 1e-5, (relative(got, want), (got - want).abs().max())
@@ -124,7 +124,7 @@ def test_the_gemma_options_change_transformers_logits(arch):
 def test_decode_steps_logits_equal_transformers(saved):
     folder, hf = saved
     tokens, want = hf_greedy(hf, PROMPT, STEPS)
-    model, _ = load_model(str(folder), "cpu", torch.float32)
+    model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
     with ops.use_backend("cpu"):  # its decode plan (global layers; sliding: the one-shot op)
         got = decode_logits(model, PROMPT, tokens[:-1]).double()
     errors = [relative(g, w) for g, w in zip(got, want.double(), strict=True)]
@@ -227,7 +227,7 @@ def test_older_config_spellings_load_the_same_model(tmp_path):
         rope_scaling={"rope_type": "linear", "factor": 4.0},
     )  # fmt: skip
     path.write_text(json.dumps(raw))
-    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32, kv_cache_dtype="float32")
     assert model.config.layer_types == ("sliding", "sliding", "full", "sliding")
     got = all_logits(model, PROMPT).double()
     assert relative(got, hf_logits(hf, PROMPT)) < 1e-5
@@ -281,7 +281,9 @@ def test_the_gguf_llama_cpp_writes_equals_transformers(arch, tmp_path, monkeypat
     path = tmp_path / "m.gguf"
     write_gguf_like_llama_cpp(path, hf, arch)
     for _ in range(2):  # converted, then from the weights cache
-        model, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
+        model, _ = load_model(
+            str(path), "cpu", torch.float32, kv_cache_dtype="float32", quantization="none"
+        )
         want = hf_logits(hf, PROMPT)
         assert relative(all_logits(model, PROMPT), want) < 1e-5
     assert model.config.layer_types == tuple(
@@ -336,9 +338,13 @@ def test_a_q8_0_gemma_gguf_loads_exactly_and_straight_to_int8(tmp_path, monkeypa
     path = tmp_path / "m.gguf"
     write_gguf_like_llama_cpp(path, hf, "gemma2", q8=True)
     want = hf_logits(hf, PROMPT)
-    exact, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
+    exact, _ = load_model(
+        str(path), "cpu", torch.float32, kv_cache_dtype="float32", quantization="none"
+    )
     assert relative(all_logits(exact, PROMPT), want) < 1e-5
-    int8, _ = load_model(str(path), "cpu", torch.float32, quantization="int8")
+    int8, _ = load_model(
+        str(path), "cpu", torch.float32, kv_cache_dtype="float32", quantization="int8"
+    )
     layer = int8.weights.layers[0]
     assert all(
         isinstance(w, QuantizedWeight) and w.format == "int8" for w in (layer.qkv, layer.down)

@@ -149,7 +149,7 @@ def test_gguf_matches_dense(tmp_path, arch):
     else:
         cfg = base_config(model_type="qwen2", tie_word_embeddings=True)
     expected = write_gguf(tmp_path / "m.gguf", cfg, arch)
-    model, tok = load_model(tmp_path / "m.gguf", quantization="none")  # the float weights
+    model, tok = load_model(tmp_path / "m.gguf", quantization="none", kv_cache_dtype="float32")
     assert model.config.vocab_size == cfg["vocab_size"]
     assert model.config.qkv_bias == (arch == "qwen2") and model.weights.tied == (arch == "qwen2")
     ids = tok.encode(TEXT)

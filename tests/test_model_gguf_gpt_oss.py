@@ -106,8 +106,10 @@ def saved(tmp_path_factory):
 
 
 def _assert_equal_to_the_folder(path, folder, hf):
-    from_gguf, _ = load_model(str(path), "cpu", torch.float32, quantization=None)
-    from_hf, _ = load_model(str(folder), "cpu", torch.float32)
+    from_gguf, _ = load_model(
+        str(path), "cpu", torch.float32, kv_cache_dtype="float32", quantization=None
+    )
+    from_hf, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
     got_cfg, want_cfg = from_gguf.config, from_hf.config
     for field in ("layer_types", "sliding_window", "attn_sinks", "router_bias", "moe_scoring",
                   "expert_bias", "swiglu_limit", "swiglu_alpha", "norm_topk_prob", "qkv_bias",

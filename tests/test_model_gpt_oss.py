@@ -130,7 +130,7 @@ def test_yarn_table_equals_transformers_rotary_embedding(truncate):
 
 def test_prefill_and_decode_logits_equal_transformers(saved):
     folder, hf = saved
-    model, _ = load_model(str(folder), "cpu", torch.float32)
+    model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
     with torch.no_grad():
         want = hf(torch.tensor([LONG_PROMPT])).logits[0].double()
     got = all_logits(model, LONG_PROMPT).double()
@@ -162,7 +162,10 @@ def test_sinks_and_biases_matter(saved):
 def test_greedy_decode_equals_transformers_token_for_token(saved, engine_args, backend):
     folder, hf = saved
     want_tokens, want_logits = hf_greedy(hf, LONG_PROMPT, STEPS)
-    config = dict(model=str(folder), backend=backend, dtype="float32", num_blocks=64, block_size=4)
+    config = dict(
+        model=str(folder), backend=backend, dtype="float32", kv_cache_dtype="float32",
+        num_blocks=64, block_size=4,
+    )  # fmt: skip
     engine = Engine.from_config(EngineConfig(**config, **engine_args))
     params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=1)
     engine.add_request(prompt_ids=LONG_PROMPT, params=params)
@@ -207,7 +210,7 @@ def _route_every_token_to_experts_4_and_1(hf):
 
 def test_every_token_routed_to_the_same_two_experts(tmp_path):
     hf = save(tmp_path, _route_every_token_to_experts_4_and_1)
-    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32, kv_cache_dtype="float32")
     with torch.no_grad():
         want = hf(torch.tensor([LONG_PROMPT])).logits[0].double()
     assert relative(all_logits(model, LONG_PROMPT).double(), want) < 1e-5
@@ -237,8 +240,8 @@ def test_mxfp4_experts_load_equal_to_the_float_folder(tmp_path):
     config["quantization_config"] = {"quant_method": "mxfp4"}  # as released checkpoints say
     (mx_folder / "config.json").write_text(json.dumps(config))
 
-    want, _ = load_model(str(float_folder), "cpu", torch.float32)
-    got, _ = load_model(str(mx_folder), "cpu", torch.float32)
+    want, _ = load_model(str(float_folder), "cpu", torch.float32, kv_cache_dtype="float32")
+    got, _ = load_model(str(mx_folder), "cpu", torch.float32, kv_cache_dtype="float32")
     for a, b in zip(want.weights.layers, got.weights.layers, strict=True):
         assert torch.equal(a.experts_gate_up, b.experts_gate_up)
         assert torch.equal(a.experts_down, b.experts_down)

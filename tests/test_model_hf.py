@@ -60,7 +60,7 @@ CASES = {
 def test_hf_folder_matches_dense(tmp_path, case):
     cfg, shards, dtype = CASES[case]
     tensors = write_folder(tmp_path, cfg, shards, dtype)
-    model, tokenizer = load_model(tmp_path)
+    model, tokenizer = load_model(tmp_path, kv_cache_dtype="float32")
     assert model.dtype == torch.float32
     assert hf_checkpoint_dtype(tmp_path) == (torch.bfloat16 if "bf16" in case else None)
     assert model.weights.tied == cfg["tie_word_embeddings"]

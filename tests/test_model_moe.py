@@ -128,7 +128,7 @@ def test_config_places_the_experts(saved):
 
 def test_prefill_and_decode_logits_equal_transformers(saved):
     folder, hf, _ = saved
-    model, _ = load_model(str(folder), "cpu", torch.float32)
+    model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
     with torch.no_grad():
         want = hf(torch.tensor([PROMPT])).logits[0].double()
     got = all_logits(model, PROMPT).double()
@@ -182,7 +182,7 @@ def _zero_routers(hf):
 def test_routing_every_token_to_the_same_experts(tmp_path, arch):
     make_config, model_class = ARCHITECTURES[arch]
     hf = _save(tmp_path, make_config, model_class, _zero_routers)
-    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32, kv_cache_dtype="float32")
     assert all(layer.router.abs().sum() == 0 for layer in model.weights.layers)
     with torch.no_grad():
         want = hf(torch.tensor([PROMPT])).logits[0].double()

@@ -124,8 +124,10 @@ def test_moe_gguf_loads_equal_to_the_hf_folder(tmp_path, arch):
     path = tmp_path / "m.gguf"
     write_moe_gguf(path, hf, GGUF_ARCH[arch])
     assert gguf_default_quantization(path) == "none"
-    from_gguf, _ = load_model(str(path), "cpu", torch.float32, quantization=None)
-    from_hf, _ = load_model(str(folder), "cpu", torch.float32)
+    from_gguf, _ = load_model(
+        str(path), "cpu", torch.float32, kv_cache_dtype="float32", quantization=None
+    )
+    from_hf, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
     assert from_gguf.config.num_experts == from_hf.config.num_experts
     for field in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                   "dense_layers", "shared_expert_size", "qk_norm_whole"):  # fmt: skip

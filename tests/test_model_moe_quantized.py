@@ -90,8 +90,12 @@ def _moe_layers(model):
 def test_q4_experts_load_as_int4_and_match_the_dequantized_model(tmp_path, arch):
     path, hf = _gguf(tmp_path, arch, Q.Q4_0)
     assert gguf_default_quantization(path) == "int4"
-    quantized, _ = load_model(str(path), "cpu", torch.float32, quantization=None)
-    plain, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
+    quantized, _ = load_model(
+        str(path), "cpu", torch.float32, kv_cache_dtype="float32", quantization=None
+    )
+    plain, _ = load_model(
+        str(path), "cpu", torch.float32, kv_cache_dtype="float32", quantization="none"
+    )
     for got, want in zip(_moe_layers(quantized), _moe_layers(plain), strict=True):
         for field in ("experts_gate_up", "experts_down"):
             w = getattr(got, field)
@@ -136,8 +140,12 @@ def test_q4_k_experts_load_exactly_and_run_the_int4_k_tiles(tmp_path):
     hf = _save(tmp_path / "hf", lambda: make_config(**sizes), model_class, experts_in_q4_k)
     path = tmp_path / "q4_k.gguf"
     write_moe_gguf(path, hf, "qwen3moe", expert_type=Q.Q4_K)
-    quantized_model, _ = load_model(str(path), "cpu", torch.float32, quantization="int4")
-    plain, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
+    quantized_model, _ = load_model(
+        str(path), "cpu", torch.float32, kv_cache_dtype="float32", quantization="int4"
+    )
+    plain, _ = load_model(
+        str(path), "cpu", torch.float32, kv_cache_dtype="float32", quantization="none"
+    )
     assert relative(all_logits(plain, PROMPT).double(), hf_logits(hf, PROMPT)) < 1e-5
     hidden = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
     for got, want in zip(_moe_layers(quantized_model), _moe_layers(plain), strict=True):

@@ -55,16 +55,16 @@ def private_cache(folder):
 @pytest.fixture(scope="module")
 def loaded(cache_dir):
     """(cold-loaded model, warm-loaded model, tokenizer), the cache in a temp folder. The fp32
-    mode (quantization="none"): these are exact-arithmetic checks; the default int4 mode is
-    tested in test_quant_end_to_end.py."""
+    mode (quantization="none", an fp32 cache): these are exact-arithmetic checks; the default
+    int4 weights and float16 cache are tested in test_quant_end_to_end.py."""
     with private_cache(cache_dir):
         start = time.perf_counter()
-        cold, _ = load_model(quantization="none")
+        cold, _ = load_model(quantization="none", kv_cache_dtype="float32")
         cold_s = time.perf_counter() - start
         # A warm load must come from the cache alone: parsing the GGUF again would fail here.
         with mock.patch("gguf.GGUFReader", side_effect=AssertionError("GGUF parsed again")):
             start = time.perf_counter()
-            model, tokenizer = load_model(quantization="none")
+            model, tokenizer = load_model(quantization="none", kv_cache_dtype="float32")
             warm_s = time.perf_counter() - start
     print(f"\ndefault model load: cold {cold_s:.2f}s, warm {warm_s:.2f}s")
     return cold, model, tokenizer

@@ -25,7 +25,7 @@ from pagedkern.model.loading import default_dtype
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model("synthetic:tiny")
+    return load_model("synthetic:tiny", kv_cache_dtype="float32")  # exact-arithmetic checks
 
 
 def logits_by_chunks(model, ids, cuts, block_size, table):

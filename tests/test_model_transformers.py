@@ -69,7 +69,7 @@ def saved(request, tmp_path_factory):
 
 def test_prefill_logits_equal_transformers(saved):
     folder, hf = saved
-    model, _ = load_model(str(folder), "cpu", torch.float32)
+    model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
     with torch.no_grad():
         want = hf(torch.tensor([PROMPT])).logits[0].double()
     from hf_model_files import all_logits
@@ -121,7 +121,9 @@ def test_the_gguf_llama_cpp_writes_equals_transformers(saved, tmp_path, monkeypa
     arch = hf.config.model_type  # "llama" or "qwen3", as llama.cpp names them too
     path = tmp_path / "m.gguf"
     write_gguf_like_llama_cpp(path, hf, arch)
-    model, _ = load_model(str(path), "cpu", torch.float32, quantization="none")
+    model, _ = load_model(
+        str(path), "cpu", torch.float32, kv_cache_dtype="float32", quantization="none"
+    )
     with torch.no_grad():
         want = hf(torch.tensor([PROMPT])).logits[0].double()
     from hf_model_files import all_logits
@@ -153,7 +155,7 @@ def test_sliding_window_llama_family_equals_transformers(tmp_path, make_config, 
     hf = getattr(transformers, model_class)(make_config()).float().eval()
     hf.save_pretrained(tmp_path, safe_serialization=True)
     write_tokenizer(tmp_path)
-    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32, kv_cache_dtype="float32")
     assert model.config.sliding_window == 6
     tokens, want = hf_greedy(hf, PROMPT, 8)
     got = decode_logits(model, PROMPT, tokens[:-1]).double()

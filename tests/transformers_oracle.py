@@ -71,12 +71,12 @@ def assert_a_prefix_cache_hit_changes_nothing(folder, hf, prompt: list[int]) -> 
 
 
 def engine_greedy(folder, prompt: list[int], steps: int, **engine_args) -> list:
-    """The engine's greedy outputs (with each token's logprob) for `prompt`, in fp32 on the
-    reference ops, over small blocks so the prompt spans several."""
+    """The engine's greedy outputs (with each token's logprob) for `prompt`, in fp32 (the cache
+    too) on the reference ops, over small blocks so the prompt spans several."""
     engine = Engine.from_config(
         EngineConfig(
-            model=str(folder), backend="reference", dtype="float32", num_blocks=64,
-            block_size=4, **engine_args,
+            model=str(folder), backend="reference", dtype="float32", kv_cache_dtype="float32",
+            num_blocks=64, block_size=4, **engine_args,
         )
     )  # fmt: skip
     params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=1)

@@ -123,8 +123,9 @@ class EngineConfig:
     )
     kv_cache_dtype: str = _setting(
         "auto",
-        "KV cache dtype: auto (the model's dtype), fp8 (E4M3, per-layer scales), or bfloat16 / "
-        "float16 (on the CPU: half the bytes of its float32 cache, K and V rounded to nearest)",
+        "KV cache dtype: auto (the model's dtype; float16 for float32 activations on the CPU), "
+        "fp8 (E4M3, per-layer scales), bfloat16 / float16 (K and V of float32 activations "
+        "rounded to nearest: half the bytes), or float32 (float32 activations' exact K and V)",
     )
     async_scheduling: bool = _setting(
         False,

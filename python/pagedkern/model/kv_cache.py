@@ -21,20 +21,28 @@ from ..ops.cpu import huge_pages
 from .config import SLIDING, ModelConfig
 
 FP8 = torch.float8_e4m3fn
-# auto: the model's activation dtype; bfloat16 / float16: half the bytes of float32 activations
-KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16")
+# auto: the model's activation dtype, except float32 activations on the CPU: float16 (half the
+# bytes, and attention at depth reads the cache, as llama.cpp's default f16 cache)
+KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")
 
 
-def kv_element(kv_cache_dtype: str, activations: torch.dtype) -> torch.dtype:
-    """The cache element of a kv_cache_dtype for a model of these activations. A 16-bit cache
-    holds float32 activations' K/V rounded (to nearest even) or 16-bit activations' own."""
+def kv_element(kv_cache_dtype: str, activations: torch.dtype, device_type: str) -> torch.dtype:
+    """The cache element of a kv_cache_dtype for a model of these activations on this device
+    type. A 16-bit cache holds float32 activations' K/V rounded (to nearest even) or 16-bit
+    activations' own; a float32 cache holds float32 activations only."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     if kv_cache_dtype == "auto":
-        return activations
+        on_cpu_fp32 = device_type == "cpu" and activations == torch.float32
+        return torch.float16 if on_cpu_fp32 else activations
     if kv_cache_dtype == "fp8":
         return FP8
     element = getattr(torch, kv_cache_dtype)
+    if element == torch.float32 and activations != torch.float32:
+        raise ValueError(
+            f"kv_cache_dtype float32 with {activations} activations: a float32 cache holds "
+            "float32 activations only (use auto)"
+        )
     if activations not in (torch.float32, element):
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype} with {activations} activations: a 16-bit cache "

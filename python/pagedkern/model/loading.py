@@ -87,8 +87,9 @@ def load_model(
     else, and everything on CUDA, 'none'. Float weights are quantized at load; on CUDA a
     quantized model's linear weights are then dequantized to `dtype` (gemm_weights: its
     values through bf16/fp16 GEMMs, which beat quant_gemm.cu). kv_cache_dtype: "auto" (the
-    activation dtype), "fp8" (E4M3 with per-layer scales), or
-    "bfloat16" / "float16" (float32 activations' K/V rounded to half the bytes: the CPU's).
+    activation dtype, but float16 for float32 activations on the CPU), "fp8" (E4M3 with
+    per-layer scales), "bfloat16" / "float16" (float32 activations' K/V rounded to half the
+    bytes) or "float32" (float32 activations' K/V exactly).
     shard: one tensor-parallel rank's model (its weights and local shape; parallel/ gives it
     the group's collectives): a checkpoint is read in this rank's parts only (safetensors
     slices, GGUF tensor slices; no GGUF weights cache), synthetic weights are drawn whole and
