@@ -44,7 +44,8 @@ SHAPES = (
 )  # fmt: skip
 MS = (1, 2, 4, 8, 16, 64, 256, 512) if FULL else (1, 3, 16)
 MAX_LM_HEAD_M = 64  # the LM head runs on the sampled rows only
-# where the default path is AMX, gemv16 is also timed on the avx512_vnni kernels (M >= 32)
+# where the default path is AMX, gemv16 is also timed on the avx512_vnni kernels (M >= 16: the
+# AMX tiles take int8_g32 from 16 rows, the int4 formats from 32)
 AMX = quant_gemv.available() and quant_gemv.best_path() == "avx512_amx"
 
 
@@ -161,7 +162,7 @@ def test_cpu_quant_gemv(capsys):
                 f"  {label:30s} M={m:<4d} {ours:10.1f} {ours8:10.1f} {theirs:10.1f} {gbs} "
                 f"{theirs / ours:9.2f}x {ours / ours8:9.2f}x"
             )
-            if AMX and m >= 32:  # the AMX tiles against the VNNI kernels they extend
+            if AMX and m >= 16:  # the AMX tiles against the VNNI kernels they extend
                 vnni = _best_us(
                     lambda: quant_gemv.quant_gemv(x, qw, path="avx512_vnni"),  # noqa: B023
                     reps,

@@ -108,14 +108,16 @@ def test_every_path_gives_the_same_bits(fmt, group, bits):
 
 @pytest.mark.skipif("avx512_amx" not in _paths(), reason="no AMX tiles on this CPU (or kernel)")
 @pytest.mark.parametrize("bits", [16, 8])
-@pytest.mark.parametrize("fmt", ["int4", "int4_sym"])
+@pytest.mark.parametrize("fmt", ["int4", "int4_sym", "int8_g32"])
 def test_amx_tiles_give_the_vnni_bits_at_every_row_count(fmt, bits):
-    """The AMX path computes whole groups of 16 rows from 32 rows (the rest, and fewer rows, on
-    the VNNI kernel) from a copy of the quantized rows made per call: row counts around the
-    groups and the threshold, each call after a larger or smaller one."""
-    qw = _weight("int4", 32, 70, 320, seed=12)
+    """The AMX path computes whole groups of 16 rows from a format's threshold (the rest, and
+    fewer rows, on the VNNI kernel) from a copy of the quantized rows made per call: row counts
+    around the groups and the thresholds, each call after a larger or smaller one."""
+    qw = _weight("int8" if fmt == "int8_g32" else "int4", 32, 70, 320, seed=12)
     if fmt == "int4_sym":
         qw.mins = (-8 * qw.scales.float()).half()
+    if fmt == "int8_g32":  # both extremes of the codes
+        qw.qweight[0, :2] = torch.tensor([-127, 127], dtype=torch.int8)
     assert quant_gemv.tile_format(qw) == fmt
     x = torch.randn(100, 320, generator=torch.Generator().manual_seed(12))
     for m in (100, 15, 16, 33, 31, 32, 48, 17, 64):

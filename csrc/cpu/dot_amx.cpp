@@ -1,14 +1,17 @@
-// AMX tile kernels for the int4 formats (int4, int4_sym, int4_k) on 32 or more activation rows
-// (prefill, large batches; gemv.cpp's kAmxMinRows): the `avx512_amx` path. Fewer rows, and the
-// other formats, run the avx512_vnni kernels (dot_avx512.cpp).
+// AMX tile kernels for the int4 formats (int4, int4_sym, int4_k) and int8_g32 (Q8_0's blocks)
+// on enough activation rows (prefill, large batches; gemv.cpp's amx_min_rows): the
+// `avx512_amx` path. Fewer rows, and the other formats, run the avx512_vnni kernels
+// (dot_avx512.cpp).
 //
 // Design. Every integer dot of a block of 32 K is exact however it is summed, so a block's
-// int32 sums from tdpbsud (signed activations x unsigned nibbles) equal the VNNI kernel's;
-// the fp32 epilogue is that kernel's, op for op and block by block in order, so the two paths
-// give the same bits.
+// int32 sums from tdpbsud (signed activations x unsigned nibbles) or tdpbssd (x signed int8
+// weights) equal the VNNI kernel's; the fp32 epilogue is that kernel's, op for op and block by
+// block in order, so the two paths give the same bits.
 // - A weight tile's blocks are unpacked once a call into AMX's B layout (8 rows of 16 columns x
 //   4 K: the nibble planes' own dword order, low nibbles K 0-15, high 16-31) with their fp32
 //   scales and mins, then reused by every group of 16 rows.
+// - int8_g32's stored block (codes q + 128, 8 K-quads x 16 rows x 4 K) is already the B layout:
+//   the unpack takes the bias off (tdpbssd's signed operand) and copies the 16 scales.
 // - Per block and group: one B tile, one A tile a plane (16 rows x 32 K: 512 contiguous bytes
 //   of the driver's grouped copy of the quantized rows, which measured 1.3x faster than
 //   loading the rows in place, 2 KB and more apart), one tdpbsud a plane into a zeroed C,
@@ -77,9 +80,25 @@ AMX_TARGET void unpack(const Args& a, int tile, uint8_t* b_tiles, float* dm) {
   }
 }
 
+constexpr int kInt8G32BlockBytes = int8_grouped_block_bytes(32);
+
+// int8_g32's blocks as B tiles (the codes' bias off) and each block's 16 scales (as d)
+AMX_TARGET void unpack_int8(const Args& a, int tile, uint8_t* b_tiles, float* dm) {
+  const int blocks = a.k / kBlock;
+  const uint8_t* base = a.packed + size_t(tile) * blocks * kInt8G32BlockBytes;
+  const __m512i bias = _mm512_set1_epi8(char(kInt8Bias));
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* t = base + size_t(b) * kInt8G32BlockBytes;
+    for (int j = 0; j < kBBytes / 64; ++j)
+      _mm512_storeu_si512(b_tiles + size_t(b) * kBBytes + 64 * j,
+                          _mm512_xor_si512(_mm512_loadu_si512(t + 64 * j), bias));
+    _mm512_storeu_ps(dm + 32 * b, _mm512_loadu_ps(reinterpret_cast<const float*>(t + kBBytes)));
+  }
+}
+
 // Block b's int32 sums c[plane][row][column] into the 16 rows' accumulators (int4_fold, as
-// int4_tile folds)
-template <int P>
+// int4_tile folds; int8_g32: d dx isum, as int8_grouped_rows folds)
+template <int P, int F>
 AMX_TARGET __attribute__((always_inline)) inline void fold(__m512* acc, const int32_t (*c)[16][16],
                                                            const float* sc, const QuantizedRows& xq,
                                                            int g, int b) {
@@ -88,12 +107,25 @@ AMX_TARGET __attribute__((always_inline)) inline void fold(__m512* acc, const in
   for (int i = 0; i < 16; ++i) {
     const __m512i isum =
         int4_planes(_mm512_load_si512(c[0][i]), _mm512_load_si512(c[P - 1][i]), P);
-    acc[i] = int4_fold(acc[i], d, mn, isum, xq, xq.at(g + i, b));
+    if constexpr (F == kInt8G32) {
+      const __m512 dx = _mm512_set1_ps(xq.dx[xq.at(g + i, b)]);
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), acc[i]);
+    } else {
+      acc[i] = int4_fold(acc[i], d, mn, isum, xq, xq.at(g + i, b));
+    }
   }
 }
 
+// C += A B: activations signed; the weights unsigned nibbles, or int8_g32's signed (a macro:
+// GCC's tile intrinsics spell their tile numbers into the assembly)
+#define DOT_TILES(C, A, B) \
+  if constexpr (F == kInt8G32) \
+    _tile_dpbssd(C, A, B); \
+  else \
+    _tile_dpbsud(C, A, B)
+
 template <int P, int F>
-AMX_TARGET void int4_amx(const Args& a, int tile, int r0, int rc) {
+AMX_TARGET void tile_amx(const Args& a, int tile, int r0, int rc) {
   // whole groups of 16 rows the driver copied as tiles (group_rows); the rest on AVX-512 VNNI
   const QuantizedRows& xq = *a.xq;
   const int full = r0 % 16 ? 0 : std::min(rc, xq.grouped_rows - r0) / 16 * 16;
@@ -103,7 +135,10 @@ AMX_TARGET void int4_amx(const Args& a, int tile, int r0, int rc) {
     thread_local std::vector<float> dm;
     b_tiles.resize(size_t(blocks) * kBBytes);
     dm.resize(size_t(blocks) * 32);
-    unpack<F>(a, tile, b_tiles.data(), dm.data());
+    if constexpr (F == kInt8G32)
+      unpack_int8(a, tile, b_tiles.data(), dm.data());
+    else
+      unpack<F>(a, tile, b_tiles.data(), dm.data());
     const uint8_t* bt = b_tiles.data();  // (a thread_local's address costs a call each use)
     const float* sc = dm.data();
     const int live = std::min(kRows, a.n - tile * kRows);
@@ -121,27 +156,27 @@ AMX_TARGET void int4_amx(const Args& a, int tile, int r0, int rc) {
           _tile_loadd(4, bt + size_t(b) * kBBytes, 64);
           _tile_zero(0);
           _tile_loadd(6, xq.group_tile(g, b, 0), kBlock);
-          _tile_dpbsud(0, 6, 4);
+          DOT_TILES(0, 6, 4);
           if constexpr (P == 2) {
             _tile_zero(1);
             _tile_loadd(7, xq.group_tile(g, b, 1), kBlock);
-            _tile_dpbsud(1, 7, 4);
+            DOT_TILES(1, 7, 4);
           }
         }
         if (n == 2) {
           _tile_loadd(5, bt + size_t(b + 1) * kBBytes, 64);
           _tile_zero(2);
           _tile_loadd(6, xq.group_tile(g, b + 1, 0), kBlock);
-          _tile_dpbsud(2, 6, 5);
+          DOT_TILES(2, 6, 5);
           if constexpr (P == 2) {
             _tile_zero(3);
             _tile_loadd(7, xq.group_tile(g, b + 1, 1), kBlock);
-            _tile_dpbsud(3, 7, 5);
+            DOT_TILES(3, 7, 5);
           }
         }
         if (b >= 2)  // the previous pair, in block order
           for (int h = 0; h < std::min(2, blocks - (b - 2)); ++h)
-            fold<P>(acc, c[cur ^ 1][h], sc + 32 * (b - 2 + h), xq, g, b - 2 + h);
+            fold<P, F>(acc, c[cur ^ 1][h], sc + 32 * (b - 2 + h), xq, g, b - 2 + h);
         if (n >= 1) {
           _tile_stored(0, c[cur][0][0], 64);
           if constexpr (P == 2) _tile_stored(1, c[cur][0][P - 1], 64);
@@ -160,17 +195,22 @@ AMX_TARGET void int4_amx(const Args& a, int tile, int r0, int rc) {
   if (rc > full) avx512_tile(F, P)(a, tile, r0 + full, rc - full);
 }
 
+#undef DOT_TILES
+
 }  // namespace
 
-bool amx_format(int format) { return format == kInt4 || format == kInt4Sym || format == kInt4K; }
+bool amx_format(int format) {
+  return format == kInt4 || format == kInt4Sym || format == kInt4K || format == kInt8G32;
+}
 
 TileFn amx_tile(int format, int planes) {
   if (!amx_format(format)) return avx512_tile(format, planes);
   const bool two = planes == 2;
   switch (format) {
-    case kInt4: return two ? int4_amx<2, kInt4> : int4_amx<1, kInt4>;
-    case kInt4Sym: return two ? int4_amx<2, kInt4Sym> : int4_amx<1, kInt4Sym>;
-    default: return two ? int4_amx<2, kInt4K> : int4_amx<1, kInt4K>;  // kInt4K
+    case kInt4: return two ? tile_amx<2, kInt4> : tile_amx<1, kInt4>;
+    case kInt4Sym: return two ? tile_amx<2, kInt4Sym> : tile_amx<1, kInt4Sym>;
+    case kInt8G32: return two ? tile_amx<2, kInt8G32> : tile_amx<1, kInt8G32>;
+    default: return two ? tile_amx<2, kInt4K> : tile_amx<1, kInt4K>;  // kInt4K
   }
 }
 

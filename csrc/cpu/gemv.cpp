@@ -47,10 +47,10 @@ int resolve_path(int path) {
 constexpr int kStreamedRows = kRowChunk;
 
 // The fewest rows the AMX tiles take: each call unpacks the weight tiles into AMX's layout
-// once for all its groups of 16 rows, and for one group (16-31 rows) the VNNI kernels
-// measured as fast or faster (Xeon, Q4_0 8192 x 2048, 2 threads: 1.13x at 16 rows, 1.09x at
-// 24; 0.88x at 32)
-constexpr int kAmxMinRows = 32;
+// once for all its groups of 16 rows. For one group (16-31 rows) the int4 formats' VNNI
+// kernels measured as fast or faster (Xeon, Q4_0 8192 x 2048, 2 threads: 1.13x at 16 rows,
+// 1.09x at 24; 0.88x at 32); int8_g32's AMX tiles, 2.4-3.4x its VNNI kernel at 16 rows.
+int amx_min_rows(int format) { return format == kInt8G32 ? 16 : 32; }
 
 }  // namespace
 
@@ -78,7 +78,7 @@ void gemv(int format, float* y, int64_t y_stride, const float* x, int64_t x_stri
                   int(int64_t(m) * (part + 1) / parts), resolved != kPortable, xq);
   });
   // the AMX kernels read 16 rows' block plane as one contiguous tile
-  const int groups = resolved == kAvx512Amx && amx_format(format) && m >= kAmxMinRows ? m / 16 : 0;
+  const int groups = resolved == kAvx512Amx && amx_format(format) && m >= amx_min_rows(format) ? m / 16 : 0;
   xq.grouped_rows = 16 * groups;
   if (groups > 0) {
     xq.groups.resize(size_t(xq.grouped_rows) * xq.blocks * xq.planes * kBlock);

@@ -203,7 +203,7 @@ enum Path {
   kAvxVnni = 2,
   kAvx512Vnni = 3,
   kNeonDotprod = 4,  // aarch64
-  kAvx512Amx = 5,    // avx512_vnni, with AMX tiles for the int4 formats on 32+ rows
+  kAvx512Amx = 5,    // avx512_vnni, with AMX tiles: the int4 formats on 32+ rows, int8_g32 16+
   kNumPaths = 6
 };
 
