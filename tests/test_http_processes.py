@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -88,6 +89,22 @@ def long_body(stream: bool) -> dict:
     }
 
 
+def wait_for_requests(url: str, count: int) -> None:
+    """Until the engine core holds `count` requests (running or waiting), as /metrics says."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        metrics = httpx.get(url + "/metrics", timeout=WAIT).text
+        held = sum(
+            int(m.group(1))
+            for name in ("running", "waiting")
+            if (m := re.search(rf"^pagedkern_num_requests_{name} (\d+)$", metrics, re.M))
+        )
+        if held >= count:
+            return
+        time.sleep(0.01)  # (a poll: the test waits on the condition, not on the time)
+    raise AssertionError(f"the core never held {count} requests")
+
+
 def test_a_killed_engine_core_fails_open_requests_with_503_and_the_server_exits_1():
     proc, url, core = start_server()
     try:
@@ -101,6 +118,7 @@ def test_a_killed_engine_core_fails_open_requests_with_503_and_the_server_exits_
             data = sse_data(r)
             next(data)  # the stream runs
             waiting.start()
+            wait_for_requests(url, 2)  # the other request is open too (else: connection refused)
             os.kill(core, signal.SIGKILL)
             rest = list(data)
         waiting.join(WAIT)
