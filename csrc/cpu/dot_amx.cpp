@@ -102,7 +102,8 @@ template <int P, int F>
 AMX_TARGET __attribute__((always_inline)) inline void fold(__m512* acc, const int32_t (*c)[16][16],
                                                            const float* sc, const QuantizedRows& xq,
                                                            int g, int b) {
-  const __m512 d = _mm512_loadu_ps(sc), mn = _mm512_loadu_ps(sc + 16);
+  const __m512 d = _mm512_loadu_ps(sc);
+  const __m512 mn = F == kInt8G32 ? _mm512_setzero_ps() : _mm512_loadu_ps(sc + 16);  // (no mins)
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
     const __m512i isum =

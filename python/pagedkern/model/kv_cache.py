@@ -38,15 +38,14 @@ def kv_element(kv_cache_dtype: str, activations: torch.dtype, device_type: str) 
     if kv_cache_dtype == "fp8":
         return FP8
     element = getattr(torch, kv_cache_dtype)
-    if element == torch.float32 and activations != torch.float32:
-        raise ValueError(
-            f"kv_cache_dtype float32 with {activations} activations: a float32 cache holds "
-            "float32 activations only (use auto)"
-        )
     if activations not in (torch.float32, element):
+        holds = (
+            "a float32 cache holds float32 activations only"
+            if element == torch.float32
+            else "a 16-bit cache holds float32 activations or its own dtype's"
+        )
         raise ValueError(
-            f"kv_cache_dtype {kv_cache_dtype} with {activations} activations: a 16-bit cache "
-            "holds float32 activations or its own dtype's (use auto)"
+            f"kv_cache_dtype {kv_cache_dtype} with {activations} activations: {holds} (use auto)"
         )
     return element
 

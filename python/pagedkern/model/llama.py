@@ -71,9 +71,8 @@ class LlamaModel:
         self.dtype = weights.norm.dtype  # activations; linear weights may be quantized
         self.quantization = weights.quantization
         self.kv_cache_dtype = kv_cache_dtype
-        self.kv_dtype = kv_element(
-            kv_cache_dtype, self.dtype, self.device.type
-        )  # KV cache elements
+        # the KV cache's elements
+        self.kv_dtype = kv_element(kv_cache_dtype, self.dtype, self.device.type)
         self._kv_scales: list[tuple[float, float]] | None = None  # fp8: calibrated once
         self._kv_amax: list[tuple[float, float]] | None = None  # collects |k|, |v| maxima
         self.max_positions = max_positions or config.max_position_embeddings
