@@ -18,7 +18,7 @@ from pagedkern import envs
 
 ROOT = Path(__file__).resolve().parents[1]
 # CMake-internal variables (set and read inside CMakeLists.txt, never in the environment).
-CMAKE_ONLY = {"PAGEDKERN_KERNEL_SOURCES", "PAGEDKERN_ARCH_LIST"}
+CMAKE_ONLY = {"PAGEDKERN_KERNEL_SOURCES", "PAGEDKERN_BINDING_SOURCES", "PAGEDKERN_ARCH_LIST"}
 
 
 def _tree_files():

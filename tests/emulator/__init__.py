@@ -107,7 +107,7 @@ def _compile(src: Path, obj: Path, includes: list[str]) -> Path:
 
 
 def _cutlass_include() -> list[str]:
-    """As setup.py finds it: bindings.cpp may include headers that need CUTLASS/CuTe."""
+    """As setup.py finds it: the bindings may include headers that need CUTLASS/CuTe."""
     from build_env import build_variable
 
     path = build_variable("PAGEDKERN_CUTLASS_INCLUDE")
@@ -123,9 +123,14 @@ def build() -> Path:
 
     includes = ["-I", str(_cuda_include()), "-I", sysconfig.get_paths()["include"]]
     includes += ["-I", pybind11.get_include(), *_cutlass_include()]
-    sources = [CSRC / k for k in KERNELS] + [CSRC / "bindings.cpp"]
+    sources = [CSRC / k for k in KERNELS] + sorted((CSRC / "bindings").glob("*.cpp"))
     digest = hashlib.sha256()
-    for f in [*sources, *sorted(CSRC.glob("*.h")), *sorted(CSRC.glob("*.cuh")), HERE / "emu.h"]:
+    headers = [
+        *sorted(CSRC.glob("*.h")),
+        *sorted(CSRC.glob("*.cuh")),
+        CSRC / "bindings" / "bindings.h",
+    ]
+    for f in [*sources, *headers, HERE / "emu.h"]:
         digest.update(f.name.encode() + f.read_bytes())
     digest.update((HERE / "emu_runtime.cpp").read_bytes())
     out = ROOT / "build" / "emulator" / digest.hexdigest()[:16]
@@ -152,11 +157,12 @@ def _build_into(
             dst = out / (src.stem + ".cpp")
             dst.write_text(_rewrite(src.read_text()))
             src = dst
-        jobs.append((src, out / (src.stem + ".o")))
+        # (a binding file and its kernel's share a stem: bindings/sampling.cpp, sampling.cu)
+        jobs.append((src, out / (src.parent.name + "_" + src.stem + ".o")))
     jobs.append((HERE / "emu_runtime.cpp", out / "emu_runtime.o"))
     with ThreadPoolExecutor(2) as pool:
         objs = list(pool.map(lambda j: _compile(j[0], j[1], includes), jobs))
-    # bindings.cpp also binds kernels that are not emulated: stubs that throw.
+    # The bindings also bind kernels that are not emulated: stubs that throw.
     nm = subprocess.run(["nm", *map(str, objs)], check=True, capture_output=True, text=True).stdout
     defined = {ln.split()[-1] for ln in nm.splitlines() if len(ln.split()) == 3}
     missing = {
