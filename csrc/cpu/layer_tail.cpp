@@ -2,11 +2,11 @@
 
 #include "layer_tail.h"
 
-#include <cmath>
-#include <cstring>
+#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
+#include "gated_activation.h"
 #include "moe_mlp.h"
 #include "parallel.h"
 #include "quant_gemv.h"
@@ -15,63 +15,11 @@
 namespace pagedkern_cpu {
 namespace {
 
-// e^x within ~3e-7 relative, in operations the compiler vectorizes (no libm call): x = n ln2 + r,
-// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n by exponent bits. Saturates below
-// -87.3 (to ~1e-38) and above 88.3 (to ~2e38, n <= 127); NaN stays NaN.
-inline float fast_exp(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  x = x > 88.3f ? 88.3f : x;
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float t = x * 1.44269504f + shifter;
-  const float n = t - shifter;
-  float r = x - n * 0.693145752f;  // ln2 split in two for an exact n * ln2_hi
-  r = r - n * 1.42860677e-6f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &t, sizeof bits);
-  bits = (bits - 0x4B400000 + 127) << 23;  // 2^n
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // residual[r] += y[r]; out[r] = residual[r] * rsqrt(mean(residual[r]^2) + eps) * weight
 void add_rms_norm(float* residual, const float* y, float* out, const float* weight, float eps,
                   int h) {
   for (int i = 0; i < h; ++i) residual[i] += y[i];
   rms_norm_row(residual, out, weight, eps, h);
-}
-
-// out[j] = silu(g[j]) * g[I + j]
-void silu_and_mul(const float* g, float* out, int intermediate) {
-  for (int j = 0; j < intermediate; ++j) {
-    const float x = g[j];
-    out[j] = x / (1.0f + fast_exp(-x)) * g[intermediate + j];
-  }
-}
-
-// out[j] = gelu_tanh(g[j]) * g[I + j], tanh(u) = 1 - 2 / (e^(2u) + 1) (exact at both ends)
-void gelu_tanh_and_mul(const float* g, float* out, int intermediate) {
-  for (int j = 0; j < intermediate; ++j) {
-    const float x = g[j];
-    const float u = 0.7978845608f * (x + 0.044715f * x * x * x);
-    const float tanh_u = 1.0f - 2.0f / (fast_exp(2.0f * u) + 1.0f);
-    out[j] = 0.5f * x * (1.0f + tanh_u) * g[intermediate + j];
-  }
-}
-
-// out[j] = act(g[j]) * g[intermediate + j] for one row
-void gated_activation(int activation, const float* g, float* out, int intermediate) {
-  if (activation == kGeluTanh)
-    gelu_tanh_and_mul(g, out, intermediate);
-  else
-    silu_and_mul(g, out, intermediate);
 }
 
 // body(r) for every row r of run.m, rows split over the team from the GEMVs' threshold of work
@@ -105,8 +53,10 @@ void gated_mlp(const QuantLinear& gate_up, const QuantLinear& down, int activati
   act_buf.resize(size_t(run.m) * inter);
   float *g = g_buf.data(), *act = act_buf.data();
   linear(gate_up, run, x, x_stride, g);
+  const bool simd = run.path != kPortable;  // (the same bits either way)
   for_rows(run, int64_t(inter) * 8, [&](int r) {
-    gated_activation(activation, g + int64_t(r) * 2 * inter, act + int64_t(r) * inter, inter);
+    gated_activation(activation, g + int64_t(r) * 2 * inter, act + int64_t(r) * inter, inter,
+                     simd);
   });
   linear(down, run, act, inter, y);
 }

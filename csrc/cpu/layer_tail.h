@@ -10,7 +10,8 @@
 // in torch cost ~10 µs of dispatch each (Python, then ATen); one call here replaces ~15 of them
 // and the three GEMVs' Python wrappers. The elementwise passes run over rows split across
 // torch's OpenMP team (parallel.h) and are written as plain loops the compiler vectorizes for
-// the baseline ISA (the module's one build serves every x86-64): the bits are the same on every
+// the baseline ISA (the module's one build serves every x86-64), but for the gated activation's
+// AVX2 twin of its loop (gated_activation.h, the same operations): the bits are the same on every
 // CPU and a row's result never depends on the other rows, M, or the thread count, so the
 // engine's outputs stay independent of batch make-up. The statistics and products are fp32 as
 // the reference defines them (reference/norm.py, reference/activation.py); the sums run in a

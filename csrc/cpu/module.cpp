@@ -10,6 +10,7 @@
 
 #include "attention.h"
 #include "decoder.h"
+#include "gated_activation.h"
 #include "layer_tail.h"
 #include "moe_experts.h"
 #include "moe_mlp.h"
@@ -173,6 +174,16 @@ PYBIND11_MODULE(_cpu, mod) {
       py::kw_only(), py::arg("format"), py::arg("y"), py::arg("y_stride"), py::arg("x"),
       py::arg("x_stride"), py::arg("packed"), py::arg("scales"), py::arg("m"), py::arg("n"),
       py::arg("k"), py::arg("threads"), py::arg("path"), py::arg("activation_bits"));
+  // (tests: the plain loop and the AVX2 one give the same bits)
+  mod.def(
+      "gated_activation",
+      [](int activation, uintptr_t g, uintptr_t out, int rows, int intermediate, bool simd) {
+        for (int r = 0; r < rows; ++r)
+          gated_activation(activation, ptr<const float>(g) + int64_t(r) * 2 * intermediate,
+                           ptr<float>(out) + int64_t(r) * intermediate, intermediate, simd);
+      },
+      py::kw_only(), py::arg("activation"), py::arg("g"), py::arg("out"), py::arg("rows"),
+      py::arg("intermediate"), py::arg("simd"));
   mod.def(
       "layer_tail",
       [](const LinearTuple& o, const LinearTuple& gate_up, const LinearTuple& down,
