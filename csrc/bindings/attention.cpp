@@ -14,14 +14,8 @@ struct PagedAttentionLaunch {
   int device = 0;
   void run(std::uintptr_t q, std::uintptr_t out, std::uintptr_t k_cache, std::uintptr_t v_cache,
            std::uintptr_t lse, std::uintptr_t stream) const {
-    pagedkern::PagedAttentionParams params = p;
-    params.q = as_ptr<const void>(q);
-    params.out = as_ptr<void>(out);
-    params.k_cache = as_ptr<const void>(k_cache);
-    params.v_cache = as_ptr<const void>(v_cache);
-    params.lse = as_ptr<float>(lse);
     DeviceGuard guard(device);
-    pagedkern::paged_attention(params, as_stream(stream));
+    pagedkern::paged_attention(for_layer(p, q, out, k_cache, v_cache, lse), as_stream(stream));
   }
 };
 

@@ -26,6 +26,18 @@ inline cudaStream_t as_stream(std::uintptr_t handle) {
   return reinterpret_cast<cudaStream_t>(handle);
 }
 
+// An attention launch's params (paged_attention's, flash_prefill's) with one layer's pointers
+template <typename Params>
+Params for_layer(Params p, std::uintptr_t q, std::uintptr_t out, std::uintptr_t k_cache,
+                 std::uintptr_t v_cache, std::uintptr_t lse) {
+  p.q = as_ptr<const void>(q);
+  p.out = as_ptr<void>(out);
+  p.k_cache = as_ptr<const void>(k_cache);
+  p.v_cache = as_ptr<const void>(v_cache);
+  p.lse = as_ptr<float>(lse);
+  return p;
+}
+
 void bind_device(py::module_& m);       // device.cpp: devices, build info, dtype codes
 void bind_elementwise(py::module_& m);  // elementwise.cpp: rms_norm, silu_and_mul
 void bind_attention(py::module_& m);    // attention.cpp: paged_attention, rope_and_cache

@@ -15,14 +15,9 @@ struct FlashPrefillLaunch {
   int device = 0;
   int run(std::uintptr_t q, std::uintptr_t out, std::uintptr_t k_cache, std::uintptr_t v_cache,
           std::uintptr_t lse, std::uintptr_t stream) const {
-    pagedkern::FlashPrefillParams params = p;
-    params.q = as_ptr<const void>(q);
-    params.out = as_ptr<void>(out);
-    params.k_cache = as_ptr<const void>(k_cache);
-    params.v_cache = as_ptr<const void>(v_cache);
-    params.lse = as_ptr<float>(lse);
     DeviceGuard guard(device);
-    return static_cast<int>(pagedkern::flash_prefill(params, path, strict, as_stream(stream)));
+    return static_cast<int>(pagedkern::flash_prefill(for_layer(p, q, out, k_cache, v_cache, lse),
+                                                     path, strict, as_stream(stream)));
   }
 };
 
