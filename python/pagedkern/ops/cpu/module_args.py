@@ -1,4 +1,4 @@
-"""How csrc/cpu/module.cpp takes its operands: a quantized weight as a tuple of its tile
+"""How csrc/cpu/module.h takes its operands: a quantized weight as a tuple of its tile
 format, addresses and shape; a tensor as its address (0: none); an activation as its code.
 What the layer tail, the MoE MLP and the decoder pass, checked here once per weight."""
 
@@ -9,7 +9,7 @@ import torch
 from ...reference.quantized_weight import QuantizedWeight
 from . import quant_gemv
 
-# (tile format code, tiles, scales, bias, n, k): as csrc/cpu/module.cpp takes a weight
+# (tile format code, tiles, scales, bias, n, k): as csrc/cpu/module.h takes a weight
 LinearTuple = tuple[int, int, int, int, int, int]
 
 
@@ -48,7 +48,7 @@ NO_LINEAR = (0, 0, 0, 0, 0, 0)  # no weight (n = 0)
 
 
 def linear_tuple(w: QuantizedWeight, bias: torch.Tensor | None) -> LinearTuple:
-    """A quantized weight (and bias) as csrc/cpu/module.cpp takes it (tiles packed once)."""
+    """A quantized weight (and bias) as csrc/cpu/module.h takes it (tiles packed once)."""
     n, k = w.shape
     address = 0 if bias is None else bias.data_ptr()
     tiles = quant_gemv.packed(w)

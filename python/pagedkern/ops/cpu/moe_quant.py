@@ -31,7 +31,7 @@ SCORINGS = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}  # csrc/cpu/moe_mlp.h
 
 
 def _expert_tuples(w: QuantizedWeight, bias) -> list:
-    """Each expert of a stacked [E, N, K] weight as csrc/cpu/module.cpp takes a weight (its
+    """Each expert of a stacked [E, N, K] weight as csrc/cpu/module.h takes a weight (its
     tiles packed once, kept on w.expert(e))."""
     return [
         module_args.linear_tuple(w.expert(e), None if bias is None else bias[e])

@@ -1,0 +1,112 @@
+// pagedkern._cpu: weight packing (pack.cpp) and the quantized GEMV (gemv.cpp), the GIL released.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "module.h"
+#include "quant_gemv.h"
+
+namespace py = pybind11;
+
+namespace pagedkern_cpu {
+
+void bind_gemv(py::module_& mod) {
+  mod.def("packed_bytes", &packed_bytes, py::kw_only(), py::arg("format"), py::arg("n"),
+          py::arg("k"));
+  mod.def(
+      "int4_symmetric",
+      [](uintptr_t scales, uintptr_t mins, int64_t count) {
+        py::gil_scoped_release release;
+        return int4_symmetric(ptr<const uint16_t>(scales), ptr<const uint16_t>(mins), count);
+      },
+      py::kw_only(), py::arg("scales"), py::arg("mins"), py::arg("count"));
+  mod.def(
+      "pack_int4",
+      [](uintptr_t out, uintptr_t qweight, uintptr_t scales, uintptr_t mins, int n, int k,
+         int group, int format) {
+        pack_int4(ptr<uint8_t>(out), ptr<const uint8_t>(qweight), ptr<const uint16_t>(scales),
+                  ptr<const uint16_t>(mins), n, k, group, format);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("mins"),
+      py::arg("n"), py::arg("k"), py::arg("group"), py::arg("format"));
+  mod.def(
+      "pack_int8",
+      [](uintptr_t out, uintptr_t qweight, int n, int k) {
+        pack_int8(ptr<uint8_t>(out), ptr<const int8_t>(qweight), n, k);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("n"), py::arg("k"));
+  mod.def(
+      "pack_int8_grouped",
+      [](uintptr_t out, uintptr_t qweight, uintptr_t scales, int n, int k, int group) {
+        pack_int8_grouped(ptr<uint8_t>(out), ptr<const int8_t>(qweight), ptr<const float>(scales),
+                          n, k, group);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("n"),
+      py::arg("k"), py::arg("group"));
+  mod.def(
+      "pack_int6",
+      [](uintptr_t out, uintptr_t qweight, uintptr_t scales, int n, int k) {
+        pack_int6(ptr<uint8_t>(out), ptr<const int8_t>(qweight), ptr<const float>(scales), n, k);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("n"),
+      py::arg("k"));
+  mod.def(
+      "factor_int6_scales",
+      [](uintptr_t scales, int n, int k, uintptr_t d, uintptr_t c) {
+        py::gil_scoped_release release;
+        return factor_int6_scales(ptr<const float>(scales), n, k, ptr<float>(d), ptr<int8_t>(c));
+      },
+      py::kw_only(), py::arg("scales"), py::arg("n"), py::arg("k"), py::arg("d"), py::arg("c"));
+  mod.def(
+      "pack_int6_k",
+      [](uintptr_t out, uintptr_t qweight, uintptr_t c, uintptr_t d, int n, int k) {
+        pack_int6_k(ptr<uint8_t>(out), ptr<const int8_t>(qweight), ptr<const int8_t>(c),
+                    ptr<const float>(d), n, k);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("c"), py::arg("d"),
+      py::arg("n"), py::arg("k"));
+  mod.def(
+      "factor_int4_scales",
+      [](uintptr_t scales, uintptr_t mins, int n, int k, uintptr_t d, uintptr_t dm, uintptr_t cs,
+         uintptr_t cm) {
+        py::gil_scoped_release release;
+        return factor_int4_scales(ptr<const float>(scales), ptr<const float>(mins), n, k,
+                                  ptr<float>(d), ptr<float>(dm), ptr<uint8_t>(cs),
+                                  ptr<uint8_t>(cm));
+      },
+      py::kw_only(), py::arg("scales"), py::arg("mins"), py::arg("n"), py::arg("k"),
+      py::arg("d"), py::arg("dm"), py::arg("cs"), py::arg("cm"));
+  mod.def(
+      "pack_int4_k",
+      [](uintptr_t out, uintptr_t qweight, uintptr_t cs, uintptr_t cm, uintptr_t d, uintptr_t dm,
+         int n, int k) {
+        pack_int4_k(ptr<uint8_t>(out), ptr<const uint8_t>(qweight), ptr<const uint8_t>(cs),
+                    ptr<const uint8_t>(cm), ptr<const float>(d), ptr<const float>(dm), n, k);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("cs"), py::arg("cm"),
+      py::arg("d"), py::arg("dm"), py::arg("n"), py::arg("k"));
+  mod.def(
+      "pack_int5",
+      [](uintptr_t out, uintptr_t qweight, uintptr_t scales, uintptr_t mins, int n, int k) {
+        pack_int5(ptr<uint8_t>(out), ptr<const uint8_t>(qweight), ptr<const float>(scales),
+                  ptr<const float>(mins), n, k);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("mins"),
+      py::arg("n"), py::arg("k"));
+  mod.def(
+      "gemv",
+      [](int format, uintptr_t y, int64_t y_stride, uintptr_t x, int64_t x_stride,
+         uintptr_t packed, uintptr_t scales, int m, int n, int k, int threads, int path,
+         int activation_bits) {
+        py::gil_scoped_release release;
+        gemv(format, ptr<float>(y), y_stride, ptr<const float>(x), x_stride,
+             ptr<const uint8_t>(packed), ptr<const float>(scales), m, n, k, threads, path,
+             activation_bits);
+      },
+      py::kw_only(), py::arg("format"), py::arg("y"), py::arg("y_stride"), py::arg("x"),
+      py::arg("x_stride"), py::arg("packed"), py::arg("scales"), py::arg("m"), py::arg("n"),
+      py::arg("k"), py::arg("threads"), py::arg("path"), py::arg("activation_bits"));
+  // (tests: the plain loop and the AVX2 one give the same bits)
+}
+
+}  // namespace pagedkern_cpu
