@@ -93,3 +93,35 @@ def test_cpu_layer_tail(capsys):
             f"{'ops/fused':>9s} {'ref/fused':>9s}"
         )
         print("\n".join(lines))
+
+
+@pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
+def test_cpu_gated_activation(capsys):
+    """The tail's gated activation alone (csrc/cpu/gated_activation.cpp), one thread: the plain
+    loop against its AVX2 twin (the same bits), per row of the shapes' widths."""
+    module = quant_gemv.cpu_module()
+    if not module.path_supported(module.PATHS["avx2"]):
+        pytest.skip("this CPU has no AVX2")
+    rows, lines = (64 if FULL else 2), []
+    for name, _, inter, _ in SHAPES:
+        g = torch.randn(rows, 2 * inter) * 4
+        out = torch.empty(rows, inter)
+        for act, code in (("silu", 0), ("gelu_tanh", 1)):
+            per_row = {}
+            for simd in (False, True):
+                call = lambda: module.gated_activation(  # noqa: E731
+                    activation=code, g=g.data_ptr(), out=out.data_ptr(), rows=rows,  # noqa: B023
+                    intermediate=inter, simd=simd,  # noqa: B023
+                )  # fmt: skip
+                per_row[simd] = _best_us(call, 50 if FULL else 1) / rows
+            gbs = 3 * inter * 4 / per_row[True] / 1e3  # g's two halves read, out written
+            lines.append(
+                f"  {name:5s} I={inter:<5d} {act:10s} {per_row[False]:8.2f} {per_row[True]:8.2f} "
+                f"{gbs:7.1f} {per_row[False] / per_row[True]:8.2f}x"
+            )
+    with capsys.disabled():
+        print("\nCPU gated activation, one row, microseconds (best of 3; rows of L1/L2)")
+        print(
+            f"  {'shape':16s} {'act':10s} {'plain':>8s} {'avx2':>8s} {'GB/s':>7s} {'speed-up':>9s}"
+        )
+        print("\n".join(lines))
