@@ -213,3 +213,28 @@ def test_an_int4_engine_steps_through_it(decoder_runs):
     )
     list(engine.run_until_done())
     assert decoder_runs[0] == 27 and decoder_runs[1:] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_the_decoder_on_a_team_of_two_gives_one_threads_bits(family, kv_dtype, kernels):
+    """The step's layers on one team (csrc/cpu/parallel.h: the ops' bodies handed to its second
+    thread) give the one-thread layer loop's bits."""
+    config = PRESETS["tiny"].replace(**FAMILIES.get(family, {}))
+    model, _ = load_model(config, quantization="int4", kv_cache_dtype=kv_dtype, seed=7)
+    threads = torch.get_num_threads()
+    module = quant_gemv.cpu_module()
+    try:
+        torch.set_num_threads(1)
+        want, want_kv = _run_steps(model, "layers", kernels)
+        before = module.team_jobs()
+        torch.set_num_threads(2)
+        got, got_kv = _run_steps(model, "fused", kernels)
+    finally:
+        torch.set_num_threads(threads)
+    if module.OPENMP:
+        assert module.team_jobs() > before  # (the team ran the ops' bodies)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert not g.isnan().any()
+        assert torch.equal(g, w), f"step {step}"
+    assert_same_cache(got_kv, want_kv)

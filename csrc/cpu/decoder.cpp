@@ -6,9 +6,50 @@
 #include <vector>
 
 #include "attention.h"
+#include "parallel.h"
 #include "rope_cache.h"
 
 namespace pagedkern_cpu {
+namespace {
+
+// One layer: QKV GEMV, RoPE + cache write, attention, the layer tail (qkv, attn: the step's
+// buffers)
+void run_layer(const DecoderShape& s, const DecoderLayer& layer, const DecoderStep& t, float* qkv,
+               float* attn) {
+  const int q_size = s.hq * s.d, qkv_size = (s.hq + 2 * s.hkv) * s.d;
+  LayerTailArgs tail{layer.o,         layer.gate_up, layer.down,
+                     layer.post_norm, layer.next_norm, s.eps,
+                     t.m,             s.hidden,      s.intermediate,
+                     t.threads,       s.parallel_min_macs, t.path,
+                     t.activation_bits};
+  tail.activation = s.activation;
+  tail.attn_out_norm = layer.attn_out_norm;
+  tail.mlp_out_norm = layer.mlp_out_norm;
+  tail.moe = layer.moe;
+  const DecoderTables& tables = t.groups[layer.group];
+  linear(layer.qkv, tail.gemv(), t.h, s.hidden, qkv);  // the tail's GEMV (+ bias)
+  float *q = qkv, *k = qkv + q_size, *v = k + s.hkv * s.d;
+  RopeCacheArgs rope{q, qkv_size, k, qkv_size, v, qkv_size, t.m, s.hq, s.hkv, s.d,
+                     layer.factors, layer.num_positions, t.positions, tables.slots,
+                     layer.k_cache, layer.v_cache, s.block_stride, s.head_stride,
+                     s.slot_stride, s.num_blocks, s.block_size, t.threads};
+  rope.q_norm = layer.q_norm;
+  rope.k_norm = layer.k_norm;
+  rope.norm_eps = s.eps;
+  rope.cache_dtype = s.cache_dtype;
+  rope.k_inv_scale = layer.k_inv_scale;
+  rope.v_inv_scale = layer.v_inv_scale;
+  rope_cache(rope);
+  attention({q, qkv_size, attn, q_size, nullptr, layer.k_cache, layer.v_cache,
+             s.cache_dtype, s.block_stride, s.head_stride, s.slot_stride,
+             s.num_blocks, s.hq, s.hkv, s.block_size, s.d, tables.block_tables,
+             tables.table_stride, t.num_seqs, tables.table_width, t.row_seq, t.row_pos, t.m,
+             layer.scale, s.soft_cap, layer.window, layer.sinks, layer.out_scale, t.threads,
+             -1});
+  layer_tail(tail, attn, q_size, t.residual, t.h);
+}
+
+}  // namespace
 
 void decoder(const DecoderShape& s, const std::vector<DecoderLayer>& layers,
              const DecoderStep& t) {
@@ -29,38 +70,10 @@ void decoder(const DecoderShape& s, const std::vector<DecoderLayer>& layers,
   qkv_buf.resize(size_t(t.m) * qkv_size);
   attn_buf.resize(size_t(t.m) * q_size);
   float *qkv = qkv_buf.data(), *attn = attn_buf.data();
-  for (const DecoderLayer& layer : layers) {
-    LayerTailArgs tail{layer.o,         layer.gate_up, layer.down,
-                       layer.post_norm, layer.next_norm, s.eps,
-                       t.m,             s.hidden,      s.intermediate,
-                       t.threads,       s.parallel_min_macs, t.path,
-                       t.activation_bits};
-    tail.activation = s.activation;
-    tail.attn_out_norm = layer.attn_out_norm;
-    tail.mlp_out_norm = layer.mlp_out_norm;
-    tail.moe = layer.moe;
-    const DecoderTables& tables = t.groups[layer.group];
-    linear(layer.qkv, tail.gemv(), t.h, s.hidden, qkv);  // the tail's GEMV (+ bias)
-    float *q = qkv, *k = qkv + q_size, *v = k + s.hkv * s.d;
-    RopeCacheArgs rope{q, qkv_size, k, qkv_size, v, qkv_size, t.m, s.hq, s.hkv, s.d,
-                       layer.factors, layer.num_positions, t.positions, tables.slots,
-                       layer.k_cache, layer.v_cache, s.block_stride, s.head_stride,
-                       s.slot_stride, s.num_blocks, s.block_size, t.threads};
-    rope.q_norm = layer.q_norm;
-    rope.k_norm = layer.k_norm;
-    rope.norm_eps = s.eps;
-    rope.cache_dtype = s.cache_dtype;
-    rope.k_inv_scale = layer.k_inv_scale;
-    rope.v_inv_scale = layer.v_inv_scale;
-    rope_cache(rope);
-    attention({q, qkv_size, attn, q_size, nullptr, layer.k_cache, layer.v_cache,
-               s.cache_dtype, s.block_stride, s.head_stride, s.slot_stride,
-               s.num_blocks, s.hq, s.hkv, s.block_size, s.d, tables.block_tables,
-               tables.table_stride, t.num_seqs, tables.table_width, t.row_seq, t.row_pos, t.m,
-               layer.scale, s.soft_cap, layer.window, layer.sinks, layer.out_scale, t.threads,
-               -1});
-    layer_tail(tail, attn, q_size, t.residual, t.h);
-  }
+  // one team for the step's layers: their ~5 parallel ops a layer run on it (parallel.h)
+  team(t.threads, [&] {
+    for (const DecoderLayer& layer : layers) run_layer(s, layer, t, qkv, attn);
+  });
 }
 
 }  // namespace pagedkern_cpu

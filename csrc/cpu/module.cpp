@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include "module.h"
+#include "parallel.h"
 #include "quant_gemv.h"
 #include "sampling.h"
 
@@ -50,6 +51,7 @@ PYBIND11_MODULE(_cpu, mod) {
       py::arg("top_n") = 0);
   mod.def("philox_uniform", &philox_uniform, py::arg("seed"), py::arg("offset"));
   mod.def("best_path", &best_path);
+  mod.def("team_jobs", [] { return team_jobs().load(); });
   bind_gemv(mod);
   bind_layer(mod);
   bind_decoder(mod);
