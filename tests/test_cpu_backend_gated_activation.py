@@ -12,6 +12,14 @@ from pagedkern.ops.cpu import quant_gemv
 
 pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="pagedkern._cpu not built")
 
+
+def _has_avx2() -> bool:
+    module = quant_gemv.cpu_module() if quant_gemv.available() else None
+    return module is not None and module.path_supported(module.PATHS["avx2"])
+
+
+NEEDS_AVX2 = pytest.mark.skipif(not _has_avx2(), reason="this CPU has no AVX2")
+
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # layer_tail.h's Activation
 REFERENCE = {"silu": reference.silu_and_mul, "gelu_tanh": reference.gelu_tanh_and_mul}
 EDGES = [float("nan"), float("inf"), -float("inf"), 200.0, -200.0, 87.5, -88.5, 44.0, -44.2]
@@ -39,16 +47,10 @@ def _inputs(rows: int, intermediate: int, seed: int) -> torch.Tensor:
     return g
 
 
-@pytest.fixture(scope="module")
-def avx2():
-    module = quant_gemv.cpu_module()
-    if not module.path_supported(module.PATHS["avx2"]):
-        pytest.skip("this CPU has no AVX2")
-
-
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("intermediate", [1, 7, 8, 9, 37, 1541])
-def test_the_avx2_loop_gives_the_plain_loops_bits(avx2, act, intermediate):
+@NEEDS_AVX2
+def test_the_avx2_loop_gives_the_plain_loops_bits(act, intermediate):
     g = _inputs(3, intermediate, seed=intermediate)
     plain, simd = _run(act, g, simd=False), _run(act, g, simd=True)
     # (NaN where the plain loop has NaN, the same bits everywhere else)
@@ -58,12 +60,8 @@ def test_the_avx2_loop_gives_the_plain_loops_bits(avx2, act, intermediate):
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
-@pytest.mark.parametrize("simd", [False, True])
+@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=NEEDS_AVX2)])
 def test_both_loops_compute_the_reference(act, simd):
-    if simd:
-        module = quant_gemv.cpu_module()
-        if not module.path_supported(module.PATHS["avx2"]):
-            pytest.skip("this CPU has no AVX2")
     g = torch.randn(5, 2 * 301, generator=torch.Generator().manual_seed(7)) * 8
     got = _run(act, g, simd)
     assert not got.isnan().any()
