@@ -238,3 +238,46 @@ def test_the_decoder_on_a_team_of_two_gives_one_threads_bits(family, kv_dtype, k
         assert not g.isnan().any()
         assert torch.equal(g, w), f"step {step}"
     assert_same_cache(got_kv, want_kv)
+
+
+def _padded(ids, meta, pad: int):
+    """The step with `pad` rows past its last chunk (a padded batch's rows: no key, no write)."""
+    ids = torch.cat([ids, ids.new_zeros(pad)])
+    positions = torch.cat([meta.positions, meta.positions.new_zeros(pad)])
+    slots = torch.cat([meta.slot_mapping, meta.slot_mapping.new_full((pad,), -1)])
+    return ids, dataclasses.replace(meta, positions=positions, slot_mapping=slots)
+
+
+def test_rows_past_the_last_chunk_see_no_key_as_in_the_loop(kernels, decoder_runs):
+    model, _ = load_model(PRESETS["tiny"], quantization="int4", seed=5)
+    hidden, caches = [], []
+    for variant in ("fused", "layers"):
+        kernels(cpu_decoder=variant)
+        kv = model.allocate_kv_cache(12, BLOCK)
+        kv.data.fill_(float("nan"))
+        with ops.use_backend("cpu"):
+            for step in _steps(model)[:2]:
+                h = model.hidden_states(*_padded(*build_batch(step, BLOCK), 3), kv)
+        hidden.append(h)
+        caches.append(kv.data)
+    assert decoder_runs == [43, 54]  # (the fused steps, padding rows included)
+    assert not hidden[0].isnan().any()
+    assert torch.equal(hidden[0], hidden[1])
+    assert_same_cache(*caches)
+
+
+@pytest.mark.parametrize("bounds", ["past the rows", "falling", "not from 0"])
+def test_query_bounds_that_do_not_fit_the_rows_are_refused(bounds, kernels, decoder_runs):
+    model, _ = load_model(PRESETS["tiny"], quantization="int4")
+    kv = model.allocate_kv_cache(12, BLOCK)
+    ids, meta = build_batch(_steps(model)[1], BLOCK)  # a decode row, then a 50-row chunk
+    cu = meta.cu_seqlens.clone()
+    if bounds == "past the rows":
+        cu[-1] += 1
+    elif bounds == "falling":
+        cu[1] = cu[2] + 1
+    else:
+        cu[0] = 1
+    with ops.use_backend("cpu"), pytest.raises(ValueError, match="cu_seqlens"):
+        model.hidden_states(ids, dataclasses.replace(meta, cu_seqlens=cu), kv)
+    assert decoder_runs == [51]

@@ -3,6 +3,7 @@
 #include "decoder.h"
 
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "attention.h"
@@ -12,10 +13,42 @@
 namespace pagedkern_cpu {
 namespace {
 
+// The step's indices as rope_cache and attention read them: int64 positions and slots, and each
+// row's sequence and position (ops/cpu/attention_kernel.py's chunk_rows, made here once a step)
+struct StepIndices {
+  std::vector<int64_t> positions;
+  std::vector<std::vector<int64_t>> slots;  // one per KV layer group
+  std::vector<int32_t> row_seq, row_pos;
+
+  void make(const DecoderStep& t) {
+    positions.assign(t.positions, t.positions + t.m);
+    slots.resize(t.groups.size());
+    for (size_t g = 0; g < t.groups.size(); ++g)
+      slots[g].assign(t.groups[g].slots, t.groups[g].slots + t.m);
+    // chunk b's rows are the last positions before seq_lens[b]; rows past the last chunk see
+    // no key (-1)
+    const int32_t* cu = t.cu_seqlens;
+    if (t.num_chunks < 0 || cu[0] != 0)
+      throw std::invalid_argument("decoder: cu_seqlens must start at 0");
+    row_seq.assign(t.m, 0);
+    row_pos.assign(t.m, -1);
+    for (int b = 0; b < t.num_chunks; ++b) {
+      if (cu[b + 1] < cu[b] || cu[b + 1] > t.m)
+        throw std::invalid_argument("decoder: cu_seqlens[" + std::to_string(b + 1) + "] = " +
+                                    std::to_string(cu[b + 1]) +
+                                    " must be within [cu_seqlens[b], rows]");
+      for (int r = cu[b]; r < cu[b + 1]; ++r) {
+        row_seq[r] = b;
+        row_pos[r] = int32_t(int64_t(t.seq_lens[b]) - (cu[b + 1] - r));
+      }
+    }
+  }
+};
+
 // One layer: QKV GEMV, RoPE + cache write, attention, the layer tail (qkv, attn: the step's
 // buffers)
-void run_layer(const DecoderShape& s, const DecoderLayer& layer, const DecoderStep& t, float* qkv,
-               float* attn) {
+void run_layer(const DecoderShape& s, const DecoderLayer& layer, const DecoderStep& t,
+               const StepIndices& x, float* qkv, float* attn) {
   const int q_size = s.hq * s.d, qkv_size = (s.hq + 2 * s.hkv) * s.d;
   LayerTailArgs tail{layer.o,         layer.gate_up, layer.down,
                      layer.post_norm, layer.next_norm, s.eps,
@@ -30,9 +63,9 @@ void run_layer(const DecoderShape& s, const DecoderLayer& layer, const DecoderSt
   linear(layer.qkv, tail.gemv(), t.h, s.hidden, qkv);  // the tail's GEMV (+ bias)
   float *q = qkv, *k = qkv + q_size, *v = k + s.hkv * s.d;
   RopeCacheArgs rope{q, qkv_size, k, qkv_size, v, qkv_size, t.m, s.hq, s.hkv, s.d,
-                     layer.factors, layer.num_positions, t.positions, tables.slots,
-                     layer.k_cache, layer.v_cache, s.block_stride, s.head_stride,
-                     s.slot_stride, s.num_blocks, s.block_size, t.threads};
+                     layer.factors, layer.num_positions, x.positions.data(),
+                     x.slots[layer.group].data(), layer.k_cache, layer.v_cache, s.block_stride,
+                     s.head_stride, s.slot_stride, s.num_blocks, s.block_size, t.threads};
   rope.q_norm = layer.q_norm;
   rope.k_norm = layer.k_norm;
   rope.norm_eps = s.eps;
@@ -43,9 +76,9 @@ void run_layer(const DecoderShape& s, const DecoderLayer& layer, const DecoderSt
   attention({q, qkv_size, attn, q_size, nullptr, layer.k_cache, layer.v_cache,
              s.cache_dtype, s.block_stride, s.head_stride, s.slot_stride,
              s.num_blocks, s.hq, s.hkv, s.block_size, s.d, tables.block_tables,
-             tables.table_stride, t.num_seqs, tables.table_width, t.row_seq, t.row_pos, t.m,
-             layer.scale, s.soft_cap, layer.window, layer.sinks, layer.out_scale, t.threads,
-             -1});
+             tables.table_stride, t.num_seqs, tables.table_width, x.row_seq.data(),
+             x.row_pos.data(), t.m, layer.scale, s.soft_cap, layer.window, layer.sinks,
+             layer.out_scale, t.threads, -1});
   layer_tail(tail, attn, q_size, t.residual, t.h);
 }
 
@@ -66,13 +99,15 @@ void decoder(const DecoderShape& s, const std::vector<DecoderLayer>& layers,
     }
   }
   if (t.m <= 0) return;
+  thread_local StepIndices indices;
+  indices.make(t);
   thread_local std::vector<float> qkv_buf, attn_buf;
   qkv_buf.resize(size_t(t.m) * qkv_size);
   attn_buf.resize(size_t(t.m) * q_size);
   float *qkv = qkv_buf.data(), *attn = attn_buf.data();
   // one team for the step's layers: their ~5 parallel ops a layer run on it (parallel.h)
   team(t.threads, [&] {
-    for (const DecoderLayer& layer : layers) run_layer(s, layer, t, qkv, attn);
+    for (const DecoderLayer& layer : layers) run_layer(s, layer, t, indices, qkv, attn);
   });
 }
 

@@ -54,21 +54,22 @@ struct DecoderShape {
 };
 
 struct DecoderTables {  // one KV layer group's (a cache of one table: one)
-  const int64_t* slots;  // [m]
+  const int32_t* slots;  // [m] (-1: no write)
   const int32_t* block_tables;
   int64_t table_stride;
   int table_width;
 };
 
 struct DecoderStep {
-  int m;                     // rows
-  float* h;                  // [m, hidden]: the first layer's normed input, then the output
-  float* residual;           // [m, hidden], updated in place
-  const int64_t* positions;  // [m]
-  const int32_t* row_seq;    // [m] (attention.h)
-  const int32_t* row_pos;    // [m]
+  int m;                      // rows
+  float* h;                   // [m, hidden]: the first layer's normed input, then the output
+  float* residual;            // [m, hidden], updated in place
+  const int32_t* positions;   // [m]
+  const int32_t* cu_seqlens;  // [num_chunks + 1]: chunk b's rows are cu[b] .. cu[b + 1] - 1
+  const int32_t* seq_lens;    // [num_chunks]: a chunk's rows are its sequence's last positions
+  int num_chunks;
   std::vector<DecoderTables> groups;
-  int num_seqs;
+  int num_seqs;  // block-table rows
   int threads, path, activation_bits;
 };
 

@@ -137,15 +137,16 @@ void bind_decoder(py::module_& mod) {
       .def(
           "run",
           [](const Decoder& self, int m, uintptr_t h, uintptr_t residual, uintptr_t positions,
-             uintptr_t row_seq, uintptr_t row_pos,
+             uintptr_t cu_seqlens, uintptr_t seq_lens, int num_chunks,
              const std::vector<std::tuple<uintptr_t, uintptr_t, int64_t, int>>& groups,
              int num_seqs, int threads, int path, int activation_bits) {
             DecoderStep step{m,
                              ptr<float>(h),
                              ptr<float>(residual),
-                             ptr<const int64_t>(positions),
-                             ptr<const int32_t>(row_seq),
-                             ptr<const int32_t>(row_pos),
+                             ptr<const int32_t>(positions),
+                             ptr<const int32_t>(cu_seqlens),
+                             ptr<const int32_t>(seq_lens),
+                             num_chunks,
                              {},
                              num_seqs,
                              threads,
@@ -153,13 +154,13 @@ void bind_decoder(py::module_& mod) {
                              activation_bits};
             for (const auto& [slots, tables, stride, width] : groups)
               step.groups.push_back(
-                  {ptr<const int64_t>(slots), ptr<const int32_t>(tables), stride, width});
+                  {ptr<const int32_t>(slots), ptr<const int32_t>(tables), stride, width});
             py::gil_scoped_release release;
             decoder(self.shape, self.layers, step);
           },
-          "m, h, residual, positions, row_seq, row_pos, groups [(slots, block_tables, "
-          "table_stride, table_width)], num_seqs, threads, path, activation_bits (positional: "
-          "one call a step)");
+          "m, h, residual, positions, cu_seqlens, seq_lens, num_chunks, groups [(slots, "
+          "block_tables, table_stride, table_width)], num_seqs, threads, path, "
+          "activation_bits (positional, indices int32: one call a step)");
 }
 
 }  // namespace pagedkern_cpu

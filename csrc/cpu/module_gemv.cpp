@@ -1,8 +1,10 @@
-// pagedkern._cpu: weight packing (pack.cpp) and the quantized GEMV (gemv.cpp), the GIL released.
+// pagedkern._cpu: weight packing (pack.cpp), the quantized GEMV (gemv.cpp) and rows of a
+// quantized weight (dequantize_rows.cpp), the GIL released.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "dequantize_rows.h"
 #include "module.h"
 #include "quant_gemv.h"
 
@@ -11,6 +13,18 @@ namespace py = pybind11;
 namespace pagedkern_cpu {
 
 void bind_gemv(py::module_& mod) {
+  mod.def(
+      "dequantize_rows",
+      [](bool int4, uintptr_t qweight, uintptr_t scales, uintptr_t mins, bool half_scales,
+         int64_t n, int64_t k, int group, uintptr_t ids, int m, uintptr_t out, int threads) {
+        const DequantizeRowsArgs args{int4, ptr<const void>(qweight), ptr<const void>(scales),
+                                      ptr<const void>(mins), half_scales, n, k, group,
+                                      ptr<const int32_t>(ids), m, ptr<float>(out), threads};
+        py::gil_scoped_release release;
+        dequantize_rows(args);
+      },
+      "int4, qweight, scales, mins, half_scales, n, k, group, ids, m, out, threads "
+      "(positional: a step's embedding lookup)");
   mod.def("packed_bytes", &packed_bytes, py::kw_only(), py::arg("format"), py::arg("n"),
           py::arg("k"));
   mod.def(

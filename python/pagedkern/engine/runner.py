@@ -17,6 +17,8 @@ import torch
 from .. import ops
 from ..model import BatchLayout, KVCache, LlamaModel, SequenceChunk, layout_batch
 from ..model.attention_metadata import verification_rows
+from ..ops import cpu as cpu_ops
+from ..ops import launch
 from . import prompt_logprobs
 from .cuda_graphs import DecodeGraphs
 from .input_batch import DecodeStep, InputBatch
@@ -332,7 +334,9 @@ class ModelRunner:
             if n:
                 kwargs["top_ids"] = torch.empty(rows, n, dtype=torch.int32, device=logits.device)
                 kwargs["top_logprobs"] = torch.empty(rows, n, device=logits.device)
-        ids = ops.sample(logits, temperature, top_p, top_k, seeds, offsets, **kwargs).tolist()
+        ids = _sampler(logits.device)(
+            logits, temperature, top_p, top_k, seeds, offsets, **kwargs
+        ).tolist()
         if not processing.want_logprobs:
             return ids, [None] * rows
         sampled = kwargs["logprobs"].tolist()
@@ -347,3 +351,20 @@ class ModelRunner:
             top = tuple(zip(top_ids[r][:k], top_values[r][:k], strict=True))
             logprobs.append(TokenLogprob(ids[r], sampled[r], top))
         return ids, logprobs
+
+
+def _sampler(device: torch.device):
+    """ops.sample, or on the CPU backend its implementation there: the runner's arrays are its
+    own, and their checks cost more than the C++ draw of a row."""
+    if not cpu_ops.runs_directly(device):
+        return ops.sample
+    launch.record_launch("sample")
+    return _cpu_sample
+
+
+def _cpu_sample(logits, temperature, top_p, top_k, seeds, offsets, *, top_logprobs=None, **kw):
+    """The CPU backend's sample under ops.sample's keywords."""
+    sample = cpu_ops.implementation_of("sample")
+    return sample(
+        logits, temperature, top_p, top_k, seeds, offsets, top_logprobs_out=top_logprobs, **kw
+    )

@@ -48,10 +48,12 @@ class LogitsProjection:
         self.soft_cap = soft_cap  # (Gemma 2) the final logits' soft cap
         self._head_fp32: torch.Tensor | None = None
 
-    def __call__(self, hidden: torch.Tensor, head: Linear) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, head: Linear, quant_linear=None) -> torch.Tensor:
+        """quant_linear: the quantized GEMM to run (default ops.quant_linear; a step's own
+        tensors: its op table's)."""
         launch.record_launch("gemm")
         if isinstance(head, QuantizedWeight):
-            logits = ops.quant_linear(hidden, head).float()
+            logits = (quant_linear or ops.quant_linear)(hidden, head).float()
         elif hidden.dtype == torch.float32:
             logits = F.linear(hidden, head)
         else:

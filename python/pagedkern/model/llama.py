@@ -156,7 +156,9 @@ class LlamaModel:
         kv_cache; returns float32 logits for the rows meta.logits_indices selects.
         attention: the step's planned attention over `meta` (default: planned here)."""
         hidden = self.hidden_states(input_ids, meta, kv_cache, attention)
-        return self.tp.gather_logits(self.compute_logits(hidden[meta.logits_indices]))
+        return self.tp.gather_logits(
+            self.compute_logits(hidden.index_select(0, meta.logits_indices))
+        )
 
     __call__ = forward
 
@@ -164,7 +166,9 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final hidden states -> [N, vocab] float32 logits (this rank's vocabulary
         rows under tensor parallelism; model/linear.py LogitsProjection)."""
-        return self._logits(hidden, self.weights.lm_head)
+        table = self._ops  # (the last step's: its quant_linear where it still applies)
+        direct = table is not ops and cpu_ops.runs_directly(self.device)
+        return self._logits(hidden, self.weights.lm_head, table.quant_linear if direct else None)
 
     @torch.inference_mode()
     def describe(self) -> str:
@@ -236,11 +240,7 @@ class LlamaModel:
         """The step's op table: on the CPU backend (CPU tensors under "cpu" or "auto"; not in
         shadow mode, whose wrappers replace `pagedkern.ops` entries) ops/cpu/'s functions
         themselves, the step's positions and slots checked here once; else `pagedkern.ops`."""
-        if (
-            self.device.type != "cpu"
-            or launch.get_backend() not in ("auto", "cpu")
-            or shadow.shadowing()
-        ):
+        if not cpu_ops.runs_directly(self.device):
             self._tail = None
             return ops
         self._tail = None if self._cpu_tail is None else self._cpu_tail.for_step()
@@ -314,7 +314,9 @@ class LlamaModel:
             ids = input_ids - tp.vocab_start
             outside = (ids < 0) | (ids >= self.local.vocab_size)
             ids = ids.masked_fill(outside, 0)
-        if isinstance(w, QuantizedWeight):  # tied to a quantized head: dequantize rows
+        if isinstance(w, QuantizedWeight) and self._ops is not ops:  # tied to a quantized head
+            h = self._ops.dequantize_rows(w, ids, self.dtype)  # (the CPU backend's C++ rows)
+        elif isinstance(w, QuantizedWeight):
             h = w.dequantize_rows(ids, self.dtype)
         else:
             h = F.embedding(ids, w)

@@ -19,6 +19,17 @@ def _first(mask: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in mask.nonzero()[0])
 
 
+def _outside(x: torch.Tensor, low: int, end: int) -> bool:
+    """Whether an entry of x is outside [low, end): one pass for both bounds (the step's
+    checks run on every decode step)."""
+    import torch
+
+    if x.numel() == 0:
+        return False
+    smallest, largest = torch.aminmax(x)
+    return int(smallest) < low or int(largest) >= end
+
+
 def check_block_table_contents(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
 ) -> None:
@@ -80,17 +91,15 @@ def check_rope_indices(
     positions: torch.Tensor, slot_mapping: torch.Tensor, max_positions: int, num_slots: int
 ) -> None:
     """positions in [0, max_positions) (rows of cos_sin); slot_mapping -1 or in [0, num_slots)."""
-    pos = positions.long()
-    bad = (pos < 0) | (pos >= max_positions)
-    if bad.any():
-        (t,) = _first(bad)
+    if _outside(positions, 0, max_positions):
+        pos = positions.long()
+        (t,) = _first((pos < 0) | (pos >= max_positions))
         raise ValueError(
             f"positions[{t}] = {int(pos[t])} is outside the cos_sin table ([0, {max_positions}))"
         )
-    slots = slot_mapping.long()
-    bad = (slots < -1) | (slots >= num_slots)
-    if bad.any():
-        (t,) = _first(bad)
+    if _outside(slot_mapping, -1, num_slots):
+        slots = slot_mapping.long()
+        (t,) = _first((slots < -1) | (slots >= num_slots))
         raise ValueError(
             f"slot_mapping[{t}] = {int(slots[t])} is neither -1 (no write) nor a cache slot "
             f"([0, {num_slots}))"

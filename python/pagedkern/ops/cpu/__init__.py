@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+
 from ... import reference
-from . import activation, attention, moe, norm, quant_linear, rope, sampling
+from .. import launch, shadow
+from . import activation, attention, embedding, moe, norm, quant_linear, rope, sampling
 
 # op -> its CPU implementation; the reference's own function where the CPU has no faster one
 IMPLEMENTATIONS = {
@@ -29,11 +32,23 @@ IMPLEMENTATIONS = {
 implementations = SimpleNamespace(**{op: f for op, f in IMPLEMENTATIONS.items() if f is not None})
 
 
+def runs_directly(device: torch.device) -> bool:
+    """Whether a step's calls on `device` may go straight to this table's functions, the
+    caller vouching for its arguments (the engine's and the model's own tensors): CPU tensors
+    under the "cpu" or "auto" backend, and not in shadow mode, whose wrappers replace
+    `pagedkern.ops` entries."""
+    return (
+        device.type == "cpu" and launch.get_backend() in ("auto", "cpu") and not shadow.shadowing()
+    )
+
+
 def step_implementations() -> SimpleNamespace:
     """`implementations` for the calls of one forward step whose arguments the caller vouches
-    for (the model's own tensors): quant_linear with its variant and GEMM path resolved once."""
+    for (the model's own tensors): quant_linear with its variant and GEMM path resolved once,
+    and dequantize_rows(weight, ids, dtype), the embedding lookup from a quantized table."""
     table = SimpleNamespace(**vars(implementations))
     table.quant_linear = quant_linear.for_step()
+    table.dequantize_rows = embedding.dequantize_rows
     return table
 
 

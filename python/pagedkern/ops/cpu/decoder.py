@@ -143,16 +143,19 @@ def _run(decoder, settings: dict, h, residual, metas) -> None:
     ):
         raise ValueError("the decoder's h and residual must be contiguous float32")
     meta = metas[0]
-    positions = meta.positions.long().contiguous()
-    row_seq, row_pos = attention_kernel.chunk_rows(meta.cu_seqlens, meta.seq_lens, m)
+    ints = attention_kernel.as_int32
+    positions, cu_seqlens, seq_lens = (
+        ints(meta.positions),
+        ints(meta.cu_seqlens),
+        ints(meta.seq_lens),
+    )
     kept, tables = [], []  # (the group tensors stay alive through the call)
     for group in metas:
-        slots = group.slot_mapping.long().contiguous()
-        table = attention_kernel.as_int32(group.block_tables)
+        slots, table = ints(group.slot_mapping), ints(group.block_tables)
         kept += [slots, table]
         tables.append((slots.data_ptr(), table.data_ptr(), table.stride(0), table.shape[1]))
     decoder.run(
-        m, h.data_ptr(), residual.data_ptr(), positions.data_ptr(), row_seq.data_ptr(),
-        row_pos.data_ptr(), tables, meta.block_tables.shape[0], settings["threads"],
-        settings["path"], settings["activation_bits"],
+        m, h.data_ptr(), residual.data_ptr(), positions.data_ptr(), cu_seqlens.data_ptr(),
+        seq_lens.data_ptr(), cu_seqlens.shape[0] - 1, tables, meta.block_tables.shape[0],
+        settings["threads"], settings["path"], settings["activation_bits"],
     )  # fmt: skip

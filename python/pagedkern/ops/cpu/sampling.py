@@ -52,7 +52,7 @@ def sample(
         "temperature": _row_array(temperature, rows, torch.float32),
         "top_p": _row_array(top_p, rows, torch.float32),
         "top_k": _row_array(top_k, rows, torch.int32, vocab),
-        "min_p": _row_array(0.0 if min_p is None else min_p, rows, torch.float32),
+        "min_p": torch.zeros(rows) if min_p is None else _row_array(min_p, rows, torch.float32),
         "seeds": _row_array(seeds, rows, torch.int64),
         "offsets": _row_array(offsets, rows, torch.int64),
     }
