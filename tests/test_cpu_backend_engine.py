@@ -58,3 +58,32 @@ def test_batched_greedy_equals_solo_on_the_cpu_backend(solo, scenario):
     assert [got[r.request_id] for r in requests] == expected
     if "preemption" in scenario:
         assert sum(r.num_preemptions for r in requests) > 0
+
+
+def test_the_runner_draws_through_the_cpu_backends_own_sampler(monkeypatch):
+    """Its arrays are its own: the CPU backend's function without ops.sample's checks, the same
+    tokens and logprobs as through ops.sample."""
+    from pagedkern import ops
+    from pagedkern.engine import runner
+
+    calls = []
+    real = ops.sample
+    monkeypatch.setattr(ops, "sample", lambda *a, **k: calls.append(a) or real(*a, **k))
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.9, top_p=0.8, seed=11, logprobs=3),
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=1.2, top_k=5, seed=3, presence_penalty=0.5),
+    ]
+    outputs = []
+    for direct in (True, False):
+        if not direct:
+            monkeypatch.setattr(runner, "_sampler", lambda device: ops.sample)
+        engine = Engine.from_config(EngineConfig(model="synthetic:tiny", backend="cpu"))
+        for i, p in enumerate(params):
+            engine.add_request(prompt_ids=list(range(3, 12 + i)), params=p)
+        done = {o.request_id: o for o in engine.run_until_done() if o.finished}
+        outputs.append([(o.token_ids, o.logprobs) for _, o in sorted(done.items())])
+        if direct:
+            assert calls == []  # (the runner's draws skipped ops.sample)
+    assert calls  # (and the other engine's took it)
+    assert outputs[0] == outputs[1]
