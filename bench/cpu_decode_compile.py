@@ -173,7 +173,7 @@ class Swap:
                 return eager(input_ids, meta, kv_cache, attention)
             model._ops = model._step_ops(meta, kv_cache)
             Step.meta, Step.kv_cache = meta, kv_cache
-            Step.attention = attention or StepAttention(meta, model._decode_copies)
+            Step.attention = attention or StepAttention(meta, model._cpu.decode_copies)
             h, residual = model.embed_and_norm(input_ids, model.weights.layers[0].input_norm)
             return compiled(h, residual, layers, eps)
 
@@ -219,7 +219,7 @@ class Decoder:
         """(tokens [steps, batch], logits [steps, batch, V] or None, wall s, CPU s) of the
         decode steps (the prefill before them is untimed and eager)."""
         m, swap = self.model, self.swap
-        m._decode_copies.clear()
+        m._cpu.decode_copies.clear()
         swap.decoding = False
         chunks = [SequenceChunk(p, 0, t) for p, t in zip(self.prompts, self.tables, strict=True)]
         ids, meta = build_batch(chunks, BLOCK)
@@ -276,7 +276,7 @@ def tail_calls(model: LlamaModel, swap: Swap, fns: dict, names: list[str], round
             def call(v=v):
                 with kernels(v):
                     model._ops = ops.step_implementations()
-                    tail = getattr(model, "_cpu_tail", None)
+                    tail = model._cpu.tail
                     tail = None if tail is None else tail.for_step()
 
                 def run():

@@ -143,7 +143,7 @@ def test_the_families_layers_give_the_loops_bits(family, grouped, kv_dtype, kern
         assert torch.equal(g, w), f"step {step}"
     assert_same_cache(got_kv, want_kv)
     if config.num_experts:  # (and the loop ran the MoE layers' MLP in the tail's call)
-        tail = model._cpu_tail.for_step()
+        tail = model._cpu.tail.for_step()
         moe = [tail.weights_of(layer).moe is not None for layer in model.weights.layers]
         assert moe == [config.is_moe_layer(n) for n in range(config.num_layers)]
 

@@ -26,13 +26,10 @@ import torch.nn.functional as F
 from .. import ops
 from ..ops import cpu as cpu_ops
 from ..ops import launch, shadow
-from ..ops.cpu.decode_attention import DecodeCopies
-from ..ops.cpu.decoder import CpuDecoder
-from ..ops.cpu.layer_tail import LayerTail
-from ..ops.index_checks import check_rope_indices
 from .attention_metadata import AttentionMetadata
 from .collectives import SINGLE, Collectives
 from .config import ModelConfig
+from .cpu_step import CpuStep
 from .kv_cache import FP8, KVCache, KVLayerGroups, allocate_kv_cache, kv_element
 from .linear import LogitsProjection, linear
 from .moe import moe_mlp
@@ -90,27 +87,9 @@ class LlamaModel:
         self._embed_scale = None if scale is None else float(torch.tensor(scale, dtype=self.dtype))
         self._layer_index: dict[int, int] = {}  # id(LayerWeights) -> its layer (_attention)
         self._logits = LogitsProjection(config.final_soft_cap)
-        # CPU backend: the decode rows' K/V copies kept between steps (StepAttention's)
-        self._decode_copies = DecodeCopies()
         self._ops = ops  # the step's op table (_step_ops)
-        # CPU backend, one rank: a plain layer's tail in one C++ call (ops/cpu/layer_tail.py)
-        self._cpu_tail = None
-        if self.device.type == "cpu" and tp.size == 1:
-            c = self.local
-            routing = None  # (MoE layers: as model/moe.py routes; gpt-oss's runs the ops)
-            if c.num_experts > 0 and c.swiglu_limit is None:
-                routing = (c.num_experts_per_tok, c.norm_topk_prob, c.moe_scoring)
-            self._cpu_tail = LayerTail(
-                c.hidden_size,
-                c.intermediate_size,
-                c.q_size,
-                c.hidden_act,
-                c.rms_norm_eps,
-                routing,
-            )
-        self._tail = None  # the step's: _cpu_tail on the CPU backend where it runs, else None
-        # ... and every plain layer of a step in one C++ call (ops/cpu/decoder.py)
-        self._cpu_decoder = None if self._cpu_tail is None else CpuDecoder(self.local)
+        self._cpu = CpuStep(self.local, tp.size) if self.device.type == "cpu" else None
+        self._tail = None  # the step's fused layer tail (the CPU backend's, where it runs)
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int = 16, groups: KVLayerGroups | None = None
@@ -199,7 +178,7 @@ class LlamaModel:
         self._ops = self._step_ops(meta, kv_cache)
         decoder = None if attention is not None else self._decoder_for_step(kv_cache)
         if attention is None and decoder is None:  # planned by each kind's first layer, run by all
-            copies = self._decode_copies if self.device.type == "cpu" else None
+            copies = None if self._cpu is None else self._cpu.decode_copies
             attention = StepAttention(meta, copies)
         tokens = input_ids.shape[0]
         shadow.enter_layer(0)  # (shadow mode: which layer the op calls that follow belong to)
@@ -237,24 +216,20 @@ class LlamaModel:
         return self._ops.rms_norm(residual, norm, self.local.rms_norm_eps), residual
 
     def _step_ops(self, meta: AttentionMetadata, kv_cache: KVCache):
-        """The step's op table: on the CPU backend (CPU tensors under "cpu" or "auto"; not in
-        shadow mode, whose wrappers replace `pagedkern.ops` entries) ops/cpu/'s functions
-        themselves, the step's positions and slots checked here once; else `pagedkern.ops`."""
-        if not cpu_ops.runs_directly(self.device):
+        """The step's op table (model/cpu_step.py on the CPU; else `pagedkern.ops`), and its
+        fused layer tail into _tail."""
+        if self._cpu is None:
             self._tail = None
             return ops
-        self._tail = None if self._cpu_tail is None else self._cpu_tail.for_step()
-        slots = kv_cache.data.shape[2] * kv_cache.block_size
-        check_rope_indices(meta.positions, meta.slot_mapping, self.max_positions, slots)
-        cpu_ops.rope.begin_step()  # its layers share the step's RoPE rows and slots
-        return cpu_ops.step_implementations()
+        table, self._tail = self._cpu.ops_for(meta, kv_cache, self.max_positions)
+        return table
 
     def _decoder_for_step(self, kv_cache: KVCache):
         """The CPU backend's one-call decoder for this step (ops/cpu/decoder.py), or None: the
         layer loop runs (another backend, no fused tail, fp8 calibration, layers it refuses)."""
         if self._tail is None or self._kv_amax is not None or self.dtype != torch.float32:
             return None
-        return self._cpu_decoder.for_step(
+        return self._cpu.decoder.for_step(
             self._tail, self.weights, self.cos_sin, self.cos_sin_local, kv_cache
         )
 
