@@ -19,6 +19,7 @@ from ..model import BatchLayout, KVCache, LlamaModel, SequenceChunk, layout_batc
 from ..model.attention_metadata import verification_rows
 from ..ops import cpu as cpu_ops
 from ..ops import launch
+from ..ops.cpu.direct import direct_cpu_calls
 from . import prompt_logprobs
 from .cuda_graphs import DecodeGraphs
 from .input_batch import DecodeStep, InputBatch
@@ -356,7 +357,7 @@ class ModelRunner:
 def _sampler(device: torch.device):
     """ops.sample, or on the CPU backend its implementation there: the runner's arrays are its
     own, and their checks cost more than the C++ draw of a row."""
-    if not cpu_ops.runs_directly(device):
+    if not direct_cpu_calls(device):
         return ops.sample
     launch.record_launch("sample")
     return _cpu_sample

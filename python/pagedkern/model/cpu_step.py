@@ -1,5 +1,5 @@
 """The CPU backend's share of a model's step: the op table the step's calls go to (ops/cpu/'s
-functions where `ops.cpu.runs_directly` says so, the step's positions and slots checked here
+functions where `ops.cpu.direct` says so, the step's positions and slots checked here
 once), the fused layer tail and the one-call decoder where they run, and the decode rows' K/V
 copies kept between steps. LlamaModel holds one on the CPU; its forward is one for every
 backend."""
@@ -14,6 +14,7 @@ from .. import ops
 from ..ops import cpu as cpu_ops
 from ..ops.cpu.decode_attention import DecodeCopies
 from ..ops.cpu.decoder import CpuDecoder
+from ..ops.cpu.direct import direct_cpu_calls
 from ..ops.cpu.layer_tail import LayerTail
 from ..ops.index_checks import check_rope_indices
 from .attention_metadata import AttentionMetadata
@@ -50,7 +51,7 @@ class CpuStep:
         """(the step's op table, the tail for its layers or None). On the CPU backend (CPU
         tensors under "cpu" or "auto"; not in shadow mode, whose wrappers replace
         `pagedkern.ops` entries) ops/cpu/'s functions themselves; else `pagedkern.ops`."""
-        if not cpu_ops.runs_directly(_CPU):
+        if not direct_cpu_calls(_CPU):
             return ops, None
         tail = None if self.tail is None else self.tail.for_step()
         slots = kv_cache.data.shape[2] * kv_cache.block_size

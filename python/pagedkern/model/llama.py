@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..ops import cpu as cpu_ops
 from ..ops import launch, shadow
+from ..ops.cpu.direct import direct_cpu_calls
 from .attention_metadata import AttentionMetadata
 from .collectives import SINGLE, Collectives
 from .config import ModelConfig
@@ -146,7 +146,7 @@ class LlamaModel:
         """[N, H] final hidden states -> [N, vocab] float32 logits (this rank's vocabulary
         rows under tensor parallelism; model/linear.py LogitsProjection)."""
         table = self._ops  # (the last step's: its quant_linear where it still applies)
-        direct = table is not ops and cpu_ops.runs_directly(self.device)
+        direct = table is not ops and direct_cpu_calls(self.device)
         return self._logits(hidden, self.weights.lm_head, table.quant_linear if direct else None)
 
     @torch.inference_mode()

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import torch
-
 from ... import reference
-from .. import launch, shadow
 from . import activation, attention, embedding, moe, norm, quant_linear, rope, sampling
 
 # op -> its CPU implementation; the reference's own function where the CPU has no faster one
@@ -30,16 +27,6 @@ IMPLEMENTATIONS = {
 
 # What ops receive from launch.host_ops: the table's functions as attributes
 implementations = SimpleNamespace(**{op: f for op, f in IMPLEMENTATIONS.items() if f is not None})
-
-
-def runs_directly(device: torch.device) -> bool:
-    """Whether a step's calls on `device` may go straight to this table's functions, the
-    caller vouching for its arguments (the engine's and the model's own tensors): CPU tensors
-    under the "cpu" or "auto" backend, and not in shadow mode, whose wrappers replace
-    `pagedkern.ops` entries."""
-    return (
-        device.type == "cpu" and launch.get_backend() in ("auto", "cpu") and not shadow.shadowing()
-    )
 
 
 def step_implementations() -> SimpleNamespace:
