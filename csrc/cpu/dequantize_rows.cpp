@@ -22,10 +22,11 @@ void one_row(const DequantizeRowsArgs& a, int64_t row, float* out) {
   for (int64_t g = 0; g < groups; ++g) {
     const float scale = number(a.scales, row * groups + g, a.half_scales);
     float* o = out + g * group;
-    if (a.int4)
-      for (int64_t j = 0, base = g * group; j < group; ++j) {
-        const uint8_t byte = q4[(base + j) / 2];
-        o[j] = float((base + j) % 2 ? byte >> 4 : byte & 15) * scale;
+    if (a.int4)  // (groups are even: a byte's two codes are one group's)
+      for (int64_t j = 0; j < group / 2; ++j) {
+        const uint8_t byte = q4[g * group / 2 + j];
+        o[2 * j] = float(byte & 15) * scale;
+        o[2 * j + 1] = float(byte >> 4) * scale;
       }
     else
       for (int64_t j = 0; j < group; ++j) o[j] = float(q8[g * group + j]) * scale;
