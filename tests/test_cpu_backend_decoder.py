@@ -281,3 +281,14 @@ def test_query_bounds_that_do_not_fit_the_rows_are_refused(bounds, kernels, deco
     with ops.use_backend("cpu"), pytest.raises(ValueError, match="cu_seqlens"):
         model.hidden_states(ids, dataclasses.replace(meta, cu_seqlens=cu), kv)
     assert decoder_runs == [51]
+
+
+@pytest.mark.parametrize("short", ["positions", "slot_mapping", "seq_lens"])
+def test_metadata_shorter_than_the_rows_is_refused(short, kernels, decoder_runs):
+    model, _ = load_model(PRESETS["tiny"], quantization="int4")
+    kv = model.allocate_kv_cache(12, BLOCK)
+    ids, meta = build_batch(_steps(model)[1], BLOCK)
+    meta = dataclasses.replace(meta, **{short: getattr(meta, short)[:-1]})
+    with ops.use_backend("cpu"), pytest.raises(ValueError, match="rows"):
+        model.hidden_states(ids, meta, kv)
+    assert decoder_runs == [51]  # (refused by the decoder's call, before its C++)

@@ -93,3 +93,10 @@ def test_a_tied_models_steps_take_it(monkeypatch):
     assert model.weights.embed.packed["cpu-dequantize-rows"] is not None
     assert not hidden[0].isnan().any()
     assert torch.equal(hidden[0], hidden[1])
+
+
+def test_ids_wider_than_int32_run_the_reference():
+    """An int64 id past int32 is refused as the reference refuses it, not wrapped onto a row."""
+    weight = _weight("int8 group 32", 509, 64, seed=3)
+    with pytest.raises(IndexError):
+        embedding.dequantize_rows(weight, torch.tensor([2**32 + 5]), torch.float32)

@@ -149,9 +149,13 @@ def _run(decoder, settings: dict, h, residual, metas) -> None:
         ints(meta.cu_seqlens),
         ints(meta.seq_lens),
     )
+    if positions.shape[0] < m or seq_lens.shape[0] < cu_seqlens.shape[0] - 1:
+        raise ValueError(f"the step's metadata is shorter than its {m} rows or its chunks")
     kept, tables = [], []  # (the group tensors stay alive through the call)
     for group in metas:
         slots, table = ints(group.slot_mapping), ints(group.block_tables)
+        if slots.shape[0] < m:
+            raise ValueError(f"slot_mapping {tuple(slots.shape)}: fewer than the {m} rows")
         kept += [slots, table]
         tables.append((slots.data_ptr(), table.data_ptr(), table.stride(0), table.shape[1]))
     decoder.run(

@@ -14,14 +14,20 @@ _KEY = "cpu-dequantize-rows"  # weight.packed: the module's arguments for the we
 
 def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """weight.dequantize_rows(ids, dtype) for ids [T]: the C++ rows where they apply (one [N, K]
-    weight of contiguous CPU parts, fp32 or fp16 scales, fp32 rows), else the reference's."""
+    weight of contiguous CPU parts, fp32 or fp16 scales, int32 ids, fp32 rows), else the
+    reference's (wider ids too: narrowing one could wrap it onto a row)."""
     parts = weight.packed.get(_KEY, False)
     if parts is False:
         parts = weight.packed[_KEY] = _parts(weight)
-    if parts is None or dtype != torch.float32 or ids.dim() != 1 or ids.device.type != "cpu":
+    if (
+        parts is None
+        or dtype != torch.float32
+        or ids.dim() != 1
+        or ids.dtype != torch.int32
+        or ids.device.type != "cpu"
+    ):
         return weight.dequantize_rows(ids, dtype)
-    if ids.dtype != torch.int32 or not ids.is_contiguous():
-        ids = ids.to(torch.int32).contiguous()
+    ids = ids.contiguous()
     out = torch.empty(ids.shape[0], weight.shape[1])
     quant_gemv.cpu_module().dequantize_rows(
         *parts, ids.data_ptr(), ids.shape[0], out.data_ptr(), torch.get_num_threads()
