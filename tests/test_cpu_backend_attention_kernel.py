@@ -247,3 +247,16 @@ def test_a_step_runs_it_once_a_layer_for_prefill_and_decode_rows(monkeypatch, ke
     assert not got.isnan().any()
     assert torch.equal(got, want)
     torch.testing.assert_close(planned_kv.data, kv.data, rtol=0, atol=0, equal_nan=True)
+
+
+def test_chunk_rows_are_each_chunks_last_positions():
+    """Chunk b's rows sit at the last positions before seq_lens[b]; rows past the last chunk see
+    no key; bounds that do not rise from 0 within the rows are refused."""
+    cu = torch.tensor([0, 3, 4, 4, 6], dtype=torch.int32)
+    lens = torch.tensor([10, 1, 5, 7], dtype=torch.int32)
+    seq, pos = attention_kernel.chunk_rows(cu, lens, 8)
+    assert seq.tolist() == [0, 0, 0, 1, 3, 3, 0, 0]
+    assert pos.tolist() == [7, 8, 9, 0, 5, 6, -1, -1]
+    for bad in ([1, 3, 4, 4, 6], [0, 3, 2, 4, 6], [0, 3, 4, 4, 9]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            attention_kernel.chunk_rows(torch.tensor(bad, dtype=torch.int32), lens, 8)

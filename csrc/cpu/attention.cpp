@@ -106,6 +106,24 @@ void check(bool ok, const std::string& message) {
 
 }  // namespace
 
+void chunk_rows(const int32_t* cu, const int32_t* seq_lens, int num_chunks, int rows,
+                int32_t* row_seq, int32_t* row_pos) {
+  if (num_chunks < 0 || rows < 0 || cu[0] != 0)
+    throw std::invalid_argument("cu_seqlens must start at 0");
+  std::fill_n(row_seq, rows, 0);
+  std::fill_n(row_pos, rows, -1);
+  for (int b = 0; b < num_chunks; ++b) {
+    if (cu[b + 1] < cu[b] || cu[b + 1] > rows)
+      throw std::invalid_argument("cu_seqlens[" + std::to_string(b + 1) + "] = " +
+                                  std::to_string(cu[b + 1]) +
+                                  " must be within [cu_seqlens[b], rows]");
+    for (int r = cu[b]; r < cu[b + 1]; ++r) {
+      row_seq[r] = b;
+      row_pos[r] = int32_t(int64_t(seq_lens[b]) - (cu[b + 1] - r));
+    }
+  }
+}
+
 void attention(const AttentionArgs& a) {
   check(a.d > 0 && a.d % 8 == 0, "head size must be a positive multiple of 8, got " + std::to_string(a.d));
   check(a.hkv > 0 && a.hq > 0 && a.hq % a.hkv == 0,

@@ -60,6 +60,13 @@ struct AttentionArgs {
 // row's sequence outside the tables, a position past its table or a block id outside the cache.
 void attention(const AttentionArgs& args);
 
+// row_seq and row_pos [rows] for query chunks: chunk b's rows cu_seqlens[b] .. cu_seqlens[b + 1]
+// - 1 are the last positions before seq_lens[b] (a decode row: seq_lens[b] - 1); rows past the
+// last chunk see no key (sequence 0, position -1). Throws std::invalid_argument unless
+// cu_seqlens rises from 0 within the rows.
+void chunk_rows(const int32_t* cu_seqlens, const int32_t* seq_lens, int num_chunks, int rows,
+                int32_t* row_seq, int32_t* row_pos);
+
 // The paths of AttentionArgs::path this CPU runs: kAvx2 where AVX2 + FMA exist, kAvx512Vnni
 // where quant_gemv's path of that name runs (AVX-512 F, BW, VL, VNNI; the kernel uses F and VL).
 bool attention_path_supported(int path);

@@ -3,7 +3,6 @@
 #include "decoder.h"
 
 #include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "attention.h"
@@ -14,7 +13,7 @@ namespace pagedkern_cpu {
 namespace {
 
 // The step's indices as rope_cache and attention read them: int64 positions and slots, and each
-// row's sequence and position (ops/cpu/attention_kernel.py's chunk_rows, made here once a step)
+// row's sequence and position (attention.h's chunk_rows), made once a step
 struct StepIndices {
   std::vector<int64_t> positions;
   std::vector<std::vector<int64_t>> slots;  // one per KV layer group
@@ -25,23 +24,9 @@ struct StepIndices {
     slots.resize(t.groups.size());
     for (size_t g = 0; g < t.groups.size(); ++g)
       slots[g].assign(t.groups[g].slots, t.groups[g].slots + t.m);
-    // chunk b's rows are the last positions before seq_lens[b]; rows past the last chunk see
-    // no key (-1)
-    const int32_t* cu = t.cu_seqlens;
-    if (t.num_chunks < 0 || cu[0] != 0)
-      throw std::invalid_argument("decoder: cu_seqlens must start at 0");
-    row_seq.assign(t.m, 0);
-    row_pos.assign(t.m, -1);
-    for (int b = 0; b < t.num_chunks; ++b) {
-      if (cu[b + 1] < cu[b] || cu[b + 1] > t.m)
-        throw std::invalid_argument("decoder: cu_seqlens[" + std::to_string(b + 1) + "] = " +
-                                    std::to_string(cu[b + 1]) +
-                                    " must be within [cu_seqlens[b], rows]");
-      for (int r = cu[b]; r < cu[b + 1]; ++r) {
-        row_seq[r] = b;
-        row_pos[r] = int32_t(int64_t(t.seq_lens[b]) - (cu[b + 1] - r));
-      }
-    }
+    row_seq.resize(t.m);
+    row_pos.resize(t.m);
+    chunk_rows(t.cu_seqlens, t.seq_lens, t.num_chunks, t.m, row_seq.data(), row_pos.data());
   }
 };
 

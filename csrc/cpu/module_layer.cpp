@@ -54,6 +54,15 @@ void bind_layer(py::module_& mod) {
       py::arg("moe") = py::none());
   mod.def("attention_path_supported", &attention_path_supported, py::arg("path"));
   mod.def(
+      "chunk_rows",
+      [](uintptr_t cu_seqlens, uintptr_t seq_lens, int num_chunks, int rows, uintptr_t row_seq,
+         uintptr_t row_pos) {
+        chunk_rows(ptr<const int32_t>(cu_seqlens), ptr<const int32_t>(seq_lens), num_chunks,
+                   rows, ptr<int32_t>(row_seq), ptr<int32_t>(row_pos));
+      },
+      py::kw_only(), py::arg("cu_seqlens"), py::arg("seq_lens"), py::arg("num_chunks"),
+      py::arg("rows"), py::arg("row_seq"), py::arg("row_pos"));
+  mod.def(
       "attention",
       [](uintptr_t q, int64_t q_row_stride, uintptr_t out, int64_t out_row_stride, uintptr_t lse,
          uintptr_t k_cache, uintptr_t v_cache, int cache_dtype, int64_t block_stride,

@@ -165,15 +165,19 @@ def as_int32(x: torch.Tensor) -> torch.Tensor:
 def chunk_rows(cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, rows: int) -> tuple:
     """(row_seq, row_pos) int32 [rows] for query chunks: sequence b's rows cu_seqlens[b] ..
     cu_seqlens[b + 1] - 1 are the last positions before seq_lens[b] (a decode row: seq_lens[b]
-    - 1); rows past cu_seqlens[-1] see no key (-1)."""
-    bounds = cu_seqlens.long()
-    counts = bounds[1:] - bounds[:-1]
-    seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    pos = torch.arange(seq.numel()) + (seq_lens.long() - bounds[1:])[seq]
-    if seq.numel() < rows:
-        seq = torch.cat([seq, seq.new_zeros(rows - seq.numel())])
-        pos = torch.cat([pos, pos.new_full((rows - pos.numel(),), -1)])
-    return seq.int(), pos.int()
+    - 1); rows past cu_seqlens[-1] see no key (-1). csrc/cpu/attention.h's, as the one-call
+    decoder makes them (ValueError unless cu_seqlens rises from 0 within the rows)."""
+    cu, lens = as_int32(cu_seqlens), as_int32(seq_lens)
+    if cu.dim() != 1 or cu.shape[0] < 1 or lens.shape[0] < cu.shape[0] - 1:
+        raise ValueError(
+            f"cu_seqlens {tuple(cu.shape)}, seq_lens {tuple(lens.shape)}: [B + 1], [B]"
+        )
+    seq, pos = torch.empty(rows, dtype=torch.int32), torch.empty(rows, dtype=torch.int32)
+    quant_gemv.cpu_module().chunk_rows(
+        cu_seqlens=cu.data_ptr(), seq_lens=lens.data_ptr(), num_chunks=cu.shape[0] - 1,
+        rows=rows, row_seq=seq.data_ptr(), row_pos=pos.data_ptr(),
+    )  # fmt: skip
+    return seq, pos
 
 
 class StepKernelAttention:
