@@ -56,9 +56,9 @@ class EngineConfig:
     backend: str = _setting(
         "auto",
         "auto: CUDA kernels when a GPU is usable, else the CPU backend; cuda: insist on the "
-        "kernels; cpu: the CPU backend (ops/cpu: flash-style attention, fused norms; the "
-        "reference for other ops) on the CPU; reference: PyTorch reference ops everywhere (on "
-        "the GPU if there is one)",
+        "kernels; cpu: the CPU backend (ops/cpu: C++ attention, quantized GEMMs, decoder and "
+        "sampling; torch or the reference for other ops) on the CPU; reference: PyTorch "
+        "reference ops everywhere (on the GPU if there is one)",
         cli={"choices": BACKENDS},
     )
     device: str | None = _setting(None, "torch device (default: picked from the backend)")

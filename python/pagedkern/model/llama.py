@@ -1,5 +1,6 @@
 """The Llama-family forward over the paged KV cache, written only against pagedkern ops (plus
-torch GEMMs and the embedding lookup), so one model file serves CPU (reference ops) and CUDA.
+torch GEMMs and the embedding lookup), so one model file serves every backend: the CUDA
+kernels, the CPU backend and the reference ops.
 
 Per layer: fused add+RMSNorm, one fused QKV GEMM, rope_and_cache (rotate q/k, write k/v pages
 through slot_mapping), flash_prefill on the prefill rows and paged_attention on the decode rows,
@@ -9,8 +10,9 @@ and the LM head on the requested rows only. Norm statistics, softmax and logits 
 Each op runs its backend's implementation (`--backend`: the CUDA kernels, the CPU backend's
 ops/cpu/, the reference). On the CPU backend a step resolves the table once (`_step_ops`): its
 arguments are the model's own tensors, so the step's indices are checked once and every layer
-calls ops/cpu/'s functions without the ops layer's per-call validation, and its decode rows
-attend over float32 K/V copies that outlive the step (ops/cpu/decode_attention.py).
+calls ops/cpu/'s functions without the ops layer's per-call validation: each layer's attention
+is one C++ call over every row of the step, and a quantized fp32 model's layers are one C++
+call (cpu_step.py).
 
 Gemma 2 / 3 on the same loop: embeddings times sqrt(hidden), QK-norm (Gemma 3), the attention
 scale, soft-cap and sliding window of each layer passed to the attention ops, its own RoPE

@@ -11,9 +11,11 @@ then only runs: on CUDA a layout compare and the launch, no planning, no allocat
 plans of one window need the same split-KV workspace, so they share one.
 
 On CPU tensors under the reference backend a run calls the one-shot op with the planned
-arguments. Under the CPU backend the decode rows get its own plan (ops/cpu/decode_attention.py):
-each layer's float32 K/V copy of the rows, kept to the next step (the model's DecodeCopies) and
-appended to there instead of gathered again; the layers pass their new k/v rows for it.
+arguments. Under the CPU backend every row of a step is one C++ kernel call a layer
+(StepKernelAttention, the default); under cpu_attention:tiles the decode rows get their own plan
+(ops/cpu/decode_attention.py): each layer's float32 K/V copy of the rows, kept to the next step
+(the model's DecodeCopies) and appended to there instead of gathered again; the layers pass
+their new k/v rows for it.
 Two cases keep the one-shot ops: shadow mode (its wrappers replace `pagedkern.ops` entries,
 which the one-shot calls go through) and
 PAGEDKERN_KERNELS=attention_plan:off (the path before plan/run, kept selectable until a GPU

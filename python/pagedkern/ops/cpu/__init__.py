@@ -22,7 +22,7 @@ IMPLEMENTATIONS = {
     "fused_moe": moe.fused_moe,  # the GEMMs grouped over all experts, one call each
     "sample": sampling.sample,  # the C++ rows (reference: cpu_sample:reference)
     "rejection_sample": reference.rejection_sample,
-    "quant_linear": quant_linear.quant_linear,  # int8-activation GEMV (csrc/cpu/quant_gemv.cpp)
+    "quant_linear": quant_linear.quant_linear,  # the C++ GEMV / GEMM (csrc/cpu/gemv.cpp)
 }
 
 # What ops receive from launch.host_ops: the table's functions as attributes

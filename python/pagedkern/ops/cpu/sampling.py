@@ -36,7 +36,8 @@ def sample(
     top_logprobs_out: torch.Tensor | None = None,
     **processing,
 ) -> torch.Tensor:
-    """reference.sample's signature and semantics (ops.sample has checked the arguments)."""
+    """reference.sample's signature and semantics (its caller has checked the arguments:
+    ops.sample, or the engine's runner, whose arrays are its own)."""
     if variants.selected("cpu_sample") != "kernel" or not quant_gemv.available():
         return reference.sample(
             logits, temperature, top_p, top_k, seeds, offsets, out, min_p=min_p,
@@ -86,8 +87,8 @@ def _row_array(value, rows: int, dtype: torch.dtype, vocab: int | None = None) -
 
 
 def _output(tensor: torch.Tensor, shape: tuple, dtype: torch.dtype) -> int:
-    """The address of an output the kernel writes (ops.sample has checked it; a direct caller's
-    wrong one is refused here rather than written out of bounds)."""
+    """The address of an output the kernel writes (its caller has checked it; a wrong one is
+    refused here rather than written out of bounds)."""
     if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
         raise ValueError(f"an output {tuple(tensor.shape)} {tensor.dtype} must be contiguous "
                          f"{shape} {dtype}")  # fmt: skip
