@@ -108,16 +108,19 @@ def test_every_path_gives_the_same_bits(fmt, group, bits):
 
 @pytest.mark.skipif("avx512_amx" not in _paths(), reason="no AMX tiles on this CPU (or kernel)")
 @pytest.mark.parametrize("bits", [16, 8])
-@pytest.mark.parametrize("fmt", ["int4", "int4_sym", "int8_g32"])
+@pytest.mark.parametrize("fmt", ["int4", "int4_sym", "int5_g32", "int8", "int8_g32"])
 def test_amx_tiles_give_the_vnni_bits_at_every_row_count(fmt, bits):
     """The AMX path computes whole groups of 16 rows from a format's threshold (the rest, and
     fewer rows, on the VNNI kernel) from a copy of the quantized rows made per call: row counts
     around the groups and the thresholds, each call after a larger or smaller one."""
-    qw = _weight("int8" if fmt == "int8_g32" else "int4", 32, 70, 320, seed=12)
+    source = {"int8_g32": ("int8", 32), "int8": ("int8", 0), "int5_g32": ("int5", 32)}
+    qw = _weight(*source.get(fmt, ("int4", 32)), 70, 320, seed=12)
     if fmt == "int4_sym":
         qw.mins = (-8 * qw.scales.float()).half()
-    if fmt == "int8_g32":  # both extremes of the codes
+    if fmt in ("int8", "int8_g32"):  # both extremes of the codes
         qw.qweight[0, :2] = torch.tensor([-127, 127], dtype=torch.int8)
+    if fmt == "int5_g32":  # every fifth bit's position set and clear in one row
+        qw.qweight[1, :64] = torch.tensor([31, 0] * 16 + [0, 31] * 16, dtype=torch.int8)
     assert quant_gemv.tile_format(qw) == fmt
     x = torch.randn(100, 320, generator=torch.Generator().manual_seed(12))
     for m in (100, 15, 16, 33, 31, 32, 48, 17, 64):

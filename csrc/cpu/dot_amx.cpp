@@ -1,7 +1,7 @@
-// AMX tile kernels for the int4 formats (int4, int4_sym, int4_k) and int8_g32 (Q8_0's blocks)
-// on enough activation rows (prefill, large batches; gemv.cpp's amx_min_rows): the
-// `avx512_amx` path. Fewer rows, and the other formats, run the avx512_vnni kernels
-// (dot_avx512.cpp).
+// AMX tile kernels for the int4 formats (int4, int4_sym, int4_k), int5_g32 (Q5_0, Q5_1, Q5_K),
+// int8 (a scale per channel) and int8_g32 (Q8_0's blocks) on enough activation rows (prefill,
+// large batches; gemv.cpp's amx_min_rows): the `avx512_amx` path. Fewer rows, and the other
+// formats, run the avx512_vnni kernels (dot_avx512.cpp).
 //
 // Design. Every integer dot of a block of 32 K is exact however it is summed, so a block's
 // int32 sums from tdpbsud (signed activations x unsigned nibbles) or tdpbssd (x signed int8
@@ -10,8 +10,12 @@
 // - A weight tile's blocks are unpacked once a call into AMX's B layout (8 rows of 16 columns x
 //   4 K: the nibble planes' own dword order, low nibbles K 0-15, high 16-31) with their fp32
 //   scales and mins, then reused by every group of 16 rows.
-// - int8_g32's stored block (codes q + 128, 8 K-quads x 16 rows x 4 K) is already the B layout:
-//   the unpack takes the bias off (tdpbssd's signed operand) and copies the 16 scales.
+// - int5_g32's fifth bits (byte (r, i): k = 4j + i's at bit j) are in the B layout's byte order
+//   too: K-quad j's row takes bit j of each byte as bit 4 of its codes (0..31, still unsigned).
+// - int8's and int8_g32's stored blocks (codes q + 128, 8 K-quads x 16 rows x 4 K) are already
+//   the B layout: the unpack takes the bias off (tdpbssd's signed operand), so the integer sums
+//   are the VNNI kernel's (which takes 128 sum(q) off instead), and copies int8_g32's 16 scales;
+//   int8's per-channel scales multiply the accumulators once, at the end, as there.
 // - Per block and group: one B tile, one A tile a plane (16 rows x 32 K: 512 contiguous bytes
 //   of the driver's grouped copy of the quantized rows, which measured 1.3x faster than
 //   loading the rows in place, 2 KB and more apart), one tdpbsud a plane into a zeroed C,
@@ -59,7 +63,7 @@ AMX_TARGET void configure() {
 // A tile's blocks as B tiles (b), and each block's 16 d and 16 m (int4_block_scales)
 template <int F>
 AMX_TARGET void unpack(const Args& a, int tile, uint8_t* b_tiles, float* dm) {
-  constexpr bool K4 = F == kInt4K;
+  constexpr bool K4 = F == kInt4K, Five = F == kInt5G32;
   const int blocks = a.k / kBlock;
   const uint8_t* base = int4_tile_base<F>(a, tile);
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -70,45 +74,66 @@ AMX_TARGET void unpack(const Args& a, int tile, uint8_t* b_tiles, float* dm) {
     uint8_t* out = b_tiles + size_t(b) * kBBytes;
     for (int j = 0; j < 4; ++j) {
       const __m512i w = _mm512_loadu_si512(t + 64 * j);
-      _mm512_storeu_si512(out + 64 * j, _mm512_and_si512(w, low));
-      _mm512_storeu_si512(out + 64 * (4 + j), _mm512_and_si512(_mm512_srli_epi16(w, 4), low));
+      __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+      if constexpr (Five) {  // bit j (K-quad j) and bit j + 4 (K-quad j + 4) to bit 4
+        const __m512i fifth = _mm512_loadu_si512(t + kRows * kBlock / 2);
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - j), bit4));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(fifth, j), bit4));
+      }
+      _mm512_storeu_si512(out + 64 * j, lo);
+      _mm512_storeu_si512(out + 64 * (4 + j), hi);
     }
     __m512 d, mn;
-    int4_block_scales<F>(t, kb, d, mn);
+    if constexpr (Five) {  // fp32 d and m after the codes and the fifth bits
+      const float* scales = reinterpret_cast<const float*>(t + kRows * kBlock / 2 + kRows * 4);
+      d = _mm512_loadu_ps(scales), mn = _mm512_loadu_ps(scales + kRows);
+    } else {
+      int4_block_scales<F>(t, kb, d, mn);
+    }
     _mm512_storeu_ps(dm + 32 * b, d);
     _mm512_storeu_ps(dm + 32 * b + 16, mn);
   }
 }
 
-constexpr int kInt8G32BlockBytes = int8_grouped_block_bytes(32);
+// int8's and int8_g32's signed-code formats (the AMX path's tdpbssd)
+constexpr bool signed_codes(int format) { return format == kInt8 || format == kInt8G32; }
 
-// int8_g32's blocks as B tiles (the codes' bias off) and each block's 16 scales (as d)
+// int8's or int8_g32's blocks as B tiles (the codes' bias off) and int8_g32's 16 scales a block
+// (as d)
+template <int F>
 AMX_TARGET void unpack_int8(const Args& a, int tile, uint8_t* b_tiles, float* dm) {
+  constexpr int kBlockBytes = F == kInt8G32 ? int8_grouped_block_bytes(32) : kInt8TileBlockBytes;
   const int blocks = a.k / kBlock;
-  const uint8_t* base = a.packed + size_t(tile) * blocks * kInt8G32BlockBytes;
+  const uint8_t* base = a.packed + size_t(tile) * blocks * kBlockBytes;
   const __m512i bias = _mm512_set1_epi8(char(kInt8Bias));
   for (int b = 0; b < blocks; ++b) {
-    const uint8_t* t = base + size_t(b) * kInt8G32BlockBytes;
+    const uint8_t* t = base + size_t(b) * kBlockBytes;
     for (int j = 0; j < kBBytes / 64; ++j)
       _mm512_storeu_si512(b_tiles + size_t(b) * kBBytes + 64 * j,
                           _mm512_xor_si512(_mm512_loadu_si512(t + 64 * j), bias));
-    _mm512_storeu_ps(dm + 32 * b, _mm512_loadu_ps(reinterpret_cast<const float*>(t + kBBytes)));
+    if constexpr (F == kInt8G32)
+      _mm512_storeu_ps(dm + 32 * b, _mm512_loadu_ps(reinterpret_cast<const float*>(t + kBBytes)));
   }
 }
 
 // Block b's int32 sums c[plane][row][column] into the 16 rows' accumulators (int4_fold, as
-// int4_tile folds; int8_g32: d dx isum, as int8_grouped_rows folds)
+// int4_tile folds; int8_g32: d dx isum, as int8_grouped_rows folds; int8: dx isum, as
+// int8_rows folds)
 template <int P, int F>
 AMX_TARGET __attribute__((always_inline)) inline void fold(__m512* acc, const int32_t (*c)[16][16],
                                                            const float* sc, const QuantizedRows& xq,
                                                            int g, int b) {
-  const __m512 d = _mm512_loadu_ps(sc);
-  const __m512 mn = F == kInt8G32 ? _mm512_setzero_ps() : _mm512_loadu_ps(sc + 16);  // (no mins)
+  const __m512 d = F == kInt8 ? _mm512_setzero_ps() : _mm512_loadu_ps(sc);  // (no block scales)
+  const __m512 mn = signed_codes(F) ? _mm512_setzero_ps() : _mm512_loadu_ps(sc + 16);  // (no mins)
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
     const __m512i isum =
         int4_planes(_mm512_load_si512(c[0][i]), _mm512_load_si512(c[P - 1][i]), P);
-    if constexpr (F == kInt8G32) {
+    if constexpr (F == kInt8) {
+      const __m512 dx = _mm512_set1_ps(xq.dx[xq.at(g + i, b)]);
+      acc[i] = _mm512_fmadd_ps(dx, _mm512_cvtepi32_ps(isum), acc[i]);
+    } else if constexpr (F == kInt8G32) {
       const __m512 dx = _mm512_set1_ps(xq.dx[xq.at(g + i, b)]);
       acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), acc[i]);
     } else {
@@ -117,10 +142,10 @@ AMX_TARGET __attribute__((always_inline)) inline void fold(__m512* acc, const in
   }
 }
 
-// C += A B: activations signed; the weights unsigned nibbles, or int8_g32's signed (a macro:
-// GCC's tile intrinsics spell their tile numbers into the assembly)
+// C += A B: activations signed; the weights unsigned codes, or int8's and int8_g32's signed (a
+// macro: GCC's tile intrinsics spell their tile numbers into the assembly)
 #define DOT_TILES(C, A, B) \
-  if constexpr (F == kInt8G32) \
+  if constexpr (signed_codes(F)) \
     _tile_dpbssd(C, A, B); \
   else \
     _tile_dpbsud(C, A, B)
@@ -136,14 +161,17 @@ AMX_TARGET void tile_amx(const Args& a, int tile, int r0, int rc) {
     thread_local std::vector<float> dm;
     b_tiles.resize(size_t(blocks) * kBBytes);
     dm.resize(size_t(blocks) * 32);
-    if constexpr (F == kInt8G32)
-      unpack_int8(a, tile, b_tiles.data(), dm.data());
+    if constexpr (signed_codes(F))
+      unpack_int8<F>(a, tile, b_tiles.data(), dm.data());
     else
       unpack<F>(a, tile, b_tiles.data(), dm.data());
     const uint8_t* bt = b_tiles.data();  // (a thread_local's address costs a call each use)
     const float* sc = dm.data();
     const int live = std::min(kRows, a.n - tile * kRows);
     const __mmask16 mask = __mmask16((1u << live) - 1);
+    // int8's per-channel scales, applied to the sums at the end
+    const __m512 scale =
+        F == kInt8 ? _mm512_maskz_loadu_ps(mask, a.scales + tile * kRows) : _mm512_setzero_ps();
     // two block pairs' sums [pair][block][plane]: a pair's fold reads what the tiles stored
     // one pair before (not the stores just issued)
     alignas(64) int32_t c[2][2][P][16][16];
@@ -189,7 +217,8 @@ AMX_TARGET void tile_amx(const Args& a, int tile, int r0, int rc) {
       }
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i)
-        _mm512_mask_storeu_ps(a.y + (g + i) * a.y_stride + tile * kRows, mask, acc[i]);
+        _mm512_mask_storeu_ps(a.y + (g + i) * a.y_stride + tile * kRows, mask,
+                              F == kInt8 ? _mm512_mul_ps(acc[i], scale) : acc[i]);
     }
     _tile_release();
   }
@@ -201,7 +230,8 @@ AMX_TARGET void tile_amx(const Args& a, int tile, int r0, int rc) {
 }  // namespace
 
 bool amx_format(int format) {
-  return format == kInt4 || format == kInt4Sym || format == kInt4K || format == kInt8G32;
+  return format == kInt4 || format == kInt4Sym || format == kInt4K || format == kInt5G32 ||
+         format == kInt8 || format == kInt8G32;
 }
 
 TileFn amx_tile(int format, int planes) {
@@ -210,6 +240,8 @@ TileFn amx_tile(int format, int planes) {
   switch (format) {
     case kInt4: return two ? tile_amx<2, kInt4> : tile_amx<1, kInt4>;
     case kInt4Sym: return two ? tile_amx<2, kInt4Sym> : tile_amx<1, kInt4Sym>;
+    case kInt5G32: return two ? tile_amx<2, kInt5G32> : tile_amx<1, kInt5G32>;
+    case kInt8: return two ? tile_amx<2, kInt8> : tile_amx<1, kInt8>;
     case kInt8G32: return two ? tile_amx<2, kInt8G32> : tile_amx<1, kInt8G32>;
     default: return two ? tile_amx<2, kInt4K> : tile_amx<1, kInt4K>;  // kInt4K
   }

@@ -38,10 +38,13 @@ INT4_BLOCK_TARGET inline void int4_block_scales(const uint8_t* nibbles, const In
   }
 }
 
-// Bytes a block takes in an int4 or int4_sym tile (int4_k: its share of a super-block)
+// Bytes a block takes in an int4, int4_sym or int5_g32 tile (int4_k: its share of a
+// super-block)
 template <int F>
-constexpr int kInt4BlockBytes =
-    F == kInt4Sym ? kInt4SymTileBlockBytes : F == kInt4K ? kInt4KBlockBytes : kInt4TileBlockBytes;
+constexpr int kInt4BlockBytes = F == kInt4Sym   ? kInt4SymTileBlockBytes
+                                : F == kInt4K   ? kInt4KBlockBytes
+                                : F == kInt5G32 ? kInt5TileBlockBytes
+                                                : kInt4TileBlockBytes;
 
 // Weight tile `tile`'s first byte
 template <int F>
