@@ -50,6 +50,17 @@ def _weight(fmt: str, group: int, n: int, k: int, seed: int):
     return quantize_int8(w) if fmt == "int8" else quantize_int4(w, group)
 
 
+def _six_bit_weight(n: int, k: int, seed: int) -> QuantizedWeight:
+    """Q6_K's shape: codes -32..31, fp32 scales per 16 an fp16 d per 256 times an int8 (the
+    int6_k tiles where K is a multiple of 256, int6_g16 where not)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    d = (torch.rand(n, (k + 255) // 256, generator=g) * 1e-3).half().float()
+    sc = torch.randint(-128, 128, (n, k // 16), generator=g).float()
+    scales = d.repeat_interleave(16, dim=1)[:, : k // 16] * sc
+    return QuantizedWeight("int8", (n, k), q, scales, None, 16)
+
+
 def _bound(x: torch.Tensor, qw, bits: int = 8) -> torch.Tensor:
     """Worst case of per-block activation rounding (|dx q - x| <= dx / 2 with dx = the block's
     max |x| / QMAX) plus fp32 accumulation slack (K terms of 2^-24 relative)."""
@@ -108,21 +119,29 @@ def test_every_path_gives_the_same_bits(fmt, group, bits):
 
 @pytest.mark.skipif("avx512_amx" not in _paths(), reason="no AMX tiles on this CPU (or kernel)")
 @pytest.mark.parametrize("bits", [16, 8])
-@pytest.mark.parametrize("fmt", ["int4", "int4_sym", "int5_g32", "int8", "int8_g32"])
+@pytest.mark.parametrize(
+    "fmt", ["int4", "int4_sym", "int5_g32", "int8", "int8_g32", "int8_g16", "int6_g16", "int6_k"]
+)
 def test_amx_tiles_give_the_vnni_bits_at_every_row_count(fmt, bits):
     """The AMX path computes whole groups of 16 rows from a format's threshold (the rest, and
     fewer rows, on the VNNI kernel) from a copy of the quantized rows made per call: row counts
     around the groups and the thresholds, each call after a larger or smaller one."""
-    source = {"int8_g32": ("int8", 32), "int8": ("int8", 0), "int5_g32": ("int5", 32)}
-    qw = _weight(*source.get(fmt, ("int4", 32)), 70, 320, seed=12)
+    source = {"int8_g32": ("int8", 32), "int8": ("int8", 0), "int5_g32": ("int5", 32),
+              "int8_g16": ("int8", 16)}  # fmt: skip
+    k = 512 if fmt == "int6_k" else 320  # int6_k's scales factor per 256 along K
+    qw = _six_bit_weight(70, k, seed=12) if fmt.startswith("int6") else (
+        _weight(*source.get(fmt, ("int4", 32)), 70, k, seed=12))  # fmt: skip
     if fmt == "int4_sym":
         qw.mins = (-8 * qw.scales.float()).half()
-    if fmt in ("int8", "int8_g32"):  # both extremes of the codes
+    if fmt in ("int8", "int8_g32", "int8_g16"):  # both extremes of the codes
         qw.qweight[0, :2] = torch.tensor([-127, 127], dtype=torch.int8)
     if fmt == "int5_g32":  # every fifth bit's position set and clear in one row
         qw.qweight[1, :64] = torch.tensor([31, 0] * 16 + [0, 31] * 16, dtype=torch.int8)
+    if fmt.startswith("int6"):  # every high part in every K-quad of one row, both code ends
+        qw.qweight[1, :64] = torch.arange(64, dtype=torch.int8) - 32
+        qw.qweight[2, :64] = 31 - torch.arange(64, dtype=torch.int8)
     assert quant_gemv.tile_format(qw) == fmt
-    x = torch.randn(100, 320, generator=torch.Generator().manual_seed(12))
+    x = torch.randn(100, k, generator=torch.Generator().manual_seed(12))
     for m in (100, 15, 16, 33, 31, 32, 48, 17, 64):
         rows = x[m % 7 : m % 7 + m]
         amx = quant_gemv.quant_gemv(rows, qw, path="avx512_amx", activation_bits=bits)

@@ -48,10 +48,13 @@ constexpr int kStreamedRows = kRowChunk;
 
 // The fewest rows the AMX tiles take: each call unpacks the weight tiles into AMX's layout
 // once for all its groups of 16 rows. For one group (16-31 rows) the int4 formats' and int8's
-// VNNI kernels measured as fast or faster (Xeon, Q4_0 8192 x 2048, 2 threads: 1.13x at 16 rows,
-// 1.09x at 24; 0.88x at 32; int8 0.95-1.13x at 16 and 24); the AMX tiles of int8_g32 and
-// int5_g32 (whose VNNI kernels run 256 bits wide), 2.4-3.4x and 2.6x their VNNI kernels at 16.
-int amx_min_rows(int format) { return format == kInt8G32 || format == kInt5G32 ? 16 : 32; }
+// VNNI kernels (512 bits wide) measured as fast or faster (Xeon, Q4_0 8192 x 2048, 2 threads:
+// 1.13x at 16 rows, 1.09x at 24; 0.88x at 32; int8 0.95-1.13x at 16 and 24); the other
+// formats' VNNI kernels run 256 bits wide, and their AMX tiles measured 1.4-3.4x them at 16
+// rows (int6_k 1.4-1.5x, int8_g16 2.2-2.3x, int5_g32 2.6x, int8_g32 2.4-3.4x).
+int amx_min_rows(int format) {
+  return format == kInt4 || format == kInt4Sym || format == kInt4K || format == kInt8 ? 32 : 16;
+}
 
 }  // namespace
 

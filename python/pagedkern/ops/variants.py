@@ -204,8 +204,8 @@ VARIANTS: dict[str, OpVariants] = {
                 Variant(
                     "avx512_amx",
                     5,
-                    "avx512_vnni, with AMX tiles (int4 formats and int8 on 32+ rows, int8_g32 and "
-                    "int5_g32 on 16+)",
+                    "avx512_vnni, with AMX tiles (int4 formats and int8 on 32+ rows, the other "
+                    "formats on 16+)",
                     None,
                 ),
                 Variant("avx512_vnni", 3, "AVX-512 VNNI vpdpbusd zmm", None),
