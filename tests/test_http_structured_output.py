@@ -246,3 +246,33 @@ def test_schemas_the_grammar_engine_cannot_follow_are_a_400_with_short_logs(stre
     longest = max((len(record.getMessage()) for record in caplog.records), default=0)
     assert longest < 2000, longest
     assert not any(json.dumps(OPTIONAL)[:200] in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [{"type": "integer", "maximum": 2**64}, {"enum": [-(2**63) - 1]},
+     {"type": "string", "x-extra": 10**40}],
+)  # fmt: skip
+def test_an_integer_past_64_bits_in_a_schema_is_a_400_and_its_neighbours_are_served(schema):
+    """Such an integer cannot cross to the engine core (msgpack carries 64 bits): before, the
+    request's Add failed to encode, and it and every request sent in the same burst hung, the
+    server then 503 for good. Now: a 400 naming response_format; the burst's other requests
+    answered; KV back to 0."""
+    with ServerThread(tiny_engine()) as s:
+        results: dict[int, httpx.Response] = {}
+
+        def send(i: int) -> None:
+            body = chat(schema) if i == 0 else chat({"type": "object"})
+            results[i] = post_chat(s, body)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT)
+        assert sorted(results) == [0, 1, 2, 3]
+        assert results[0].status_code == 400, results[0].text
+        error = results[0].json()["error"]
+        assert error["param"] == "response_format" and "64-bit" in error["message"]
+        assert all(results[i].status_code == 200 for i in (1, 2, 3))
+        settle(s)

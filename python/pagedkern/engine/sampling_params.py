@@ -258,4 +258,15 @@ def check_response_format(value: Any) -> Mapping | None:
         raise ValueError(f"response_format: the schema is not JSON: {exc}") from None
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"response_format: the schema has over {MAX_SCHEMA_CHARS} characters")
-    return {"type": kind, "schema": json.loads(text)}
+    return {"type": kind, "schema": json.loads(text, parse_int=_schema_integer)}
+
+
+def _schema_integer(digits: str) -> int:
+    """A schema's integer, within the signed 64 bits that the grammar engine and the wire to
+    the engine core carry."""
+    value = int(digits) if len(digits) <= 20 else 2**63  # (int() refuses 4300+ digits)
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(
+            f"response_format: the schema's integer {digits:.40} is outside the signed 64-bit range"
+        )
+    return value

@@ -46,7 +46,12 @@ class Channel:
         self._sending = threading.Lock()
 
     def send(self, message: Message) -> None:
-        data = encode(message)
+        """Send a message; TypeError / ValueError / OverflowError (msgpack's) for a field it
+        cannot carry (nothing is sent), OSError or ValueError from the connection."""
+        self.send_frame(encode(message))
+
+    def send_frame(self, data: bytes) -> None:
+        """Send an encoded message."""
         with self._sending:
             self.conn.send_bytes(data)
 

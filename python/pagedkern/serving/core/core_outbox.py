@@ -5,7 +5,9 @@ same iteration reaches the core together, to be admitted before one step (the of
 gets its whole batch at once; one frame per request let the core step the first ones alone
 while the rest were still on their way). Any other message goes out at once, after the adds
 queued before it when sent from the loop's thread, so an abort never overtakes its request's
-add.
+add. An Add that cannot be encoded (a field msgpack cannot carry, such as an integer past 64
+bits in a schema) goes out request by request instead, and each request that still cannot is
+refused to its client (`refuse`): one bad request never takes the others in its Add with it.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Callable
 
-from .channel import Channel
+from .channel import Channel, encode
 from .client_errors import EngineUnavailable
 from .messages import Add, AddRequest, FrontMessage
 
 
 class CoreOutbox:
-    def __init__(self, channel: Channel):
+    def __init__(self, channel: Channel, refuse: Callable[[str, str], None]):
         self.channel = channel
+        self.refuse = refuse  # (request id, why): an add that cannot be sent
         self.closed: str | None = None  # why nothing more goes out (the core has gone)
         self._adds: list[AddRequest] = []  # for this loop iteration's Add
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -53,13 +57,28 @@ class CoreOutbox:
     def _flush_adds(self) -> None:
         adds, self._adds = self._adds, []
         if adds and self.closed is None:
-            with contextlib.suppress(EngineUnavailable):  # (the client fails their futures)
-                self._send_now(Add(adds))
+            self._send_adds(adds)
+
+    def _send_adds(self, adds: list[AddRequest]) -> None:
+        try:
+            data = encode(Add(adds))
+        except (TypeError, ValueError, OverflowError) as exc:
+            if len(adds) == 1:
+                self.refuse(adds[0].request_id, f"the request cannot be sent to the engine: {exc}")
+            else:
+                for add in adds:
+                    self._send_adds([add])
+            return
+        with contextlib.suppress(EngineUnavailable):  # (the client fails their futures)
+            self._send_frame(data)
 
     def _send_now(self, message: FrontMessage) -> None:
+        self._send_frame(encode(message))
+
+    def _send_frame(self, data: bytes) -> None:
         if self.closed is not None:
             raise EngineUnavailable(self.closed)
         try:
-            self.channel.send(message)
+            self.channel.send_frame(data)
         except (OSError, ValueError) as exc:  # the core's end is gone
             raise EngineUnavailable("the engine core has stopped") from exc

@@ -88,7 +88,8 @@ class EngineClient:
         self._ids = itertools.count()
         self._streams: dict[str, RequestStream] = {}
         self._admitting: dict[str, tuple[asyncio.Future, RequestStream]] = {}
-        self.outbox = CoreOutbox(channel)  # (outbox.closed: why the core will answer no more)
+        # (outbox.closed: why the core will answer no more)
+        self.outbox = CoreOutbox(channel, self._unsendable)
         self._queries: dict[int, asyncio.Future] = {}
         self._stop_sent = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -316,6 +317,10 @@ class EngineClient:
         self.metrics.request_rejected(code if code != "error" else "invalid")
         if not future.done():
             future.set_exception(refusal(code, message.message))
+
+    def _unsendable(self, request_id: str, reason: str) -> None:
+        """The outbox could not encode this request's add: refused as invalid (a 400)."""
+        self._refused(Refused(request_id, "invalid", reason), 0.0)
 
     def _stats(self, message: Stats, _now: float) -> None:
         self._last_gauges = message.gauges
