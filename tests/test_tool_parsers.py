@@ -158,6 +158,30 @@ def test_malformed_calls_come_back_as_content(parser, text):
         assert calls == [] and "".join(contents) == text
 
 
+DEEP = "[" * 3000 + "]" * 3000  # JSON nested past Python's recursion limit
+
+
+@pytest.mark.parametrize(
+    "parser,text",
+    [
+        (HermesToolParser, f'<tool_call>\n{{"name": "f", "arguments": {{"a": {DEEP}}}}}\n</tool_call>'),  # noqa: E501
+        (HermesToolParser, '<tool_call>\n{"name": "f", "arguments": ' + "[" * 3000),
+        (GenericJsonToolParser, f'{{"tool_calls": [{{"name": "f", "arguments": "{DEEP}"}}]}}'),
+        (GenericJsonToolParser, '{"tool_calls": [{"name": "f", "arguments": {"a": ' + DEEP),
+        (Llama3JsonToolParser, f'{{"name": "f", "parameters": {{"a": {DEEP}}}}}'),
+        (MistralToolParser, f"[TOOL_CALLS]f[ARGS]{{\"a\": {DEEP}}}"),
+    ],
+)  # fmt: skip
+def test_calls_nested_past_the_recursion_limit_come_back_as_content(parser, text):
+    """A model's answer nesting deeper than Python's json can read (before: RecursionError out
+    of the parser, a 500 or a stream cut mid-body) is content, whole or streamed."""
+    whole = parser().parse(text)
+    assert whole.calls == [] and whole.content == text
+    for pieces in ([text], [text[: len(text) // 2], text[len(text) // 2 :]]):
+        contents, calls = streamed(parser, pieces)
+        assert calls == [] and "".join(contents) == text
+
+
 @pytest.mark.parametrize(
     "parser,text",
     [

@@ -107,6 +107,10 @@ def test_history_checks_every_tool_answer():
             [user, {**asked, "tool_calls": [call("c1", arguments="{oops")]}],
             "messages[1].tool_calls[0].function.arguments",
         ),
+        (  # nested past Python's recursion limit (before: RecursionError, a 500)
+            [user, {**asked, "tool_calls": [call("c1", arguments="[" * 3000 + "]" * 3000)]}],
+            "messages[1].tool_calls[0].function.arguments",
+        ),
     ]
     for messages, param in cases:
         with pytest.raises(ToolSpecError) as caught:
@@ -280,3 +284,17 @@ def test_forced_arguments_hold_the_declared_properties_only():
         extra = '{"tool_calls":[{"name":"w","arguments":{"city":"Oslo","x":1}}]}'
         assert accepts(grammar, '{"tool_calls":[{"name":"w","arguments":{"city":"Oslo"}}]}')
         assert accepts(grammar, extra) == bool(allowed)
+
+
+@pytest.mark.parametrize("parameters", [{}, {"properties": {"city": {"type": "string"}}}])
+def test_forced_arguments_are_an_object_whatever_the_parameters_say(parameters):
+    """parameters {} (any JSON) or without a type: the forced call's arguments are still an
+    object (before: a number or a list passed the grammar, and the answer came back as
+    content, no call, from a forced tool_choice)."""
+    functions = check_tools([tool(name="w", parameters=parameters)], 8, 10_000)
+    grammar = tool_call_grammar(
+        TOOL_PARSERS["generic"], functions, ToolChoice("required"), parallel=False
+    )
+    assert accepts(grammar, '{"tool_calls":[{"name":"w","arguments":{}}]}')
+    for arguments in ("5765671554", "[1]", '"x"', "null"):
+        assert not accepts(grammar, f'{{"tool_calls":[{{"name":"w","arguments":{arguments}}}]}}')

@@ -69,11 +69,14 @@ def call_from(obj: Any, arguments_key: str = "arguments") -> ToolCall:
     if isinstance(args, str):  # some models write the arguments as JSON text
         try:
             args = json.loads(args)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # (nested past Python's stack)
             raise NotCalls("arguments are not JSON") from exc
     if not isinstance(args, dict):
         raise NotCalls("arguments must be an object")
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    try:
+        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    except RecursionError as exc:
+        raise NotCalls("the arguments nest too deeply") from exc
 
 
 def decode_json_prefix(text: str, start: int = 0) -> tuple[Any, int] | None:
@@ -91,6 +94,8 @@ def decode_json_prefix(text: str, start: int = 0) -> tuple[Any, int] | None:
         if exc.pos >= len(text) or _open_at_end(text[i:]):
             return None  # ran out of text: more may complete it
         raise NotCalls(str(exc)) from None
+    except RecursionError:  # nested past Python's stack: no text after it can make it calls
+        raise NotCalls("the JSON nests too deeply") from None
 
 
 def _open_at_end(text: str) -> bool:

@@ -27,7 +27,7 @@ def call_schema(function: Function, arguments_key: str) -> dict:
         "type": "object",
         "properties": {
             "name": {"const": function.name},
-            arguments_key: closed(function.parameters),
+            arguments_key: _arguments(function.parameters),
         },
         "required": ["name", arguments_key],
         "additionalProperties": False,
@@ -51,6 +51,17 @@ def tool_call_grammar(
     calls = parser.calls_grammar("call", parallel, lambda text: literal(text, encode))
     rules = [calls, f"call: %json {_json({**one, **_COMPACT})}"]
     return _with_thinking("calls", rules, thinking)
+
+
+def _arguments(parameters):
+    """A call's arguments schema: the tool's parameters, closed, and always an object (a call's
+    arguments are an object: parameters {} or without a type would let a number through)."""
+    schema = closed(parameters)
+    if schema is True or schema == {}:
+        return {"type": "object"}
+    if isinstance(schema, Mapping) and "type" not in schema:
+        return {**schema, "type": "object"}
+    return schema
 
 
 def closed(schema):

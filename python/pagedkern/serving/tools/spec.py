@@ -161,9 +161,10 @@ def check_history(messages: list[dict]) -> list[dict]:
                 if isinstance(args, str):
                     try:
                         args = json.loads(args or "{}")
-                    except ValueError:
+                    except (ValueError, RecursionError):  # (nested past Python's stack)
                         raise ToolSpecError(
-                            f"{where}.function.arguments is not JSON", f"{where}.function.arguments"
+                            f"{where}.function.arguments is not JSON (or nests too deeply)",
+                            f"{where}.function.arguments",
                         ) from None
                 issued[call_id] = fn["name"]
                 calls.append(
