@@ -256,13 +256,13 @@ def test_requests_submitted_together_reach_the_core_in_one_frame_before_one_step
     engine = tiny_engine()
     client = in_thread(engine, after_step=lambda e: running_at_steps.append(e.stats().num_running))
     frames: list = []
-    send = client.channel.send
+    send_frame = client.channel.send_frame
 
-    def recording(message) -> None:
-        frames.append(message)
-        send(message)
+    def recording(data: bytes) -> None:
+        frames.append(channel.decode(data))
+        send_frame(data)
 
-    client.channel.send = recording
+    client.channel.send_frame = recording
     params = SamplingParams(max_tokens=3, ignore_eos=True)
 
     async def scenario() -> None:
