@@ -153,6 +153,8 @@ def test_engine_logprobs_under_greedy():
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"logit_bias": {5: 101}}, "logit_bias"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"\u0665": 1}}, "logit_bias"),  # a digit, not an ASCII one
+        ({"logit_bias": {" 5": 1}}, "logit_bias"),
         ({"min_p": 1.5}, "min_p"),
         ({"logprobs": 21}, "logprobs"),
         ({"n": 0}, "n"),

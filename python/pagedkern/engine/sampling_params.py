@@ -198,7 +198,7 @@ def _logit_bias(bias) -> Mapping[int, float] | None:
         raise ValueError(f"logit_bias: at most {MAX_TOKEN_LIST} entries, got {len(bias)}")
     out = {}
     for key, value in bias.items():
-        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        if isinstance(key, str) and key.isascii() and key.lstrip("-").isdigit():
             key = int(key)  # JSON object keys are strings (OpenAI sends {"50256": -100})
         token = check_token_ids("logit_bias", [key])[0]
         value = check_number(f"logit_bias[{token}]", value)
