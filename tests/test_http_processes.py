@@ -381,3 +381,48 @@ def test_min_tokens_holds_back_stop_strings_in_the_front_end_as_in_the_engine(st
             text, reason = answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]
         assert s.engine_loop.wait_for(lambda: s.engine_loop.num_live == 0, WAIT)
     assert ([text], [reason]) == (texts, reasons)
+
+
+def test_a_request_id_submitted_twice_at_once_is_refused_and_the_first_keeps_its_answer():
+    """Two requests under one id in one burst (two clients sending one X-Request-Id): before,
+    the second's admission took the first's place in the client's map, so the first's answer
+    went to the second's handler and the first hung for good. Now the second is refused at
+    once and the first gets its own answer."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    solo_client = in_thread(tiny_engine())
+
+    async def answer(client, request_id: str, prompt_ids: list[int]) -> list[int]:
+        stream = await client.submit(request_id, {"prompt_ids": prompt_ids}, params)
+        tokens = []
+        while batch := await stream.next_batch():
+            tokens += [t for out in batch for t in out.token_ids]
+        return tokens
+
+    async def solo() -> list[int]:
+        solo_client.start()
+        try:
+            return await answer(solo_client, "a", [1, 2, 3])
+        finally:
+            await solo_client.aclose()
+
+    want = asyncio.run(solo())
+    client = in_thread(tiny_engine())
+
+    async def scenario():
+        client.start()
+        try:
+            first, second = await asyncio.wait_for(
+                asyncio.gather(
+                    answer(client, "dup", [1, 2, 3]),
+                    answer(client, "dup", [7, 8, 9, 10]),
+                    return_exceptions=True,
+                ),
+                WAIT,
+            )
+        finally:
+            await client.aclose()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert first == want and len(want) == 6
+    assert isinstance(second, ValueError) and "already in use" in str(second)

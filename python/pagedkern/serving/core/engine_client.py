@@ -184,6 +184,9 @@ class EngineClient:
             raise EngineUnavailable(self.outbox.closed or "the server is shutting down")
         if self.stalled is not None:
             raise EngineUnavailable(self.stalled)
+        if request_id in self._admitting or request_id in self._streams:
+            # (its answers would reach the running request's handler, the other hang)
+            raise ValueError(f"request id {request_id!r} is already in use")
         eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
         stop_ids = frozenset(params.stop_token_ids).union(eos)
         stream = RequestStream(
