@@ -359,3 +359,17 @@ def test_a_template_with_tools_renders_them_and_its_family_parses(qwen_client):
         (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls
     ]
     assert [(c["name"], c["arguments"]) for c in calls] == expected and content is None
+
+
+def test_forced_tools_whose_grammar_passes_the_size_bound_are_a_400_naming_tools():
+    """Tools within max_tools and max_tools_bytes whose forced-call grammar passes the
+    grammar's size bound (before: a 500 from the bound's ValueError)."""
+    enum = ["x" * 1000 + str(i) for i in range(101)]
+    parameters = {"type": "object", "properties": {"a": {"enum": enum}}, "required": ["a"]}
+    with ServerThread(tiny_engine()) as s:
+        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+            r = post(s, tools=fn(name="f", parameters=parameters), tool_choice=choice)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "tools" and "forced call" in error["message"]
+        assert post(s).status_code == 200

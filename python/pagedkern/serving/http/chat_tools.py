@@ -122,11 +122,20 @@ def plan_chat(
         fmt = tool_call_grammar(
             tool_parser, functions, choice, parallel, thinking, encode=parsers.encode
         )
-        params = dataclasses.replace(params, response_format=fmt)
         grammar_param = "tools"
+        try:  # (a grammar past the size bound: the forced tools' schemas are too big)
+            params = dataclasses.replace(params, response_format=fmt)
+        except ValueError as exc:
+            reason = str(exc).removeprefix("response_format: ")
+            raise APIError(
+                400, f"tools: too big for a forced call ({reason})", param="tools"
+            ) from exc
     elif thinking is not None and params.response_format is not None:
         fmt = after_thinking(params.response_format, thinking)
-        params = dataclasses.replace(params, response_format=fmt)
+        try:
+            params = dataclasses.replace(params, response_format=fmt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="response_format") from exc
     parse_tools = tool_parser if choice.mode != "none" and functions else None
     make_parser = None
     if parse_tools is not None or reasoning is not None:
