@@ -88,15 +88,18 @@ def test_bad_stdin_lines_are_reported_and_the_others_answered(capsys, monkeypatc
         json.dumps({"prompt": "y", "seed": 2**64}).encode(),
         json.dumps({"prompt": "y", "top_k": 2**31}).encode(),
         json.dumps({"prompt": 5}).encode(),
+        b"[" * 100_000 + b"]" * 100_000,  # JSON nested past the recursion limit
+        b'{"prompt": "y", "x": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+        b'{"prompt": "y", "temperature": ' + str(2**1100).encode() + b"}",  # past float's range
         json.dumps({"prompt": "z", "max_tokens": 2, "ignore_eos": True}).encode(),
     ]
     stdin = b"\n".join(lines) + b"\n"
     status, out, err = run_main(capsys, monkeypatch, "--max-tokens", "3", "-", stdin=stdin)
     assert status == 2 and "Traceback" not in err, err
     reported = sorted(int(n) for n in __import__("re").findall(r"stdin line (\d+):", err))
-    assert reported == [2, 3, 4, 5, 6, 7, 8], err
-    assert len(err.strip().splitlines()) == 7
-    assert len(out.rstrip("\n").split("\n")) == 2  # lines 1 and 9 answered
+    assert reported == [2, 3, 4, 5, 6, 7, 8, 9, 10, 11], err
+    assert len(err.strip().splitlines()) == 10
+    assert len(out.rstrip("\n").split("\n")) == 2  # lines 1 and 12 answered
 
 
 def test_stdin_with_only_bad_lines_exits_2_before_loading(capsys, monkeypatch):

@@ -155,6 +155,9 @@ def test_engine_logprobs_under_greedy():
         ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"logit_bias": {"\u0665": 1}}, "logit_bias"),  # a digit, not an ASCII one
         ({"logit_bias": {" 5": 1}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),  # (int() refuses 4300+ digits)
+        ({"temperature": 2**1100}, "temperature"),  # past float's range
+        ({"top_k": 2**1100}, "top_k"),
         ({"min_p": 1.5}, "min_p"),
         ({"logprobs": 21}, "logprobs"),
         ({"n": 0}, "n"),

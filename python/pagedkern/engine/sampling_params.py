@@ -199,6 +199,8 @@ def _logit_bias(bias) -> Mapping[int, float] | None:
     out = {}
     for key, value in bias.items():
         if isinstance(key, str) and key.isascii() and key.lstrip("-").isdigit():
+            if len(key) > 20:  # (past int64; int() refuses 4300+ digits)
+                raise ValueError(f"logit_bias: a key of {len(key)} digits is not a token id")
             key = int(key)  # JSON object keys are strings (OpenAI sends {"50256": -100})
         token = check_token_ids("logit_bias", [key])[0]
         value = check_number(f"logit_bias[{token}]", value)

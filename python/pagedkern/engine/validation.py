@@ -32,7 +32,7 @@ def check_int(name: str, value: Any, low: int | None = None, high: int | None = 
     if (low is not None and value < low) or (high is not None and value > high):
         lo = "-inf" if low is None else low
         hi = "inf" if high is None else high
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {shown(value)}")
     return value
 
 
@@ -40,9 +40,20 @@ def check_number(name: str, value: Any) -> float:
     """value as a float, if it is a finite int or float (not a bool, NaN or infinity)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ParameterTypeError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int past float's range
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be finite, got {shown(value)}")
     return float(value)
+
+
+def shown(value: Any) -> str:
+    """value for an error message: a huge int by its size (str() refuses 4300+ digits)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
 
 
 def check_bool(name: str, value: Any) -> bool:

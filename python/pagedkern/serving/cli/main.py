@@ -160,7 +160,8 @@ def _read_stdin(args, defaults: dict) -> tuple[list[tuple[int, dict, SamplingPar
             if not line.strip():
                 continue
             request_args, params = _request_args(args, line, defaults)
-        except (ValueError, TypeError) as exc:  # UnicodeDecodeError, JSON, fields
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # bad UTF-8,
+            # JSON (nested past the recursion limit too), fields
             _say(f"{PROG}: error: stdin line {number}: {_reason(exc)}")
             bad += 1
             continue
@@ -173,6 +174,8 @@ def _reason(exc: Exception) -> str:
         return f"not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
     if isinstance(exc, json.JSONDecodeError):
         return f"not valid JSON: {exc}"
+    if isinstance(exc, RecursionError):
+        return "the JSON nests too deeply"
     return str(exc)
 
 
