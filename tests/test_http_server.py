@@ -262,6 +262,13 @@ BAD = [
     ("chat", {**ok_chat, "tool_choice": "auto"}, 400, "tool_choice", None),
     ("chat", {**ok_chat, "functions": [{}]}, 400, "functions", None),
     ("chat", {**ok_chat, "stop": [""]}, 400, "stop", None),
+    (  # (the newer name would be ignored)
+        "chat",
+        {**ok_chat, "max_tokens": 3, "max_completion_tokens": -5},
+        400,
+        "max_completion_tokens",
+        None,
+    ),
     ("chat", {**ok_chat, "stream_options": {"include_usage": True}}, 400, "stream_options", None),
     ("chat", {**ok_chat, "model": "gpt-4o"}, 404, "model", "model_not_found"),
     (

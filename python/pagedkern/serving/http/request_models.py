@@ -237,6 +237,14 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling_params(self, default_max_tokens: int, defaults=None, bad_word_ids=None):
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:  # (one would be ignored)
+            raise APIError(
+                400,
+                f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                f"({self.max_completion_tokens}) disagree: send one",
+                param="max_completion_tokens",
+            )
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens  # counts as set (model_fields_set)
         return super().sampling_params(default_max_tokens, defaults, bad_word_ids)
