@@ -301,10 +301,7 @@ AMX_TARGET void tile_amx(const Args& a, int tile, int r0, int rc) {
 
 }  // namespace
 
-bool amx_format(int format) { return format >= 0 && format < kNumFormats; }
-
 TileFn amx_tile(int format, int planes) {
-  if (!amx_format(format)) return avx512_tile(format, planes);
   const bool two = planes == 2;
   switch (format) {
     case kInt4: return two ? tile_amx<2, kInt4> : tile_amx<1, kInt4>;
@@ -315,14 +312,14 @@ TileFn amx_tile(int format, int planes) {
     case kInt8G16: return two ? tile_amx<2, kInt8G16> : tile_amx<1, kInt8G16>;
     case kInt6G16: return two ? tile_amx<2, kInt6G16> : tile_amx<1, kInt6G16>;
     case kInt6K: return two ? tile_amx<2, kInt6K> : tile_amx<1, kInt6K>;
-    default: return two ? tile_amx<2, kInt4K> : tile_amx<1, kInt4K>;  // kInt4K
+    case kInt4K: return two ? tile_amx<2, kInt4K> : tile_amx<1, kInt4K>;
+    default: return avx512_tile(format, planes);  // (no such format: as the VNNI path does)
   }
 }
 
 }  // namespace pagedkern_cpu
 #else
 namespace pagedkern_cpu {
-bool amx_format(int) { return false; }
 TileFn amx_tile(int, int) { return nullptr; }
 }  // namespace pagedkern_cpu
 #endif

@@ -82,7 +82,7 @@ void gemv(int format, float* y, int64_t y_stride, const float* x, int64_t x_stri
                   int(int64_t(m) * (part + 1) / parts), resolved != kPortable, xq);
   });
   // the AMX kernels read 16 rows' block plane as one contiguous tile
-  const bool amx = resolved == kAvx512Amx && amx_format(format) && m >= amx_min_rows(format);
+  const bool amx = resolved == kAvx512Amx && m >= amx_min_rows(format);
   const int groups = amx ? m / 16 : 0;
   xq.grouped_rows = 16 * groups;
   if (groups > 0) {

@@ -257,8 +257,7 @@ TileFn portable_tile(int format, int planes);
 TileFn avx2_tile(int format, int planes);     // nullptr where not built (not x86)
 TileFn avxvnni_tile(int format, int planes);  // nullptr where not built (old compiler)
 TileFn avx512_tile(int format, int planes);   // nullptr where not built
-TileFn amx_tile(int format, int planes);      // (the same)
-bool amx_format(int format);  // whether amx_tile has AMX kernels for it (else avx512_tile's)
+TileFn amx_tile(int format, int planes);      // (the same; every format has AMX kernels)
 TileFn neon_tile(int format, int planes);     // nullptr where not built (not aarch64)
 // Rows [r0, r0 + rc) of x against tiles [t0, t1), several tiles' weight streams read at once
 // (few rows: a GEMV that reads its weights from DRAM once); nullptr: no such kernel (the
