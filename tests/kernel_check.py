@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedkern.reference.quantized_weight import QuantizedWeight
+
 # bf16 keeps 8 mantissa bits, fp16 11: one rounding of the output dominates these errors.
 REL_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
@@ -81,3 +83,17 @@ def assert_quant_gemv_picks(weight, fmt: str, tiles, x, want, path: str, bits: i
     assert torch.equal(quant_gemv.packed(weight), tiles) and torch.equal(got, want)
     exact = quant_linear(x.double(), weight)
     assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-2
+
+
+def six_bit_weight(n: int, k: int, seed: int) -> QuantizedWeight:
+    """Q6_K's shape: codes -32..31 (both ends present), fp32 scales per 16 (d * sc: an fp16 d
+    per 256 times an int8), one row's scales all zero: the CPU GEMM's int6_k tiles where K is a
+    multiple of 256, int6_g16 where not."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    q[0, 0], q[-1, -1] = -32, 31
+    d = (torch.rand(n, (k + 255) // 256, generator=g) * 1e-3).half().float()
+    sc = torch.randint(-128, 128, (n, k // 16), generator=g).float()
+    scales = d.repeat_interleave(16, dim=1)[:, : k // 16] * sc
+    scales[n // 2] = 0
+    return QuantizedWeight("int8", (n, k), q, scales, None, 16)

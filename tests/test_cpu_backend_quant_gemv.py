@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_check import poisoned
+from kernel_check import poisoned, six_bit_weight
 
 from pagedkern import ops
 from pagedkern.model.quantized_linear import quantize_int4, quantize_int8, quantize_int8_grouped
@@ -48,17 +48,6 @@ def _weight(fmt: str, group: int, n: int, k: int, seed: int):
     if fmt == "int8" and group:  # a scale per group along K (GGUF Q8_0: 32, Q6_K: 16)
         return quantize_int8_grouped(w, group)
     return quantize_int8(w) if fmt == "int8" else quantize_int4(w, group)
-
-
-def _six_bit_weight(n: int, k: int, seed: int) -> QuantizedWeight:
-    """Q6_K's shape: codes -32..31, fp32 scales per 16 an fp16 d per 256 times an int8 (the
-    int6_k tiles where K is a multiple of 256, int6_g16 where not)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
-    d = (torch.rand(n, (k + 255) // 256, generator=g) * 1e-3).half().float()
-    sc = torch.randint(-128, 128, (n, k // 16), generator=g).float()
-    scales = d.repeat_interleave(16, dim=1)[:, : k // 16] * sc
-    return QuantizedWeight("int8", (n, k), q, scales, None, 16)
 
 
 def _bound(x: torch.Tensor, qw, bits: int = 8) -> torch.Tensor:
@@ -129,7 +118,7 @@ def test_amx_tiles_give_the_vnni_bits_at_every_row_count(fmt, bits):
     source = {"int8_g32": ("int8", 32), "int8": ("int8", 0), "int5_g32": ("int5", 32),
               "int8_g16": ("int8", 16)}  # fmt: skip
     k = 512 if fmt == "int6_k" else 320  # int6_k's scales factor per 256 along K
-    qw = _six_bit_weight(70, k, seed=12) if fmt.startswith("int6") else (
+    qw = six_bit_weight(70, k, seed=12) if fmt.startswith("int6") else (
         _weight(*source.get(fmt, ("int4", 32)), 70, k, seed=12))  # fmt: skip
     if fmt == "int4_sym":
         qw.mins = (-8 * qw.scales.float()).half()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_check import assert_quant_gemv_picks, cpu_gemv_into_poisoned, poisoned
+from kernel_check import assert_quant_gemv_picks, cpu_gemv_into_poisoned, poisoned, six_bit_weight
 
 from pagedkern.ops.cpu import quant_gemv
 from pagedkern.reference.quant_gemm import quant_linear as ref_quant_linear
@@ -30,19 +30,6 @@ PAD = 3  # poisoned columns past N: no kernel may write them
 
 def _paths() -> list[str]:
     return quant_gemv.supported_paths() if quant_gemv.available() else []
-
-
-def _six_bit_weight(n: int, k: int, seed: int) -> QuantizedWeight:
-    """Q6_K's shape: codes -32..31 (both ends present), fp32 scales per 16 (d * sc: an fp16 d
-    per 256 times an int8), one row's scales all zero."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
-    q[0, 0], q[-1, -1] = -32, 31
-    d = (torch.rand(n, (k + 255) // 256, generator=g) * 1e-3).half().float()
-    sc = torch.randint(-128, 128, (n, k // 16), generator=g).float()
-    scales = d.repeat_interleave(16, dim=1)[:, : k // 16] * sc
-    scales[n // 2] = 0
-    return QuantizedWeight("int8", (n, k), q, scales, None, 16)
 
 
 def _factored(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +64,7 @@ def _raw_gemv(x: torch.Tensor, weight: QuantizedWeight, fmt: str, path: str, bit
 @pytest.mark.parametrize("path", _paths())
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_int6_tiles_give_the_int8_g16_tiles_bits(m, n, k, path, bits):
-    weight = _six_bit_weight(n, k, seed=m * 7 + n + k)
+    weight = six_bit_weight(n, k, seed=m * 7 + n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n * k)) * 2.0
     six_tiles, six = _raw_gemv(x, weight, "int6_g16", path, bits)
     int8_tiles, want = _raw_gemv(x, weight, "int8_g16", path, bits)
@@ -94,7 +81,7 @@ def test_int6_tiles_give_the_int8_g16_tiles_bits(m, n, k, path, bits):
 
 
 def test_a_code_outside_six_bits_keeps_the_int8_tiles():
-    weight = _six_bit_weight(20, 64, seed=1)
+    weight = six_bit_weight(20, 64, seed=1)
     weight.qweight[3, 7] = 32  # one code past 31
     assert quant_gemv.tile_format(weight) == "int8_g16"
     x = torch.randn(2, 64)
@@ -119,7 +106,7 @@ def test_pack_int6_refuses_codes_outside_six_bits():
 @pytest.mark.parametrize("path", _paths())
 @pytest.mark.parametrize("m,n,k", K_SHAPES)
 def test_int6_k_tiles_give_the_int8_g16_tiles_bits(m, n, k, path, bits):
-    weight = _six_bit_weight(n, k, seed=m * 5 + n + k)
+    weight = six_bit_weight(n, k, seed=m * 5 + n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n + k)) * 2.0
     k_tiles, got_k = _raw_gemv(x, weight, "int6_k", path, bits)
     int8_tiles, want = _raw_gemv(x, weight, "int8_g16", path, bits)
@@ -164,7 +151,7 @@ def test_factoring_recovers_exact_scales_of_every_kind():
 @pytest.mark.parametrize("case", ["random_fp32", "nan", "inf", "k_not_256"])
 def test_scales_that_do_not_factor_keep_the_int6_g16_tiles(case):
     n, k = 20, 512 if case != "k_not_256" else 288
-    weight = _six_bit_weight(n, k, seed=4)
+    weight = six_bit_weight(n, k, seed=4)
     if case == "random_fp32":
         weight.scales[7, 16:32] = torch.rand(16) + 0.5  # no int8 c times one d gives these
     elif case == "nan":
