@@ -2,7 +2,9 @@
 reference (tests/test_engine.py): continuous batching, preemption, chunked prefill and n-gram
 speculation give each request what it gets alone, with prompts long enough that attention
 crosses key tiles (256 keys) and decode steps take the CPU decode step; with fp32 weights (the
-layer loop) and int4 weights (every step through the C++ decoder, ops/cpu/decoder.py)."""
+layer loop, the fixed-order GEMM) and int4 weights (every step through the C++ decoder,
+ops/cpu/decoder.py). Seeded sampling goes further: each request's log-probabilities are the
+same bits batched as alone."""
 
 from __future__ import annotations
 
@@ -87,3 +89,31 @@ def test_the_runner_draws_through_the_cpu_backends_own_sampler(monkeypatch):
             assert calls == []  # (the runner's draws skipped ops.sample)
     assert calls  # (and the other engine's took it)
     assert outputs[0] == outputs[1]
+
+
+def _sampled(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=12, temperature=1.0, seed=100 + i, ignore_eos=True, logprobs=0)
+
+
+def _sampled_run(engine: Engine, prompts: list[tuple[int, list[int]]]) -> list[list[tuple]]:
+    """(token, its log-probability) per step, per request."""
+    requests = [engine.add_request(prompt_ids=p, params=_sampled(i)) for i, p in prompts]
+    got: dict[str, list[tuple]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            steps = zip(out.token_ids, out.logprobs, strict=True)
+            got.setdefault(out.request_id, []).extend((t, lp.logprob) for t, lp in steps)
+    assert engine.pool.num_used == 0
+    return [got[r.request_id] for r in requests]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_sampled_log_probabilities_are_the_same_bits_batched_as_alone(quantization):
+    # fp32 weights: torch's BLAS rounds a row apart with other rows beside it (every request
+    # differed at some step with cpu_linear:blas); the fixed-order GEMM does not
+    prompts = _prompts()
+    solo_engine = _engine(quantization=quantization)
+    solo = [_sampled_run(solo_engine, [(i, p)])[0] for i, p in enumerate(prompts)]
+    for scenario in ("continuous batching", "preemption (tiny KV pool)"):
+        engine = _engine(quantization=quantization, **SCENARIOS[scenario])
+        assert _sampled_run(engine, list(enumerate(prompts))) == solo, scenario

@@ -151,5 +151,7 @@ def test_a_quantized_moe_models_steps_take_it(shared, calls, kernels):
     assert made == {"tail": 0, "ops": config.num_layers, "loop": config.num_layers}
     assert calls == [20] * config.num_layers  # the ops' one call a layer, every row
     assert not got["tail"].isnan().any()
-    torch.testing.assert_close(got["tail"], got["loop"], rtol=1e-4, atol=1e-4)
+    # the tail's norms round h apart from torch's (~1e-7), and the quantized GEMMs' 16-bit
+    # activations can turn that into a quantum (~3e-5 of a block's max) at each of 2 x 4 GEMMs
+    torch.testing.assert_close(got["tail"], got["loop"], rtol=5e-4, atol=5e-4)
     torch.testing.assert_close(got["ops"], got["loop"], rtol=1e-4, atol=1e-4)

@@ -1,9 +1,11 @@
-// pagedkern._cpu: weight packing (pack.cpp), the quantized GEMV (gemv.cpp) and rows of a
-// quantized weight (dequantize_rows.cpp), the GIL released.
+// pagedkern._cpu: weight packing (pack.cpp), the quantized GEMV (gemv.cpp), rows of a
+// quantized weight (dequantize_rows.cpp) and the fixed-order fp32 GEMM (dense_gemm.cpp), the
+// GIL released.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "dense_gemm.h"
 #include "dequantize_rows.h"
 #include "module.h"
 #include "quant_gemv.h"
@@ -120,6 +122,17 @@ void bind_gemv(py::module_& mod) {
       py::kw_only(), py::arg("format"), py::arg("y"), py::arg("y_stride"), py::arg("x"),
       py::arg("x_stride"), py::arg("packed"), py::arg("scales"), py::arg("m"), py::arg("n"),
       py::arg("k"), py::arg("threads"), py::arg("path"), py::arg("activation_bits"));
+  mod.def(
+      "dense_gemm",
+      [](uintptr_t y, int64_t y_stride, uintptr_t x, int64_t x_stride, uintptr_t w,
+         int64_t w_stride, int m, int n, int k, int threads, int path) {
+        py::gil_scoped_release release;
+        dense_gemm(ptr<float>(y), y_stride, ptr<const float>(x), x_stride, ptr<const float>(w),
+                   w_stride, m, n, k, threads, path);
+      },
+      py::kw_only(), py::arg("y"), py::arg("y_stride"), py::arg("x"), py::arg("x_stride"),
+      py::arg("w"), py::arg("w_stride"), py::arg("m"), py::arg("n"), py::arg("k"),
+      py::arg("threads"), py::arg("path"));
   // (tests: the plain loop and the AVX2 one give the same bits)
 }
 

@@ -9,116 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "dense_gemm.h"
 #include "moe_experts.h"
-#include "parallel.h"
-#include "quant_gemv.h"  // QUANT_GEMV_X86, path_supported
-#include "rms.h"         // fixed_order_dot
 
 namespace pagedkern_cpu {
 namespace {
-
-#if defined(__GNUC__) || defined(__clang__)
-// The router's GEMM: fixed_order_dot's lanes as two 8-float vectors (GCC / clang vector
-// extensions, so one source serves the baseline ISA and AVX2), a tile of 2 rows x 2 experts
-// sharing each load.
-// Each lane is a multiply then an add, as fixed_order_dot's (the module is built without FP
-// contraction), so every tile and ISA gives fixed_order_dot's bits.
-typedef float V8 __attribute__((vector_size(32)));
-
-// (through a reference: a V8 returned by value would be an ABI question in the baseline build)
-__attribute__((always_inline)) inline void load8(V8& v, const float* p) {
-  std::memcpy(&v, p, sizeof v);
-}
-
-template <int R>
-__attribute__((always_inline)) inline void dot_tile(const float* x, int64_t x_stride,
-                                                    const float* w, int64_t w_stride, int n,
-                                                    float* out, int64_t out_stride) {
-  constexpr int X = 2, kLanes = 16;
-  V8 lo[R][X] = {}, hi[R][X] = {};
-  int i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    V8 wl[X], wh[X];
-    for (int c = 0; c < X; ++c) {
-      load8(wl[c], w + c * w_stride + i);
-      load8(wh[c], w + c * w_stride + i + 8);
-    }
-    for (int r = 0; r < R; ++r) {
-      V8 xl, xh;
-      load8(xl, x + r * x_stride + i);
-      load8(xh, x + r * x_stride + i + 8);
-      for (int c = 0; c < X; ++c) {
-        lo[r][c] += xl * wl[c];
-        hi[r][c] += xh * wh[c];
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < X; ++c) {
-      float partial[kLanes];
-      std::memcpy(partial, &lo[r][c], sizeof lo[r][c]);
-      std::memcpy(partial + 8, &hi[r][c], sizeof hi[r][c]);
-      for (int j = i; j < n; ++j) partial[j % kLanes] += x[r * x_stride + j] * w[c * w_stride + j];
-      for (int width = kLanes / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; ++l) partial[l] += partial[l + width];
-      out[r * out_stride + c] = partial[0];
-    }
-}
-
-// logits[r, e] = x[r] . w[e] for rows [0, m) and experts [e0, e1), blocked so a block of rows
-// stays in L2 while the experts' rows stream past it
-__attribute__((always_inline)) inline void router_gemm_body(const float* x, int m, int n,
-                                                            const float* w, int e0, int e1,
-                                                            float* logits, int experts) {
-  constexpr int kRowBlock = 32;
-  for (int r0 = 0; r0 < m; r0 += kRowBlock) {
-    const int r1 = std::min(m, r0 + kRowBlock);
-    int e = e0;
-    for (; e + 2 <= e1; e += 2) {
-      const float* we = w + int64_t(e) * n;
-      int r = r0;
-      for (; r + 2 <= r1; r += 2)
-        dot_tile<2>(x + int64_t(r) * n, n, we, n, n, logits + int64_t(r) * experts + e, experts);
-      if (r < r1)
-        dot_tile<1>(x + int64_t(r) * n, n, we, n, n, logits + int64_t(r) * experts + e, experts);
-    }
-    for (; e < e1; ++e)
-      for (int r = r0; r < r1; ++r)
-        logits[int64_t(r) * experts + e] =
-            fixed_order_dot(x + int64_t(r) * n, w + int64_t(e) * n, n);
-  }
-}
-
-void router_gemm_baseline(const float* x, int m, int n, const float* w, int e0, int e1,
-                          float* logits, int experts) {
-  router_gemm_body(x, m, n, w, e0, e1, logits, experts);
-}
-
-#if QUANT_GEMV_X86
-__attribute__((target("avx2"))) void router_gemm_avx2(const float* x, int m, int n,
-                                                      const float* w, int e0, int e1,
-                                                      float* logits, int experts) {
-  router_gemm_body(x, m, n, w, e0, e1, logits, experts);
-}
-#endif
-#endif
-
-// logits[r, e] = x[r] . w[e] (fixed_order_dot's bits) for experts [e0, e1)
-void router_gemm(const float* x, int m, int n, const float* w, int e0, int e1, float* logits,
-                 int experts) {
-#if defined(__GNUC__) || defined(__clang__)
-#if QUANT_GEMV_X86
-  static const bool avx2 = path_supported(kAvx2);
-  if (avx2) return router_gemm_avx2(x, m, n, w, e0, e1, logits, experts);
-#endif
-  router_gemm_baseline(x, m, n, w, e0, e1, logits, experts);
-#else
-  for (int e = e0; e < e1; ++e)
-    for (int r = 0; r < m; ++r)
-      logits[int64_t(r) * experts + e] =
-          fixed_order_dot(x + int64_t(r) * n, w + int64_t(e) * n, n);
-#endif
-}
 
 float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
@@ -194,15 +89,8 @@ void moe_route(const MoeMlp& moe, const float* h, int m, const GemvRun& run, int
   logits_buf.resize(size_t(m) * e);
   float* logits = logits_buf.data();
   const int64_t macs = int64_t(m) * e * hidden;
-  // experts split over the team (in pairs, the GEMM's tile): each logit is one dot, whoever
-  // computes it
-  const int pairs = (e + 1) / 2;
-  parallel(macs >= run.parallel_min_macs ? std::min(run.threads, pairs) : 1,
-           [&](int part, int parts) {
-             const int e0 = 2 * int(int64_t(pairs) * part / parts);
-             const int e1 = std::min(e, 2 * int(int64_t(pairs) * (part + 1) / parts));
-             router_gemm(h, m, hidden, moe.router, e0, e1, logits, e);
-           });
+  dense_gemm(logits, e, h, hidden, moe.router, hidden, m, e, hidden,
+             macs >= run.parallel_min_macs ? run.threads : 1, -1);
   if (moe.router_bias != nullptr)
     for (int r = 0; r < m; ++r)
       for (int x = 0; x < e; ++x) logits[int64_t(r) * e + x] += moe.router_bias[x];
@@ -228,9 +116,11 @@ void moe_mlp(const MoeMlp& moe, const float* h, int m, const GemvRun& run, float
   // the shared expert: out += sigmoid(h . shared_gate) * down(silu(g) * u)
   y_buf.resize(size_t(m) * hidden);
   gated_mlp(moe.shared_gate_up, moe.shared_down, kSilu, run, h, hidden, y_buf.data());
+  thread_local std::vector<float> gates;
+  gates.resize(m);
+  dense_gemm(gates.data(), 1, h, hidden, moe.shared_gate, hidden, m, 1, hidden, 1, -1);
   for (int r = 0; r < m; ++r) {
-    const float gate =
-        sigmoid(fixed_order_dot(h + int64_t(r) * hidden, moe.shared_gate, hidden));
+    const float gate = sigmoid(gates[r]);
     float* o = out + int64_t(r) * hidden;
     const float* y = y_buf.data() + int64_t(r) * hidden;
     for (int c = 0; c < hidden; ++c) o[c] += gate * y[c];

@@ -15,11 +15,11 @@
 // between the router GEMM, the routing's ~8 torch ops and the experts' call, and with it the
 // layer's attention glue once the decoder takes the whole stack (measured:
 // bench/results/2026-12-06-epyc-avx2-moe-decoder.md).
-// The router is an fp32 GEMM (the loaders keep it float: llama.cpp's files hold it F32): each
-// logit a dot in a fixed order of 16 partial sums, computed in tiles of 2 rows x 2 experts
-// (vector extensions: the baseline ISA or AVX2, mul then add, the same bits), experts split
-// over the team from `parallel_min_macs` up, so a row's logits never depend on the batch, the
-// thread count or the ISA. The selection compares logits (the scorings are monotone in them),
+// The router is an fp32 GEMM (the loaders keep it float: llama.cpp's files hold it F32) and the
+// shared expert's gate an fp32 dot, both dense_gemm's fixed order (dense_gemm.h): the bits of
+// linear() on the CPU backend, so the layer loop's ops and this call route alike, and a row's
+// logits never depend on the batch, the thread count or the ISA. The selection compares
+// logits (the scorings are monotone in them),
 // so the ids never depend on how e^x rounds.
 
 #pragma once

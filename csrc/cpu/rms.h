@@ -1,7 +1,7 @@
-// The CPU kernels' fixed-order sums, one order for every caller (the layer tail's norms, QK-norm
-// in rope_cache, the MoE router's dots): 16 partial sums, element i into lane i % 16 in
-// ascending order, combined by a halving tree. A row's result depends on the row only, on
-// every CPU.
+// The CPU kernels' fixed-order sums of squares (the layer tail's norms, QK-norm in
+// rope_cache): 16 partial sums, element i into lane i % 16 in ascending order, combined by a
+// halving tree. A row's result depends on the row only, on every CPU. (Dot products of a
+// weight: dense_gemm.h's order, with fused multiply-adds.)
 
 #pragma once
 

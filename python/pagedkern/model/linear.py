@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..ops import launch
+from ..ops.cpu.dense_linear import dense_linear
 from .quantized_linear import QuantizedWeight
 from .weights import Linear
 
@@ -15,10 +16,13 @@ _mm_out_dtype_works: bool | None = None  # torch.mm(..., out_dtype=) on CUDA, pr
 
 
 def linear(x: torch.Tensor, weight: Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias: ops.quant_linear for quantized weights, else torch's GEMM."""
+    """x @ weight.T + bias: ops.quant_linear for quantized weights; float weights on the CPU
+    backend its fixed-order GEMM (ops/cpu/dense_linear.py), else torch's GEMM."""
     launch.record_launch("gemm")
     if isinstance(weight, QuantizedWeight):
         return ops.quant_linear(x, weight, bias)
+    if x.device.type == "cpu" and launch.get_backend() in ("auto", "cpu"):
+        return dense_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -48,21 +52,27 @@ class LogitsProjection:
         self.soft_cap = soft_cap  # (Gemma 2) the final logits' soft cap
         self._head_fp32: torch.Tensor | None = None
 
-    def __call__(self, hidden: torch.Tensor, head: Linear, quant_linear=None) -> torch.Tensor:
-        """quant_linear: the quantized GEMM to run (default ops.quant_linear; a step's own
-        tensors: its op table's)."""
+    def __call__(self, hidden: torch.Tensor, head: Linear, table=None) -> torch.Tensor:
+        """table: a step's op table, whose quant_linear and dense_linear run (a step's own
+        tensors); default: ops.quant_linear, and linear()'s choice for float heads."""
         launch.record_launch("gemm")
         if isinstance(head, QuantizedWeight):
-            logits = (quant_linear or ops.quant_linear)(hidden, head).float()
+            logits = (table.quant_linear if table else ops.quant_linear)(hidden, head).float()
         elif hidden.dtype == torch.float32:
-            logits = F.linear(hidden, head)
+            logits = table.dense_linear(hidden, head) if table else self._float(hidden, head)
         else:
             logits = mm_fp32_out(hidden, head)
             if logits is None:
                 if self._head_fp32 is None:
                     self._head_fp32 = head.float()
-                logits = F.linear(hidden.float(), self._head_fp32)
+                logits = self._float(hidden.float(), self._head_fp32)
         cap = self.soft_cap
         if cap is not None:  # transformers' order: divide, tanh, multiply
             logits = logits.div_(cap).tanh_().mul_(cap)
         return logits
+
+    @staticmethod
+    def _float(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        if hidden.device.type == "cpu" and launch.get_backend() in ("auto", "cpu"):
+            return dense_linear(hidden, head)
+        return F.linear(hidden, head)

@@ -149,7 +149,7 @@ class LlamaModel:
         rows under tensor parallelism; model/linear.py LogitsProjection)."""
         table = self._ops  # (the last step's: its quant_linear where it still applies)
         direct = table is not ops and direct_cpu_calls(self.device)
-        return self._logits(hidden, self.weights.lm_head, table.quant_linear if direct else None)
+        return self._logits(hidden, self.weights.lm_head, table if direct else None)
 
     @torch.inference_mode()
     def describe(self) -> str:
@@ -237,10 +237,12 @@ class LlamaModel:
 
     def _linear(self, x: torch.Tensor, weight: Linear, bias: torch.Tensor | None = None):
         """linear() through the step's op table."""
-        if not isinstance(weight, QuantizedWeight) or self._ops is ops:
+        if self._ops is ops:
             return linear(x, weight, bias)
         launch.record_launch("gemm")
-        return self._ops.quant_linear(x, weight, bias)
+        if isinstance(weight, QuantizedWeight):
+            return self._ops.quant_linear(x, weight, bias)
+        return self._ops.dense_linear(x, weight, bias)
 
     def next_norm(self, layer: int) -> torch.Tensor:
         """The norm after layer `layer`: the next layer's input norm, the final norm last."""

@@ -262,6 +262,24 @@ VARIANTS: dict[str, OpVariants] = {
             ),
         ),
         OpVariants(
+            "cpu_linear",  # the cpu backend's GEMM of fp32 weights (no GPU involved)
+            (
+                Variant(
+                    "fixed_order",
+                    1,
+                    "csrc/cpu/dense_gemm.cpp: each output 16 lanes of fma chains over K and a "
+                    "fixed tree, so a row's bits never depend on its batch (batch invariance)",
+                    None,
+                ),
+                Variant(
+                    "blas",
+                    0,
+                    "torch's F.linear (oneDNN / MKL): bits depend on the rows in the product",
+                    None,
+                ),
+            ),
+        ),
+        OpVariants(
             "cpu_moe",  # the cpu backend's quantized experts (no GPU involved)
             (
                 Variant(

@@ -8,7 +8,17 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ... import reference
-from . import activation, attention, embedding, moe, norm, quant_linear, rope, sampling
+from . import (
+    activation,
+    attention,
+    dense_linear,
+    embedding,
+    moe,
+    norm,
+    quant_linear,
+    rope,
+    sampling,
+)
 
 # op -> its CPU implementation; the reference's own function where the CPU has no faster one
 IMPLEMENTATIONS = {
@@ -31,10 +41,12 @@ implementations = SimpleNamespace(**{op: f for op, f in IMPLEMENTATIONS.items() 
 
 def step_implementations() -> SimpleNamespace:
     """`implementations` for the calls of one forward step whose arguments the caller vouches
-    for (the model's own tensors): quant_linear with its variant and GEMM path resolved once,
-    and dequantize_rows(weight, ids, dtype), the embedding lookup from a quantized table."""
+    for (the model's own tensors): quant_linear and dense_linear with their variants and GEMM
+    paths resolved once, and dequantize_rows(weight, ids, dtype), the embedding lookup from a
+    quantized table."""
     table = SimpleNamespace(**vars(implementations))
     table.quant_linear = quant_linear.for_step()
+    table.dense_linear = dense_linear.for_step()
     table.dequantize_rows = embedding.dequantize_rows
     return table
 

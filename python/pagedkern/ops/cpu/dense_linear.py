@@ -1,0 +1,103 @@
+"""The CPU backend's GEMM of unquantized weights, x @ W.T (+ bias), by the `cpu_linear` kernel
+variant (ops/variants.py):
+- `fixed_order` (default): csrc/cpu/dense_gemm.cpp, fp32 x and W: every output 16 lanes of
+  fused multiply-add chains over K and a fixed tree (dense_gemm.h), so a row's bits depend on
+  its own x row only (never on M, the other rows, the threads or the ISA path). That is what
+  keeps a request's tokens the same beside any batch and after a preemption (batch
+  invariance). Against torch's GEMM on a Xeon: as fast for one row (both read the weights
+  once), faster for 4-64 rows, ~0.7-0.85x its speed for hundreds of rows
+  (bench/test_bench_cpu_dense_gemm.py).
+- `blas`: torch's F.linear (oneDNN / MKL), whose bits depend on the rows in the product (its
+  kernels for few rows differ from those for many, and its K blocking with them).
+Other dtypes (bf16 / fp16 activations or weights), and builds without the C++ module, run
+F.linear."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import variants
+from . import quant_gemv
+
+# Multiply-adds below which a call runs on the calling thread alone (quant_gemv's threshold)
+PARALLEL_MIN_MACS = quant_gemv.PARALLEL_MIN_MACS
+
+
+def dense_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    path: str | None = None,
+    threads: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] float32 CPU -> x @ weight.T [M, N] float32, weight [N, K] float32 CPU (rows of
+    unit stride both), in the fixed order (into `out` if given: contiguous [M, N] float32).
+    path: one of quant_gemv.PATHS (default: the best this CPU runs; AVX-512 kernels on both
+    avx512 paths, AVX2 on avx2 and avx_vnni, the std::fma loop on the others: the same bits);
+    threads: default torch.get_num_threads() from PARALLEL_MIN_MACS multiply-adds, else 1."""
+    cpu_kernels = quant_gemv.cpu_module()
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dim() != 2 or t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be a 2-D float32 CPU tensor, got {tuple(t.shape)} {t.dtype} "
+                f"on {t.device}"
+            )
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)}: K must equal weight {tuple(weight.shape)}'s")
+    if path is not None and path not in quant_gemv.PATHS:
+        raise ValueError(f"path must be one of {quant_gemv.PATHS}, got {path!r}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    elif tuple(out.shape) != (m, n) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be contiguous ({m}, {n}) fp32")
+    macs = m * n * k
+    cpu_kernels.dense_gemm(
+        y=out.data_ptr(), y_stride=n, x=x.data_ptr(), x_stride=x.stride(0),
+        w=weight.data_ptr(), w_stride=weight.stride(0), m=m, n=n, k=k,
+        threads=threads or (torch.get_num_threads() if macs >= PARALLEL_MIN_MACS else 1),
+        path=-1 if path is None else cpu_kernels.PATHS[path],
+    )  # fmt: skip
+    return out
+
+
+def _fixed_order(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.dim() == 2
+        and not x.requires_grad
+    )
+
+
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] CPU @ weight.T (+ bias): the fixed-order GEMM for fp32 2-D x and weight
+    (`cpu_linear:fixed_order`, the default, with the module built), else F.linear."""
+    if variants.selected("cpu_linear") == "blas" or not quant_gemv.available():
+        return F.linear(x, weight, bias)
+    return _linear(x, weight, bias)
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    if not _fixed_order(x, weight):
+        return F.linear(x, weight, bias)
+    out = dense_gemm(x, weight)
+    return out if bias is None else out.add_(bias)
+
+
+def for_step():
+    """dense_linear with the variant resolved once, for the calls of one forward step (the
+    model's CPU-backend op table)."""
+    if variants.selected("cpu_linear") == "blas" or not quant_gemv.available():
+        return F.linear
+    return _linear
