@@ -59,7 +59,10 @@ def test_matches_the_reference(path, m, n, k):
     assert_close_to(got, x.double() @ w.double().T, torch.float32)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 9, 5), (6, 13, 16), (7, 25, 100), (2, 40, 33)])
+# (9, 20, 4200): more than one row group, so K runs in blocks (2048) whose lanes are stored
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 9, 5), (6, 13, 16), (7, 25, 100), (2, 40, 33), (9, 20, 4200)]
+)
 def test_its_bits_are_the_order_it_documents(m, n, k):
     x, w = _inputs(m, n, k, seed=k)
     want = _model_of_the_order(x, w)
@@ -97,6 +100,21 @@ def test_a_row_does_not_depend_on_its_batch_the_threads_or_strides(path):
     wider = torch.zeros(101, 280)
     wider[:, 3:263] = w
     assert torch.equal(dense_linear.dense_gemm(wide[:, 8:268], wider[:, 3:263], path=path), whole)
+
+
+def test_blocks_of_k_keep_a_rows_bits():
+    # one row runs K whole, 70 rows in blocks of 2048 (x blocks of 32, 32 and 6 rows)
+    x, w = _inputs(70, 30, 4500, seed=11)
+    whole = dense_linear.dense_gemm(x, w)
+    for i in (0, 5, 31, 32, 64, 69):
+        assert torch.equal(dense_linear.dense_gemm(x[i : i + 1], w)[0], whole[i])
+
+
+def test_k_zero_gives_zeros():
+    out = dense_linear.dense_gemm(
+        torch.empty(3, 0), torch.empty(5, 0), out=poisoned((3, 5), torch.float32, "cpu")
+    )
+    assert torch.equal(out, torch.zeros(3, 5))
 
 
 def test_nan_in_a_row_reaches_its_outputs_only():

@@ -1,8 +1,8 @@
 """The CPU backend's fused_moe (ops/cpu/moe.py) tested as a kernel: against the reference
 (reference/moe.py) over odd shapes (E not a power of two, top-k = E, one token, experts that
 receive no token and one that receives all), every scoring, gpt-oss's biases and clamped
-SwiGLU, half dtypes; both of its GEMM paths (torch._grouped_mm, the per-expert loop), the
-loop's output block poisoned with NaN; NaN never passes (assert_close_to)."""
+SwiGLU, half dtypes; every GEMM path (the fixed-order GEMM, torch._grouped_mm, the per-expert
+loop), the loop's output block poisoned with NaN; NaN never passes (assert_close_to)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,25 @@ from kernel_check import assert_close_to, poisoned
 
 from pagedkern import ops, reference
 from pagedkern.ops import cpu
+from pagedkern.ops.cpu import dense_linear
 from pagedkern.ops.cpu import moe as cpu_moe
+from pagedkern.ops.variants import use_kernels
 
 
-@pytest.fixture(params=["grouped_mm", "loop"], autouse=True)
+@pytest.fixture(params=["fixed_order", "grouped_mm", "loop"], autouse=True)
 def gemm_path(request, monkeypatch):
-    """Each test on both GEMM paths; the loop's block starts as NaN."""
+    """Each test on every GEMM path (fp32: the fixed-order GEMM by default, torch's two under
+    cpu_linear:blas); the loop's block starts as NaN."""
+    if request.param == "fixed_order" and not dense_linear.fixed_order_runs():
+        pytest.skip("pagedkern._cpu not built")
     if request.param == "grouped_mm" and not cpu_moe.grouped_mm_available():
         pytest.skip("this torch has no CPU torch._grouped_mm")
     monkeypatch.setattr(cpu_moe, "force_loop", request.param == "loop")
     monkeypatch.setattr(
         cpu_moe, "rows_buffer", lambda rows, cols, dtype: poisoned((rows, cols), dtype, "cpu")
     )
-    return request.param
+    with use_kernels(cpu_linear="fixed_order" if request.param == "fixed_order" else "blas"):
+        yield request.param
 
 
 def _operands(tokens, experts, hidden=32, inter=24, seed=0, dtype=torch.float32, bias=False):
@@ -140,3 +146,25 @@ def test_the_cpu_backend_runs_it_and_the_reference_backend_does_not(monkeypatch)
         slow = ops.fused_moe(x, logits, gu, down, 2)
     assert calls == [1]
     torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-6)
+
+
+def test_a_tokens_output_does_not_depend_on_its_batch(gemm_path, monkeypatch):
+    if gemm_path != "fixed_order":
+        pytest.skip("torch's GEMMs round a row apart with the rows around it")
+    x, logits, gu, down, _ = _operands(33, 12)
+    whole = cpu_moe.fused_moe(x, logits, gu, down, 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # another split of the work
+    for i in (0, 7, 32):
+        alone = cpu_moe.fused_moe(x[i : i + 1], logits[i : i + 1], gu, down, 4)
+        assert torch.equal(alone[0], whole[i])
+    assert torch.equal(cpu_moe.fused_moe(x[3:20], logits[3:20], gu, down, 4), whole[3:20])
+
+
+def test_grouped_counts_are_checked():
+    x, _, gu, _, _ = _operands(5, 4)
+    with pytest.raises(ValueError, match="row counts summing"):
+        dense_linear.dense_gemm_grouped(x, gu, torch.tensor([1, 1, 1, 1]))
+    with pytest.raises(ValueError, match="row counts summing"):
+        dense_linear.dense_gemm_grouped(x, gu, torch.tensor([6, -1, 0, 0]))
+    with pytest.raises(ValueError, match="contiguous"):
+        dense_linear.dense_gemm_grouped(x, gu.transpose(1, 2), torch.tensor([5, 0, 0, 0]))

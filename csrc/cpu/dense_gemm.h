@@ -18,7 +18,9 @@
 // - A tile of R x rows by C W rows keeps R * C accumulators in registers over the whole of K
 //   (AVX-512: 4 x 6, 10 loads for 24 fmas; one x row: 1 x 8). No chain is split over K, so one
 //   order serves every shape.
-// - Many rows: W in blocks of rows that stay in L2 while every group of x rows passes them.
+// - Many rows: K in blocks of 2048 (each output's lanes stored exactly between blocks: no bit
+//   changes), W in blocks of rows that stay in L2 while every group of a block of x rows
+//   passes them.
 // - Threads split W's rows (parallel.h: torch's OpenMP team); x, W and y are the caller's.
 //
 // Pointers are passed as integers (as the CUDA extension takes them); the Python side
@@ -36,5 +38,11 @@ namespace pagedkern_cpu {
 // loop on the others); a path the CPU lacks is an error.
 void dense_gemm(float* y, int64_t y_stride, const float* x, int64_t x_stride, const float* w,
                 int64_t w_stride, int m, int n, int k, int threads, int path);
+
+// The experts' GEMMs of a mixture-of-experts layer: x's rows [P, K] grouped by expert (counts[e]
+// rows of expert e after those of the experts before it) times w[e] ([E, N, K], contiguous) into
+// y [P, N]: dense_gemm per expert with rows, so a row's bits are its own as above.
+void dense_gemm_grouped(float* y, const float* x, const float* w, const int64_t* counts,
+                        int experts, int n, int k, int threads, int path);
 
 }  // namespace pagedkern_cpu

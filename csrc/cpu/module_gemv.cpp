@@ -133,6 +133,16 @@ void bind_gemv(py::module_& mod) {
       py::kw_only(), py::arg("y"), py::arg("y_stride"), py::arg("x"), py::arg("x_stride"),
       py::arg("w"), py::arg("w_stride"), py::arg("m"), py::arg("n"), py::arg("k"),
       py::arg("threads"), py::arg("path"));
+  mod.def(
+      "dense_gemm_grouped",
+      [](uintptr_t y, uintptr_t x, uintptr_t w, uintptr_t counts, int experts, int n, int k,
+         int threads, int path) {
+        py::gil_scoped_release release;
+        dense_gemm_grouped(ptr<float>(y), ptr<const float>(x), ptr<const float>(w),
+                           ptr<const int64_t>(counts), experts, n, k, threads, path);
+      },
+      py::kw_only(), py::arg("y"), py::arg("x"), py::arg("w"), py::arg("counts"),
+      py::arg("experts"), py::arg("n"), py::arg("k"), py::arg("threads"), py::arg("path"));
   // (tests: the plain loop and the AVX2 one give the same bits)
 }
 

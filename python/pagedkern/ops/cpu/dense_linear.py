@@ -5,12 +5,13 @@ variant (ops/variants.py):
   its own x row only (never on M, the other rows, the threads or the ISA path). That is what
   keeps a request's tokens the same beside any batch and after a preemption (batch
   invariance). Against torch's GEMM on a Xeon: as fast for one row (both read the weights
-  once), faster for 4-64 rows, ~0.7-0.85x its speed for hundreds of rows
+  once), faster for 4-64 rows, ~0.77-0.9x its speed for hundreds of rows (0.6x at K = 8192)
   (bench/test_bench_cpu_dense_gemm.py).
 - `blas`: torch's F.linear (oneDNN / MKL), whose bits depend on the rows in the product (its
   kernels for few rows differ from those for many, and its K blocking with them).
 Other dtypes (bf16 / fp16 activations or weights), and builds without the C++ module, run
-F.linear."""
+F.linear. A MoE layer's float experts take the same order (dense_gemm_grouped, from
+ops/cpu/moe.py)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,47 @@ def dense_gemm(
     return out
 
 
+def dense_gemm_grouped(
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, threads: int | None = None
+) -> torch.Tensor:
+    """A MoE layer's expert GEMMs in the fixed order: x [P, K] float32 CPU, its rows grouped by
+    expert (counts [E] int64: expert e's rows after those of the experts before it), times
+    weight[e].T for the stacked weight [E, N, K] float32 CPU (contiguous) -> [P, N] float32;
+    each expert's rows one dense_gemm."""
+    cpu_kernels = quant_gemv.cpu_module()
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a 2-D float32 CPU tensor, got {tuple(x.shape)} {x.dtype}")
+    if weight.dim() != 3 or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(
+            f"weight must be a contiguous [E, N, K] float32 tensor, got {tuple(weight.shape)} "
+            f"{weight.dtype}"
+        )
+    experts, n, k = weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)}: K must equal weight {tuple(weight.shape)}'s")
+    counts = counts.to(torch.int64).contiguous()
+    if counts.shape != (experts,) or int(counts.sum()) != x.shape[0] or bool((counts < 0).any()):
+        raise ValueError(
+            f"counts {tuple(counts.shape)} must be {experts} non-negative row counts summing to "
+            f"x's {x.shape[0]} rows"
+        )
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    macs = x.shape[0] * n * k // max(1, int((counts > 0).sum()))
+    cpu_kernels.dense_gemm_grouped(
+        y=out.data_ptr(), x=x.data_ptr(), w=weight.data_ptr(), counts=counts.data_ptr(),
+        experts=experts, n=n, k=k,
+        threads=threads or (torch.get_num_threads() if macs >= PARALLEL_MIN_MACS else 1),
+        path=-1,
+    )  # fmt: skip
+    return out
+
+
+def fixed_order_runs() -> bool:
+    """Whether fp32 GEMMs take the fixed order (cpu_linear:fixed_order and the module built)."""
+    return variants.selected("cpu_linear") != "blas" and quant_gemv.available()
+
+
 def _fixed_order(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dtype == torch.float32
@@ -81,7 +123,7 @@ def dense_linear(
 ) -> torch.Tensor:
     """x [..., K] CPU @ weight.T (+ bias): the fixed-order GEMM for fp32 2-D x and weight
     (`cpu_linear:fixed_order`, the default, with the module built), else F.linear."""
-    if variants.selected("cpu_linear") == "blas" or not quant_gemv.available():
+    if not fixed_order_runs():
         return F.linear(x, weight, bias)
     return _linear(x, weight, bias)
 
@@ -98,6 +140,4 @@ def _linear(
 def for_step():
     """dense_linear with the variant resolved once, for the calls of one forward step (the
     model's CPU-backend op table)."""
-    if variants.selected("cpu_linear") == "blas" or not quant_gemv.available():
-        return F.linear
-    return _linear
+    return _linear if fixed_order_runs() else F.linear

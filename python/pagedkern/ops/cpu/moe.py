@@ -10,7 +10,9 @@ ran at 0.82x of this path on a quiet host, 0.26-0.38x under load:
 bench/results/2026-12-05-xeon-moe-cpu.md).
 
 Design. The (token, slot) pairs sorted by expert (one stable sort) are rows of one [P, H] block;
-expert e owns rows [offs[e-1], offs[e]). Each GEMM is torch._grouped_mm over that block against
+expert e owns rows [offs[e-1], offs[e]). fp32 experts run the fixed-order GEMM (one C++ call
+over the experts, csrc/cpu/dense_gemm.cpp: batch invariant, as the dense layers). Otherwise
+(`cpu_linear:blas`, half dtypes) each GEMM is torch._grouped_mm over that block against
 the stacked weights ([E, N, K] read as [E, K, N]: a view, no copy), which runs one GEMM per group
 in C++ (bit for bit torch.mm's per group, empty groups skipped). Where torch has no CPU
 _grouped_mm, or the weights' rows are not unit-stride, a loop of torch.mm into the same block
@@ -30,6 +32,7 @@ import functools
 import torch
 
 from ...reference.moe import GATED_ACTIVATIONS, gated, group_by_expert, moe_route
+from . import dense_linear
 
 
 @functools.cache
@@ -78,7 +81,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
     """[P, N] in x's dtype: x [P, K]'s rows of expert e (the counts[e] after those of the
     experts before it) times weight[e].T, for the stacked weight [E, N, K]: one
     torch._grouped_mm call where it fits, else a loop of torch.mm over the experts with rows
-    (the same bits)."""
+    (the same bits); fp32 under cpu_linear:fixed_order (the default), the fixed-order GEMM
+    per expert (dense_linear.dense_gemm_grouped: a row's bits never depend on the batch)."""
+    if (
+        x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and weight.is_contiguous()
+        and dense_linear.fixed_order_runs()
+    ):
+        return dense_linear.dense_gemm_grouped(x, weight, counts)
     if grouped_mm_fits(x, weight):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
