@@ -21,9 +21,6 @@ import torch.nn.functional as F
 from .. import variants
 from . import quant_gemv
 
-# Multiply-adds below which a call runs on the calling thread alone (quant_gemv's threshold)
-PARALLEL_MIN_MACS = quant_gemv.PARALLEL_MIN_MACS
-
 
 def dense_gemm(
     x: torch.Tensor,
@@ -36,7 +33,7 @@ def dense_gemm(
     unit stride both), in the fixed order (into `out` if given: contiguous [M, N] float32).
     path: one of quant_gemv.PATHS (default: the best this CPU runs; AVX-512 kernels on both
     avx512 paths, AVX2 on avx2 and avx_vnni, the std::fma loop on the others: the same bits);
-    threads: default torch.get_num_threads() from PARALLEL_MIN_MACS multiply-adds, else 1."""
+    threads: default quant_gemv.threads_for(the multiply-adds)."""
     cpu_kernels = quant_gemv.cpu_module()
     for name, t in (("x", x), ("weight", weight)):
         if t.dim() != 2 or t.dtype != torch.float32 or t.device.type != "cpu":
@@ -54,15 +51,11 @@ def dense_gemm(
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    elif tuple(out.shape) != (m, n) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be contiguous ({m}, {n}) fp32")
-    macs = m * n * k
+    out = quant_gemv.fp32_out(out, m, n)
     cpu_kernels.dense_gemm(
         y=out.data_ptr(), y_stride=n, x=x.data_ptr(), x_stride=x.stride(0),
         w=weight.data_ptr(), w_stride=weight.stride(0), m=m, n=n, k=k,
-        threads=threads or (torch.get_num_threads() if macs >= PARALLEL_MIN_MACS else 1),
+        threads=threads or quant_gemv.threads_for(m * n * k),
         path=-1 if path is None else cpu_kernels.PATHS[path],
     )  # fmt: skip
     return out
@@ -98,7 +91,7 @@ def dense_gemm_grouped(
     cpu_kernels.dense_gemm_grouped(
         y=out.data_ptr(), x=x.data_ptr(), w=weight.data_ptr(), counts=counts.data_ptr(),
         experts=experts, n=n, k=k,
-        threads=threads or (torch.get_num_threads() if macs >= PARALLEL_MIN_MACS else 1),
+        threads=threads or quant_gemv.threads_for(macs),
         path=-1,
     )  # fmt: skip
     return out

@@ -284,8 +284,20 @@ def scales_address(weight: QuantizedWeight) -> int:
     return per_channel.data_ptr()
 
 
-def _threads(macs: int) -> int:
+def threads_for(macs: int) -> int:
+    """The threads a GEMM of `macs` multiply-adds runs on: torch's count from
+    PARALLEL_MIN_MACS up, else the calling thread alone."""
     return torch.get_num_threads() if macs >= PARALLEL_MIN_MACS else 1
+
+
+def fp32_out(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
+    """A GEMM's [m, n] float32 output: `out` checked (contiguous [m, n] float32), else a new
+    one."""
+    if out is None:
+        return torch.empty(m, n, dtype=torch.float32)
+    if tuple(out.shape) != (m, n) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be contiguous ({m}, {n}) fp32")
+    return out
 
 
 def quant_gemv(
@@ -314,15 +326,12 @@ def quant_gemv(
         raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits!r}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    elif tuple(out.shape) != (m, n) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be contiguous ({m}, {n}) fp32")
+    out = fp32_out(out, m, n)
     cpu_kernels.gemv(
         format=tile_format_code(weight), y=out.data_ptr(), y_stride=n, x=x.data_ptr(),
         x_stride=x.stride(0), packed=packed(weight).data_ptr(), scales=scales_address(weight),
         m=m, n=n, k=k,
-        threads=threads or _threads(m * n * k),
+        threads=threads or threads_for(m * n * k),
         path=cpu_kernels.PATHS[path or best_path()], activation_bits=activation_bits,
     )  # fmt: skip
     return out
