@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "parallel.h"
-#include "quant_gemv.h"  // Path, path_supported
+#include "quant_gemv.h"  // Path, resolve_path
 
 #if QUANT_GEMV_X86
 #include <immintrin.h>
@@ -208,15 +208,7 @@ struct Avx2Tile {
 #endif
 
 Kernel kernel_for(int path) {
-  if (path < 0) {
-    static const int best = best_path();
-    path = best;
-  } else if (path >= kNumPaths) {
-    throw std::invalid_argument("path must be -1 or 0.." + std::to_string(kNumPaths - 1));
-  } else if (!path_supported(path)) {
-    throw std::runtime_error(std::string("this CPU (or this build) does not run the ") +
-                             path_name(path) + " dense_gemm path");
-  }
+  path = resolve_path(path, "dense_gemm");
 #if QUANT_GEMV_X86
   if (path == kAvx512Vnni || path == kAvx512Amx) return kZmm;
   if (path == kAvx2 || path == kAvxVnni) return kYmm;

@@ -33,15 +33,6 @@ TilesFn tiles_fn(int format, int path, int planes) {
   }
 }
 
-int resolve_path(int path) {
-  if (path < 0) return best_path();
-  if (path >= kNumPaths) throw std::invalid_argument("path must be -1 or 0.." + std::to_string(kNumPaths - 1));
-  if (!path_supported(path))
-    throw std::runtime_error(std::string("this CPU (or this build) does not run the ") +
-                             path_name(path) + " quant_gemv path");
-  return path;
-}
-
 // The most rows the streamed kernels take: beyond, each weight tile is read once for many
 // rows, and one tile at a time keeps it in L1 for them
 constexpr int kStreamedRows = kRowChunk;
@@ -67,7 +58,7 @@ void gemv(int format, float* y, int64_t y_stride, const float* x, int64_t x_stri
   check_format_k(format, k);
   if (activation_bits != 8 && activation_bits != 16)
     throw std::invalid_argument("activation_bits must be 8 or 16");
-  const int resolved = resolve_path(path);
+  const int resolved = resolve_path(path, "quant_gemv");
   const TileFn fn = tile_fn(format, resolved, activation_bits / 8);
   if (m <= 0 || n <= 0) return;
   // reused: a decode step makes hundreds of calls. The lambdas below use `xq`, the caller's

@@ -4,6 +4,9 @@
 
 #include "quant_gemv.h"
 
+#include <stdexcept>
+#include <string>
+
 #if QUANT_GEMV_X86
 #include <cpuid.h>
 #if defined(__linux__)
@@ -81,6 +84,19 @@ int best_path() {
   for (int path : {kAvx512Amx, kAvx512Vnni, kAvxVnni, kAvx2, kNeonDotprod})
     if (path_supported(path)) return path;
   return kPortable;
+}
+
+int resolve_path(int path, const char* op) {
+  if (path < 0) {
+    static const int best = best_path();
+    return best;
+  }
+  if (path >= kNumPaths)
+    throw std::invalid_argument("path must be -1 or 0.." + std::to_string(kNumPaths - 1));
+  if (!path_supported(path))
+    throw std::runtime_error(std::string("this CPU (or this build) does not run the ") +
+                             path_name(path) + " " + op + " path");
+  return path;
 }
 
 const char* path_name(int path) {

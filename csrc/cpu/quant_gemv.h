@@ -210,6 +210,9 @@ enum Path {
 bool path_supported(int path);
 int best_path();
 const char* path_name(int path);
+// `path` checked for a GEMM named `op` (messages name it): -1 is best_path() (found once), any
+// other must be a Path this CPU runs (std::invalid_argument / std::runtime_error otherwise)
+int resolve_path(int path, const char* op);
 
 // M rows of x, quantized per block of 32 into `planes` int8 planes (1: 8 bits, 2: 16 bits).
 struct QuantizedRows {
