@@ -21,7 +21,15 @@ def linear(x: torch.Tensor, weight: Linear, bias: torch.Tensor | None = None) ->
     launch.record_launch("gemm")
     if isinstance(weight, QuantizedWeight):
         return ops.quant_linear(x, weight, bias)
-    if x.device.type == "cpu" and launch.get_backend() in ("auto", "cpu"):
+    return _float_linear(x, weight, bias)
+
+
+def _float_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) for float weights: the CPU backend's fixed-order GEMM, else
+    torch's."""
+    if launch.on_cpu_backend(x.device):
         return dense_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -59,20 +67,14 @@ class LogitsProjection:
         if isinstance(head, QuantizedWeight):
             logits = (table.quant_linear if table else ops.quant_linear)(hidden, head).float()
         elif hidden.dtype == torch.float32:
-            logits = table.dense_linear(hidden, head) if table else self._float(hidden, head)
+            logits = table.dense_linear(hidden, head) if table else _float_linear(hidden, head)
         else:
             logits = mm_fp32_out(hidden, head)
             if logits is None:
                 if self._head_fp32 is None:
                     self._head_fp32 = head.float()
-                logits = self._float(hidden.float(), self._head_fp32)
+                logits = _float_linear(hidden.float(), self._head_fp32)
         cap = self.soft_cap
         if cap is not None:  # transformers' order: divide, tanh, multiply
             logits = logits.div_(cap).tanh_().mul_(cap)
         return logits
-
-    @staticmethod
-    def _float(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        if hidden.device.type == "cpu" and launch.get_backend() in ("auto", "cpu"):
-            return dense_linear(hidden, head)
-        return F.linear(hidden, head)

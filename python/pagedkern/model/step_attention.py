@@ -157,7 +157,7 @@ class StepAttention:
 
     def _on_cpu_backend(self, k_cache: torch.Tensor) -> bool:
         """Whether CPU tensors run under the CPU backend ("cpu" or "auto")."""
-        return k_cache.device.type == "cpu" and launch.get_backend() in ("auto", "cpu")
+        return launch.on_cpu_backend(k_cache.device)
 
     def _cpu_decode_plan(self, options: dict, k_cache: torch.Tensor) -> bool:
         """Whether the decode rows run the tiles' decode plan (the CPU backend, options it

@@ -12,12 +12,16 @@ import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from .. import envs
 from .._extension import require
 from .arrays import ArrayView, common_device, current_stream, resolve_device
 from .support import KernelSupport, KernelUnsupportedError
 from .variants import kernel_variant as kernel_variant  # re-exported: the ops read it here
+
+if TYPE_CHECKING:
+    import torch
 
 BACKENDS = ("auto", "cuda", "cpu", "reference")
 _backend = "auto"  # the process default (set_backend)
@@ -39,6 +43,11 @@ def set_backend(name: str) -> None:
 
 def get_backend() -> str:
     return _scoped.get() or _backend
+
+
+def on_cpu_backend(device: torch.device) -> bool:
+    """Whether tensors on `device` run on the CPU backend: CPU tensors under "cpu" or "auto"."""
+    return device.type == "cpu" and get_backend() in ("auto", "cpu")
 
 
 @contextlib.contextmanager

@@ -22,6 +22,13 @@ from .. import variants
 from . import quant_gemv
 
 
+def _check_2d_fp32(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2 or t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(
+            f"{name} must be a 2-D float32 CPU tensor, got {tuple(t.shape)} {t.dtype} on {t.device}"
+        )
+
+
 def dense_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -35,12 +42,8 @@ def dense_gemm(
     avx512 paths, AVX2 on avx2 and avx_vnni, the std::fma loop on the others: the same bits);
     threads: default quant_gemv.threads_for(the multiply-adds)."""
     cpu_kernels = quant_gemv.cpu_module()
-    for name, t in (("x", x), ("weight", weight)):
-        if t.dim() != 2 or t.dtype != torch.float32 or t.device.type != "cpu":
-            raise ValueError(
-                f"{name} must be a 2-D float32 CPU tensor, got {tuple(t.shape)} {t.dtype} "
-                f"on {t.device}"
-            )
+    _check_2d_fp32("x", x)
+    _check_2d_fp32("weight", weight)
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
@@ -69,8 +72,7 @@ def dense_gemm_grouped(
     weight[e].T for the stacked weight [E, N, K] float32 CPU (contiguous) -> [P, N] float32;
     each expert's rows one dense_gemm."""
     cpu_kernels = quant_gemv.cpu_module()
-    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x must be a 2-D float32 CPU tensor, got {tuple(x.shape)} {x.dtype}")
+    _check_2d_fp32("x", x)
     if weight.dim() != 3 or weight.dtype != torch.float32 or not weight.is_contiguous():
         raise ValueError(
             f"weight must be a contiguous [E, N, K] float32 tensor, got {tuple(weight.shape)} "
@@ -116,9 +118,7 @@ def dense_linear(
 ) -> torch.Tensor:
     """x [..., K] CPU @ weight.T (+ bias): the fixed-order GEMM for fp32 2-D x and weight
     (`cpu_linear:fixed_order`, the default, with the module built), else F.linear."""
-    if not fixed_order_runs():
-        return F.linear(x, weight, bias)
-    return _linear(x, weight, bias)
+    return for_step()(x, weight, bias)
 
 
 def _linear(

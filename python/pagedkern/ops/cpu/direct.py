@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..launch import get_backend
+from ..launch import on_cpu_backend
 from ..shadow import shadowing
 
 
@@ -15,4 +15,4 @@ def direct_cpu_calls(device: torch.device) -> bool:
     vouching for its arguments (the engine's and the model's own tensors): CPU tensors under the
     "cpu" or "auto" backend, and not in shadow mode, whose wrappers replace `pagedkern.ops`
     entries."""
-    return device.type == "cpu" and get_backend() in ("auto", "cpu") and not shadowing()
+    return on_cpu_backend(device) and not shadowing()
