@@ -14,6 +14,9 @@ from support.serving import ServerThread
 from test_http_server import TINY, kv_used, tiny_engine
 
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
+from pagedkern.engine.outputs import TokenLogprob
+from pagedkern.serving.core.request_stream import StreamOutput
+from pagedkern.serving.http.body_formats import ChatFormat, CompletionFormat
 from pagedkern.serving.http.request_models import IMPLEMENTED, UNSUPPORTED
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -127,6 +130,48 @@ def test_completions_echo_with_logprobs_gives_prompt_logprobs(server):
         assert offsets[0] == 0 and offsets == sorted(offsets)
         assert offsets[len(prompt)] == len(echoed)
     assert kv_used(server) == 0
+
+
+def test_alternatives_that_decode_alike_keep_the_likeliest_logprob():
+    # ids 1 and 2 both show as "\ufffd" (two byte pieces of one character): completions' map
+    # has one key for them, which must hold the likelier one's logprob, not the last one's
+    texts = {1: "\ufffd", 2: "\ufffd", 3: "a"}
+    lp = TokenLogprob(3, -0.1, top=((3, -0.1), (1, -1.5), (2, -2.5)))
+    out = StreamOutput(text="a", token_ids=[3], finished=False, finish_reason=None, logprobs=(lp,))
+    body = CompletionFormat("c", "m", False, texts.__getitem__).logprobs(0, out)
+    assert body["top_logprobs"] == [{"a": -0.1, "\ufffd": -1.5}]
+    by_id = CompletionFormat("c", "m", False, texts.__getitem__, tokens_as_ids=True)
+    body = by_id.logprobs(0, out)
+    assert body["tokens"] == ["token_id:3"] and body["text_offset"] == [0]
+    assert body["top_logprobs"] == [{"token_id:3": -0.1, "token_id:1": -1.5, "token_id:2": -2.5}]
+    assert by_id.logprobs(0, out)["text_offset"] == [1]  # the text's length, not the name's
+    chat = ChatFormat("c", "m", False, texts.__getitem__, tokens_as_ids=True).logprobs(0, out)
+    entry = chat["content"][0]
+    assert entry["token"] == "token_id:3" and entry["bytes"] == [97]
+    assert [t["token"] for t in entry["top_logprobs"]] == ["token_id:3", "token_id:1", "token_id:2"]
+    assert entry["top_logprobs"][1]["bytes"] == list("\ufffd".encode())
+
+
+def test_return_tokens_as_token_ids_over_http(server):
+    prompt = [5, 60, 7, 300, 9]
+    body = {"model": TINY, "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True}
+    body |= {"logprobs": 3, "ignore_eos": True}
+    by_text = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    r = post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"][: len(prompt)] == [f"token_id:{t}" for t in prompt]
+    assert all(t.startswith("token_id:") for t in lp["tokens"])
+    assert all(len(top) == 3 for top in lp["top_logprobs"][1:])  # ids never collide
+    assert lp["text_offset"] == by_text["text_offset"]
+    assert lp["token_logprobs"] == by_text["token_logprobs"]
+    chat = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    chat |= {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    r = post(server, "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert content and all(c["token"].startswith("token_id:") for c in content)
+    assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
 
 
 def test_tokenize_and_detokenize(server):

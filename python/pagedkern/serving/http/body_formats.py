@@ -8,7 +8,11 @@ with empty choices carries the usage.
 Several prompts (completions) and n samples each are one response: choice index = prompt
 index x n + sample index; usage counts every prompt once and every completion's tokens.
 Logprobs, when asked for: chat `logprobs.content[] = {token, logprob, bytes, top_logprobs}`,
-completions `{tokens, token_logprobs, top_logprobs, text_offset}`.
+completions `{tokens, token_logprobs, top_logprobs, text_offset}`. A completions top_logprobs
+entry is a map from token text to logprob, so tokens that decode alike (byte pieces of one
+character, say) share a key: the likeliest keeps it. With `return_tokens_as_token_ids` (vLLM's
+field) every token is named `token_id:<id>` instead, which never collides; `bytes` and
+text_offset still follow the token's text.
 """
 
 from __future__ import annotations
@@ -50,9 +54,11 @@ class _Format:
         include_usage: bool,
         token_text: Callable[[int], str] = str,
         num_choices: int = 1,
+        tokens_as_ids: bool = False,
     ):
         self.include_usage = include_usage
         self.token_text = token_text
+        self.tokens_as_ids = tokens_as_ids
         self.num_choices = num_choices
         self.offsets = [0] * num_choices  # completions' text_offset per choice
         # one id and timestamp for every chunk of the response
@@ -96,8 +102,19 @@ class _Format:
         return self.whole_type(**self.meta, choices=built, usage=usage).model_dump()
 
     def _entry(self, token_id: int, logprob: float) -> tuple[str, float, list[int]]:
+        """(the token as shown, its logprob for JSON, its text's UTF-8 bytes)."""
         text = self.token_text(token_id)
-        return text, _finite(logprob), list(text.encode("utf-8", "replace"))
+        shown = f"token_id:{token_id}" if self.tokens_as_ids else text
+        return shown, _finite(logprob), list(text.encode("utf-8", "replace"))
+
+    def _top_map(self, top) -> dict[str, float]:
+        """Completions' {token: logprob} of the alternatives (likeliest first): a token that
+        shows as an earlier one's text does not overwrite it."""
+        out: dict[str, float] = {}
+        for t, v in top:
+            shown, logprob, _ = self._entry(t, v)
+            out.setdefault(shown, logprob)
+        return out
 
 
 # what json.dumps(ensure_ascii=False) writes for a str
@@ -171,9 +188,9 @@ class CompletionFormat(_Format):
             token, logprob, _ = self._entry(lp.token_id, lp.logprob)
             body["tokens"].append(token)
             body["token_logprobs"].append(logprob)
-            body["top_logprobs"].append({self._entry(t, v)[0]: _finite(v) for t, v in lp.top})
+            body["top_logprobs"].append(self._top_map(lp.top))
             body["text_offset"].append(self.offsets[index])
-            self.offsets[index] += len(token)
+            self.offsets[index] += len(self.token_text(lp.token_id))
         return body
 
     @staticmethod
@@ -205,13 +222,11 @@ class CompletionFormat(_Format):
         body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = 0
         for token_id, lp in zip(*prompt, strict=True):
-            token = self.token_text(token_id)
-            body["tokens"].append(token)
+            body["tokens"].append(self._entry(token_id, 0.0)[0])
             body["token_logprobs"].append(None if lp is None else _finite(lp.logprob))
-            top = None if lp is None else {self._entry(t, v)[0]: _finite(v) for t, v in lp.top}
-            body["top_logprobs"].append(top)
+            body["top_logprobs"].append(None if lp is None else self._top_map(lp.top))
             body["text_offset"].append(offset)
-            offset += len(token)
+            offset += len(self.token_text(token_id))
         for key, values in (generated or {}).items():
             shift = len(echoed) if key == "text_offset" else None
             body[key] += [v + shift for v in values] if shift is not None else values

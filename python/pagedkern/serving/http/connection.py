@@ -9,7 +9,11 @@ request id, the API key.
   response writes the parts of its chunked body straight to the socket. A connection whose
   writes stay paused (its client takes nothing while
   the response waits in its buffer) for `write_timeout` seconds is aborted: its handler sees a
-  disconnect and aborts the request.
+  disconnect and aborts the request. The end of a client's stream (FIN) is taken for its
+  departure, as uvicorn and nginx take it: TCP cannot tell `close()` from a half-close
+  (`shutdown(SHUT_WR)`) until a write fails, and a whole (unstreamed) answer writes nothing
+  before it is done, so keeping half-closed connections open would let every client that leaves
+  keep its generation running to the end. A half-closing client gets no answer.
 - `read_body`: the request body, at most `max_bytes` (413) within `timeout` seconds (408).
 - `RequestContext`: an ASGI middleware that bounds the head's size (431), reads `X-Request-Id`
   (or makes one), echoes it on the response and checks `Authorization: Bearer <api key>` on the

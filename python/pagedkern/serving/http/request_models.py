@@ -35,6 +35,7 @@ IMPLEMENTED = (
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
     "top_logprobs", "min_tokens", "response_format", "allowed_token_ids", "bad_words", "echo",
     "user", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+    "return_tokens_as_token_ids",
 )  # fmt: skip
 # ... known but not implemented (a 400 naming the field when set to anything but its default) ...
 UNSUPPORTED = (
@@ -121,6 +122,7 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | list[list[int]] = []
     response_format: dict | None = None
     user: str | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:<id>`
     tools: Any = None  # (a chat field: spec.py checks it; refused by /v1/completions)
     tool_choice: Any = None
     parallel_tool_calls: Any = None

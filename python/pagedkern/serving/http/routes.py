@@ -127,7 +127,7 @@ class OpenAIRoutes:
         plan = plan_chat(req, params, parsers, settings)  # tools, reasoning (chat_tools.py)
         head = (
             f"chatcmpl-{request_id(http)}", self.model_name, req.include_usage, self.token_text,
-            params.n,
+            params.n, req.return_tokens_as_token_ids,
         )  # fmt: skip
         if plan.make_parser is None:
             fmt = ChatFormat(*head)
@@ -152,7 +152,7 @@ class OpenAIRoutes:
             raise APIError(400, "echo with stream=true is not supported", param="echo")
         fmt = CompletionFormat(
             f"cmpl-{request_id(http)}", self.model_name, req.include_usage, self.token_text,
-            params.n * len(prompts),
+            params.n * len(prompts), req.return_tokens_as_token_ids,
         )  # fmt: skip
         return await self.generate(http, prompts, params, fmt, req.stream, echo=req.echo)
 
