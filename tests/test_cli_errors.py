@@ -180,3 +180,13 @@ def test_a_reader_that_stops_early_is_not_a_traceback():
     assert len(proc.stdout) == 5
     assert b"Traceback" not in proc.stderr and b"BrokenPipe" not in proc.stderr, proc.stderr
     assert proc.returncode == 141
+
+
+def test_a_10_mb_stdin_line_is_refused_by_its_length(capsys, monkeypatch):
+    stdin = b"x" * 10_000_000 + b"\n" + json.dumps({"prompt": "z", "max_tokens": 2}).encode()
+    status, out, err = run_main(capsys, monkeypatch, "-", stdin=stdin)
+    assert status == 2
+    assert one_error_line(err).startswith(
+        "pagedkern-serve: error: stdin line 1: the prompt has at least"
+    )
+    assert out.endswith("\n")  # line 2 answered (an answer is printed with its newline)

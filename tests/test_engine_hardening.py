@@ -336,3 +336,39 @@ def test_without_chunked_prefill_a_prompt_over_the_step_budget_is_refused_not_qu
     )
     outputs = run(engine)[short.request_id]
     assert len(ids_of(outputs)) == 16 - 5 and outputs[-1].finish_reason is FinishReason.CONTEXT
+
+
+@pytest.mark.parametrize("form", ["prompt", "messages"])
+def test_a_10_mb_prompt_is_refused_before_it_is_tokenized(form, monkeypatch):
+    """Its characters prove it cannot fit the context (at least one token per
+    Tokenizer.max_token_chars of them): refused without the seconds of tokenizing it, from
+    Python, the CLI's stdin lines and HTTP alike."""
+    engine = make_engine()
+    tokenizer = engine.tokenizer
+    assert tokenizer.max_token_chars is not None
+    encoded: list[int] = []
+    real_encode = tokenizer.encode
+
+    def encode(text, *args, **kwargs):
+        encoded.append(len(text))
+        return real_encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+    huge = "x" * 10_000_000
+    args = (
+        {"prompt": huge} if form == "prompt" else {"messages": [{"role": "user", "content": huge}]}
+    )
+    with pytest.raises(RequestRejected, match="at least .* tokens"):
+        engine.add_request(params=GREEDY, **args)
+    assert encoded == []
+    # the bound's edge: (context - 1) tokens' worth of characters is tokenized (and may then be
+    # refused by its real count); one character more is not
+    edge = "x" * (tokenizer.max_token_chars * (engine.max_model_len - 1))
+    with pytest.raises(RequestRejected, match="at least .* tokens"):
+        engine.add_request(prompt=edge + "x", params=GREEDY)
+    assert encoded == []
+    try:
+        engine.add_request(prompt=edge, params=GREEDY)
+    except RequestRejected as exc:
+        assert "prompt tokens leave no room" in str(exc)
+    assert encoded == [len(edge)]

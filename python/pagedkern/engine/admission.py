@@ -15,6 +15,7 @@ from .detokenizer import IncrementalDetokenizer
 from .logits_processing import LogitsState
 from .request import Request
 from .sampling_params import SamplingParams
+from .scheduler import RequestRejected
 from .validation import ParameterTypeError, check_messages, check_number, check_token_ids
 
 if TYPE_CHECKING:
@@ -31,14 +32,30 @@ def needs_sync(request: Request) -> bool:
     return bool(request.grammar is not None or history or params.min_tokens or prompt)
 
 
+def check_prompt_length(tokenizer: Tokenizer, text: str, max_model_len: int) -> None:
+    """RequestRejected when `text`'s characters alone prove it has too many tokens for a
+    context of max_model_len (Tokenizer.max_token_chars): a 10 MB prompt is refused before
+    the tokenizer spends seconds on it."""
+    per_token = tokenizer.max_token_chars
+    if per_token is None:
+        return
+    at_least = -(-len(text) // per_token)
+    if at_least >= max_model_len:  # a prompt must leave room for one new token
+        raise RequestRejected(
+            f"the prompt has at least {at_least} tokens ({len(text)} characters); "
+            f"this model's context is {max_model_len} tokens"
+        )
+
+
 class Admission:
     """Checks requests and makes their Requests. detokenize: False for an engine whose
     outputs carry token ids only (the HTTP front end detokenizes): stop strings are refused
     and requests get no detokenizer."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
         self.detokenize = True
         self._ids = itertools.count()
         self._seeds = random.Random()
@@ -74,6 +91,7 @@ class Admission:
                 raise ParameterTypeError(f"prompt must be a string, got {prompt!r}")
             if not prompt:
                 raise ValueError("the prompt is empty")
+            check_prompt_length(self.tokenizer, prompt, self.max_model_len)
             # Raw text gets what the tokenizer's config adds around it (e.g. BOS, as HF and
             # vLLM do); a rendered chat template already carries its own.
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=messages is None)

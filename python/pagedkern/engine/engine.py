@@ -119,7 +119,7 @@ class Engine:
         with ops.use_backend(self.backend):
             self.proposer = make_proposer(config, self.kv_cache, draft)
         self.speculation = Speculation(config.speculative, self.backend)
-        self.admission = Admission(tokenizer, self.vocab_size)
+        self.admission = Admission(tokenizer, self.vocab_size, self.scheduler.config.max_model_len)
         self.output = OutputProcessor(
             tokenizer, self.pool, self.max_model_len, self._release, time.monotonic, tracer
         )

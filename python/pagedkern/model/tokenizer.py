@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,29 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """The most text characters one token can stand for, or None where no such bound
+        holds. Where it holds (byte-level BPE, or BPE with byte fallback, with no normalizer
+        that could shrink the text) a text of n characters has at least n / max_token_chars
+        tokens: a prompt too long for a context can be refused without tokenizing it."""
+        try:
+            spec = json.loads(self.backend.to_str())
+        except Exception:  # noqa: BLE001 - a backend that cannot describe itself: no bound
+            return None
+        model = spec.get("model") or {}
+        byte_level = any(n.get("type") == "ByteLevel" for n in _nodes(spec.get("pre_tokenizer")))
+        if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
+            return None  # some characters could vanish into one unknown token
+        for node in _nodes(spec.get("normalizer")):
+            if node.get("type") not in _NON_SHRINKING:
+                return None
+            if node["type"] == "Replace" and len(node.get("content", "")) < _pattern_len(node):
+                return None
+        # (a byte-level token's string has a symbol per byte: at least its characters)
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(token) for token in vocab), default=0) or None
+
     def apply_chat_template(
         self,
         messages: Sequence[Message],
@@ -147,6 +171,24 @@ class Tokenizer:
         eos = (_read_json(folder / "generation_config.json") or {}).get("eos_token_id")
         stops += [eos] if isinstance(eos, int) else list(eos or [])
         return cls(backend, special, template, stops)
+
+
+# Normalizers that never turn characters into fewer (Replace is checked for that).
+_NON_SHRINKING = {"Sequence", "Prepend", "Replace"}
+
+
+def _nodes(node) -> list[dict]:
+    """A normalizer / pre-tokenizer and, for a Sequence, its members (recursively)."""
+    if not isinstance(node, dict):
+        return []
+    members = node.get("normalizers") or node.get("pretokenizers") or []
+    return [node, *(n for member in members for n in _nodes(member))]
+
+
+def _pattern_len(replace: dict) -> float:
+    """A Replace normalizer's literal pattern length; a regex may match any length."""
+    literal = (replace.get("pattern") or {}).get("String")
+    return len(literal) if literal else float("inf")
 
 
 def _read_json(path: Path) -> dict | None:

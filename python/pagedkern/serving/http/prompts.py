@@ -5,10 +5,8 @@ big prompt in a worker thread (`asyncio.to_thread`), so it never stalls the othe
 a small one (`is_small`: at most INLINE_PROMPT_CHARS characters in all) on the event loop:
 there, tens of µs of tokenizing cost less than the thread hop and the GIL hand-offs around it,
 and a burst of requests reaches the engine together instead of one per hop. Before
-tokenizing, a prompt whose characters alone prove it cannot fit the context is refused: for
-tokenizers where every token covers at most `max_token_chars` characters of the text (byte-level
-BPE, or BPE with byte fallback, with no normalizer that could shrink the text), a text of n
-characters has at least n / max_token_chars tokens.
+tokenizing, a prompt whose characters alone prove it cannot fit the context is refused
+(`check_prompt_length`, as the engine's own admission does).
 """
 
 from __future__ import annotations
@@ -16,45 +14,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from ...engine import RequestRejected
+from ...engine.admission import check_prompt_length
 from ...model import Tokenizer
 
 INLINE_PROMPT_CHARS = 2048  # prompts (text, template contents or ids) prepared on the loop
-# Normalizers that never turn characters into fewer (Replace is checked for that below).
-_NON_SHRINKING = {"Sequence", "Prepend", "Replace"}
-
-
-def max_token_chars(tokenizer: Tokenizer) -> int | None:
-    """The most text characters one token can stand for, or None where no such bound holds."""
-    try:
-        spec = json.loads(tokenizer.backend.to_str())
-    except Exception:  # noqa: BLE001 - a backend that cannot describe itself: no bound
-        return None
-    model = spec.get("model") or {}
-    byte_level = any(n.get("type") == "ByteLevel" for n in _nodes(spec.get("pre_tokenizer")))
-    if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
-        return None  # some characters could vanish into one unknown token
-    for node in _nodes(spec.get("normalizer")):
-        if node.get("type") not in _NON_SHRINKING:
-            return None
-        if node["type"] == "Replace" and len(node.get("content", "")) < _pattern_len(node):
-            return None
-    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-    return max((len(token) for token in vocab), default=0) or None
-
-
-def _nodes(node) -> list[dict]:
-    """A normalizer / pre-tokenizer and, for a Sequence, its members (recursively)."""
-    if not isinstance(node, dict):
-        return []
-    members = node.get("normalizers") or node.get("pretokenizers") or []
-    return [node, *(n for member in members for n in _nodes(member))]
-
-
-def _pattern_len(replace: dict) -> float:
-    """A Replace normalizer's literal pattern length; a regex may match any length."""
-    literal = (replace.get("pattern") or {}).get("String")
-    return len(literal) if literal else float("inf")
 
 
 class PromptPreparer:
@@ -65,7 +28,6 @@ class PromptPreparer:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.max_token_chars = max_token_chars(tokenizer)
 
     def __call__(self, args: dict) -> dict:
         """Raises ValueError (empty prompt, bad token id, a template refusing the messages,
@@ -80,7 +42,7 @@ class PromptPreparer:
             text = args["prompt"]
         if not text:
             raise ValueError("the prompt is empty")
-        self.check_length(text)
+        check_prompt_length(self.tokenizer, text, self.max_model_len)
         # raw text gets the tokenizer's special tokens (BOS where its config asks); a chat
         # template carries its own
         ids = self.tokenizer.encode(text, add_special_tokens="messages" not in args)
@@ -102,16 +64,6 @@ class PromptPreparer:
             else:
                 size += len(args.get("prompt") or args.get("prompt_ids") or ())
         return size <= INLINE_PROMPT_CHARS
-
-    def check_length(self, text: str) -> None:
-        if self.max_token_chars is None:
-            return
-        at_least = -(-len(text) // self.max_token_chars)
-        if at_least >= self.max_model_len:  # a prompt must leave room for one new token
-            raise RequestRejected(
-                f"the prompt has at least {at_least} tokens ({len(text)} characters); "
-                f"this model's context is {self.max_model_len} tokens"
-            )
 
     def check_ids(self, ids: Sequence[int]) -> list[int]:
         if not ids:
