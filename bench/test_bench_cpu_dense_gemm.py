@@ -11,7 +11,9 @@ without a GPU; smoke mode runs tiny shapes once."""
 from __future__ import annotations
 
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,6 +109,38 @@ def test_cpu_dense_gemv_from_dram(capsys):
         print("\n".join(lines))
 
 
+def test_cpu_dense_16_bit_weights(capsys):
+    """The same weights stored fp32, bf16 and fp16 (a 16-bit checkpoint's projections on the
+    CPU backend): one row from DRAM, as a decode reads them, and M rows from the caches."""
+    torch.set_num_threads(THREADS)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    lines = []
+    for name, n, k in DRAM_SHAPES:
+        fp32 = [torch.randn(n, k) for _ in range(max(2, DRAM_BYTES // (n * k * 4)))]
+        for m in (1, 4, 16, 64, 256) if FULL else (1, 5):
+            x = torch.randn(m, k)
+            us = {}
+            for dtype in dtypes:  # (from DRAM at M = 1, 4: the weights rotate through copies)
+                copies = [w.to(dtype) for w in fp32] if m <= 4 else [fp32[0].to(dtype)]
+                fn = _rotating(dense_linear.dense_gemm, x, copies)
+                us[dtype] = _best_us(fn, len(copies) if m <= 4 else 2)
+            bf16, fp16 = (
+                us[torch.float32] / us[torch.bfloat16],
+                us[torch.float32] / us[torch.float16],
+            )
+            lines.append(
+                f"  {name:16s} M={m:<4d} {us[torch.float32]:10.1f} {us[torch.bfloat16]:10.1f} "
+                f"{us[torch.float16]:10.1f} {bf16:8.2f}x {fp16:8.2f}x"
+            )
+    with capsys.disabled():
+        print(f"\nCPU GEMM by weight dtype, {THREADS} thread(s); microseconds (best of 3)")
+        print(
+            f"  {'weight':16s} {'M':6s} {'fp32':>10s} {'bf16':>10s} {'fp16':>10s} "
+            f"{'fp32/bf16':>9s} {'fp32/fp16':>9s}"
+        )
+        print("\n".join(lines))
+
+
 # the engine on an fp32 model of SmolLM2-135M's shape: a prefill, one stream's decode, 16 streams'
 ENGINE_MODEL, PREFILL, DECODE = (
     ("synthetic:smollm2-135m", 512, 64) if FULL else ("synthetic:tiny", 16, 4)
@@ -159,3 +193,77 @@ def test_cpu_dense_linear_engine(capsys):
             print(f"  {variant:14s} {p:12.1f} {one:10.1f} {many:10.1f}")
         ratio = [f / b for f, b in zip(best["fixed_order"], best["blas"], strict=True)]
         print(f"  {'fixed / blas':14s} {ratio[0]:11.2f}x {ratio[1]:9.2f}x {ratio[2]:9.2f}x")
+
+
+# An HF checkpoint of SmolLM2-135M's shape (random weights) saved in bf16 and as its fp32 copy
+CHECKPOINT = (
+    dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+         num_key_value_heads=3, vocab_size=49152)
+    if FULL else
+    dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+         num_key_value_heads=2, vocab_size=400)
+)  # fmt: skip
+
+
+def _checkpoint_rates(folder) -> tuple[float, float, float, list[int], float]:
+    """(prefill tok/s, 1-stream decode tok/s, 16-stream decode tok/s, greedy ids, linear and
+    embedding MiB) of the engine on `folder`, CPU backend."""
+    from pagedkern.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine.from_config(
+        EngineConfig(model=str(folder), backend="cpu", max_num_batched_tokens=PREFILL)
+    )
+
+    def run(prompts: list[list[int]], tokens: int) -> tuple[float, list[int]]:
+        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        requests = [engine.add_request(prompt_ids=ids, params=params) for ids in prompts]
+        t0 = time.perf_counter()
+        while engine.has_unfinished:
+            engine.step()
+        return time.perf_counter() - t0, list(requests[0].output_ids)
+
+    prefill = PREFILL / run([[5 + (i * 7) % 97 for i in range(PREFILL)]], 1)[0]
+    one, ids = run([[7, 8, 9]], DECODE + 1)
+    one -= run([[7, 8, 9]], 1)[0]
+    many = run([[7 + s, 8, 9] for s in range(16)], DECODE + 1)[0]
+    many -= run([[7 + s, 8, 9] for s in range(16)], 1)[0]
+    w = engine.model.weights
+    tensors = [t for layer in w.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    mib = sum(t.numel() * t.element_size() for t in [*tensors, w.embed]) / 2**20
+    return prefill, DECODE / one, 16 * DECODE / many, ids, mib
+
+
+def test_cpu_16_bit_checkpoint_engine(capsys, tmp_path):
+    """The engine on a bf16 checkpoint (its projections and embedding kept 16-bit) against its
+    fp32 copy: the same greedy tokens, rounds interleaved."""
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from hf_model_files import write_tokenizer
+
+    torch.set_num_threads(THREADS)
+    config = transformers.LlamaConfig(
+        max_position_embeddings=2048, tie_word_embeddings=True, **CHECKPOINT
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    folders = {"bf16": tmp_path / "bf16", "fp32": tmp_path / "fp32"}
+    model.save_pretrained(folders["bf16"], safe_serialization=True)
+    model.float().save_pretrained(folders["fp32"], safe_serialization=True)
+    for folder in folders.values():
+        write_tokenizer(folder)
+    rates = {name: [] for name in folders}
+    for _ in range(3 if FULL else 1):
+        for name, folder in folders.items():
+            rates[name].append(_checkpoint_rates(folder))
+    assert rates["bf16"][0][3] == rates["fp32"][0][3]  # the same greedy tokens
+    best = {n: [max(r[i] for r in runs) for i in range(3)] for n, runs in rates.items()}
+    with capsys.disabled():
+        shape = f"Llama {CHECKPOINT['hidden_size']} x {CHECKPOINT['num_hidden_layers']} layers"
+        rounds = len(rates["bf16"])
+        print(f"\n{shape}, CPU backend, {THREADS} thread(s); tokens/s (best of {rounds})")
+        head = f"{'prefill ' + str(PREFILL):>12s} {'decode x1':>10s} {'decode x16':>10s}"
+        print(f"  {'weights':8s} {'MiB':>6s} {head}")
+        for name, (p, one, many) in best.items():
+            print(f"  {name:8s} {rates[name][0][4]:6.0f} {p:12.1f} {one:10.1f} {many:10.1f}")
+        ratio = [a / b for a, b in zip(best["bf16"], best["fp32"], strict=True)]
+        print(f"  {'bf16/fp32':8s} {'':6s} {ratio[0]:11.2f}x {ratio[1]:9.2f}x {ratio[2]:9.2f}x")

@@ -125,12 +125,50 @@ def test_nan_in_a_row_reaches_its_outputs_only():
     assert not torch.isnan(out[[0, 1, 3, 4, 5]]).any()
 
 
+# (9, 20, 4200): row groups and K blocks, the widened-block path; (1, 37, 4200): one row
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 9, 5), (1, 37, 4200), (4, 13, 16), (7, 25, 100), (9, 20, 4200)]
+)
+def test_16_bit_weights_give_the_bits_of_their_fp32_copy(dtype, m, n, k):
+    """A bf16 / fp16 checkpoint's weights kept at half the bytes: each widened exactly to fp32
+    before its fma, so the same bits as the GEMM of the fp32 copy, on every path."""
+    x, w = _inputs(m, n, k, seed=m + k)
+    w16 = w.to(dtype)
+    if dtype == torch.float16:  # the fp16 values whose widening is not a shift
+        specials = torch.tensor([6e-8, -6e-8, 1e-5, 65504.0, -0.0, 2.0**-24, 3.05e-5, -1.0])
+        w16.view(-1)[: min(8, w16.numel())] = specials[: min(8, w16.numel())].to(dtype)
+    want = dense_linear.dense_gemm(x, w16.float())
+    for path in _paths():
+        out = poisoned((m, n), torch.float32, "cpu")
+        assert torch.equal(dense_linear.dense_gemm(x, w16, path=path, out=out), want), path
+    assert torch.equal(dense_linear.dense_linear(x, w16), want)
+
+
+def test_16_bit_expert_weights_give_the_bits_of_their_fp32_copy():
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(11, 300, generator=g), torch.randn(3, 40, 300, generator=g)
+    counts = torch.tensor([4, 0, 7])
+    want = dense_linear.dense_gemm_grouped(x, w.bfloat16().float(), counts)
+    assert torch.equal(dense_linear.dense_gemm_grouped(x, w.bfloat16(), counts), want)
+
+
+def test_the_blas_variant_widens_16_bit_weights_for_fp32_activations():
+    x, w = _inputs(3, 8, 40, seed=1)
+    with use_kernels(cpu_linear="blas"):
+        got = dense_linear.dense_linear(x, w.bfloat16())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w.bfloat16().float()))
+
+
 def test_arguments_are_checked():
     x, w = _inputs(2, 8, 16, seed=0)
     with pytest.raises(ValueError, match="x must be a 2-D float32"):
         dense_linear.dense_gemm(x.double(), w)
-    with pytest.raises(ValueError, match="weight must be a 2-D float32"):
+    with pytest.raises(ValueError, match="weight must be a 2-D float32, bfloat16 or float16"):
         dense_linear.dense_gemm(x, w[None])
+    with pytest.raises(ValueError, match=r"weight must be .* torch.float64"):
+        dense_linear.dense_gemm(x, w.double())
     with pytest.raises(ValueError, match="K must equal"):
         dense_linear.dense_gemm(x, w[:, :15])
     with pytest.raises(ValueError, match="path must be one of"):

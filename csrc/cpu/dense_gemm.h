@@ -21,6 +21,9 @@
 // - Many rows: K in blocks of 2048 (each output's lanes stored exactly between blocks: no bit
 //   changes), W in blocks of rows that stay in L2 while every group of a block of x rows
 //   passes them.
+// - W may be bf16 or fp16 (a 16-bit checkpoint's weights at half the bytes): each load widens
+//   16 weights to fp32 exactly (a shift; vcvtph2ps), or under many rows a block of W is widened
+//   once into an L2-sized buffer; either way the fma chains are the fp32 copy's.
 // - Threads split W's rows (parallel.h: torch's OpenMP team); x, W and y are the caller's.
 //
 // Pointers are passed as integers (as the CUDA extension takes them); the Python side
@@ -32,17 +35,23 @@
 
 namespace pagedkern_cpu {
 
+// W's element type. 16-bit weights (a bf16 or fp16 checkpoint's, kept at half the bytes) are
+// widened to fp32 exactly before their fma: the bits of the fp32 copy's GEMM.
+enum WeightType { kWeightF32 = 0, kWeightBF16 = 1, kWeightF16 = 2 };
+
 // y[m, n] (row stride y_stride) = x[m, :] (row stride x_stride) . w[n, :] (row stride
-// w_stride) in the order above. path: -1 the best this CPU runs, else quant_gemv.h's Path
-// numbers (the AVX-512 kernels on both AVX-512 paths, AVX2 on AVX2 and AVX-VNNI, the std::fma
-// loop on the others); a path the CPU lacks is an error.
+// w_stride, in elements of w_type) in the order above. path: -1 the best this CPU runs, else
+// quant_gemv.h's Path numbers (the AVX-512 kernels on both AVX-512 paths, AVX2 on AVX2 and
+// AVX-VNNI, the std::fma loop on the others); a path the CPU lacks is an error.
+void dense_gemm(float* y, int64_t y_stride, const float* x, int64_t x_stride, const void* w,
+                int64_t w_stride, int m, int n, int k, int threads, int path, int w_type);
 void dense_gemm(float* y, int64_t y_stride, const float* x, int64_t x_stride, const float* w,
                 int64_t w_stride, int m, int n, int k, int threads, int path);
 
 // The experts' GEMMs of a mixture-of-experts layer: x's rows [P, K] grouped by expert (counts[e]
 // rows of expert e after those of the experts before it) times w[e] ([E, N, K], contiguous) into
 // y [P, N]: dense_gemm per expert with rows, so a row's bits are its own as above.
-void dense_gemm_grouped(float* y, const float* x, const float* w, const int64_t* counts,
-                        int experts, int n, int k, int threads, int path);
+void dense_gemm_grouped(float* y, const float* x, const void* w, const int64_t* counts,
+                        int experts, int n, int k, int threads, int path, int w_type);
 
 }  // namespace pagedkern_cpu

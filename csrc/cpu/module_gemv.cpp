@@ -125,24 +125,25 @@ void bind_gemv(py::module_& mod) {
   mod.def(
       "dense_gemm",
       [](uintptr_t y, int64_t y_stride, uintptr_t x, int64_t x_stride, uintptr_t w,
-         int64_t w_stride, int m, int n, int k, int threads, int path) {
+         int64_t w_stride, int m, int n, int k, int threads, int path, int w_type) {
         py::gil_scoped_release release;
-        dense_gemm(ptr<float>(y), y_stride, ptr<const float>(x), x_stride, ptr<const float>(w),
-                   w_stride, m, n, k, threads, path);
+        dense_gemm(ptr<float>(y), y_stride, ptr<const float>(x), x_stride, ptr<const void>(w),
+                   w_stride, m, n, k, threads, path, w_type);
       },
       py::kw_only(), py::arg("y"), py::arg("y_stride"), py::arg("x"), py::arg("x_stride"),
       py::arg("w"), py::arg("w_stride"), py::arg("m"), py::arg("n"), py::arg("k"),
-      py::arg("threads"), py::arg("path"));
+      py::arg("threads"), py::arg("path"), py::arg("w_type") = 0);
   mod.def(
       "dense_gemm_grouped",
       [](uintptr_t y, uintptr_t x, uintptr_t w, uintptr_t counts, int experts, int n, int k,
-         int threads, int path) {
+         int threads, int path, int w_type) {
         py::gil_scoped_release release;
-        dense_gemm_grouped(ptr<float>(y), ptr<const float>(x), ptr<const float>(w),
-                           ptr<const int64_t>(counts), experts, n, k, threads, path);
+        dense_gemm_grouped(ptr<float>(y), ptr<const float>(x), ptr<const void>(w),
+                           ptr<const int64_t>(counts), experts, n, k, threads, path, w_type);
       },
       py::kw_only(), py::arg("y"), py::arg("x"), py::arg("w"), py::arg("counts"),
-      py::arg("experts"), py::arg("n"), py::arg("k"), py::arg("threads"), py::arg("path"));
+      py::arg("experts"), py::arg("n"), py::arg("k"), py::arg("threads"), py::arg("path"),
+      py::arg("w_type") = 0);
   // (tests: the plain loop and the AVX2 one give the same bits)
 }
 

@@ -135,9 +135,11 @@ def load_hf_folder(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     shard: TensorShard | None = None,
+    keep_16_bit: bool = False,
 ) -> tuple[ModelConfig, LlamaWeights, Tokenizer]:
     """Config, weights (on `device` in `dtype`) and tokenizer of a HF model folder; with a
-    shard, one tensor-parallel rank's weights, read as safetensors slices (its parts only)."""
+    shard, one tensor-parallel rank's weights, read as safetensors slices (its parts only).
+    keep_16_bit: a bf16 / fp16 checkpoint's dense projections stay 16-bit (assemble_weights)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(folder, "no such folder")
@@ -166,6 +168,7 @@ def load_hf_folder(
         return str(folder)
 
     weights = assemble_weights(
-        config, get, locate, device, dtype, norm_offset=norm_offset, shard=shard
-    )
+        config, get, locate, device, dtype, norm_offset=norm_offset, shard=shard,
+        keep_16_bit=keep_16_bit,
+    )  # fmt: skip
     return config, weights, Tokenizer.from_folder(folder)

@@ -4,11 +4,10 @@ projection to float32 logits."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import ops
 from ..ops import launch
-from ..ops.cpu.dense_linear import dense_linear
+from ..ops.cpu.dense_linear import blas_linear, dense_linear
 from .quantized_linear import QuantizedWeight
 from .weights import Linear
 
@@ -28,10 +27,10 @@ def _float_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for float weights: the CPU backend's fixed-order GEMM, else
-    torch's."""
+    torch's (a 16-bit weight under fp32 x widened)."""
     if launch.on_cpu_backend(x.device):
         return dense_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return blas_linear(x, weight, bias)
 
 
 def mm_fp32_out(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

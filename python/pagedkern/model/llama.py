@@ -297,8 +297,8 @@ class LlamaModel:
             h = self._ops.dequantize_rows(w, ids, self.dtype)  # (the CPU backend's C++ rows)
         elif isinstance(w, QuantizedWeight):
             h = w.dequantize_rows(ids, self.dtype)
-        else:
-            h = F.embedding(ids, w)
+        else:  # (a 16-bit table under fp32 activations: rows widened, exactly)
+            h = F.embedding(ids, w).to(self.dtype)
         if tp.size > 1:
             h = tp.all_reduce(h.masked_fill_(outside[:, None], 0))
         return h

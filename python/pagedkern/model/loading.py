@@ -125,7 +125,10 @@ def load_model(
     path = default_model_path() if spec is None else Path(spec)
     if path.is_dir():
         dtype = dtype or default_dtype(device, "hf", hf_checkpoint_dtype(path))
-        config, weights, tokenizer = load_hf_folder(path, device, dtype, shard)
+        # fp32 on the CPU: a 16-bit checkpoint's projections stay 16-bit (dense_gemm widens
+        # them exactly: the fp32 model's bits at half the weight memory and reads)
+        keep = device.type == "cpu" and dtype == torch.float32 and quantization in (None, "none")
+        config, weights, tokenizer = load_hf_folder(path, device, dtype, shard, keep)
         if quantization not in (None, "none"):
             weights = quantize_weights(weights, quantization, group_size)
     elif path.is_file():

@@ -33,6 +33,17 @@ def _quantized_alike(parts: list[Linear]) -> bool:
 TensorGetter = Callable[[str], "Linear | None"]
 
 
+_16_BIT = (torch.bfloat16, torch.float16)
+
+
+def _kept_16_bit(name: str) -> bool:
+    """A dense layer's projection, the LM head or the embedding (not experts, routers, norms or
+    biases)."""
+    if name in ("lm_head.weight", "model.embed_tokens.weight"):
+        return True
+    return name.endswith("_proj.weight") and ".experts." not in name
+
+
 def assemble_weights(
     config: ModelConfig,
     get: TensorGetter,
@@ -43,13 +54,18 @@ def assemble_weights(
     describe: Callable[[str], str] = str,
     norm_offset: float = 0.0,
     shard: TensorShard | None = None,
+    keep_16_bit: bool = False,
 ) -> LlamaWeights:
     """Check every tensor's presence and shape, convert to `dtype` on `device`, fuse QKV and
     gate/up (one GEMM each in the forward). Errors name the tensor as describe(HF name) and
     `source` (or source(HF name): the file holding it). norm_offset is added to every norm
     weight, in fp32 before the conversion (1 for Gemma's HF checkpoints, which store w for a
     scale of 1 + w; llama.cpp's GGUFs store 1 + w already). shard: one tensor-parallel rank's
-    weights, reading its parts only (`get` then takes get(name, part): TensorShard.reader)."""
+    weights, reading its parts only (`get` then takes get(name, part): TensorShard.reader).
+    keep_16_bit: the dense layers' projections, the embedding and the LM head stored in bf16 /
+    fp16 keep that dtype under wider activations (the CPU's fp32 GEMM widens each weight
+    exactly, as the embedding lookup does its rows: the same values and bits at half the memory
+    and weight reads)."""
     shapes = expected_shapes(config)
     if shard is not None:
         get, shapes = shard.reader(config, get, shapes)
@@ -84,6 +100,8 @@ def assemble_weights(
             raise ModelLoadError(
                 where(name), f"tensor {describe(name)!r} has non-float dtype {t.dtype}"
             )
+        if keep_16_bit and t.dtype in _16_BIT and _kept_16_bit(name):
+            return t.to(device=device)
         return t.to(device=device, dtype=dtype)
 
     def maybe(name: str) -> torch.Tensor | None:
