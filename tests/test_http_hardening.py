@@ -52,46 +52,55 @@ def still_serving(server: ServerThread) -> None:
 # --- defect 3: big prompts ---------------------------------------------------------------------
 
 
-def test_tokenizing_a_big_prompt_does_not_stall_another_stream():
-    """While the big request's text is being tokenized, the other stream keeps receiving
-    tokens: its encode call waits for three more of them (on the engine thread, as before the
-    fix, it would wait forever: the safety net then fails the test)."""
+def streams_meanwhile(method: str, is_big, send) -> httpx.Response:
+    """While send(server) has the tokenizer's `method` (encode or decode) working on a big
+    input (is_big(its first argument)), another stream keeps receiving tokens: that call waits
+    for three more of them (on the event loop it would wait forever: the safety net then fails
+    the test). Returns send's response."""
     engine = tiny_engine()
     events: list[str] = []
     arrived = threading.Condition()
-    big = "word " * 2000  # under the character bound, so it really gets tokenized
-    encode = engine.tokenizer.encode
+    work = getattr(engine.tokenizer, method)
 
-    def slow_encode(text: str, *args, **kwargs):
-        if big.strip() not in text:
-            return encode(text, *args, **kwargs)
-        events.append("encode starts")
+    def slow_work(arg, *args, **kwargs):
+        if not is_big(arg):
+            return work(arg, *args, **kwargs)
+        events.append("work starts")
         with arrived:
             start = events.count("token")
             arrived.wait_for(lambda: events.count("token") >= start + 3, timeout=20)
-        events.append("encode ends")
-        return encode(text, *args, **kwargs)
+        events.append("work ends")
+        return work(arg, *args, **kwargs)
 
-    engine.tokenizer.encode = slow_encode
+    setattr(engine.tokenizer, method, slow_work)
     with ServerThread(engine) as s:
         body = completion("go", max_tokens=400, ignore_eos=True, stream=True)
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=WAIT) as r:
             lines = (line for line in r.iter_lines() if line.startswith("data: {"))
             next(lines)
             big_answer: list[httpx.Response] = []
-            sender = threading.Thread(target=lambda: big_answer.append(post(s, completion(big))))
+            sender = threading.Thread(target=lambda: big_answer.append(send(s)))
             sender.start()
             for _ in lines:
                 with arrived:
                     events.append("token")
                     arrived.notify_all()
-                if "encode ends" in events:
+                if "work ends" in events:
                     break
             sender.join(WAIT)
-        assert big_answer and big_answer[0].status_code in (200, 400), big_answer
-        during = events[events.index("encode starts") : events.index("encode ends")]
+        assert big_answer, events
+        during = events[events.index("work starts") : events.index("work ends")]
         assert during.count("token") >= 3, events
         still_serving(s)
+    return big_answer[0]
+
+
+def test_tokenizing_a_big_prompt_does_not_stall_another_stream():
+    big = "word " * 2000  # under the character bound, so it really gets tokenized
+    r = streams_meanwhile(
+        "encode", lambda text: big.strip() in text, lambda s: post(s, completion(big))
+    )
+    assert r.status_code in (200, 400), r.text
 
 
 def test_a_10_mb_body_is_413_and_a_10_mb_prompt_is_refused_before_tokenizing():
@@ -121,6 +130,61 @@ def test_a_10_mb_body_is_413_and_a_10_mb_prompt_is_refused_before_tokenizing():
         assert_openai_error(r, 400, "context_length_exceeded")
         still_serving(s)
     assert max(encoded_lengths) < 1000  # the 10 MB texts were never tokenized
+
+
+def test_tokenizing_many_text_bad_words_does_not_stall_another_stream():
+    words = [f"word{i}" for i in range(60)] + ["zebra"]  # within the bounds, a big total
+    body = completion("hi", bad_words=words)
+    r = streams_meanwhile("encode", lambda text: "zebra" in text, lambda s: post(s, body))
+    assert r.status_code == 200, r.text
+
+
+def test_text_bad_words_past_their_bounds_are_refused_before_tokenizing():
+    """More words than SamplingParams can hold (each makes up to two sequences), or a word
+    whose characters alone make more than 256 tokens, is refused on both routes without
+    tokenizing it (for a few MB of them: seconds of the event loop's time)."""
+    engine = tiny_engine()
+    encoded: list[str] = []
+    encode = engine.tokenizer.encode
+
+    def recording_encode(text: str, *args, **kwargs):
+        encoded.append(text)
+        return encode(text, *args, **kwargs)
+
+    engine.tokenizer.encode = recording_encode
+    per_token = engine.tokenizer.max_token_chars
+    assert per_token is not None
+    long_word = "b" * (256 * per_token + 1)
+    cases = [(["ab"] * 40_000, "at most 32768 words as text, got 40000"), (["x", long_word], "[1]")]
+    chat = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with ServerThread(engine) as s:
+        for path, body in (("/v1/completions", completion("hi")), ("/v1/chat/completions", chat)):
+            for words, message in cases:
+                r = httpx.post(s.url + path, json={**body, "bad_words": words}, timeout=WAIT)
+                error = assert_openai_error(r, 400)
+                assert error["param"] == "bad_words" and message in error["message"], error
+        still_serving(s)
+    assert "ab" not in encoded and long_word not in encoded
+
+
+@pytest.mark.parametrize("request_kind", ["prompt", "messages", "detokenize"])
+def test_big_tokenize_and_detokenize_requests_do_not_stall_another_stream(request_kind):
+    big = "zebra " * 2000
+
+    def send(s: ServerThread) -> httpx.Response:
+        path = "/detokenize" if request_kind == "detokenize" else "/tokenize"
+        body = {
+            "prompt": {"prompt": big},
+            "messages": {"messages": [{"role": "user", "content": big}]},
+            "detokenize": {"tokens": [5] * 5000},
+        }[request_kind]
+        return httpx.post(s.url + path, json={"model": TINY, **body}, timeout=WAIT)
+
+    if request_kind == "detokenize":
+        r = streams_meanwhile("decode", lambda ids: len(ids) == 5000, send)
+    else:
+        r = streams_meanwhile("encode", lambda text: big.strip() in text, send)
+    assert r.status_code == 200, r.text
 
 
 def test_prompt_token_ids_outside_the_vocabulary_are_400():

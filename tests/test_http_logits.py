@@ -190,6 +190,33 @@ def test_tokenize_and_detokenize(server):
     assert post(server, "/tokenize", {"model": TINY, "prompt": "x"}).status_code == 200
 
 
+def test_tokenize_checks_messages_as_chat_does(server):
+    """/tokenize refuses the messages the chat route refuses, with its error, and counts the
+    prompt the chat route makes of those it takes (a tool call and its result included)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    refused = [
+        [],
+        [{"role": "tool", "content": "x"}],
+        [{"role": "user", "content": "hi"}, {**history[1], "tool_calls": [{"bogus": 1}]}],
+    ]
+    for messages in refused:
+        chat = post(server, "/v1/chat/completions", {"model": TINY, "messages": messages})
+        counted = post(server, "/tokenize", {"model": TINY, "messages": messages})
+        assert chat.status_code == counted.status_code == 400, counted.text
+        assert counted.json()["error"] == chat.json()["error"]
+    counted = post(server, "/tokenize", {"model": TINY, "messages": history})
+    chat = post(
+        server, "/v1/chat/completions", {"model": TINY, "messages": history, "max_tokens": 1}
+    )
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+
+
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -289,6 +289,14 @@ BAD = [
     ("completions", {"model": TINY, "prompt": "x", "best_of": 2}, 400, "best_of", None),
     ("completions", {"model": TINY, "prompt": "x", "suffix": "y"}, 400, "suffix", None),
     ("completions", {"model": TINY, "prompt": "x", "logprobs": 21}, 400, "logprobs", None),
+    ("completions", {"model": TINY, "prompt": "x", "tools": []}, 400, "tools", None),
+    (
+        "completions",
+        {"model": TINY, "prompt": "x", "parallel_tool_calls": False},
+        400,
+        "parallel_tool_calls",
+        None,
+    ),
     ("completions", {"model": TINY, "prompt": ""}, 400, "prompt", None),
     ("completions", {"model": TINY, "prompt": []}, 400, "prompt", None),
     (
@@ -487,6 +495,25 @@ def test_streamed_tokens_are_written_by_the_frame_handler_not_the_asgi_send(
     texts = [c for c in chunks if c.choices and c.choices[0].text]
     assert len(texts) >= 12  # (most tokens have text: the count below means something)
     assert len(body_sends) <= 4  # finish + usage, [DONE], the end; (before: one per token)
+
+
+def test_a_request_id_is_in_use_while_any_prompt_sent_under_it_runs(server):
+    """Whichever of a one-prompt and a two-prompt request under one X-Request-Id comes first,
+    the other is refused while the first runs (each prompt of a request runs as an engine
+    request of its own), and takes the id once the first has ended."""
+    url = server.url + "/v1/completions"
+    one, two = {"model": TINY, "prompt": "hi"}, {"model": TINY, "prompt": ["hi", "yo"]}
+    for k, (running, reusing) in enumerate([(one, two), (two, one)]):
+        same_id = {"X-Request-Id": f"dup-{k}"}
+        body = {**running, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url, json=body, headers=same_id, timeout=WAIT) as r:
+            events = sse_data(r)  # (kept: a dropped one would close the response)
+            next(events)  # it runs
+            refused = httpx.post(url, json=reusing, headers=same_id, timeout=WAIT)
+            assert refused.status_code == 400, refused.text
+            assert "already in use" in refused.json()["error"]["message"]
+        assert server.engine_loop.wait_for(lambda: server.engine_loop.num_live == 0, WAIT)
+        assert httpx.post(url, json=reusing, headers=same_id, timeout=WAIT).status_code == 200
 
 
 def test_disconnect_while_waiting_for_a_whole_answer_aborts(server):

@@ -118,3 +118,34 @@ def test_synthetic_tokenizer_compresses_english():
 def test_synthetic_tokenizer_too_small():
     with pytest.raises(ValueError, match="at least"):
         synthetic_tokenizer(100)
+
+
+class _Calls:
+    """A tokenizers backend that records which of its calls ran."""
+
+    def __init__(self, backend) -> None:
+        self._backend, self.calls = backend, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._backend, name)
+        if name in ("encode", "encode_batch", "decode", "decode_batch"):
+            self.calls.append(name)
+        return attr
+
+
+def test_big_texts_and_id_lists_take_the_calls_that_release_the_gil():
+    """The library's single encode / decode hold the GIL for the whole call (an 8 MB text in a
+    worker thread froze the HTTP server's event loop for seconds); its batch calls release it.
+    Past GIL_FREE_SIZE the tokenizer takes those, for the same ids and text."""
+    from pagedkern.model.tokenizer import GIL_FREE_SIZE
+
+    plain = synthetic_tokenizer(512)
+    calls = _Calls(plain.backend)
+    tok = Tokenizer(calls, plain.special_tokens, plain.chat_template)
+    small, big = "ab c " * 10, "ab c " * GIL_FREE_SIZE
+    assert tok.encode(small) == plain.encode(small) and calls.calls == ["encode"]
+    ids = tok.encode(big, add_special_tokens=True)
+    assert ids == plain.encode(big, add_special_tokens=True) and calls.calls[-1] == "encode_batch"
+    assert len(ids) > GIL_FREE_SIZE
+    assert tok.decode(ids) == plain.decode(ids) and calls.calls[-1] == "decode_batch"
+    assert tok.decode(ids[:10]) == plain.decode(ids[:10]) and calls.calls[-1] == "decode"

@@ -16,6 +16,10 @@ from .chat_template import Message, render_chat
 from .errors import ModelLoadError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Texts (characters) and id lists longer than this go through the tokenizers library's batch
+# calls, which release the GIL (its single calls hold it: an 8 MB text tokenized in a worker
+# thread stalled the server's event loop for seconds); shorter ones skip the batch call's cost.
+GIL_FREE_SIZE = 65536
 # End-of-turn / end-of-text markers of common chat formats: generation stops on any present.
 END_MARKERS = (
     "<|im_end|>",
@@ -87,10 +91,15 @@ class Tokenizer:
         their single ids. add_special_tokens=True lets the tokenizer's post-processor add what
         the model expects around raw text (e.g. Llama 3's BOS); chat prompts already carry
         theirs from the template, so the default is False, as in apply_chat_template."""
+        if len(text) > GIL_FREE_SIZE:  # (the same ids; the batch call lets other threads run)
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if len(ids) > GIL_FREE_SIZE:
+            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @cached_property
     def max_token_chars(self) -> int | None:

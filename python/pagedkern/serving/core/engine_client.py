@@ -88,6 +88,10 @@ class EngineClient:
         self._ids = itertools.count()
         self._streams: dict[str, RequestStream] = {}
         self._admitting: dict[str, tuple[asyncio.Future, RequestStream]] = {}
+        # submit's `group`s (a request of several prompts): engine request id -> its group,
+        # and each group's engine requests in _admitting or _streams
+        self._group_of: dict[str, str] = {}
+        self._groups: dict[str, int] = {}
         # (outbox.closed: why the core will answer no more)
         self.outbox = CoreOutbox(channel, self._unsendable)
         self._queries: dict[int, asyncio.Future] = {}
@@ -176,17 +180,29 @@ class EngineClient:
         """Why the core seems stuck (step_watchdog.py); None while it answers."""
         return self.watchdog.stalled
 
-    async def submit(self, request_id: str, request_args: dict, params: SamplingParams):
+    def check_free(self, request_id: str) -> None:
+        """Raise ValueError while a request submitted as or under (`group`) this id runs:
+        its answers would reach the running request's handler, the other hang."""
+        if (
+            request_id in self._admitting
+            or request_id in self._streams
+            or request_id in self._groups
+        ):
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    async def submit(
+        self, request_id: str, request_args: dict, params: SamplingParams, group: str | None = None
+    ):
         """Add a request (request_args: {"prompt_ids": [...]}) once the core has admitted it.
+        group: the id of the request of several prompts this one is a part of, in use until
+        all its parts have ended (its submitter checks it free before the first part).
         Raises RequestRejected (too long), QueueFull, ValueError / TypeError (the core's
-        refusal), EngineUnavailable."""
+        refusal, an id in use), EngineUnavailable."""
         if not self.alive:
             raise EngineUnavailable(self.outbox.closed or "the server is shutting down")
         if self.stalled is not None:
             raise EngineUnavailable(self.stalled)
-        if request_id in self._admitting or request_id in self._streams:
-            # (its answers would reach the running request's handler, the other hang)
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_free(request_id)
         eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
         stop_ids = frozenset(params.stop_token_ids).union(eos)
         stream = RequestStream(
@@ -194,11 +210,15 @@ class EngineClient:
         )
         admitted = self._loop.create_future()
         self._admitting[request_id] = (admitted, stream)
+        if group is not None:
+            self._group_of[request_id] = group
+            self._groups[group] = self._groups.get(group, 0) + 1
         self.outbox.add(AddRequest(request_id, list(request_args["prompt_ids"]), params))
         try:
             await admitted
         except asyncio.CancelledError:
-            self._admitting.pop(request_id, None)  # its answer is nobody's now
+            if self._admitting.pop(request_id, None) is not None:  # its answer is nobody's now
+                self._gone(request_id)
             self.abort(request_id)  # sent after the add: the core frees what it took
             raise
         return stream
@@ -260,6 +280,8 @@ class EngineClient:
             stream.fail(failure)
         self._admitting.clear()
         self._streams.clear()
+        self._group_of.clear()
+        self._groups.clear()
         self._notify()
 
     def _on_frames(self) -> None:
@@ -299,6 +321,7 @@ class EngineClient:
             out = stream.take(delta, now)
             if stream.pending == 0:
                 del self._streams[delta.key]
+                self._gone(delta.key)
             if out is not None:
                 stream.put(out)
 
@@ -316,10 +339,19 @@ class EngineClient:
         if message.request_id not in self._admitting:  # failed by the watchdog
             return
         future, _ = self._admitting.pop(message.request_id)
+        self._gone(message.request_id)
         code = message.code
         self.metrics.request_rejected(code if code != "error" else "invalid")
         if not future.done():
             future.set_exception(refusal(code, message.message))
+
+    def _gone(self, request_id: str) -> None:
+        """request_id has left _admitting and _streams."""
+        group = self._group_of.pop(request_id, None)
+        if group is not None:
+            self._groups[group] -= 1
+            if not self._groups[group]:
+                del self._groups[group]
 
     def _unsendable(self, request_id: str, reason: str) -> None:
         """The outbox could not encode this request's add: refused as invalid (a 400)."""
@@ -357,6 +389,8 @@ class EngineClient:
         self._admitting.clear()
         self._queries.clear()
         self._streams.clear()
+        self._group_of.clear()
+        self._groups.clear()
         if failing:
             log.error("%s; no more requests will be served", reason)
             if self.on_dead is not None:

@@ -13,7 +13,7 @@ does).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
@@ -43,7 +43,8 @@ UNSUPPORTED = (
     "suffix", "audio", "modalities", "prediction", "web_search_options", "prompt_logprobs",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "use_beam_search",
 )  # fmt: skip
-# (tools, tool_choice and parallel_tool_calls are chat fields: /v1/completions refuses them.)
+# (tools, tool_choice and parallel_tool_calls are chat fields: /v1/completions refuses them,
+# whatever their value.)
 CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 # ... and everything else is unknown and ignored.
 MAX_TOP_LOGPROBS = 20
@@ -142,12 +143,10 @@ class _SamplingFields(BaseModel):
     guided_grammar: Any = None
     use_beam_search: Any = None
 
-    refused: ClassVar[tuple[str, ...]] = UNSUPPORTED
-
     def unsupported(self) -> dict[str, Any]:
         """Set fields whose meaning the engine does not implement (-> 400)."""
         found = {}
-        for name in self.refused:
+        for name in UNSUPPORTED:
             value = getattr(self, name, None)
             if value not in (None, False, [], {}) and not (name == "best_of" and value == 1):
                 found[name] = value
@@ -253,10 +252,14 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    refused: ClassVar[tuple[str, ...]] = UNSUPPORTED + CHAT_ONLY
     prompt: str | list[str] | list[int] | list[list[int]]  # (ids: PromptPreparer checks them)
     echo: bool = False
     logprobs: int | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        # a chat field means nothing here, whatever its value (`[]` and false too)
+        chat = {name: getattr(self, name) for name in CHAT_ONLY if getattr(self, name) is not None}
+        return {**super().unsupported(), **chat}
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -290,7 +293,7 @@ class TokenizeRequest(BaseModel):
     model_config = _STRICT
     model: str
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -1,9 +1,9 @@
 """The OpenAI-compatible endpoints over one EngineClient (app.py registers them).
 
 The generation handlers render chat templates and tokenize (a small prompt on the event loop,
-a big one in a worker thread: prompts.py, INLINE_PROMPT_CHARS) and hand the core token ids;
-its token ids come back per step and are rendered here (body_formats.py, streaming.py), so JSON,
-SSE and text never hold the core's GIL.
+a big one in a worker thread: prompts.py, INLINE_PROMPT_CHARS; /tokenize and /detokenize
+likewise) and hand the core token ids; its token ids come back per step and are rendered here
+(body_formats.py, streaming.py), so JSON, SSE and text never hold the core's GIL.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response
 
 from ..core.engine_client import EngineClient
+from ..tools import template_handles_tools
+from ..tools.prompting import template_inputs
+from ..tools.spec import ToolChoice, ToolSpecError, check_history
 from .body_formats import ChatFormat, CompletionFormat
 from .chat_output import ParsedChatFormat
 from .chat_tools import ChatParsers, plan_chat
@@ -25,6 +28,7 @@ from .event_stream_response import EventStreamResponse
 from .prompts import PromptPreparer
 from .request_models import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -95,9 +99,12 @@ class OpenAIRoutes:
             raise error from exc
         streams = []
         try:
-            for k, args in enumerate(prepared):
-                sub = rid if len(prepared) == 1 else f"{rid}-p{k}"
-                streams.append(await client.submit(sub, args, params))
+            if len(prepared) == 1:
+                streams.append(await client.submit(rid, prepared[0], params))
+            else:  # each prompt its own engine request, rid in use until all have ended
+                client.check_free(rid)
+                for k, args in enumerate(prepared):
+                    streams.append(await client.submit(f"{rid}-p{k}", args, params, group=rid))
         except Exception as exc:  # noqa: BLE001 - every admission failure gets its status
             for stream in streams:
                 stream.close()
@@ -120,7 +127,7 @@ class OpenAIRoutes:
         req = await self.parse_body(http, ChatCompletionRequest)
         self.check_model(req.model)
         settings = self.settings
-        params = sampling(
+        params = await sampling(
             req, self.max_model_len, settings.default_sampling, self.tokenizer, self.vocab_size
         )
         parsers = ChatParsers.of(self.tokenizer, settings)
@@ -143,7 +150,7 @@ class OpenAIRoutes:
     async def completions(self, http: Request) -> Response:
         req = await self.parse_body(http, CompletionRequest)
         self.check_model(req.model)
-        params = sampling(
+        params = await sampling(
             req, COMPLETIONS_DEFAULT_MAX_TOKENS, self.settings.default_sampling, self.tokenizer,
             self.vocab_size,
         )  # fmt: skip
@@ -163,25 +170,47 @@ class OpenAIRoutes:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            messages = [m.as_template_message() for m in req.messages]
+            args = {"messages": self.chat_messages(req.messages)}
+        else:
+            args = {"prompt": req.prompt}
+
+        def tokens() -> list[int]:
+            if "prompt" in args:
+                return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
             try:
                 text = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=req.add_generation_prompt
+                    args["messages"], add_generation_prompt=req.add_generation_prompt
                 )
             except (ValueError, TypeError, jinja2.TemplateError) as exc:
                 raise APIError(400, str(exc), param="messages") from exc
-            ids = tokenizer.encode(text)
-        else:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            return tokenizer.encode(text)
+
+        # (no length limit: clients count a long text's tokens here; a big one off the loop)
+        ids = tokens() if self.prepare.is_small([args]) else await asyncio.to_thread(tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
+    def chat_messages(self, messages: list[ChatMessage]) -> list[dict]:
+        """The messages as the chat route gives them to the template (no tools): the same
+        checks (a 400 naming the field), so /tokenize counts that route's prompt."""
+        try:
+            checked = check_history([m.as_template_message() for m in messages])
+        except ToolSpecError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
+        handles = template_handles_tools(self.tokenizer.chat_template)
+        return template_inputs(checked, [], ToolChoice("none"), True, handles)[0]
 
     async def detokenize(self, http: Request) -> dict:
         req = await self.parse_body(http, DetokenizeRequest)
         self.check_model(req.model)
-        for i, token in enumerate(req.tokens):
-            if token >= self.vocab_size:
-                raise APIError(400, f"tokens[{i}] = {token} is not a token id", param="tokens")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+        def text() -> str:
+            for i, token in enumerate(req.tokens):
+                if token >= self.vocab_size:
+                    raise APIError(400, f"tokens[{i}] = {token} is not a token id", param="tokens")
+            return self.tokenizer.decode(req.tokens)
+
+        small = self.prepare.is_small([{"prompt_ids": req.tokens}])
+        return {"prompt": text() if small else await asyncio.to_thread(text)}
 
     async def models(self) -> dict:
         card = ModelCard(id=self.model_name, max_model_len=self.max_model_len)
