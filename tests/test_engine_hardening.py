@@ -372,3 +372,49 @@ def test_a_10_mb_prompt_is_refused_before_it_is_tokenized(form, monkeypatch):
     except RequestRejected as exc:
         assert "prompt tokens leave no room" in str(exc)
     assert encoded == [len(edge)]
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(allowed_token_ids=[5, 6], bad_words=[[5], [6]]), "allowed_token_ids: bad_words ban"),
+        (dict(bad_words=[[t] for t in range(512)]), "bad_words: bad_words ban every"),
+        (dict(allowed_token_ids=[0, 2], min_tokens=3), "min_tokens: every token left"),
+    ],
+)
+def test_parameters_that_leave_no_first_token_are_refused(fields, message):
+    engine = make_engine()
+    assert engine.vocab_size == 512 and engine.tokenizer.stop_token_ids == {0, 2}
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt_ids=PROMPT, params=SamplingParams(max_tokens=4, **fields))
+    assert not engine.has_unfinished
+    # one token left (or the stop tokens no longer masked) is a request like any other
+    fine = dict(fields, allowed_token_ids=[5, 6, 7]) if "allowed_token_ids" in fields else {}
+    engine.add_request(prompt_ids=PROMPT, params=SamplingParams(max_tokens=4, **(fine or {})))
+    run(engine)
+
+
+@pytest.mark.parametrize(
+    "fields,named",
+    [
+        # a grammar whose every next token allowed_token_ids excludes
+        (dict(response_format={"type": "json_object"}, allowed_token_ids=[90]),
+         "response_format, allowed_token_ids"),
+        # after either token, bad_words ban both
+        (dict(allowed_token_ids=[20, 21], bad_words=[[20, 20], [20, 21], [21, 20], [21, 21]]),
+         "allowed_token_ids, bad_words"),
+    ],
+)  # fmt: skip
+def test_masks_that_leave_no_token_later_fail_the_request_alone(fields, named, solo):
+    """Before: the samplers' fallback (token 0 when nothing is allowed) came out as a token,
+    here the end-of-text id, so the request ended "stop" with an answer its grammar or bans
+    forbid. Now it fails alone naming its fields; the neighbour gets what it gets alone."""
+    engine = make_engine()
+    bad = engine.add_request(prompt_ids=PROMPT, params=SamplingParams(max_tokens=6, **fields))
+    other = engine.add_request(prompt_ids=OTHER, params=GREEDY)
+    outputs = run(engine)
+    last = outputs[bad.request_id][-1]
+    assert last.finish_reason is FinishReason.ERROR
+    assert bad.error.startswith(f"NoTokenAllowed: {named}: no token is allowed"), bad.error
+    assert all(t in fields["allowed_token_ids"] for t in bad.output_ids)
+    assert ids_of(outputs[other.request_id]) == solo

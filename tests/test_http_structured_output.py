@@ -276,3 +276,28 @@ def test_an_integer_past_64_bits_in_a_schema_is_a_400_and_its_neighbours_are_ser
         assert error["param"] == "response_format" and "64-bit" in error["message"]
         assert all(results[i].status_code == 200 for i in (1, 2, 3))
         settle(s)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_and_allowed_token_ids_that_exclude_each_other_are_a_400(stream):
+    """json_object with only "x" allowed: no token can start the document. Before: 200, each
+    choice "" ending "stop" (the samplers' fallback token, here end-of-text). Now: a 400 naming
+    response_format (streamed: the stream's error event); KV back to 0."""
+    with ServerThread(tiny_engine()) as s:
+        body = {
+            "model": TINY, "prompt": "x", "n": 2, "temperature": 1, "seed": 1, "max_tokens": 10,
+            "response_format": {"type": "json_object"}, "allowed_token_ids": [90],
+            "stream": stream,
+        }  # fmt: skip
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=WAIT)
+        if stream:  # (its head already sent: the error is the stream's last event)
+            assert r.status_code == 200, r.text
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and all('"text"' not in e for e in events)
+            error = json.loads(events[-2])["error"]
+        else:
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+        assert error["param"] == "response_format", error
+        assert "allowed_token_ids" in error["message"] and "no token is allowed" in error["message"]
+        settle(s)

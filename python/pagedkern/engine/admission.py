@@ -47,6 +47,29 @@ def check_prompt_length(tokenizer: Tokenizer, text: str, max_model_len: int) -> 
         )
 
 
+def check_a_token_is_left(params: SamplingParams, stop_ids: frozenset, vocab_size: int) -> None:
+    """ValueError naming the field when allowed_token_ids, single-token bad_words and
+    min_tokens (which masks the stop tokens until reached) leave no token to sample at the
+    first step. (Later steps, and response_format's grammar: NoTokenAllowed as they run.)"""
+    banned = {word[0] for word in params.bad_words if len(word) == 1}
+    masked = len(banned) + (len(stop_ids) if params.min_tokens else 0)
+    if params.allowed_token_ids is not None:
+        allowed = set(params.allowed_token_ids)
+    elif masked < vocab_size:
+        return  # (the common case: no set built)
+    else:
+        allowed = set(range(vocab_size))
+    left = allowed - banned
+    if not left:
+        field = "allowed_token_ids" if params.allowed_token_ids is not None else "bad_words"
+        raise ValueError(f"{field}: bad_words ban every token that could be sampled")
+    if params.min_tokens and left <= stop_ids:
+        raise ValueError(
+            f"min_tokens: every token left to sample is a stop token, which min_tokens "
+            f"({params.min_tokens}) masks until reached"
+        )
+
+
 class Admission:
     """Checks requests and makes their Requests. detokenize: False for an engine whose
     outputs carry token ids only (the HTTP front end detokenizes): stop strings are refused
@@ -113,6 +136,7 @@ class Admission:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
         stop_ids = frozenset(params.stop_token_ids).union(eos)
+        check_a_token_is_left(params, stop_ids, self.vocab_size)
         deadline = None if params.timeout is None else arrival_time + params.timeout
         samples = []
         for i, rid in enumerate(ids):

@@ -21,6 +21,11 @@ from .sampling_params import SamplingParams
 NEG_INF = float("-inf")
 
 
+class NoTokenAllowed(ValueError):
+    """A request's masks and bans (response_format, allowed_token_ids, bad_words, min_tokens)
+    left no token to sample: it fails alone (HTTP: a 400)."""
+
+
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -89,18 +94,37 @@ class LogitsState:
         if self.penalised:
             self._add(token, 1)
 
-    def entries(self, output_ids: Sequence[int]) -> tuple[list[int], list[int], list[float]]:
-        """This step's sparse (ids, counts, biases): the penalty set (count >= 0) merged with
-        the biases and this step's bans (count -1 where the token is not in the set)."""
-        ids, counts = list(self.ids), list(self.counts)
-        bias = [0.0] * len(ids)
+    def _step_bias(self, output_ids: Sequence[int]) -> dict[int, float]:
+        """The static biases and bans plus this step's: a bad word's last token where its
+        prefix ends the output, the stop tokens before min_tokens."""
         extra = dict(self.bias)
-        for word in self.multi_word:  # a bad word whose prefix ends the output: ban its end
+        for word in self.multi_word:
             head = len(word) - 1
             if len(output_ids) >= head and tuple(output_ids[len(output_ids) - head :]) == word[:-1]:
                 extra[word[-1]] = NEG_INF
         if len(output_ids) < self.params.min_tokens:
             extra.update(dict.fromkeys(self.stop_ids, NEG_INF))
+        return extra
+
+    def restricts(self) -> bool:
+        """Whether this request's processing can mask every token (its mask or bans)."""
+        return self.mask is not None or self.active
+
+    def allows(self, token: int, output_ids: Sequence[int]) -> bool:
+        """Whether this step's mask and bans let `token` be sampled after `output_ids`. The
+        samplers draw only allowed tokens, save when none is left (then token 0): a sampled
+        token this refuses means that."""
+        mask = self.mask
+        if mask is not None and not (int(mask[token >> 5]) >> (token & 31)) & 1:
+            return False
+        return self._step_bias(output_ids).get(token) != NEG_INF
+
+    def entries(self, output_ids: Sequence[int]) -> tuple[list[int], list[int], list[float]]:
+        """This step's sparse (ids, counts, biases): the penalty set (count >= 0) merged with
+        the biases and this step's bans (count -1 where the token is not in the set)."""
+        ids, counts = list(self.ids), list(self.counts)
+        bias = [0.0] * len(ids)
+        extra = self._step_bias(output_ids)
         for token, value in extra.items():
             j = self.index.get(token)
             if j is None:

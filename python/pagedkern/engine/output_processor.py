@@ -20,8 +20,10 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
 from typing import TYPE_CHECKING
 
+from .logits_processing import NoTokenAllowed
 from .outputs import RequestOutput, TokenDeltas, TokenLogprob
 from .request import FinishReason, Request
+from .structured_output import StructuredOutputError
 
 if TYPE_CHECKING:
     from ..model import Tokenizer
@@ -136,6 +138,9 @@ class OutputProcessor:
                     tracer.candidates(request, row, tokens[0], self.tokenizer)
                 if request.first_token_time is None:
                     request.first_token_time = now
+                state = request.logits_state
+                if request.grammar is not None or (state is not None and state.restricts()):
+                    check_allowed(request, tokens[0])
                 ids, text, before = request.output_ids, "", appended
                 for token in tokens:  # every check after each token
                     ids.append(token)
@@ -213,7 +218,12 @@ class OutputProcessor:
     def fail(self, request: Request, exc: BaseException) -> RequestOutput:
         """Finish a request with FinishReason.ERROR; `error` (and the log) say why."""
         request.error = f"{type(exc).__name__}: {exc}"
-        log.warning("request %s failed: %s", request.request_id, request.error, exc_info=exc)
+        # (its own parameters: no traceback)
+        client_fault = isinstance(exc, (NoTokenAllowed, StructuredOutputError))
+        log.warning(
+            "request %s failed: %s", request.request_id, request.error,
+            exc_info=None if client_fault else exc,
+        )  # fmt: skip
         try:
             return self.finish(request, FinishReason.ERROR)
         except Exception:  # noqa: BLE001 - broken state: drop the request without its blocks
@@ -230,3 +240,28 @@ class OutputProcessor:
         for request in list(requests):
             if request.request_id in self.requests:  # not already finished this step
                 outputs.append(self.fail(request, exc))
+
+
+def check_allowed(request: Request, token: int) -> None:
+    """NoTokenAllowed when the sampled token is one the request's masks and bans refused: the
+    samplers' fallback when they left none (response_format with allowed_token_ids, say)."""
+    state, grammar = request.logits_state, request.grammar
+    if (state is None or state.allows(token, request.output_ids)) and (
+        grammar is None or grammar.allows(token)
+    ):
+        return
+    params = request.params
+    fields = [
+        name
+        for name, given in (
+            ("response_format", params.response_format is not None),
+            ("allowed_token_ids", params.allowed_token_ids is not None),
+            ("bad_words", bool(params.bad_words)),
+            ("min_tokens", len(request.output_ids) < params.min_tokens),
+        )
+        if given
+    ]
+    raise NoTokenAllowed(
+        f"{', '.join(fields)}: no token is allowed after {len(request.output_ids)} generated "
+        "(together they mask every token; before min_tokens the stop tokens are masked too)"
+    )

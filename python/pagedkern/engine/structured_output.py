@@ -247,6 +247,7 @@ class GrammarMatcher:
     def __init__(self, compiler: GrammarCompiler, matcher):
         self._matcher = matcher
         self._mask = torch.empty(bitmask_words(compiler.vocab_size), dtype=torch.int32)
+        self._last: torch.Tensor | None = None  # the mask of the token being sampled
 
     def bitmask(self) -> torch.Tensor:
         """int32 [ceil(V / 32)]: the tokens allowed next (a fresh tensor each step).
@@ -258,7 +259,13 @@ class GrammarMatcher:
             raise StructuredOutputError(
                 f"response_format: the grammar engine stopped: {_short(self._matcher.get_error())}"
             )
+        self._last = mask
         return mask
+
+    def allows(self, token: int) -> bool:
+        """Whether the last bitmask() let `token` be sampled."""
+        mask = self._last
+        return mask is None or bool((int(mask[token >> 5]) >> (token & 31)) & 1)
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; True when the document is complete (the request stops).

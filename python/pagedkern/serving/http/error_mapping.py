@@ -56,11 +56,16 @@ def unavailable(reason: str = "the engine is not running") -> APIError:
 def engine_error(request_id: str, out: StreamOutput) -> APIError:
     """A request that failed inside the engine: the cause goes to the log, the client gets the
     request id to quote (never the internal exception text). A schema the grammar engine could
-    not follow (a limit met while generating) is the client's 400 naming response_format."""
+    not follow (a limit met while generating) is the client's 400 naming response_format; masks
+    and bans that left no token (engine NoTokenAllowed) a 400 naming the first of them."""
     schema = (out.error or "").removeprefix("StructuredOutputError: ")
     if schema != out.error:  # (a short message: llguidance's verbose errors are off)
         log.warning("request %s: %s", request_id, schema)
         return APIError(400, schema, param="response_format")
+    masked = (out.error or "").removeprefix("NoTokenAllowed: ")
+    if masked != out.error:  # the request's own masks and bans left nothing to sample
+        log.warning("request %s: %s", request_id, masked)
+        return APIError(400, masked, param=masked.partition(",")[0].partition(":")[0])
     log.error("request %s failed in the engine: %s", request_id, out.error)
     cause = tensor_parallel_cause(out.error)
     cause = f": {cause}" if cause else ""
