@@ -98,6 +98,14 @@ def test_append_follows_the_stop_rules_token_by_token(engine, seed, columns):
             prompt_ids=prompt, params=random_params(rng, detokenize, vocab), request_id=f"s{i}"
         )
         expected[request] = Expected(engine, request, detokenize)
+
+    def first(request) -> int:
+        """A run's first token, as a sampler draws it: before min_tokens, no stop token
+        (append fails a request whose sampled token its bans refused: NoTokenAllowed)."""
+        if len(request.output_ids) < request.params.min_tokens:
+            return rng.choice([t for t in vocab if t not in request.stop_ids])
+        return rng.choice(vocab)
+
     try:
         for _ in range(40):
             live = [r for r in expected if r.request_id in engine.requests]
@@ -106,8 +114,9 @@ def test_append_follows_the_stop_rules_token_by_token(engine, seed, columns):
             rng.shuffle(live)
             cut = rng.randint(0, len(live))
             plain, verified = live[:cut], live[cut:]
-            runs = {r: [rng.choice(vocab)] for r in plain}
-            runs |= {r: [rng.choice(vocab) for _ in range(rng.randint(1, 5))] for r in verified}
+            runs = {r: [first(r)] for r in plain}
+            runs |= {r: [first(r)] + [rng.choice(vocab) for _ in range(rng.randint(0, 4))]
+                     for r in verified}  # fmt: skip
             result = StepResult(
                 plain, [runs[r][0] for r in plain], None, verified=[(r, runs[r]) for r in verified]
             )
