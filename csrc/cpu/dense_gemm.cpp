@@ -49,27 +49,7 @@ inline float widen(Bf16 v) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-inline float widen(F16 v) {  // IEEE half -> float, exact (subnormals, inf and NaN included)
-  const uint32_t sign = uint32_t(v.bits & 0x8000) << 16;
-  uint32_t exponent = (v.bits >> 10) & 0x1f, mantissa = v.bits & 0x3ff, u;
-  if (exponent == 0x1f) {
-    u = sign | 0x7f800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    u = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    u = sign;
-  } else {  // subnormal: normalize
-    exponent = 113;
-    while (!(mantissa & 0x400)) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    u = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float widen(F16 v) { return half_to_float(v.bits); }  // (exact: quant_gemv.h)
 
 // A tile on the portable path: std::fma (exact fused), so its lanes are the vector paths'
 template <class W>
