@@ -59,6 +59,7 @@ from .messages import (
     Stop,
 )
 from .metrics import ServerMetrics
+from .open_requests import OpenRequests
 from .request_stream import RequestStream, Sample, StreamOutput
 from .step_watchdog import StepWatchdog
 
@@ -86,12 +87,7 @@ class EngineClient:
         self.on_dead: Callable[[str], None] | None = None  # the server's exit, non-zero
         self._start_core, self._join_core = start_core, join_core
         self._ids = itertools.count()
-        self._streams: dict[str, RequestStream] = {}
-        self._admitting: dict[str, tuple[asyncio.Future, RequestStream]] = {}
-        # submit's `group`s (a request of several prompts): engine request id -> its group,
-        # and each group's engine requests in _admitting or _streams
-        self._group_of: dict[str, str] = {}
-        self._groups: dict[str, int] = {}
+        self._open = OpenRequests()
         # (outbox.closed: why the core will answer no more)
         self.outbox = CoreOutbox(channel, self._unsendable)
         self._queries: dict[int, asyncio.Future] = {}
@@ -101,7 +97,7 @@ class EngineClient:
         self.num_live = 0  # streams the core has not finished
         self._last_gauges: EngineGauges | None = None
         self.watchdog = StepWatchdog(
-            lambda: bool(self._streams or self._admitting or self._queries),
+            lambda: bool(self._open or self._queries),
             on_stalled=self._stalled,
             on_stalled_too_long=self._fail_stalled,
         )
@@ -183,11 +179,7 @@ class EngineClient:
     def check_free(self, request_id: str) -> None:
         """Raise ValueError while a request submitted as or under (`group`) this id runs:
         its answers would reach the running request's handler, the other hang."""
-        if (
-            request_id in self._admitting
-            or request_id in self._streams
-            or request_id in self._groups
-        ):
+        if self._open.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
 
     async def submit(
@@ -209,16 +201,12 @@ class EngineClient:
             request_id, params, stop_ids, self.tokenizer, abort=self.abort, record=self.record
         )
         admitted = self._loop.create_future()
-        self._admitting[request_id] = (admitted, stream)
-        if group is not None:
-            self._group_of[request_id] = group
-            self._groups[group] = self._groups.get(group, 0) + 1
+        self._open.add(request_id, (admitted, stream), group)
         self.outbox.add(AddRequest(request_id, list(request_args["prompt_ids"]), params))
         try:
             await admitted
         except asyncio.CancelledError:
-            if self._admitting.pop(request_id, None) is not None:  # its answer is nobody's now
-                self._gone(request_id)
+            self._open.drop(request_id)  # its answer is nobody's now
             self.abort(request_id)  # sent after the add: the core frees what it took
             raise
         return stream
@@ -267,21 +255,18 @@ class EngineClient:
 
     def _fail_stalled(self, silent: float) -> None:
         """Fail and abort every open request: the core has not stepped for too long."""
-        if not (self._streams or self._admitting):
+        if not self._open:
             return
         reason = f"the engine has completed no step in {silent:.0f} s; the request was aborted"
-        log.error("%s requests fail: %s", len(self._streams) + len(self._admitting), reason)
+        log.error("%s requests fail: %s", len(self._open), reason)
         failure = EngineUnavailable(reason)
-        for request_id, (future, _) in self._admitting.items():
+        admitting, streams = self._open.take_all()
+        for request_id, (future, _) in admitting.items():
             if not future.done():
                 future.set_exception(failure)
             self.abort(request_id)  # (after its add: a core that wakes up frees it)
-        for stream in self._streams.values():
+        for stream in streams:
             stream.fail(failure)
-        self._admitting.clear()
-        self._streams.clear()
-        self._group_of.clear()
-        self._groups.clear()
         self._notify()
 
     def _on_frames(self) -> None:
@@ -305,7 +290,7 @@ class EngineClient:
             log.error("the engine core sent a message the front end does not take: %r", message)
 
     def _step_outputs(self, message: StepOutputs, now: float) -> None:
-        streams, itls = self._streams, []
+        streams, itls = self._open.streams, []
         for key, token in zip(message.request_ids, message.token_ids):  # plain decode tokens
             stream = streams.get(key)
             if stream is not None:
@@ -320,38 +305,28 @@ class EngineClient:
                 continue
             out = stream.take(delta, now)
             if stream.pending == 0:
-                del self._streams[delta.key]
-                self._gone(delta.key)
+                self._open.finished(delta.key)
             if out is not None:
                 stream.put(out)
 
     def _added(self, message: Added, _now: float) -> None:
-        if message.request_id not in self._admitting:  # failed by the watchdog, since aborted
+        entry = self._open.admitted(message.request_id)
+        if entry is None:  # failed by the watchdog, since aborted
             return
-        future, stream = self._admitting.pop(message.request_id)
+        future, stream = entry
         stream.prompt_tokens = message.prompt_tokens
-        self._streams[stream.request_id] = stream
         self.metrics.request_added(stream.prompt_tokens)
         if not future.done():
             future.set_result(stream)
 
     def _refused(self, message: Refused, _now: float) -> None:
-        if message.request_id not in self._admitting:  # failed by the watchdog
+        entry = self._open.drop(message.request_id)
+        if entry is None:  # failed by the watchdog
             return
-        future, _ = self._admitting.pop(message.request_id)
-        self._gone(message.request_id)
-        code = message.code
+        future, code = entry[0], message.code
         self.metrics.request_rejected(code if code != "error" else "invalid")
         if not future.done():
             future.set_exception(refusal(code, message.message))
-
-    def _gone(self, request_id: str) -> None:
-        """request_id has left _admitting and _streams."""
-        group = self._group_of.pop(request_id, None)
-        if group is not None:
-            self._groups[group] -= 1
-            if not self._groups[group]:
-                del self._groups[group]
 
     def _unsendable(self, request_id: str, reason: str) -> None:
         """The outbox could not encode this request's add: refused as invalid (a 400)."""
@@ -378,19 +353,16 @@ class EngineClient:
         self.watchdog.stop()
         self.channel.close()  # (an in-process core's reader then sees EOF and ends)
         failure = EngineUnavailable(reason)
-        for future, _ in self._admitting.values():
+        admitting, streams = self._open.take_all()
+        for future, _ in admitting.values():
             if not future.done():
                 future.set_exception(failure)
         for future in self._queries.values():
             if not future.done():
                 future.set_result(None)
-        for stream in self._streams.values():
+        for stream in streams:
             stream.put(failure)
-        self._admitting.clear()
         self._queries.clear()
-        self._streams.clear()
-        self._group_of.clear()
-        self._groups.clear()
         if failing:
             log.error("%s; no more requests will be served", reason)
             if self.on_dead is not None:
@@ -398,7 +370,7 @@ class EngineClient:
 
     def _notify(self) -> None:
         with self._changed:
-            self.num_live = len(self._streams)
+            self.num_live = len(self._open.streams)
             self._changed.notify_all()
 
     def record(self, stream: RequestStream, sample: Sample, out: StreamOutput, now: float) -> None:
