@@ -125,11 +125,14 @@ def test_nan_in_a_row_reaches_its_outputs_only():
     assert not torch.isnan(out[[0, 1, 3, 4, 5]]).any()
 
 
-# (9, 20, 4200): row groups and K blocks, the widened-block path; (1, 37, 4200): one row
+# (1, 37, 4200): one row; (9, 20, 4200): row groups and K blocks, widened in the tiles;
+# (130, 70, 300) and (129, 9, 2100): the widened blocks of 128 rows or more
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "m,n,k", [(1, 9, 5), (1, 37, 4200), (4, 13, 16), (7, 25, 100), (9, 20, 4200)]
-)
+    "m,n,k",
+    [(1, 9, 5), (1, 37, 4200), (4, 13, 16), (7, 25, 100), (9, 20, 4200), (130, 70, 300),
+     (129, 9, 2100)],
+)  # fmt: skip
 def test_16_bit_weights_give_the_bits_of_their_fp32_copy(dtype, m, n, k):
     """A bf16 / fp16 checkpoint's weights kept at half the bytes: each widened exactly to fp32
     before its fma, so the same bits as the GEMM of the fp32 copy, on every path."""
