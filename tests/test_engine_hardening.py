@@ -418,3 +418,31 @@ def test_masks_that_leave_no_token_later_fail_the_request_alone(fields, named, s
     assert bad.error.startswith(f"NoTokenAllowed: {named}: no token is allowed"), bad.error
     assert all(t in fields["allowed_token_ids"] for t in bad.output_ids)
     assert ids_of(outputs[other.request_id]) == solo
+
+
+def test_a_closed_engine_refuses_steps_and_requests():
+    """close() gives the KV cache and weights back on a GPU: an engine that kept stepping
+    after it (before: it did, silently) would read freed memory."""
+    from pagedkern.engine import LLM
+
+    engine = make_engine()
+    engine.add_request(prompt_ids=PROMPT, params=GREEDY)
+    run(engine)
+    engine.close()
+    engine.close()  # (idempotent)
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        engine.add_request(prompt_ids=PROMPT, params=GREEDY)
+    llm = LLM("synthetic:tiny", backend="reference", num_blocks=64, block_size=4)
+    llm.close()
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        llm.generate("hi", GREEDY)
+
+
+def test_a_context_past_the_models_is_refused():
+    """Before: max_model_len = 10**7 on a model of 2048 positions built two RoPE tables of 10**7
+    rows (~1.3 GB) and ran prompts at positions the model was never trained for."""
+    with pytest.raises(ValueError, match="max_model_len 4096 is past the model's context of 2048"):
+        make_engine(max_model_len=4096)
+    assert make_engine(max_model_len=2048, num_blocks=1024).max_model_len == 2048

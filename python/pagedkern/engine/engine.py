@@ -97,6 +97,7 @@ class Engine:
         self.shadow = None if shadow == "off" else ShadowReport(shadow == "strict")
         graphs, piecewise = step_graphs(model, config, shadowed=self.shadow is not None)
         self.broken: TensorParallelError | None = None  # the TP group failed: nothing runs
+        self.closed = False  # close() ran: nothing runs
         with ops.use_backend(self.backend):  # the profiling pass and graph capture run ops
             draft = load_draft(config, model)  # its weights and KV cache count in the budget
             kv = KVCacheSetup.allocate(model, config, context, None if draft is None else draft[0])
@@ -219,7 +220,9 @@ class Engine:
         arrival_time (on `clock`'s scale): when the request really arrived, e.g. at an HTTP
         server, for TTFT. grammar: params.response_format compiled already (e.g. on a
         structured_output.GrammarCompilePool); None: compiled here, once (cached per schema).
-        With params.n > 1 the further samples are `<id>.1` ... and fork from its prompt."""
+        With params.n > 1 the further samples are `<id>.1` ... and fork from its prompt.
+        RuntimeError once the engine is closed."""
+        self._check_open()
         samples = self.admission.make(
             prompt,
             params,
@@ -297,6 +300,7 @@ class Engine:
         """One iteration; the outputs it produced (and any that `stream()` set aside for
         requests other than its own). Never raises for a request's fault; raises
         TensorParallelError once a broken TP group has failed every request."""
+        self._check_open()
         if self.broken is not None:
             raise self.broken
         output = self.output
@@ -421,11 +425,16 @@ class Engine:
             self.proposer.forget(request)
         self.scheduler.finish(request)
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is closed (its KV cache and weights may be gone)")
+
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at TP = 1) and the async_scheduling
         worker thread, and on a GPU give the device memory back (the KV caches, the decode
         graphs, the weights of models from_config loaded): an engine created next in this
-        process can have it. Idempotent; the engine runs no step after it."""
+        process can have it. Idempotent; after it step() and add_request() raise RuntimeError."""
+        self.closed = True
         if self.overlap is not None:
             self.overlap.close()
         self.model.tp.close()

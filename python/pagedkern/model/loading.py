@@ -71,6 +71,7 @@ def load_model(
     group_size: int = DEFAULT_INT4_GROUP,
     kv_cache_dtype: str = "auto",
     shard: TensorShard | None = None,
+    longer_context: bool = False,
 ) -> tuple[LlamaModel, Tokenizer]:
     """Load a model and its tokenizer.
 
@@ -78,7 +79,9 @@ def load_model(
     "synthetic:<preset>" (presets: config.PRESETS) or a ModelConfig (synthetic
     weights of that shape, drawn from `seed`). dtype: None picks default_dtype (float32 on
     CPU; on CUDA float16 for GGUF, the checkpoint's for HF folders, else bfloat16).
-    max_positions caps the RoPE table (default: the config's context length).
+    max_positions caps the RoPE table (default: the config's context length); past that length
+    it is a ValueError naming max_model_len (positions the model was not trained for), unless
+    longer_context (a draft model covering its target's positions).
     use_cache: reuse/keep converted GGUF weights in the cache folder (weights_cache).
     quantization: weight-only 'none' / 'int8' (per channel) / 'int4' (groups of group_size);
     None: what measured best (bench/test_bench_quant.py): on the CPU a GGUF file keeps its own
@@ -119,7 +122,9 @@ def load_model(
             weights = quantize_weights(weights, quantization, group_size)
         if shard is not None:
             weights = shard_weights(weights, config, shard.rank, shard.size, shard.expert_parallel)
-        model = _model(config, weights, max_positions, kv_cache_dtype, device, dtype, shard)
+        model = _model(
+            config, weights, max_positions, kv_cache_dtype, device, dtype, shard, longer_context
+        )
         return model, synthetic_tokenizer(config.vocab_size)
 
     path = default_model_path() if spec is None else Path(spec)
@@ -142,11 +147,21 @@ def load_model(
         )
     else:
         raise ModelLoadError(path, "no such file or folder")
-    model = _model(config, weights, max_positions, kv_cache_dtype, device, dtype, shard)
+    model = _model(
+        config, weights, max_positions, kv_cache_dtype, device, dtype, shard, longer_context
+    )
     return model, tokenizer
 
 
-def _model(config, weights, max_positions, kv_cache_dtype, device, dtype, shard) -> LlamaModel:
+def _model(
+    config, weights, max_positions, kv_cache_dtype, device, dtype, shard, longer_context
+) -> LlamaModel:
+    trained = config.max_position_embeddings
+    if max_positions is not None and max_positions > trained and not longer_context:
+        raise ValueError(
+            f"max_model_len {max_positions} is past the model's context of {trained} positions "
+            "(max_position_embeddings): positions it was not trained for"
+        )
     mode = weights.quantization
     weights = gemm_weights(weights, device, dtype)
     local = None if shard is None else shard.config(config)

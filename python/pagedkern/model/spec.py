@@ -22,6 +22,7 @@ class ModelSpec:
     dtype: torch.dtype | None = None  # None: the model's (loading.default_dtype)
     seed: int = 0  # synthetic weights
     max_positions: int | None = None  # caps the RoPE table (the context)
+    longer_context: bool = False  # max_positions may pass the model's (a draft's, its target's)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     backend: str = "auto"  # the op backend the load's own ops run under
@@ -37,6 +38,7 @@ class ModelSpec:
                 self.dtype,
                 seed=self.seed,
                 max_positions=self.max_positions,
+                longer_context=self.longer_context,
                 quantization=self.quantization,
                 kv_cache_dtype=self.kv_cache_dtype,
                 shard=shard,

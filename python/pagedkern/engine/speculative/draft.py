@@ -154,6 +154,7 @@ class DraftProposer:
                 model=draft_model,
                 seed=seed,
                 max_positions=target.max_positions,
+                longer_context=True,
             )
             draft, _ = spec.load(target.device)
             if draft.config.vocab_size != target.config.vocab_size:
