@@ -168,8 +168,10 @@ def test_flash_prefill_and_rope_and_sample_validation():
         ValueError, match=r"block_tables \(shape \(3, 4\).*must have shape \(2, \*\)"
     ):
         pagedkern.flash_prefill(cu_seqlens_q=FakeCudaArray((3,), "int32"), **_attention_args())
-    q, k, v = FakeCudaArray((5, 8, 64)), FakeCudaArray((5, 2, 64)), FakeCudaArray((5, 2, 64))
-    cache = FakeCudaArray((10, 2, 16, 64))
+    q, k = FakeCudaArray((5, 8, 64)), FakeCudaArray((5, 2, 64), offset=5 * 8 * 64)
+    v = FakeCudaArray((5, 2, 64), offset=5 * 10 * 64)
+    cache = FakeCudaArray((10, 2, 16, 64), offset=5 * 12 * 64)
+    v_cache = FakeCudaArray((10, 2, 16, 64), offset=5 * 12 * 64 + 10 * 2 * 16 * 64)
     with pytest.raises(TypeError, match="positions .* int32"):
         pagedkern.rope_and_cache(
             q,
@@ -178,7 +180,7 @@ def test_flash_prefill_and_rope_and_sample_validation():
             FakeCudaArray((5,), "int64"),
             FakeCudaArray((100, 64), "float32"),
             cache,
-            cache,
+            v_cache,
             FakeCudaArray((5,), "int32"),
         )
     with pytest.raises(ValueError, match=r"slot_mapping \(shape \(4,\)"):
@@ -189,7 +191,7 @@ def test_flash_prefill_and_rope_and_sample_validation():
             FakeCudaArray((5,), "int32"),
             FakeCudaArray((100, 64), "float32"),
             cache,
-            cache,
+            v_cache,
             FakeCudaArray((4,), "int32"),
         )
     with pytest.raises(TypeError, match="top_k .* int32"):
@@ -311,3 +313,48 @@ def test_reference_rope_checks_positions_and_slots(field, value, message):
         pagedkern.rope_and_cache(
             q, k, v, args["positions"], cos_sin_cache(8, 32), cache, cache.clone(), args["slots"]
         )
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_arrays_an_op_writes_need_their_own_memory(backend):
+    """A broadcast view (stride 0) written by an op: before, the CPU backend's rope_and_cache
+    rotated the one row under an expanded q four times over (the caller's tensor changed), and
+    an expanded attention `out` came back with only its last row right. Now refused, as are q
+    and k being one array and the two caches one cache."""
+    from pagedkern import ops
+    from pagedkern.reference import cos_sin_cache
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 4, 16, generator=g)
+    k, v = torch.randn(4, 2, 16, generator=g), torch.randn(4, 2, 16, generator=g)
+    kc, vc = torch.zeros(6, 2, 4, 16), torch.zeros(6, 2, 4, 16)
+    positions, slots = torch.arange(4, dtype=torch.int32), torch.tensor([0, 1, 5, 9]).int()
+    cos_sin = cos_sin_cache(16, 32)
+    q = torch.randn(4, 4, 16, generator=g)
+    kept = base.clone()
+    with ops.use_backend(backend):
+        with pytest.raises(ValueError, match=r"q \(shape \(4, 4, 16\).*elements overlap"):
+            ops.rope_and_cache(base.expand(4, 4, 16), k, v, positions, cos_sin, kc, vc, slots)
+        with pytest.raises(ValueError, match=r"k \(shape \(4, 2, 16\).*elements overlap"):
+            ops.rope_and_cache(
+                q, base[:, :2].expand(4, 2, 16), v, positions, cos_sin, kc, vc, slots
+            )
+        with pytest.raises(ValueError, match="are one array"):
+            ops.rope_and_cache(q[:, :2], q[:, :2], v, positions, cos_sin, kc, vc, slots)
+        with pytest.raises(ValueError, match="overlap in memory"):
+            ops.rope_and_cache(q, k, v, positions, cos_sin, kc, kc, slots)
+        assert torch.equal(base, kept)
+        qa, cache, tables, lens = _paged_cpu()
+        out = torch.zeros(1, 4, 16).expand(2, 4, 16)
+        with pytest.raises(ValueError, match=r"out \(shape \(2, 4, 16\).*elements overlap"):
+            ops.paged_attention(qa, cache[:, :1], cache[:, 1:], tables, lens, out=out)
+        x = torch.randn(4, 8)
+        with pytest.raises(ValueError, match="elements overlap"):
+            ops.rms_norm(x, torch.ones(8), out=torch.empty(1, 8).expand(4, 8))
+        with pytest.raises(ValueError, match="elements overlap"):
+            ops.silu_and_mul(torch.randn(4, 16), out=torch.empty(1, 8).expand(4, 8))
+        # strided but disjoint outputs stay fine: a slice of a wider buffer
+        wide = torch.zeros(4, 12)
+        ops.rms_norm(x, torch.ones(8), out=wide[:, 2:10])
+        assert wide[:, :2].eq(0).all() and wide[:, 10:].eq(0).all()
+        torch.testing.assert_close(wide[:, 2:10], ops.rms_norm(x, torch.ones(8)))

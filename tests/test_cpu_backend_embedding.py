@@ -100,3 +100,27 @@ def test_ids_wider_than_int32_run_the_reference():
     weight = _weight("int8 group 32", 509, 64, seed=3)
     with pytest.raises(IndexError):
         embedding.dequantize_rows(weight, torch.tensor([2**32 + 5]), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "bad, id_dtype, dtype, bf16_scales",
+    [
+        (-1, torch.int64, torch.float32, False),
+        (509, torch.int64, torch.float32, False),
+        (-(2**32), torch.int64, torch.float32, False),
+        (-1, torch.int32, torch.bfloat16, False),
+        (-1, torch.int32, torch.float32, True),
+    ],
+)
+def test_ids_outside_the_table_are_refused_off_the_cpp_rows_too(bad, id_dtype, dtype, bf16_scales):
+    """The reference's rows (ids, dtypes and weights the C++ does not take) refuse what the C++
+    refuses, with its message: indexing would wrap -1 onto the last row."""
+    weight = _weight("int8 group 32", 509, 64, seed=4)
+    if bf16_scales:
+        weight = QuantizedWeight("int8", (509, 64), weight.qweight, weight.scales.bfloat16(),
+                                 None, 32)  # fmt: skip
+    ids = torch.tensor([0, 3, bad], dtype=id_dtype)
+    with pytest.raises(IndexError, match=rf"ids\[2\] = {bad} is outside the weight's 509 rows"):
+        embedding.dequantize_rows(weight, ids, dtype)
+    if bf16_scales:
+        assert weight.packed["cpu-dequantize-rows"] is None  # (the reference's rows)

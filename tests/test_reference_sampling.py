@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from pagedkern import ops
 from pagedkern.reference import philox4x32, sample
 from pagedkern.reference.sampling import uniform
 
@@ -275,3 +276,115 @@ def test_disabled_filters_are_the_same_as_no_filter(off_k, off_p):
     seeds = torch.arange(64) * 31
     plain = sample(logits, 1.0, 1.0, 0, seeds)
     assert torch.equal(sample(logits, 1.0, off_p, off_k, seeds), plain)
+
+
+def _entries(offsets, ids, rows=3):
+    """ops.sample's sparse processing arrays: bias-only entries of +100 at `ids`."""
+    n = len(ids)
+    return {
+        "token_offsets": torch.tensor(offsets, dtype=torch.int32),
+        "token_ids": torch.tensor(ids, dtype=torch.int32),
+        "token_counts": torch.full((n,), -1, dtype=torch.int32),
+        "token_bias": torch.full((n,), 100.0),
+        "presence_penalty": torch.zeros(rows),
+        "frequency_penalty": torch.zeros(rows),
+        "repetition_penalty": torch.ones(rows),
+    }
+
+
+def _mask_rows(rows):
+    return {
+        "bitmask": torch.full((2, 2), -1, dtype=torch.int32),
+        "bitmask_rows": torch.tensor(rows, dtype=torch.int32),
+    }
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize(
+    "processing, message",
+    [
+        pytest.param(
+            _entries([0, 1, 1, 1], [-1]),
+            r"token_ids\[0\] = -1 is not a token id .*\[0, 50\)",
+            id="negative id",
+        ),
+        pytest.param(
+            _entries([0, 1, 2, 2], [3, 50]),
+            r"token_ids\[1\] = 50 is not a token id .*\[0, 50\)",
+            id="id past the vocabulary",
+        ),
+        pytest.param(
+            _entries([1, 2, 2, 2], [3, 4]),
+            r"token_offsets\[0\] = 1 must be 0",
+            id="offsets not from 0",
+        ),
+        pytest.param(
+            _entries([0, 2, 1, 2], [3, 4]),
+            r"token_offsets\[2\] = 1 < token_offsets\[1\] = 2",
+            id="decreasing offsets",
+        ),
+        pytest.param(
+            _entries([0, 1, 1, 1], [3, 4]),
+            r"token_offsets\[3\] = 1 must equal .* entries 2",
+            id="offsets not ending at nnz",
+        ),
+        pytest.param(
+            _mask_rows([0, 2, -1]),
+            r"bitmask_rows\[1\] = 2 is neither negative .*\[0, 2\)",
+            id="mask row past the bitmask",
+        ),
+    ],
+)
+def test_ops_sample_refuses_processing_indices_outside_their_ranges(backend, processing, message):
+    """Checked before the reference follows them: a negative id wrapped onto the last token,
+    a bad offset gave another row's entries or a raw torch error."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    with ops.use_backend(backend), pytest.raises(ValueError, match=message):
+        ops.sample(logits, 0.0, 1.0, 0, 0, **processing)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_ops_sample_takes_any_negative_bitmask_row_as_no_mask(backend):
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    with ops.use_backend(backend):
+        ids = ops.sample(logits, 0.0, 1.0, 0, 0, **_mask_rows([-5, -1, -(2**31)]))
+    assert torch.equal(ids, logits.argmax(-1).int())
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize(
+    "name, value", [("seeds", 2**63), ("seeds", -(2**63) - 1), ("offsets", 2**64)]
+)
+def test_ops_sample_refuses_seeds_and_offsets_outside_int64(backend, name, value):
+    args = {"seeds": 1, "offsets": 0, name: value}
+    with (
+        ops.use_backend(backend),
+        pytest.raises(ValueError, match=rf"{name} = {value} is outside the int64 range"),
+    ):
+        ops.sample(torch.randn(2, 50), 1.0, 1.0, 0, args["seeds"], args["offsets"])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_ops_sample_takes_a_top_k_past_int32_as_off(backend):
+    """k >= vocab and k <= 0 are off, as in the kernel, which takes k clamped into int32."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    seeds = torch.arange(4) * 17
+    with ops.use_backend(backend):
+        off = ops.sample(logits, 1.0, 1.0, 0, seeds)
+        assert torch.equal(ops.sample(logits, 1.0, 1.0, 2**70, seeds), off)
+        assert torch.equal(ops.sample(logits, 1.0, 1.0, -(2**70), seeds), off)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_ops_sample_takes_zero_top_logprobs(backend):
+    """top_ids / top_logprobs [B, 0] ask for none (an empty array's strides are arbitrary)."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    lp = torch.full((3,), math.nan)
+    with ops.use_backend(backend):
+        ids = ops.sample(
+            logits, 0.0, 1.0, 0, 0, logprobs=lp, top_ids=torch.empty(3, 0, dtype=torch.int32),
+            top_logprobs=torch.empty(3, 0),
+        )  # fmt: skip
+    assert torch.equal(ids, logits.argmax(-1).int())
+    want = torch.log_softmax(logits, -1).gather(1, ids.long()[:, None])[:, 0]
+    torch.testing.assert_close(lp, want, rtol=0, atol=1e-5)

@@ -8,6 +8,7 @@ from .arrays import (
     DTYPE_CODES,
     FLOAT_DTYPES,
     check_dtype,
+    check_own_elements,
     check_same_dtype,
     check_shape,
     empty_like,
@@ -44,6 +45,7 @@ def _gated(op: str, activation: str, x, out, stream):
         check_same_dtype(xv, ov)
         check_shape(ov, shape)
         rows_of(ov)
+        check_own_elements(ov)
         views.append(ov)
     if not kernel_or_reference(op, views, support.elementwise(xv.dtype)):
         return getattr(host_ops(views), op)(x, out=out)

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 # Codes understood by csrc/common.cuh (enum DType).
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "int64": 4}
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "uint8": 1}
+ITEMSIZE = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "uint8": 1,
+    "float8_e4m3fn": 1,
+}  # fmt: skip
 _TYPESTR = {"<f4": "float32", "<f2": "float16", "<i4": "int32", "<i8": "int64", "|u1": "uint8"}
 
 
@@ -202,6 +205,41 @@ def check_shape(a: ArrayView, shape: Sequence[int | None]) -> None:
 def check_contiguous(a: ArrayView) -> None:
     if not a.is_contiguous():
         raise ValueError(f"{a.describe()} must be contiguous, got strides {a.strides}")
+
+
+def check_own_elements(a: ArrayView) -> None:
+    """An array an op writes: no two elements at one address (a broadcast view, stride 0, would
+    have a kernel write one place many times, racing, or rotate it many times over).
+    Conservatively: its dimensions by stride, each stride past the span of those below it."""
+    span = 1  # elements the smaller dimensions reach
+    for stride, n in sorted((abs(s), n) for n, s in zip(a.shape, a.strides) if n > 1):
+        if stride < span:
+            raise ValueError(
+                f"{a.describe()}: its elements overlap in memory (strides {a.strides}); an "
+                "array an op writes needs its own memory for each element"
+            )
+        span += stride * (n - 1)
+
+
+def _byte_span(a: ArrayView) -> tuple[int, int]:
+    """[first, last) bytes an array's elements can touch (empty arrays touch nothing)."""
+    if a.numel == 0:
+        return a.ptr, a.ptr
+    itemsize = ITEMSIZE[a.dtype]
+    extent = sum((n - 1) * abs(s) for n, s in zip(a.shape, a.strides, strict=True))
+    low = a.ptr + itemsize * sum(
+        (n - 1) * s for n, s in zip(a.shape, a.strides, strict=True) if s < 0
+    )
+    return low, low + (extent + 1) * itemsize
+
+
+def check_disjoint(a: ArrayView, b: ArrayView) -> None:
+    """a and b must not share memory (conservatively: their byte spans must not overlap)."""
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    if a0 < b1 and b0 < a1:
+        raise ValueError(
+            f"{a.describe()} and {b.describe()} overlap in memory; pass distinct arrays"
+        )
 
 
 def rows_of(a: ArrayView) -> tuple[int, int]:

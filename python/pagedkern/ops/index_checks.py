@@ -1,10 +1,11 @@
 """Contents of the index arrays, checked before the reference ops follow them (torch tensors).
 
 Validation elsewhere checks shapes and dtypes; these check values: block ids inside the cache,
-positions inside the RoPE table, lengths that fit the block table, query bounds that add up. On
-the reference path reading them costs nothing extra (the reference reads them on the host
-anyway); the kernels never read indices back (that would sync), and check them on the device in
-the PAGEDKERN_CHECK_INDICES=1 debug mode instead. Each error names the argument and the entry.
+positions inside the RoPE table, lengths that fit the block table, query bounds that add up,
+sampling's token entries and mask rows. On the reference path reading them costs nothing extra
+(the reference reads them on the host anyway); the kernels never read indices back (that would
+sync), and check them on the device in the PAGEDKERN_CHECK_INDICES=1 debug mode instead (sample's
+kernels skip a token id outside the vocabulary). Each error names the argument and the entry.
 """
 
 from __future__ import annotations
@@ -103,4 +104,46 @@ def check_rope_indices(
         raise ValueError(
             f"slot_mapping[{t}] = {int(slots[t])} is neither -1 (no write) nor a cache slot "
             f"([0, {num_slots}))"
+        )
+
+
+def check_sampling_indices(
+    token_offsets: torch.Tensor | None,
+    token_ids: torch.Tensor | None,
+    bitmask_rows: torch.Tensor | None,
+    vocab: int,
+    num_masks: int,
+) -> None:
+    """sample's logits processing: token_offsets rises from 0 to nnz (row r's entries are
+    token_ids[token_offsets[r]:token_offsets[r + 1]]), token_ids in [0, vocab), bitmask_rows
+    negative (no mask) or a row of the bitmask ([0, num_masks))."""
+    if token_offsets is not None and token_ids is not None:
+        offsets = token_offsets.long()
+        if int(offsets[0]) != 0:
+            raise ValueError(f"token_offsets[0] = {int(offsets[0])} must be 0")
+        steps = offsets[1:] - offsets[:-1]
+        if (steps < 0).any():
+            (r,) = _first(steps < 0)
+            raise ValueError(
+                f"token_offsets must not decrease: token_offsets[{r + 1}] = "
+                f"{int(offsets[r + 1])} < token_offsets[{r}] = {int(offsets[r])}"
+            )
+        nnz, last = token_ids.shape[0], offsets.shape[0] - 1
+        if int(offsets[last]) != nnz:
+            raise ValueError(
+                f"token_offsets[{last}] = {int(offsets[last])} must equal the number of entries "
+                f"{nnz} (the length of token_ids)"
+            )
+        if _outside(token_ids, 0, vocab):
+            ids = token_ids.long()
+            (j,) = _first((ids < 0) | (ids >= vocab))
+            raise ValueError(
+                f"token_ids[{j}] = {int(ids[j])} is not a token id of the vocabulary ([0, {vocab}))"
+            )
+    if bitmask_rows is not None and _outside(bitmask_rows, -(2**31), num_masks):
+        rows = bitmask_rows.long()
+        (r,) = _first(rows >= num_masks)
+        raise ValueError(
+            f"bitmask_rows[{r}] = {int(rows[r])} is neither negative (no mask) nor a row of "
+            f"bitmask ([0, {num_masks}))"
         )

@@ -8,9 +8,9 @@ from . import support
 from .arrays import (
     DTYPE_CODES,
     FLOAT_DTYPES,
-    ITEMSIZE,
-    ArrayView,
+    check_disjoint,
     check_dtype,
+    check_own_elements,
     check_same_dtype,
     check_shape,
     empty_like,
@@ -24,27 +24,6 @@ def _check_eps(eps: float) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
         raise ValueError(f"eps must be a finite non-negative number, got {eps!r}")
     return float(eps)
-
-
-def _byte_span(a: ArrayView) -> tuple[int, int]:
-    """[first, last) bytes an array's elements can touch (empty arrays touch nothing)."""
-    if a.numel == 0:
-        return a.ptr, a.ptr
-    itemsize = ITEMSIZE[a.dtype]
-    extent = sum((n - 1) * abs(s) for n, s in zip(a.shape, a.strides, strict=True))
-    low = a.ptr + itemsize * sum(
-        (n - 1) * s for n, s in zip(a.shape, a.strides, strict=True) if s < 0
-    )
-    return low, low + (extent + 1) * itemsize
-
-
-def check_disjoint(a: ArrayView, b: ArrayView) -> None:
-    """a and b must not share memory (conservatively: their byte spans must not overlap)."""
-    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
-    if a0 < b1 and b0 < a1:
-        raise ValueError(
-            f"{a.describe()} and {b.describe()} overlap in memory; pass distinct arrays"
-        )
 
 
 def rms_norm(x, weight, eps: float = 1e-6, out=None, *, stream=None):
@@ -62,6 +41,7 @@ def rms_norm(x, weight, eps: float = 1e-6, out=None, *, stream=None):
         check_same_dtype(xv, ov)
         check_shape(ov, xv.shape)
         rows_of(ov)
+        check_own_elements(ov)
         views.append(ov)
     if not kernel_or_reference("rms_norm", views, support.elementwise(xv.dtype)):
         return host_ops(views).rms_norm(x, weight, eps, out=out)
@@ -100,6 +80,8 @@ def fused_add_rms_norm(x, residual, weight, eps: float = 1e-6, *, stream=None):
     check_shape(wv, (xv.shape[-1] if xv.ndim else None,))
     rows, x_stride = rows_of(xv)
     _, residual_stride = rows_of(rv)
+    check_own_elements(xv)  # (both written in place)
+    check_own_elements(rv)
     check_disjoint(xv, rv)  # the kernel reads x and residual after writing both
     if not kernel_or_reference("fused_add_rms_norm", [xv, rv, wv], support.elementwise(xv.dtype)):
         return host_ops([xv, rv, wv]).fused_add_rms_norm(x, residual, weight, eps)

@@ -11,6 +11,7 @@ from .arrays import (
     check_contiguous,
     check_dtype,
     check_ndim,
+    check_own_elements,
     check_same_dtype,
     check_shape,
     common_device,
@@ -75,6 +76,7 @@ def attention_views(q, k_cache, v_cache, block_tables, seq_lens, out) -> list[Ar
     ]
     if out is not None:
         views.append(view(out, "out"))
+        check_own_elements(views[-1])
     return views
 
 

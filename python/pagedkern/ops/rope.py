@@ -7,8 +7,10 @@ from .arrays import (
     DTYPE_CODES,
     FLOAT_DTYPES,
     check_contiguous,
+    check_disjoint,
     check_dtype,
     check_ndim,
+    check_own_elements,
     check_same_dtype,
     check_shape,
     common_device,
@@ -64,6 +66,10 @@ def rope_and_cache(
     check_heads(qv, tokens, head_dim)
     check_heads(kv, tokens, head_dim)
     check_heads(vv, tokens, head_dim)
+    check_own_elements(qv)  # (q and k are rotated in place)
+    check_own_elements(kv)
+    if qv.ptr == kv.ptr and qv.numel:  # (fused QKV views start apart)
+        raise ValueError(f"{qv.describe()} and {kv.describe()} are one array: each is rotated")
     check_same_dtype(qv, kv)
     check_same_dtype(qv, vv)
     if kv.shape[1] != vv.shape[1] or qv.shape[1] % kv.shape[1]:
@@ -85,6 +91,7 @@ def rope_and_cache(
     check_kv_cache(vc, kv, kv.shape[1], head_dim, fp8=True)
     check_same_dtype(kc, vc)
     check_shape(vc, kc.shape)
+    check_disjoint(kc, vc)
     check_kv_scales(kc, k_scale, v_scale)
     views = [qv, kv, vv, pv, cv, kc, vc, sv]
     norms = _check_norms(qv, q_norm, k_norm, norm_eps)

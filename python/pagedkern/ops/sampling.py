@@ -18,6 +18,7 @@ from .arrays import (
     full_like,
     view,
 )
+from .index_checks import check_sampling_indices
 from .launch import (
     kernel_or_reference,
     kernel_variant,
@@ -52,6 +53,7 @@ _SPARSE = ("token_offsets", "token_ids", "token_counts", "token_bias")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 MAX_TOP_LOGPROBS = 20
 _INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
 _THREADS = 512  # threads per CTA of the sampling kernels (csrc/sampling_common.cuh kThreads)
 MAX_SLICES = 256  # CTAs per row at most (csrc/sampling.cu accepts up to 4096)
 
@@ -118,9 +120,10 @@ def sample(
     Logits processing (optional arrays, reference.logits_processing has the semantics): the
     sparse entries token_offsets int32 [B + 1], token_ids / token_counts int32 [nnz],
     token_bias float32 [nnz] (all four together, with the three penalties float32 [B]);
-    bitmask int32 [M, ceil(V / 32)] with bitmask_rows int32 [B]; min_p float32 [B].
+    bitmask int32 [M, ceil(V / 32)] with bitmask_rows int32 [B]; min_p float32 [B]. Off the
+    kernels their indices are checked (index_checks.check_sampling_indices).
     Outputs (optional): logprobs float32 [B] (the sampled token's), top_ids int32 [B, N] and
-    top_logprobs float32 [B, N], N <= min(20, V), both or neither. The kernel variant
+    top_logprobs float32 [B, N], N <= min(20, V) (0: none), both or neither. The kernel variant
     (PAGEDKERN_KERNELS=sample:...): auto (the default) takes the one that measured fastest for
     the call (measured_variant); v3 computes everything in one kernel, v4 is v3
     with a row split over several CTAs when the rows are fewer than the SMs (split_slices; a
@@ -135,6 +138,9 @@ def sample(
     if vocab > 1 and lv.strides[1] != 1:
         raise ValueError(f"{lv.describe()}: rows must be contiguous, got strides {lv.strides}")
     views = [lv]
+    if isinstance(top_k, int) and not isinstance(top_k, bool):
+        # k >= vocab is "off" as much as k = 2^31 - 1, and k <= 0 as much as -2^31
+        top_k = min(max(top_k, _INT32[0]), _INT32[1])
     values = (temperature, top_p, top_k, seeds, offsets)
     arrays: dict[str, object] = {}
     for (name, dtype), value in zip(_PARAMS, values, strict=True):
@@ -142,6 +148,10 @@ def sample(
             arrays[name] = _checked(value, name, dtype, (rows,), views)
         elif dtype.startswith("int") and not isinstance(value, int):
             raise TypeError(f"{name} must be an int or an {dtype} array, got {value!r}")
+        elif dtype == "int64" and not _INT64[0] <= value <= _INT64[1]:
+            raise ValueError(
+                f"{name} = {value} is outside the int64 range [{_INT64[0]}, {_INT64[1]}]"
+            )
     if out is not None:
         ov = _checked(out, "out", "int32", (rows,), views)
     given = {
@@ -161,6 +171,7 @@ def sample(
     common_device(views)
     if not kernel_or_reference("sample", views, support.sample(lv.dtype, vocab)):
         reference = reference_on_torch("sample", views)
+        _check_indices(processing, checked, vocab)
         return reference.sample(
             logits,
             temperature,
@@ -185,8 +196,6 @@ def sample(
     with on_launch_stream(views, device, handle):
         for (name, dtype), value in zip(_PARAMS, values, strict=True):
             if name not in arrays:
-                if name == "top_k":  # k >= vocab is "off" as much as k = 2^31 - 1
-                    value = min(max(value, _INT32[0]), _INT32[1])
                 arrays[name] = view(full_like(lv, (rows,), value, dtype), name)
         if out is None:
             out = empty_like(lv, (rows,), "int32")
@@ -300,6 +309,18 @@ def _check_processing(
     return present, checked
 
 
+def _check_indices(processing: dict, checked: dict[str, ArrayView], vocab: int) -> None:
+    """The processing arrays' values (index_checks.check_sampling_indices; torch tensors)."""
+    if "token_offsets" in processing or "bitmask_rows" in processing:
+        check_sampling_indices(
+            processing.get("token_offsets"),
+            processing.get("token_ids"),
+            processing.get("bitmask_rows"),
+            vocab,
+            checked["bitmask"].shape[0] if "bitmask" in checked else 0,
+        )
+
+
 def _check_logprob_outputs(
     logprobs, top_ids, top_logprobs, rows: int, vocab: int, views: list
 ) -> ArrayView | None:
@@ -318,7 +339,8 @@ def _check_logprob_outputs(
                 f"vocabulary ({vocab})"
             )
         check_shape(tv, iv.shape)
-        check_contiguous(iv)
-        check_contiguous(tv)
+        if iv.numel:  # (N = 0: nothing written, and an empty array's strides say nothing)
+            check_contiguous(iv)
+            check_contiguous(tv)
         views += [iv, tv]
     return lv

@@ -104,6 +104,8 @@ class QuantizedWeight:
             return torch.stack(
                 [self.expert(e).dequantize_rows(dtype=dtype) for e in range(self.shape[0])]
             )
+        if rows is not None and rows.device.type == "cpu":  # (CUDA ids: no host read)
+            _check_row_ids(rows, self.shape[0])
         sel = slice(None) if rows is None else rows.long()
         if self.format == "int8":
             q = self.qweight[sel].to(torch.float32)
@@ -141,3 +143,15 @@ class QuantizedWeight:
         fmt = {8: "int8", 4: "int4"}[bits]
         parts = (sd[f"{prefix}.qweight"], sd[f"{prefix}.scales"], sd.get(f"{prefix}.mins"))
         return cls(fmt, tuple(shape), *parts, group)
+
+
+def _check_row_ids(ids: torch.Tensor, rows: int) -> None:
+    """IndexError for ids outside [0, rows) (indexing would wrap a negative one onto a row from
+    the end); the message of the CPU backend's C++ rows."""
+    bad = (ids < 0) | (ids >= rows)
+    if bad.any():
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise IndexError(
+            f"dequantize_rows: ids[{', '.join(map(str, where))}] = {int(ids[where])} is outside "
+            f"the weight's {rows} rows"
+        )

@@ -26,7 +26,7 @@ def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dty
         or ids.dtype != torch.int32
         or ids.device.type != "cpu"
     ):
-        return weight.dequantize_rows(ids, dtype)
+        return weight.dequantize_rows(ids, dtype)  # (which checks the ids as the C++ does)
     ids = ids.contiguous()
     out = torch.empty(ids.shape[0], weight.shape[1])
     quant_gemv.cpu_module().dequantize_rows(
