@@ -34,6 +34,12 @@ def test_view_of_torch_tensor_and_cai_object():
     )
 
 
+def test_an_empty_array_is_contiguous():
+    empty = torch.empty(3, 0)
+    assert empty.stride() == (1, 1) and view(empty, "x").is_contiguous()
+    assert not view(torch.empty(3, 2).T, "x").is_contiguous()
+
+
 def test_rows_of_collapses_leading_dimensions():
     assert rows_of(view(torch.zeros(2, 3, 8), "x")) == (6, 8)
     assert rows_of(view(torch.zeros(5, 16)[:, :8], "x")) == (5, 16)

@@ -65,6 +65,8 @@ class ArrayView:
         return f"{self.name} (shape {self.shape}, dtype {self.dtype}, {where})"
 
     def is_contiguous(self) -> bool:
+        if self.numel == 0:  # (no element is out of place; torch's strides for [B, 0]: (1, 1))
+            return True
         expected = 1
         for size, stride in zip(reversed(self.shape), reversed(self.strides), strict=True):
             if size != 1 and stride != expected:
