@@ -446,3 +446,18 @@ def test_a_context_past_the_models_is_refused():
     with pytest.raises(ValueError, match="max_model_len 4096 is past the model's context of 2048"):
         make_engine(max_model_len=4096)
     assert make_engine(max_model_len=2048, num_blocks=1024).max_model_len == 2048
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (dict(prompt="a\ud800b"), "prompt: not text the tokenizer can take"),
+        (dict(messages=[{"role": "user"}]), "messages: the chat template failed on them"),
+    ],
+)
+def test_text_the_tokenizer_or_template_cannot_take_is_a_value_error(args, message):
+    """Before: the tokenizers library's TypeError and jinja2's UndefinedError, naming nothing."""
+    engine = make_engine()
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(params=GREEDY, **args)
+    assert not engine.has_unfinished and engine.pool.num_used == 0

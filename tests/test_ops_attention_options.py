@@ -51,6 +51,7 @@ def test_the_ops_pass_the_options_to_the_reference():
         (dict(sliding_window=0), "sliding_window"),
         (dict(sliding_window=2.5), "sliding_window"),
         (dict(sliding_window=True), "sliding_window"),
+        (dict(sliding_window=2**40), r"sliding_window must be an int in \[1, 2\^31\)"),
         (dict(soft_cap=0.0), "soft_cap"),
         (dict(soft_cap=float("nan")), "soft_cap"),
         (dict(soft_cap=float("inf")), "soft_cap"),
@@ -58,13 +59,15 @@ def test_the_ops_pass_the_options_to_the_reference():
         (dict(sinks=torch.zeros(4, dtype=torch.float64)), "sinks"),
     ],
 )
-def test_bad_options_are_refused(bad, words):
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_bad_options_are_refused(bad, words, backend):
     q, k, v, tables, lens = _inputs()
-    with pytest.raises((ValueError, TypeError), match=words):
-        pagedkern.paged_attention(q, k, v, tables, lens, **bad)
-    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-    with pytest.raises((ValueError, TypeError), match=words):
-        pagedkern.flash_prefill(q, k, v, cu, tables, lens, **bad)
+    with pagedkern.ops.use_backend(backend):
+        with pytest.raises((ValueError, TypeError), match=words):
+            pagedkern.paged_attention(q, k, v, tables, lens, **bad)
+        cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+        with pytest.raises((ValueError, TypeError), match=words):
+            pagedkern.flash_prefill(q, k, v, cu, tables, lens, **bad)
 
 
 def _fake(dtype="float16"):

@@ -11,6 +11,8 @@ import random
 from collections.abc import Container, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import jinja2
+
 from .detokenizer import IncrementalDetokenizer
 from .logits_processing import LogitsState
 from .request import Request
@@ -108,7 +110,10 @@ class Admission:
         check_number("arrival_time", arrival_time)
         if messages is not None:
             messages = check_messages(messages)
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            try:
+                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except jinja2.TemplateError as exc:  # (a message without content, say)
+                raise ValueError(f"messages: the chat template failed on them: {exc}") from None
         if prompt_ids is None:
             if not isinstance(prompt, str):
                 raise ParameterTypeError(f"prompt must be a string, got {prompt!r}")
@@ -117,7 +122,12 @@ class Admission:
             check_prompt_length(self.tokenizer, prompt, self.max_model_len)
             # Raw text gets what the tokenizer's config adds around it (e.g. BOS, as HF and
             # vLLM do); a rendered chat template already carries its own.
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=messages is None)
+            try:
+                prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=messages is None)
+            except TypeError:  # the tokenizers library's word for text it cannot take
+                raise ValueError(
+                    "prompt: not text the tokenizer can take (a lone surrogate, say)"
+                ) from None
         prompt_ids = check_token_ids("prompt_ids", prompt_ids, self.vocab_size)
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")

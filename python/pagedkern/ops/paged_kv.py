@@ -118,14 +118,16 @@ def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, batch_size
 
 def check_attention_options(qv: ArrayView, sliding_window, soft_cap, sinks) -> ArrayView | None:
     """The attention options (reference.attention.ATTENTION_OPTIONS): sliding_window None or
-    an int >= 1, soft_cap None or a finite number > 0, sinks None or a float32 [Hq] array on
+    an int in [1, 2^31), soft_cap None or a finite number > 0, sinks None or a float32 [Hq] array on
     q's device. Returns the sinks' view."""
     if sliding_window is not None and (
         isinstance(sliding_window, bool)
         or not isinstance(sliding_window, int)
-        or sliding_window < 1
+        or not 1 <= sliding_window < 2**31  # (the kernels' int32)
     ):
-        raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+        raise ValueError(
+            f"sliding_window must be an int in [1, 2^31) or None, got {sliding_window!r}"
+        )
     if soft_cap is not None and (
         isinstance(soft_cap, bool)
         or not isinstance(soft_cap, (int, float))
