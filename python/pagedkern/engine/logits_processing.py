@@ -30,6 +30,11 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def mask_allows(mask: torch.Tensor, token: int) -> bool:
+    """Whether an int32 bitmask (allowed_bitmask's layout) has `token`'s bit set."""
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
 def allowed_bitmask(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
     """int32 [ceil(V / 32)] with bit t % 32 of word t // 32 set for each allowed token t."""
     words = torch.zeros(bitmask_words(vocab_size), dtype=torch.int64)
@@ -79,6 +84,8 @@ class LogitsState:
         self.active = bool(
             self.penalised or self.bias or self.multi_word or p.min_tokens or p.min_p > 0
         )
+        # Whether its mask or bans could leave no token (penalties, biases and min_p cannot)
+        self.restricts = self.mask is not None or bool(p.bad_words) or bool(p.min_tokens)
 
     def _add(self, token: int, count: int) -> None:
         j = self.index.get(token)
@@ -106,16 +113,11 @@ class LogitsState:
             extra.update(dict.fromkeys(self.stop_ids, NEG_INF))
         return extra
 
-    def restricts(self) -> bool:
-        """Whether this request's processing can mask every token (its mask or bans)."""
-        return self.mask is not None or self.active
-
     def allows(self, token: int, output_ids: Sequence[int]) -> bool:
         """Whether this step's mask and bans let `token` be sampled after `output_ids`. The
         samplers draw only allowed tokens, save when none is left (then token 0): a sampled
         token this refuses means that."""
-        mask = self.mask
-        if mask is not None and not (int(mask[token >> 5]) >> (token & 31)) & 1:
+        if self.mask is not None and not mask_allows(self.mask, token):
             return False
         return self._step_bias(output_ids).get(token) != NEG_INF
 

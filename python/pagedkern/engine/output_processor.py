@@ -139,7 +139,7 @@ class OutputProcessor:
                 if request.first_token_time is None:
                     request.first_token_time = now
                 state = request.logits_state
-                if request.grammar is not None or (state is not None and state.restricts()):
+                if request.grammar is not None or (state is not None and state.restricts):
                     check_allowed(request, tokens[0])
                 ids, text, before = request.output_ids, "", appended
                 for token in tokens:  # every check after each token

@@ -44,7 +44,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .logits_processing import bitmask_words
+from .logits_processing import bitmask_words, mask_allows
 
 MAX_ERROR_CHARS = 300  # of a grammar engine's error, in a message or the log
 PROBE_TOKENS = 8  # steps of the compile-time probe (each a mask: ~1 ms, bounded by llguidance)
@@ -264,8 +264,7 @@ class GrammarMatcher:
 
     def allows(self, token: int) -> bool:
         """Whether the last bitmask() let `token` be sampled."""
-        mask = self._last
-        return mask is None or bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+        return self._last is None or mask_allows(self._last, token)
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; True when the document is complete (the request stops).
