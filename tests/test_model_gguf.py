@@ -88,10 +88,11 @@ RANDOM_BLOCKS = {
 
 
 def write_gguf(
-    path, cfg: dict, arch: str = "llama", skip: str = "", seed: int = 0, types=None
+    path, cfg: dict, arch: str = "llama", skip: str = "", seed: int = 0, types=None, matrices=Q8
 ) -> dict:
     """A GGUF of the HF-style config; returns the float64 HF-layout tensors as dequantized.
-    types: GGUF name -> its type for matrices (default Q8_0; Q6_K, Q5_K: random blocks)."""
+    types: GGUF name -> its type for matrices (default `matrices`, Q8_0; Q6_K, Q5_K: random
+    blocks; F16 and BF16: the values rounded)."""
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -107,7 +108,7 @@ def write_gguf(
     for i, (name, t) in enumerate(hf_tensors(cfg, seed).items()):
         arr = t.numpy().astype(np.float32)
         gname = llama_cpp_tensor_name(name)
-        kind = (types or {}).get(gname, Q8)
+        kind = (types or {}).get(gname, matrices)
         raw = None
         if arr.ndim == 2:  # quantized once: the file's blocks, and the values they hold
             raw = RANDOM_BLOCKS[kind](arr, seed * 1000 + i) if kind in RANDOM_BLOCKS else None

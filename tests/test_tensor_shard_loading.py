@@ -117,6 +117,18 @@ def test_a_gguf_rank_dequantizes_only_its_slices(tmp_path, monkeypatch, quantiza
     assert 0 < sum(seen) < 0.6 * whole  # half of every matrix, and the norms whole
 
 
+@pytest.mark.parametrize("kind, dtype", [("F16", torch.float16), ("BF16", torch.bfloat16)])
+def test_a_16_bit_gguf_rank_keeps_its_parts_16_bit(tmp_path, kind, dtype):
+    from test_model_gguf import write_gguf
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, base_config(intermediate_size=128), matrices=gguf.GGMLQuantizationType[kind])
+    assert_loads_as_cut(path, 2)
+    model, _ = load_model(path, "cpu", torch.float32, shard=TensorShard(1, 2))
+    layer = model.weights.layers[0]
+    assert {layer.qkv.dtype, layer.o.dtype, layer.down.dtype} == {dtype}
+
+
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
 def test_a_moe_gguf_rank_reads_its_part_of_every_expert(tmp_path, arch):
     from test_model_moe_gguf import GGUF_ARCH, write_moe_gguf

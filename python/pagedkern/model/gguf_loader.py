@@ -111,6 +111,8 @@ def _convert(
                     direct = gguf_to_int4(kind, t.data, n, k)
             if direct is not None:
                 return as_experts(direct, outer[0]) if len(outer) == 2 else direct
+        if quantization == "none" and len(t.shape) == 2 and t.tensor_type.name in _16_BIT:
+            return _16_bit_tensor(t)  # (assemble_weights widens what does not stay 16-bit)
         try:
             arr = dequantize(t.data, t.tensor_type)
         except Exception as exc:
@@ -168,9 +170,21 @@ def _convert(
         return w if w is None or cut is None else narrow_columns(w, *cut, name(hf_name))
 
     weights = assemble_weights(
-        config, get_part, path, "cpu", torch.float32, factors, name, shard=shard
-    )
+        config, get_part, path, "cpu", torch.float32, factors, name, shard=shard,
+        keep_16_bit=quantization == "none",
+    )  # fmt: skip
     return config, quantize_weights(weights, quantization, group_size), tokenizer
+
+
+# F16 / BF16 tensors, read as they are (the reader gives BF16 as bytes)
+_16_BIT = {"F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _16_bit_tensor(t) -> torch.Tensor:
+    """An F16 / BF16 GGUF matrix as a torch tensor of its dtype, [out, in]."""
+    shape = [int(n) for n in reversed(t.shape)]
+    bits = np.ascontiguousarray(t.data).view(np.int16).reshape(shape)
+    return torch.from_numpy(bits.copy()).view(_16_BIT[t.tensor_type.name])
 
 
 def gguf_default_quantization(path: str | os.PathLike) -> str:
@@ -209,19 +223,22 @@ def load_gguf(
     quantization: str | None = "none",
     group_size: int = DEFAULT_INT4_GROUP,
     shard: TensorShard | None = None,
+    keep_16_bit: bool = False,
 ) -> tuple[ModelConfig, LlamaWeights, Tokenizer]:
     """Config, weights (on `device`; float ones in `dtype`, linear layers in `quantization`,
     None: gguf_default_quantization) and tokenizer of a GGUF model file. The cache keeps one
     entry per quantization mode (and remembers the default, so a hit never parses the file).
     shard: one tensor-parallel rank's weights, its parts of the tensors only (gguf_shard); the
-    cache, which holds whole models, is then not used."""
+    cache, which holds whole models, is then not used. keep_16_bit: an F16 / BF16 file's
+    dense projections, embedding and LM head keep their dtype in 'none' mode (see
+    LlamaWeights.to); the cache holds them 16-bit whatever the target."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModelLoadError(path, "no such file")
     if shard is not None and shard.size > 1:
         quantization = quantization or gguf_default_quantization(path)
         config, weights, tokenizer = _convert(path, quantization, group_size, shard)
-        return config, weights.to(device, dtype), tokenizer
+        return config, weights.to(device, dtype, keep_16_bit), tokenizer
     digest = file_sha256(path) if use_cache else None
     if quantization is None:
         quantization = cached_default(digest) if digest else None
@@ -233,10 +250,10 @@ def load_gguf(
     if quantization == "int4":
         kind += f"g{group_size}"
     if digest is not None:
-        hit = load_entry(kind, digest, device, dtype)
+        hit = load_entry(kind, digest, device, dtype, keep_16_bit)
         if hit is not None:
             return hit
     config, weights, tokenizer = _convert(path, quantization, group_size)
     if digest is not None:
         store_entry(kind, digest, config, weights, tokenizer)
-    return config, weights.to(device, dtype), tokenizer
+    return config, weights.to(device, dtype, keep_16_bit), tokenizer

@@ -130,9 +130,7 @@ def load_model(
     path = default_model_path() if spec is None else Path(spec)
     if path.is_dir():
         dtype = dtype or default_dtype(device, "hf", hf_checkpoint_dtype(path))
-        # fp32 on the CPU: a 16-bit checkpoint's projections stay 16-bit (dense_gemm widens
-        # them exactly: the fp32 model's bits at half the weight memory and reads)
-        keep = device.type == "cpu" and dtype == torch.float32 and quantization in (None, "none")
+        keep = _keeps_16_bit(device, dtype, quantization)
         config, weights, tokenizer = load_hf_folder(path, device, dtype, shard, keep)
         if quantization not in (None, "none"):
             weights = quantize_weights(weights, quantization, group_size)
@@ -142,8 +140,9 @@ def load_model(
         dtype = dtype or default_dtype(device, "gguf")
         if quantization is None and device.type != "cpu":
             quantization = "none"  # its weights would be dequantized to fp16 (gemm_weights)
+        keep = _keeps_16_bit(device, dtype, quantization)
         config, weights, tokenizer = load_gguf(
-            path, device, dtype, use_cache, quantization, group_size, shard
+            path, device, dtype, use_cache, quantization, group_size, shard, keep
         )
     else:
         raise ModelLoadError(path, "no such file or folder")
@@ -151,6 +150,12 @@ def load_model(
         config, weights, max_positions, kv_cache_dtype, device, dtype, shard, longer_context
     )
     return model, tokenizer
+
+
+def _keeps_16_bit(device: torch.device, dtype: torch.dtype, quantization: str | None) -> bool:
+    """fp32 on the CPU: a 16-bit checkpoint's projections stay 16-bit (dense_gemm widens them
+    exactly: the fp32 model's bits at half the weight memory and reads)."""
+    return device.type == "cpu" and dtype == torch.float32 and quantization in (None, "none")
 
 
 def _model(

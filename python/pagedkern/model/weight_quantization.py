@@ -20,9 +20,9 @@ def quantize_weights(
     """Every layer's linear weights in `mode` ('none' / 'int8' / 'int4') and the LM head in
     head_mode (default: LM_HEAD_MODE[mode]); weights already in the target format are kept as
     they are (and int8 with a scale per group, a GGUF's exact Q8_0 / Q6_K, in any quantized
-    mode), others are requantized from their floats ('none': dequantized to fp32). A tied
-    embedding follows the head (its rows are dequantized at lookup). A MoE layer's stacked
-    experts follow the layers' mode (convert_experts)."""
+    mode), others are requantized from their floats ('none': dequantized to fp32, float
+    weights kept in their dtype). A tied embedding follows the head (its rows are dequantized
+    at lookup). A MoE layer's stacked experts follow the layers' mode (convert_experts)."""
 
     def kept(w: Linear, mode: str) -> bool:
         """Whether a quantized w stays as it is in `mode`: its format, or int8 with a scale per
@@ -39,7 +39,7 @@ def quantize_weights(
             return w
         if isinstance(w, QuantizedWeight):
             w = w.dequantize_rows()
-        return w.float() if mode == "none" else quantize(w, mode, group_size)
+        return w if mode == "none" else quantize(w, mode, group_size)
 
     def plain(w: Linear) -> torch.Tensor:
         return w.dequantize_rows() if isinstance(w, QuantizedWeight) else w

@@ -64,13 +64,21 @@ class LlamaWeights:
     def tied(self) -> bool:
         return self.lm_head is self.embed
 
-    def to(self, device: torch.device | str, dtype: torch.dtype) -> LlamaWeights:
-        """A copy on `device` in `dtype` (tensors already there are shared, ties kept)."""
+    def to(
+        self, device: torch.device | str, dtype: torch.dtype, keep_16_bit: bool = False
+    ) -> LlamaWeights:
+        """A copy on `device` in `dtype` (tensors already there are shared, ties kept).
+        keep_16_bit: bf16 / fp16 linear weights, embedding and LM head keep their dtype (the
+        16-bit checkpoints' weights under the CPU's fp32 activations: assemble_weights)."""
 
-        def move(t: Linear | None, dtype: torch.dtype = dtype) -> Linear | None:
+        def move(t: Linear | None, dtype: torch.dtype = dtype, linear: bool = False):
             if isinstance(t, QuantizedWeight):
                 return t.to(device)
-            return None if t is None else t.to(device=device, dtype=dtype)
+            if t is None:
+                return None
+            if linear and keep_16_bit and t.dtype in (torch.bfloat16, torch.float16):
+                return t.to(device=device)
+            return t.to(device=device, dtype=dtype)
 
         def field_dtype(name: str) -> torch.dtype:
             return torch.float32 if name == "sinks" else dtype  # (the kernels read fp32 sinks)
@@ -78,19 +86,21 @@ class LlamaWeights:
         layers = [
             LayerWeights(
                 **{
-                    f.name: move(getattr(layer, f.name), field_dtype(f.name))
+                    f.name: move(
+                        getattr(layer, f.name), field_dtype(f.name), f.name in LINEAR_FIELDS
+                    )
                     for f in fields(LayerWeights)
                 }
             )
             for layer in self.layers
         ]
-        embed = move(self.embed)
+        embed = move(self.embed, linear=True)
         factors = self.rope_freq_factors
         return LlamaWeights(
             embed,
             layers,
             move(self.norm),
-            embed if self.tied else move(self.lm_head),
+            embed if self.tied else move(self.lm_head, linear=True),
             None if factors is None else factors.to(device=device, dtype=torch.float32),
         )
 

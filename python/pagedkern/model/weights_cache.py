@@ -1,9 +1,10 @@
 """On-disk cache of converted models (dequantized GGUF weights are slow to produce): one folder
 per source file and quantization mode (kind "gguf", "gguf-int8", "gguf-int4g32", ...), keyed
-by the file's SHA-256, holding the fused weights as safetensors (fp32, or a quantized model's
-int8/int4 parts: never an fp32 copy of a quantized model), the ModelConfig and the tokenizer.
-Location: $PAGEDKERN_CACHE_DIR, else $XDG_CACHE_HOME/pagedkern, else ~/.cache/pagedkern. Writing
-a file's entry deletes that file's entries of the same kind in older cache formats."""
+by the file's SHA-256, holding the fused weights as safetensors (fp32, an F16 / BF16 file's
+projections in their dtype, or a quantized model's int8/int4 parts: never an fp32 copy of a
+quantized model), the ModelConfig and the tokenizer. Location: $PAGEDKERN_CACHE_DIR, else
+$XDG_CACHE_HOME/pagedkern, else ~/.cache/pagedkern. Writing a file's entry deletes that file's
+entries of the same kind in older cache formats."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from .tokenizer import Tokenizer
 from .weights import LlamaWeights
 
 # Bump when the cached layout or the conversion changes, so stale entries are never read.
-CACHE_FORMAT = 7  # 2: int8/int4 parts with .qmeta; 3: GGUF Q8_0 / Q6_K exact; 4: Q5_* exact;
-# 5: fused parts of two forms as int8 per 32; 6: MoE experts of two forms kept; 7: Q4_K exact
+CACHE_FORMAT = 8  # 2: int8/int4 parts with .qmeta; 3: GGUF Q8_0 / Q6_K exact; 4: Q5_* exact;
+# 5: fused parts of two forms as int8 per 32; 6: MoE experts of two forms kept; 7: Q4_K exact;
+# 8: F16 / BF16 projections kept 16-bit
 _WEIGHTS, _CONFIG, _DONE = "weights.safetensors", "pagedkern_config.json", "complete"
 
 
@@ -51,9 +53,14 @@ def entry_dir(kind: str, digest: str) -> Path:
 
 
 def load_entry(
-    kind: str, digest: str, device: torch.device | str, dtype: torch.dtype
+    kind: str,
+    digest: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    keep_16_bit: bool = False,
 ) -> tuple[ModelConfig, LlamaWeights, Tokenizer] | None:
-    """The cached model, or None on a miss (or an unreadable entry, which is then dropped)."""
+    """The cached model (moved as LlamaWeights.to), or None on a miss (or an unreadable
+    entry, which is then dropped)."""
     folder = entry_dir(kind, digest)
     if not (folder / _DONE).is_file():
         return None
@@ -62,7 +69,7 @@ def load_entry(
         # Straight to the target device: no host copy of a GPU model.
         load_device = "cpu" if torch.device(device).type == "meta" else str(device)
         state = load_file(str(folder / _WEIGHTS), device=load_device)
-        weights = LlamaWeights.from_state_dict(config, state).to(device, dtype)
+        weights = LlamaWeights.from_state_dict(config, state).to(device, dtype, keep_16_bit)
         tokenizer = Tokenizer.from_folder(folder)
     except Exception as exc:  # a damaged entry must never stop a load: rebuild it instead
         warnings.warn(f"pagedkern: dropping unreadable cache entry {folder}: {exc}", stacklevel=2)
