@@ -3,7 +3,9 @@ stderr and exit status 2, never a traceback; a bad stdin line names its number a
 lines are still answered; Ctrl-C exits 130 with what was generated so far; a reader that stops
 early (`| head -c 5`) is no BrokenPipeError. The signal and pipe cases, and one bad flag, run a
 real process; the other bad input runs main() in this one (what a process would print and exit
-with: main() turns every error into a line and SystemExit(2) itself)."""
+with: main() turns every error into a line and SystemExit(2) itself). A flag typed where the
+others leave it without effect is refused by the parser alone (no model loads), and --device
+cuda without a visible GPU before the model loads."""
 
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pagedkern.serving.cli import main
+from pagedkern.serving.cli.args import build_parser
+from pagedkern.serving.cli.config_from_flags import engine_config
 
 ARGS = ["--model", "synthetic:tiny"]
 CLI = [sys.executable, "-m", "pagedkern.serving.cli", *ARGS]
@@ -70,6 +75,126 @@ def test_bad_flags_exit_2_with_one_line(args, message, capsys, monkeypatch):
     status, _, err = run_main(capsys, monkeypatch, *args, "hi")
     assert status == 2
     assert message in one_error_line(err)
+
+
+# A flag typed where the others leave it without effect, and the flags named in the error.
+POINTLESS_FLAGS = [
+    (["--num-speculative-tokens", "3"], "--num-speculative-tokens", "--speculative"),
+    (["--speculative", "none", "--num-speculative-tokens", "4"], "--num-speculative-tokens", ""),
+    (["--ngram-min", "1"], "--ngram-min", "--speculative ngram"),
+    (["--speculative", "draft", "--draft-model", "self:1", "--ngram-max", "3"], "--ngram-max", ""),
+    (["--draft-model", "self:1"], "--draft-model", "--speculative draft"),
+    (["--speculative", "ngram", "--draft-model", "self:1"], "--draft-model", ""),
+    (["--expert-parallel"], "--expert-parallel", "--tensor-parallel-size 1"),
+    (["--tensor-parallel-size", "1", "--expert-parallel"], "--expert-parallel", ""),
+    (["--served-model-name", "m"], "--served-model-name", "--http"),
+    (["--port", "8000"], "--port", "--http"),  # typed, though it is the default
+    (["--host", "127.0.0.1"], "--host", "--http"),
+    (["--api-key", "k"], "--api-key", "--http"),
+    (["--allowed-origins", "*"], "--allowed-origins", "--http"),
+    (["--max-body-bytes", "100"], "--max-body-bytes", "--http"),
+    (["--tool-call-parser", "hermes"], "--tool-call-parser", "--http"),
+    (["--core-threads", "2"], "--core-threads", "--http"),
+    (["--max-queue", "3"], "--max-queue", "--http"),
+    (["--grammar-compile-workers", "3"], "--grammar-compile-workers", "--http"),
+    (["--raw", "--system", "s"], "--system", "--raw"),
+    (["--num-blocks", "16", "--kv-cache-gib", "2"], "--kv-cache-gib", "--num-blocks"),
+    (["--num-blocks", "16", "--gpu-memory-fraction", "0.5"], "--gpu-memory-fraction", ""),
+    (["--num-spec=3"], "--num-speculative-tokens", ""),  # an abbreviation is typed too
+]
+HTTP_POINTLESS_FLAGS = [
+    (["--http", "--system", "s"], "--system", "--http"),
+    (["--http", "--raw"], "--raw", "--http"),
+]
+
+
+def refusal(argv: list[str], capsys) -> str:
+    """The parser's one-line error for `argv` (exit status 2)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    return one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("args,flag,other", POINTLESS_FLAGS)
+def test_a_flag_without_effect_is_refused_naming_both_flags(args, flag, other, capsys):
+    line = refusal([*args, "hi"], capsys)
+    assert flag in line and "has no effect" in line and other in line, line
+
+
+@pytest.mark.parametrize("args,flag,other", HTTP_POINTLESS_FLAGS)
+def test_a_prompt_only_flag_is_refused_with_http(args, flag, other, capsys):
+    line = refusal(args, capsys)
+    assert flag in line and "has no effect with --http" in line, line
+
+
+def test_main_refuses_a_flag_without_effect_before_loading(capsys, monkeypatch):
+    status, out, err = run_main(capsys, monkeypatch, "--served-model-name", "m", "hi")
+    assert status == 2 and out == ""
+    assert "--served-model-name has no effect without --http" in one_error_line(err)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],  # every default: none of them counts as typed
+        ["--speculative", "ngram", "--num-speculative-tokens", "3", "--ngram-min", "1"],
+        ["--speculative", "ngram", "--ngram-max", "3"],
+        ["--speculative", "draft", "--draft-model", "self:1", "--num-speculative-tokens", "2"],
+        ["--tensor-parallel-size", "2", "--expert-parallel"],
+        ["--num-blocks", "16"],
+        ["--kv-cache-gib", "2", "--gpu-memory-fraction", "0.5"],
+        ["--system", "s"],
+        ["--raw", "--max-tokens", "3", "--log-level", "info"],
+    ],
+)
+def test_flags_that_take_effect_still_parse(args):
+    build_parser().parse_args([*args, "hi"])
+
+
+def test_http_flags_still_parse_with_http():
+    args = build_parser().parse_args(
+        ["--http", "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "m"]
+        + ["--api-key", "k", "--allowed-origins", "*", "--max-queue", "3", "--core-threads", "2"]
+        + ["--grammar-compile-workers", "3", "--tool-call-parser", "hermes", "--max-tokens", "5"]
+    )
+    assert (args.host, args.port, args.served_model_name) == ("0.0.0.0", 8000, "m")
+
+
+def test_typed_flags_are_the_given_ones_not_the_defaults():
+    parser = build_parser()
+    assert parser.typed(["hi"]) == {"prompt"}
+    assert parser.typed(["--port", "8000", "--stop", "x", "--no-prefix-caching"]) == {
+        "port",
+        "stop",
+        "no_prefix_caching",
+    }
+    assert parser.parse_args(["hi"]).port == 8000  # the defaults are back after typed()
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_device_cuda_without_a_visible_gpu_is_one_line(device, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=f"--device {device}: no CUDA GPU is visible"):
+        engine_config(build_parser().parse_args(["--device", device, "hi"]))
+    for mode in (["hi"], ["--http", "--port", "0"]):  # before the model loads, or the server
+        status, out, err = run_main(capsys, monkeypatch, "--device", device, *mode)
+        assert status == 2 and out == ""
+        assert "torch.cuda.is_available() is False" in one_error_line(err)
+
+
+def test_device_names_a_gpu_torch_sees(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    parse = build_parser().parse_args
+    assert engine_config(parse(["--device", "cuda:0", "hi"])).device == "cuda:0"
+    assert engine_config(parse(["--device", "cuda", "hi"])).device == "cuda"
+    with pytest.raises(ValueError, match=r"--device cuda:1: no such GPU \(torch sees 1"):
+        engine_config(parse(["--device", "cuda:1", "hi"]))
+    assert engine_config(parse(["--device", "cpu", "hi"])).device == "cpu"
+    with pytest.raises(ValueError, match="--device nope"):
+        engine_config(parse(["--device", "nope", "hi"]))
 
 
 def test_a_bad_flag_in_a_real_process_is_one_line_and_status_2():

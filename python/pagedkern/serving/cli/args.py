@@ -1,14 +1,16 @@
 """`pagedkern-serve`'s flags and their help groups. Engine and server flags take their defaults
 (and, where the field has one, their help) from EngineConfig and ServerSettings, so a default
 lives in one place. Every bad value is reported on one line (`pagedkern-serve: error: ...`) with
-exit status 2 (the checks: value_checks.py); config_from_flags.py turns the parsed flags into
-the engine's and the server's configuration."""
+exit status 2 (the checks: value_checks.py), and so is a flag typed where it would have no effect
+(`pointless_flag`); config_from_flags.py turns the parsed flags into the engine's and the
+server's configuration."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 
 from ... import __version__
 from ...engine import EngineConfig, engine_fields
@@ -48,10 +50,34 @@ SAMPLING_DEFAULTS = {
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (no usage dump) and exit 2."""
+    """An ArgumentParser whose errors are one line (no usage dump) and exit 2, and which refuses
+    a flag typed where the others make it pointless (`pointless_flag`)."""
+
+    http_only: tuple[str, ...] = ()  # the dests of the flags that configure the server alone
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{PROG}: error: {message}\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace=None):  # type: ignore[override]
+        argv = sys.argv[1:] if args is None else list(args)
+        parsed = super().parse_args(argv, namespace)
+        message = pointless_flag(parsed, self.typed(argv), self.http_only)
+        if message:
+            self.error(message)
+        return parsed
+
+    def typed(self, argv: Sequence[str]) -> frozenset[str]:
+        """The dests of the flags typed in `argv` (a default is not typed): `argv` parsed again
+        with every default suppressed, so that only what was typed is set."""
+        defaults = [(action, action.default) for action in self._actions]
+        try:
+            for action, _ in defaults:
+                action.default = argparse.SUPPRESS
+            given, _ = super().parse_known_args(list(argv))
+        finally:
+            for action, default in defaults:
+                action.default = default
+        return frozenset(vars(given))
 
 
 # --- help ------------------------------------------------------------------------------------
@@ -274,7 +300,56 @@ def build_parser() -> Parser:
         type=positive_int,
         help=_field_help(ServerSettings, "core_threads", "core threads", shown="auto"),
     )
+    p.http_only = (*HTTP_ENGINE_FIELDS, *(a.dest for a in h._group_actions if a.dest != "http"))
     return p
+
+
+# --- flags that would have no effect -----------------------------------------------------------
+
+# The engine flags only the HTTP server's engine core reads (the command line's engine has no
+# queue limit and compiles a --json-schema itself); the http group's flags but --http are the
+# others that configure the server alone (Parser.http_only).
+HTTP_ENGINE_FIELDS = ("max_queue", "grammar_compile_timeout", "grammar_compile_workers")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def pointless_flag(
+    args: argparse.Namespace, typed: frozenset[str], http_only: Sequence[str]
+) -> str | None:
+    """Why a flag typed (`typed`: the dests given on the command line; a default is never
+    typed) would have no effect with the other flags, or None. http_only: the dests of the
+    flags that configure the HTTP server alone."""
+    if args.http:
+        if "system" in typed:
+            return "--system has no effect with --http (each request carries its own messages)"
+        if "raw" in typed:
+            return "--raw has no effect with --http (/v1/completions takes raw text)"
+    else:
+        for dest in http_only:
+            if dest in typed:
+                return f"{_flag(dest)} has no effect without --http (it configures the HTTP server)"
+    if args.raw and "system" in typed:
+        return "--system has no effect with --raw (no chat template, so no system message)"
+    if "num_speculative_tokens" in typed and args.speculative == "none":
+        return "--num-speculative-tokens has no effect without --speculative ngram or draft"
+    for dest in ("ngram_min", "ngram_max"):
+        if dest in typed and args.speculative != "ngram":
+            return f"{_flag(dest)} has no effect without --speculative ngram"
+    if "draft_model" in typed and args.speculative != "draft":
+        return "--draft-model has no effect without --speculative draft"
+    if args.expert_parallel and args.tensor_parallel_size == 1:
+        return (
+            "--expert-parallel has no effect with --tensor-parallel-size 1 (it spreads the "
+            "experts over N > 1 ranks)"
+        )
+    if args.num_blocks is not None:
+        for dest in ("kv_cache_gib", "gpu_memory_fraction"):
+            if dest in typed:
+                return f"{_flag(dest)} has no effect with --num-blocks (the KV cache's size)"
+    return None
 
 
 _FLAG_TYPES = {"positive_int": positive_int, "positive_float": positive_float}

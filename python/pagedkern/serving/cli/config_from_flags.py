@@ -39,12 +39,13 @@ def _derived_engine_values(args: argparse.Namespace) -> dict:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Raises ValueError for a combination EngineConfig refuses."""
+    """Raises ValueError for a combination EngineConfig refuses, and for a --device this
+    machine does not have."""
     import torch
 
     return EngineConfig(
         model=args.model,
-        device=args.device,
+        device=check_device(args.device),
         dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
         block_size=args.block_size,
         num_blocks=args.num_blocks,
@@ -63,6 +64,32 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cuda_graphs=False if args.enforce_eager else field_default(EngineConfig, "cuda_graphs"),
         **_derived_engine_values(args),
     )
+
+
+def check_device(value: str | None) -> str | None:
+    """--device as given, if torch can place tensors there: a CUDA device needs a GPU that torch
+    sees (else the model's loading would fail with torch's long message on its CUDA library)."""
+    if value is None:
+        return None
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {value}: {exc}") from None
+    if device.type != "cuda":
+        return value
+    if not torch.cuda.is_available():
+        build = "; this torch is built without CUDA" if torch.version.cuda is None else ""
+        raise ValueError(
+            f"--device {value}: no CUDA GPU is visible (torch.cuda.is_available() is False{build})"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"--device {value}: no such GPU (torch sees {count}: cuda:0..cuda:{count - 1})"
+        )
+    return value
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
