@@ -11,7 +11,8 @@ each with its own state:
   each carrying its own state (stop ids, detokenizer, deadline, the samples that fork from it).
 - `Scheduler` (scheduler.py) over the `BlockPool` (block_pool.py): what runs each step; both
   made with the KV cache they hand out (`KVCacheSetup`, kv_setup.py: its size and context).
-- `IsolatingForward` (forward.py) over the `ModelRunner` (runner.py): the forward pass and
+- `StepExecutor` (step_executor.py): a scheduled batch run to its appended outputs, through
+  `IsolatingForward` (forward.py) over the `ModelRunner` (runner.py): the forward pass and
   sampling, with a failure pinned on the request that caused it.
 - `OutputProcessor` (output_processor.py): the running requests; appends sampled tokens, runs
   the stop checks, makes the outputs and finishes requests.
@@ -50,12 +51,13 @@ from .kv_budget import release_device_memory
 from .kv_setup import KVCacheSetup
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
-from .overlap import InFlight, Overlap
-from .request import FinishReason, Request, RequestStatus
+from .overlap import Overlap
+from .request import FinishReason, Request
 from .runner import ModelRunner
 from .scheduler import ScheduledBatch
 from .speculative import load_draft, make_proposer
 from .speculative.speculation import Speculation
+from .step_executor import StepExecutor
 from .trace import Tracer
 
 if TYPE_CHECKING:
@@ -118,12 +120,16 @@ class Engine:
             Overlap(self.runner, self.scheduler, self.backend) if config.async_scheduling else None
         )
         with ops.use_backend(self.backend):
-            self.proposer = make_proposer(config, self.kv_cache, draft)
+            proposer = make_proposer(config, self.kv_cache, draft)
         self.speculation = Speculation(config.speculative, self.backend)
         self.admission = Admission(tokenizer, self.vocab_size, self.scheduler.config.max_model_len)
         self.output = OutputProcessor(
             tokenizer, self.pool, self.max_model_len, self._release, time.monotonic, tracer
         )
+        self.executor = StepExecutor(
+            self.forward, self.scheduler, self.output, self.speculation, proposer, self.overlap,
+            self.kv_cache,
+        )  # fmt: skip
         self.requests: dict[str, Request] = self.output.requests  # the running ones, by id
         self.iteration = 0
         self._num_prompt_tokens = 0
@@ -131,6 +137,7 @@ class Engine:
     # Settings other layers change after construction (the HTTP core, the CLI's --trace,
     # tests), each held by the collaborator that uses it.
     tracer = _setting("output", "tracer", "Tracer | None: the --trace narrator.")
+    proposer = _setting("executor", "proposer", "Speculative decoding's proposer, or None.")
     clock = _setting("output", "clock", "Arrival, token and finish times (tests substitute it).")
     detokenize = _setting(
         "admission",
@@ -310,7 +317,7 @@ class Engine:
             batch = self.scheduler.schedule()
         except Exception as exc:  # noqa: BLE001 - the scheduler's own fault: fail who it holds
             output.fail_all(self.scheduler.running, exc, outputs)
-            self._drain(outputs)
+            self.executor.drain(outputs)
             return outputs
         outputs += [output.fail(request, exc) for request, exc in batch.failed]
         if self.proposer is not None:
@@ -318,10 +325,7 @@ class Engine:
                 self.proposer.forget(victim)
         self.iteration += bool(batch)
         try:
-            if self.overlap is not None:
-                self._step_overlapped(batch, outputs)
-            elif batch:
-                self._run(batch, outputs)
+            self.executor.run(batch, self.iteration, outputs)
         except Exception as exc:  # noqa: BLE001 - not one request's fault (see _step_failed)
             self._step_failed(batch, exc, outputs)
         return outputs
@@ -344,80 +348,6 @@ class Engine:
             self.output.fail_all(entries, exc, outputs)
             if isinstance(exc, ShadowDivergence):
                 raise exc  # strict shadow mode: stop with the report
-
-    def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
-        """A synchronous step: propose, run the model, account the step, append."""
-        output = self.output
-        proposals = self.speculation.propose(self.proposer, batch) if batch.lookahead else {}
-        if self.tracer:
-            self.tracer.iteration(self.iteration, batch, self.pool)
-        forking = output.forking
-        forks = {r: r.forks for r, _ in batch.entries if r in forking} if forking else {}
-        results, failures = self.forward(batch.entries, forks, proposals, self.iteration)
-        if failures:
-            outputs += [output.fail(request, exc) for request, exc in failures]
-            failed = {request for request, _ in failures}
-            done = ScheduledBatch([e for e in batch.entries if e[0] not in failed])
-        else:
-            done = ScheduledBatch(batch.entries)
-        if batch.lookahead:
-            # what each request gained: a verified run ends in its recovered or bonus token
-            gains = {r: (t,) for res in results for r, t in zip(res.requests, res.token_ids)}
-            gains |= {r: tokens for res in results for r, tokens in res.verified}
-            done.accepted = {r: tuple(gains[r][:-1]) for r in batch.lookahead if r in gains}
-        tables = {r: len(r.block_table) for r in done.accepted}
-        self.scheduler.on_step_done(done)  # the runner sampled exactly the requests it returns
-        for request, accepted in done.accepted.items():
-            proposal = proposals.get(request)
-            self.speculation.count(request, proposal, accepted, tables[request], self.tracer)
-        outputs += [output.fail(request, exc) for request, exc in done.failed]
-        if forks:  # n > 1: prompts that completed now give their blocks to the other samples
-            sampled = {request for result in results for request in result.requests}
-            for leader in sampled & forks.keys():
-                if leader.request_id in self.requests:  # not failed meanwhile
-                    self._fork(leader, output.take_forks(leader))
-        output.append(results, outputs)
-
-    def _step_overlapped(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
-        """async_scheduling: launch `batch` behind the step in flight, then complete that one;
-        a batch that may not overlap runs synchronously once the step in flight is done."""
-        overlap = self.overlap
-        previous = overlap.take()
-        if overlap.overlappable(batch):
-            if self.tracer:
-                self.tracer.iteration(self.iteration, batch, self.pool)
-            if overlap.launch(batch, previous, own_logits=self.tracer is not None):
-                if previous is not None:
-                    self._complete(previous, outputs)
-                return
-        if previous is not None and not self._complete(previous, outputs):
-            return  # rolled back: the next step (synchronous) schedules afresh
-        batch.entries = [e for e in batch.entries if e[0].status is RequestStatus.RUNNING]
-        if batch:  # minus those that ended with the step before
-            self._run(batch, outputs)
-
-    def _complete(self, step: InFlight, outputs: list[RequestOutput]) -> bool:
-        """Wait for an overlapped step and append its ids; False: it failed (rolled back)."""
-        result, failures = self.overlap.complete(step)
-        outputs += [self.output.fail(request, exc) for request, exc in failures]
-        if result is not None:
-            self.output.append([result], outputs)
-        return result is not None
-
-    def _drain(self, outputs: list[RequestOutput]) -> None:
-        """Complete the step in flight, if any."""
-        previous = None if self.overlap is None else self.overlap.take()
-        if previous is not None:
-            self._complete(previous, outputs)
-
-    def _fork(self, leader: Request, samples: list[Request]) -> None:
-        """n > 1: the further samples take the first's prompt KV (Scheduler.fork); the K/V of
-        a partial last block is copied into each sample's own block."""
-        data = self.kv_cache.data
-        for sample in samples:
-            copy = self.scheduler.fork(leader, sample)
-            if copy is not None:
-                data[:, :, copy[1]] = data[:, :, copy[0]]
 
     def _release(self, request: Request) -> None:
         """A finished request's blocks and proposer state go back (OutputProcessor.finish)."""
