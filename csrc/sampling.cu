@@ -283,13 +283,13 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(const SampleParams 
 // Processing stage (before the sampling passes): row r of the workspace = the processed logits
 // (NaN = -inf, bitmask applied; 16-byte loads and stores), then the row's sparse entries are
 // recomputed from the raw logits with penalties and bias (one thread per entry; ids distinct).
+// (min blocks 1: ptxas otherwise held the 16-bit rows' loop to 40 registers, spilling)
 template <typename T, int kVec>
-__global__ void __launch_bounds__(kThreads) process_kernel(const SampleParams p) {
+__global__ void __launch_bounds__(kThreads, 1) process_kernel(const SampleParams p) {
   const int64_t r = blockIdx.x;
   const T* row = static_cast<const T*>(p.logits) + r * p.logits_stride;
   float* out = p.workspace + r * p.workspace_stride;
-  const int mask_row = p.bitmask_rows ? p.bitmask_rows[r] : -1;
-  const int* mask = mask_row >= 0 ? p.bitmask + int64_t(mask_row) * p.bitmask_words : nullptr;
+  const int* mask = row_mask(p, r);
   for (int64_t i = int64_t(threadIdx.x) * kVec; i < p.vocab; i += int64_t(kThreads) * kVec) {
     Run<T, kVec> run;
     run.load(row + i);
@@ -309,10 +309,11 @@ __global__ void __launch_bounds__(kThreads) process_kernel(const SampleParams p)
     }
   }
   __syncthreads();  // the dense writes land before the sparse entries overwrite theirs
-  if (p.token_offsets == nullptr) return;
+  const EntryRange entries = row_entries(p, r);
+  if (entries.last == entries.first) return;
   const float presence = p.presence_penalty[r], frequency = p.frequency_penalty[r];
   const float repetition = p.repetition_penalty[r];
-  for (int j = p.token_offsets[r] + threadIdx.x; j < p.token_offsets[r + 1]; j += kThreads) {
+  for (int j = entries.first + threadIdx.x; j < entries.last; j += kThreads) {
     const int id = p.token_ids[j];
     if (id < 0 || id >= p.vocab) continue;  // a bad id never reads or writes outside its row
     const int count = p.token_counts[j];

@@ -36,6 +36,12 @@ struct SampleParams {
   const int* bitmask = nullptr;       // [masks, bitmask_words]: bit t % 32 of word t / 32
   const int* bitmask_rows = nullptr;  // [rows]; < 0: no mask
   int64_t bitmask_words = 0;
+  // The arrays' lengths, which bound what the kernels read: a bitmask row >= num_masks is no
+  // mask, token_offsets that do not rise within [0, nnz] give the row no entries (the values
+  // are never read back to the host); with check_indices either traps (debug mode).
+  int64_t num_masks = 0;
+  int64_t nnz = 0;
+  bool check_indices = false;
   const float* min_p = nullptr;  // [rows]; <= 0: off
   float* logprobs = nullptr;     // [rows] out: the sampled token's log-probability
   // Top-N outputs (variant 0 only; N <= 20 and <= vocab): the N most likely tokens of the

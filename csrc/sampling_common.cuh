@@ -5,6 +5,7 @@
 #pragma once
 
 #include "device.cuh"
+#include "index_check.cuh"
 #include "philox.cuh"
 #include "sampling.h"
 
@@ -184,6 +185,29 @@ __device__ __forceinline__ void select_bin(Shared& sh, bool mass_mode, unsigned 
   }
 }
 
+
+// Row r's mask (nullptr: none) and sparse entries [first, last), never outside the arrays
+// (SampleParams: num_masks, nnz); a bad index traps in debug mode (index_check.cuh).
+__device__ __forceinline__ const int* row_mask(const SampleParams& p, int64_t r) {
+  const int row = p.bitmask_rows ? p.bitmask_rows[r] : -1;
+  if (row < 0) return nullptr;
+  check_index(p.check_indices, row, p.num_masks);
+  return row < p.num_masks ? p.bitmask + int64_t(row) * p.bitmask_words : nullptr;
+}
+
+struct EntryRange {
+  int first = 0, last = 0;
+};
+
+__device__ __forceinline__ EntryRange row_entries(const SampleParams& p, int64_t r) {
+  if (p.token_offsets == nullptr) return {};
+  const int first = p.token_offsets[r], last = p.token_offsets[r + 1];
+  if (first < 0 || last < first || last > p.nnz) {
+    if (p.check_indices) __trap();
+    return {};
+  }
+  return {first, last};
+}
 
 __device__ __forceinline__ bool allowed(const int* mask, int64_t i) {
   return mask == nullptr || (unsigned(mask[i >> 5]) >> (i & 31)) & 1u;

@@ -185,13 +185,10 @@ __global__ void __launch_bounds__(kThreads, 1) sample_fused_kernel(const SampleP
   __shared__ TopShared top;
   const int64_t r = blockIdx.x;
   const int64_t vocab = p.vocab;
-  const int mask_row = p.bitmask_rows ? p.bitmask_rows[r] : -1;
-  Source<T, kVec> src{static_cast<const T*>(p.logits) + r * p.logits_stride,
-                      mask_row >= 0 ? p.bitmask + int64_t(mask_row) * p.bitmask_words : nullptr};
+  Source<T, kVec> src{static_cast<const T*>(p.logits) + r * p.logits_stride, row_mask(p, r)};
 
   // Processing: the sparse entries' values and bits (O(nnz + V / 32) work, see the top).
-  const int first = p.token_offsets ? p.token_offsets[r] : 0;
-  const int last = p.token_offsets ? p.token_offsets[r + 1] : 0;
+  const auto [first, last] = row_entries(p, r);
   if (last > first) {  // block-uniform
     float* values = p.workspace + r * p.workspace_stride;
     unsigned* bits = reinterpret_cast<unsigned*>(values + sample_entry_bits_offset(vocab));

@@ -79,10 +79,9 @@ __device__ __forceinline__ Slice slice_of(const SampleParams& p, int64_t slice_l
 // (written by sample_split_argmax_kernel).
 template <typename T, int kVec>
 __device__ __forceinline__ Source<T, kVec> row_source(const SampleParams& p, int64_t r) {
-  const int mask_row = p.bitmask_rows ? p.bitmask_rows[r] : -1;
-  Source<T, kVec> src{static_cast<const T*>(p.logits) + r * p.logits_stride,
-                      mask_row >= 0 ? p.bitmask + int64_t(mask_row) * p.bitmask_words : nullptr};
-  if (p.token_offsets && p.token_offsets[r + 1] > p.token_offsets[r]) {
+  Source<T, kVec> src{static_cast<const T*>(p.logits) + r * p.logits_stride, row_mask(p, r)};
+  const EntryRange entries = row_entries(p, r);
+  if (entries.last > entries.first) {
     float* values = p.workspace + r * p.workspace_stride;
     src.entry_values = values;
     src.entry_bits = reinterpret_cast<unsigned*>(values + sample_entry_bits_offset(p.vocab));
@@ -146,8 +145,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int64_t w = slice.begin / 32 + threadIdx.x; w < (slice.end + 31) / 32; w += kThreads)
       bits[w] = 0u;
     __syncthreads();
-    for (int j = p.token_offsets[r] + int(threadIdx.x); j < p.token_offsets[r + 1];
-         j += kThreads) {
+    const EntryRange entries = row_entries(p, r);
+    for (int j = entries.first + int(threadIdx.x); j < entries.last; j += kThreads) {
       const int id = p.token_ids[j];
       if (id < slice.begin || id >= slice.end) continue;
       values[id] = processed_entry(p, r, j, to_float(src.row[id]), src.mask);

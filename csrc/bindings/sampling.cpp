@@ -16,7 +16,7 @@ void bind_sampling(py::module_& m) {
          std::uintptr_t token_bias, std::uintptr_t presence_penalty,
          std::uintptr_t frequency_penalty, std::uintptr_t repetition_penalty,
          std::uintptr_t bitmask, std::uintptr_t bitmask_rows, int64_t bitmask_words,
-         std::uintptr_t min_p, std::uintptr_t logprobs, std::uintptr_t top_ids,
+         int64_t num_masks, int64_t nnz, bool check_indices, std::uintptr_t min_p, std::uintptr_t logprobs, std::uintptr_t top_ids,
          std::uintptr_t top_logprobs, int top_n, std::uintptr_t workspace,
          int64_t workspace_stride, int slices, std::uintptr_t split_state,
          int64_t split_state_stride, int device, std::uintptr_t stream, int variant) {
@@ -42,6 +42,9 @@ void bind_sampling(py::module_& m) {
         p.bitmask = as_ptr<const int>(bitmask);
         p.bitmask_rows = as_ptr<const int>(bitmask_rows);
         p.bitmask_words = bitmask_words;
+        p.num_masks = num_masks;
+        p.nnz = nnz;
+        p.check_indices = check_indices;
         p.min_p = as_ptr<const float>(min_p);
         p.logprobs = as_ptr<float>(logprobs);
         p.top_ids = as_ptr<int>(top_ids);
@@ -61,7 +64,8 @@ void bind_sampling(py::module_& m) {
       py::arg("vocab"), py::arg("logits_stride"), py::arg("dtype"), py::arg("token_offsets"),
       py::arg("token_ids"), py::arg("token_counts"), py::arg("token_bias"),
       py::arg("presence_penalty"), py::arg("frequency_penalty"), py::arg("repetition_penalty"),
-      py::arg("bitmask"), py::arg("bitmask_rows"), py::arg("bitmask_words"), py::arg("min_p"),
+      py::arg("bitmask"), py::arg("bitmask_rows"), py::arg("bitmask_words"),
+      py::arg("num_masks"), py::arg("nnz"), py::arg("check_indices"), py::arg("min_p"),
       py::arg("logprobs"), py::arg("top_ids"), py::arg("top_logprobs"), py::arg("top_n"),
       py::arg("workspace"), py::arg("workspace_stride"), py::arg("slices"),
       py::arg("split_state"), py::arg("split_state_stride"), py::arg("device"),

@@ -20,6 +20,7 @@ from .arrays import (
 )
 from .index_checks import check_sampling_indices
 from .launch import (
+    check_indices,
     kernel_or_reference,
     kernel_variant,
     launch_context,
@@ -242,6 +243,9 @@ def sample(
             bitmask=ptr.get("bitmask", 0),
             bitmask_rows=ptr.get("bitmask_rows", 0),
             bitmask_words=(vocab + 31) // 32,
+            num_masks=checked["bitmask"].shape[0] if "bitmask" in checked else 0,
+            nnz=checked["token_ids"].shape[0] if "token_ids" in checked else 0,
+            check_indices=check_indices(),
             min_p=ptr.get("min_p", 0),
             logprobs=0 if lpv is None else lpv.ptr,
             top_ids=view(top_ids, "top_ids").ptr if top_n else 0,
