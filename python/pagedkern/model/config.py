@@ -26,8 +26,29 @@ class RopeScaling:
     truncate: bool = True  # yarn: the ramp's bounds rounded to whole dimensions
     attention_factor: float | None = None  # yarn: None = 0.1 * ln(factor) + 1
 
+    def __post_init__(self):
+        # (a zero, negative or NaN factor or length gives infinite or NaN frequencies, or a
+        # math domain error when the RoPE table is built)
+        for key in ("factor", "low_freq_factor", "beta_fast", "beta_slow", "attention_factor"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"rope_scaling {key} must be positive and finite, got {value}")
+        if not self.high_freq_factor > self.low_freq_factor or math.isinf(self.high_freq_factor):
+            raise ValueError(
+                f"rope_scaling high_freq_factor {self.high_freq_factor} must be finite and above "
+                f"low_freq_factor {self.low_freq_factor}"
+            )
+        if self.original_max_position_embeddings < 1:
+            raise ValueError(
+                "rope_scaling original_max_position_embeddings must be positive, got "
+                f"{self.original_max_position_embeddings}"
+            )
+
 
 SLIDING, FULL = "sliding", "full"  # layer_types entries
+# The most positions a config may claim: past every released model's context (a RoPE table
+# of that many rows is built at load; a claim of 10^12 would be a terabyte)
+MAX_POSITIONS = 1 << 24
 ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU, GeGLU
 
 
@@ -93,9 +114,25 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
 
     def __post_init__(self):
-        sizes = (self.vocab_size, self.hidden_size, self.intermediate_size, self.num_layers)
-        if min(sizes) <= 0 or min(self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
-            raise ValueError(f"{self.name}: every size must be positive")
+        for key in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+            "num_kv_heads", "head_dim", "max_position_embeddings",
+        ):  # fmt: skip
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{self.name}: {key} must be positive, got {getattr(self, key)}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise ValueError(
+                f"{self.name}: max_position_embeddings {self.max_position_embeddings} is past "
+                f"{MAX_POSITIONS}, the most positions pagedkern builds a RoPE table for"
+            )
+        # (a base of at most 1 gives no rotation, or rising frequencies; YaRN divides by its log)
+        for key in ("rope_theta", "rope_local_theta"):
+            value = getattr(self, key)
+            if value is not None and not 1 < value < math.inf:
+                raise ValueError(f"{self.name}: {key} must be finite and above 1, got {value}")
+        if not 0 <= self.rms_norm_eps < math.inf:
+            eps = self.rms_norm_eps
+            raise ValueError(f"{self.name}: rms_norm_eps must be finite and >= 0, got {eps}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{self.name}: {self.num_heads} query heads are not a multiple of "
@@ -114,6 +151,8 @@ class ModelConfig:
                 f"{self.num_layers} layers, got {self.layer_types}"
             )
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        if self.num_experts < 0:
+            raise ValueError(f"{self.name}: num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from .config import FULL, SLIDING, ModelConfig, RopeScaling
+from .config_checks import check_types
 from .errors import ModelLoadError
 from .gguf_gpt_oss import ARCH as GPT_OSS
 from .gguf_gpt_oss import gpt_oss_gguf_fields, yarn_from_gguf
@@ -33,18 +34,39 @@ _MOE_NORM_TOPK[GPT_OSS] = False  # (its softmax over the top-k sums to 1 already
 # Gemma: its local:global layer pattern and the layer count of its 27B size, whose attention
 # scale llama.cpp takes from hidden / heads instead of the head dim (the GGUF does not store it)
 _GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
+# The types of the "<arch>." keys the reader takes (config_checks)
+_KINDS = dict.fromkeys(
+    ("block_count", "embedding_length", "feed_forward_length", "context_length",
+     "attention.head_count", "attention.head_count_kv", "attention.key_length",
+     "attention.value_length", "rope.dimension_count", "rope.scaling.original_context_length"),
+    "size",
+)  # fmt: skip
+_KINDS |= dict.fromkeys(
+    ("expert_count", "expert_used_count", "expert_feed_forward_length",
+     "expert_shared_feed_forward_length", "attention.sliding_window"),
+    "count",
+)  # fmt: skip
+_KINDS |= dict.fromkeys(
+    ("rope.freq_base", "rope.freq_base_swa", "attention.layer_norm_rms_epsilon",
+     "rope.scaling.factor", "attention.scale", "attn_logit_softcapping",
+     "final_logit_softcapping", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow"),
+    "number",
+)  # fmt: skip
+_KINDS |= {"rope.scaling.type": "str", "expert_weights_norm": "bool"}
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict, path: str) -> tuple[ModelConfig, bool]:
     """(config, whether the file stores Q and K permuted) of a GGUF's metadata and tensor table
     (name -> ReaderTensor); errors name the file and the missing or unsupported field."""
     arch = meta.get("general.architecture")
-    if arch not in _ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in _ARCHITECTURES:
         raise ModelLoadError(
             path, f"unsupported architecture {arch!r} (supported: {', '.join(_ARCHITECTURES)})"
         )
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(path, "tensor 'token_embd.weight' is missing")
+    if len(tensors["token_embd.weight"].shape) != 2:  # (its rows give the vocabulary size)
+        raise ModelLoadError(path, "tensor 'token_embd.weight' is not a matrix")
 
     def get(key: str, default=None):
         value = meta.get(f"{arch}.{key}", default)
@@ -52,19 +74,15 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict, path: str) -> tuple[Mo
             raise ModelLoadError(path, f"GGUF metadata lacks {arch}.{key}")
         return value
 
+    check_types(meta, _KINDS, path, prefix=f"{arch}.")
     heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise ModelLoadError(path, "partial rotary embeddings are not supported")
-    scaling = None
-    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type == "linear":
-        scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
-    elif scaling_type == "yarn":
-        scaling = yarn_from_gguf(meta, arch, path)
-    elif scaling_type != "none":
-        raise ModelLoadError(path, f"unsupported rope scaling type {scaling_type!r}")
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(path, "value heads of another size than key heads: not supported")
     layers = int(get("block_count"))
+    _check_counts(meta, arch, tensors, layers, path)
     gemma = (
         _gemma_fields(meta, arch, layers, hidden, heads, head_dim, path) if arch in _GEMMA else {}
     )
@@ -72,6 +90,14 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict, path: str) -> tuple[Mo
     if arch == GPT_OSS:
         moe |= gpt_oss_gguf_fields(meta, layers, path)
     try:
+        scaling = None
+        scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+        if scaling_type == "linear":
+            scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
+        elif scaling_type == "yarn":
+            scaling = yarn_from_gguf(meta, arch, path)
+        elif scaling_type != "none":
+            raise ModelLoadError(path, f"unsupported rope scaling type {scaling_type!r}")
         config = ModelConfig(
             name=str(meta.get("general.name") or os.path.basename(path)),
             vocab_size=int(tensors["token_embd.weight"].shape[1]),
@@ -96,6 +122,22 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict, path: str) -> tuple[Mo
     except ValueError as exc:
         raise ModelLoadError(path, str(exc)) from None
     return config, _ARCHITECTURES[arch]
+
+
+def _check_counts(meta: dict[str, Any], arch: str, tensors: dict, layers: int, path: str) -> None:
+    """Refuse a block_count or expert_count past the file's tensors, before expected_shapes
+    lists every tensor of every layer and expert (10^9 layers: a MemoryError)."""
+    if not any(name.startswith(f"blk.{layers - 1}.") for name in tensors):
+        problem = (
+            f"{arch}.block_count is {layers}, but the file has no tensor of layer {layers - 1}"
+        )
+        raise ModelLoadError(path, problem)
+    experts = meta.get(f"{arch}.expert_count") or 0
+    router = next((t for name, t in tensors.items() if name.endswith("ffn_gate_inp.weight")), None)
+    if experts and router is not None and len(router.shape) == 2 and router.shape[1] != experts:
+        # (a router's rows, GGUF dims reversed: one per expert)
+        problem = f"{arch}.expert_count is {experts}, but the router has {router.shape[1]} rows"
+        raise ModelLoadError(path, problem)
 
 
 def _moe_fields(
@@ -143,8 +185,10 @@ def _gemma_fields(
     swa = meta.get(f"{arch}.attention.sliding_window_pattern", pattern)
     if isinstance(swa, list):  # per layer: True = sliding
         sliding = [bool(x) for x in swa]
+    elif isinstance(swa, int) and not isinstance(swa, bool) and swa > 0:
+        sliding = [(i + 1) % swa != 0 for i in range(layers)]
     else:
-        sliding = [(i + 1) % int(swa) != 0 for i in range(layers)]
+        raise ModelLoadError(path, f"{arch}.attention.sliding_window_pattern: invalid {swa!r}")
     if len(sliding) != layers:
         raise ModelLoadError(path, f"{arch}.attention.sliding_window_pattern: not one per layer")
     scale = meta.get(f"{arch}.attention.scale")

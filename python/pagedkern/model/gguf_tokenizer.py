@@ -9,6 +9,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
+from .config_checks import check_types
 from .errors import ModelLoadError
 from .tokenizer import Tokenizer
 
@@ -43,6 +44,12 @@ _PRE_TOKENIZERS = {
 }
 
 
+# The types of the tokenizer keys read (config_checks)
+_KINDS = {"model": "str", "pre": "str", "tokens": "strs", "token_type": "ints", "merges": "strs"}
+_KINDS |= {"add_bos_token": "bool"}
+_KINDS |= {f"{k}_token_id": "int" for k in ("bos", "eos", "unknown", "padding", "eot", "eom")}
+
+
 def _pre_tokenizer(kind: str):
     if kind == _GPT2:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -63,6 +70,8 @@ def _pre_tokenizer(kind: str):
 
 def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
     """meta: the GGUF key/value metadata (tokenizer.* keys), values already decoded."""
+    check_types(meta, _KINDS, source, prefix="tokenizer.ggml.")
+    check_types(meta, {"tokenizer.chat_template": "str"}, source)
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ModelLoadError(
@@ -75,7 +84,12 @@ def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
     if not tokens:
         raise ModelLoadError(source, "GGUF metadata holds no vocabulary (tokenizer.ggml.tokens)")
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        problem = f"{len(types)} tokenizer.ggml.token_type entries for {len(tokens)} tokens"
+        raise ModelLoadError(source, problem)
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    if any(len(m) != 2 for m in merges):
+        raise ModelLoadError(source, "tokenizer.ggml.merges: a merge is not two tokens")
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)  # a duplicated string keeps its first id
@@ -83,7 +97,11 @@ def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
     kind = _PRE_TOKENIZERS[pre]
     # Llama 3's tokenizer takes whole words found in the vocabulary before applying merges.
     ignore_merges = kind == _LLAMA3
-    backend = Backend(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=ignore_merges))
+    try:
+        bpe = models.BPE(vocab, merges, fuse_unk=False, ignore_merges=ignore_merges)
+    except Exception as exc:  # (a merge of tokens the vocabulary lacks)
+        raise ModelLoadError(source, f"invalid BPE vocabulary or merges: {exc}") from None
+    backend = Backend(bpe)
     backend.pre_tokenizer = _pre_tokenizer(kind)
     backend.decoder = decoders.ByteLevel()
     added = [
@@ -113,8 +131,11 @@ def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
             )
         )
     backend.post_processor = processors.Sequence(steps)
-    # End-of-turn / end-of-message ids llama.cpp records beside EOS.
+    # End-of-turn / end-of-message ids llama.cpp records beside EOS (an id past the vocabulary
+    # ignored, as llama.cpp ignores it and BOS / EOS above)
     extra_stops = [
-        meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta
+        i
+        for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if (i := meta.get(k)) is not None and 0 <= i < len(tokens)
     ]
     return Tokenizer(backend, special, meta.get("tokenizer.chat_template"), extra_stops)

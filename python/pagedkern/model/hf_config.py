@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from .config import FULL, SLIDING, ModelConfig, RopeScaling
+from .config_checks import check_types
 from .errors import ModelLoadError
 
 # model_type values whose checkpoints are plain Llama-family decoders.
@@ -29,11 +30,46 @@ _MOE_ARCHITECTURES = {arch: model_type for model_type, arch in _MOE.items()}
 _GEMMA = {"gemma2": ("Gemma2ForCausalLM", 2), "gemma3_text": ("Gemma3ForCausalLM", 6)}
 _GEMMA_ARCHITECTURES = {arch: model_type for model_type, (arch, _) in _GEMMA.items()}
 _LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": FULL}
+# The types of the config.json keys the reader takes (config_checks)
+_KINDS = dict.fromkeys(
+    ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim",
+     "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+     "moe_intermediate_size", "decoder_sparse_step"),
+    "size",
+)  # fmt: skip
+_KINDS |= dict.fromkeys(
+    ("num_local_experts", "num_experts", "num_experts_per_tok", "max_window_layers",
+     "shared_expert_intermediate_size", "sliding_window", "sliding_window_pattern"),
+    "count",
+)  # fmt: skip
+_KINDS |= dict.fromkeys(
+    ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar",
+     "attn_logit_softcapping", "final_logit_softcapping", "swiglu_limit", "swiglu_alpha"),
+    "number",
+)  # fmt: skip
+_KINDS |= dict.fromkeys(
+    ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "qkv_bias",
+     "use_sliding_window", "use_bidirectional_attention"),
+    "bool",
+)  # fmt: skip
+_KINDS |= dict.fromkeys(("model_type", "hidden_act", "hidden_activation", "_name_or_path"), "str")
+_KINDS |= {"rope_scaling": "dict", "rope_parameters": "dict", "architectures": "strs"}
+_KINDS |= {"layer_types": "strs", "mlp_only_layers": "ints"}
+_ROPE_KINDS = dict.fromkeys(
+    ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+     "attention_factor", "mscale", "mscale_all_dim", "rope_theta"),
+    "number",
+)  # fmt: skip
+_ROPE_KINDS |= {"original_max_position_embeddings": "size", "truncate": "bool"}
+_ROPE_KINDS |= {"rope_type": "str", "type": "str"}
 
 
 def _rope_scaling_from_hf(raw: dict | None, source: str) -> RopeScaling | None:
     if not raw:
         return None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(source, f"rope_scaling must be a JSON object, got {raw!r}")
+    check_types(raw, _ROPE_KINDS, source, label="rope_scaling.")
     rope_type = raw.get("rope_type", raw.get("type", "default"))
     if rope_type == "default":
         return None
@@ -180,6 +216,7 @@ def hf_norm_offset(raw: dict[str, Any]) -> float:
 
 def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
     """ModelConfig from a HF config.json dict; ModelLoadError naming `source` if unsupported."""
+    check_types(raw, _KINDS, source)
     model_type = raw.get("model_type")
     archs = raw.get("architectures") or []
     gemma = model_type if model_type in _GEMMA else None
@@ -262,6 +299,9 @@ def _config_from_hf(
 ) -> ModelConfig:
     model_type = raw.get("model_type")
     archs = raw.get("architectures") or []
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+        if raw.get(key) is None:  # (absent or null)
+            raise ModelLoadError(source, f"config.json lacks {key!r}")
     try:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])

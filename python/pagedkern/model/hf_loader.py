@@ -43,6 +43,8 @@ def hf_checkpoint_dtype(folder: str | os.PathLike) -> torch.dtype | None:
     except (OSError, ValueError, UnicodeDecodeError):
         return None  # load_hf_folder reports the problem
     name = raw.get("torch_dtype") or raw.get("dtype") if isinstance(raw, dict) else None
+    if not isinstance(name, str):
+        return None  # (absent, or not a dtype name: the default)
     return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(name)
 
 
@@ -52,9 +54,15 @@ def _shard_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, UnicodeDecodeError) as exc:
-            raise ModelLoadError(index, f"invalid index: {exc}") from None
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(index, f"invalid index: {exc!r}") from None
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(index, "weight_map must be a JSON object")
+        names = weight_map.values()
+        for name in names:  # (files of this folder: no absolute path, no "..")
+            if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+                raise ModelLoadError(index, f"weight_map must name files of the folder: {name!r}")
+        files = [folder / name for name in sorted(set(names))]
         for f in files:
             if not f.is_file():
                 raise ModelLoadError(index, f"lists {f.name}, which does not exist")
@@ -130,6 +138,21 @@ def _read_part(handle, key: str, part: Part) -> torch.Tensor:
     return sliced[(slice(None),) * part.dim + (slice(part.start, part.stop),)]
 
 
+def _check_counts(config: ModelConfig, names, folder: Path) -> None:
+    """Refuse a config claiming more layers or experts than the checkpoint has tensors for,
+    before expected_shapes lists every tensor of every layer and expert (10^9 layers: a
+    MemoryError). gpt-oss stacks its experts: one tensor for them all."""
+    keys = {n.removeprefix("model.") for n in names}
+    last = config.num_layers - 1
+    if not any(k.startswith(f"layers.{last}.") for k in keys):
+        problem = f"num_hidden_layers is {config.num_layers}, but it has no tensor of layer {last}"
+        raise ModelLoadError(folder, problem)
+    expert = f".experts.{config.num_experts - 1}."  # (Mixtral's names end so too)
+    if config.num_experts and not config.expert_bias and not any(expert in k for k in keys):
+        problem = f"{config.num_experts} experts configured, but it has no tensor of expert "
+        raise ModelLoadError(folder, problem + str(config.num_experts - 1))
+
+
 def load_hf_folder(
     folder: str | os.PathLike,
     device: torch.device | str = "cpu",
@@ -145,6 +168,7 @@ def load_hf_folder(
         raise ModelLoadError(folder, "no such folder")
     config, norm_offset = _read_config(folder)
     where = _open_shards(_shard_files(folder))
+    _check_counts(config, where, folder)
 
     def get(name: str, part: Part | None = None) -> torch.Tensor | None:
         # HF checkpoints sometimes drop the "model." prefix (older exports).

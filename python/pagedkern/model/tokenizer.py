@@ -13,6 +13,7 @@ from typing import Any
 import tokenizers
 
 from .chat_template import Message, render_chat
+from .config_checks import token_ids
 from .errors import ModelLoadError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -50,7 +51,8 @@ class Tokenizer:
         self.backend = backend
         self.special_tokens = {k: special_tokens.get(k) for k in SPECIAL_TOKEN_KEYS}
         self.chat_template = chat_template
-        stops = set(extra_stop_ids)
+        # (ids past the vocabulary dropped: no token to stop on, and llguidance refuses them)
+        stops = {i for i in extra_stop_ids if 0 <= i < self.vocab_size}
         for token in (self.special_tokens["eos_token"], *END_MARKERS):
             token_id = backend.token_to_id(token) if token else None
             if token_id is not None:
@@ -170,15 +172,21 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:
             raise ModelLoadError(path, f"unreadable tokenizer: {exc}") from None
-        config = _read_json(folder / "tokenizer_config.json") or {}
-        special = {k: _token_content(config.get(k)) for k in SPECIAL_TOKEN_KEYS}
-        template = _pick_template(config.get("chat_template"))
+        config_path = folder / "tokenizer_config.json"
+        config = _read_json(config_path) or {}
+        special = {k: _token_content(config.get(k), k, config_path) for k in SPECIAL_TOKEN_KEYS}
+        template = _pick_template(config.get("chat_template"), config_path)
         jinja = folder / "chat_template.jinja"
         if jinja.is_file():
-            template = jinja.read_text()
-        stops = list(config.get("pagedkern_stop_token_ids", []))
-        eos = (_read_json(folder / "generation_config.json") or {}).get("eos_token_id")
-        stops += [eos] if isinstance(eos, int) else list(eos or [])
+            try:
+                template = jinja.read_text()
+            except UnicodeDecodeError as exc:
+                raise ModelLoadError(jinja, f"not UTF-8 text: {exc}") from None
+        key = "pagedkern_stop_token_ids"
+        stops = token_ids(config.get(key, []), key, config_path)
+        generation = folder / "generation_config.json"
+        eos = (_read_json(generation) or {}).get("eos_token_id")
+        stops += [] if eos is None else token_ids(eos, "eos_token_id", generation)
         return cls(backend, special, template, stops)
 
 
@@ -204,21 +212,29 @@ def _read_json(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ModelLoadError(path, f"invalid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(path, "must hold a JSON object")
+    return data
 
 
-def _token_content(value) -> str | None:
+def _token_content(value, key: str, path: Path) -> str | None:
     """tokenizer_config.json spells a special token as a string or an AddedToken dict."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
+    content = value.get("content") if isinstance(value, dict) else value
+    if content is not None and not isinstance(content, str):
+        raise ModelLoadError(path, f"{key} must be a string or an AddedToken, got {value!r}")
+    return content
 
 
-def _pick_template(value) -> str | None:
+def _pick_template(value, path: Path) -> str | None:
     """chat_template is a string, or a list of named templates of which "default" is used."""
     if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value}
+        if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
+            raise ModelLoadError(path, "chat_template: a list entry lacks a template string")
+        named = {t.get("name"): t["template"] for t in value}
         return named.get("default") or next(iter(named.values()), None)
+    if value is not None and not isinstance(value, str):
+        raise ModelLoadError(path, f"chat_template must be a string, got {type(value).__name__}")
     return value
