@@ -151,7 +151,7 @@ class EngineConfig:
         "MoE models over tensor_parallel_size N ranks: each rank holds E/N whole experts (the "
         "first E mod N ranks one more) instead of a slice of every expert; tokens go to their "
         "experts' ranks and back by all-to-all; attention, dense MLPs and the router stay "
-        "tensor-parallel (a no-op for dense models and at N = 1, as in vLLM)",
+        "tensor-parallel (a no-op for dense models, as in vLLM; needs N > 1)",
         cli={"action": "store_true"},
     )
     # Speculative decoding (engine/speculative/): propose k tokens cheaply, verify them in one
