@@ -12,16 +12,27 @@ answer is the same machine fed the whole text at once (`parse`), so a stream's c
 deltas equal it by construction.
 
 A family subclass says where its calls start (`starts`, or `starts_at_beginning`: a JSON value
-the answer opens with) and how to read complete calls from the call section (`take_calls`).
+the answer opens with) and how to read the next complete call(s) from the call section
+(`take_calls`, one unit at a time: a call, or an array of them).
+
+What comes out, for any text cut into any pieces: the calls and content of the whole text at once
+(a call is only shown once no later text can undo it); each call's name a function name (OpenAI's
+rule) and its arguments a JSON object, re-serialized (UTF-8-encodable, no NaN). Text is kept
+verbatim as content except the markup and JSON of the calls taken, and the whitespace around the
+text after the last call (that text comes back stripped). The work is linear in the text: the
+section is parsed again only when a piece closes something at its top level (`JsonDepth`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from .spec import NAME
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,16 +66,15 @@ class NotCalls(ValueError):
     that (an incomplete one is not an error: take_calls waits for more)."""
 
 
-# A call ends in one of these (a JSON object or array, a closing tag): a piece without any
-# cannot complete one, so the section is not parsed again for it (a long argument string
-# costs one parse per closing bracket, not one per token).
-CLOSERS = "}]>"
+# Lone surrogates (from JSON escapes like "\ud800"): text holding one cannot be UTF-8 encoded.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def call_from(obj: Any, arguments_key: str = "arguments") -> ToolCall:
     """A ToolCall from a decoded {"name": str, <arguments_key>: object or JSON text}."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        raise NotCalls("a call needs a name")
+    name = obj.get("name") if isinstance(obj, dict) else None
+    if not isinstance(name, str) or not NAME.fullmatch(name):  # (no tool can have another)
+        raise NotCalls("a call needs a function name")
     args = obj.get(arguments_key, obj.get("arguments", {}))
     if isinstance(args, str):  # some models write the arguments as JSON text
         try:
@@ -74,9 +84,14 @@ def call_from(obj: Any, arguments_key: str = "arguments") -> ToolCall:
     if not isinstance(args, dict):
         raise NotCalls("arguments must be an object")
     try:
-        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+        text = json.dumps(args, ensure_ascii=False, allow_nan=False)
     except RecursionError as exc:
         raise NotCalls("the arguments nest too deeply") from exc
+    except ValueError as exc:  # NaN or a number past a float's range: JSON has neither
+        raise NotCalls("the arguments hold a number JSON cannot write") from exc
+    if _SURROGATE.search(text):  # escaped instead, or the response would fail to encode
+        text = json.dumps(args)
+    return ToolCall(name, text)
 
 
 def decode_json_prefix(text: str, start: int = 0) -> tuple[Any, int] | None:
@@ -91,31 +106,62 @@ def decode_json_prefix(text: str, start: int = 0) -> tuple[Any, int] | None:
     try:
         return decoder.raw_decode(text, i)
     except json.JSONDecodeError as exc:
-        if exc.pos >= len(text) or _open_at_end(text[i:]):
+        if exc.pos >= len(text) or _open_at_end(text, i):
             return None  # ran out of text: more may complete it
         raise NotCalls(str(exc)) from None
+    except ValueError:  # an integer past Python's digit limit: more digits cannot help
+        raise NotCalls("a number too long") from None
     except RecursionError:  # nested past Python's stack: no text after it can make it calls
         raise NotCalls("the JSON nests too deeply") from None
 
 
-def _open_at_end(text: str) -> bool:
-    """Whether some bracket or string is still open at the end of `text` (a JSON prefix)."""
-    depth, in_string, escaped = 0, False, False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-    return in_string or depth > 0
+def _open_at_end(text: str, start: int = 0) -> bool:
+    """Whether some bracket or string is still open at the end of `text[start:]` (JSON)."""
+    depth = JsonDepth()
+    depth.read(text, start)
+    return depth.in_string or depth.depth > 0
+
+
+_OUTSIDE = re.compile(r'["{}\[\]>]')
+_INSIDE = re.compile(r'["\\]')
+
+
+class JsonDepth:
+    """The bracket depth and string state of JSON read so far, piece by piece. Brackets are
+    counted whatever their kind, as a JSON prefix's: what matters is whether one is open."""
+
+    __slots__ = ("depth", "escaped", "in_string")
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def read(self, text: str, start: int = 0) -> bool:
+        """Reads text[start:]; whether it closed something at the top level, outside strings:
+        a `}` or `]` back to depth 0 (or below), or a `>` there (a closing tag). Only such a
+        piece can complete a call: a call section's JSON or tag."""
+        closed, i, n = False, start, len(text)
+        if self.escaped and i < n:
+            i, self.escaped = i + 1, False
+        while i < n:
+            found = (_INSIDE if self.in_string else _OUTSIDE).search(text, i)
+            if found is None:
+                break
+            i, ch = found.end(), found.group()
+            if ch == '"':
+                self.in_string = not self.in_string
+            elif ch == "\\":  # (in a string) the next character is escaped
+                if i < n:
+                    i += 1
+                else:
+                    self.escaped = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch == ">":
+                closed = closed or self.depth <= 0
+            else:
+                self.depth -= 1
+                closed = closed or self.depth <= 0
+        return closed
 
 
 def partial_suffix(text: str, markers: tuple[str, ...]) -> int:
@@ -140,15 +186,20 @@ class ToolParser:
     def __init__(self) -> None:
         self._pending = ""  # content held back (could be the start of a marker)
         self._section: str | None = None  # the call section's unconsumed text, once entered
-        self._section_all = ""  # the whole section as written (given back if it fails)
+        self._more: list[str] = []  # pieces not yet added to _section (joined when parsed)
+        self._marker = ""  # the marker skipped before _section (given back if no calls)
+        self._depth = JsonDepth()  # over _section and _more
         self._seen_text = False  # non-space content has been shown
         self._calls = 0
         self._stuck = False  # the section stopped parsing (no more text can make it calls)
 
-    def take_calls(self, section: str, final: bool) -> tuple[list[ToolCall], int]:
-        """Complete calls at the start of `section` (the text after the opening marker, less
-        what earlier calls consumed) and how many characters they used. final: no more text
-        will come. Raises NotCalls when the section cannot be calls."""
+    def take_calls(self, section: str, start: int, final: bool) -> tuple[list[ToolCall], int]:
+        """The next complete call(s) in `section` (the text after the opening marker) at
+        `start` (after the calls taken): one call, or one array of them, and where they end;
+        ([], start) while more text may complete them (or, final, when only space is left).
+        final: no more text will come. Raises NotCalls when the text at `start` can never be
+        calls. Either only from the text so far, whatever follows it: a stream's calls are
+        then the whole answer's."""
         raise NotImplementedError
 
     @staticmethod
@@ -163,20 +214,20 @@ class ToolParser:
     def feed(self, text: str) -> Parsed:
         out = Parsed()
         if self._section is not None:
-            self._section += text
-            self._section_all += text
-            if self._stuck or not any(c in text for c in CLOSERS):
+            self._more.append(text)
+            if self._stuck or not self._depth.read(text):
                 return out  # no call can have completed: parsing again would find nothing
             return self._drain(out, final=False)
         text = self._pending + text
         self._pending = ""
         if not self._seen_text:
             stripped = text.lstrip()
-            head = len(text) - len(stripped)
+            # leading space is content whatever follows (not held: it could grow without end)
+            out.content, text = text[: len(text) - len(stripped)], stripped
             for marker in self.starts_at_beginning:
-                if stripped.startswith(marker):
-                    return self._enter(out, text[:head], text[head:], marker)
-                if marker.startswith(stripped):  # could still become it
+                if text.startswith(marker):
+                    return self._enter(out, "", text, marker)
+                if marker.startswith(text):  # could still become it
                     self._pending = text
                     return out
         cut, marker = self._find_start(text)
@@ -214,28 +265,39 @@ class ToolParser:
 
     def _enter(self, out: Parsed, before: str, rest: str, marker: str) -> Parsed:
         out.content += before
-        self._section_all = rest
         # a marker that opens JSON (`{`, `[{`) is part of the first call; others are skipped
-        self._section = rest if marker.startswith(("{", "[{")) else rest[len(marker) :]
+        self._marker = "" if marker.startswith(("{", "[{")) else marker
+        self._section = rest[len(self._marker) :]
+        self._depth.read(self._section)
         return self._drain(out, final=False)
 
     def _drain(self, out: Parsed, final: bool) -> Parsed:
         """Take the complete calls; at the end, give back what never became calls: the whole
         section (marker included) when it held none, else the text after the last call."""
         assert self._section is not None
-        calls: list[ToolCall] = []
+        if self._more:
+            self._section += "".join(self._more)
+            self._more.clear()
         used = 0
-        if not self._stuck:
+        while not self._stuck:
             try:
-                calls, used = self.take_calls(self._section, final)
+                calls, end = self.take_calls(self._section, used, final)
             except NotCalls:  # for good: held back until the end, then given back
                 self._stuck = True
-        self._section = self._section[used:]
-        self._calls += len(calls)
-        out.calls.extend(calls)
+                break
+            if not calls:
+                break
+            # (calls after others may fail: each unit is taken, and shown, on its own)
+            used = end
+            self._calls += len(calls)
+            out.calls.extend(calls)
+        if used:  # (once per drain: a long answer of many calls is no quadratic work)
+            self._section = self._section[used:]
+            self._depth = JsonDepth()
+            self._depth.read(self._section)
         if final:
             if self._calls == 0:
-                out.content += self._section_all
+                out.content += self._marker + self._section
             elif self._section.strip():
                 out.content += self._section.strip()
             self._section = ""

@@ -15,12 +15,12 @@ class GenericJsonToolParser(ToolParser):
     name = "generic"
     starts_at_beginning = ("{",)
 
-    def take_calls(self, section: str, final: bool) -> tuple[list[ToolCall], int]:
-        decoded = decode_json_prefix(section)
+    def take_calls(self, section: str, start: int, final: bool) -> tuple[list[ToolCall], int]:
+        decoded = decode_json_prefix(section, start)
         if decoded is None:
             if final:
                 raise NotCalls("an unfinished JSON object")
-            return [], 0
+            return [], start
         obj, end = decoded
         if not isinstance(obj, dict):
             raise NotCalls("not an object")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import NotCalls, ToolCall, ToolParser, call_from, decode_json_prefix, partial_suffix
+from .base import NotCalls, ToolCall, ToolParser, call_from, decode_json_prefix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -24,33 +24,30 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     starts = (OPEN,)
 
-    def take_calls(self, section: str, final: bool) -> tuple[list[ToolCall], int]:
-        calls: list[ToolCall] = []
-        used = 0
-        while True:
-            i = _skip_space(section, used)
-            if calls or self._calls:  # after a call: only another <tool_call> continues
-                if section.startswith(OPEN, i):
-                    i += len(OPEN)
-                else:
-                    return calls, used
-            decoded = decode_json_prefix(section, i)
-            if decoded is None:
-                if final:
-                    raise NotCalls("an unfinished call")
-                return calls, used
-            obj, end = decoded
-            j = _skip_space(section, end)
-            if section.startswith(CLOSE, j):
-                end = j + len(CLOSE)
-            elif not final and partial_suffix(section[j:], (CLOSE,)) == len(section) - j:
-                return calls, used  # the closing tag may be coming
-            elif j < len(section):
-                raise NotCalls(f"{CLOSE} expected")
-            calls.append(call_from(obj))
-            used = end
-            if final and not section[used:].strip():
-                return calls, len(section)
+    def take_calls(self, section: str, start: int, final: bool) -> tuple[list[ToolCall], int]:
+        i = _skip_space(section, start)
+        if self._calls:  # after a call: only another <tool_call> continues
+            if i == len(section):
+                return [], start
+            if not section.startswith(OPEN, i):
+                if not final and OPEN.startswith(section[i : i + len(OPEN)]):
+                    return [], start  # (the tag may be coming)
+                raise NotCalls(f"only {OPEN} may follow a call")  # the rest is content
+            i += len(OPEN)
+        decoded = decode_json_prefix(section, i)
+        if decoded is None:
+            if final:
+                raise NotCalls("an unfinished call")
+            return [], start
+        obj, end = decoded
+        j = _skip_space(section, end)
+        if section.startswith(CLOSE, j):
+            end = j + len(CLOSE)
+        elif not final and CLOSE.startswith(section[j : j + len(CLOSE)]):
+            return [], start  # the closing tag may be coming
+        elif j < len(section):
+            raise NotCalls(f"{CLOSE} expected")
+        return [call_from(obj)], end
 
     @staticmethod
     def calls_grammar(call: str, parallel: bool, literal: Callable[[str], str]) -> str:

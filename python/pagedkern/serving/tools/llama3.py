@@ -21,27 +21,24 @@ class Llama3JsonToolParser(ToolParser):
     starts_at_beginning = (PYTHON_TAG, "{")
     arguments_key = "parameters"
 
-    def take_calls(self, section: str, final: bool) -> tuple[list[ToolCall], int]:
-        calls: list[ToolCall] = []
-        used = 0
-        while True:
-            i = used
-            if calls or self._calls:  # after a call: only `;` continues
-                i = _skip(section, i, " \t\r\n")
-                if i == len(section) and not final:
-                    return calls, used
-                if not section.startswith(";", i):  # the end (trailing text: content)
-                    return calls, used
-                i += 1
-            decoded = decode_json_prefix(section, i)
-            if decoded is None:
-                if final:
-                    raise NotCalls("an unfinished call")
-                return calls, used
-            obj, used = decoded
-            if not isinstance(obj, dict) or ("parameters" not in obj and "arguments" not in obj):
-                raise NotCalls("not a call")
-            calls.append(call_from(obj, "parameters"))
+    def take_calls(self, section: str, start: int, final: bool) -> tuple[list[ToolCall], int]:
+        i = start
+        if self._calls:  # after a call: only `;` continues
+            i = _skip(section, i, " \t\r\n")
+            if i == len(section):
+                return [], start
+            if not section.startswith(";", i):
+                raise NotCalls("only `;` may follow a call")  # the rest is content
+            i += 1
+        decoded = decode_json_prefix(section, i)
+        if decoded is None:
+            if final:
+                raise NotCalls("an unfinished call")
+            return [], start
+        obj, end = decoded
+        if not isinstance(obj, dict) or ("parameters" not in obj and "arguments" not in obj):
+            raise NotCalls("not a call")
+        return [call_from(obj, "parameters")], end
 
     @staticmethod
     def calls_grammar(call: str, parallel: bool, literal=None) -> str:  # (no tags)

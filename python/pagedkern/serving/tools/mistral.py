@@ -9,9 +9,13 @@ bare `[{` array is read as calls too."""
 
 from __future__ import annotations
 
+import string
+
 from .base import NotCalls, ToolCall, ToolParser, call_from, decode_json_prefix
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_.-")  # (spec.NAME's)
+MAX_NAME = 64
 
 
 class MistralToolParser(ToolParser):
@@ -19,52 +23,50 @@ class MistralToolParser(ToolParser):
     starts = (MARKER,)
     starts_at_beginning = ("[{",)
 
-    def take_calls(self, section: str, final: bool) -> tuple[list[ToolCall], int]:
-        text = section.lstrip()
-        skipped = len(section) - len(text)
-        if not text:
-            return [], 0
-        array = not self._calls and not MARKER.startswith(text[: len(MARKER)])
-        if array and text.startswith("["):  # a JSON array of calls
-            decoded = decode_json_prefix(text)
+    def take_calls(self, section: str, start: int, final: bool) -> tuple[list[ToolCall], int]:
+        i = _skip_space(section, start)
+        if i == len(section):
+            return [], start
+        if not self._calls and section.startswith("[", i):  # a JSON array of calls
+            decoded = decode_json_prefix(section, i)
             if decoded is None:
                 if final:
                     raise NotCalls("an unfinished array of calls")
-                return [], 0
+                return [], start
             array, end = decoded
             if not isinstance(array, list) or not array:
                 raise NotCalls("an array of calls expected")
-            return [call_from(obj) for obj in array], skipped + end
-        return self._named_calls(section, final)
-
-    def _named_calls(self, section: str, final: bool) -> tuple[list[ToolCall], int]:
-        calls: list[ToolCall] = []
-        used = 0
-        while True:
-            i = used
-            if calls or self._calls:  # after a call: only another marker continues
-                i = len(section) - len(section[i:].lstrip())
-                if not section.startswith(MARKER, i):  # (more to come, or trailing content)
-                    return calls, used
-                i += len(MARKER)
-            at = section.find(ARGS, i)
-            if at < 0:
-                if final:
-                    raise NotCalls(f"{ARGS} expected")
-                return calls, used
-            name = section[i:at].strip()
-            decoded = decode_json_prefix(section, at + len(ARGS))
-            if decoded is None:
-                if final:
-                    raise NotCalls("unfinished arguments")
-                return calls, used
-            args, end = decoded
-            calls.append(call_from({"name": name, "arguments": args}))
-            used = end
-            if final and not section[used:].strip():
-                return calls, len(section)
+            return [call_from(obj) for obj in array], end
+        if self._calls:  # after a call: only another marker continues
+            if not section.startswith(MARKER, i):
+                if not final and MARKER.startswith(section[i : i + len(MARKER)]):
+                    return [], start  # (the marker may be coming)
+                raise NotCalls(f"only {MARKER} may follow a call")  # the rest is content
+            i = _skip_space(section, i + len(MARKER))
+        # the name: a function name's characters, then [ARGS] (a bounded look, not a search)
+        last = i
+        while last < len(section) and last - i <= MAX_NAME and section[last] in NAME_CHARS:
+            last += 1
+        name, at = section[i:last], _skip_space(section, last)
+        if not section.startswith(ARGS, at):
+            if final or last - i > MAX_NAME or not ARGS.startswith(section[at : at + len(ARGS)]):
+                raise NotCalls(f"a function name and {ARGS} expected")
+            return [], start
+        decoded = decode_json_prefix(section, at + len(ARGS))
+        if decoded is None:
+            if final:
+                raise NotCalls("unfinished arguments")
+            return [], start
+        args, end = decoded
+        return [call_from({"name": name, "arguments": args})], end
 
     @staticmethod
     def calls_grammar(call: str, parallel: bool, literal=None) -> str:  # (no tags)
         more = f'("," {call})*' if parallel else ""
         return f'calls: "[" {call} {more} "]"'
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i

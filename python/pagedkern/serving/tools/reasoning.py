@@ -39,7 +39,8 @@ class ReasoningParser:
 
     def __init__(self) -> None:
         self._state = "start"
-        self._held = ""
+        self._held = ""  # a partial tag
+        self._space: list[str] = []  # the space before the first text: whose, not yet known
 
     def feed(self, text: str) -> Split:
         out = Split()
@@ -48,15 +49,20 @@ class ReasoningParser:
         while text:
             if self._state == "start":  # before the first non-space text
                 stripped = text.lstrip()
-                if stripped.startswith(OPEN):
-                    self._state, text = "inside", stripped[len(OPEN) :]
-                elif OPEN.startswith(stripped):  # may still become <think>
-                    self._held = text
+                if not stripped:  # (kept in pieces: joined once, however long it grows)
+                    self._space.append(text)
                     return out
-                elif self.starts_inside:
-                    self._state = "inside"
-                else:
-                    self._state = "answer"
+                if stripped.startswith(OPEN):  # the space before <think> is dropped
+                    self._space.clear()
+                    self._state, text = "inside", stripped[len(OPEN) :]
+                    continue
+                self._space.append(text[: len(text) - len(stripped)])
+                if OPEN.startswith(stripped):  # may still become <think>
+                    self._held = stripped
+                    return out
+                self._state = "inside" if self.starts_inside else "answer"
+                text = "".join(self._space) + stripped
+                self._space.clear()
             elif self._state == "inside":
                 at = text.find(CLOSE)
                 if at >= 0:
@@ -77,7 +83,8 @@ class ReasoningParser:
         return out
 
     def finish(self) -> Split:
-        held, self._held = self._held, ""
+        held, self._held = "".join(self._space) + self._held, ""
+        self._space.clear()
         if self._state == "inside" or (self._state == "start" and self.starts_inside):
             return Split(reasoning=held)
         return Split(content=held)

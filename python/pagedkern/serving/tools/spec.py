@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for function names (fullmatch)
 SCHEMA_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 
 
@@ -71,7 +71,7 @@ def check_tools(tools: Any, max_tools: int, max_bytes: int) -> list[Function]:
         if not isinstance(fn, Mapping):
             raise ToolSpecError(f"{where}.function must be an object", f"{where}.function")
         name = fn.get("name")
-        if not isinstance(name, str) or not NAME.match(name):
+        if not isinstance(name, str) or not NAME.fullmatch(name):
             raise ToolSpecError(
                 f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', "
                 f"got {name!r}",
