@@ -233,12 +233,38 @@ def _checkpoint_rates(folder) -> tuple[float, float, float, list[int], float]:
     return prefill, DECODE / one, 16 * DECODE / many, ids, mib
 
 
-def test_cpu_16_bit_checkpoint_engine(capsys, tmp_path):
+def _write_gguf(path, model, dtype: torch.dtype) -> None:
+    """The HF model's tensors as llama.cpp's converter writes a "llama" GGUF (Q/K permuted),
+    matrices in BF16 (its bits) or F32; the test tokenizer (the embedding's other rows unused)."""
+    import gguf
+    from hf_model_files import finish_gguf, gguf_writer_like_llama_cpp
+    from test_model_gguf import llama_cpp_permute, llama_cpp_tensor_name
+
+    cfg = model.config
+    w = gguf_writer_like_llama_cpp(path, cfg, "llama", cfg.hidden_size // cfg.num_attention_heads)
+    for name, t in model.state_dict().items():
+        if "q_proj" in name or "k_proj" in name:
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            t = torch.from_numpy(llama_cpp_permute(t.float().numpy(), heads)).to(t.dtype)
+        if t.ndim == 2 and dtype == torch.bfloat16:
+            bits = t.to(torch.bfloat16).view(torch.int16).numpy().view("uint8")
+            w.add_tensor(
+                llama_cpp_tensor_name(name), bits, raw_dtype=gguf.GGMLQuantizationType.BF16
+            )
+        else:
+            w.add_tensor(llama_cpp_tensor_name(name), t.float().numpy())
+    finish_gguf(w)
+
+
+def test_cpu_16_bit_checkpoint_engine(capsys, tmp_path, monkeypatch):
     """The engine on a bf16 checkpoint (its projections and embedding kept 16-bit) against its
-    fp32 copy: the same greedy tokens, rounds interleaved."""
+    fp32 copy, as HF folders and as BF16 / F32 GGUF files: the same greedy tokens, rounds
+    interleaved."""
     transformers = pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
     from hf_model_files import write_tokenizer
+
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "cache"))
 
     torch.set_num_threads(THREADS)
     config = transformers.LlamaConfig(
@@ -251,19 +277,25 @@ def test_cpu_16_bit_checkpoint_engine(capsys, tmp_path):
     model.float().save_pretrained(folders["fp32"], safe_serialization=True)
     for folder in folders.values():
         write_tokenizer(folder)
+    folders["gguf bf16"], folders["gguf f32"] = tmp_path / "bf16.gguf", tmp_path / "f32.gguf"
+    _write_gguf(folders["gguf bf16"], model, torch.bfloat16)
+    _write_gguf(folders["gguf f32"], model.float(), torch.float32)
     rates = {name: [] for name in folders}
     for _ in range(3 if FULL else 1):
         for name, folder in folders.items():
             rates[name].append(_checkpoint_rates(folder))
     assert rates["bf16"][0][3] == rates["fp32"][0][3]  # the same greedy tokens
+    assert rates["gguf bf16"][0][3] == rates["gguf f32"][0][3]
     best = {n: [max(r[i] for r in runs) for i in range(3)] for n, runs in rates.items()}
     with capsys.disabled():
         shape = f"Llama {CHECKPOINT['hidden_size']} x {CHECKPOINT['num_hidden_layers']} layers"
         rounds = len(rates["bf16"])
         print(f"\n{shape}, CPU backend, {THREADS} thread(s); tokens/s (best of {rounds})")
         head = f"{'prefill ' + str(PREFILL):>12s} {'decode x1':>10s} {'decode x16':>10s}"
-        print(f"  {'weights':8s} {'MiB':>6s} {head}")
+        print(f"  {'weights':13s} {'MiB':>6s} {head}")
         for name, (p, one, many) in best.items():
-            print(f"  {name:8s} {rates[name][0][4]:6.0f} {p:12.1f} {one:10.1f} {many:10.1f}")
-        ratio = [a / b for a, b in zip(best["bf16"], best["fp32"], strict=True)]
-        print(f"  {'bf16/fp32':8s} {'':6s} {ratio[0]:11.2f}x {ratio[1]:9.2f}x {ratio[2]:9.2f}x")
+            print(f"  {name:13s} {rates[name][0][4]:6.0f} {p:12.1f} {one:10.1f} {many:10.1f}")
+        for half, full in (("bf16", "fp32"), ("gguf bf16", "gguf f32")):
+            ratio = [a / b for a, b in zip(best[half], best[full], strict=True)]
+            label = f"{half}/{full.split()[-1]}"
+            print(f"  {label:13s} {'':6s} {ratio[0]:11.2f}x {ratio[1]:9.2f}x {ratio[2]:9.2f}x")
