@@ -9,9 +9,10 @@ import gguf
 import pytest
 import torch
 from hf_model_files import base_config, dense_logits
+from test_cpu_backend_16_bit_weights import sampled
 from test_model_gguf import TEXT, all_logits, write_gguf
 
-from pagedkern.engine import Engine, EngineConfig, SamplingParams
+from pagedkern.engine import Engine, EngineConfig
 from pagedkern.model import LlamaModel, load_model
 from pagedkern.model.gguf_loader import load_gguf
 from pagedkern.ops.cpu import quant_gemv
@@ -78,14 +79,6 @@ def test_logits_tokens_and_logprobs_are_the_widened_models_bits(gguf_file):
     runs = []
     for m in (model, full):
         config = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8)
-        engine = Engine(m, tok, config)
-        params = SamplingParams(max_tokens=10, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
-        requests = [engine.add_request(prompt_ids=p, params=params) for p in (ids, ids[4:])]
-        got = {r.request_id: [] for r in requests}
-        for output in engine.run_until_done():
-            got[output.request_id] += [
-                (t, lp.logprob, lp.top) for t, lp in zip(output.token_ids, output.logprobs)
-            ]
-        runs.append([got[r.request_id] for r in requests])
+        runs.append(sampled(Engine(m, tok, config), [ids, ids[4:]]))
     assert runs[0] == runs[1]
     assert all(len(r) == 10 for r in runs[0])

@@ -74,13 +74,18 @@ def test_logits_tokens_and_logprobs_are_the_fp32_copys_bits(folders, backend):
                 max_num_batched_tokens=8,
             )
         )  # fmt: skip
-        params = SamplingParams(max_tokens=10, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
-        requests = [engine.add_request(prompt_ids=p, params=params) for p in (PROMPT, PROMPT[4:])]
-        got = {r.request_id: [] for r in requests}
-        for output in engine.run_until_done():
-            got[output.request_id] += [
-                (t, lp.logprob, lp.top) for t, lp in zip(output.token_ids, output.logprobs)
-            ]
-        runs.append([got[r.request_id] for r in requests])
+        runs.append(sampled(engine, [PROMPT, PROMPT[4:]]))
     assert runs[0] == runs[1]
     assert all(len(r) == 10 for r in runs[0])
+
+
+def sampled(engine: Engine, prompts: list[list[int]]) -> list[list[tuple]]:
+    """Each prompt's 10 sampled (token, logprob, top-2) steps, at temperature 0.8."""
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+    requests = [engine.add_request(prompt_ids=p, params=params) for p in prompts]
+    got = {r.request_id: [] for r in requests}
+    for output in engine.run_until_done():
+        got[output.request_id] += [
+            (t, lp.logprob, lp.top) for t, lp in zip(output.token_ids, output.logprobs)
+        ]
+    return [got[r.request_id] for r in requests]

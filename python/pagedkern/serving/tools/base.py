@@ -115,6 +115,15 @@ def decode_json_prefix(text: str, start: int = 0) -> tuple[Any, int] | None:
         raise NotCalls("the JSON nests too deeply") from None
 
 
+def next_json(text: str, start: int, final: bool, what: str) -> tuple[Any, int] | None:
+    """decode_json_prefix for a parser's next unit: None while more text may complete it; at
+    the end (final) an incomplete one is NotCalls("an unfinished <what>")."""
+    decoded = decode_json_prefix(text, start)
+    if decoded is None and final:
+        raise NotCalls(f"an unfinished {what}")
+    return decoded
+
+
 def _open_at_end(text: str, start: int = 0) -> bool:
     """Whether some bracket or string is still open at the end of `text[start:]` (JSON)."""
     depth = JsonDepth()

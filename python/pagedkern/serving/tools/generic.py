@@ -8,7 +8,7 @@ among them), after llama.cpp's generic handler: the system turn describes the to
 
 from __future__ import annotations
 
-from .base import NotCalls, ToolCall, ToolParser, call_from, decode_json_prefix
+from .base import NotCalls, ToolCall, ToolParser, call_from, next_json
 
 
 class GenericJsonToolParser(ToolParser):
@@ -16,10 +16,8 @@ class GenericJsonToolParser(ToolParser):
     starts_at_beginning = ("{",)
 
     def take_calls(self, section: str, start: int, final: bool) -> tuple[list[ToolCall], int]:
-        decoded = decode_json_prefix(section, start)
+        decoded = next_json(section, start, final, "JSON object")
         if decoded is None:
-            if final:
-                raise NotCalls("an unfinished JSON object")
             return [], start
         obj, end = decoded
         if not isinstance(obj, dict):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import NotCalls, ToolCall, ToolParser, call_from, decode_json_prefix
+from .base import NotCalls, ToolCall, ToolParser, call_from, next_json
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -34,10 +34,8 @@ class HermesToolParser(ToolParser):
                     return [], start  # (the tag may be coming)
                 raise NotCalls(f"only {OPEN} may follow a call")  # the rest is content
             i += len(OPEN)
-        decoded = decode_json_prefix(section, i)
+        decoded = next_json(section, i, final, "call")
         if decoded is None:
-            if final:
-                raise NotCalls("an unfinished call")
             return [], start
         obj, end = decoded
         j = _skip_space(section, end)

@@ -11,7 +11,7 @@ content too."""
 
 from __future__ import annotations
 
-from .base import NotCalls, ToolCall, ToolParser, call_from, decode_json_prefix
+from .base import NotCalls, ToolCall, ToolParser, call_from, next_json
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -30,10 +30,8 @@ class Llama3JsonToolParser(ToolParser):
             if not section.startswith(";", i):
                 raise NotCalls("only `;` may follow a call")  # the rest is content
             i += 1
-        decoded = decode_json_prefix(section, i)
+        decoded = next_json(section, i, final, "call")
         if decoded is None:
-            if final:
-                raise NotCalls("an unfinished call")
             return [], start
         obj, end = decoded
         if not isinstance(obj, dict) or ("parameters" not in obj and "arguments" not in obj):

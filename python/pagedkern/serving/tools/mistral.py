@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import string
 
-from .base import NotCalls, ToolCall, ToolParser, call_from, decode_json_prefix
+from .base import NotCalls, ToolCall, ToolParser, call_from, next_json
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
 NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_.-")  # (spec.NAME's)
@@ -28,10 +28,8 @@ class MistralToolParser(ToolParser):
         if i == len(section):
             return [], start
         if not self._calls and section.startswith("[", i):  # a JSON array of calls
-            decoded = decode_json_prefix(section, i)
+            decoded = next_json(section, i, final, "array of calls")
             if decoded is None:
-                if final:
-                    raise NotCalls("an unfinished array of calls")
                 return [], start
             array, end = decoded
             if not isinstance(array, list) or not array:
@@ -52,10 +50,8 @@ class MistralToolParser(ToolParser):
             if final or last - i > MAX_NAME or not ARGS.startswith(section[at : at + len(ARGS)]):
                 raise NotCalls(f"a function name and {ARGS} expected")
             return [], start
-        decoded = decode_json_prefix(section, at + len(ARGS))
+        decoded = next_json(section, at + len(ARGS), final, "arguments object")
         if decoded is None:
-            if final:
-                raise NotCalls("unfinished arguments")
             return [], start
         args, end = decoded
         return [call_from({"name": name, "arguments": args})], end
