@@ -116,7 +116,7 @@ class Engine:
         self.pool = self.scheduler.pool
         self.forward = IsolatingForward(self.runner, self.backend, self.shadow)
         # async_scheduling: steps run on a worker thread, the next scheduled meanwhile
-        self.overlap = (
+        overlap = (
             Overlap(self.runner, self.scheduler, self.backend) if config.async_scheduling else None
         )
         with ops.use_backend(self.backend):
@@ -127,7 +127,7 @@ class Engine:
             tokenizer, self.pool, self.max_model_len, self._release, time.monotonic, tracer
         )
         self.executor = StepExecutor(
-            self.forward, self.scheduler, self.output, self.speculation, proposer, self.overlap,
+            self.forward, self.scheduler, self.output, self.speculation, proposer, overlap,
             self.kv_cache,
         )  # fmt: skip
         self.requests: dict[str, Request] = self.output.requests  # the running ones, by id
@@ -138,6 +138,7 @@ class Engine:
     # tests), each held by the collaborator that uses it.
     tracer = _setting("output", "tracer", "Tracer | None: the --trace narrator.")
     proposer = _setting("executor", "proposer", "Speculative decoding's proposer, or None.")
+    overlap = _setting("executor", "overlap", "Overlap | None: async_scheduling's worker.")
     clock = _setting("output", "clock", "Arrival, token and finish times (tests substitute it).")
     detokenize = _setting(
         "admission",
