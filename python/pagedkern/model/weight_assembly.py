@@ -14,7 +14,7 @@ from .errors import ModelLoadError
 from .gpt_oss import gpt_oss_experts
 from .quantized_linear import QuantizedWeight, cat_rows, quantize_int8_grouped, stack_experts
 from .tensor_shard import TensorShard
-from .weights import LayerWeights, Linear, LlamaWeights
+from .weights import HALF_DTYPES, LayerWeights, Linear, LlamaWeights
 
 
 def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -31,9 +31,6 @@ def _quantized_alike(parts: list[Linear]) -> bool:
 # get(name) -> the tensor under that HF name (any float dtype, any device, or a QuantizedWeight)
 # or None if absent.
 TensorGetter = Callable[[str], "Linear | None"]
-
-
-_16_BIT = (torch.bfloat16, torch.float16)
 
 
 def _kept_16_bit(name: str) -> bool:
@@ -100,7 +97,7 @@ def assemble_weights(
             raise ModelLoadError(
                 where(name), f"tensor {describe(name)!r} has non-float dtype {t.dtype}"
             )
-        if keep_16_bit and t.dtype in _16_BIT and _kept_16_bit(name):
+        if keep_16_bit and t.dtype in HALF_DTYPES and _kept_16_bit(name):
             return t.to(device=device)
         return t.to(device=device, dtype=dtype)
 

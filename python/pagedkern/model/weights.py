@@ -15,6 +15,8 @@ from .quantized_linear import QuantizedWeight
 # A linear layer's weight: a float tensor or a weight-only quantized one.
 Linear = torch.Tensor | QuantizedWeight
 LINEAR_FIELDS = ("qkv", "o", "gate_up", "down")
+# A 16-bit checkpoint's weight dtypes (kept under the CPU's fp32 activations: keep_16_bit)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(slots=True)
@@ -76,7 +78,7 @@ class LlamaWeights:
                 return t.to(device)
             if t is None:
                 return None
-            if linear and keep_16_bit and t.dtype in (torch.bfloat16, torch.float16):
+            if linear and keep_16_bit and t.dtype in HALF_DTYPES:
                 return t.to(device=device)
             return t.to(device=device, dtype=dtype)
 
