@@ -182,26 +182,27 @@ def check_thinking_kept(parser, text: str, reasoning: str, content: str) -> None
 # --- fuzzing ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", sorted(TOOL_PARSERS))
-@FUZZ
-@given(data=st.data())
-def test_family_answers_stream_as_whole(family, data):
-    text = data.draw(answer(family))
+def check_family(family: str, data, text_source) -> None:
+    """A text drawn from text_source, streamed in drawn pieces, parsed as whole; text kept."""
+    text = data.draw(text_source)
     whole = check_stream(
         lambda: ChatOutputParser(None, TOOL_PARSERS[family]), text, pieces_of(data.draw, text)
     )
     check_text_kept(TOOL_PARSERS[family], text, whole.content, whole.calls)
+
+
+@pytest.mark.parametrize("family", sorted(TOOL_PARSERS))
+@FUZZ
+@given(data=st.data())
+def test_family_answers_stream_as_whole(family, data):
+    check_family(family, data, answer(family))
 
 
 @pytest.mark.parametrize("family", sorted(TOOL_PARSERS))
 @FUZZ
 @given(data=st.data())
 def test_markup_soup_streams_as_whole(family, data):
-    text = data.draw(soup)
-    whole = check_stream(
-        lambda: ChatOutputParser(None, TOOL_PARSERS[family]), text, pieces_of(data.draw, text)
-    )
-    check_text_kept(TOOL_PARSERS[family], text, whole.content, whole.calls)
+    check_family(family, data, soup)
 
 
 @pytest.mark.parametrize("reasoning", sorted(REASONING_PARSERS))

@@ -9,13 +9,13 @@ bare `[{` array is read as calls too."""
 
 from __future__ import annotations
 
-import string
+import re
 
 from .base import NotCalls, ToolCall, ToolParser, call_from, next_json
+from .spec import MAX_NAME, NAME_CHARS
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
-NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_.-")  # (spec.NAME's)
-MAX_NAME = 64
+NAME_RUN = re.compile(f"[{NAME_CHARS}]*")
 
 
 class MistralToolParser(ToolParser):
@@ -42,9 +42,7 @@ class MistralToolParser(ToolParser):
                 raise NotCalls(f"only {MARKER} may follow a call")  # the rest is content
             i = _skip_space(section, i + len(MARKER))
         # the name: a function name's characters, then [ARGS] (a bounded look, not a search)
-        last = i
-        while last < len(section) and last - i <= MAX_NAME and section[last] in NAME_CHARS:
-            last += 1
+        last = NAME_RUN.match(section, i, min(len(section), i + MAX_NAME + 1)).end()
         name, at = section[i:last], _skip_space(section, last)
         if not section.startswith(ARGS, at):
             if final or last - i > MAX_NAME or not ARGS.startswith(section[at : at + len(ARGS)]):

@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for function names (fullmatch)
+# OpenAI's rule for function names (fullmatch)
+NAME_CHARS, MAX_NAME = "A-Za-z0-9_.-", 64
+NAME = re.compile(f"[{NAME_CHARS}]{{1,{MAX_NAME}}}")
 SCHEMA_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 
 
