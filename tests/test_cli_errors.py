@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from pagedkern.model.spec import ModelSpec
 from pagedkern.serving.cli import main
 from pagedkern.serving.cli.args import build_parser
 from pagedkern.serving.cli.config_from_flags import engine_config
@@ -195,6 +196,29 @@ def test_device_names_a_gpu_torch_sees(monkeypatch):
     assert engine_config(parse(["--device", "cpu", "hi"])).device == "cpu"
     with pytest.raises(ValueError, match="--device nope"):
         engine_config(parse(["--device", "nope", "hi"]))
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--backend", "cuda", "--device", "cpu"], "backend 'cuda' runs the CUDA kernels only"),
+        (["--backend", "cpu", "--device", "cuda"], "backend 'cpu' runs on the CPU only"),
+        (["--device", "meta"], "device must be a CPU or CUDA device, got 'meta'"),
+    ],
+)
+def test_a_device_the_backend_cannot_use_is_refused_before_the_model_loads(
+    flags, message, capsys, monkeypatch
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --device cuda passes alone
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(ModelSpec, "load", load)
+    status, out, err = run_main(capsys, monkeypatch, *flags, "hi")
+    assert status == 2 and out == ""
+    assert message in one_error_line(err)
 
 
 def test_a_bad_flag_in_a_real_process_is_one_line_and_status_2():

@@ -257,6 +257,10 @@ def test_other_add_request_arguments_are_checked(engine):
         ({"max_queue": 0}, "max_queue"),
         ({"dtype": "int8"}, "dtype"),
         ({"backend": "gpu"}, "backend"),
+        ({"device": "meta"}, "device"),
+        ({"device": "cuda:x"}, "device"),
+        ({"backend": "cuda", "device": "cpu"}, "device is cpu"),
+        ({"backend": "cpu", "device": "cuda"}, "device is cuda"),
     ],
 )
 def test_bad_engine_config_is_a_value_error_naming_the_field(fields, name):

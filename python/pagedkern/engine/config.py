@@ -190,8 +190,8 @@ class EngineConfig:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.device is not None and not isinstance(self.device, (str, torch.device)):
-            raise ParameterTypeError(f"device must be a string or None, got {self.device!r}")
+        if self.device is not None:
+            _check_device(self.device, self.backend)
         self.dtype = _dtype(self.dtype)
         check_int("block_size", self.block_size, 1, 1 << 16)
         if self.num_blocks is not None:
@@ -272,6 +272,23 @@ def _shadow(value) -> str | None:
     if value not in ("off", "on", "strict"):
         raise ValueError(f"shadow must be off, on or strict, got {value!r}")
     return value
+
+
+def _check_device(device, backend: str) -> None:
+    """A device torch can name, of a type the engine runs on, that the backend can use: checked
+    here so a mismatch is refused before a model loads, not after."""
+    if not isinstance(device, (str, torch.device)):
+        raise ParameterTypeError(f"device must be a string or None, got {device!r}")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as exc:
+        raise ValueError(f"device {device!r}: {exc}") from None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be a CPU or CUDA device, got {str(device)!r}")
+    if backend == "cuda" and kind != "cuda":
+        raise ValueError(f"backend 'cuda' runs the CUDA kernels only, but device is {kind}")
+    if backend == "cpu" and kind != "cpu":
+        raise ValueError(f"backend 'cpu' runs on the CPU only, but device is {kind}")
 
 
 def _dtype(value) -> torch.dtype | None:
