@@ -30,8 +30,10 @@ from uvicorn.protocols.http.h11_impl import RequestResponseCycle
 from pagedkern.engine import Engine, EngineConfig, RequestRejected, SamplingParams
 from pagedkern.serving.cli import main
 from pagedkern.serving.core.client_errors import EngineUnavailable, QueueFull
+from pagedkern.serving.http import request_parsing
 from pagedkern.serving.http.app import admission_error
 from pagedkern.serving.http.prompts import INLINE_PROMPT_CHARS, PromptPreparer
+from pagedkern.serving.http.request_models import CompletionRequest
 
 TINY = "synthetic:tiny"
 WAIT = 60  # safety-net timeout (seconds) for every wait
@@ -349,6 +351,28 @@ def test_only_small_prompts_are_prepared_on_the_event_loop():
     messages = [{"role": "user", "content": "hi"}] * (INLINE_PROMPT_CHARS // 64)
     assert not PromptPreparer.is_small([{"messages": messages}])  # a template per message
     assert PromptPreparer.is_small([{"messages": messages[:4]}])
+
+
+def test_only_small_bodies_are_validated_on_the_event_loop(monkeypatch):
+    threads = []
+
+    def parse(model, body):
+        threads.append(threading.get_ident())
+        return model.model_validate_json(body)
+
+    monkeypatch.setattr(request_parsing, "parse", parse)
+
+    async def both() -> list:
+        small = json.dumps({"model": "m", "prompt": "w" * 100}).encode()
+        big = json.dumps({"model": "m", "prompt": "w" * request_parsing.INLINE_BODY_BYTES}).encode()
+        return [
+            await request_parsing.parse_off_the_loop(CompletionRequest, body)
+            for body in (small, big)
+        ]
+
+    small, big = asyncio.run(both())
+    assert (len(small.prompt), len(big.prompt)) == (100, request_parsing.INLINE_BODY_BYTES)
+    assert threads[0] == threading.get_ident() != threads[1]
 
 
 def test_routes_and_methods_errors_and_still_serving(server, client):

@@ -33,7 +33,7 @@ from .request_models import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from .request_parsing import parse, sampling
+from .request_parsing import parse_off_the_loop, sampling
 from .response_models import ModelCard, ModelList
 from .settings import ServerSettings
 from .streaming import sse_events
@@ -67,7 +67,7 @@ class OpenAIRoutes:
 
     async def parse_body(self, http: Request, schema: type):
         body = await read_body(http, self.settings.max_body_bytes, self.settings.body_timeout)
-        return parse(schema, body)
+        return await parse_off_the_loop(schema, body)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
