@@ -13,17 +13,19 @@ from safetensors import safe_open
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .hf_config import config_from_hf, hf_norm_offset
+from .hf_quantized import Scheme, quantized_getter, scheme_of
 from .mxfp4 import dequantize_mxfp4
 from .tensor_shard import Part, TensorShard
 from .tokenizer import Tokenizer
 from .weight_assembly import assemble_weights
+from .weight_shards import cols, rows
 from .weights import LlamaWeights
 
 _INDEX = "model.safetensors.index.json"
 
 
-def _read_config(folder: Path) -> tuple[ModelConfig, float]:
-    """(config, norm offset): see hf_norm_offset."""
+def _read_config(folder: Path) -> tuple[ModelConfig, float, Scheme | None]:
+    """(config, norm offset, how its linears were quantized): see hf_norm_offset, scheme_of."""
     path = folder / "config.json"
     if not path.is_file():
         raise ModelLoadError(folder, "no config.json (not a HF model folder)")
@@ -33,7 +35,7 @@ def _read_config(folder: Path) -> tuple[ModelConfig, float]:
         raise ModelLoadError(path, f"invalid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(path, "config.json must hold a JSON object")
-    return config_from_hf(raw, str(path)), hf_norm_offset(raw)
+    return config_from_hf(raw, str(path)), hf_norm_offset(raw), scheme_of(raw, str(path))
 
 
 def hf_checkpoint_dtype(folder: str | os.PathLike) -> torch.dtype | None:
@@ -153,6 +155,25 @@ def _check_counts(config: ModelConfig, names, folder: Path) -> None:
         raise ModelLoadError(folder, problem + str(config.num_experts - 1))
 
 
+def _with_quantized(scheme: Scheme, get, locate):
+    """get(name, part) returning `<x>.weight` as a QuantizedWeight where the checkpoint holds
+    `<x>` packed; a rank's part cut from the whole weight (rows, or columns at group
+    boundaries: weight_shards)."""
+    quantized = quantized_getter(scheme, get, locate)
+
+    def get_quantized(name: str, part: Part | None = None):
+        w = quantized(name)
+        if w is None:
+            return get(name, part)
+        if part is None or w.shape[part.dim] != part.length:
+            return w  # (whole: the shape check reports a mismatch)
+        if part.dim == 0:
+            return rows(w, torch.arange(part.start, part.stop))
+        return cols(w, part.start, part.stop, name)
+
+    return get_quantized
+
+
 def load_hf_folder(
     folder: str | os.PathLike,
     device: torch.device | str = "cpu",
@@ -166,7 +187,7 @@ def load_hf_folder(
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(folder, "no such folder")
-    config, norm_offset = _read_config(folder)
+    config, norm_offset, scheme = _read_config(folder)
     where = _open_shards(_shard_files(folder))
     _check_counts(config, where, folder)
 
@@ -191,6 +212,8 @@ def load_hf_folder(
                 return str(where[key][0])
         return str(folder)
 
+    if scheme is not None:  # GPTQ / AWQ: a linear's packed tensors as one QuantizedWeight
+        get = _with_quantized(scheme, get, locate)
     weights = assemble_weights(
         config, get, locate, device, dtype, norm_offset=norm_offset, shard=shard,
         keep_16_bit=keep_16_bit,

@@ -1,0 +1,226 @@
+"""Pre-quantized HF checkpoints: GPTQ and AWQ projections mapped exactly onto QuantizedWeight
+(the int4 / int8 operand format of ops.quant_gemm), never through float weights.
+
+A folder's config.json says how it was quantized (`quantization_config`). Per quantized linear
+`<x>` (`<x>.weight` absent), with K input and N output channels, G the group size:
+
+  GPTQ (AutoGPTQ / GPTQModel; bits 4 or 8, p = 32 / bits codes a word):
+    <x>.qweight int32 [K / p, N]   code q[k, n] at bits (k % p) * bits of word [k // p, n]
+    <x>.qzeros  int32 [K / G, N / p]   zero z[g, n] at bits (n % p) * bits of word [g, n // p];
+                                   checkpoint_format "gptq" (v1) stores z - 1, "gptq_v2" z
+    <x>.scales  fp16 [K / G, N]
+    <x>.g_idx   int32 [K]          each input channel's group (k // G unless desc_act)
+  AWQ (AutoAWQ's GEMM layout, bits 4):
+    <x>.qweight int32 [K, N / 8]   codes packed along N: nibble i of word [k, j] holds column
+    <x>.qzeros  int32 [K / G, N / 8]   8 j + AWQ_ORDER[i]; the zeros alike
+    <x>.scales  fp16 [K / G, N]
+  both: w[n, k] = scales[g, n] * (q[k, n] - z[g, n]),  g = k // G
+
+As int4 (QuantizedWeight: w = scale * q + min, G 32 or 128): scale = s, min = -s z. s z has at
+most 15 significant bits (an fp16 s times z <= 16), exact in fp32, so the mins are fp16 where
+every one is exactly an fp16, else fp32, and w comes out bit for bit. A group of G = 64, 256
+or the whole row (G = -1) is its own scale repeated over groups of 32 or 128. GPTQ's 8-bit
+codes, symmetric (z = 128 everywhere), are int8 codes q - 128 with the same scales.
+
+Refused with a ModelLoadError naming the key: other methods (fp8, bitsandbytes, ...: their
+tensors would otherwise load as plain floats, silently wrong), other bit widths, desc_act's
+reordered groups (g_idx not k // G) and asymmetric 8-bit GPTQ (no int8 form with mins outside
+0..31).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ModelLoadError
+from .quantized_linear import QuantizedWeight
+
+METHODS = ("gptq", "awq")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column offset of nibble i in a word (AutoAWQ's pack)
+
+
+@dataclass(frozen=True, slots=True)
+class Scheme:
+    """How a checkpoint's linear weights were quantized (its quantization_config)."""
+
+    method: str  # "gptq" | "awq"
+    bits: int
+    group_size: int  # -1: one group a row
+    zeros_minus_one: bool  # GPTQ v1 stores z - 1
+
+    @property
+    def per_word(self) -> int:
+        return 32 // self.bits
+
+
+def scheme_of(raw: Mapping, path: str) -> Scheme | None:
+    """config.json's quantization_config as a Scheme; None for an unquantized checkpoint."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, Mapping):
+        raise ModelLoadError(path, "quantization_config must be a JSON object")
+    method = qc.get("quant_method")
+    if method not in METHODS:
+        raise ModelLoadError(
+            path,
+            f"quantization_config: quant_method {method!r} is not supported (supported: "
+            f"{', '.join(METHODS)}; or a GGUF file, or the unquantized checkpoint)",
+        )
+    bits = qc.get("bits", qc.get("w_bit"))
+    group = qc.get("group_size", qc.get("q_group_size"))
+    for key, value in (("bits", bits), ("group_size", group)):
+        if type(value) is not int:
+            raise ModelLoadError(path, f"quantization_config: {key} must be an integer")
+    allowed_bits = (4, 8) if method == "gptq" else (4,)
+    if bits not in allowed_bits:
+        raise ModelLoadError(
+            path,
+            f"quantization_config: {method} with bits {bits} is not supported "
+            f"({' or '.join(map(str, allowed_bits))})",
+        )
+    if group != -1 and not (group > 0 and (group % 32 == 0 or (bits == 8 and group == 16))):
+        raise ModelLoadError(
+            path,
+            f"quantization_config: group_size {group} is not supported (a multiple of 32, or -1)",
+        )
+    if method == "awq":
+        if qc.get("zero_point", True) is not True:
+            raise ModelLoadError(path, "quantization_config: AWQ without zero_point")
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ModelLoadError(
+                path, f"quantization_config: AWQ version {version!r} (only 'gemm' is supported)"
+            )
+        return Scheme("awq", 4, group, False)
+    if qc.get("desc_act", False) is True and group != -1:
+        raise ModelLoadError(
+            path,
+            "quantization_config: desc_act (act-order) GPTQ checkpoints are not supported: "
+            "their groups are not contiguous along K",
+        )
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ModelLoadError(path, f"quantization_config: checkpoint_format {fmt!r}")
+    return Scheme("gptq", bits, group, fmt == "gptq")
+
+
+def quantized_getter(
+    scheme: Scheme, tensor: Callable[[str], torch.Tensor | None], where: Callable[[str], str]
+) -> Callable[[str], QuantizedWeight | None]:
+    """get(name) for `<x>.weight` names: the QuantizedWeight of `<x>`'s packed tensors, None
+    where the checkpoint has no `<x>.qweight` (an unquantized linear, a norm, ...)."""
+
+    def get(name: str) -> QuantizedWeight | None:
+        if not name.endswith(".weight"):
+            return None
+        stem = name.removesuffix("weight")
+        qweight = tensor(stem + "qweight")
+        if qweight is None:
+            return None
+        parts = {
+            "qweight": qweight,
+            "qzeros": tensor(stem + "qzeros"),
+            "scales": tensor(stem + "scales"),
+            "g_idx": tensor(stem + "g_idx"),
+        }
+        try:
+            return to_quantized_weight(scheme, **parts)
+        except ValueError as exc:
+            raise ModelLoadError(where(stem + "qweight"), f"{stem[:-1]}: {exc}") from None
+
+    return get
+
+
+def to_quantized_weight(
+    scheme: Scheme,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    g_idx: torch.Tensor | None = None,
+) -> QuantizedWeight:
+    """One linear's packed GPTQ / AWQ tensors as a QuantizedWeight (exactly: module docstring).
+    ValueError naming the part for a missing or misshapen one."""
+    for part, t in (("qzeros", qzeros), ("scales", scales)):
+        if t is None:
+            raise ValueError(f"{part} is missing")
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(
+            f"qweight and qzeros must be 2-D int32, got {qweight.dtype} {tuple(qweight.shape)} "
+            f"and {qzeros.dtype}"
+        )
+    if not scales.dtype.is_floating_point or scales.dim() != 2:
+        raise ValueError(f"scales must be a 2-D float tensor, got {scales.dtype}")
+    p = scheme.per_word
+    if scheme.method == "awq":
+        k, n = qweight.shape[0], qweight.shape[1] * p
+        codes = _unpack(qweight, scheme.bits, AWQ_ORDER).reshape(k, n)  # [K, N]
+    else:
+        k, n = qweight.shape[0] * p, qweight.shape[1]
+        codes = _unpack(qweight.t(), scheme.bits).reshape(n, k).t()  # [K, N]
+    groups = scales.shape[0]
+    group = k if scheme.group_size == -1 else scheme.group_size
+    if k % group or groups != k // group or scales.shape[1] != n:
+        raise ValueError(
+            f"scales has shape {tuple(scales.shape)}, expected {(k // group, n)} for a [{n}, {k}] "
+            f"weight in groups of {group}"
+        )
+    if qzeros.shape != (groups, n // p):
+        raise ValueError(f"qzeros has shape {tuple(qzeros.shape)}, expected {(groups, n // p)}")
+    order = AWQ_ORDER if scheme.method == "awq" else None
+    zeros = _unpack(qzeros, scheme.bits, order).reshape(groups, n)
+    if scheme.zeros_minus_one:
+        zeros = zeros + 1  # (as vLLM and AutoGPTQ read v1: a stored 15 is a zero of 16)
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
+        raise ValueError("g_idx is not k // group_size (desc_act's reordered groups)")
+    s = scales.float().t().contiguous()  # [N, K / G]
+    z = zeros.t().float()
+    if scheme.bits == 8:
+        if not torch.all(zeros == 128):
+            raise ValueError("asymmetric 8-bit GPTQ (zeros other than 128) is not supported")
+        q = (codes.t().to(torch.int16) - 128).to(torch.int8).contiguous()  # [N, K]
+        if scheme.group_size == -1:
+            return QuantizedWeight("int8", (n, k), q, s[:, 0].contiguous())
+        target = 16 if group == 16 else 32
+        return QuantizedWeight("int8", (n, k), q, _regroup(s, group, target), None, target)
+    target = 128 if group % 128 == 0 else 32
+    if group % target:
+        raise ValueError(f"{k} input channels in one group: not a multiple of 32")
+    mins = -(s * z)  # exact in fp32 (module docstring)
+    q = codes.t().to(torch.uint8)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # [N, K / 2], low nibble first
+    return QuantizedWeight(
+        "int4",
+        (n, k),
+        packed,
+        _narrowest(_regroup(s, group, target)),
+        _narrowest(_regroup(mins, group, target)),
+        target,
+    )
+
+
+def _unpack(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """words [..., W] int32 -> codes [..., W, 32 / bits] (code i of each word at bits i * bits),
+    reordered so position order[i] holds code i where `order` is given (AWQ's interleave)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (>> keeps the sign: masked)
+    if order is not None:
+        placed = torch.empty_like(codes)
+        placed[..., list(order)] = codes
+        codes = placed
+    return codes.to(torch.int16)
+
+
+def _regroup(per_group: torch.Tensor, group: int, target: int) -> torch.Tensor:
+    """[N, K / group] values as [N, K / target] (each group's value repeated, group % target
+    == 0)."""
+    return per_group.repeat_interleave(group // target, dim=-1).contiguous()
+
+
+def _narrowest(t: torch.Tensor) -> torch.Tensor:
+    """t in fp16 where that holds every value exactly, else fp32."""
+    half = t.half()
+    return half if torch.equal(half.float(), t) else t

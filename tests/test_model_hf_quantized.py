@@ -1,0 +1,255 @@
+"""GPTQ and AWQ checkpoints (HF folders with a quantization_config): tiny transformers models
+whose linear weights are quantized here, packed the way AutoGPTQ / GPTQModel and AutoAWQ pack
+them (written from those formats' descriptions, independently of the loader), must load into
+weights equal bit for bit to the dequantized ones, give transformers' logits on the dequantized
+model and its greedy tokens through the engine; tensor-parallel ranks get the whole model's
+parts; what the loader cannot represent is refused by name instead of loaded wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_model_files import all_logits, write_tokenizer
+from safetensors.torch import save_file
+from test_tensor_shard_loading import assert_loads_as_cut
+from transformers_oracle import hf_greedy, relative
+
+from pagedkern import ops
+from pagedkern.engine import Engine, EngineConfig, SamplingParams
+from pagedkern.model import ModelLoadError, load_model
+from pagedkern.model.quantized_linear import QuantizedWeight
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = [5, 77, 301, 12, 250, 9, 33, 120, 64, 7, 199, 3, 42, 318, 91, 17, 260, 88]
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column 8j + this
+
+
+def tiny_model(arch: str = "llama"):
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=400, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
+    )  # fmt: skip
+    if arch == "qwen2":  # (attention biases beside the packed weights)
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).float().eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float().eval()
+
+
+def quantize(w: torch.Tensor, bits: int, group: int, sym: bool, min_zero: int = 0):
+    """GPTQ / AWQ style round-to-nearest of w [N, K]: (codes [K, N], zeros [K / G, N],
+    fp16 scales [K / G, N], the dequantized weight [N, K])."""
+    n, k = w.shape
+    group = k if group == -1 else group
+    top = (1 << bits) - 1
+    g = w.reshape(n, k // group, group)
+    if sym:
+        scale = (g.abs().amax(-1) / (top // 2)).half().float()
+        zero = torch.full_like(scale, (top + 1) // 2)
+    else:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / top).half().float()
+        zero = (-lo / scale).round().clamp(min_zero, top)
+    q = (g / scale[..., None]).round() + zero[..., None]
+    q = q.clamp(0, top)
+    deq = (scale[..., None] * (q - zero[..., None])).reshape(n, k)
+    codes = q.reshape(n, k).t().to(torch.int32).contiguous()
+    return codes, zero.t().to(torch.int32).contiguous(), scale.t().half().contiguous(), deq
+
+
+def pack_gptq(codes, zeros, bits: int, v1: bool):
+    """AutoGPTQ's layout: codes packed along K (rows), zeros along N; v1 stores zero - 1."""
+    p = 32 // bits
+    mask = (1 << bits) - 1
+    qweight = torch.zeros(codes.shape[0] // p, codes.shape[1], dtype=torch.int32)
+    for i in range(p):
+        qweight |= (codes[i::p] & mask) << (bits * i)
+    stored = zeros - 1 if v1 else zeros
+    qzeros = torch.zeros(zeros.shape[0], zeros.shape[1] // p, dtype=torch.int32)
+    for i in range(p):
+        qzeros |= (stored[:, i::p] & mask) << (bits * i)
+    return qweight, qzeros
+
+
+def pack_awq(codes, zeros):
+    """AutoAWQ's GEMM layout: codes and zeros packed along N in AWQ_PACK_ORDER."""
+
+    def pack(m):
+        out = torch.zeros(m.shape[0], m.shape[1] // 8, dtype=torch.int32)
+        for i, column in enumerate(AWQ_PACK_ORDER):
+            out |= (m[:, column::8] & 0xF) << (4 * i)
+        return out
+
+    return pack(codes), pack(zeros)
+
+
+SCHEMES = {
+    "gptq-int4-sym-g128": dict(quant_method="gptq", bits=4, group_size=128, sym=True),
+    "gptq-int4-asym-g32": dict(quant_method="gptq", bits=4, group_size=32, sym=False),
+    "gptq_v2-int4-asym-g64": dict(
+        quant_method="gptq", bits=4, group_size=64, sym=False, checkpoint_format="gptq_v2"
+    ),
+    "gptq-int4-sym-per-row": dict(quant_method="gptq", bits=4, group_size=-1, sym=True),
+    "gptq-int8-sym-g128": dict(quant_method="gptq", bits=8, group_size=128, sym=True),
+    "awq-int4-g128": dict(quant_method="awq", bits=4, group_size=128, zero_point=True),
+    "awq-int4-g64": dict(quant_method="awq", bits=4, group_size=64, zero_point=True),
+}
+
+
+def write_quantized(folder, hf, qc: dict, lm_head: bool = False) -> None:
+    """hf's linears quantized per qc, packed in qc's format, with the rest of its tensors, as
+    an HF folder; hf's weights replaced by the dequantized ones (the reference)."""
+    qc = {"desc_act": False, **qc}
+    bits, group, awq = qc["bits"], qc["group_size"], qc["quant_method"] == "awq"
+    v1 = not awq and qc.get("checkpoint_format", "gptq") == "gptq"
+    tensors = {}
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            short = name.rsplit(".", 1)[-1]
+            if short not in LINEARS and not (lm_head and short == "lm_head"):
+                continue
+            sym = qc.get("sym", False)
+            codes, zeros, scales, deq = quantize(module.weight, bits, group, sym, int(v1))
+            module.weight.copy_(deq)
+            if awq:
+                qweight, qzeros = pack_awq(codes, zeros)
+            else:
+                qweight, qzeros = pack_gptq(codes, zeros, bits, v1)
+                k = module.weight.shape[1]
+                tensors[f"{name}.g_idx"] = torch.arange(k, dtype=torch.int32) // (
+                    k if group == -1 else group
+                )
+            tensors.update({f"{name}.qweight": qweight, f"{name}.qzeros": qzeros})
+            tensors[f"{name}.scales"] = scales
+        quantized = {n.removesuffix("qweight") + "weight" for n in tensors if "qweight" in n}
+        for name, t in hf.state_dict().items():
+            if name not in quantized:
+                tensors[name] = t.contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = hf.config.to_dict()
+    config["quantization_config"] = qc
+    (folder / "config.json").write_text(json.dumps(config))
+    write_tokenizer(folder)
+
+
+@pytest.fixture(scope="module", params=sorted(SCHEMES))
+def checkpoint(request, tmp_path_factory):
+    """(folder, the transformers model holding the dequantized weights, the scheme's name)."""
+    hf = tiny_model()
+    folder = tmp_path_factory.mktemp(request.param)
+    write_quantized(folder, hf, SCHEMES[request.param])
+    return folder, hf, request.param
+
+
+def test_weights_are_the_dequantized_ones_bit_for_bit(checkpoint):
+    folder, hf, name = checkpoint
+    model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
+    layer = model.weights.layers[1]
+    for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        assert isinstance(w, QuantizedWeight)
+        assert w.format == ("int8" if "int8" in name else "int4")
+    attn, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
+    want_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(layer.qkv.dequantize_rows(), want_qkv)
+    assert torch.equal(layer.down.dequantize_rows(), mlp.down_proj.weight)
+    assert torch.equal(layer.gate_up.dequantize_rows()[256:], mlp.up_proj.weight)
+
+
+def test_logits_equal_transformers_on_the_dequantized_model(checkpoint):
+    folder, hf, _ = checkpoint
+    with ops.use_backend("cpu"):  # the C++ GEMM (the reference backend's torch int-pack GEMM
+        # rounds activations to bf16: ~2% off, a different test)
+        model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
+        got = all_logits(model, PROMPT).double()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    assert relative(got, want) < 2e-4  # (activations rounded to 16 bits a block of 32)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_engine_answers_as_transformers(tmp_path):
+    hf = tiny_model("qwen2")
+    write_quantized(tmp_path, hf, SCHEMES["gptq-int4-asym-g32"])
+    want, _ = hf_greedy(hf, PROMPT, 12)
+    engine = Engine.from_config(
+        EngineConfig(model=str(tmp_path), backend="cpu", num_blocks=64, block_size=4)
+    )
+    engine.add_request(
+        prompt_ids=PROMPT, params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
+    assert [t for o in engine.run_until_done() for t in o.token_ids] == want
+
+
+def test_a_quantized_lm_head_loads_too(tmp_path):
+    hf = tiny_model()
+    write_quantized(tmp_path, hf, SCHEMES["awq-int4-g128"], lm_head=True)
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32, kv_cache_dtype="float32")
+    assert isinstance(model.weights.lm_head, QuantizedWeight)
+    assert torch.equal(model.weights.lm_head.dequantize_rows(), hf.lm_head.weight)
+
+
+def test_tensor_parallel_ranks_load_the_whole_models_parts(tmp_path):
+    write_quantized(tmp_path, tiny_model(), SCHEMES["gptq-int4-asym-g32"])
+    assert_loads_as_cut(str(tmp_path), 2)  # (O's 128 columns: 64 a rank, whole groups of 32)
+
+
+def _with_config(folder, **changes) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"].update(changes)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"quant_method": "fp8"}, "quant_method 'fp8' is not supported"),
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+        ({"bits": 3}, "gptq with bits 3 is not supported"),
+        ({"bits": "4"}, "bits must be an integer"),
+        ({"group_size": 48}, "group_size 48 is not supported"),
+        ({"desc_act": True}, "desc_act"),
+        ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ],
+)
+def test_what_cannot_be_represented_is_refused_by_name(tmp_path, changes, message):
+    write_quantized(tmp_path, tiny_model(), SCHEMES["gptq-int4-sym-g128"])
+    _with_config(tmp_path, **changes)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(str(tmp_path), "cpu", torch.float32)
+
+
+def test_an_fp8_checkpoint_is_refused_not_read_as_plain_floats(tmp_path):
+    """Its float8 weights beside their scales would otherwise load as the weights."""
+    hf = tiny_model()
+    tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+        tensors[name.removesuffix("weight") + "weight_scale"] = torch.ones(())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = hf.config.to_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_tokenizer(tmp_path)
+    with pytest.raises(ModelLoadError, match="quant_method 'fp8' is not supported"):
+        load_model(str(tmp_path), "cpu", torch.float32)
+
+
+def test_reordered_groups_and_asymmetric_int8_are_refused_by_name(tmp_path):
+    write_quantized(tmp_path, tiny_model(), SCHEMES["gptq-int4-sym-g128"])
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()  # (desc_act's order, config says not)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"down_proj: g_idx is not k // group_size"):
+        load_model(str(tmp_path), "cpu", torch.float32)
+
+    write_quantized(tmp_path, tiny_model(), dict(SCHEMES["gptq-int8-sym-g128"], sym=False))
+    with pytest.raises(ModelLoadError, match="asymmetric 8-bit GPTQ"):
+        load_model(str(tmp_path), "cpu", torch.float32)
