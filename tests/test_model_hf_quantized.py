@@ -3,7 +3,8 @@ whose linear weights are quantized here, packed the way AutoGPTQ / GPTQModel and
 them (written from those formats' descriptions, independently of the loader), must load into
 weights equal bit for bit to the dequantized ones, give transformers' logits on the dequantized
 model and its greedy tokens through the engine; tensor-parallel ranks get the whole model's
-parts; what the loader cannot represent is refused by name instead of loaded wrong."""
+parts; fine-grained FP8 checkpoints load their blocks dequantized; what the loader cannot
+represent is refused by name instead of loaded wrong."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import json
 import pytest
 import torch
 from hf_model_files import all_logits, write_tokenizer
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_tensor_shard_loading import assert_loads_as_cut
 from transformers_oracle import hf_greedy, relative
 
@@ -207,7 +208,7 @@ def _with_config(folder, **changes) -> None:
 @pytest.mark.parametrize(
     "changes,message",
     [
-        ({"quant_method": "fp8"}, "quant_method 'fp8' is not supported"),
+        ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors' is not"),
         ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
         ({"bits": 3}, "gptq with bits 3 is not supported"),
         ({"bits": "4"}, "bits must be an integer"),
@@ -223,26 +224,70 @@ def test_what_cannot_be_represented_is_refused_by_name(tmp_path, changes, messag
         load_model(str(tmp_path), "cpu", torch.float32)
 
 
-def test_an_fp8_checkpoint_is_refused_not_read_as_plain_floats(tmp_path):
-    """Its float8 weights beside their scales would otherwise load as the weights."""
-    hf = tiny_model()
+def write_fp8(folder, hf, block: list[int], config: bool = True) -> None:
+    """hf's linears as transformers' fine-grained FP8 (E4M3 weights, an fp32 weight_scale_inv
+    per block of `block`), hf's weights replaced by the dequantized ones."""
     tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
-    for name in [n for n in tensors if n.endswith("_proj.weight")]:
-        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
-        tensors[name.removesuffix("weight") + "weight_scale"] = torch.ones(())
+    bn, bk = block
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if name.rsplit(".", 1)[-1] not in LINEARS:
+                continue
+            w = module.weight
+            n, k = w.shape
+            scales = torch.empty(-(-n // bn), -(-k // bk))
+            fp8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+            deq = torch.empty(n, k)
+            for i in range(scales.shape[0]):
+                for j in range(scales.shape[1]):
+                    rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+                    scales[i, j] = w[rows, cols].abs().amax() / 448
+                    fp8[rows, cols] = (w[rows, cols] / scales[i, j]).to(torch.float8_e4m3fn)
+                    deq[rows, cols] = fp8[rows, cols].float() * scales[i, j]
+            module.weight.copy_(deq)
+            tensors[f"{name}.weight"] = fp8
+            tensors[f"{name}.weight_scale_inv"] = scales
+    save_file(tensors, str(folder / "model.safetensors"))
+    hf_config = hf.config.to_dict()
+    if config:
+        hf_config["quantization_config"] = {
+            "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block,
+        }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    write_tokenizer(folder)
+
+
+def test_an_fp8_checkpoint_loads_its_blocks_dequantized(tmp_path):
+    hf = tiny_model()
+    write_fp8(tmp_path, hf, [48, 64])  # (partial blocks at the edges of every weight)
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32, kv_cache_dtype="float32")
+    mlp = hf.model.layers[1].mlp
+    assert torch.equal(model.weights.layers[1].down, mlp.down_proj.weight)
+    got = all_logits(model, PROMPT).double()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    assert relative(got, want) < 1e-5
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert_loads_as_cut(str(tmp_path), 2)
+
+
+def test_fp8_weights_without_their_scales_are_refused_not_read_as_plain_floats(tmp_path):
+    write_fp8(tmp_path, tiny_model(), [64, 64], config=False)  # (no quantization_config)
+    with pytest.raises(ModelLoadError, match="is torch.float8_e4m3fn, with no scale to apply"):
+        load_model(str(tmp_path), "cpu", torch.float32)
+    write_fp8(tmp_path, tiny_model(), [64, 64])
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight_scale_inv"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    config = hf.config.to_dict()
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    write_tokenizer(tmp_path)
-    with pytest.raises(ModelLoadError, match="quant_method 'fp8' is not supported"):
+    with pytest.raises(ModelLoadError, match="up_proj: weight_scale_inv is missing"):
+        load_model(str(tmp_path), "cpu", torch.float32)
+    _with_config(tmp_path, weight_block_size=[128])
+    with pytest.raises(ModelLoadError, match="fp8 needs weight_block_size"):
         load_model(str(tmp_path), "cpu", torch.float32)
 
 
 def test_reordered_groups_and_asymmetric_int8_are_refused_by_name(tmp_path):
     write_quantized(tmp_path, tiny_model(), SCHEMES["gptq-int4-sym-g128"])
-    from safetensors.torch import load_file
-
     tensors = load_file(str(tmp_path / "model.safetensors"))
     name = "model.layers.0.mlp.down_proj.g_idx"
     tensors[name] = tensors[name].flip(0).contiguous()  # (desc_act's order, config says not)

@@ -157,8 +157,8 @@ def _check_counts(config: ModelConfig, names, folder: Path) -> None:
 
 def _with_quantized(scheme: Scheme, get, locate):
     """get(name, part) returning `<x>.weight` as a QuantizedWeight where the checkpoint holds
-    `<x>` packed; a rank's part cut from the whole weight (rows, or columns at group
-    boundaries: weight_shards)."""
+    `<x>` packed (fp8 blocks: dequantized); a rank's part cut from the whole weight (rows, or
+    columns at group boundaries: weight_shards)."""
     quantized = quantized_getter(scheme, get, locate)
 
     def get_quantized(name: str, part: Part | None = None):
@@ -167,6 +167,8 @@ def _with_quantized(scheme: Scheme, get, locate):
             return get(name, part)
         if part is None or w.shape[part.dim] != part.length:
             return w  # (whole: the shape check reports a mismatch)
+        if isinstance(w, torch.Tensor):  # (fp8 blocks, dequantized)
+            return w.narrow(part.dim, part.start, part.stop - part.start).contiguous()
         if part.dim == 0:
             return rows(w, torch.arange(part.start, part.stop))
         return cols(w, part.start, part.stop, name)
@@ -212,7 +214,7 @@ def load_hf_folder(
                 return str(where[key][0])
         return str(folder)
 
-    if scheme is not None:  # GPTQ / AWQ: a linear's packed tensors as one QuantizedWeight
+    if scheme is not None:  # GPTQ / AWQ / FP8: a linear from its quantized tensors
         get = _with_quantized(scheme, get, locate)
     weights = assemble_weights(
         config, get, locate, device, dtype, norm_offset=norm_offset, shard=shard,

@@ -1,5 +1,6 @@
 """Pre-quantized HF checkpoints: GPTQ and AWQ projections mapped exactly onto QuantizedWeight
-(the int4 / int8 operand format of ops.quant_gemm), never through float weights.
+(the int4 / int8 operand format of ops.quant_gemm), never through float weights; FP8 blocks
+dequantized.
 
 A folder's config.json says how it was quantized (`quantization_config`). Per quantized linear
 `<x>` (`<x>.weight` absent), with K input and N output channels, G the group size:
@@ -22,10 +23,16 @@ every one is exactly an fp16, else fp32, and w comes out bit for bit. A group of
 or the whole row (G = -1) is its own scale repeated over groups of 32 or 128. GPTQ's 8-bit
 codes, symmetric (z = 128 everywhere), are int8 codes q - 128 with the same scales.
 
-Refused with a ModelLoadError naming the key: other methods (fp8, bitsandbytes, ...: their
-tensors would otherwise load as plain floats, silently wrong), other bit widths, desc_act's
-reordered groups (g_idx not k // G) and asymmetric 8-bit GPTQ (no int8 form with mins outside
-0..31).
+FP8 (transformers' fine-grained FP8: Qwen3-FP8, DeepSeek; `weight_block_size` [bn, bk]):
+    <x>.weight           float8_e4m3fn [N, K]
+    <x>.weight_scale_inv fp32 [ceil(N / bn), ceil(K / bk)]
+  w[n, k] = weight[n, k] * scale_inv[n // bn, k // bk],
+  dequantized at load to fp32 (then the model's dtype): no kernel here takes fp8 weights.
+
+Refused with a ModelLoadError naming the key: other methods (bitsandbytes,
+compressed-tensors, ...: their tensors would otherwise load as plain floats, silently wrong),
+other bit widths, desc_act's reordered groups (g_idx not k // G) and asymmetric 8-bit GPTQ (no
+int8 form with mins outside 0..31).
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ import torch
 from .errors import ModelLoadError
 from .quantized_linear import QuantizedWeight
 
-METHODS = ("gptq", "awq")
+METHODS = ("gptq", "awq", "fp8")
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column offset of nibble i in a word (AutoAWQ's pack)
 
 
@@ -46,10 +54,11 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column offset of nibble i in a word (Aut
 class Scheme:
     """How a checkpoint's linear weights were quantized (its quantization_config)."""
 
-    method: str  # "gptq" | "awq"
+    method: str  # "gptq" | "awq" | "fp8"
     bits: int
     group_size: int  # -1: one group a row
     zeros_minus_one: bool  # GPTQ v1 stores z - 1
+    block: tuple[int, int] | None = None  # fp8: the [rows, columns] a weight_scale_inv covers
 
     @property
     def per_word(self) -> int:
@@ -64,12 +73,17 @@ def scheme_of(raw: Mapping, path: str) -> Scheme | None:
     if not isinstance(qc, Mapping):
         raise ModelLoadError(path, "quantization_config must be a JSON object")
     method = qc.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's experts: the loader reads their _blocks / _scales (mxfp4.py)
+        return None
     if method not in METHODS:
         raise ModelLoadError(
             path,
             f"quantization_config: quant_method {method!r} is not supported (supported: "
-            f"{', '.join(METHODS)}; or a GGUF file, or the unquantized checkpoint)",
+            f"{', '.join(METHODS)}, gpt-oss's mxfp4; or a GGUF file, or the unquantized "
+            "checkpoint)",
         )
+    if method == "fp8":
+        return _fp8_scheme(qc, path)
     bits = qc.get("bits", qc.get("w_bit"))
     group = qc.get("group_size", qc.get("q_group_size"))
     for key, value in (("bits", bits), ("group_size", group)):
@@ -108,16 +122,40 @@ def scheme_of(raw: Mapping, path: str) -> Scheme | None:
     return Scheme("gptq", bits, group, fmt == "gptq")
 
 
+def _fp8_scheme(qc: Mapping, path: str) -> Scheme:
+    """transformers' fine-grained FP8 (Qwen3-FP8, DeepSeek): E4M3 weights, one fp32
+    weight_scale_inv per block; activations are not quantized here (weights only)."""
+    block = qc.get("weight_block_size")
+    if not (
+        isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
+    ):
+        raise ModelLoadError(
+            path, "quantization_config: fp8 needs weight_block_size, two positive integers"
+        )
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ModelLoadError(path, f"quantization_config: fp8 fmt {qc.get('fmt')!r} (only e4m3)")
+    return Scheme("fp8", 8, 0, False, (block[0], block[1]))
+
+
 def quantized_getter(
     scheme: Scheme, tensor: Callable[[str], torch.Tensor | None], where: Callable[[str], str]
-) -> Callable[[str], QuantizedWeight | None]:
-    """get(name) for `<x>.weight` names: the QuantizedWeight of `<x>`'s packed tensors, None
-    where the checkpoint has no `<x>.qweight` (an unquantized linear, a norm, ...)."""
+) -> Callable[[str], QuantizedWeight | torch.Tensor | None]:
+    """get(name) for `<x>.weight` names: the QuantizedWeight of `<x>`'s packed tensors (GPTQ,
+    AWQ) or its fp8 blocks dequantized to fp32; None where `<x>` is not quantized (a norm, an
+    unquantized linear: the plain tensor)."""
 
-    def get(name: str) -> QuantizedWeight | None:
+    def get(name: str) -> QuantizedWeight | torch.Tensor | None:
         if not name.endswith(".weight"):
             return None
         stem = name.removesuffix("weight")
+        if scheme.method == "fp8":
+            weight = tensor(name)
+            if weight is None or weight.dtype not in FLOAT8:
+                return None
+            try:
+                return dequantize_fp8(weight, tensor(stem + "weight_scale_inv"), scheme.block)
+            except ValueError as exc:
+                raise ModelLoadError(where(name), f"{stem[:-1]}: {exc}") from None
         qweight = tensor(stem + "qweight")
         if qweight is None:
             return None
@@ -200,6 +238,26 @@ def to_quantized_weight(
         _narrowest(_regroup(mins, group, target)),
         target,
     )
+
+
+def dequantize_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor | None, block: tuple[int, int]
+) -> torch.Tensor:
+    """An E4M3 weight [N, K] times its blocks' scales [ceil(N / bn), ceil(K / bk)], in fp32 (as
+    transformers and vLLM dequantize it)."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be float8_e4m3fn, got {weight.dtype}")
+    if scale_inv is None:
+        raise ValueError("weight_scale_inv is missing")
+    (n, k), (bn, bk) = weight.shape, block
+    want = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != want or not scale_inv.dtype.is_floating_point:
+        raise ValueError(
+            f"weight_scale_inv must be float {want} for a [{n}, {k}] weight in blocks of "
+            f"{list(block)}, got {scale_inv.dtype} {tuple(scale_inv.shape)}"
+        )
+    scales = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return weight.float() * scales
 
 
 def _unpack(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:

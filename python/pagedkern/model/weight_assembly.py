@@ -97,6 +97,10 @@ def assemble_weights(
             raise ModelLoadError(
                 where(name), f"tensor {describe(name)!r} has non-float dtype {t.dtype}"
             )
+        if t.dtype.itemsize == 1:  # fp8 without the scales a quantization_config names
+            raise ModelLoadError(
+                where(name), f"tensor {describe(name)!r} is {t.dtype}, with no scale to apply"
+            )
         if keep_16_bit and t.dtype in HALF_DTYPES and _kept_16_bit(name):
             return t.to(device=device)
         return t.to(device=device, dtype=dtype)
