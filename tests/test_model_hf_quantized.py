@@ -185,6 +185,17 @@ def test_the_engine_answers_as_transformers(tmp_path):
     assert [t for o in engine.run_until_done() for t in o.token_ids] == want
 
 
+def test_quantization_none_dequantizes_and_int8_requantizes(tmp_path):
+    hf = tiny_model()
+    write_quantized(tmp_path, hf, SCHEMES["gptq-int4-sym-g128"])
+    plain, _ = load_model(str(tmp_path), "cpu", torch.float32, quantization="none")
+    down = hf.model.layers[0].mlp.down_proj.weight
+    assert plain.weights.quantization == "none"
+    assert torch.equal(plain.weights.layers[0].down, down)
+    int8, _ = load_model(str(tmp_path), "cpu", torch.float32, quantization="int8")
+    assert int8.weights.layers[0].down.format == "int8"
+
+
 def test_a_quantized_lm_head_loads_too(tmp_path):
     hf = tiny_model()
     write_quantized(tmp_path, hf, SCHEMES["awq-int4-g128"], lm_head=True)

@@ -132,7 +132,9 @@ def load_model(
         dtype = dtype or default_dtype(device, "hf", hf_checkpoint_dtype(path))
         keep = _keeps_16_bit(device, dtype, quantization)
         config, weights, tokenizer = load_hf_folder(path, device, dtype, shard, keep)
-        if quantization not in (None, "none"):
+        if quantization == "none" and weights.quantization != "none":  # GPTQ / AWQ, as a GGUF
+            weights = quantize_weights(weights, "none", group_size).to(device, dtype)
+        elif quantization not in (None, "none"):
             weights = quantize_weights(weights, quantization, group_size)
     elif path.is_file():
         if not _is_gguf(path):
