@@ -196,6 +196,48 @@ def test_quantization_none_dequantizes_and_int8_requantizes(tmp_path):
     assert int8.weights.layers[0].down.format == "int8"
 
 
+def test_a_mixture_of_experts_keeps_its_experts_quantized(tmp_path):
+    """Qwen3-MoE as GPTQ ships it: every expert's projections packed, the router float."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=400, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    hf.save_pretrained(tmp_path / "float", safe_serialization=True)
+    tensors = load_file(str(tmp_path / "float" / "model.safetensors"))
+    packed, plain = {}, dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            codes, zeros, scales, plain[name] = quantize(w, 4, 32, sym=False, min_zero=1)
+            stem = name.removesuffix("weight")
+            qweight, qzeros = pack_gptq(codes, zeros, 4, v1=True)
+            g_idx = torch.arange(w.shape[1], dtype=torch.int32) // 32
+            packed |= {stem + "qweight": qweight, stem + "qzeros": qzeros, stem + "scales": scales}
+            packed[stem + "g_idx"] = g_idx
+        else:
+            packed[name] = w
+    folder = tmp_path / "gptq"
+    folder.mkdir()
+    save_file(packed, str(folder / "model.safetensors"))
+    raw = config.to_dict() | {"quantization_config": SCHEMES["gptq-int4-asym-g32"]}
+    (folder / "config.json").write_text(json.dumps(raw))
+    write_tokenizer(folder)
+    save_file(plain, str(tmp_path / "float" / "model.safetensors"))
+    reference = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "float").eval()
+    with ops.use_backend("cpu"):
+        model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
+        got = all_logits(model, PROMPT).double()
+    experts = model.weights.layers[0].experts_gate_up
+    assert isinstance(experts, QuantizedWeight) and experts.shape == (4, 128, 128)
+    with torch.no_grad():
+        want = reference(torch.tensor([PROMPT])).logits[0].double()
+    assert relative(got, want) < 2e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def test_a_quantized_lm_head_loads_too(tmp_path):
     hf = tiny_model()
     write_quantized(tmp_path, hf, SCHEMES["awq-int4-g128"], lm_head=True)
