@@ -169,8 +169,9 @@ def _gemma_fields(raw: dict[str, Any], model_type: str, source: str) -> dict[str
 def _llama_windows(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """Sliding windows of the Llama family as transformers applies them: Mistral's
     sliding_window on every layer; Qwen2 / Qwen3's only with use_sliding_window, on the layers
-    layer_types names (by default those from max_window_layers on); Llama has none (a
-    sliding_window in its config is refused, not ignored)."""
+    layer_types names (by default those from max_window_layers on); Qwen3-MoE's with
+    use_sliding_window on every layer; Llama has none (a sliding_window in its config is
+    refused, not ignored)."""
     model_type, archs = raw.get("model_type"), raw.get("architectures") or []
     layers = int(raw["num_hidden_layers"])
     qwen = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
@@ -180,7 +181,17 @@ def _llama_windows(raw: dict[str, Any], source: str) -> dict[str, Any]:
             return {}
         window = _positive(raw, "sliding_window", source, int)
         types = raw.get("layer_types")
-        if types is None:
+        if model_type == "qwen3_moe" or (model_type is None and "Qwen3MoeForCausalLM" in archs):
+            # Qwen3-MoE's attention windows every layer: transformers reads neither
+            # layer_types nor max_window_layers for it
+            types = ["sliding_attention"] * layers
+        elif types is None and (model_type == "qwen2_moe" or "Qwen2MoeForCausalLM" in archs):
+            # transformers v5 windows every other layer below max_window_layers, v4 those from
+            # it on (and only under flash attention): no layer set both agree on
+            raise ModelLoadError(
+                source, "unsupported: use_sliding_window in a Qwen2-MoE config without layer_types"
+            )
+        elif types is None:
             first = int(raw.get("max_window_layers", 28))
             types = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
     elif model_type == "gpt_oss" or "GptOssForCausalLM" in archs:  # alternating by default
@@ -289,7 +300,9 @@ def _moe_fields(raw: dict[str, Any], moe: str, source: str) -> dict[str, Any]:
         if raw.get("clip_qkv") is not None:
             raise ModelLoadError(source, "unsupported: clip_qkv in an OLMoE config")
         fields.update(qk_norm=True, qk_norm_whole=True)
-    if experts == 0:  # (a Qwen MoE config with no experts: a dense model)
+    if experts == 0 or len(fields.get("dense_layers", ())) == layers:
+        # (a Qwen MoE config with no experts, or with decoder_sparse_step / mlp_only_layers
+        # making every layer a plain MLP: a dense model, with no expert tensors to find)
         fields.update(num_experts=0, num_experts_per_tok=0, dense_layers=())
     return fields
 
