@@ -21,6 +21,7 @@ from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import ModelLoadError, load_model
 from pagedkern.model.quantized_linear import QuantizedWeight
+from pagedkern.ops.cpu import quant_gemv
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,6 +102,18 @@ SCHEMES = {
 }
 
 
+# the CPU backend's tiles for each (csrc/cpu/quant_gemv.h): asymmetric zero points as int4_zp
+TILE_FORMATS = {
+    "gptq-int4-sym-g128": "int4_sym",
+    "gptq-int4-asym-g32": "int4_zp",
+    "gptq_v2-int4-asym-g64": "int4_zp",
+    "gptq-int4-sym-per-row": "int4_sym",
+    "gptq-int8-sym-g128": "int8_g32",
+    "awq-int4-g128": "int4_zp",
+    "awq-int4-g64": "int4_zp",
+}
+
+
 def write_quantized(folder, hf, qc: dict, lm_head: bool = False) -> None:
     """hf's linears quantized per qc, packed in qc's format, with the rest of its tensors, as
     an HF folder; hf's weights replaced by the dequantized ones (the reference)."""
@@ -161,7 +174,7 @@ def test_weights_are_the_dequantized_ones_bit_for_bit(checkpoint):
 
 
 def test_logits_equal_transformers_on_the_dequantized_model(checkpoint):
-    folder, hf, _ = checkpoint
+    folder, hf, name = checkpoint
     with ops.use_backend("cpu"):  # the C++ GEMM (the reference backend's torch int-pack GEMM
         # rounds activations to bf16: ~2% off, a different test)
         model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
@@ -170,6 +183,7 @@ def test_logits_equal_transformers_on_the_dequantized_model(checkpoint):
         want = hf(torch.tensor([PROMPT])).logits[0].double()
     assert relative(got, want) < 2e-4  # (activations rounded to 16 bits a block of 32)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert quant_gemv.tile_format(model.weights.layers[0].down) == TILE_FORMATS[name]
 
 
 def test_the_engine_answers_as_transformers(tmp_path):

@@ -306,6 +306,7 @@ TileFn amx_tile(int format, int planes) {
   switch (format) {
     case kInt4: return two ? tile_amx<2, kInt4> : tile_amx<1, kInt4>;
     case kInt4Sym: return two ? tile_amx<2, kInt4Sym> : tile_amx<1, kInt4Sym>;
+    case kInt4Zp: return two ? tile_amx<2, kInt4Zp> : tile_amx<1, kInt4Zp>;
     case kInt5G32: return two ? tile_amx<2, kInt5G32> : tile_amx<1, kInt5G32>;
     case kInt8: return two ? tile_amx<2, kInt8> : tile_amx<1, kInt8>;
     case kInt8G32: return two ? tile_amx<2, kInt8G32> : tile_amx<1, kInt8G32>;

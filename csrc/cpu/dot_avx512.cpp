@@ -43,8 +43,8 @@ AVX512_TARGET inline __m512i x4(const int8_t* p) {
 // 1 thread: 10 GB/s at T = 1, 12.6-13 GB/s at T = 8; spans of 4 and 8 blocks a stream
 // measured no faster than one stream). Each (tile, row) runs its blocks in order with the same
 // operations whatever T and R, so the bits never depend on them.
-// F: int4, int4_sym (no m stored, m = -8 d in fp32: the same bits as the stored m) or int4_k
-// (d and m as float(c) times the super-block's d / dm).
+// F: int4, int4_sym (no m stored, m = -8 d in fp32: the same bits as the stored m), int4_zp
+// (m = -(float(z) d)) or int4_k (d and m as float(c) times the super-block's d / dm).
 template <int P, int F, int R, int T>
 AVX512_TARGET void int4_rows(const Args& a, int tile, int r0) {
   constexpr bool K4 = F == kInt4K;
@@ -176,6 +176,7 @@ TilesFn avx512_tiles(int format, int planes) {
   switch (format) {
     case kInt4: return two ? int4_tiles<2, kInt4> : int4_tiles<1, kInt4>;
     case kInt4Sym: return two ? int4_tiles<2, kInt4Sym> : int4_tiles<1, kInt4Sym>;
+    case kInt4Zp: return two ? int4_tiles<2, kInt4Zp> : int4_tiles<1, kInt4Zp>;
     case kInt4K: return two ? int4_tiles<2, kInt4K> : int4_tiles<1, kInt4K>;
     case kInt8: return two ? int8_tiles<2> : int8_tiles<1>;
     default: return avx512_256::tiles_fn(format, planes);
@@ -192,6 +193,7 @@ TileFn avx512_tile(int format, int planes) {
     case kInt5G32: return avx512_256::tile_fn(format, planes);
     case kInt4: return two ? int4_tile<2, kInt4> : int4_tile<1, kInt4>;
     case kInt4Sym: return two ? int4_tile<2, kInt4Sym> : int4_tile<1, kInt4Sym>;
+    case kInt4Zp: return two ? int4_tile<2, kInt4Zp> : int4_tile<1, kInt4Zp>;
     case kInt4K: return two ? int4_tile<2, kInt4K> : int4_tile<1, kInt4K>;
     default: return two ? int8_tile<2> : int8_tile<1>;
   }

@@ -162,7 +162,8 @@ TileFn neon_tile(int format, int planes) {
     case kInt8G16:
     case kInt6G16:
     case kInt6K:
-    case kInt5G32: return portable_tile(format, planes);  // no NEON kernel yet: the same bits
+    case kInt5G32:
+    case kInt4Zp: return portable_tile(format, planes);  // no NEON kernel yet: the same bits
     case kInt4: return two ? int4_tile<2, kInt4> : int4_tile<1, kInt4>;
     case kInt4Sym: return two ? int4_tile<2, kInt4Sym> : int4_tile<1, kInt4Sym>;
     case kInt4K: return two ? int4_tile<2, kInt4K> : int4_tile<1, kInt4K>;

@@ -39,13 +39,15 @@ int32_t planes_dot(const int8_t* xb, Dot dot) {
   return P == 2 ? 256 * dot(xb) + dot(xb + kBlock) : dot(xb);
 }
 
-// F: int4, int4_sym (no m stored, m = -8 d in fp32: the same bits as the stored m), int5_g32
+// F: int4, int4_sym (no m stored, m = -8 d in fp32: the same bits as the stored m), int4_zp
+// (m = -(float(z) d), z a byte after the d: int5_g32's fp32 m), int5_g32
 // (a fifth bit a code; d and m stored in fp32) or int4_k (d = float(cs) * the super-block's d,
 // m = float(cm) * its dm: int5_g32's fp32 values)
 template <int P, int F>
 void int4_tile(const Args& a, int tile, int r0, int rc) {
   constexpr bool Five = F == kInt5G32, K4 = F == kInt4K;
   constexpr int kBlockBytes = F == kInt4Sym ? kInt4SymTileBlockBytes
+                              : F == kInt4Zp ? kInt4ZpTileBlockBytes
                               : Five        ? kInt5TileBlockBytes
                               : K4          ? kInt4KBlockBytes
                                             : kInt4TileBlockBytes;
@@ -86,7 +88,9 @@ void int4_tile(const Args& a, int tile, int r0, int rc) {
         } else {
           const uint16_t* d16 = reinterpret_cast<const uint16_t*>(dm);
           d = half_to_float(d16[row]);
-          mn = F == kInt4Sym ? -8.0f * d : half_to_float(d16[kRows + row]);
+          mn = F == kInt4Sym  ? -8.0f * d
+               : F == kInt4Zp ? -(float(dm[2 * kRows + row]) * d)
+                              : half_to_float(d16[kRows + row]);
         }
         const float ddx = d * dx;
         acc[row] = std::fma(ddx, float(isum), acc[row]);
@@ -186,6 +190,7 @@ TileFn portable_tile(int format, int planes) {
   switch (format) {
     case kInt4: return two ? int4_tile<2, kInt4> : int4_tile<1, kInt4>;
     case kInt4Sym: return two ? int4_tile<2, kInt4Sym> : int4_tile<1, kInt4Sym>;
+    case kInt4Zp: return two ? int4_tile<2, kInt4Zp> : int4_tile<1, kInt4Zp>;
     case kInt5G32: return two ? int4_tile<2, kInt5G32> : int4_tile<1, kInt5G32>;
     case kInt4K: return two ? int4_tile<2, kInt4K> : int4_tile<1, kInt4K>;
     case kInt8G32: return two ? int8_grouped_tile<2, 1, kInt8G32> : int8_grouped_tile<1, 1, kInt8G32>;

@@ -44,7 +44,10 @@ constexpr int kStreamedRows = kRowChunk;
 // formats' VNNI kernels run 256 bits wide, and their AMX tiles measured 1.4-3.4x them at 16
 // rows (int6_k 1.4-1.5x, int8_g16 2.2-2.3x, int5_g32 2.6x, int8_g32 2.4-3.4x).
 int amx_min_rows(int format) {
-  return format == kInt4 || format == kInt4Sym || format == kInt4K || format == kInt8 ? 32 : 16;
+  return format == kInt4 || format == kInt4Sym || format == kInt4Zp || format == kInt4K ||
+                 format == kInt8
+             ? 32
+             : 16;
 }
 
 }  // namespace

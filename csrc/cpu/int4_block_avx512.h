@@ -1,7 +1,8 @@
 // What the AVX-512 int4 kernels (dot_avx512.cpp's VNNI tiles, dot_amx.cpp's AMX tiles) share,
 // so both give the same bits: where a weight tile starts, a block's 16 scales d and mins m as
 // fp32 lanes (int4's fp16 d and m; int4_sym's fp16 d and m = -8 d in fp32, the stored m's
-// bits; int4_k's float(c) times its super-block's fp32 d or dm), and the fold of a block's
+// bits; int4_zp's fp16 d and m = -(float(z) d); int4_k's float(c) times its super-block's fp32
+// d or dm), and the fold of a block's
 // int32 sums into a row's fp32 accumulator.
 
 #pragma once
@@ -21,8 +22,8 @@ INT4_BLOCK_TARGET inline __m512 u8_floats(const uint8_t* p) {
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// F: kInt4, kInt4Sym or kInt4K. nibbles: the block's 256 nibble bytes (int4 and int4_sym: its
-// scales follow them); kb: int4_k's block.
+// F: kInt4, kInt4Sym, kInt4Zp or kInt4K. nibbles: the block's 256 nibble bytes (int4, int4_sym
+// and int4_zp: its scales follow them); kb: int4_k's block.
 template <int F>
 INT4_BLOCK_TARGET inline void int4_block_scales(const uint8_t* nibbles, const Int4KBlock& kb,
                                                  __m512& d, __m512& mn) {
@@ -32,16 +33,23 @@ INT4_BLOCK_TARGET inline void int4_block_scales(const uint8_t* nibbles, const In
   } else {
     const uint8_t* scales = nibbles + kRows * kBlock / 2;
     d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-    mn = F == kInt4Sym
-             ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
-             : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
+    if constexpr (F == kInt4Sym) {
+      mn = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    } else if constexpr (F == kInt4Zp) {  // -(z d): the sign flipped as bits (AVX512F has no xor_ps)
+      const __m512 zd = _mm512_mul_ps(u8_floats(scales + 32), d);
+      mn = _mm512_castsi512_ps(
+          _mm512_xor_si512(_mm512_castps_si512(zd), _mm512_set1_epi32(int(0x80000000u))));
+    } else {
+      mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
+    }
   }
 }
 
-// Bytes a block takes in an int4, int4_sym or int5_g32 tile (int4_k: its share of a
+// Bytes a block takes in an int4, int4_sym, int4_zp or int5_g32 tile (int4_k: its share of a
 // super-block)
 template <int F>
 constexpr int kInt4BlockBytes = F == kInt4Sym   ? kInt4SymTileBlockBytes
+                                : F == kInt4Zp  ? kInt4ZpTileBlockBytes
                                 : F == kInt4K   ? kInt4KBlockBytes
                                 : F == kInt5G32 ? kInt5TileBlockBytes
                                                 : kInt4TileBlockBytes;

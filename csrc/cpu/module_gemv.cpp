@@ -46,6 +46,15 @@ void bind_gemv(py::module_& mod) {
       py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("mins"),
       py::arg("n"), py::arg("k"), py::arg("group"), py::arg("format"));
   mod.def(
+      "pack_int4_zp",
+      [](uintptr_t out, uintptr_t qweight, uintptr_t scales, uintptr_t zeros, int n, int k,
+         int group) {
+        pack_int4_zp(ptr<uint8_t>(out), ptr<const uint8_t>(qweight), ptr<const uint16_t>(scales),
+                     ptr<const uint8_t>(zeros), n, k, group);
+      },
+      py::kw_only(), py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("zeros"),
+      py::arg("n"), py::arg("k"), py::arg("group"));
+  mod.def(
       "pack_int8",
       [](uintptr_t out, uintptr_t qweight, int n, int k) {
         pack_int8(ptr<uint8_t>(out), ptr<const int8_t>(qweight), n, k);

@@ -1,6 +1,6 @@
 // Weight repacking, once at load: QuantizedWeight's int4 / int8 rows into 16-row tiles, block
 // by block of 32 K (layout: quant_gemv.h); int4 whose every m is -8 d into int4_sym tiles (no
-// m). Rows past N are zeros (their outputs are never stored).
+// m), or -z d into int4_zp tiles (z a byte). Rows past N are zeros (their outputs are never stored).
 
 #include <algorithm>
 #include <cmath>
@@ -23,6 +23,7 @@ const char* format_name(int format) {
     case kInt5G32: return "int5_g32";
     case kInt6K: return "int6_k";
     case kInt4K: return "int4_k";
+    case kInt4Zp: return "int4_zp";
     default: return "unknown";
   }
 }
@@ -40,6 +41,7 @@ int64_t packed_bytes(int format, int n, int k) {
     case kInt8: block_bytes = kInt8TileBlockBytes; break;
     case kInt4: block_bytes = kInt4TileBlockBytes; break;
     case kInt4Sym: block_bytes = kInt4SymTileBlockBytes; break;
+    case kInt4Zp: block_bytes = kInt4ZpTileBlockBytes; break;
     case kInt8G32:
     case kInt8G16: block_bytes = int8_grouped_block_bytes(int8_group(format)); break;
     case kInt6G16: block_bytes = kInt6TileBlockBytes; break;
@@ -119,6 +121,21 @@ void pack_int4(uint8_t* out, const uint8_t* q, const uint16_t* s, const uint16_t
                   dm[r] = s[g];
                   if (!sym) dm[kRows + r] = mn[g];
                 });
+}
+
+// int4_sym's tiles with each block's 16 zero points (bytes) after its 16 d.
+void pack_int4_zp(uint8_t* out, const uint8_t* q, const uint16_t* s, const uint8_t* z, int n,
+                  int k, int group) {
+  if (k <= 0 || k % kBlock || group <= 0 || group % kBlock || k % group)
+    throw std::invalid_argument("k and the group size must be multiples of 32, k of the group");
+  const int groups = k / group;
+  for_tile_rows(out, n, k, kInt4ZpTileBlockBytes, [&](uint8_t* dst, int row, int r, int b) {
+    put_nibbles(dst, r, [&](int c) { return int4_code(q, row, k, b, c); });
+    uint8_t* scales = dst + kRows * kBlock / 2;
+    const size_t g = size_t(row) * groups + size_t(b) * kBlock / group;
+    std::memcpy(scales + 2 * r, &s[g], 2);
+    scales[2 * kRows + r] = z[g];
+  });
 }
 
 namespace {

@@ -38,6 +38,11 @@
 //   bench/results/2026-12-06-xeon-int4-k.md).
 //   The kernels form s = float(cs) d and m = float(cm) dm, the fp32 values int5_g32 would
 //   store, so int4_k gives int5_g32's bits for codes in 0..15.
+//   int4_zp (GPTQ / AWQ with zero points: w = d (q - z), d fp16 and z an integer 0..255 per
+//   group): int4_sym's tiles with the block's 16 z bytes after its d (304 bytes a block, 4.75
+//   bits a weight); the kernels form m = -(float(z) d) in fp32, exact (an fp16 d times an
+//   8-bit integer), the fp32 min int5_g32 would store, so int4_zp gives int5_g32's bits at
+//   two thirds of its bytes.
 //   int5_g32 (GGUF Q5_0, Q5_1 and Q5_K exactly: w = s u + m, u in 0..31, fp32 s and m per
 //   group of 32, i.e. per block): int4's nibble plane, 64 bytes of fifth bits (byte (r, i)
 //   holds k = 4j + i's at bit j), then the block's 16 s and 16 m (fp32): 448 bytes a block,
@@ -57,7 +62,8 @@
 //   (int8's bias removed as 128 * sum(q)).
 // - Per row and block, in K order, in fp32 with explicit fused multiply-adds:
 //     int4: acc = fma(d * dx, isum, acc); acc = fma(m, sx, acc)      y = acc
-//           (int4_sym: m = -8 * d, in fp32; int5_g32: d and m stored in fp32)
+//           (int4_sym: m = -8 * d, in fp32; int4_zp: m = -(float(z) * d); int5_g32: d and m
+//           stored in fp32)
 //     int8: acc = fma(dx, isum, acc)                                 y = acc * s
 //     int8_g: per group g of the block, acc = fma(s_g * dx, isum_g, acc)   y = acc
 //   The same operations in the same order on every path (the portable one compiled without FP
@@ -90,6 +96,7 @@ constexpr int kRows = 16;   // weight rows a tile
 constexpr int kBlock = 32;  // K a block
 constexpr int kInt4TileBlockBytes = kRows * kBlock / 2 + kRows * 2 * 2;  // nibbles, d, m
 constexpr int kInt4SymTileBlockBytes = kRows * kBlock / 2 + kRows * 2;   // nibbles, d
+constexpr int kInt4ZpTileBlockBytes = kInt4SymTileBlockBytes + kRows;    // nibbles, d, z
 constexpr int kInt8TileBlockBytes = kRows * kBlock;
 // int8 with a scale per group of G along K (G = 32: GGUF Q8_0, Q5_0; 16: Q6_K): the int8 tile
 // block, then each row's fp32 scales for the block ([32 / G][16])
@@ -130,10 +137,11 @@ inline void prefetch_ahead(const uint8_t* block) {
 // The tile formats (pack.cpp); int4_sym: int4 whose every m is -8 d (m not stored).
 // int8_g32 / int8_g16: int8 with an fp32 scale per group of 32 / 16 along K. int5_g32: 5-bit
 // codes with an fp32 scale and min per 32. int6_k: int6_g16 with Q6_K's two-level scales.
-// int4_k: int4's codes with Q4_K's two-level scales and mins.
+// int4_k: int4's codes with Q4_K's two-level scales and mins. int4_zp: int4 whose every m is
+// -z d with an integer z (z stored as a byte, m not stored).
 enum Format {
   kInt8 = 0, kInt4 = 1, kInt4Sym = 2, kInt8G32 = 3, kInt8G16 = 4, kInt6G16 = 5, kInt5G32 = 6,
-  kInt6K = 7, kInt4K = 8, kNumFormats = 9
+  kInt6K = 7, kInt4K = 8, kInt4Zp = 9, kNumFormats = 10
 };
 constexpr int int8_group(int format) {
   return format == kInt8G32 ? 32 : format == kInt8G16 || format == kInt6G16 || format == kInt6K ? 16 : 0;
@@ -146,8 +154,8 @@ constexpr int format_k_multiple(int format) {
 // Throws std::invalid_argument unless k is a positive multiple of format_k_multiple(format)
 void check_format_k(int format, int k);
 constexpr const char* kFormatsMessage =
-    "format must be 0..8 (int8, int4, int4_sym, int8_g32, int8_g16, int6_g16, int5_g32, int6_k, "
-    "int4_k)";
+    "format must be 0..9 (int8, int4, int4_sym, int8_g32, int8_g16, int6_g16, int5_g32, int6_k, "
+    "int4_k, int4_zp)";
 
 // The tile accessors below take the tile's bytes as Byte: const uint8_t where the kernels read
 // them, uint8_t where the pack writes them (and give float pointers of the same constness).
@@ -278,6 +286,9 @@ int64_t packed_bytes(int format, int n, int k);
 // int4 or int4_sym tiles (int4_sym drops the mins: int4_symmetric must hold)
 void pack_int4(uint8_t* out, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
                int n, int k, int group, int format);
+// int4_zp tiles: int4 codes with fp16 scales and uint8 zero points [N, K / group]
+void pack_int4_zp(uint8_t* out, const uint8_t* qweight, const uint16_t* scales,
+                  const uint8_t* zeros, int n, int k, int group);
 void pack_int8(uint8_t* out, const int8_t* qweight, int n, int k);
 // int8 (-127..127) with fp32 scales [N, K / group] (group 32 or 16) into int8_g32 / int8_g16
 void pack_int8_grouped(uint8_t* out, const int8_t* qweight, const float* scales, int n, int k,

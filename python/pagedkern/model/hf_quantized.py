@@ -19,10 +19,9 @@ A folder's config.json says how it was quantized (`quantization_config`). Per qu
 
 As int4 (QuantizedWeight: w = scale * q + min, G 32 or 128): scale = s, min = -s z. s z has at
 most 15 significant bits (an fp16 s times z <= 16), exact in fp32, so the mins are fp16 where
-every one is exactly an fp16, else fp32, and w comes out bit for bit. (Asymmetric mins are
-mostly fp32, which the CPU backend runs as its 5-bit tiles: 1.7-1.9x the GEMM time of fp16
-mins at M = 1 and 16 on a 4096 x 4096 weight. Rounding them to fp16 moved a tiny model's
-logits by 0.2-0.4%: kept exact.) A group of G = 64, 256
+every one is exactly an fp16, else fp32, and w comes out bit for bit (rounding them to fp16
+moved a tiny model's logits by 0.2-0.4%; the CPU backend packs them as int4_zp tiles, z a
+byte, at int4's speed). A group of G = 64, 256
 or the whole row (G = -1) is its own scale repeated over groups of 32 or 128. GPTQ's 8-bit
 codes, symmetric (z = 128 everywhere), are int8 codes q - 128 with the same scales.
 

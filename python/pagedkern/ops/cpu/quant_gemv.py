@@ -35,10 +35,11 @@ PARALLEL_MIN_MACS = 1 << 16
 _PACKED_KEY = "cpu-gemv"  # weight.packed: the tiles
 _FORMAT_KEY = "cpu-gemv-format"  # weight.packed: their format, one of TILE_FORMATS
 # csrc/cpu/quant_gemv.h's Format: int4_sym is int4 whose every group has m == -8 d exactly
-# (GGUF Q4_0), packed without the m (4.5 bits a weight, not 5) and giving the same bits.
+# (GGUF Q4_0), packed without the m (4.5 bits a weight, not 5) and giving the same bits;
+# int4_zp int4 whose every m is -(z d) with an integer z (GPTQ / AWQ), z packed as a byte.
 TILE_FORMATS = (
     "int8", "int4", "int4_sym", "int8_g32", "int8_g16", "int6_g16", "int5_g32", "int6_k",
-    "int4_k",
+    "int4_k", "int4_zp",
 )  # fmt: skip
 
 
@@ -88,8 +89,9 @@ def best_path() -> str:
 def packed(weight: QuantizedWeight) -> torch.Tensor:
     """The weight's 16-row tiles (uint8), built once per weight and kept in weight.packed with
     their format (tile_format). int4 (_pack_int4): int4_sym where every group has m == -8 d in
-    fp16 (GGUF Q4_0), int4_k where the scales and mins factor as Q4_K's (a GGUF Q4_K's always
-    do), int4 where they are fp16 values, else int5_g32 (fp32 scales and mins, exactly). int8:
+    fp16 (GGUF Q4_0), int4_zp where every m is -z d with an integer z and fp16 d (GPTQ / AWQ's
+    zero points), int4_k where the scales and mins factor as Q4_K's (a GGUF Q4_K's always do),
+    int4 where they are fp16 values, else int5_g32 (fp32 scales and mins, exactly). int8:
     int8_g32 / int8_g16 with a scale per group (int6_g16 where those codes all fit 6 bits, as
     GGUF Q6_K's do, and int6_k where their scales also factor as Q6_K's int8 per 16 times one
     per 256, as a Q6_K file's always do), int5_g32 with a scale and a min per 32 (GGUF Q5_*:
@@ -170,6 +172,15 @@ def _pack_int4(cpu_kernels: ModuleType, weight: QuantizedWeight) -> tuple[str, t
             return "int4_sym", _pack_int4_half(
                 cpu_kernels, weight, "int4_sym", half_scales, half_mins
             )
+    zeros = _zero_points(scales, mins)
+    if zeros is not None:
+        tiles = _empty_tiles(cpu_kernels, "int4_zp", n, k)
+        half = scales.half().contiguous()
+        cpu_kernels.pack_int4_zp(
+            out=tiles.data_ptr(), qweight=qweight.data_ptr(), scales=half.data_ptr(),
+            zeros=zeros.data_ptr(), n=n, k=k, group=group,
+        )  # fmt: skip
+        return "int4_zp", tiles
     per_32 = group // 32  # (G = 128: each group's pair over its four blocks of 32)
     scales = scales.repeat_interleave(per_32, dim=-1).contiguous()
     mins = mins.repeat_interleave(per_32, dim=-1).contiguous()
@@ -192,6 +203,19 @@ def _pack_int4(cpu_kernels: ModuleType, weight: QuantizedWeight) -> tuple[str, t
     codes = weight.unpacked_int4().contiguous()
     exact = QuantizedWeight("int8", (n, k), codes.view(torch.int8), scales, mins, 32)
     return "int5_g32", _pack_int5(cpu_kernels, exact, codes)
+
+
+def _zero_points(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:
+    """The uint8 z with every min == -(z * scale) bit for bit in fp32 and every scale an fp16
+    (int4_zp's condition: GPTQ / AWQ's w = s (q - z)), else None."""
+    if not torch.equal(scales.half().float(), scales):
+        return None
+    z = torch.where(scales == 0, 0.0, -mins / scales).round()  # (a zero d: z 0, m must be -0)
+    if not bool(((z >= 0) & (z <= 255)).all()):
+        return None
+    if not torch.equal((-(z * scales)).view(torch.int32), mins.view(torch.int32)):
+        return None
+    return z.to(torch.uint8).contiguous()
 
 
 def _pack_int4_half(
