@@ -353,6 +353,9 @@ def toy_meta(pre: str, **extra) -> dict:
         ("smollm", ["1", "2", "3"]),
         ("llama-bpe", ["123"]),
         ("qwen2", list("123")),
+        ("deepseek-r1-qwen", list("123")),
+        ("gpt-4o", ["123"]),
+        ("tekken", list("123")),
     ],
 )
 def test_gguf_pre_tokenizers(pre, digit_tokens):
@@ -366,11 +369,29 @@ def test_gguf_pre_tokenizers(pre, digit_tokens):
     assert tok.decode(tok.encode(text)) == text
 
 
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("gpt-4o", ["I'm", "ĠHello", "World", "Ġ", "123", "45"]),
+        ("tekken", ["I", "'m", "ĠHello", "World", "Ġ", "1", "2", "3", "4", "5"]),
+        ("deepseek-r1-qwen", ["I", "'m", "ĠHelloWorld", "Ġ", "1", "2", "3", "4", "5"]),
+        ("llama-bpe", ["I", "'m", "ĠHelloWorld", "Ġ", "123", "45"]),
+    ],
+)
+def test_gguf_pre_tokenizers_split_as_their_regexes(pre, pieces):
+    """o200k's (gpt-oss), Mistral Nemo's tekken: cased words apart, contractions kept."""
+    from pagedkern.model.gguf_tokenizer import tokenizer_from_gguf
+
+    backend = tokenizer_from_gguf(toy_meta(pre), "toy.gguf").backend
+    got = backend.pre_tokenizer.pre_tokenize_str("I'm HelloWorld 12345")
+    assert [piece for piece, _ in got] == pieces
+
+
 def test_gguf_tokenizer_errors():
     from pagedkern.model.gguf_tokenizer import tokenizer_from_gguf
 
-    with pytest.raises(ModelLoadError, match="tokenizer model 'llama'"):
-        tokenizer_from_gguf(toy_meta("default", **{"tokenizer.ggml.model": "llama"}), "x.gguf")
+    with pytest.raises(ModelLoadError, match="tokenizer model 't5'"):
+        tokenizer_from_gguf(toy_meta("default", **{"tokenizer.ggml.model": "t5"}), "x.gguf")
     with pytest.raises(ModelLoadError, match="pre-tokenizer 'mystery'"):
         tokenizer_from_gguf(toy_meta("mystery"), "x.gguf")
     with pytest.raises(ModelLoadError, match="no vocabulary"):

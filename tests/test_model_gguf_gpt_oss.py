@@ -138,6 +138,24 @@ def test_f32_gguf_loads_equal_to_the_folder_and_transformers(saved, tmp_path):
     _assert_equal_to_the_folder(path, folder, hf)
 
 
+def test_the_default_mode_ignores_the_experts_f32_biases(tmp_path):
+    """A Q8_0 file's 2-D expert biases (F32, as llama.cpp writes gpt-oss's) are not layer
+    weights: the file keeps its int8."""
+    from gguf.quants import quantize
+
+    path = str(tmp_path / "q8.gguf")
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    q8 = quantize(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32),
+                  gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    w.add_tensor("blk.0.attn_q.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.ffn_gate_exps.bias", np.zeros((4, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert gguf_default_quantization(path) == "int8"
+
+
 def test_mxfp4_experts_are_dequantized_at_load(saved, tmp_path):
     folder, hf = saved
     path = tmp_path / "mxfp4.gguf"

@@ -104,7 +104,7 @@ def _moe_tensor(name: str, arr: np.ndarray) -> dict[str, np.ndarray] | None:
         }
     if rest == "mlp.experts.down_proj":
         return {f"blk.{layer}.ffn_down_exps.weight": arr}
-    if rest == "mlp.shared_expert_gate.weight":  # llama.cpp stores it as a vector [H]
+    if rest == "mlp.shared_expert_gate.weight":  # (older converters' vector [H]; both load)
         return {f"blk.{layer}.ffn_gate_inp_shexp.weight": arr.reshape(-1)}
     if rest in _MOE_TENSORS:
         return {f"blk.{layer}.{_MOE_TENSORS[rest]}": arr}

@@ -36,6 +36,10 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
         "a list of strings",
     ),
     "ints": (lambda v: isinstance(v, list) and all(_int(x) for x in v), "a list of integers"),
+    "numbers": (
+        lambda v: isinstance(v, list) and all(_number(x) for x in v),
+        "a list of finite numbers",
+    ),
 }
 
 

@@ -199,6 +199,7 @@ def gguf_default_quantization(path: str | os.PathLike) -> str:
         for t in reader.tensors
         if t.name.startswith("blk.")
         and len(t.shape) > 1  # (norms, biases)
+        and not t.name.endswith(".bias")  # (gpt-oss's experts' biases are 2-D, F32)
         and "ffn_gate_inp" not in t.name  # the router, F32 in llama.cpp's files, stays float
     }
     exact = {"Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K"}  # (gguf_to_int8)

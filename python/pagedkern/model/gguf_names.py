@@ -44,7 +44,8 @@ _MOE_NAMES = {
     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
-    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",  # stored [H], read [1, H]
+    # (llama.cpp's converter stores it [1, H] (GGUF's [H, 1]); older files [H]: read [1, H])
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 _EXPERT_NAMES = {
     "gate_proj": "ffn_gate_exps",

@@ -1,12 +1,20 @@
-"""The tokenizer of a GGUF file, rebuilt with HF `tokenizers` from its metadata: the byte-level
-BPE vocabulary and merges, the pre-tokenizer named by tokenizer.ggml.pre, the special tokens
-(token type CONTROL) and BOS/EOS, and the chat template."""
+"""The tokenizer of a GGUF file, rebuilt with HF `tokenizers` from its metadata, for both kinds
+llama.cpp writes: byte-level BPE ('gpt2': the vocabulary and merges, the pre-tokenizer named by
+tokenizer.ggml.pre) and SentencePiece ('llama': Llama 2, Mistral 7B, Mixtral, Gemma: pieces
+with scores, merged highest score first, bytes outside the vocabulary as <0xXX> tokens); the
+special tokens (token type CONTROL), BOS/EOS and the chat template.
+
+SentencePiece's BPE merges, at each step, the adjacent pair whose concatenation is the
+highest-scoring piece (llama.cpp's llm_tokenizer_spm). As transformers' GGUF converter does, that
+is an HF BPE whose merges are every split of every piece into two pieces, ranked by the score of
+the piece they make, with byte fallback; spaces become ▁ (and a leading ▁ with
+add_space_prefix, llama.cpp's default for these files)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from .config_checks import check_types
@@ -14,7 +22,8 @@ from .errors import ModelLoadError
 from .tokenizer import Tokenizer
 
 # llama.cpp token types (llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+_SPACE = "\u2581"  # SentencePiece's ▁
 
 # The pre-tokenizer regexes llama.cpp applies per tokenizer.ggml.pre, as HF pre-tokenizers.
 _GPT2 = "gpt2"
@@ -27,6 +36,20 @@ _QWEN2 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|"
+    r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# (tokenizer.json's regexes, which llama.cpp's src/llama-vocab.cpp names per pre; tekken and the
+# Llama 3 family take whole words found in the vocabulary before any merge, as llama.cpp does)
 _PRE_TOKENIZERS = {
     "default": _GPT2,
     "gpt2": _GPT2,
@@ -39,14 +62,24 @@ _PRE_TOKENIZERS = {
     "codeshell": _DIGITS_GPT2,
     "llama-bpe": _LLAMA3,
     "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "falcon3": _LLAMA3,
+    "pixtral": _LLAMA3,
     "smaug-bpe": _LLAMA3,
+    "dbrx": _LLAMA3,
     "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+    "megrez": _QWEN2,
+    "gpt-4o": _GPT4O,
+    "llama4": _GPT4O,
+    "tekken": _TEKKEN,
 }
+_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "tekken"}
 
 
 # The types of the tokenizer keys read (config_checks)
 _KINDS = {"model": "str", "pre": "str", "tokens": "strs", "token_type": "ints", "merges": "strs"}
-_KINDS |= {"add_bos_token": "bool"}
+_KINDS |= {"add_bos_token": "bool", "add_space_prefix": "bool", "scores": "numbers"}
 _KINDS |= {f"{k}_token_id": "int" for k in ("bos", "eos", "unknown", "padding", "eot", "eom")}
 
 
@@ -68,17 +101,68 @@ def _pre_tokenizer(kind: str):
     )
 
 
+def _byte_level_bpe(meta: dict[str, Any], vocab: dict[str, int], pre: str, source: str) -> Backend:
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    if any(len(m) != 2 for m in merges):
+        raise ModelLoadError(source, "tokenizer.ggml.merges: a merge is not two tokens")
+    try:
+        bpe = models.BPE(vocab, merges, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
+    except Exception as exc:  # (a merge of tokens the vocabulary lacks)
+        raise ModelLoadError(source, f"invalid BPE vocabulary or merges: {exc}") from None
+    backend = Backend(bpe)
+    backend.pre_tokenizer = _pre_tokenizer(_PRE_TOKENIZERS[pre])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece(
+    meta: dict[str, Any], tokens: list[str], types: list[int], vocab: dict[str, int], source: str
+) -> Backend:
+    """SentencePiece's BPE as an HF BPE (module docstring)."""
+    scores: list[float] | None = meta.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        got = "none" if scores is None else len(scores)
+        raise ModelLoadError(
+            source, f"a SentencePiece vocabulary needs a score a token: {got} for {len(tokens)}"
+        )
+    score = {tok: scores[i] for tok, i in vocab.items()}
+    ranked = []  # (score of the piece made, -score of each part's, the pair): best first
+    for piece, i in vocab.items():
+        if types[i] != _NORMAL or len(piece) < 2:  # (control, byte, unused: never merged into)
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in score and right in score:
+                ranked.append((-score[piece], -score[left], -score[right], cut, left, right))
+    ranked.sort()
+    merges = [(left, right) for *_, left, right in ranked]
+    unk = next((tokens[i] for i in range(len(tokens)) if types[i] == _UNKNOWN), None)
+    try:
+        bpe = models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    except Exception as exc:
+        raise ModelLoadError(source, f"invalid SentencePiece vocabulary: {exc}") from None
+    backend = Backend(bpe)
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    steps = [normalizers.Prepend(_SPACE)] if prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
+    parts = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence([*parts, *([decoders.Strip(" ", 1, 0)] if prefix else [])])
+    return backend
+
+
 def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
     """meta: the GGUF key/value metadata (tokenizer.* keys), values already decoded."""
     check_types(meta, _KINDS, source, prefix="tokenizer.ggml.")
     check_types(meta, {"tokenizer.chat_template": "str"}, source)
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise ModelLoadError(
-            source, f"unsupported GGUF tokenizer model {model!r} (only byte-level BPE, 'gpt2')"
+            source,
+            f"unsupported GGUF tokenizer model {model!r} (byte-level BPE 'gpt2' and "
+            "SentencePiece 'llama' are supported)",
         )
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
+    if model == "gpt2" and pre not in _PRE_TOKENIZERS:
         raise ModelLoadError(source, f"unsupported GGUF pre-tokenizer {pre!r}")
     tokens: list[str] | None = meta.get("tokenizer.ggml.tokens")
     if not tokens:
@@ -87,23 +171,13 @@ def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
     if len(types) != len(tokens):
         problem = f"{len(types)} tokenizer.ggml.token_type entries for {len(tokens)} tokens"
         raise ModelLoadError(source, problem)
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    if any(len(m) != 2 for m in merges):
-        raise ModelLoadError(source, "tokenizer.ggml.merges: a merge is not two tokens")
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)  # a duplicated string keeps its first id
-
-    kind = _PRE_TOKENIZERS[pre]
-    # Llama 3's tokenizer takes whole words found in the vocabulary before applying merges.
-    ignore_merges = kind == _LLAMA3
-    try:
-        bpe = models.BPE(vocab, merges, fuse_unk=False, ignore_merges=ignore_merges)
-    except Exception as exc:  # (a merge of tokens the vocabulary lacks)
-        raise ModelLoadError(source, f"invalid BPE vocabulary or merges: {exc}") from None
-    backend = Backend(bpe)
-    backend.pre_tokenizer = _pre_tokenizer(kind)
-    backend.decoder = decoders.ByteLevel()
+    if model == "llama":
+        backend = _sentencepiece(meta, tokens, types, vocab, source)
+    else:
+        backend = _byte_level_bpe(meta, vocab, pre, source)
     added = [
         AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
         for i in range(len(tokens))
@@ -122,8 +196,9 @@ def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
         "unk_token": token("unknown"),
         "pad_token": token("padding"),
     }
-    steps = [processors.ByteLevel(trim_offsets=False)]
-    if meta.get("tokenizer.ggml.add_bos_token") and special["bos_token"]:
+    steps = [processors.ByteLevel(trim_offsets=False)] if model == "gpt2" else []
+    # (SentencePiece files add BOS unless they say not to: llama.cpp's default for them)
+    if meta.get("tokenizer.ggml.add_bos_token", model == "llama") and special["bos_token"]:
         bos = special["bos_token"]
         steps.append(
             processors.TemplateProcessing(
