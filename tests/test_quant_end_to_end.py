@@ -12,6 +12,8 @@ weights cache entries hold the quantized form, and quantize-at-load for syntheti
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from quant_agreement import agreement, greedy_answers, prompt_ids, token_logprobs
@@ -19,6 +21,7 @@ from quant_agreement import agreement, greedy_answers, prompt_ids, token_logprob
 import pagedkern.ops as ops
 from pagedkern.engine import LLM
 from pagedkern.model import LlamaModel, SequenceChunk, build_batch, default_model_path, load_model
+from pagedkern.model.config import PRESETS
 from pagedkern.model.quantized_linear import QuantizedWeight
 from pagedkern.model.weight_quantization import quantize_weights
 from pagedkern.ops.variants import use_kernels
@@ -153,6 +156,29 @@ def _synthetic_model_quantizes_at_load(quantization, bound):
         outs.append(model(batch, meta, kv))
     rel = (outs[0] - outs[1]).norm() / outs[0].norm()
     assert torch.isfinite(outs[1]).all() and rel < bound
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_weight_whose_in_features_no_block_divides_stays_float(quantization, backend):
+    """An MLP of 56 (a Qwen2-MoE shared expert's shape): down's K is no multiple of 32, so
+    down stays float while gate/up quantize, and the model still computes what the dense
+    model of those weights does."""
+    config = dataclasses.replace(PRESETS["tiny"], intermediate_size=56)
+    with ops.use_backend(backend):
+        quant, _ = load_model(config, quantization=quantization)
+        layer = quant.weights.layers[0]
+        assert isinstance(layer.gate_up, QuantizedWeight) and not isinstance(
+            layer.down, QuantizedWeight
+        )
+        same = LlamaModel(quant.config, quantize_weights(quant.weights, "none", 32, "none"))
+        outs = []
+        for model in (same, quant):
+            kv = model.allocate_kv_cache(4, 16)
+            batch, meta = build_batch([SequenceChunk(list(range(1, 30)), 0, [0, 1])], 16)
+            outs.append(model(batch, meta, kv))
+    rel = (outs[0] - outs[1]).norm() / outs[0].norm()
+    assert torch.isfinite(outs[1]).all() and rel < 2e-2  # (bf16 activations on the reference)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

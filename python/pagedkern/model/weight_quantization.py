@@ -39,7 +39,9 @@ def quantize_weights(
             return w
         if isinstance(w, QuantizedWeight):
             w = w.dequantize_rows()
-        return w if mode == "none" else quantize(w, mode, group_size)
+        if mode == "none" or not quantizable(w.shape[-1], mode, group_size):
+            return w  # (in-features no quantized form divides: float, as experts stay)
+        return quantize(w, mode, group_size)
 
     def plain(w: Linear) -> torch.Tensor:
         return w.dequantize_rows() if isinstance(w, QuantizedWeight) else w
