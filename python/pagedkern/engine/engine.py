@@ -311,15 +311,23 @@ class Engine:
         self._check_open()
         if self.broken is not None:
             raise self.broken
-        output = self.output
         outputs = self.pop_undelivered()
+        self._step(outputs)
+        # The samples an n > 1 request's first one ended with it this step (a timeout or a
+        # failure before they forked): now, not at a next step a caller may never take.
+        outputs += self.pop_undelivered()
+        return outputs
+
+    def _step(self, outputs: list[RequestOutput]) -> None:
+        """step()'s iteration: expire, schedule, run; its outputs appended to `outputs`."""
+        output = self.output
         output.expire(outputs)
         try:
             batch = self.scheduler.schedule()
         except Exception as exc:  # noqa: BLE001 - the scheduler's own fault: fail who it holds
             output.fail_all(self.scheduler.running, exc, outputs)
             self.executor.drain(outputs)
-            return outputs
+            return
         outputs += [output.fail(request, exc) for request, exc in batch.failed]
         if self.proposer is not None:
             for victim in batch.preempted:
@@ -329,7 +337,6 @@ class Engine:
             self.executor.run(batch, self.iteration, outputs)
         except Exception as exc:  # noqa: BLE001 - not one request's fault (see _step_failed)
             self._step_failed(batch, exc, outputs)
-        return outputs
 
     def _step_failed(
         self, batch: ScheduledBatch, exc: Exception, outputs: list[RequestOutput]

@@ -111,9 +111,13 @@ class StepExecutor:
 
     def _fork(self, leader: Request, samples: list[Request]) -> None:
         """n > 1: the further samples take the first's prompt KV (Scheduler.fork); the K/V of
-        a partial last block is copied into each sample's own block."""
+        a partial last block is copied into each sample's own block. With prompt_logprobs each
+        sample gets the first's table: a forked sample never computes its prompt itself."""
         data = self.kv_cache.data
+        table = leader.logits_state.prompt_logprobs if leader.logits_state else None
         for sample in samples:
+            if table is not None and sample.logits_state is not None:
+                sample.logits_state.prompt_logprobs = list(table)
             copy = self.scheduler.fork(leader, sample)
             if copy is not None:
                 data[:, :, copy[1]] = data[:, :, copy[0]]
