@@ -199,7 +199,7 @@ def test_the_engine_answers_as_transformers(tmp_path):
     assert [t for o in engine.run_until_done() for t in o.token_ids] == want
 
 
-def test_quantization_none_dequantizes_and_int8_requantizes(tmp_path):
+def test_quantization_none_dequantizes_int8_requantizes_and_int4_keeps(tmp_path):
     hf = tiny_model()
     write_quantized(tmp_path, hf, SCHEMES["gptq-int4-sym-g128"])
     plain, _ = load_model(str(tmp_path), "cpu", torch.float32, quantization="none")
@@ -208,6 +208,9 @@ def test_quantization_none_dequantizes_and_int8_requantizes(tmp_path):
     assert torch.equal(plain.weights.layers[0].down, down)
     int8, _ = load_model(str(tmp_path), "cpu", torch.float32, quantization="int8")
     assert int8.weights.layers[0].down.format == "int8"
+    same, _ = load_model(str(tmp_path), "cpu", torch.float32, quantization="int4")
+    kept = same.weights.layers[0].down  # (its own groups of 128, not requantized in 32s)
+    assert kept.group_size == 128 and torch.equal(kept.dequantize_rows(), down)
 
 
 def test_a_mixture_of_experts_keeps_its_experts_quantized(tmp_path):

@@ -134,7 +134,8 @@ def load_model(
         config, weights, tokenizer = load_hf_folder(path, device, dtype, shard, keep)
         if quantization == "none" and weights.quantization != "none":  # GPTQ / AWQ, as a GGUF
             weights = quantize_weights(weights, "none", group_size).to(device, dtype)
-        elif quantization not in (None, "none"):
+        elif quantization not in (None, "none", weights.quantization):  # (GPTQ / AWQ in their
+            # own mode: kept as the checkpoint has them, not requantized from their values)
             weights = quantize_weights(weights, quantization, group_size)
     elif path.is_file():
         if not _is_gguf(path):
