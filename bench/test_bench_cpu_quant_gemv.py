@@ -3,7 +3,9 @@ integer dots) against torch's int-pack CPU kernels (aten._weight_int4pack_mm_for
 aten._weight_int8pack_mm: bf16 activations), at the default model's shapes (SmolLM2-135M: QKV,
 gate/up, down int4 G = 32, the int8 LM head; gate/up as GGUF Q4_0 too, m = -8d: the int4_sym
 tiles, as Q4_K: fp32 scales and mins of two levels, the int4_k tiles, and as Q5_K: codes
-0..31 with a scale and min per 32, the int5_g32 tiles; the head also
+0..31 with a scale and min per 32, the int5_g32 tiles, and as AWQ / asymmetric GPTQ at G = 128:
+fp16 scales with integer zero points, the int4_zp tiles, beside the same values on int5_g32;
+the head also
 as GGUF Q8_0 and Q6_K load it: int8 per 32 and int6 per 16, the Q6_K head at K = 1024, a
 multiple of Q6_K's 256, as Qwen3-0.6B's) over
 M = 1 .. 512, interleaved (each case times all three before the next), one thread
@@ -37,10 +39,11 @@ THREADS = int(os.environ.get("PAGEDKERN_BENCH_THREADS", 1))
 SHAPES = (
     [("qkv", "int4", 960, 576), ("gate_up", "int4", 3072, 576), ("gate_up", "q4_0", 3072, 576),
      ("gate_up", "q4_k", 3072, 768), ("gate_up", "q5_k", 3072, 576), ("down", "int4", 576, 1536),
+     ("gate_up", "awq", 3072, 768), ("gate_up", "awq_int5", 3072, 768),
      ("lm_head", "int8", 49152, 576), ("lm_head", "q8_0", 49152, 576),
      ("lm_head", "q6_k", 49152, 1024)]
-    if FULL else [("tiny", fmt, 64, 256 if fmt in ("q6_k", "q4_k") else 64)
-                  for fmt in ("int4", "q4_0", "q4_k", "q5_k", "int8", "q8_0", "q6_k")]
+    if FULL else [("tiny", fmt, 64, 256 if fmt in ("q6_k", "q4_k", "awq") else 64)
+                  for fmt in ("int4", "q4_0", "q4_k", "q5_k", "int8", "q8_0", "q6_k", "awq")]
 )  # fmt: skip
 MS = (1, 2, 4, 8, 16, 64, 256, 512) if FULL else (1, 3, 16)
 MAX_LM_HEAD_M = 64  # the LM head runs on the sampled rows only
@@ -122,9 +125,33 @@ def _q5_k(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("int8", (n, k), q.view(n, k), scales, lo, 32)
 
 
+def _awq(w: torch.Tensor) -> QuantizedWeight:
+    """AWQ / asymmetric GPTQ as the HF loader maps it: codes 0..15 per group of 128, an fp16
+    scale s and an integer zero point z, the min -(s z) in fp32 (fp16 cannot hold most): the
+    int4_zp tiles."""
+    n, k = w.shape
+    g = w.float().view(n, k // 128, 128)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scales = ((hi - lo) / 15).clamp_min(1e-6).half()
+    z = (-lo / scales.float()).round().clamp(0, 15)
+    q = ((g / scales.float()[..., None]).round() + z[..., None]).clamp(0, 15).to(torch.uint8)
+    q = q.view(n, k)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    return QuantizedWeight("int4", (n, k), packed, scales, -(z * scales.float()), 128)
+
+
+def _awq_as_int5(w: torch.Tensor) -> QuantizedWeight:
+    """The same values as the int5_g32 tiles run them (fp32 scales and mins per 32)."""
+    awq = _awq(w)
+    codes = awq.unpacked_int4().view(torch.int8)
+    scales = awq.scales.float().repeat_interleave(4, dim=1).contiguous()
+    mins = awq.mins.repeat_interleave(4, dim=1).contiguous()
+    return QuantizedWeight("int8", awq.shape, codes.contiguous(), scales, mins, 32)
+
+
 def _weight(fmt: str, w: torch.Tensor) -> QuantizedWeight:
     makers = {"int4": quantize_int4, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k,
-              "int8": quantize_int8,
+              "int8": quantize_int8, "awq": _awq, "awq_int5": _awq_as_int5,
               "q8_0": _q8_0, "q6_k": _q6_k}  # fmt: skip
     return makers[fmt](w)
 
@@ -186,6 +213,7 @@ def test_cpu_quant_gemv(capsys):
 DRAM_BYTES = (768 << 20) if FULL else (1 << 18)
 DRAM_SHAPES = (
     [("gate_up", "q4_0", 8192, 2048), ("down", "q4_0", 2048, 8192),
+     ("gate_up", "awq", 8192, 2048), ("gate_up", "awq_int5", 8192, 2048),
      ("lm_head", "q6_k", 49152, 2048), ("lm_head", "q8_0", 49152, 1024)]
     if FULL else [("tiny", "q4_0", 64, 256), ("tiny", "q6_k", 64, 256)]
 )  # fmt: skip
