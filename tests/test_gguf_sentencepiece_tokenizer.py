@@ -2,8 +2,9 @@
 Gemma files as llama.cpp's converter writes them): pieces with scores, byte pieces <0xXX>,
 control tokens. pagedkern's tokenizer must split text as llama.cpp's SentencePiece tokenizer
 does, checked against a plain Python copy of that algorithm written here (merge, at each step,
-the adjacent pair whose concatenation is the highest-scoring piece, the leftmost on a tie; a
-symbol outside the vocabulary as its UTF-8 bytes), and give the text back when decoding."""
+the adjacent pair whose concatenation is the highest-scoring piece; a symbol outside the
+vocabulary as its UTF-8 bytes; the pieces' scores all differ, as shipped vocabularies' do), and
+give the text back when decoding: whole, streamed after a prompt, and token by token."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import random
 import pytest
 from tokenizers import SentencePieceBPETokenizer
 
+from pagedkern.engine.detokenizer import IncrementalDetokenizer
 from pagedkern.model import ModelLoadError
 from pagedkern.model.gguf_tokenizer import tokenizer_from_gguf
 
@@ -129,3 +131,27 @@ def test_a_sentencepiece_vocabulary_without_its_scores_is_refused(pieces):
     meta = spm_meta(pieces, **{"tokenizer.ggml.model": "bert"})
     with pytest.raises(ModelLoadError, match="tokenizer model 'bert'"):
         tokenizer_from_gguf(meta, "spm.gguf")
+
+
+def test_generated_text_keeps_the_space_its_first_piece_begins_with(pieces):
+    """Decoded alone, a sequence's first "▁the" loses its space (the prefix the encoder added);
+    after a prompt it must not: the streamed text is what the generated ids add to the
+    prompt's, and a logprob's token string is the piece's own text."""
+    tok = tokenizer_from_gguf(spm_meta(pieces), "spm.gguf")
+    prompt, whole = tok.encode("the quick brown"), tok.encode("the quick brown fox jumps")
+    generated = whole[len(prompt) :]
+    assert tok.decode(generated).startswith("fox")  # (alone: the strip)
+    stream = IncrementalDetokenizer(tok, context=prompt)
+    text = "".join(stream.add(i) for i in generated) + stream.flush()
+    assert text == tok.decode(whole)[len(tok.decode(prompt)) :] == " fox jumps"
+    assert "".join(tok.token_text(i) for i in generated) == " fox jumps"
+
+
+def test_the_unknown_token_is_special(pieces):
+    """Written in text it is its id, text after it prefixed again (llama.cpp prefixes every
+    text fragment that follows a special token), and skipped when special tokens are."""
+    meta = spm_meta(pieces)
+    tok = tokenizer_from_gguf(meta, "spm.gguf")
+    ids = tok.encode("the<unk>fox")
+    assert ids == [*llama_cpp_spm(meta, "the"), 0, *llama_cpp_spm(meta, "fox")]
+    assert tok.decode(ids, skip_special_tokens=True) == "the fox"

@@ -166,7 +166,7 @@ class Admission:
             )
             if self.detokenize:
                 sample.detokenizer = IncrementalDetokenizer(
-                    self.tokenizer, params.stop, params.min_tokens
+                    self.tokenizer, params.stop, params.min_tokens, context=prompt_ids
                 )
             sample.logits_state = LogitsState(params, prompt_ids, stop_ids, self.vocab_size)
             sample.needs_sync = needs_sync(sample)

@@ -41,6 +41,7 @@ _ONE_ID_TEXT: weakref.WeakKeyDictionary[object, dict[int, str]] = weakref.WeakKe
 
 
 _TRIM_AFTER = 2048  # characters of emitted text kept before trimming the front
+CONTEXT_IDS = 4  # prompt ids decoded before the first generated one (vLLM keeps 5)
 
 
 # tokenizer -> whether its decode is byte concatenation (see _concatenates)
@@ -79,7 +80,17 @@ def _concatenates(tokenizer: Decoder) -> bool:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = (), min_tokens: int = 0):
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
+        context: Sequence[int] = (),
+    ):
+        """context: the last prompt ids (CONTEXT_IDS of them), decoded before the first
+        generated id so that its text is what it adds after them: a SentencePiece decoder
+        strips the space a sequence's first piece begins with ("▁Paris" alone is "Paris"),
+        which the first generated piece must keep."""
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens
         # Our Tokenizer's decode only converts the ids to int, which add() already does.
@@ -97,12 +108,13 @@ class IncrementalDetokenizer:
         self._sorted_stop = sorted(self.stop)
         self._max_stop = max(map(len, self.stop), default=0)
         self._stop_starts = frozenset(s[0] for s in self.stop)
-        self.ids: list[int] = []
+        self.ids: list[int] = [int(i) for i in context[len(context) - CONTEXT_IDS :]]
+        self._first = len(self.ids)  # ids[first:] are the generated ones
         self.text = ""  # decoded so far (whole characters), less a front trimmed in _emit
         self.emitted = 0  # characters of self.text already returned
         self._prefix_offset = 0  # ids[prefix_offset:read_offset] decode to the text's tail
-        self._read_offset = 0
-        self._before = 0  # len(decode(ids[prefix_offset:read_offset])), or -1: not known yet
+        self._read_offset = self._first
+        self._before = -1 if self._first else 0  # len(decode(ids[prefix:read])), -1: unknown
         self.stopped_by: str | None = None
         self._stop_from = 0  # a stop string counts only if it ends after this many characters
 
@@ -111,7 +123,7 @@ class IncrementalDetokenizer:
         After a stop string is found, `stopped_by` is set and nothing more is emitted."""
         if self.stopped_by is not None:
             return ""
-        if len(self.ids) < self.min_tokens:
+        if len(self.ids) - self._first < self.min_tokens:
             self._stop_from = len(self.text)  # text so far is from ids before the min_tokens-th
         ids = self.ids
         token = int(token_id)
@@ -167,7 +179,7 @@ class IncrementalDetokenizer:
     def _find(self, stop: str, start: int) -> int:
         """The first occurrence of `stop` at or after `start` that may end the request: -1 before
         min_tokens, and never one lying wholly in the text of the ids before the min_tokens-th."""
-        if len(self.ids) < self.min_tokens:
+        if len(self.ids) - self._first < self.min_tokens:
             return -1
         start = max(start, self._stop_from - len(stop) + 1)
         return self.text.find(stop, start)

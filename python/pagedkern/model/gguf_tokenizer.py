@@ -8,7 +8,10 @@ SentencePiece's BPE merges, at each step, the adjacent pair whose concatenation 
 highest-scoring piece (llama.cpp's llm_tokenizer_spm). As transformers' GGUF converter does, that
 is an HF BPE whose merges are every split of every piece into two pieces, ranked by the score of
 the piece they make, with byte fallback; spaces become ▁ (and a leading ▁ with
-add_space_prefix, llama.cpp's default for these files)."""
+add_space_prefix, llama.cpp's default for these files). One difference: where two pieces have
+equal scores, llama.cpp merges the leftmost pair first and this BPE the pair whose parts score
+higher (a static rank cannot say "leftmost"); the vocabularies shipped (Llama 2, Mistral,
+Gemma) score every piece apart."""
 
 from __future__ import annotations
 
@@ -138,7 +141,7 @@ def _sentencepiece(
     merges = [(left, right) for *_, left, right in ranked]
     unk = next((tokens[i] for i in range(len(tokens)) if types[i] == _UNKNOWN), None)
     try:
-        bpe = models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+        bpe = models.BPE(vocab, merges, unk_token=unk, fuse_unk=False, byte_fallback=True)
     except Exception as exc:
         raise ModelLoadError(source, f"invalid SentencePiece vocabulary: {exc}") from None
     backend = Backend(bpe)
@@ -178,10 +181,10 @@ def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
         backend = _sentencepiece(meta, tokens, types, vocab, source)
     else:
         backend = _byte_level_bpe(meta, vocab, pre, source)
-    added = [
-        AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
+    added = [  # (an unknown token is special too: skipped in decode, its id when written)
+        AddedToken(tokens[i], special=types[i] != _USER_DEFINED, normalized=False)
         for i in range(len(tokens))
-        if types[i] in (_CONTROL, _USER_DEFINED)
+        if types[i] in (_CONTROL, _USER_DEFINED, _UNKNOWN)
     ]
     backend.add_special_tokens([t for t in added if t.special])
     backend.add_tokens([t for t in added if not t.special])
@@ -197,8 +200,10 @@ def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
         "pad_token": token("padding"),
     }
     steps = [processors.ByteLevel(trim_offsets=False)] if model == "gpt2" else []
-    # (SentencePiece files add BOS unless they say not to: llama.cpp's default for them)
-    if meta.get("tokenizer.ggml.add_bos_token", model == "llama") and special["bos_token"]:
+    # (SentencePiece, Llama 3 and tekken files add BOS unless they say not to: llama.cpp's
+    # defaults for them)
+    bos_by_default = model == "llama" or pre in _IGNORE_MERGES
+    if meta.get("tokenizer.ggml.add_bos_token", bos_by_default) and special["bos_token"]:
         bos = special["bos_token"]
         steps.append(
             processors.TemplateProcessing(

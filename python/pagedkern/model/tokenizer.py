@@ -103,6 +103,26 @@ class Tokenizer:
             return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """The text `token_id` adds after other text (a logprob's token string): its text after
+        an anchor's, since a SentencePiece decoder strips the space a sequence begins with
+        ("▁Paris" alone decodes to "Paris", after "a" to " Paris"); cached per id."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            anchor = self._anchor
+            start = len(self.backend.decode(anchor))
+            text = self.backend.decode([*anchor, int(token_id)])[start:]
+            self._token_texts[token_id] = text
+        return text
+
+    @cached_property
+    def _token_texts(self) -> dict[int, str]:
+        return {}
+
+    @cached_property
+    def _anchor(self) -> list[int]:
+        return self.backend.encode("a", add_special_tokens=False).ids
+
     @cached_property
     def max_token_chars(self) -> int | None:
         """The most text characters one token can stand for, or None where no such bound

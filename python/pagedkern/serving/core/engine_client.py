@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 
 from ...engine import Engine, EngineConfig, SamplingParams
+from ...engine.detokenizer import CONTEXT_IDS
 from ...model.tokenizer import Tokenizer
 from .channel import Channel
 from .client_errors import EngineUnavailable, refusal
@@ -198,8 +199,9 @@ class EngineClient:
         eos = () if params.ignore_eos else self.tokenizer.stop_token_ids
         stop_ids = frozenset(params.stop_token_ids).union(eos)
         stream = RequestStream(
-            request_id, params, stop_ids, self.tokenizer, abort=self.abort, record=self.record
-        )
+            request_id, params, stop_ids, self.tokenizer, abort=self.abort, record=self.record,
+            context=tuple(request_args["prompt_ids"][-CONTEXT_IDS:]),
+        )  # fmt: skip
         admitted = self._loop.create_future()
         self._open.add(request_id, (admitted, stream), group)
         self.outbox.add(AddRequest(request_id, list(request_args["prompt_ids"]), params))

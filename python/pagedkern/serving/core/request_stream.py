@@ -109,11 +109,17 @@ class RequestStream:
     _samples: list[Sample] = field(default_factory=list)
     # echo + logprobs: (prompt ids, per-token logprobs), from the core's first delta
     prompt_logprobs: tuple[tuple[int, ...], tuple[TokenLogprob | None, ...]] | None = None
+    context: tuple[int, ...] = ()  # the prompt's last ids (IncrementalDetokenizer's context)
 
     def __post_init__(self) -> None:
         self.pending = self._open = self.samples
+        params = self.params
         self._samples = [
-            Sample(IncrementalDetokenizer(self.tokenizer, self.params.stop, self.params.min_tokens))
+            Sample(
+                IncrementalDetokenizer(
+                    self.tokenizer, params.stop, params.min_tokens, context=self.context
+                )
+            )
             for _ in range(self.samples)
         ]
 

@@ -70,7 +70,7 @@ class OpenAIRoutes:
         return await parse_off_the_loop(schema, body)
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.tokenizer.token_text(token_id)
 
     async def generate(
         self, http: Request, prompts: list[dict], params, fmt, streaming: bool,
