@@ -20,6 +20,7 @@ from transformers_oracle import hf_greedy, relative
 from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import ModelLoadError, load_model
+from pagedkern.model.hf_quantized import Scheme, to_quantized_weight
 from pagedkern.model.quantized_linear import QuantizedWeight
 from pagedkern.ops.cpu import quant_gemv
 
@@ -255,6 +256,67 @@ def test_a_mixture_of_experts_keeps_its_experts_quantized(tmp_path):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_the_own_mode_keeps_a_16_bit_folders_other_tensors_16_bit(tmp_path):
+    """--quantization int4 on an int4 folder is the folder as it is: its bf16 embedding and
+    head stay bf16 under fp32 activations, as without the flag."""
+    write_quantized(tmp_path, tiny_model(), SCHEMES["awq-int4-g128"])
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    half = {n: t.bfloat16() if t.is_floating_point() and t.dtype != torch.float16 else t
+            for n, t in tensors.items()}  # fmt: skip
+    save_file(half, str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    default, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    own, _ = load_model(str(tmp_path), "cpu", torch.float32, quantization="int4")
+    assert default.weights.lm_head.dtype == own.weights.lm_head.dtype == torch.bfloat16
+    plain, _ = load_model(str(tmp_path), "cpu", torch.float32, quantization="none")
+    assert plain.weights.lm_head.dtype == torch.bfloat16  # (the 16-bit rule of plain folders)
+
+
+@pytest.mark.parametrize(
+    "file,method,fields",
+    [
+        ("quantize_config.json", "gptq", {"bits": 4, "group_size": 32, "sym": False}),
+        ("quant_config.json", "awq", {"w_bit": 4, "q_group_size": 128, "zero_point": True}),
+    ],
+)
+def test_an_older_exports_own_quantize_config_file_is_read(tmp_path, file, method, fields):
+    scheme = "gptq-int4-asym-g32" if method == "gptq" else "awq-int4-g128"
+    hf = tiny_model()
+    write_quantized(tmp_path, hf, SCHEMES[scheme])
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / file).write_text(json.dumps(fields))
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    assert isinstance(model.weights.layers[0].down, QuantizedWeight)
+    want = hf.model.layers[0].mlp.down_proj.weight
+    assert torch.equal(model.weights.layers[0].down.dequantize_rows(), want)
+
+
+def test_gptqmodels_format_key_names_the_zero_points_convention(tmp_path):
+    hf = tiny_model()
+    write_quantized(tmp_path, hf, SCHEMES["gptq_v2-int4-asym-g64"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["format"] = qc.pop("checkpoint_format")  # ("gptq_v2" under the other key)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    want = hf.model.layers[0].mlp.down_proj.weight
+    assert torch.equal(model.weights.layers[0].down.dequantize_rows(), want)
+    _with_config(tmp_path, checkpoint_format="gptq")
+    with pytest.raises(ModelLoadError, match="checkpoint_format and format differ"):
+        load_model(str(tmp_path), "cpu", torch.float32)
+
+
+def test_in_features_that_no_tile_takes_are_refused_at_load():
+    codes = torch.randint(0, 256, (200, 16), dtype=torch.int32)  # K = 200, per row
+    qweight, qzeros = pack_gptq(codes, torch.full((1, 16), 128, dtype=torch.int32), 8, False)
+    scheme = Scheme("gptq", 8, -1, False)
+    with pytest.raises(ValueError, match="200 input channels: not a multiple of 32"):
+        to_quantized_weight(scheme, qweight, qzeros, torch.ones(1, 16, dtype=torch.float16))
+
+
 def test_a_quantized_lm_head_loads_too(tmp_path):
     hf = tiny_model()
     write_quantized(tmp_path, hf, SCHEMES["awq-int4-g128"], lm_head=True)
@@ -349,7 +411,7 @@ def test_fp8_weights_without_their_scales_are_refused_not_read_as_plain_floats(t
     tensors = load_file(str(tmp_path / "model.safetensors"))
     del tensors["model.layers.1.mlp.up_proj.weight_scale_inv"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="up_proj: weight_scale_inv is missing"):
+    with pytest.raises(ModelLoadError, match="up_proj.weight' is torch.float8_e4m3fn, with no"):
         load_model(str(tmp_path), "cpu", torch.float32)
     _with_config(tmp_path, weight_block_size=[128])
     with pytest.raises(ModelLoadError, match="fp8 needs weight_block_size"):

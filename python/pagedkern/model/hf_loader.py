@@ -22,6 +22,8 @@ from .weight_shards import cols, rows
 from .weights import LlamaWeights
 
 _INDEX = "model.safetensors.index.json"
+# AutoGPTQ's and AutoAWQ's own files, where config.json has no quantization_config
+_QUANTIZE_CONFIGS = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
 
 
 def _read_config(folder: Path) -> tuple[ModelConfig, float, Scheme | None]:
@@ -35,7 +37,29 @@ def _read_config(folder: Path) -> tuple[ModelConfig, float, Scheme | None]:
         raise ModelLoadError(path, f"invalid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(path, "config.json must hold a JSON object")
-    return config_from_hf(raw, str(path)), hf_norm_offset(raw), scheme_of(raw, str(path))
+    scheme = scheme_of(raw, str(path))
+    for name, method in _QUANTIZE_CONFIGS:  # (older exports keep it beside config.json)
+        side = folder / name
+        if scheme is None and "quantization_config" not in raw and side.is_file():
+            try:
+                qc = json.loads(side.read_text())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ModelLoadError(side, f"invalid JSON: {exc}") from None
+            if isinstance(qc, dict):
+                qc = {"quant_method": method, **qc}
+            scheme = scheme_of({"quantization_config": qc}, str(side))
+    return config_from_hf(raw, str(path)), hf_norm_offset(raw), scheme
+
+
+def hf_checkpoint_quantization(folder: str | os.PathLike) -> str | None:
+    """The mode a GPTQ / AWQ folder's linears load in ('int4' / 'int8'), else None."""
+    try:
+        scheme = _read_config(Path(folder))[2]
+    except ModelLoadError:
+        return None  # (load_hf_folder reports it)
+    if scheme is None or scheme.method == "fp8":
+        return None
+    return "int8" if scheme.bits == 8 else "int4"
 
 
 def hf_checkpoint_dtype(folder: str | os.PathLike) -> torch.dtype | None:

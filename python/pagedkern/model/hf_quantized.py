@@ -18,7 +18,8 @@ A folder's config.json says how it was quantized (`quantization_config`). Per qu
   both: w[n, k] = scales[g, n] * (q[k, n] - z[g, n]),  g = k // G
 
 As int4 (QuantizedWeight: w = scale * q + min, G 32 or 128): scale = s, min = -s z. s z has at
-most 15 significant bits (an fp16 s times z <= 16), exact in fp32, so the mins are fp16 where
+most 15 significant bits (an fp16 or bf16 s, as the quantizers write them, times z <= 16),
+exact in fp32, so the mins are fp16 where
 every one is exactly an fp16, else fp32, and w comes out bit for bit (rounding them to fp16
 moved a tiny model's logits by 0.2-0.4%; the CPU backend packs them as int4_zp tiles, z a
 byte, at int4's speed). A group of G = 64, 256
@@ -118,7 +119,9 @@ def scheme_of(raw: Mapping, path: str) -> Scheme | None:
             "quantization_config: desc_act (act-order) GPTQ checkpoints are not supported: "
             "their groups are not contiguous along K",
         )
-    fmt = qc.get("checkpoint_format", "gptq")
+    fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))  # (GPTQModel wrote both keys)
+    if "format" in qc and qc.get("checkpoint_format", fmt) != qc["format"]:
+        raise ModelLoadError(path, "quantization_config: checkpoint_format and format differ")
     if fmt not in ("gptq", "gptq_v2"):
         raise ModelLoadError(path, f"quantization_config: checkpoint_format {fmt!r}")
     return Scheme("gptq", bits, group, fmt == "gptq")
@@ -150,12 +153,12 @@ def quantized_getter(
         if not name.endswith(".weight"):
             return None
         stem = name.removesuffix("weight")
-        if scheme.method == "fp8":
-            weight = tensor(name)
-            if weight is None or weight.dtype not in FLOAT8:
+        if scheme.method == "fp8":  # (no scale: read as it is; fp8 there is refused)
+            scale = tensor(stem + "weight_scale_inv")  # (small: read before the weight)
+            if scale is None:
                 return None
             try:
-                return dequantize_fp8(weight, tensor(stem + "weight_scale_inv"), scheme.block)
+                return dequantize_fp8(tensor(name), scale, scheme.block)
             except ValueError as exc:
                 raise ModelLoadError(where(name), f"{stem[:-1]}: {exc}") from None
         qweight = tensor(stem + "qweight")
@@ -218,6 +221,8 @@ def to_quantized_weight(
         raise ValueError("g_idx is not k // group_size (desc_act's reordered groups)")
     s = scales.float().t().contiguous()  # [N, K / G]
     z = zeros.t().float()
+    if k % 32:
+        raise ValueError(f"{k} input channels: not a multiple of 32")
     if scheme.bits == 8:
         if not torch.all(zeros == 128):
             raise ValueError("asymmetric 8-bit GPTQ (zeros other than 128) is not supported")
@@ -243,14 +248,13 @@ def to_quantized_weight(
 
 
 def dequantize_fp8(
-    weight: torch.Tensor, scale_inv: torch.Tensor | None, block: tuple[int, int]
+    weight: torch.Tensor | None, scale_inv: torch.Tensor, block: tuple[int, int]
 ) -> torch.Tensor:
     """An E4M3 weight [N, K] times its blocks' scales [ceil(N / bn), ceil(K / bk)], in fp32 (as
     transformers and vLLM dequantize it)."""
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"weight must be float8_e4m3fn, got {weight.dtype}")
-    if scale_inv is None:
-        raise ValueError("weight_scale_inv is missing")
+    if weight is None or weight.dtype != torch.float8_e4m3fn:
+        got = "none" if weight is None else weight.dtype
+        raise ValueError(f"the weight beside weight_scale_inv must be float8_e4m3fn, got {got}")
     (n, k), (bn, bk) = weight.shape, block
     want = (-(-n // bn), -(-k // bk))
     if tuple(scale_inv.shape) != want or not scale_inv.dtype.is_floating_point:

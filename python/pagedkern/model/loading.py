@@ -12,7 +12,7 @@ import torch
 from .config import PRESETS, ModelConfig
 from .errors import ModelLoadError
 from .gguf_loader import load_gguf
-from .hf_loader import hf_checkpoint_dtype, load_hf_folder
+from .hf_loader import hf_checkpoint_dtype, hf_checkpoint_quantization, load_hf_folder
 from .llama import LlamaModel
 from .quantized_linear import DEFAULT_INT4_GROUP, MODES, QuantizedWeight
 from .synthetic import synthetic_weights
@@ -130,12 +130,15 @@ def load_model(
     path = default_model_path() if spec is None else Path(spec)
     if path.is_dir():
         dtype = dtype or default_dtype(device, "hf", hf_checkpoint_dtype(path))
+        packed = hf_checkpoint_quantization(path)  # GPTQ / AWQ: 'int4' / 'int8'
+        if quantization == packed:
+            quantization = None  # (its own mode: as the checkpoint has it, not requantized)
         keep = _keeps_16_bit(device, dtype, quantization)
         config, weights, tokenizer = load_hf_folder(path, device, dtype, shard, keep)
-        if quantization == "none" and weights.quantization != "none":  # GPTQ / AWQ, as a GGUF
-            weights = quantize_weights(weights, "none", group_size).to(device, dtype)
-        elif quantization not in (None, "none", weights.quantization):  # (GPTQ / AWQ in their
-            # own mode: kept as the checkpoint has them, not requantized from their values)
+        if quantization == "none" and packed is not None:  # dequantized, as a GGUF's
+            keep = _keeps_16_bit(device, dtype, "none")
+            weights = quantize_weights(weights, "none", group_size).to(device, dtype, keep)
+        elif quantization not in (None, "none"):
             weights = quantize_weights(weights, quantization, group_size)
     elif path.is_file():
         if not _is_gguf(path):
@@ -195,7 +198,10 @@ def gemm_weights(weights: LlamaWeights, device: torch.device, dtype: torch.dtype
     else every quantized linear weight (and a quantized head and tied embedding) dequantized to
     `dtype`, one tensor at a time: the quantized model's values through bf16/fp16 GEMMs; and
     a MoE layer's experts of two forms in one (experts_in_one_form)."""
-    if keeps_quantized_weights(device) or weights.quantization == "none":
+    linears = [getattr(layer, f) for layer in weights.layers for f in LINEAR_FIELDS]
+    quantized = any(isinstance(w, QuantizedWeight) for w in [*linears, weights.lm_head])
+    if keeps_quantized_weights(device) or not quantized:  # (any layer's: a GPTQ folder may
+        # leave its first layers float)
         return weights
 
     def plain(w):
