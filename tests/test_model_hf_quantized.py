@@ -21,6 +21,7 @@ from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import ModelLoadError, load_model
 from pagedkern.model.hf_quantized import Scheme, to_quantized_weight
+from pagedkern.model.loading import gemm_weights
 from pagedkern.model.quantized_linear import QuantizedWeight
 from pagedkern.ops.cpu import quant_gemv
 
@@ -315,6 +316,29 @@ def test_in_features_that_no_tile_takes_are_refused_at_load():
     scheme = Scheme("gptq", 8, -1, False)
     with pytest.raises(ValueError, match="200 input channels: not a multiple of 32"):
         to_quantized_weight(scheme, qweight, qzeros, torch.ones(1, 16, dtype=torch.float16))
+
+
+def test_a_folder_whose_first_layer_is_float_is_still_seen_as_quantized(tmp_path):
+    """GPTQModel's dynamic skips and AWQ's modules_to_not_convert can leave layer 0 float:
+    `none` and a GPU's GEMM weights must still dequantize the other layers."""
+    hf = tiny_model()
+    write_quantized(tmp_path, hf, SCHEMES["gptq-int4-sym-g128"])
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for name in [n for n in tensors if n.startswith("model.layers.0.") and "qweight" in n]:
+        stem = name.removesuffix("qweight")
+        for part in ("qweight", "qzeros", "scales", "g_idx"):
+            del tensors[stem + part]
+        tensors[stem + "weight"] = hf.get_parameter(stem + "weight").detach().contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    layers = model.weights.layers
+    assert not isinstance(layers[0].down, QuantizedWeight)
+    assert isinstance(layers[1].down, QuantizedWeight)
+    plain, _ = load_model(str(tmp_path), "cpu", torch.float32, quantization="none")
+    assert not isinstance(plain.weights.layers[1].down, QuantizedWeight)
+    on_a_gpu = gemm_weights(model.weights, torch.device("cuda"), torch.float32)
+    assert not isinstance(on_a_gpu.layers[1].down, QuantizedWeight)  # (dequantized, as all)
+    assert torch.equal(on_a_gpu.layers[1].down, hf.model.layers[1].mlp.down_proj.weight)
 
 
 def test_a_quantized_lm_head_loads_too(tmp_path):
