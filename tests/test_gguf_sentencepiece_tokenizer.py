@@ -145,6 +145,7 @@ def test_generated_text_keeps_the_space_its_first_piece_begins_with(pieces):
     text = "".join(stream.add(i) for i in generated) + stream.flush()
     assert text == tok.decode(whole)[len(tok.decode(prompt)) :] == " fox jumps"
     assert "".join(tok.token_text(i) for i in generated) == " fox jumps"
+    assert tok.token_text(tok.eos_token_id) == "</s>"  # (a special token's text is shown)
 
 
 def test_the_unknown_token_is_special(pieces):

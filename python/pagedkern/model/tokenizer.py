@@ -108,10 +108,10 @@ class Tokenizer:
         an anchor's, since a SentencePiece decoder strips the space a sequence begins with
         ("▁Paris" alone decodes to "Paris", after "a" to " Paris"); cached per id."""
         text = self._token_texts.get(token_id)
-        if text is None:
-            anchor = self._anchor
-            start = len(self.backend.decode(anchor))
-            text = self.backend.decode([*anchor, int(token_id)])[start:]
+        if text is None:  # (special tokens shown, as decode shows them by default)
+            anchor, decode = self._anchor, self.backend.decode
+            start = len(decode(anchor, skip_special_tokens=False))
+            text = decode([*anchor, int(token_id)], skip_special_tokens=False)[start:]
             self._token_texts[token_id] = text
         return text
 
