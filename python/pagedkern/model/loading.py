@@ -198,7 +198,8 @@ def gemm_weights(weights: LlamaWeights, device: torch.device, dtype: torch.dtype
     else every quantized linear weight (and a quantized head and tied embedding) dequantized to
     `dtype`, one tensor at a time: the quantized model's values through bf16/fp16 GEMMs; and
     a MoE layer's experts of two forms in one (experts_in_one_form)."""
-    linears = [getattr(layer, f) for layer in weights.layers for f in LINEAR_FIELDS]
+    fields = (*LINEAR_FIELDS, "experts_gate_up", "experts_down")
+    linears = [getattr(layer, f) for layer in weights.layers for f in fields]
     quantized = any(isinstance(w, QuantizedWeight) for w in [*linears, weights.lm_head])
     if keeps_quantized_weights(device) or not quantized:  # (any layer's: a GPTQ folder may
         # leave its first layers float)
