@@ -52,7 +52,8 @@ _TEKKEN = (
     r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # (tokenizer.json's regexes, which llama.cpp's src/llama-vocab.cpp names per pre; tekken and the
-# Llama 3 family take whole words found in the vocabulary before any merge, as llama.cpp does)
+# Llama 3 family take whole words found in the vocabulary before any merge, and add BOS unless
+# the file says not to, as llama.cpp sets both for them)
 _PRE_TOKENIZERS = {
     "default": _GPT2,
     "gpt2": _GPT2,

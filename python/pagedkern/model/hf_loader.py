@@ -26,35 +26,50 @@ _INDEX = "model.safetensors.index.json"
 _QUANTIZE_CONFIGS = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
 
 
-def _read_config(folder: Path) -> tuple[ModelConfig, float, Scheme | None]:
-    """(config, norm offset, how its linears were quantized): see hf_norm_offset, scheme_of."""
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(path, f"invalid JSON: {exc}") from None
+
+
+def _raw_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise ModelLoadError(folder, "no config.json (not a HF model folder)")
-    try:
-        raw = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(path, f"invalid JSON: {exc}") from None
+    raw = _json(path)
     if not isinstance(raw, dict):
         raise ModelLoadError(path, "config.json must hold a JSON object")
-    scheme = scheme_of(raw, str(path))
-    for name, method in _QUANTIZE_CONFIGS:  # (older exports keep it beside config.json)
+    return raw
+
+
+def _scheme(folder: Path, raw: dict) -> Scheme | None:
+    """How its linears were quantized (scheme_of): config.json's quantization_config, or the
+    file an older export keeps beside it."""
+    if "quantization_config" in raw:
+        return scheme_of(raw, str(folder / "config.json"))
+    for name, method in _QUANTIZE_CONFIGS:
         side = folder / name
-        if scheme is None and "quantization_config" not in raw and side.is_file():
-            try:
-                qc = json.loads(side.read_text())
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise ModelLoadError(side, f"invalid JSON: {exc}") from None
+        if side.is_file():
+            qc = _json(side)
             if isinstance(qc, dict):
                 qc = {"quant_method": method, **qc}
-            scheme = scheme_of({"quantization_config": qc}, str(side))
-    return config_from_hf(raw, str(path)), hf_norm_offset(raw), scheme
+            return scheme_of({"quantization_config": qc}, str(side))
+    return None
+
+
+def _read_config(folder: Path) -> tuple[ModelConfig, float, Scheme | None]:
+    """(config, norm offset, how its linears were quantized): see hf_norm_offset, _scheme."""
+    raw = _raw_config(folder)
+    path = str(folder / "config.json")
+    return config_from_hf(raw, path), hf_norm_offset(raw), _scheme(folder, raw)
 
 
 def hf_checkpoint_quantization(folder: str | os.PathLike) -> str | None:
     """The mode a GPTQ / AWQ folder's linears load in ('int4' / 'int8'), else None."""
+    folder = Path(folder)
     try:
-        scheme = _read_config(Path(folder))[2]
+        scheme = _scheme(folder, _raw_config(folder))
     except ModelLoadError:
         return None  # (load_hf_folder reports it)
     if scheme is None or scheme.method == "fp8":

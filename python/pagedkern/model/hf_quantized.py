@@ -19,12 +19,11 @@ A folder's config.json says how it was quantized (`quantization_config`). Per qu
 
 As int4 (QuantizedWeight: w = scale * q + min, G 32 or 128): scale = s, min = -s z. s z has at
 most 15 significant bits (an fp16 or bf16 s, as the quantizers write them, times z <= 16),
-exact in fp32, so the mins are fp16 where
-every one is exactly an fp16, else fp32, and w comes out bit for bit (rounding them to fp16
-moved a tiny model's logits by 0.2-0.4%; the CPU backend packs them as int4_zp tiles, z a
-byte, at int4's speed). A group of G = 64, 256
-or the whole row (G = -1) is its own scale repeated over groups of 32 or 128. GPTQ's 8-bit
-codes, symmetric (z = 128 everywhere), are int8 codes q - 128 with the same scales.
+exact in fp32, so the mins are fp16 where every one is exactly an fp16, else fp32, and w comes
+out bit for bit (rounding them to fp16 moved a tiny model's logits by 0.2-0.4%; the CPU
+backend packs them as int4_zp tiles, z a byte, at int4's speed). A group of G = 64, 256 or the
+whole row (G = -1) is its own scale repeated over groups of 32 or 128. GPTQ's 8-bit codes,
+symmetric (z = 128 everywhere), are int8 codes q - 128 with the same scales.
 
 FP8 (transformers' fine-grained FP8: Qwen3-FP8, DeepSeek; `weight_block_size` [bn, bk]):
     <x>.weight           float8_e4m3fn [N, K]
@@ -46,10 +45,9 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ModelLoadError
-from .quantized_linear import QuantizedWeight
+from .quantized_linear import QuantizedWeight, int4_from_codes
 
 METHODS = ("gptq", "awq", "fp8")
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column offset of nibble i in a word (AutoAWQ's pack)
 
 
@@ -231,16 +229,10 @@ def to_quantized_weight(
             return QuantizedWeight("int8", (n, k), q, s[:, 0].contiguous())
         target = 16 if group == 16 else 32
         return QuantizedWeight("int8", (n, k), q, _regroup(s, group, target), None, target)
-    target = 128 if group % 128 == 0 else 32
-    if group % target:
-        raise ValueError(f"{k} input channels in one group: not a multiple of 32")
+    target = 128 if group % 128 == 0 else 32  # (group and K are multiples of 32: checked)
     mins = -(s * z)  # exact in fp32 (module docstring)
-    q = codes.t().to(torch.uint8)
-    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # [N, K / 2], low nibble first
-    return QuantizedWeight(
-        "int4",
-        (n, k),
-        packed,
+    return int4_from_codes(
+        codes.t().to(torch.uint8),
         _narrowest(_regroup(s, group, target)),
         _narrowest(_regroup(mins, group, target)),
         target,

@@ -159,10 +159,13 @@ def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP) -> Quan
     scales = ((hi - lo) / 15.0).clamp_min(1e-8).half()
     mins = lo.half()
     q = torch.round((g - mins.float()[..., None]) / scales.float()[..., None]).clamp_(0, 15)
-    return _int4(q.to(torch.uint8).view(n, k), scales, mins, group_size)
+    return int4_from_codes(q.to(torch.uint8).view(n, k), scales, mins, group_size)
 
 
-def _int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> QuantizedWeight:
+def int4_from_codes(
+    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int
+) -> QuantizedWeight:
+    """An int4 QuantizedWeight from codes q [N, K] uint8 (0..15), packed two a byte."""
     n, k = q.shape
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
     return QuantizedWeight("int4", (n, k), packed, scales.contiguous(), mins.contiguous(), group)
@@ -212,7 +215,7 @@ def gguf_to_int4(tensor_type: str, data: np.ndarray, n: int, k: int) -> Quantize
     groups, dtype = k // 32, np.float32 if tensor_type == "Q4_K" else np.float16
     scales = torch.from_numpy(np.ascontiguousarray(scales, dtype=dtype)).view(n, groups)
     mins = torch.from_numpy(np.ascontiguousarray(mins, dtype=dtype)).view(n, groups)
-    return _int4(q, scales, mins, 32)
+    return int4_from_codes(q, scales, mins, 32)
 
 
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}

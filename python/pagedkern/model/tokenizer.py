@@ -49,6 +49,7 @@ class Tokenizer:
         extra_stop_ids: Iterable[int] = (),
     ):
         self.backend = backend
+        self._token_texts: dict[int, str] = {}  # token_text's, by id
         self.special_tokens = {k: special_tokens.get(k) for k in SPECIAL_TOKEN_KEYS}
         self.chat_template = chat_template
         # (ids past the vocabulary dropped: no token to stop on, and llguidance refuses them)
@@ -114,10 +115,6 @@ class Tokenizer:
             text = decode([*anchor, int(token_id)], skip_special_tokens=False)[start:]
             self._token_texts[token_id] = text
         return text
-
-    @cached_property
-    def _token_texts(self) -> dict[int, str]:
-        return {}
 
     @cached_property
     def _anchor(self) -> list[int]:
