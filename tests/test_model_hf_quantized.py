@@ -12,7 +12,16 @@ import json
 
 import pytest
 import torch
-from hf_model_files import all_logits, write_tokenizer
+from hf_model_files import all_logits
+from hf_quantized_files import (
+    PROMPT,
+    SCHEMES,
+    pack_gptq,
+    tiny_model,
+    write_fp8,
+    write_moe_gptq,
+    write_quantized,
+)
 from safetensors.torch import load_file, save_file
 from test_tensor_shard_loading import assert_loads_as_cut
 from transformers_oracle import hf_greedy, relative
@@ -25,85 +34,6 @@ from pagedkern.model.loading import gemm_weights
 from pagedkern.model.quantized_linear import QuantizedWeight
 from pagedkern.ops.cpu import quant_gemv
 
-transformers = pytest.importorskip("transformers")
-
-PROMPT = [5, 77, 301, 12, 250, 9, 33, 120, 64, 7, 199, 3, 42, 318, 91, 17, 260, 88]
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column 8j + this
-
-
-def tiny_model(arch: str = "llama"):
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=400, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
-    )  # fmt: skip
-    if arch == "qwen2":  # (attention biases beside the packed weights)
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).float().eval()
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float().eval()
-
-
-def quantize(w: torch.Tensor, bits: int, group: int, sym: bool, min_zero: int = 0):
-    """GPTQ / AWQ style round-to-nearest of w [N, K]: (codes [K, N], zeros [K / G, N],
-    fp16 scales [K / G, N], the dequantized weight [N, K])."""
-    n, k = w.shape
-    group = k if group == -1 else group
-    top = (1 << bits) - 1
-    g = w.reshape(n, k // group, group)
-    if sym:
-        scale = (g.abs().amax(-1) / (top // 2)).half().float()
-        zero = torch.full_like(scale, (top + 1) // 2)
-    else:
-        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        scale = ((hi - lo) / top).half().float()
-        zero = (-lo / scale).round().clamp(min_zero, top)
-    q = (g / scale[..., None]).round() + zero[..., None]
-    q = q.clamp(0, top)
-    deq = (scale[..., None] * (q - zero[..., None])).reshape(n, k)
-    codes = q.reshape(n, k).t().to(torch.int32).contiguous()
-    return codes, zero.t().to(torch.int32).contiguous(), scale.t().half().contiguous(), deq
-
-
-def pack_gptq(codes, zeros, bits: int, v1: bool):
-    """AutoGPTQ's layout: codes packed along K (rows), zeros along N; v1 stores zero - 1."""
-    p = 32 // bits
-    mask = (1 << bits) - 1
-    qweight = torch.zeros(codes.shape[0] // p, codes.shape[1], dtype=torch.int32)
-    for i in range(p):
-        qweight |= (codes[i::p] & mask) << (bits * i)
-    stored = zeros - 1 if v1 else zeros
-    qzeros = torch.zeros(zeros.shape[0], zeros.shape[1] // p, dtype=torch.int32)
-    for i in range(p):
-        qzeros |= (stored[:, i::p] & mask) << (bits * i)
-    return qweight, qzeros
-
-
-def pack_awq(codes, zeros):
-    """AutoAWQ's GEMM layout: codes and zeros packed along N in AWQ_PACK_ORDER."""
-
-    def pack(m):
-        out = torch.zeros(m.shape[0], m.shape[1] // 8, dtype=torch.int32)
-        for i, column in enumerate(AWQ_PACK_ORDER):
-            out |= (m[:, column::8] & 0xF) << (4 * i)
-        return out
-
-    return pack(codes), pack(zeros)
-
-
-SCHEMES = {
-    "gptq-int4-sym-g128": dict(quant_method="gptq", bits=4, group_size=128, sym=True),
-    "gptq-int4-asym-g32": dict(quant_method="gptq", bits=4, group_size=32, sym=False),
-    "gptq_v2-int4-asym-g64": dict(
-        quant_method="gptq", bits=4, group_size=64, sym=False, checkpoint_format="gptq_v2"
-    ),
-    "gptq-int4-sym-per-row": dict(quant_method="gptq", bits=4, group_size=-1, sym=True),
-    "gptq-int8-sym-g128": dict(quant_method="gptq", bits=8, group_size=128, sym=True),
-    "awq-int4-g128": dict(quant_method="awq", bits=4, group_size=128, zero_point=True),
-    "awq-int4-g64": dict(quant_method="awq", bits=4, group_size=64, zero_point=True),
-}
-
-
 # the CPU backend's tiles for each (csrc/cpu/quant_gemv.h): asymmetric zero points as int4_zp
 TILE_FORMATS = {
     "gptq-int4-sym-g128": "int4_sym",
@@ -114,42 +44,6 @@ TILE_FORMATS = {
     "awq-int4-g128": "int4_zp",
     "awq-int4-g64": "int4_zp",
 }
-
-
-def write_quantized(folder, hf, qc: dict, lm_head: bool = False) -> None:
-    """hf's linears quantized per qc, packed in qc's format, with the rest of its tensors, as
-    an HF folder; hf's weights replaced by the dequantized ones (the reference)."""
-    qc = {"desc_act": False, **qc}
-    bits, group, awq = qc["bits"], qc["group_size"], qc["quant_method"] == "awq"
-    v1 = not awq and qc.get("checkpoint_format", "gptq") == "gptq"
-    tensors = {}
-    with torch.no_grad():
-        for name, module in hf.named_modules():
-            short = name.rsplit(".", 1)[-1]
-            if short not in LINEARS and not (lm_head and short == "lm_head"):
-                continue
-            sym = qc.get("sym", False)
-            codes, zeros, scales, deq = quantize(module.weight, bits, group, sym, int(v1))
-            module.weight.copy_(deq)
-            if awq:
-                qweight, qzeros = pack_awq(codes, zeros)
-            else:
-                qweight, qzeros = pack_gptq(codes, zeros, bits, v1)
-                k = module.weight.shape[1]
-                tensors[f"{name}.g_idx"] = torch.arange(k, dtype=torch.int32) // (
-                    k if group == -1 else group
-                )
-            tensors.update({f"{name}.qweight": qweight, f"{name}.qzeros": qzeros})
-            tensors[f"{name}.scales"] = scales
-        quantized = {n.removesuffix("qweight") + "weight" for n in tensors if "qweight" in n}
-        for name, t in hf.state_dict().items():
-            if name not in quantized:
-                tensors[name] = t.contiguous()
-    save_file(tensors, str(folder / "model.safetensors"))
-    config = hf.config.to_dict()
-    config["quantization_config"] = qc
-    (folder / "config.json").write_text(json.dumps(config))
-    write_tokenizer(folder)
 
 
 @pytest.fixture(scope="module", params=sorted(SCHEMES))
@@ -216,36 +110,7 @@ def test_quantization_none_dequantizes_int8_requantizes_and_int4_keeps(tmp_path)
 
 
 def test_a_mixture_of_experts_keeps_its_experts_quantized(tmp_path):
-    """Qwen3-MoE as GPTQ ships it: every expert's projections packed, the router float."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=400, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
-        initializer_range=0.2, tie_word_embeddings=False,
-    )  # fmt: skip
-    hf = transformers.Qwen3MoeForCausalLM(config).float().eval()
-    hf.save_pretrained(tmp_path / "float", safe_serialization=True)
-    tensors = load_file(str(tmp_path / "float" / "model.safetensors"))
-    packed, plain = {}, dict(tensors)
-    for name, w in tensors.items():
-        if name.endswith("_proj.weight"):
-            codes, zeros, scales, plain[name] = quantize(w, 4, 32, sym=False, min_zero=1)
-            stem = name.removesuffix("weight")
-            qweight, qzeros = pack_gptq(codes, zeros, 4, v1=True)
-            g_idx = torch.arange(w.shape[1], dtype=torch.int32) // 32
-            packed |= {stem + "qweight": qweight, stem + "qzeros": qzeros, stem + "scales": scales}
-            packed[stem + "g_idx"] = g_idx
-        else:
-            packed[name] = w
-    folder = tmp_path / "gptq"
-    folder.mkdir()
-    save_file(packed, str(folder / "model.safetensors"))
-    raw = config.to_dict() | {"quantization_config": SCHEMES["gptq-int4-asym-g32"]}
-    (folder / "config.json").write_text(json.dumps(raw))
-    write_tokenizer(folder)
-    save_file(plain, str(tmp_path / "float" / "model.safetensors"))
-    reference = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "float").eval()
+    folder, reference = write_moe_gptq(tmp_path)
     with ops.use_backend("cpu"):
         model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
         got = all_logits(model, PROMPT).double()
@@ -369,7 +234,6 @@ def _with_config(folder, **changes) -> None:
         ({"bits": 3}, "gptq with bits 3 is not supported"),
         ({"bits": "4"}, "bits must be an integer"),
         ({"group_size": 48}, "group_size 48 is not supported"),
-        ({"desc_act": True}, "desc_act"),
         ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
     ],
 )
@@ -378,39 +242,6 @@ def test_what_cannot_be_represented_is_refused_by_name(tmp_path, changes, messag
     _with_config(tmp_path, **changes)
     with pytest.raises(ModelLoadError, match=message):
         load_model(str(tmp_path), "cpu", torch.float32)
-
-
-def write_fp8(folder, hf, block: list[int], config: bool = True) -> None:
-    """hf's linears as transformers' fine-grained FP8 (E4M3 weights, an fp32 weight_scale_inv
-    per block of `block`), hf's weights replaced by the dequantized ones."""
-    tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
-    bn, bk = block
-    with torch.no_grad():
-        for name, module in hf.named_modules():
-            if name.rsplit(".", 1)[-1] not in LINEARS:
-                continue
-            w = module.weight
-            n, k = w.shape
-            scales = torch.empty(-(-n // bn), -(-k // bk))
-            fp8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-            deq = torch.empty(n, k)
-            for i in range(scales.shape[0]):
-                for j in range(scales.shape[1]):
-                    rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
-                    scales[i, j] = w[rows, cols].abs().amax() / 448
-                    fp8[rows, cols] = (w[rows, cols] / scales[i, j]).to(torch.float8_e4m3fn)
-                    deq[rows, cols] = fp8[rows, cols].float() * scales[i, j]
-            module.weight.copy_(deq)
-            tensors[f"{name}.weight"] = fp8
-            tensors[f"{name}.weight_scale_inv"] = scales
-    save_file(tensors, str(folder / "model.safetensors"))
-    hf_config = hf.config.to_dict()
-    if config:
-        hf_config["quantization_config"] = {
-            "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block,
-        }  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(hf_config))
-    write_tokenizer(folder)
 
 
 def test_an_fp8_checkpoint_loads_its_blocks_dequantized(tmp_path):
@@ -442,13 +273,13 @@ def test_fp8_weights_without_their_scales_are_refused_not_read_as_plain_floats(t
         load_model(str(tmp_path), "cpu", torch.float32)
 
 
-def test_reordered_groups_and_asymmetric_int8_are_refused_by_name(tmp_path):
+def test_uneven_groups_and_asymmetric_int8_are_refused_by_name(tmp_path):
     write_quantized(tmp_path, tiny_model(), SCHEMES["gptq-int4-sym-g128"])
     tensors = load_file(str(tmp_path / "model.safetensors"))
     name = "model.layers.0.mlp.down_proj.g_idx"
-    tensors[name] = tensors[name].flip(0).contiguous()  # (desc_act's order, config says not)
+    tensors[name] = torch.zeros_like(tensors[name])  # (every channel in group 0 of 2)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match=r"down_proj: g_idx is not k // group_size"):
+    with pytest.raises(ModelLoadError, match=r"down_proj: g_idx does not give each of the 2"):
         load_model(str(tmp_path), "cpu", torch.float32)
 
     write_quantized(tmp_path, tiny_model(), dict(SCHEMES["gptq-int8-sym-g128"], sym=False))

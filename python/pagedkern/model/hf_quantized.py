@@ -15,7 +15,12 @@ A folder's config.json says how it was quantized (`quantization_config`). Per qu
     <x>.qweight int32 [K, N / 8]   codes packed along N: nibble i of word [k, j] holds column
     <x>.qzeros  int32 [K / G, N / 8]   8 j + AWQ_ORDER[i]; the zeros alike
     <x>.scales  fp16 [K / G, N]
-  both: w[n, k] = scales[g, n] * (q[k, n] - z[g, n]),  g = k // G
+  both: w[n, k] = scales[g, n] * (q[k, n] - z[g, n]),  g = g_idx[k] (k // G but for act-order)
+
+Act-order (GPTQ desc_act: the channels quantized in the order of their activations' size, so a
+group's G channels lie anywhere along K): the input channels are sorted by group (stably) and
+the weight stored in that order with `input_index` the sort (QuantizedWeight: the GEMMs gather
+x by it), which makes every group contiguous again and the values the same.
 
 As int4 (QuantizedWeight: w = scale * q + min, G 32 or 128): scale = s, min = -s z. s z has at
 most 15 significant bits (an fp16 or bf16 s, as the quantizers write them, times z <= 16),
@@ -33,14 +38,14 @@ FP8 (transformers' fine-grained FP8: Qwen3-FP8, DeepSeek; `weight_block_size` [b
 
 Refused with a ModelLoadError naming the key: other methods (bitsandbytes,
 compressed-tensors, ...: their tensors would otherwise load as plain floats, silently wrong),
-other bit widths, desc_act's reordered groups (g_idx not k // G) and asymmetric 8-bit GPTQ (no
+other bit widths, a g_idx whose groups are not G channels each, and asymmetric 8-bit GPTQ (no
 int8 form with mins outside 0..31).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,6 +65,7 @@ class Scheme:
     group_size: int  # -1: one group a row
     zeros_minus_one: bool  # GPTQ v1 stores z - 1
     block: tuple[int, int] | None = None  # fp8: the [rows, columns] a weight_scale_inv covers
+    act_order: bool = False  # GPTQ desc_act: each linear's g_idx gives its groups
 
     @property
     def per_word(self) -> int:
@@ -111,18 +117,13 @@ def scheme_of(raw: Mapping, path: str) -> Scheme | None:
                 path, f"quantization_config: AWQ version {version!r} (only 'gemm' is supported)"
             )
         return Scheme("awq", 4, group, False)
-    if qc.get("desc_act", False) is True and group != -1:
-        raise ModelLoadError(
-            path,
-            "quantization_config: desc_act (act-order) GPTQ checkpoints are not supported: "
-            "their groups are not contiguous along K",
-        )
     fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))  # (GPTQModel wrote both keys)
     if "format" in qc and qc.get("checkpoint_format", fmt) != qc["format"]:
         raise ModelLoadError(path, "quantization_config: checkpoint_format and format differ")
     if fmt not in ("gptq", "gptq_v2"):
         raise ModelLoadError(path, f"quantization_config: checkpoint_format {fmt!r}")
-    return Scheme("gptq", bits, group, fmt == "gptq")
+    act_order = qc.get("desc_act", False) is True and group != -1
+    return Scheme("gptq", bits, group, fmt == "gptq", act_order=act_order)
 
 
 def _fp8_scheme(qc: Mapping, path: str) -> Scheme:
@@ -215,8 +216,9 @@ def to_quantized_weight(
     zeros = _unpack(qzeros, scheme.bits, order).reshape(groups, n)
     if scheme.zeros_minus_one:
         zeros = zeros + 1  # (as vLLM and AutoGPTQ read v1: a stored 15 is a zero of 16)
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
-        raise ValueError("g_idx is not k // group_size (desc_act's reordered groups)")
+    order = _input_order(g_idx, k, group, scheme.act_order)
+    if order is not None:
+        codes = codes[order]
     s = scales.float().t().contiguous()  # [N, K / G]
     z = zeros.t().float()
     if k % 32:
@@ -226,17 +228,43 @@ def to_quantized_weight(
             raise ValueError("asymmetric 8-bit GPTQ (zeros other than 128) is not supported")
         q = (codes.t().to(torch.int16) - 128).to(torch.int8).contiguous()  # [N, K]
         if scheme.group_size == -1:
-            return QuantizedWeight("int8", (n, k), q, s[:, 0].contiguous())
-        target = 16 if group == 16 else 32
-        return QuantizedWeight("int8", (n, k), q, _regroup(s, group, target), None, target)
-    target = 128 if group % 128 == 0 else 32  # (group and K are multiples of 32: checked)
-    mins = -(s * z)  # exact in fp32 (module docstring)
-    return int4_from_codes(
-        codes.t().to(torch.uint8),
-        _narrowest(_regroup(s, group, target)),
-        _narrowest(_regroup(mins, group, target)),
-        target,
-    )
+            weight = QuantizedWeight("int8", (n, k), q, s[:, 0].contiguous())
+        else:
+            target = 16 if group == 16 else 32
+            weight = QuantizedWeight("int8", (n, k), q, _regroup(s, group, target), None, target)
+    else:
+        target = 128 if group % 128 == 0 else 32  # (group and K are multiples of 32: checked)
+        mins = -(s * z)  # exact in fp32 (module docstring)
+        weight = int4_from_codes(
+            codes.t().to(torch.uint8),
+            _narrowest(_regroup(s, group, target)),
+            _narrowest(_regroup(mins, group, target)),
+            target,
+        )
+    return weight if order is None else replace(weight, input_index=order)
+
+
+def _input_order(
+    g_idx: torch.Tensor | None, k: int, group: int, act_order: bool
+) -> torch.Tensor | None:
+    """The input channels sorted by group (stably), where g_idx is not k // G (act-order), so
+    that each group's G channels are contiguous; None where they are already. ValueError for a
+    g_idx of another shape, a group out of range or a group of other than G channels."""
+    if g_idx is None:
+        if act_order:
+            raise ValueError("g_idx is missing (desc_act: it gives each input channel's group)")
+        return None
+    if tuple(g_idx.shape) != (k,) or g_idx.dtype.is_floating_point:
+        raise ValueError(f"g_idx must be integer [{k}], got {g_idx.dtype} {tuple(g_idx.shape)}")
+    g_idx = g_idx.long()
+    if torch.equal(g_idx, torch.arange(k) // group):
+        return None
+    groups = k // group
+    if bool(((g_idx < 0) | (g_idx >= groups)).any()) or not bool(
+        (torch.bincount(g_idx, minlength=groups) == group).all()
+    ):
+        raise ValueError(f"g_idx does not give each of the {groups} groups {group} channels")
+    return torch.sort(g_idx, stable=True).indices
 
 
 def dequantize_fp8(

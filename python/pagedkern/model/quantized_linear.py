@@ -42,11 +42,14 @@ DEFAULT_INT4_GROUP = 32
 
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Fuse weights along the output dimension (QKV, gate/up): same format, K and group."""
+    """Fuse weights along the output dimension (QKV, gate/up): same format, K, group and input
+    order (act-order's input_index)."""
     first = parts[0]
     kind = (first.format, first.shape[1], first.group_size)
     if any((p.format, p.shape[1], p.group_size) != kind for p in parts):
         raise ValueError("fused weights must share format, in-features and group size")
+    if not all(_same_index(p.input_index, first.input_index) for p in parts):
+        raise ValueError("fused weights must share their input order (act-order input_index)")
     mins = None if first.mins is None else _joined([p.mins for p in parts], torch.cat)
     rows = sum(p.shape[0] for p in parts)
     return QuantizedWeight(
@@ -56,7 +59,12 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         _joined([p.scales for p in parts], torch.cat),
         mins,
         first.group_size,
+        input_index=first.input_index,
     )
+
+
+def _same_index(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _joined(tensors: list[torch.Tensor], join) -> torch.Tensor:
@@ -71,8 +79,9 @@ def permute_rows(qw: QuantizedWeight, permute) -> QuantizedWeight:
     """Apply a row permutation function (e.g. GGUF's Q/K un-permutation) to every part."""
     mins = None if qw.mins is None else permute(qw.mins)
     return QuantizedWeight(
-        qw.format, qw.shape, permute(qw.qweight), permute(qw.scales), mins, qw.group_size
-    )
+        qw.format, qw.shape, permute(qw.qweight), permute(qw.scales), mins, qw.group_size,
+        input_index=qw.input_index,
+    )  # fmt: skip
 
 
 def stack_experts(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -81,6 +90,8 @@ def stack_experts(parts: list[QuantizedWeight]) -> QuantizedWeight:
     kind = (first.format, tuple(first.shape), first.group_size)
     if any((p.format, tuple(p.shape), p.group_size) != kind for p in parts):
         raise ValueError("stacked experts must share format, shape and group size")
+    if any(p.input_index is not None for p in parts):
+        raise ValueError("stacked experts take no input order (act-order input_index)")
     mins = None if first.mins is None else _joined([p.mins for p in parts], torch.stack)
     return QuantizedWeight(
         first.format,

@@ -21,11 +21,29 @@ def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float()
 
 
-def _quantized_alike(parts: list[Linear]) -> bool:
-    """Whether every part is a QuantizedWeight of one kind (format, group size, mins or not):
-    fused or stacked as they are; else as floats."""
+def _quantized_alike(parts: list[Linear], stacking: bool = False) -> bool:
+    """Whether every part is a QuantizedWeight of one kind (format, group size, mins or not)
+    and one input order (act-order's input_index; stacked experts take none): fused or stacked
+    as they are; else as floats."""
     kinds = {p.kind if isinstance(p, QuantizedWeight) else None for p in parts}
-    return len(kinds) == 1 and None not in kinds
+    if len(kinds) != 1 or None in kinds:
+        return False
+    first = parts[0].input_index
+    if first is None:
+        return all(p.input_index is None for p in parts)
+    return not stacking and all(
+        p.input_index is not None and torch.equal(p.input_index, first) for p in parts
+    )
+
+
+def _act_order(parts: list[Linear]) -> bool:
+    """Quantized experts in act-order (each its own input order, which no MoE kernel gathers
+    by), whose in-features int8 per 32 divides."""
+    return (
+        all(isinstance(p, QuantizedWeight) for p in parts)
+        and any(p.input_index is not None for p in parts)
+        and parts[0].shape[-1] % 32 == 0
+    )
 
 
 # get(name) -> the tensor under that HF name (any float dtype, any device, or a QuantizedWeight)
@@ -150,9 +168,17 @@ def assemble_weights(
         x = [e for e in x if e + "down_proj.weight" in shapes]  # (expert parallel: its own)
 
         def stacked(pairs: list[list[Linear]]) -> Linear:
-            if _quantized_alike([w for pair in pairs for w in pair]):
+            every = [w for pair in pairs for w in pair]
+            if _quantized_alike(every, stacking=True):
                 return stack_experts(
                     [cat_rows(pair) if len(pair) > 1 else pair[0] for pair in pairs]
+                )
+            if _act_order(every):  # (the MoE kernels gather no input: int8 per 32, as above)
+                return stack_experts(
+                    [
+                        quantize_int8_grouped(torch.cat([w.dequantize_rows() for w in pair]))
+                        for pair in pairs
+                    ]
                 )
             return torch.stack([torch.cat([floats(w) for w in pair]) for pair in pairs])
 

@@ -15,7 +15,7 @@ from dataclasses import fields
 import torch
 
 from .config import ModelConfig
-from .quantized_linear import QuantizedWeight
+from .quantized_linear import QuantizedWeight, quantize_int8_grouped
 from .tensor_shard import TensorParallelConfigError, TensorShard
 from .weights import LayerWeights, Linear, LlamaWeights
 
@@ -37,8 +37,9 @@ def rows(w: Linear, index: torch.Tensor) -> Linear:
 
     shape = (*w.shape[:-2], len(index), w.shape[-1])
     return QuantizedWeight(
-        w.format, shape, cut(w.qweight), cut(w.scales), cut(w.mins), w.group_size
-    )
+        w.format, shape, cut(w.qweight), cut(w.scales), cut(w.mins), w.group_size,
+        input_index=w.input_index,
+    )  # fmt: skip
 
 
 def cols(w: Linear, start: int, stop: int, what: str) -> Linear:
@@ -47,6 +48,8 @@ def cols(w: Linear, start: int, stop: int, what: str) -> Linear:
         return w[..., start:stop].contiguous()
     shape = (*w.shape[:-1], stop - start)
     g = w.group_size
+    if w.input_index is not None:  # act-order: a rank's inputs are spread over every group
+        return _act_order_cols(w, start, stop)
     if w.format == "int8" and not w.int8_per_group:  # one scale per row: a column slice keeps it
         return QuantizedWeight("int8", shape, w.qweight[..., start:stop].contiguous(), w.scales)
     if start % g or stop % g:
@@ -66,6 +69,15 @@ def cols(w: Linear, start: int, stop: int, what: str) -> Linear:
         None if mins is None else mins.contiguous(),
         g,
     )
+
+
+def _act_order_cols(w: QuantizedWeight, start: int, stop: int) -> Linear:
+    """Input channels [start, stop) of an act-order weight: their stored columns fill each
+    group only in part, so they are requantized to int8 in groups of 32 (within 1/254 of each
+    group's largest weight: finer than the checkpoint's own 4-bit step), floats where the
+    width is not a multiple of 32."""
+    part = w.dequantize_rows()[:, start:stop]
+    return quantize_int8_grouped(part, 32) if part.shape[1] % 32 == 0 else part
 
 
 def experts(w: Linear, ids: range) -> Linear:

@@ -95,6 +95,7 @@ def _cuda(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | None) ->
         or weight.int8_per_group
     ):
         return _dequantized_matmul(x, weight)
+    x = weight.gathered(x)  # (act-order: the stored columns' inputs)
     x = (
         x
         if x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0

@@ -322,20 +322,25 @@ def quant_linear(
     out_features: int,
     group_size: int = 0,
     bias: Tensor | None = None,
+    input_index: Tensor | None = None,
 ) -> Tensor:
     """x [M, K] @ the quantized weight [out_features, K]^T (+ bias); weight_format int8 or int4,
-    the tensors as model.quantized_linear.QuantizedWeight holds them."""
+    the tensors as model.quantized_linear.QuantizedWeight holds them (input_index: act-order's)."""
     from ..reference.quantized_weight import QuantizedWeight
     from .quant_gemm import quant_linear as direct
 
     weight = QuantizedWeight(
-        weight_format, (out_features, x.shape[-1]), qweight, scales, mins, group_size
-    )
+        weight_format, (out_features, x.shape[-1]), qweight, scales, mins, group_size,
+        input_index=input_index,
+    )  # fmt: skip
     return direct(x, weight, bias)
 
 
 @quant_linear.register_fake
-def _(x, qweight, scales, mins, weight_format, out_features, group_size=0, bias=None):
+def _(
+    x, qweight, scales, mins, weight_format, out_features, group_size=0, bias=None,
+    input_index=None,
+):  # fmt: skip
     return x.new_empty((x.shape[0], out_features))
 
 

@@ -12,6 +12,12 @@ which is also what the weights cache stores:
         them (GGUF Q4_K's d sc and dmin m: 17 significant bits)
                                                           w[n, k] = scales[n, g] * q + mins[n, g]
 
+Act-order (GPTQ desc_act): its groups are contiguous along K only with the input channels
+reordered, so the weight is stored with its K columns in that order and `input_index` int64 [K]
+says which input channel each column reads: the GEMM multiplies x[:, input_index] by the stored
+weight (every kernel that reads the stored form gathers x so); dequantize_rows puts the columns
+back in the input's order, the weight it stands for. None: the columns are the input's order.
+
 Stacked experts (a mixture of experts' [E, N, K] weights, as ops.fused_moe takes them): the
 same formats with a leading expert dimension on every part (qweight [E, N, K/2] or [E, N, K],
 scales and mins [E, N, K/G] or [E, N]); expert(e) is expert e's [N, K] weight (views).
@@ -37,6 +43,19 @@ class QuantizedWeight:
     mins: torch.Tensor | None = None
     group_size: int = 0  # int4: 32 / 128; int8: 0 (per channel), 16 or 32
     packed: dict = field(default_factory=dict)  # kernel key -> packed tensors, made lazily
+    input_index: torch.Tensor | None = None  # act-order: the input channel of each column
+
+    def __post_init__(self) -> None:
+        index = self.input_index
+        if index is not None and (
+            len(self.shape) != 2
+            or tuple(index.shape) != self.shape[1:]
+            or index.dtype != torch.int64
+        ):
+            raise ValueError(
+                f"input_index {index.dtype} {tuple(index.shape)} must be int64 [K] of one [N, K] "
+                f"weight {self.shape}"
+            )
 
     @property
     def device(self) -> torch.device:
@@ -44,13 +63,14 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        parts = (self.qweight, self.scales, self.mins)
+        parts = (self.qweight, self.scales, self.mins, self.input_index)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         if self.qweight.device == torch.device(device):
             return self
         mins = None if self.mins is None else self.mins.to(device)
+        index = None if self.input_index is None else self.input_index.to(device)
         return QuantizedWeight(
             self.format,
             self.shape,
@@ -58,7 +78,12 @@ class QuantizedWeight:
             self.scales.to(device),
             mins,
             self.group_size,
+            input_index=index,
         )
+
+    def gathered(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] as the stored columns read it: x[:, input_index] (x itself without one)."""
+        return x if self.input_index is None else x.index_select(-1, self.input_index)
 
     @property
     def int8_per_group(self) -> bool:
@@ -106,24 +131,33 @@ class QuantizedWeight:
             )
         if rows is not None and rows.device.type == "cpu":  # (CUDA ids: no host read)
             _check_row_ids(rows, self.shape[0])
-        sel = slice(None) if rows is None else rows.long()
+        stored = self._stored_rows(None if rows is None else rows.long())
+        if self.input_index is not None:  # the columns back in the input's order
+            w = torch.empty_like(stored)
+            w[:, self.input_index] = stored
+            stored = w
+        return stored.to(dtype)
+
+    def _stored_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """Rows `rows` (all: None) of the float32 weight, its columns in the stored order."""
+        sel = slice(None) if rows is None else rows
         if self.format == "int8":
             q = self.qweight[sel].to(torch.float32)
             scales = self.scales[sel].float()
             if not self.int8_per_group:
-                return (q * scales[:, None]).to(dtype)
+                return q * scales[:, None]
             w = q * scales.repeat_interleave(self.group_size, dim=-1)
             if self.mins is not None:
                 w += self.mins[sel].float().repeat_interleave(self.group_size, dim=-1)
-            return w.to(dtype)
+            return w
         n, k = self.shape
         q = (  # (an embedding lookup unpacks its rows only)
-            self.unpacked_int4(None if rows is None else rows.long())
+            self.unpacked_int4(rows)
             .to(torch.float32)
             .view(-1, k // self.group_size, self.group_size)
         )
         w = q * self.scales[sel].float()[..., None] + self.mins[sel].float()[..., None]
-        return w.reshape(-1, k).to(dtype)
+        return w.reshape(-1, k)
 
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
         bits = 8 if self.format == "int8" else 4  # qmeta: bits, group size, [E,] N, K
@@ -132,6 +166,8 @@ class QuantizedWeight:
         out[f"{prefix}.qmeta"] = meta
         if self.mins is not None:
             out[f"{prefix}.mins"] = self.mins
+        if self.input_index is not None:
+            out[f"{prefix}.input_index"] = self.input_index
         return out
 
     @classmethod
@@ -142,7 +178,8 @@ class QuantizedWeight:
         bits, group, *shape = (int(x) for x in meta.tolist())
         fmt = {8: "int8", 4: "int4"}[bits]
         parts = (sd[f"{prefix}.qweight"], sd[f"{prefix}.scales"], sd.get(f"{prefix}.mins"))
-        return cls(fmt, tuple(shape), *parts, group)
+        index = sd.get(f"{prefix}.input_index")
+        return cls(fmt, tuple(shape), *parts, group, input_index=index)
 
 
 def _check_row_ids(ids: torch.Tensor, rows: int) -> None:

@@ -40,6 +40,8 @@ def _parts(weight: QuantizedWeight) -> tuple | None:
     where the C++ rows do not apply."""
     if not quant_gemv.available() or weight.num_experts is not None:
         return None
+    if weight.input_index is not None:  # (act-order: the reference puts the columns back)
+        return None
     try:
         quant_gemv.check_parts(weight)
     except ValueError:

@@ -35,7 +35,7 @@ def torch_int_pack_mm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     if weight.int8_per_group:
         return x.to(torch.bfloat16) @ weight.dequantize_rows(dtype=torch.bfloat16).T
     w, scales = cpu_packed(weight)
-    xb = x.to(torch.bfloat16).contiguous()
+    xb = weight.gathered(x).to(torch.bfloat16).contiguous()  # (act-order: the stored order)
     if weight.format == "int8":
         return torch.ops.aten._weight_int8pack_mm(xb, w, scales)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, weight.group_size, scales)

@@ -33,10 +33,12 @@ def address(t: torch.Tensor | None) -> int:
 
 
 def quantized_fits(w, bias: torch.Tensor | None, n: int, k: int) -> bool:
-    """Whether w (and bias) is an int4/int8 [n, k] weight csrc/cpu/'s GEMV takes."""
+    """Whether w (and bias) is an int4/int8 [n, k] weight csrc/cpu/'s GEMV takes in a fused
+    call (not act-order's: its input is gathered first, by quant_gemv)."""
     return (
         isinstance(w, QuantizedWeight)
         and w.format in ("int4", "int8")
+        and w.input_index is None
         and tuple(w.shape) == (n, k)
         and k % 32 == 0
         and fp32_vector(bias, n)

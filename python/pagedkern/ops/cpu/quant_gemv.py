@@ -348,6 +348,7 @@ def quant_gemv(
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if activation_bits not in ACTIVATION_BITS:
         raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits!r}")
+    x = weight.gathered(x)  # (act-order: the stored columns' inputs)
     if x.stride(1) != 1:
         x = x.contiguous()
     out = fp32_out(out, m, n)

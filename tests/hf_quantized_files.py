@@ -1,0 +1,214 @@
+"""Pre-quantized HF folders written for the tests: tiny transformers models whose linear
+weights are quantized here and packed the way AutoGPTQ / GPTQModel and AutoAWQ pack them (from
+those formats' descriptions, independently of the loader), or stored as transformers'
+fine-grained FP8; the transformers model keeps the dequantized weights, the reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_model_files import write_tokenizer
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = [5, 77, 301, 12, 250, 9, 33, 120, 64, 7, 199, 3, 42, 318, 91, 17, 260, 88]
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column 8j + this
+
+
+def tiny_model(arch: str = "llama"):
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=400, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
+    )  # fmt: skip
+    if arch == "qwen2":  # (attention biases beside the packed weights)
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).float().eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float().eval()
+
+
+def quantize(w: torch.Tensor, bits: int, group: int, sym: bool, min_zero: int = 0):
+    """GPTQ / AWQ style round-to-nearest of w [N, K]: (codes [K, N], zeros [K / G, N],
+    fp16 scales [K / G, N], the dequantized weight [N, K])."""
+    n, k = w.shape
+    group = k if group == -1 else group
+    top = (1 << bits) - 1
+    g = w.reshape(n, k // group, group)
+    if sym:
+        scale = (g.abs().amax(-1) / (top // 2)).half().float()
+        zero = torch.full_like(scale, (top + 1) // 2)
+    else:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / top).half().float()
+        zero = (-lo / scale).round().clamp(min_zero, top)
+    q = (g / scale[..., None]).round() + zero[..., None]
+    q = q.clamp(0, top)
+    deq = (scale[..., None] * (q - zero[..., None])).reshape(n, k)
+    codes = q.reshape(n, k).t().to(torch.int32).contiguous()
+    return codes, zero.t().to(torch.int32).contiguous(), scale.t().half().contiguous(), deq
+
+
+def quantize_in_order(w: torch.Tensor, bits: int, group: int, sym: bool, min_zero: int, order):
+    """quantize() with GPTQ's g_idx: in act-order (order: the input channels in the order they
+    were quantized, their groups filled in that order) the codes, values and groups come back
+    in the input's order. (codes, zeros, scales, dequantized, g_idx)."""
+    k = w.shape[1]
+    codes, zeros, scales, deq = quantize(
+        w if order is None else w[:, order], bits, group, sym, min_zero
+    )
+    g_idx = torch.arange(k, dtype=torch.int32) // (k if group == -1 else group)
+    if order is not None:
+        back = torch.argsort(order)
+        codes, deq, g_idx = codes[back].contiguous(), deq[:, back], g_idx[back].contiguous()
+    return codes, zeros, scales, deq, g_idx
+
+
+def pack_gptq(codes, zeros, bits: int, v1: bool):
+    """AutoGPTQ's layout: codes packed along K (rows), zeros along N; v1 stores zero - 1."""
+    p = 32 // bits
+    mask = (1 << bits) - 1
+    qweight = torch.zeros(codes.shape[0] // p, codes.shape[1], dtype=torch.int32)
+    for i in range(p):
+        qweight |= (codes[i::p] & mask) << (bits * i)
+    stored = zeros - 1 if v1 else zeros
+    qzeros = torch.zeros(zeros.shape[0], zeros.shape[1] // p, dtype=torch.int32)
+    for i in range(p):
+        qzeros |= (stored[:, i::p] & mask) << (bits * i)
+    return qweight, qzeros
+
+
+def pack_awq(codes, zeros):
+    """AutoAWQ's GEMM layout: codes and zeros packed along N in AWQ_PACK_ORDER."""
+
+    def pack(m):
+        out = torch.zeros(m.shape[0], m.shape[1] // 8, dtype=torch.int32)
+        for i, column in enumerate(AWQ_PACK_ORDER):
+            out |= (m[:, column::8] & 0xF) << (4 * i)
+        return out
+
+    return pack(codes), pack(zeros)
+
+
+SCHEMES = {
+    "gptq-int4-sym-g128": dict(quant_method="gptq", bits=4, group_size=128, sym=True),
+    "gptq-int4-asym-g32": dict(quant_method="gptq", bits=4, group_size=32, sym=False),
+    "gptq_v2-int4-asym-g64": dict(
+        quant_method="gptq", bits=4, group_size=64, sym=False, checkpoint_format="gptq_v2"
+    ),
+    "gptq-int4-sym-per-row": dict(quant_method="gptq", bits=4, group_size=-1, sym=True),
+    "gptq-int8-sym-g128": dict(quant_method="gptq", bits=8, group_size=128, sym=True),
+    "awq-int4-g128": dict(quant_method="awq", bits=4, group_size=128, zero_point=True),
+    "awq-int4-g64": dict(quant_method="awq", bits=4, group_size=64, zero_point=True),
+}
+
+
+def write_quantized(folder, hf, qc: dict, lm_head: bool = False, orders=None) -> None:
+    """hf's linears quantized per qc, packed in qc's format, with the rest of its tensors, as
+    an HF folder; hf's weights replaced by the dequantized ones (the reference). orders(name,
+    K): GPTQ act-order, the input channels in the order they were quantized (their groups
+    filled in that order, as g_idx then says), or None for k // G."""
+    qc = {"desc_act": orders is not None, **qc}
+    bits, group, awq = qc["bits"], qc["group_size"], qc["quant_method"] == "awq"
+    v1 = not awq and qc.get("checkpoint_format", "gptq") == "gptq"
+    tensors = {}
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            short = name.rsplit(".", 1)[-1]
+            if short not in LINEARS and not (lm_head and short == "lm_head"):
+                continue
+            sym = qc.get("sym", False)
+            order = None if orders is None else orders(name, module.weight.shape[1])
+            codes, zeros, scales, deq, g_idx = quantize_in_order(
+                module.weight, bits, group, sym, int(v1), order
+            )
+            module.weight.copy_(deq)
+            if awq:
+                qweight, qzeros = pack_awq(codes, zeros)
+            else:
+                qweight, qzeros = pack_gptq(codes, zeros, bits, v1)
+                tensors[f"{name}.g_idx"] = g_idx
+            tensors.update({f"{name}.qweight": qweight, f"{name}.qzeros": qzeros})
+            tensors[f"{name}.scales"] = scales
+        quantized = {n.removesuffix("qweight") + "weight" for n in tensors if "qweight" in n}
+        for name, t in hf.state_dict().items():
+            if name not in quantized:
+                tensors[name] = t.contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = hf.config.to_dict()
+    config["quantization_config"] = qc
+    (folder / "config.json").write_text(json.dumps(config))
+    write_tokenizer(folder)
+
+
+def write_moe_gptq(tmp_path, orders=None):
+    """A tiny Qwen3-MoE as GPTQ ships it (every expert's projections packed, the router float;
+    orders: as write_quantized's) in tmp_path / "gptq", and (the folder, the transformers model
+    holding the dequantized weights)."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=400, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    hf.save_pretrained(tmp_path / "float", safe_serialization=True)
+    tensors = load_file(str(tmp_path / "float" / "model.safetensors"))
+    packed, plain = {}, dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            order = None if orders is None else orders(name.removesuffix(".weight"), w.shape[1])
+            codes, zeros, scales, deq, g_idx = quantize_in_order(w, 4, 32, False, 1, order)
+            plain[name] = deq.contiguous()
+            stem = name.removesuffix("weight")
+            qweight, qzeros = pack_gptq(codes, zeros, 4, v1=True)
+            packed |= {stem + "qweight": qweight, stem + "qzeros": qzeros, stem + "scales": scales}
+            packed[stem + "g_idx"] = g_idx
+        else:
+            packed[name] = w
+    folder = tmp_path / "gptq"
+    folder.mkdir()
+    save_file(packed, str(folder / "model.safetensors"))
+    qc = SCHEMES["gptq-int4-asym-g32"] | {"desc_act": orders is not None}
+    (folder / "config.json").write_text(json.dumps(config.to_dict() | {"quantization_config": qc}))
+    write_tokenizer(folder)
+    save_file(plain, str(tmp_path / "float" / "model.safetensors"))
+    return folder, transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "float").eval()
+
+
+def write_fp8(folder, hf, block: list[int], config: bool = True) -> None:
+    """hf's linears as transformers' fine-grained FP8 (E4M3 weights, an fp32 weight_scale_inv
+    per block of `block`), hf's weights replaced by the dequantized ones."""
+    tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
+    bn, bk = block
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if name.rsplit(".", 1)[-1] not in LINEARS:
+                continue
+            w = module.weight
+            n, k = w.shape
+            scales = torch.empty(-(-n // bn), -(-k // bk))
+            fp8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+            deq = torch.empty(n, k)
+            for i in range(scales.shape[0]):
+                for j in range(scales.shape[1]):
+                    rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+                    scales[i, j] = w[rows, cols].abs().amax() / 448
+                    fp8[rows, cols] = (w[rows, cols] / scales[i, j]).to(torch.float8_e4m3fn)
+                    deq[rows, cols] = fp8[rows, cols].float() * scales[i, j]
+            module.weight.copy_(deq)
+            tensors[f"{name}.weight"] = fp8
+            tensors[f"{name}.weight_scale_inv"] = scales
+    save_file(tensors, str(folder / "model.safetensors"))
+    hf_config = hf.config.to_dict()
+    if config:
+        hf_config["quantization_config"] = {
+            "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block,
+        }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    write_tokenizer(folder)
