@@ -49,6 +49,22 @@ def test_deltas_are_whole_characters_and_join_to_the_text(tokenizer, text):
     assert detok.stopped_by is None
 
 
+@pytest.mark.parametrize("stop", [(), ("zz",), ("\ufffd",)])
+def test_an_output_ending_inside_a_character_streams_what_its_decode_shows(tokenizer, stop):
+    """The last ids wait for a character's remaining bytes that never come: the end of the
+    stream gives them as the whole output's decode does (U+FFFD), or cuts at a stop string
+    they complete."""
+    ids = tokenizer.encode("ok 🎉").ids[:-1]
+    whole = tokenizer.decode(ids)
+    assert whole.endswith("\ufffd")
+    detok = IncrementalDetokenizer(tokenizer, list(stop))
+    deltas = [detok.add(i) for i in ids]
+    assert "\ufffd" not in "".join(deltas)
+    deltas.append(detok.flush())
+    assert "".join(deltas) == (whole[: whole.index("\ufffd")] if "\ufffd" in stop else whole)
+    assert detok.stopped_by == ("\ufffd" if "\ufffd" in stop else None)
+
+
 @pytest.mark.parametrize(
     "text,stop,expected",
     [
@@ -160,7 +176,13 @@ def reference_deltas(tok, ids, stop) -> list[str]:
         end = max(emitted, len(text) - held)
         deltas.append(text[emitted:end])
         emitted = end
-    deltas.append(text[emitted:])
+    # the end: the ids that waited for a character's remaining bytes, as decode shows them
+    before, after = decode(seen[prefix:read]), decode(seen[prefix:])
+    if len(after) > len(before):
+        text += after[len(before) :]
+    hits = [(i, s) for s in stop if (i := text.find(s, max(0, emitted - max_stop + 1))) >= 0]
+    end = min(hits)[0] if hits else len(text)
+    deltas.append(text[emitted:end] if end > emitted else "")
     return deltas
 
 

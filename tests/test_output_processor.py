@@ -78,7 +78,9 @@ class Expected:
                     self.reason = FinishReason.CONTEXT
             if self.reason is not None:
                 if self.detokenizer is not None:
-                    text += self.detokenizer.flush()
+                    text += self.detokenizer.flush()  # (may complete a stop string: STOP)
+                    if self.detokenizer.stopped_by is not None:
+                        self.reason = FinishReason.STOP
                 break
         return kept, text, self.reason
 
@@ -155,3 +157,22 @@ def test_a_fan_out_that_times_out_before_its_prompt_ran_ends_each_sample_once():
         (rid, FinishReason.TIMEOUT) for rid in ("f", "f.1", "f.2")
     ]
     assert not engine.requests and engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("stop", [[], ["\ufffd"]])
+def test_the_last_ids_text_is_flushed_as_decode_shows_it(engine, stop):
+    """An output cut off by max_tokens inside a character ends with the text its decode shows
+    (U+FFFD for the missing bytes), and a stop string that text completes ends it as STOP."""
+    engine.detokenize, engine.token_deltas = True, None
+    euro = engine.tokenizer.encode("a€")  # ("a", then the euro sign's three bytes)
+    ids = list(euro[:2])
+    assert engine.tokenizer.decode(ids) == "a\ufffd"
+    request = engine.add_request(
+        prompt_ids=[5, 6], params=SamplingParams(max_tokens=2, stop=stop, temperature=0)
+    )
+    outputs = []
+    for token in ids:
+        engine.output.append([StepResult([request], [token], None)], outputs)
+    text = "".join(o.text for o in outputs if o.request_id == request.request_id)
+    assert text == ("a" if stop else "a\ufffd")
+    assert outputs[-1].finish_reason is (FinishReason.STOP if stop else FinishReason.LENGTH)

@@ -212,5 +212,21 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """At the end of a request: release text held back for a stop string that never came."""
-        return self._emit(len(self.text)) if self.stopped_by is None else ""
+        """At the end of a request: the text of the ids that waited for a character's remaining
+        bytes (as the whole output's decode shows them: U+FFFD for what never came), then the
+        text held back for a stop string that never came (a stop string may end in the former)."""
+        if self.stopped_by is not None:
+            return ""
+        prefix, read = self._prefix_offset, self._read_offset
+        if read < len(self.ids):
+            before = len(self._window(prefix, read))
+            after = self._decode_ids(self.ids[prefix:], skip_special_tokens=True)
+            if len(after) > before:
+                self.text += after[before:]
+                self._prefix_offset, self._read_offset, self._before = read, len(self.ids), -1
+                if self.stop:
+                    released = self._release()
+                    if self.stopped_by is not None:
+                        return released
+                    return released + self._emit(len(self.text))
+        return self._emit(len(self.text))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from .logits_processing import NoTokenAllowed
 from .outputs import RequestOutput, TokenDeltas, TokenLogprob
-from .request import FinishReason, Request
+from .request import ENDED_BY_A_LIMIT, FinishReason, Request
 from .structured_output import StructuredOutputError
 
 if TYPE_CHECKING:
@@ -204,13 +204,16 @@ class OutputProcessor:
         # ended already, e.g. by the abort of the whole request)
         if request.forks:
             self.undelivered += [self.finish(s, reason) for s in self.take_forks(request)]
+        detokenizer = request.detokenizer
+        if detokenizer is not None:
+            text += detokenizer.flush()  # (the last ids' text may complete a stop string)
+            if detokenizer.stopped_by is not None and reason in ENDED_BY_A_LIMIT:
+                reason = FinishReason.STOP
         request.finish_reason = reason
         request.finish_time = self.clock()
         self.timed.pop(request.request_id, None)
         del self.requests[request.request_id]
         self.num_finished += 1
-        if request.detokenizer is not None:
-            text += request.detokenizer.flush()
         if self.tracer:
             self.tracer.finished(request, text, freed, self.pool)
         return RequestOutput.of(request, text, token_ids, True, reason, logprobs)

@@ -34,6 +34,11 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
+# A request cut off by a limit, not ended by its text: a stop string its last ids' text
+# completes (found only at the end, IncrementalDetokenizer.flush) makes it STOP.
+ENDED_BY_A_LIMIT = frozenset({FinishReason.LENGTH, FinishReason.CONTEXT, FinishReason.TIMEOUT})
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str

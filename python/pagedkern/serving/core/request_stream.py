@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ...engine import FinishReason, SamplingParams
 from ...engine.detokenizer import IncrementalDetokenizer
 from ...engine.outputs import TokenLogprob
+from ...engine.request import ENDED_BY_A_LIMIT
 from ...model.tokenizer import Tokenizer
 from .messages import SampleDelta
 
@@ -228,6 +229,8 @@ class RequestStream:
         else:
             if reason is not None:
                 texts.append(detokenizer.flush())
+                if detokenizer.stopped_by is not None and reason in ENDED_BY_A_LIMIT:
+                    reason = FinishReason.STOP  # (the last ids' text completed a stop string)
         if logprobs is not None:
             logprobs = logprobs[:kept]
         elif self.params.logprobs is not None:
