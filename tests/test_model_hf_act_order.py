@@ -99,6 +99,21 @@ def test_act_order_logits_equal_transformers(checkpoint, variant):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_the_one_call_decoder_gathers_as_the_layer_loop_does(checkpoint, kernels, decoder_runs):
+    """csrc/cpu/'s decoder gathers each act-order GEMV's input itself: the same bits as the
+    layer loop's GEMMs (quant_gemv gathering in Python), in one call a step."""
+    folder, _, _ = checkpoint
+    model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
+    runs = {}
+    for variant in ("layers", "fused"):
+        kernels(cpu_decoder=variant)
+        with ops.use_backend("cpu"):
+            runs[variant] = all_logits(model, PROMPT)
+    assert decoder_runs == [len(PROMPT)]  # (the decoder ran, once; the loop did not call it)
+    assert not runs["fused"].isnan().any()
+    assert torch.equal(runs["fused"], runs["layers"])
+
+
 def test_the_engine_answers_as_transformers_on_an_act_order_checkpoint(tmp_path):
     hf = tiny_model("qwen2")
     write_quantized(tmp_path, hf, SCHEMES["gptq-int4-asym-g32"], orders=shared_orders(7))

@@ -36,6 +36,17 @@ void for_rows(const GemvRun& run, int64_t work_per_row, const Body& body) {
 
 void linear(const QuantLinear& w, const GemvRun& run, const float* x, int64_t x_stride,
             float* y) {
+  if (w.input_index != nullptr) {  // act-order: the stored columns' inputs, k values a row
+    thread_local std::vector<float> gathered;  // (this thread's: experts run on every thread)
+    gathered.resize(size_t(run.m) * w.k);
+    for (int r = 0; r < run.m; ++r) {
+      const float* row = x + int64_t(r) * x_stride;
+      float* out = gathered.data() + int64_t(r) * w.k;
+      for (int j = 0; j < w.k; ++j) out[j] = row[w.input_index[j]];
+    }
+    x = gathered.data();
+    x_stride = w.k;
+  }
   const int64_t macs = int64_t(run.m) * w.n * w.k;
   gemv(w.format, y, w.n, x, x_stride, w.packed, w.scales, run.m, w.n, w.k,
        macs >= run.parallel_min_macs ? run.threads : 1, run.path, run.activation_bits);

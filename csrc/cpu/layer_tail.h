@@ -31,6 +31,7 @@ struct QuantLinear {
   const float* scales;    // int8: per output channel; int4: unused
   const float* bias;      // [n] or nullptr
   int n, k;
+  const int64_t* input_index = nullptr;  // act-order: column j reads x[input_index[j]] (k of them)
 };
 
 enum Activation { kSilu = 0, kGeluTanh = 1 };
@@ -61,7 +62,8 @@ struct LayerTailArgs {
 };
 
 // y [run.m, w.n] (dense) = x [run.m, w.k] (row stride x_stride) @ W.T (+ bias): the tail's
-// GEMV, on run.threads from run.parallel_min_macs multiply-adds, run.path, run.activation_bits.
+// GEMV, on run.threads from run.parallel_min_macs multiply-adds, run.path, run.activation_bits
+// (an act-order weight's x gathered by its input_index first).
 void linear(const QuantLinear& w, const GemvRun& run, const float* x, int64_t x_stride,
             float* y);
 

@@ -17,13 +17,13 @@ T* ptr(uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
-// (format, packed, scales, bias, n, k) as ops/cpu/layer_tail.py passes a weight
-using LinearTuple = std::tuple<int, uintptr_t, uintptr_t, uintptr_t, int, int>;
+// (format, packed, scales, bias, n, k, input_index) as ops/cpu/module_args.py passes a weight
+using LinearTuple = std::tuple<int, uintptr_t, uintptr_t, uintptr_t, int, int, uintptr_t>;
 
 inline QuantLinear quant_linear(const LinearTuple& w) {
-  const auto& [format, packed, scales, bias, n, k] = w;
+  const auto& [format, packed, scales, bias, n, k, input_index] = w;
   return {format, ptr<const uint8_t>(packed), ptr<const float>(scales), ptr<const float>(bias), n,
-          k};
+          k, ptr<const int64_t>(input_index)};
 }
 
 void bind_gemv(pybind11::module_& mod);     // module_gemv.cpp: weight packing, the GEMV

@@ -9,8 +9,8 @@ import torch
 from ...reference.quantized_weight import QuantizedWeight
 from . import quant_gemv
 
-# (tile format code, tiles, scales, bias, n, k): as csrc/cpu/module.h takes a weight
-LinearTuple = tuple[int, int, int, int, int, int]
+# (tile format code, tiles, scales, bias, n, k, input index): as csrc/cpu/module.h takes a weight
+LinearTuple = tuple[int, int, int, int, int, int, int]
 
 
 def fp32_tensor(t: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
@@ -33,12 +33,10 @@ def address(t: torch.Tensor | None) -> int:
 
 
 def quantized_fits(w, bias: torch.Tensor | None, n: int, k: int) -> bool:
-    """Whether w (and bias) is an int4/int8 [n, k] weight csrc/cpu/'s GEMV takes in a fused
-    call (not act-order's: its input is gathered first, by quant_gemv)."""
+    """Whether w (and bias) is an int4/int8 [n, k] weight csrc/cpu/'s GEMV takes."""
     return (
         isinstance(w, QuantizedWeight)
         and w.format in ("int4", "int8")
-        and w.input_index is None
         and tuple(w.shape) == (n, k)
         and k % 32 == 0
         and fp32_vector(bias, n)
@@ -46,7 +44,7 @@ def quantized_fits(w, bias: torch.Tensor | None, n: int, k: int) -> bool:
 
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # csrc/cpu/layer_tail.h's Activation
-NO_LINEAR = (0, 0, 0, 0, 0, 0)  # no weight (n = 0)
+NO_LINEAR = (0, 0, 0, 0, 0, 0, 0)  # no weight (n = 0)
 
 
 def linear_tuple(w: QuantizedWeight, bias: torch.Tensor | None) -> LinearTuple:
@@ -55,4 +53,19 @@ def linear_tuple(w: QuantizedWeight, bias: torch.Tensor | None) -> LinearTuple:
     address = 0 if bias is None else bias.data_ptr()
     tiles = quant_gemv.packed(w)
     code = quant_gemv.tile_format_code(w)
-    return (code, tiles.data_ptr(), quant_gemv.scales_address(w), address, n, k)
+    scales = quant_gemv.scales_address(w)
+    return (code, tiles.data_ptr(), scales, address, n, k, _input_index_address(w))
+
+
+def _input_index_address(w: QuantizedWeight) -> int:
+    """An act-order weight's input_index as the C++ gather reads it (int64, contiguous, every
+    value an input channel: checked once, kept in w.packed); 0 without one."""
+    if w.input_index is None:
+        return 0
+    index = w.packed.get("cpu-input-index")
+    if index is None:
+        index, k = w.input_index.contiguous(), w.shape[1]
+        if index.device.type != "cpu" or bool(((index < 0) | (index >= k)).any()):
+            raise ValueError(f"input_index must hold input channels in [0, {k}) on the CPU")
+        w.packed["cpu-input-index"] = index
+    return index.data_ptr()
