@@ -156,3 +156,13 @@ def test_the_unknown_token_is_special(pieces):
     ids = tok.encode("the<unk>fox")
     assert ids == [*llama_cpp_spm(meta, "the"), 0, *llama_cpp_spm(meta, "fox")]
     assert tok.decode(ids, skip_special_tokens=True) == "the fox"
+
+
+def test_gemmas_eos_stops_generation_when_the_file_names_no_eos(pieces):
+    """The converter writes no EOS for a Gemma folder whose config lists several: its <eos>
+    (and <end_of_turn>) must still end generation."""
+    meta = spm_meta(pieces)
+    meta["tokenizer.ggml.tokens"][2] = "<eos>"
+    del meta["tokenizer.ggml.eos_token_id"]
+    tok = tokenizer_from_gguf(meta, "gemma.gguf")
+    assert tok.eos_token_id is None and 2 in tok.stop_token_ids

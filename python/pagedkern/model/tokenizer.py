@@ -31,6 +31,7 @@ END_MARKERS = (
     "<end_of_turn>",
     "<|end|>",
     "</s>",
+    "<eos>",  # (Gemma's: a converted file may name no EOS)
 )
 
 
