@@ -1,7 +1,8 @@
 """Pre-quantized HF folders written for the tests: tiny transformers models whose linear
 weights are quantized here and packed the way AutoGPTQ / GPTQModel and AutoAWQ pack them (from
-those formats' descriptions, independently of the loader), or stored as transformers'
-fine-grained FP8; the transformers model keeps the dequantized weights, the reference."""
+those formats' descriptions, independently of the loader), as compressed-tensors stores them,
+or as transformers' fine-grained FP8; the transformers model keeps the dequantized weights, the
+reference."""
 
 from __future__ import annotations
 
@@ -66,6 +67,31 @@ def quantize_in_order(w: torch.Tensor, bits: int, group: int, sym: bool, min_zer
         back = torch.argsort(order)
         codes, deq, g_idx = codes[back].contiguous(), deq[:, back], g_idx[back].contiguous()
     return codes, zeros, scales, deq, g_idx
+
+
+SAME_INPUT = {
+    "q_proj": "qkv",
+    "k_proj": "qkv",
+    "v_proj": "qkv",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+}
+
+
+def shared_orders(seed: int = 0):
+    """orders(name, K) as GPTQ makes them: one order per input (Q, K and V read the same
+    activations, so do gate and up), each a random permutation."""
+    made: dict[str, torch.Tensor] = {}
+
+    def order(name: str, k: int) -> torch.Tensor:
+        layer, short = name.rsplit(".", 1)
+        key = layer.rsplit(".", 1)[0] + "." + SAME_INPUT.get(short, short)
+        if key not in made:
+            generator = torch.Generator().manual_seed(seed + len(made))
+            made[key] = torch.randperm(k, generator=generator)
+        return made[key]
+
+    return order
 
 
 def pack_gptq(codes, zeros, bits: int, v1: bool):
@@ -181,26 +207,31 @@ def write_moe_gptq(tmp_path, orders=None):
     return folder, transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "float").eval()
 
 
+def fp8_blocks(w: torch.Tensor, bn: int, bk: int):
+    """w [N, K] as E4M3 with an fp32 scale per block of [bn, bk] (the blocks' largest weight
+    at 448): (fp8 weight, scales [ceil(N / bn), ceil(K / bk)], the dequantized weight)."""
+    n, k = w.shape
+    scales = torch.empty(-(-n // bn), -(-k // bk))
+    fp8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    deq = torch.empty(n, k)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+            scales[i, j] = w[rows, cols].abs().amax() / 448
+            fp8[rows, cols] = (w[rows, cols] / scales[i, j]).to(torch.float8_e4m3fn)
+            deq[rows, cols] = fp8[rows, cols].float() * scales[i, j]
+    return fp8, scales, deq
+
+
 def write_fp8(folder, hf, block: list[int], config: bool = True) -> None:
     """hf's linears as transformers' fine-grained FP8 (E4M3 weights, an fp32 weight_scale_inv
     per block of `block`), hf's weights replaced by the dequantized ones."""
     tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
-    bn, bk = block
     with torch.no_grad():
         for name, module in hf.named_modules():
             if name.rsplit(".", 1)[-1] not in LINEARS:
                 continue
-            w = module.weight
-            n, k = w.shape
-            scales = torch.empty(-(-n // bn), -(-k // bk))
-            fp8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-            deq = torch.empty(n, k)
-            for i in range(scales.shape[0]):
-                for j in range(scales.shape[1]):
-                    rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
-                    scales[i, j] = w[rows, cols].abs().amax() / 448
-                    fp8[rows, cols] = (w[rows, cols] / scales[i, j]).to(torch.float8_e4m3fn)
-                    deq[rows, cols] = fp8[rows, cols].float() * scales[i, j]
+            fp8, scales, deq = fp8_blocks(module.weight, *block)
             module.weight.copy_(deq)
             tensors[f"{name}.weight"] = fp8
             tensors[f"{name}.weight_scale_inv"] = scales
@@ -211,4 +242,84 @@ def write_fp8(folder, hf, block: list[int], config: bool = True) -> None:
             "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block,
         }  # fmt: skip
     (folder / "config.json").write_text(json.dumps(hf_config))
+    write_tokenizer(folder)
+
+
+# compressed-tensors schemes as llm-compressor writes them (format, weights' type, bits,
+# group: -1 a row, "block": [bn, bk], symmetric); W8A8 quantizes activations too (not here)
+COMPRESSED_TENSORS = {
+    "w4a16-sym-g128": ("pack-quantized", "int", 4, 128, True),
+    "w4a16-asym-g32": ("pack-quantized", "int", 4, 32, False),
+    "w4a16-sym-channel": ("pack-quantized", "int", 4, -1, True),
+    "w8a16-sym-g32": ("pack-quantized", "int", 8, 32, True),
+    "w8a8-int-channel": ("int-quantized", "int", 8, -1, True),
+    "fp8-channel": ("float-quantized", "float", 8, -1, True),
+    "fp8-block": ("float-quantized", "float", 8, [48, 64], True),
+}
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """compressed-tensors' dense int32 packing of unsigned codes [R, C] along C: code i at
+    bits (i % p) * bits of word i // p, p = 32 / bits."""
+    p = 32 // bits
+    words = torch.zeros(codes.shape[0], codes.shape[1] // p, dtype=torch.int32)
+    for i in range(p):
+        words |= (codes[:, i::p].to(torch.int32) & ((1 << bits) - 1)) << (bits * i)
+    return words
+
+
+def write_compressed_tensors(folder, hf, scheme: str, orders=None, scale_dtype=torch.bfloat16):
+    """hf's linears in a compressed-tensors scheme (COMPRESSED_TENSORS), scales in
+    scale_dtype, orders: actorder "group" (as write_quantized's, with weight_g_idx); hf's
+    weights replaced by the dequantized ones."""
+    fmt, kind, bits, group, sym = COMPRESSED_TENSORS[scheme]
+    tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if name.rsplit(".", 1)[-1] not in LINEARS:
+                continue
+            w = module.weight
+            del tensors[f"{name}.weight"]
+            out = {}
+            if kind == "float":
+                bn, bk = group if group != -1 else (1, w.shape[1])
+                fp8, scales, deq = fp8_blocks(w, bn, bk)
+                out = {"weight": fp8, "weight_scale": scales}
+            else:
+                order = None if orders is None else orders(name, w.shape[1])
+                codes, zeros, scales, _, g_idx = quantize_in_order(w, bits, group, sym, 0, order)
+                stored = scales.to(scale_dtype)  # [K / G, N]
+                at = g_idx.long()
+                deq = stored.float()[at].t() * (codes.t().float() - zeros.float()[at].t())
+                if fmt == "int-quantized":
+                    out["weight"] = (codes.t() - 128).to(torch.int8).contiguous()
+                else:
+                    out["weight_packed"] = pack_rows(codes.t(), bits)
+                    out["weight_shape"] = torch.tensor(list(w.shape))
+                    if not sym:  # (packed along N)
+                        out["weight_zero_point"] = pack_rows(zeros, bits).t().contiguous()
+                    if order is not None:
+                        out["weight_g_idx"] = g_idx
+                out["weight_scale"] = stored.t().contiguous()
+            module.weight.copy_(deq)
+            tensors |= {f"{name}.{part}": t for part, t in out.items()}
+    save_file(tensors, str(folder / "model.safetensors"))
+    weights = {
+        "num_bits": bits, "type": kind, "symmetric": sym, "dynamic": False,
+        "strategy": "channel" if group == -1 else "block" if kind == "float" else "group",
+        "group_size": None if group == -1 or kind == "float" else group,
+        "block_structure": group if kind == "float" and group != -1 else None,
+        "actorder": None if orders is None else "group",
+    }  # fmt: skip
+    activations = {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": True,
+                   "strategy": "token"} if scheme.startswith(("w8a8", "fp8")) else None  # fmt: skip
+    qc = {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": activations, "format": fmt}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+    }  # fmt: skip
+    (folder / "config.json").write_text(
+        json.dumps(hf.config.to_dict() | {"quantization_config": qc})
+    )
     write_tokenizer(folder)

@@ -13,7 +13,14 @@ import pytest
 import torch
 from emulator import emulated, unavailable_reason
 from hf_model_files import all_logits
-from hf_quantized_files import PROMPT, SCHEMES, tiny_model, write_moe_gptq, write_quantized
+from hf_quantized_files import (
+    PROMPT,
+    SCHEMES,
+    shared_orders,
+    tiny_model,
+    write_moe_gptq,
+    write_quantized,
+)
 from transformers_oracle import hf_greedy, relative
 
 import pagedkern.ops.quant_gemm  # noqa: F401  (imported before emulated() patches the op modules)
@@ -27,31 +34,6 @@ from pagedkern.ops import variants
 from pagedkern.reference.quant_gemm import quant_linear as reference_linear
 
 pytest.importorskip("transformers")
-
-
-SAME_INPUT = {
-    "q_proj": "qkv",
-    "k_proj": "qkv",
-    "v_proj": "qkv",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-}
-
-
-def shared_orders(seed: int = 0):
-    """orders(name, K) as GPTQ makes them: one order per input (Q, K and V read the same
-    activations, so do gate and up), each a random permutation."""
-    made: dict[str, torch.Tensor] = {}
-
-    def order(name: str, k: int) -> torch.Tensor:
-        layer, short = name.rsplit(".", 1)
-        key = layer.rsplit(".", 1)[0] + "." + SAME_INPUT.get(short, short)
-        if key not in made:
-            generator = torch.Generator().manual_seed(seed + len(made))
-            made[key] = torch.randperm(k, generator=generator)
-        return made[key]
-
-    return order
 
 
 ACT_ORDER_SCHEMES = ("gptq-int4-sym-g128", "gptq-int4-asym-g32", "gptq-int8-sym-g128")

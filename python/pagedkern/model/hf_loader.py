@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .hf_compressed_tensors import METHOD, compressed_getter, compressed_tensors_scheme
 from .hf_config import config_from_hf, hf_norm_offset
 from .hf_quantized import Scheme, quantized_getter, scheme_of
 from .mxfp4 import dequantize_mxfp4
@@ -47,6 +48,9 @@ def _scheme(folder: Path, raw: dict) -> Scheme | None:
     """How its linears were quantized (scheme_of): config.json's quantization_config, or the
     file an older export keeps beside it."""
     if "quantization_config" in raw:
+        qc = raw["quantization_config"]
+        if isinstance(qc, dict) and qc.get("quant_method") == METHOD:
+            return compressed_tensors_scheme(qc, str(folder / "config.json"))
         return scheme_of(raw, str(folder / "config.json"))
     for name, method in _QUANTIZE_CONFIGS:
         side = folder / name
@@ -72,7 +76,7 @@ def hf_checkpoint_quantization(folder: str | os.PathLike) -> str | None:
         scheme = _scheme(folder, _raw_config(folder))
     except ModelLoadError:
         return None  # (load_hf_folder reports it)
-    if scheme is None or scheme.method == "fp8":
+    if scheme is None or scheme.method == "fp8" or scheme.bits == 0:  # (fp8: dequantized)
         return None
     return "int8" if scheme.bits == 8 else "int4"
 
@@ -198,7 +202,10 @@ def _with_quantized(scheme: Scheme, get, locate):
     """get(name, part) returning `<x>.weight` as a QuantizedWeight where the checkpoint holds
     `<x>` packed (fp8 blocks: dequantized); a rank's part cut from the whole weight (rows, or
     columns at group boundaries: weight_shards)."""
-    quantized = quantized_getter(scheme, get, locate)
+    if scheme.method == METHOD:
+        quantized = compressed_getter(scheme, get, locate)
+    else:
+        quantized = quantized_getter(scheme, get, locate)
 
     def get_quantized(name: str, part: Part | None = None):
         w = quantized(name)

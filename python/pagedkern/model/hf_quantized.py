@@ -86,8 +86,8 @@ def scheme_of(raw: Mapping, path: str) -> Scheme | None:
         raise ModelLoadError(
             path,
             f"quantization_config: quant_method {method!r} is not supported (supported: "
-            f"{', '.join(METHODS)}, gpt-oss's mxfp4; or a GGUF file, or the unquantized "
-            "checkpoint)",
+            f"{', '.join(METHODS)}, compressed-tensors, gpt-oss's mxfp4; or a GGUF file, or the "
+            "unquantized checkpoint)",
         )
     if method == "fp8":
         return _fp8_scheme(qc, path)
@@ -216,27 +216,45 @@ def to_quantized_weight(
     zeros = _unpack(qzeros, scheme.bits, order).reshape(groups, n)
     if scheme.zeros_minus_one:
         zeros = zeros + 1  # (as vLLM and AutoGPTQ read v1: a stored 15 is a zero of 16)
-    order = _input_order(g_idx, k, group, scheme.act_order)
-    if order is not None:
-        codes = codes[order]
-    s = scales.float().t().contiguous()  # [N, K / G]
-    z = zeros.t().float()
+    order = input_order(g_idx, k, group, scheme.act_order)
+    return weight_from_codes(
+        codes.t(), scheme.bits, scales.t(), zeros.t(), group, order, per_row=scheme.group_size == -1
+    )
+
+
+def weight_from_codes(
+    codes: torch.Tensor,
+    bits: int,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    order: torch.Tensor | None = None,
+    per_row: bool = False,
+) -> QuantizedWeight:
+    """w = scales (codes - zeros) as a QuantizedWeight, exactly: codes [N, K] unsigned (0..15
+    or 0..255) in the input's order, scales [N, K / group] float, zeros [N, K / group]; order:
+    act-order's input_order (the columns are stored in it). 8-bit: symmetric only (zeros 128),
+    one scale a row where per_row. ValueError for K not a multiple of 32."""
+    n, k = codes.shape
     if k % 32:
         raise ValueError(f"{k} input channels: not a multiple of 32")
-    if scheme.bits == 8:
+    if order is not None:
+        codes = codes[:, order]
+    s = scales.float().contiguous()
+    if bits == 8:
         if not torch.all(zeros == 128):
-            raise ValueError("asymmetric 8-bit GPTQ (zeros other than 128) is not supported")
-        q = (codes.t().to(torch.int16) - 128).to(torch.int8).contiguous()  # [N, K]
-        if scheme.group_size == -1:
+            raise ValueError("asymmetric 8-bit weights (zeros other than 128) are not supported")
+        q = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+        if per_row:
             weight = QuantizedWeight("int8", (n, k), q, s[:, 0].contiguous())
         else:
             target = 16 if group == 16 else 32
             weight = QuantizedWeight("int8", (n, k), q, _regroup(s, group, target), None, target)
     else:
         target = 128 if group % 128 == 0 else 32  # (group and K are multiples of 32: checked)
-        mins = -(s * z)  # exact in fp32 (module docstring)
+        mins = -(s * zeros.float())  # exact in fp32 (module docstring)
         weight = int4_from_codes(
-            codes.t().to(torch.uint8),
+            codes.to(torch.uint8),
             _narrowest(_regroup(s, group, target)),
             _narrowest(_regroup(mins, group, target)),
             target,
@@ -244,7 +262,7 @@ def to_quantized_weight(
     return weight if order is None else replace(weight, input_index=order)
 
 
-def _input_order(
+def input_order(
     g_idx: torch.Tensor | None, k: int, group: int, act_order: bool
 ) -> torch.Tensor | None:
     """The input channels sorted by group (stably), where g_idx is not k // G (act-order), so

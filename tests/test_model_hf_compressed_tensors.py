@@ -1,0 +1,164 @@
+"""compressed-tensors checkpoints (llm-compressor's W4A16, W8A16, W8A8 and FP8 releases): tiny
+transformers models whose linears are quantized and packed here as compressed-tensors stores
+them (its dense int32 packing checked against the library's own packer when this was written),
+must load into the dequantized weights bit for bit, give transformers' logits on them and its
+greedy tokens through the engine; act-order groups, tensor-parallel ranks and the folder's own
+mode work as for GPTQ; what the loader cannot represent is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_model_files import all_logits
+from hf_quantized_files import (
+    COMPRESSED_TENSORS,
+    PROMPT,
+    shared_orders,
+    tiny_model,
+    write_compressed_tensors,
+)
+from test_tensor_shard_loading import assert_loads_as_cut
+from transformers_oracle import hf_greedy, relative
+
+from pagedkern import ops
+from pagedkern.engine import Engine, EngineConfig, SamplingParams
+from pagedkern.model import ModelLoadError, load_model
+from pagedkern.model.hf_loader import hf_checkpoint_quantization
+from pagedkern.model.quantized_linear import QuantizedWeight
+from pagedkern.ops.cpu import quant_gemv
+
+# the form each loads in: (QuantizedWeight format, group size) or "float" (fp8: dequantized)
+FORMS = {
+    "w4a16-sym-g128": ("int4", 128),
+    "w4a16-asym-g32": ("int4", 32),
+    "w4a16-sym-channel": ("int4", 128),
+    "w8a16-sym-g32": ("int8", 32),
+    "w8a8-int-channel": ("int8", 0),
+    "fp8-channel": "float",
+    "fp8-block": "float",
+}
+TILES = {"w4a16-sym-g128": "int4_sym", "w4a16-asym-g32": "int4_zp", "w8a16-sym-g32": "int8_g32"}
+
+
+@pytest.fixture(scope="module", params=sorted(COMPRESSED_TENSORS))
+def checkpoint(request, tmp_path_factory):
+    hf = tiny_model()
+    folder = tmp_path_factory.mktemp(request.param)
+    write_compressed_tensors(folder, hf, request.param)
+    return folder, hf, request.param
+
+
+def test_weights_are_the_dequantized_ones_bit_for_bit(checkpoint):
+    folder, hf, name = checkpoint
+    model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
+    layer = model.weights.layers[1]
+    for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        if FORMS[name] == "float":
+            assert isinstance(w, torch.Tensor)
+        else:
+            assert isinstance(w, QuantizedWeight) and (w.format, w.group_size) == FORMS[name]
+
+    def plain(w):
+        return w.dequantize_rows() if isinstance(w, QuantizedWeight) else w
+
+    attn, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
+    want_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(plain(layer.qkv), want_qkv)
+    assert torch.equal(plain(layer.down), mlp.down_proj.weight)
+    assert torch.equal(plain(layer.gate_up)[256:], mlp.up_proj.weight)
+    assert torch.equal(model.weights.lm_head, hf.lm_head.weight)  # (ignored: stored plain)
+
+
+def test_logits_equal_transformers_on_the_dequantized_model(checkpoint):
+    folder, hf, name = checkpoint
+    with ops.use_backend("cpu"):
+        model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
+        got = all_logits(model, PROMPT).double()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    assert relative(got, want) < 2e-4  # (activations rounded to 16 bits a block of 32)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    if name in TILES:
+        assert quant_gemv.tile_format(model.weights.layers[0].down) == TILES[name]
+
+
+def test_the_folders_own_mode_is_read_from_its_config_groups(checkpoint):
+    folder, _, name = checkpoint
+    form = FORMS[name]
+    assert hf_checkpoint_quantization(folder) == (None if form == "float" else form[0])
+
+
+def test_the_engine_answers_as_transformers(tmp_path):
+    hf = tiny_model("qwen2")
+    write_compressed_tensors(tmp_path, hf, "w4a16-sym-g128")
+    want, _ = hf_greedy(hf, PROMPT, 12)
+    engine = Engine.from_config(
+        EngineConfig(model=str(tmp_path), backend="cpu", num_blocks=64, block_size=4)
+    )
+    engine.add_request(
+        prompt_ids=PROMPT, params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
+    assert [t for o in engine.run_until_done() for t in o.token_ids] == want
+
+
+def test_act_order_groups_load_in_their_order(tmp_path):
+    hf = tiny_model()
+    write_compressed_tensors(tmp_path, hf, "w4a16-asym-g32", orders=shared_orders(11))
+    with ops.use_backend("cpu"):
+        model, _ = load_model(str(tmp_path), "cpu", torch.float32, kv_cache_dtype="float32")
+        got = all_logits(model, PROMPT).double()
+    down = model.weights.layers[0].down
+    assert down.input_index is not None
+    assert torch.equal(down.dequantize_rows(), hf.model.layers[0].mlp.down_proj.weight)
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    assert relative(got, want) < 2e-4
+
+
+def test_tensor_parallel_ranks_load_the_whole_models_parts(tmp_path):
+    write_compressed_tensors(tmp_path, tiny_model(), "w4a16-asym-g32")
+    assert_loads_as_cut(str(tmp_path), 2)
+
+
+def _with_config(folder, change) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    change(config["quantization_config"])
+    path.write_text(json.dumps(config))
+
+
+def _weights(qc):
+    return qc["config_groups"]["group_0"]["weights"]
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparse format"),
+        (lambda qc: qc["config_groups"]["group_0"].update(format="nvfp4-pack-quantized"),
+         "format 'nvfp4-pack-quantized' is not supported"),
+        (lambda qc: _weights(qc).update(num_bits=3), "int weights of 3 bits"),
+        (lambda qc: _weights(qc).update(type="mx"), "weights type 'mx'"),
+        (lambda qc: _weights(qc).update(strategy="tensor_group"), "strategy 'tensor_group'"),
+        (lambda qc: qc.pop("config_groups"), "compressed-tensors needs config_groups"),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_represented_is_refused_by_name(tmp_path, change, message):
+    write_compressed_tensors(tmp_path, tiny_model(), "w4a16-sym-g128")
+    _with_config(tmp_path, change)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(str(tmp_path), "cpu", torch.float32)
+
+
+def test_a_misshapen_part_is_refused_naming_the_linear(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    write_compressed_tensors(tmp_path, tiny_model(), "w4a16-sym-g128")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight_packed"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"up_proj: weight_packed \(256, 15\) packs no"):
+        load_model(str(tmp_path), "cpu", torch.float32)
