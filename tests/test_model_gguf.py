@@ -81,9 +81,27 @@ def q5_k_bytes(arr: np.ndarray, seed: int) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
+def code_bytes(kind: str, d: float):
+    """Random `kind` blocks (Q3_K, IQ4_XS, IQ4_NL: gguf has no quantizer for them) of arr's
+    shape: random codes and sub-scales, every block's d = `d` (small: |w| <= 0.02)."""
+    size, per_block = {"Q3_K": (110, 256), "IQ4_XS": (136, 256), "IQ4_NL": (18, 32)}[kind]
+    at = slice(-2, None) if kind == "Q3_K" else slice(0, 2)
+
+    def blocks(arr: np.ndarray, seed: int) -> np.ndarray:
+        n, k = arr.shape
+        raw = np.random.default_rng(seed).integers(0, 256, (n * k // per_block, size), np.uint8)
+        raw[:, at] = np.full(len(raw), d, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+        return raw.reshape(n, -1)
+
+    return blocks
+
+
 RANDOM_BLOCKS = {
     gguf.GGMLQuantizationType.Q6_K: q6_k_bytes,
     gguf.GGMLQuantizationType.Q5_K: q5_k_bytes,
+    gguf.GGMLQuantizationType.Q3_K: code_bytes("Q3_K", 1e-4),
+    gguf.GGMLQuantizationType.IQ4_XS: code_bytes("IQ4_XS", 5e-6),
+    gguf.GGMLQuantizationType.IQ4_NL: code_bytes("IQ4_NL", 1e-4),
 }
 
 

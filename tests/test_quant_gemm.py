@@ -11,6 +11,7 @@ from gguf.quants import dequantize, quantize
 
 from pagedkern import ops
 from pagedkern.model.quantized_linear import (
+    CODES_BLOCK_BYTES,
     QuantizedWeight,
     cat_rows,
     gguf_to_int4,
@@ -259,3 +260,41 @@ def test_int8_weight_not_64_byte_aligned_is_realigned():
     moved = QuantizedWeight("int8", qw.shape, shifted, qw.scales)
     x = torch.randn(7, 576)
     assert torch.equal(ops.quant_linear(x, moved), ops.quant_linear(x, qw))
+
+
+def _code_blocks(rng, kind: str, n: int, k: int) -> np.ndarray:
+    """Random valid Q3_K / IQ4_XS / IQ4_NL bytes (gguf has no quantizer for them): random
+    codes and 6-bit scales, a finite fp16 d (zero in one block: its weights are all 0)."""
+    block_bytes, _ = CODES_BLOCK_BYTES[kind]
+    per_block = 32 if kind == "IQ4_NL" else 256
+    blocks = rng.integers(0, 256, size=(n * k // per_block, block_bytes), dtype=np.uint8)
+    d = rng.uniform(-1e-2, 1e-2, size=blocks.shape[0]).astype(np.float16)
+    d[1] = 0
+    at = slice(-2, None) if kind == "Q3_K" else slice(0, 2)
+    blocks[:, at] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q3_K", "IQ4_XS", "IQ4_NL"])
+@pytest.mark.parametrize("n", [3, 1030])  # 1030: more rows than one conversion chunk
+def test_gguf_codebook_blocks_map_exactly_onto_int8(kind, n):
+    """Q3_K (codes -4..3 times a scale per 16) and the IQ4 codebooks (IQ4_NL's 16 int8 values
+    times a scale per 32) -> int8 codes with an fp32 scale per group: gguf's dequantization bit
+    for bit, and the CPU GEMM over it within the 16-bit activations' rounding."""
+    k, rng = 512, np.random.default_rng(n)
+    qtype = GGMLQuantizationType[kind]
+    raw = _code_blocks(rng, kind, n, k)
+    want = torch.from_numpy(dequantize(raw, qtype).reshape(n, k))
+    qw = gguf_to_int8(kind, raw, n, k)
+    group = 16 if kind == "Q3_K" else 32
+    assert qw is not None and (qw.format, qw.shape, qw.group_size) == ("int8", (n, k), group)
+    assert qw.mins is None and not want.isnan().any()
+    assert torch.equal(qw.dequantize_rows(), want)
+    if kind != "IQ4_NL":
+        assert gguf_to_int8(kind, raw[:, : raw.shape[1] // 4], n, 128) is None  # K < 256
+    if not quant_gemv.available():
+        return
+    x = torch.randn(3, k)
+    got = quant_gemv.quant_gemv(x, qw).double()
+    exact = x.double() @ want.double().T
+    assert (got - exact).abs().max() <= 1e-4 * (x.double().abs() @ want.double().abs().T).max()

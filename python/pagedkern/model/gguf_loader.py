@@ -189,10 +189,10 @@ def _16_bit_tensor(t) -> torch.Tensor:
 
 def gguf_default_quantization(path: str | os.PathLike) -> str:
     """The mode that keeps every layer weight as the file has it (reads the tensor table
-    only): 'int8' when they are all Q8_0 / Q6_K / Q5_0 / Q5_1 / Q5_K (e.g. a Q5_K_M file),
-    'int4' when they are those and 4-bit blocks (Q4_0 / Q4_1 / Q4_K, e.g. the default model,
-    or a Q4_K_M file), else 'none'; a mixture of experts' stacked experts count as layer
-    weights."""
+    only): 'int8' when they are all Q8_0 / Q6_K / Q5_0 / Q5_1 / Q5_K / Q3_K / IQ4_XS / IQ4_NL
+    (e.g. a Q5_K_M or IQ4_XS file), 'int4' when they are those and 4-bit blocks (Q4_0 / Q4_1
+    / Q4_K, e.g. the default model, or a Q4_K_M or Q3_K_M file), else 'none'; a mixture of
+    experts' stacked experts count as layer weights."""
     reader, _ = _open(os.fspath(path))
     kinds = {
         t.tensor_type.name
@@ -202,7 +202,7 @@ def gguf_default_quantization(path: str | os.PathLike) -> str:
         and not t.name.endswith(".bias")  # (gpt-oss's experts' biases are 2-D, F32)
         and "ffn_gate_inp" not in t.name  # the router, F32 in llama.cpp's files, stays float
     }
-    exact = {"Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K"}  # (gguf_to_int8)
+    exact = {"Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "IQ4_XS", "IQ4_NL"}  # gguf_to_int8
     if kinds and kinds <= exact:
         return "int8"
     return "int4" if kinds and kinds <= exact | {"Q4_0", "Q4_1", "Q4_K"} else "none"

@@ -236,17 +236,20 @@ ROWS_PER_CHUNK = 1024  # gguf_to_int8: rows converted at a time (bounds the temp
 
 
 def gguf_to_int8(tensor_type: str, data: np.ndarray, n: int, k: int) -> QuantizedWeight | None:
-    """A GGUF Q8_0, Q6_K or Q5_* tensor's raw bytes ([n, bytes per row] uint8) as int8 with a
-    scale per group, exactly, or None for other types: Q8_0 (w = d q, d fp16 per 32) is int8
-    G = 32 with scale d; Q6_K (w = d sc (q - 32), q 6 bits, sc int8 per 16, d fp16 per 256) is
-    int8 G = 16 with q - 32 and scale d sc (exact in fp32: 11 x 8 bits); Q5_0 / Q5_1 / Q5_K
-    are codes 0..31 with a scale and a min per 32 (gguf_q5_to_int8). A Q8_0 tensor holding
-    -128 (llama.cpp writes -127..127; the kernels' sign trick needs it) is requantized per
-    channel instead, as quantize_int8 would the dequantized tensor."""
-    if k % 256 if tensor_type in ("Q6_K", "Q5_K") else k % 32:
+    """A GGUF Q8_0, Q6_K, Q5_*, Q3_K or IQ4_* tensor's raw bytes ([n, bytes per row] uint8) as
+    int8 with a scale per group, exactly, or None for other types: Q8_0 (w = d q, d fp16 per
+    32) is int8 G = 32 with scale d; Q6_K (w = d sc (q - 32), q 6 bits, sc int8 per 16, d fp16
+    per 256) is int8 G = 16 with q - 32 and scale d sc (exact in fp32: 11 x 8 bits); Q5_0 /
+    Q5_1 / Q5_K are codes 0..31 with a scale and a min per 32 (gguf_q5_to_int8); Q3_K and the
+    IQ4 codebooks are gguf_codes_to_int8's. A Q8_0 tensor holding -128 (llama.cpp writes
+    -127..127; the kernels' sign trick needs it) is requantized per channel instead, as
+    quantize_int8 would the dequantized tensor."""
+    if k % 256 if tensor_type in ("Q6_K", "Q5_K", *SUPER_BLOCK_CODES) else k % 32:
         return None
     if tensor_type in Q5_BLOCK_BYTES:
         return gguf_q5_to_int8(tensor_type, data, n, k)
+    if tensor_type in CODES_BLOCK_BYTES:
+        return gguf_codes_to_int8(tensor_type, data, n, k)
     if tensor_type == "Q8_0":
         blocks = np.ascontiguousarray(data).reshape(n, k // 32, Q8_0_BLOCK_BYTES)
         q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(n, k)
@@ -278,6 +281,53 @@ def gguf_to_int8(tensor_type: str, data: np.ndarray, n: int, k: int) -> Quantize
 
 
 Q5_BLOCK_BYTES = {"Q5_0": 22, "Q5_1": 24, "Q5_K": 176}
+# Blocks whose weights are a small signed code times a scale per 16 or 32: (bytes, group)
+CODES_BLOCK_BYTES = {"Q3_K": (110, 16), "IQ4_XS": (136, 32), "IQ4_NL": (18, 32)}
+SUPER_BLOCK_CODES = ("Q3_K", "IQ4_XS")  # (in 256-weight super-blocks)
+
+
+def gguf_codes_to_int8(tensor_type: str, data: np.ndarray, n: int, k: int) -> QuantizedWeight:
+    """Q3_K (w = d (sc - 32) q per 16, q in -4..3, sc 6 bits, d fp16 per 256), IQ4_XS (w = d
+    (ls - 32) kv[i] per 32, ls 6 bits, kv IQ4_NL's 16 int8 values) and IQ4_NL (w = d kv[i],
+    d fp16 per 32) as int8 codes (q, kv[i]) with an fp32 scale per group (d (sc - 32), d):
+    every scale exact in fp32 (11 x 6 bits) and so every w, which gguf's dequantization gives,
+    so the codes are w / scale exactly. ROWS_PER_CHUNK rows at a time."""
+    import gguf.quants
+
+    block_bytes, group = CODES_BLOCK_BYTES[tensor_type]
+    quant = getattr(gguf.quants, tensor_type)
+    rows = np.ascontiguousarray(data).reshape(n, -1)
+    q = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, k // group, dtype=torch.float32)
+    for start in range(0, n, ROWS_PER_CHUNK):
+        blocks = rows[start : start + ROWS_PER_CHUNK].reshape(-1, block_bytes)
+        values = quant.dequantize_blocks(blocks).reshape(-1, group)
+        scale = _codes_scales(tensor_type, blocks).reshape(-1, 1)
+        codes = np.rint(values / np.where(scale == 0, 1.0, scale))
+        stop = min(start + ROWS_PER_CHUNK, n)
+        q[start:stop] = torch.from_numpy(codes.astype(np.int8)).reshape(-1, k)
+        scales[start:stop] = torch.from_numpy(scale.astype(np.float32)).reshape(-1, k // group)
+    return QuantizedWeight("int8", (n, k), q, scales, None, group)
+
+
+def _codes_scales(tensor_type: str, blocks: np.ndarray) -> np.ndarray:
+    """The fp32 scale of each group of `blocks` [b, bytes] (gguf_codes_to_int8), [b, groups]."""
+    if tensor_type == "IQ4_NL":
+        return blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    if tensor_type == "IQ4_XS":  # d, scales_h (2 bits a group), scales_l (4 bits a group)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        high = blocks[:, 2:4].copy().view(np.uint16).astype(np.int32)
+        high = (high >> np.arange(0, 16, 2)) & 3
+        low = blocks[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)
+        low = (low.reshape(-1, 8) & 0x0F).astype(np.int32)
+        return d * ((low | (high << 4)) - 32).astype(np.float32)
+    # Q3_K: hmask 32, qs 64, then 12 bytes of 6-bit scales, d
+    d = blocks[:, -2:].copy().view(np.float16).astype(np.float32)
+    packed = blocks[:, 96:108]
+    low = (packed[:, :8, None] >> np.array([0, 4], dtype=np.uint8)).transpose(0, 2, 1)
+    high = (packed[:, 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)).transpose(0, 2, 1)
+    six = (low.reshape(-1, 16) & 0x0F) | ((high.reshape(-1, 16) & 3) << 4)
+    return d * (six.astype(np.int32) - 32).astype(np.float32)
 
 
 def gguf_q5_to_int8(tensor_type: str, data: np.ndarray, n: int, k: int) -> QuantizedWeight:
