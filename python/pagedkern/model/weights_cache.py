@@ -26,9 +26,9 @@ from .tokenizer import Tokenizer
 from .weights import LlamaWeights
 
 # Bump when the cached layout or the conversion changes, so stale entries are never read.
-CACHE_FORMAT = 8  # 2: int8/int4 parts with .qmeta; 3: GGUF Q8_0 / Q6_K exact; 4: Q5_* exact;
+CACHE_FORMAT = 9  # 2: int8/int4 parts with .qmeta; 3: GGUF Q8_0 / Q6_K exact; 4: Q5_* exact;
 # 5: fused parts of two forms as int8 per 32; 6: MoE experts of two forms kept; 7: Q4_K exact;
-# 8: F16 / BF16 projections kept 16-bit
+# 8: F16 / BF16 projections kept 16-bit; 9: Q3_K / IQ4_XS / IQ4_NL exact
 _WEIGHTS, _CONFIG, _DONE = "weights.safetensors", "pagedkern_config.json", "complete"
 
 
@@ -114,8 +114,8 @@ def _drop_older_formats(kind: str, digest: str) -> None:
 
 # The remembered defaults' own version (cheap to recompute: the tensor table only). 3: a
 # mixture of experts' Q4 experts count as layer weights (such files default to int4); 4: Q8_0
-# and Q6_K layers keep a quantized default; 5: so do Q5_* ones
-DEFAULTS_FORMAT = 5
+# and Q6_K layers keep a quantized default; 5: so do Q5_* ones; 6: and Q3_K / IQ4_* ones
+DEFAULTS_FORMAT = 6
 
 
 def _default_file(digest: str) -> Path:
