@@ -118,10 +118,9 @@ def compressed_getter(
         weight = tensor(name)
         if weight is None or not (weight.dtype == torch.int8 or weight.dtype.itemsize == 1):
             return None  # (a float weight beside its scale: stored dequantized, "frozen")
-        if tensor(stem + "weight_zero_point") is not None:
-            zero = tensor(stem + "weight_zero_point")
-            if bool(zero.ne(0).any()):
-                raise ValueError("weight_zero_point: asymmetric 8-bit weights are not supported")
+        zero = tensor(stem + "weight_zero_point")
+        if zero is not None and bool(zero.ne(0).any()):
+            raise ValueError("weight_zero_point: asymmetric 8-bit weights are not supported")
         if weight.dtype == torch.int8:
             return _int8_weight(weight, scale)
         return _dequantized_fp8(weight, scale, scheme.block)
