@@ -323,3 +323,75 @@ def write_compressed_tensors(folder, hf, scheme: str, orders=None, scale_dtype=t
         json.dumps(hf.config.to_dict() | {"quantization_config": qc})
     )
     write_tokenizer(folder)
+
+
+# bitsandbytes' NF4 table (QLoRA's normal-float quantiles)
+NF4 = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+]  # fmt: skip
+
+
+def bnb_4bit(w: torch.Tensor, block: int = 64, nested: bool = True) -> tuple[dict, torch.Tensor]:
+    """w [N, K] as bitsandbytes saves an NF4 Linear4bit's weight (nested: its absmax
+    double-quantized to uint8 over a 256-value map, 256 a block): (its tensors under
+    `weight...` names, the weight they hold, computed as bitsandbytes dequantizes it)."""
+    n, k = w.shape
+    code = torch.tensor(NF4)
+    flat = w.reshape(-1, block)
+    absmax = flat.abs().amax(dim=1)
+    q = torch.bucketize(flat / absmax[:, None], (code[:-1] + code[1:]) / 2).reshape(-1)
+    packed = ((q[0::2] << 4) | q[1::2]).to(torch.uint8)[:, None]
+    meta = {"quant_type": "nf4", "blocksize": block, "dtype": "bfloat16", "shape": [n, k]}
+    out = {"weight": packed, "weight.quant_map": code}
+    if nested:
+        offset = absmax.mean()
+        nested_code = torch.linspace(-1, 1, 256)
+        centred = absmax - offset
+        nested_max = torch.stack([part.abs().amax() for part in centred.split(256)])
+        at = torch.arange(absmax.numel()) // 256
+        mid = (nested_code[:-1] + nested_code[1:]) / 2
+        absmax_q = torch.bucketize(centred / nested_max[at], mid).to(torch.uint8)
+        absmax = nested_code[absmax_q.long()] * nested_max[at] + offset
+        meta |= {"nested_blocksize": 256, "nested_dtype": "float32",
+                 "nested_offset": offset.item()}  # fmt: skip
+        out |= {"weight.absmax": absmax_q, "weight.nested_absmax": nested_max,
+                "weight.nested_quant_map": nested_code}  # fmt: skip
+    else:
+        out["weight.absmax"] = absmax
+    out["weight.quant_state.bitsandbytes__nf4"] = torch.tensor(
+        list(json.dumps(meta).encode()), dtype=torch.uint8
+    )
+    deq = (code[q] * absmax.repeat_interleave(block)).reshape(n, k)
+    return out, deq
+
+
+def write_bitsandbytes(folder, hf, bits: int = 4, nested: bool = True) -> None:
+    """hf's linears as transformers saves a load_in_4bit (NF4) or load_in_8bit model, hf's
+    weights replaced by the ones the tensors hold (the 4-bit ones as bitsandbytes computes
+    them, in fp32)."""
+    tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if name.rsplit(".", 1)[-1] not in LINEARS:
+                continue
+            w = module.weight
+            del tensors[f"{name}.weight"]
+            if bits == 4:
+                parts, deq = bnb_4bit(w, nested=nested)
+            else:
+                scb = w.abs().amax(dim=1)
+                cb = torch.round(w * 127 / scb[:, None]).to(torch.int8)
+                parts, deq = {"weight": cb, "SCB": scb}, cb.float() * (scb[:, None] / 127)
+            module.weight.copy_(deq)
+            tensors |= {f"{name}.{part}": t.contiguous() for part, t in parts.items()}
+    save_file(tensors, str(folder / "model.safetensors"))
+    qc = {"quant_method": "bitsandbytes", f"load_in_{bits}bit": True,
+          "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": nested,
+          "bnb_4bit_compute_dtype": "bfloat16", "llm_int8_skip_modules": ["lm_head"]}  # fmt: skip
+    (folder / "config.json").write_text(
+        json.dumps(hf.config.to_dict() | {"quantization_config": qc})
+    )
+    write_tokenizer(folder)

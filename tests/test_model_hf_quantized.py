@@ -230,7 +230,7 @@ def _with_config(folder, **changes) -> None:
     "changes,message",
     [
         ({"quant_method": "compressed-tensors"}, "compressed-tensors needs config_groups"),
-        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+        ({"quant_method": "hqq"}, "quant_method 'hqq' is not supported"),
         ({"bits": 3}, "gptq with bits 3 is not supported"),
         ({"bits": "4"}, "bits must be an integer"),
         ({"group_size": 48}, "group_size 48 is not supported"),

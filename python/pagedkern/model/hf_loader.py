@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .hf_bitsandbytes import bitsandbytes_getter, bitsandbytes_scheme
 from .hf_compressed_tensors import METHOD, compressed_getter, compressed_tensors_scheme
 from .hf_config import config_from_hf, hf_norm_offset
 from .hf_quantized import Scheme, quantized_getter, scheme_of
@@ -51,6 +52,8 @@ def _scheme(folder: Path, raw: dict) -> Scheme | None:
         qc = raw["quantization_config"]
         if isinstance(qc, dict) and qc.get("quant_method") == METHOD:
             return compressed_tensors_scheme(qc, str(folder / "config.json"))
+        if isinstance(qc, dict) and qc.get("quant_method") == "bitsandbytes":
+            return bitsandbytes_scheme(qc, str(folder / "config.json"))
         return scheme_of(raw, str(folder / "config.json"))
     for name, method in _QUANTIZE_CONFIGS:
         side = folder / name
@@ -204,6 +207,8 @@ def _with_quantized(scheme: Scheme, get, locate):
     columns at group boundaries: weight_shards)."""
     if scheme.method == METHOD:
         quantized = compressed_getter(scheme, get, locate)
+    elif scheme.method == "bitsandbytes":
+        quantized = bitsandbytes_getter(get, locate)
     else:
         quantized = quantized_getter(scheme, get, locate)
 

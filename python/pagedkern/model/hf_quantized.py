@@ -86,8 +86,8 @@ def scheme_of(raw: Mapping, path: str) -> Scheme | None:
         raise ModelLoadError(
             path,
             f"quantization_config: quant_method {method!r} is not supported (supported: "
-            f"{', '.join(METHODS)}, compressed-tensors, gpt-oss's mxfp4; or a GGUF file, or the "
-            "unquantized checkpoint)",
+            f"{', '.join(METHODS)}, compressed-tensors, bitsandbytes, gpt-oss's mxfp4; or a GGUF "
+            "file, or the unquantized checkpoint)",
         )
     if method == "fp8":
         return _fp8_scheme(qc, path)
