@@ -36,8 +36,9 @@ FP8 (transformers' fine-grained FP8: Qwen3-FP8, DeepSeek; `weight_block_size` [b
   w[n, k] = weight[n, k] * scale_inv[n // bn, k // bk],
   dequantized at load to fp32 (then the model's dtype): no kernel here takes fp8 weights.
 
-Refused with a ModelLoadError naming the key: other methods (bitsandbytes,
-compressed-tensors, ...: their tensors would otherwise load as plain floats, silently wrong),
+compressed-tensors and bitsandbytes folders: hf_compressed_tensors.py, hf_bitsandbytes.py.
+Refused with a ModelLoadError naming the key: other methods (hqq, quanto, ...: their tensors
+would otherwise load as plain floats, silently wrong),
 other bit widths, a g_idx whose groups are not G channels each, and asymmetric 8-bit GPTQ (no
 int8 form with mins outside 0..31).
 """
