@@ -15,6 +15,7 @@ from hf_model_files import all_logits
 from hf_quantized_files import (
     COMPRESSED_TENSORS,
     PROMPT,
+    pack_rows,
     shared_orders,
     tiny_model,
     write_compressed_tensors,
@@ -25,6 +26,7 @@ from transformers_oracle import hf_greedy, relative
 from pagedkern import ops
 from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import ModelLoadError, load_model
+from pagedkern.model.hf_compressed_tensors import unpack_weight
 from pagedkern.model.hf_loader import hf_checkpoint_quantization
 from pagedkern.model.quantized_linear import QuantizedWeight
 from pagedkern.ops.cpu import quant_gemv
@@ -143,6 +145,9 @@ def _weights(qc):
         (lambda qc: _weights(qc).update(type="mx"), "weights type 'mx'"),
         (lambda qc: _weights(qc).update(strategy="tensor_group"), "strategy 'tensor_group'"),
         (lambda qc: qc.pop("config_groups"), "compressed-tensors needs config_groups"),
+        (lambda qc: qc.update(transform_config={"config_groups": {"u": {"type": "hadamard"}}}),
+         "transform_config"),
+        (lambda qc: qc["config_groups"]["group_0"].update(weights=[4]), "weights must be a JSON"),
     ],
 )  # fmt: skip
 def test_what_cannot_be_represented_is_refused_by_name(tmp_path, change, message):
@@ -162,3 +167,28 @@ def test_a_misshapen_part_is_refused_naming_the_linear(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"up_proj: weight_packed \(256, 15\) packs no"):
         load_model(str(tmp_path), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("groups", [1, 2])  # a scale a row (W8A8-like), groups of 32
+def test_int8_codes_of_minus_128_are_requantized_within_int8s_step(groups):
+    """compressed-tensors' int8 range is -128..127 (scale absmax / 127.5), and the CPU kernels
+    negate codes with a sign trick that -128 defeats: such a weight is requantized from its
+    exact values (the rest stay as stored), and its GEMM is right."""
+    g = torch.Generator().manual_seed(groups)
+    n, k = 16, 64
+    stored = torch.randint(1, 256, (n, k), generator=g)
+    stored[3, 7] = 0  # (code -128)
+    scale = (torch.rand(n, groups, generator=g) * 0.01 + 1e-3).bfloat16()
+    qw = unpack_weight(pack_rows(stored, 8), scale, torch.tensor([n, k]))
+    want = (stored - 128).float() * scale.float().repeat_interleave(k // groups, dim=1)
+    assert qw.format == "int8" and int(qw.qweight.min()) >= -127
+    width = k if groups == 1 else 32
+    step = want.abs().view(n, -1, width).amax(-1).repeat_interleave(width, dim=1) / 254
+    assert ((qw.dequantize_rows() - want).abs() <= step * 1.0001).all()
+    plain = unpack_weight(pack_rows(stored.clamp(min=1), 8), scale, torch.tensor([n, k]))
+    assert torch.equal(plain.qweight, (stored.clamp(min=1) - 128).to(torch.int8))  # (exact)
+    if quant_gemv.available():
+        x = torch.randn(3, k, generator=g)
+        got = quant_gemv.quant_gemv(x, qw).double()
+        exact = x.double() @ qw.dequantize_rows().double().T
+        assert (got - exact).abs().max() <= 1e-4 * (x.abs() @ want.abs().T).max()

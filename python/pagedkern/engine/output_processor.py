@@ -16,7 +16,7 @@ ends nothing becomes two list appends instead of a RequestOutput (outputs.TokenD
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import chain, repeat
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,9 @@ class OutputProcessor:
         self.tracer = tracer
         # the HTTP core: plain decode tokens as two columns instead of RequestOutputs
         self.token_deltas: TokenDeltas | None = None
+        # ids whose output this step has made already: their tokens stay outputs (a column,
+        # applied before the step's outputs, would run ahead of it; StepExecutor sets it)
+        self.had_output: Collection[str] = ()
         self.requests: dict[str, Request] = {}
         # indexes over `requests`, so a step scans only the few requests they hold
         self.timed: dict[str, Request] = {}  # those with a deadline
@@ -125,6 +128,7 @@ class OutputProcessor:
         of, emit = RequestOutput.of, outputs.append
         STOP, LENGTH, CONTEXT = FinishReason.STOP, FinishReason.LENGTH, FinishReason.CONTEXT
         deltas = self.token_deltas  # (the HTTP core's columns: see outputs.TokenDeltas)
+        had_output = self.had_output
         if deltas is not None:
             delta_id, delta_token = deltas.request_ids.append, deltas.token_ids.append
         appended = 0
@@ -175,6 +179,7 @@ class OutputProcessor:
                         and len(ids) > 1
                         and len(tokens) == 1
                         and request.columnar
+                        and rid not in had_output
                     ):
                         delta_id(rid)
                         delta_token(token)
@@ -204,16 +209,16 @@ class OutputProcessor:
         # ended already, e.g. by the abort of the whole request)
         if request.forks:
             self.undelivered += [self.finish(s, reason) for s in self.take_forks(request)]
-        detokenizer = request.detokenizer
-        if detokenizer is not None:
-            text += detokenizer.flush()  # (the last ids' text may complete a stop string)
-            if detokenizer.stopped_by is not None and reason in ENDED_BY_A_LIMIT:
-                reason = FinishReason.STOP
         request.finish_reason = reason
         request.finish_time = self.clock()
         self.timed.pop(request.request_id, None)
         del self.requests[request.request_id]
         self.num_finished += 1
+        detokenizer = request.detokenizer
+        if detokenizer is not None:  # (after the bookkeeping: a decode that raises leaves none)
+            text += detokenizer.flush()  # (the last ids' text may complete a stop string)
+            if detokenizer.stopped_by is not None and reason in ENDED_BY_A_LIMIT:
+                reason = request.finish_reason = FinishReason.STOP
         if self.tracer:
             self.tracer.finished(request, text, freed, self.pool)
         return RequestOutput.of(request, text, token_ids, True, reason, logprobs)

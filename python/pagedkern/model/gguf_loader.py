@@ -3,8 +3,9 @@
 Quantized tensors are dequantized with gguf.quants.dequantize to fp32, except where they map
 straight onto the target format (quantized_linear): Q4_0/Q4_1/Q4_K layer weights onto int4,
 Q8_0 and Q6_K exactly onto int8 with a scale per 32 / 16 weights, Q5_0 / Q5_1 / Q5_K onto int8
-codes with a scale and a min per 32 (in int4 and int8 mode, and the LM head whenever it is
-int8): a Q4_K_M or Q5_K_M file's tensors keep the precision its quantizer gave them. A fused
+codes with a scale and a min per 32, Q3_K / IQ4_XS / IQ4_NL onto int8 codes with a scale per
+16 / 32 (in int4 and int8 mode, and the LM head whenever it is int8): a Q4_K_M, Q5_K_M, Q3_K or
+IQ4_XS file's tensors keep the values its quantizer gave them. A fused
 projection whose parts differ (Q4_K q and k beside a Q6_K v) is requantized whole to int8 with a
 scale per 32 (weight_assembly).
 llama.cpp stores the Q and K projections of "llama" models permuted for its interleaved RoPE
@@ -103,9 +104,9 @@ def _convert(
             n = int(np.prod(outer))  # (stacked experts: their rows one after the other)
             direct, kind = None, t.tensor_type.name
             if name in int8_tensors or (quantization == "int8" and name not in float_tensors):
-                direct = gguf_to_int8(kind, t.data, n, k)  # Q8_0, Q6_K, Q5_*
+                direct = gguf_to_int8(kind, t.data, n, k)  # Q8_0, Q6_K, Q5_*, Q3_K, IQ4_*
             elif quantization == "int4" and name not in float_tensors:
-                # 4-bit blocks onto int4 G = 32; Q8_0, Q6_K and Q5_* keep their precision
+                # 4-bit blocks onto int4 G = 32; gguf_to_int8's types keep their values
                 direct = gguf_to_int8(kind, t.data, n, k)
                 if direct is None and group_size == 32:
                     direct = gguf_to_int4(kind, t.data, n, k)

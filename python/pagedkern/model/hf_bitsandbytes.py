@@ -86,7 +86,8 @@ def _four_bit(
     if packed is None or code is None or absmax is None:
         raise ValueError("weight, weight.quant_map and weight.absmax must be beside quant_state")
     size = n * k
-    if packed.dtype != torch.uint8 or packed.numel() * 2 < size or code.numel() != 16:
+    packed = packed.contiguous().view(torch.uint8)  # (bnb_4bit_quant_storage: any dtype's bytes)
+    if packed.numel() * 2 < size or code.numel() != 16:
         raise ValueError(f"weight {packed.dtype} {tuple(packed.shape)} packs no [{n}, {k}] codes")
     if block <= 0 or absmax.numel() != -(-size // block):
         raise ValueError(f"weight.absmax holds {absmax.numel()} scales, not one per {block}")

@@ -41,6 +41,10 @@ def compressed_tensors_scheme(qc: Mapping, path: str) -> Scheme:
     """The folder's config groups checked (each a format, weights' type, bits and strategy
     this loader reads), as a Scheme: bits of its int weights (4 where any are 4-bit; 0 where
     all are fp8, which load dequantized), the fp8 block where a group has one."""
+    if qc.get("transform_config"):  # (SpinQuant / QuIP rotations the forward would have to apply)
+        raise ModelLoadError(
+            path, "quantization_config: transform_config (online rotations) is not supported"
+        )
     sparsity = qc.get("sparsity_config") or {}
     if isinstance(sparsity, Mapping) and sparsity.get("format", "dense") != "dense":
         raise ModelLoadError(
@@ -64,6 +68,8 @@ def compressed_tensors_scheme(qc: Mapping, path: str) -> Scheme:
         weights = group.get("weights")
         if weights is None:  # (activations only: the weights are plain)
             continue
+        if not isinstance(weights, Mapping):
+            raise ModelLoadError(path, f"{where}: weights must be a JSON object")
         kind, bits = weights.get("type", "int"), weights.get("num_bits")
         strategy = weights.get("strategy", "tensor")
         if strategy not in STRATEGIES:
@@ -73,9 +79,13 @@ def compressed_tensors_scheme(qc: Mapping, path: str) -> Scheme:
                 raise ModelLoadError(path, f"{where}: float weights of {bits} bits (only fp8)")
             if strategy == "block":
                 shape = weights.get("block_structure")
-                if not (isinstance(shape, list) and len(shape) == 2):
+                if not (
+                    isinstance(shape, list)
+                    and len(shape) == 2
+                    and all(type(v) is int and v > 0 for v in shape)
+                ):
                     raise ModelLoadError(path, f"{where}: block weights need block_structure")
-                block = (int(shape[0]), int(shape[1]))
+                block = (shape[0], shape[1])
         elif kind == "int":
             if bits not in (4, 8) or (bits == 4 and fmt != "pack-quantized"):
                 raise ModelLoadError(path, f"{where}: int weights of {bits} bits ({fmt})")
@@ -102,10 +112,11 @@ def compressed_getter(
     def get(name: str) -> QuantizedWeight | torch.Tensor | None:
         if not name.endswith(".weight"):
             return None
+        stem = name.removesuffix("weight")
         try:
-            return read(name, name.removesuffix("weight"))
-        except ValueError as exc:
-            raise ModelLoadError(where(name), f"{name.removesuffix('.weight')}: {exc}") from None
+            return read(name, stem)
+        except ValueError as exc:  # (pack-quantized holds no <x>.weight: its packed tensor's file)
+            raise ModelLoadError(where(stem + "weight_scale"), f"{stem[:-1]}: {exc}") from None
 
     def read(name: str, stem: str) -> QuantizedWeight | torch.Tensor | None:
         packed = tensor(stem + "weight_packed")
@@ -147,7 +158,9 @@ def unpack_weight(
     bits = packed.shape[1] * 32 // k if k > 0 and packed.shape[0] == n else 0
     if bits not in (4, 8) or packed.shape[1] * 32 != k * bits:
         raise ValueError(f"weight_packed {tuple(packed.shape)} packs no [{n}, {k}] int4 or int8")
-    if scale.dim() == 1:
+    if scale.numel() == 1:  # (strategy tensor: one scale)
+        scale = scale.reshape(1, 1).expand(n, 1)
+    elif scale.dim() == 1:
         scale = scale[:, None]
     if not scale.dtype.is_floating_point or scale.dim() != 2 or scale.shape[0] != n:
         raise ValueError(f"weight_scale must be float [{n}, groups], got {tuple(scale.shape)}")
@@ -163,6 +176,8 @@ def unpack_weight(
         raise ValueError(f"weight_zero_point {tuple(zero.shape)} packs no [{n}, {groups}] zeros")
     else:
         zeros = unpack_rows(zero.t().contiguous(), bits, n).t()  # (packed along N)
+    if g_idx is not None and bool((g_idx < 0).all()):  # (older exports' "no order" fill)
+        g_idx = None
     return weight_from_codes(
         codes, bits, scale, zeros, group, input_order(g_idx, k, group, False), per_row=groups == 1
     )

@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from . import hf_bitsandbytes, hf_compressed_tensors
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .hf_bitsandbytes import bitsandbytes_getter, bitsandbytes_scheme
-from .hf_compressed_tensors import METHOD, compressed_getter, compressed_tensors_scheme
+from .hf_compressed_tensors import compressed_getter, compressed_tensors_scheme
 from .hf_config import config_from_hf, hf_norm_offset
 from .hf_quantized import Scheme, quantized_getter, scheme_of
 from .mxfp4 import dequantize_mxfp4
@@ -50,9 +51,9 @@ def _scheme(folder: Path, raw: dict) -> Scheme | None:
     file an older export keeps beside it."""
     if "quantization_config" in raw:
         qc = raw["quantization_config"]
-        if isinstance(qc, dict) and qc.get("quant_method") == METHOD:
+        if isinstance(qc, dict) and qc.get("quant_method") == hf_compressed_tensors.METHOD:
             return compressed_tensors_scheme(qc, str(folder / "config.json"))
-        if isinstance(qc, dict) and qc.get("quant_method") == "bitsandbytes":
+        if isinstance(qc, dict) and qc.get("quant_method") == hf_bitsandbytes.METHOD:
             return bitsandbytes_scheme(qc, str(folder / "config.json"))
         return scheme_of(raw, str(folder / "config.json"))
     for name, method in _QUANTIZE_CONFIGS:
@@ -73,7 +74,8 @@ def _read_config(folder: Path) -> tuple[ModelConfig, float, Scheme | None]:
 
 
 def hf_checkpoint_quantization(folder: str | os.PathLike) -> str | None:
-    """The mode a GPTQ / AWQ folder's linears load in ('int4' / 'int8'), else None."""
+    """The mode a pre-quantized folder's linears load in ('int4' / 'int8'; GPTQ, AWQ,
+    compressed-tensors int, bitsandbytes), else None (fp8 ones: dequantized)."""
     folder = Path(folder)
     try:
         scheme = _scheme(folder, _raw_config(folder))
@@ -204,10 +206,10 @@ def _check_counts(config: ModelConfig, names, folder: Path) -> None:
 def _with_quantized(scheme: Scheme, get, locate):
     """get(name, part) returning `<x>.weight` as a QuantizedWeight where the checkpoint holds
     `<x>` packed (fp8 blocks: dequantized); a rank's part cut from the whole weight (rows, or
-    columns at group boundaries: weight_shards)."""
-    if scheme.method == METHOD:
+    columns at group boundaries, an act-order weight's requantized: weight_shards)."""
+    if scheme.method == hf_compressed_tensors.METHOD:
         quantized = compressed_getter(scheme, get, locate)
-    elif scheme.method == "bitsandbytes":
+    elif scheme.method == hf_bitsandbytes.METHOD:
         quantized = bitsandbytes_getter(get, locate)
     else:
         quantized = quantized_getter(scheme, get, locate)
@@ -265,7 +267,7 @@ def load_hf_folder(
                 return str(where[key][0])
         return str(folder)
 
-    if scheme is not None:  # GPTQ / AWQ / FP8: a linear from its quantized tensors
+    if scheme is not None:  # pre-quantized: a linear from its quantized tensors
         get = _with_quantized(scheme, get, locate)
     weights = assemble_weights(
         config, get, locate, device, dtype, norm_offset=norm_offset, shard=shard,

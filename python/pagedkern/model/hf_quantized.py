@@ -51,7 +51,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from .errors import ModelLoadError
-from .quantized_linear import QuantizedWeight, int4_from_codes
+from .quantized_linear import (
+    QuantizedWeight,
+    int4_from_codes,
+    quantize_int8,
+    quantize_int8_grouped,
+)
 
 METHODS = ("gptq", "awq", "fp8")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column offset of nibble i in a word (AutoAWQ's pack)
@@ -235,7 +240,9 @@ def weight_from_codes(
     """w = scales (codes - zeros) as a QuantizedWeight, exactly: codes [N, K] unsigned (0..15
     or 0..255) in the input's order, scales [N, K / group] float, zeros [N, K / group]; order:
     act-order's input_order (the columns are stored in it). 8-bit: symmetric only (zeros 128),
-    one scale a row where per_row. ValueError for K not a multiple of 32."""
+    one scale a row where per_row; a code of -128 (which the kernels do not take) makes the
+    weight requantized per channel / per 32, within 1/254 of the largest. ValueError for K not
+    a multiple of 32."""
     n, k = codes.shape
     if k % 32:
         raise ValueError(f"{k} input channels: not a multiple of 32")
@@ -246,10 +253,13 @@ def weight_from_codes(
         if not torch.all(zeros == 128):
             raise ValueError("asymmetric 8-bit weights (zeros other than 128) are not supported")
         q = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
-        if per_row:
+        target = 16 if group == 16 else 32
+        if bool((q == -128).any()):  # (compressed-tensors' range: the kernels take -127..127)
+            w = q.float() * (s[:, :1] if per_row else s.repeat_interleave(group, dim=-1))
+            weight = quantize_int8(w) if per_row else quantize_int8_grouped(w, target)
+        elif per_row:
             weight = QuantizedWeight("int8", (n, k), q, s[:, 0].contiguous())
         else:
-            target = 16 if group == 16 else 32
             weight = QuantizedWeight("int8", (n, k), q, _regroup(s, group, target), None, target)
     else:
         target = 128 if group % 128 == 0 else 32  # (group and K are multiples of 32: checked)
@@ -260,7 +270,7 @@ def weight_from_codes(
             _narrowest(_regroup(mins, group, target)),
             target,
         )
-    return weight if order is None else replace(weight, input_index=order)
+    return weight if order is None else replace(weight, input_index=order, packed={})
 
 
 def input_order(

@@ -126,7 +126,8 @@ class LlamaWeights:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat name -> tensor map (the weights cache format); a tied lm_head is left out, a
-        quantized weight is stored as its parts (<name>.qweight, .scales, .mins, .qmeta)."""
+        quantized weight is stored as its parts (<name>.qweight, .scales, .mins, .qmeta and an
+        act-order weight's .input_index)."""
         out: dict[str, torch.Tensor] = {}
 
         def put(name: str, t: Linear | None) -> None:

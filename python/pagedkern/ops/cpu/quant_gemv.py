@@ -257,8 +257,11 @@ def _empty_tiles(cpu_kernels: ModuleType, fmt: str, n: int, k: int) -> torch.Ten
 
 
 def _pack_int8(cpu_kernels: ModuleType, weight: QuantizedWeight) -> tuple[str, torch.Tensor]:
-    """An int8 weight without mins as tiles: (format, tiles)."""
+    """An int8 weight without mins as tiles: (format, tiles). ValueError for a code of -128,
+    which the kernels' sign trick cannot negate (the loaders requantize such weights)."""
     (n, k), group, qweight = weight.shape, weight.group_size, weight.qweight.contiguous()
+    if bool((qweight == -128).any()):
+        raise ValueError("int8 weight holds -128: the CPU kernels take codes in -127..127")
     if not group:
         tiles = _empty_tiles(cpu_kernels, "int8", n, k)
         cpu_kernels.pack_int8(out=tiles.data_ptr(), qweight=qweight.data_ptr(), n=n, k=k)
