@@ -207,6 +207,41 @@ def write_moe_gptq(tmp_path, orders=None):
     return folder, transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "float").eval()
 
 
+def linears_of(hf, tensors: dict):
+    """(name, module) of hf's quantizable linears, each one's float weight taken out of
+    `tensors` (its state dict) for the quantized parts to replace."""
+    for name, module in hf.named_modules():
+        if name.rsplit(".", 1)[-1] in LINEARS:
+            del tensors[f"{name}.weight"]
+            yield name, module
+
+
+def assert_layer_holds(layer, hf, index: int) -> None:
+    """The loaded layer's QKV, down and up (dequantized where quantized) equal hf's layer
+    `index` bit for bit."""
+
+    def plain(w):
+        return w if isinstance(w, torch.Tensor) else w.dequantize_rows()
+
+    attn, mlp = hf.model.layers[index].self_attn, hf.model.layers[index].mlp
+    want_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(plain(layer.qkv), want_qkv)
+    assert torch.equal(plain(layer.down), mlp.down_proj.weight)
+    assert torch.equal(plain(layer.gate_up)[mlp.up_proj.weight.shape[0] :], mlp.up_proj.weight)
+
+
+def engine_greedy(folder, max_tokens: int = 12) -> list[int]:
+    """The CPU backend engine's greedy tokens for PROMPT from the model in `folder`."""
+    from pagedkern.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine.from_config(
+        EngineConfig(model=str(folder), backend="cpu", num_blocks=64, block_size=4)
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine.add_request(prompt_ids=PROMPT, params=params)
+    return [t for o in engine.run_until_done() for t in o.token_ids]
+
+
 def fp8_blocks(w: torch.Tensor, bn: int, bk: int):
     """w [N, K] as E4M3 with an fp32 scale per block of [bn, bk] (the blocks' largest weight
     at 448): (fp8 weight, scales [ceil(N / bn), ceil(K / bk)], the dequantized weight)."""
@@ -228,9 +263,7 @@ def write_fp8(folder, hf, block: list[int], config: bool = True) -> None:
     per block of `block`), hf's weights replaced by the dequantized ones."""
     tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
     with torch.no_grad():
-        for name, module in hf.named_modules():
-            if name.rsplit(".", 1)[-1] not in LINEARS:
-                continue
+        for name, module in linears_of(hf, tensors):
             fp8, scales, deq = fp8_blocks(module.weight, *block)
             module.weight.copy_(deq)
             tensors[f"{name}.weight"] = fp8
@@ -275,11 +308,8 @@ def write_compressed_tensors(folder, hf, scheme: str, orders=None, scale_dtype=t
     fmt, kind, bits, group, sym = COMPRESSED_TENSORS[scheme]
     tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
     with torch.no_grad():
-        for name, module in hf.named_modules():
-            if name.rsplit(".", 1)[-1] not in LINEARS:
-                continue
+        for name, module in linears_of(hf, tensors):
             w = module.weight
-            del tensors[f"{name}.weight"]
             out = {}
             if kind == "float":
                 bn, bk = group if group != -1 else (1, w.shape[1])
@@ -374,11 +404,8 @@ def write_bitsandbytes(folder, hf, bits: int = 4, nested: bool = True) -> None:
     them, in fp32)."""
     tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
     with torch.no_grad():
-        for name, module in hf.named_modules():
-            if name.rsplit(".", 1)[-1] not in LINEARS:
-                continue
+        for name, module in linears_of(hf, tensors):
             w = module.weight
-            del tensors[f"{name}.weight"]
             if bits == 4:
                 parts, deq = bnb_4bit(w, nested=nested)
             else:

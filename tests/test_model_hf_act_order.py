@@ -16,6 +16,8 @@ from hf_model_files import all_logits
 from hf_quantized_files import (
     PROMPT,
     SCHEMES,
+    assert_layer_holds,
+    engine_greedy,
     shared_orders,
     tiny_model,
     write_moe_gptq,
@@ -25,7 +27,6 @@ from transformers_oracle import hf_greedy, relative
 
 import pagedkern.ops.quant_gemm  # noqa: F401  (imported before emulated() patches the op modules)
 from pagedkern import ops
-from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import load_model
 from pagedkern.model.loading import gemm_weights
 from pagedkern.model.quantized_linear import QuantizedWeight, quantize_int4, quantize_int8
@@ -56,14 +57,10 @@ def test_act_order_weights_stay_quantized_and_dequantize_bit_for_bit(checkpoint)
         assert isinstance(w, QuantizedWeight)
         assert (w.input_index is not None) == (w.shape[1] > group)  # (one group: no order)
         assert w.format == ("int8" if "int8" in name else "int4")
-    attn, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
-    want_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-    assert torch.equal(layer.qkv.dequantize_rows(), want_qkv)
-    assert torch.equal(layer.down.dequantize_rows(), mlp.down_proj.weight)
-    assert torch.equal(layer.gate_up.dequantize_rows()[256:], mlp.up_proj.weight)
+    assert_layer_holds(layer, hf, 1)
     # (a CUDA model's GEMM weights: dequantized, the columns in the input's order)
     on_a_gpu = gemm_weights(model.weights, torch.device("cuda"), torch.float32)
-    assert torch.equal(on_a_gpu.layers[1].down, mlp.down_proj.weight)
+    assert_layer_holds(on_a_gpu.layers[1], hf, 1)
 
 
 @pytest.mark.parametrize("variant", ["int16_activations", "int8_activations", "int_pack"])
@@ -99,14 +96,7 @@ def test_the_one_call_decoder_gathers_as_the_layer_loop_does(checkpoint, kernels
 def test_the_engine_answers_as_transformers_on_an_act_order_checkpoint(tmp_path):
     hf = tiny_model("qwen2")
     write_quantized(tmp_path, hf, SCHEMES["gptq-int4-asym-g32"], orders=shared_orders(7))
-    want, _ = hf_greedy(hf, PROMPT, 12)
-    engine = Engine.from_config(
-        EngineConfig(model=str(tmp_path), backend="cpu", num_blocks=64, block_size=4)
-    )
-    engine.add_request(
-        prompt_ids=PROMPT, params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    )
-    assert [t for o in engine.run_until_done() for t in o.token_ids] == want
+    assert engine_greedy(tmp_path) == hf_greedy(hf, PROMPT, 12)[0]
 
 
 def test_qkv_in_orders_of_their_own_fuse_within_int8s_step(tmp_path):

@@ -12,12 +12,11 @@ import json
 import pytest
 import torch
 from hf_model_files import all_logits
-from hf_quantized_files import PROMPT, tiny_model, write_bitsandbytes
+from hf_quantized_files import PROMPT, engine_greedy, tiny_model, write_bitsandbytes
 from safetensors.torch import load_file, save_file
 from transformers_oracle import hf_greedy, relative
 
 from pagedkern import ops
-from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import ModelLoadError, load_model
 from pagedkern.model.hf_loader import hf_checkpoint_quantization
 from pagedkern.model.quantized_linear import QuantizedWeight
@@ -54,14 +53,7 @@ def test_weights_hold_the_checkpoints_values_and_logits_follow(tmp_path, bits, n
 def test_the_engine_answers_as_transformers_on_an_8_bit_checkpoint(tmp_path):
     hf = tiny_model("qwen2")
     write_bitsandbytes(tmp_path, hf, 8)
-    want, _ = hf_greedy(hf, PROMPT, 12)
-    engine = Engine.from_config(
-        EngineConfig(model=str(tmp_path), backend="cpu", num_blocks=64, block_size=4)
-    )
-    engine.add_request(
-        prompt_ids=PROMPT, params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    )
-    assert [t for o in engine.run_until_done() for t in o.token_ids] == want
+    assert engine_greedy(tmp_path) == hf_greedy(hf, PROMPT, 12)[0]
 
 
 def test_a_4_bit_weight_without_its_quant_state_parts_is_refused_by_name(tmp_path):

@@ -15,6 +15,8 @@ from hf_model_files import all_logits
 from hf_quantized_files import (
     COMPRESSED_TENSORS,
     PROMPT,
+    assert_layer_holds,
+    engine_greedy,
     pack_rows,
     shared_orders,
     tiny_model,
@@ -24,7 +26,6 @@ from test_tensor_shard_loading import assert_loads_as_cut
 from transformers_oracle import hf_greedy, relative
 
 from pagedkern import ops
-from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import ModelLoadError, load_model
 from pagedkern.model.hf_compressed_tensors import unpack_weight
 from pagedkern.model.hf_loader import hf_checkpoint_quantization
@@ -61,15 +62,7 @@ def test_weights_are_the_dequantized_ones_bit_for_bit(checkpoint):
             assert isinstance(w, torch.Tensor)
         else:
             assert isinstance(w, QuantizedWeight) and (w.format, w.group_size) == FORMS[name]
-
-    def plain(w):
-        return w.dequantize_rows() if isinstance(w, QuantizedWeight) else w
-
-    attn, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
-    want_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-    assert torch.equal(plain(layer.qkv), want_qkv)
-    assert torch.equal(plain(layer.down), mlp.down_proj.weight)
-    assert torch.equal(plain(layer.gate_up)[256:], mlp.up_proj.weight)
+    assert_layer_holds(layer, hf, 1)
     assert torch.equal(model.weights.lm_head, hf.lm_head.weight)  # (ignored: stored plain)
 
 
@@ -95,14 +88,7 @@ def test_the_folders_own_mode_is_read_from_its_config_groups(checkpoint):
 def test_the_engine_answers_as_transformers(tmp_path):
     hf = tiny_model("qwen2")
     write_compressed_tensors(tmp_path, hf, "w4a16-sym-g128")
-    want, _ = hf_greedy(hf, PROMPT, 12)
-    engine = Engine.from_config(
-        EngineConfig(model=str(tmp_path), backend="cpu", num_blocks=64, block_size=4)
-    )
-    engine.add_request(
-        prompt_ids=PROMPT, params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    )
-    assert [t for o in engine.run_until_done() for t in o.token_ids] == want
+    assert engine_greedy(tmp_path) == hf_greedy(hf, PROMPT, 12)[0]
 
 
 def test_act_order_groups_load_in_their_order(tmp_path):

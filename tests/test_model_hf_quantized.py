@@ -16,6 +16,8 @@ from hf_model_files import all_logits
 from hf_quantized_files import (
     PROMPT,
     SCHEMES,
+    assert_layer_holds,
+    engine_greedy,
     pack_gptq,
     tiny_model,
     write_fp8,
@@ -27,7 +29,6 @@ from test_tensor_shard_loading import assert_loads_as_cut
 from transformers_oracle import hf_greedy, relative
 
 from pagedkern import ops
-from pagedkern.engine import Engine, EngineConfig, SamplingParams
 from pagedkern.model import ModelLoadError, load_model
 from pagedkern.model.hf_quantized import Scheme, to_quantized_weight
 from pagedkern.model.loading import gemm_weights
@@ -62,11 +63,7 @@ def test_weights_are_the_dequantized_ones_bit_for_bit(checkpoint):
     for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
         assert isinstance(w, QuantizedWeight)
         assert w.format == ("int8" if "int8" in name else "int4")
-    attn, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
-    want_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-    assert torch.equal(layer.qkv.dequantize_rows(), want_qkv)
-    assert torch.equal(layer.down.dequantize_rows(), mlp.down_proj.weight)
-    assert torch.equal(layer.gate_up.dequantize_rows()[256:], mlp.up_proj.weight)
+    assert_layer_holds(layer, hf, 1)
 
 
 def test_logits_equal_transformers_on_the_dequantized_model(checkpoint):
@@ -85,14 +82,7 @@ def test_logits_equal_transformers_on_the_dequantized_model(checkpoint):
 def test_the_engine_answers_as_transformers(tmp_path):
     hf = tiny_model("qwen2")
     write_quantized(tmp_path, hf, SCHEMES["gptq-int4-asym-g32"])
-    want, _ = hf_greedy(hf, PROMPT, 12)
-    engine = Engine.from_config(
-        EngineConfig(model=str(tmp_path), backend="cpu", num_blocks=64, block_size=4)
-    )
-    engine.add_request(
-        prompt_ids=PROMPT, params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    )
-    assert [t for o in engine.run_until_done() for t in o.token_ids] == want
+    assert engine_greedy(tmp_path) == hf_greedy(hf, PROMPT, 12)[0]
 
 
 def test_quantization_none_dequantizes_int8_requantizes_and_int4_keeps(tmp_path):
