@@ -23,12 +23,15 @@ class BlockTables:
         kv_window: int | None,
         group_windows: tuple[int | None, ...],
         chunk: int,
+        copy_blocks: bool = True,
     ):
         """kv_window: every layer's sliding window (None: some layer sees every key).
         group_windows: per-kind tables' windows of groups 1.. (() for one table).
-        chunk: the most tokens one step feeds a sequence (max_num_batched_tokens)."""
+        chunk: the most tokens one step feeds a sequence (max_num_batched_tokens).
+        copy_blocks: whether a block's K/V may be copied (SchedulerConfig.copy_blocks)."""
         self.pool = pool
         self.kv_window = kv_window
+        self.copy_blocks = copy_blocks
         self.hybrid: HybridTables | None = None  # per-kind tables, if any
         if group_windows:
             self.hybrid = HybridTables(pool, (kv_window, *group_windows), chunk)
@@ -147,11 +150,13 @@ class BlockTables:
         """n > 1: give `sample` `leader`'s computed prompt: the full prompt blocks shared (one
         more reference each), the partial last block, if any, a fresh block. Returns the
         (source, destination) block copies the caller makes (none or one), or None (nothing
-        taken) without a free block or with per-kind tables, which do not share."""
-        if self.hybrid is not None:
-            return None
+        taken) without a free block, with per-kind tables, which do not share, or with a
+        partial block where blocks may not be copied (tensor parallelism: the copy would
+        reach rank 0's cache shard alone, the other ranks' block keeping stale K/V)."""
         bs = self.pool.block_size
         prompt_len = len(leader.prompt_ids)
+        if self.hybrid is not None or (prompt_len % bs and not self.copy_blocks):
+            return None
         full = prompt_len // bs
         copies = []
         table = list(leader.block_table[:full])

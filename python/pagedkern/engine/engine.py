@@ -253,14 +253,33 @@ class Engine:
         """Cancel a request (caller gone); its blocks return to the pool at once. An n > 1
         request's id ends every sample still running, also once its first sample has ended
         (their outputs go to the next step(), or pop_undelivered()); a sample's own id
-        (`<id>.<i>`) ends that sample alone. None: nothing of that id was running."""
+        (`<id>.<i>`) ends that sample alone. None: nothing of that id was running. The ABORT
+        output also carries the deltas of the request's outputs not yet delivered (a stream()
+        set them aside for the next step()): nothing of it comes after its final output."""
         output = self.output
         request = self.requests.get(request_id)
         samples = [
             r for r in self.requests.values() if r.parent_id == request_id and r is not request
         ]
         output.undelivered += [output.finish(r, FinishReason.ABORT) for r in samples]
-        return None if request is None else output.finish(request, FinishReason.ABORT)
+        if request is None:
+            return None
+        # Its outputs that a stream() set aside and no step() has returned yet go out inside
+        # the ABORT output: returned after it, they would follow the request's final output.
+        pending = [o for o in output.undelivered if o.request_id == request_id]
+        if not pending:
+            return output.finish(request, FinishReason.ABORT)
+        output.undelivered = [o for o in output.undelivered if o.request_id != request_id]
+        logprobs = None
+        if request.params.logprobs is not None:
+            logprobs = tuple(lp for o in pending for lp in o.logprobs or ())
+        return output.finish(
+            request,
+            FinishReason.ABORT,
+            tuple(t for o in pending for t in o.token_ids),
+            "".join(o.text for o in pending),
+            logprobs,
+        )
 
     def pop_undelivered(self) -> list[RequestOutput]:
         """Outputs produced outside step() (an aborted n > 1 request's other samples) that the

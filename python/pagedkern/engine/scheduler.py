@@ -57,7 +57,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.tables = BlockTables(
-            pool, config.kv_window, config.group_windows, config.max_num_batched_tokens
+            pool,
+            config.kv_window,
+            config.group_windows,
+            config.max_num_batched_tokens,
+            config.copy_blocks,
         )
         self.hybrid = self.tables.hybrid  # per-kind tables, if any
 
@@ -254,8 +258,9 @@ class Scheduler:
         """n > 1: `sample` starts running from `leader`'s computed prompt: the full prompt blocks
         shared (one more reference each), the partial last block, if any, a fresh block whose
         K/V the caller copies: (source, destination) is returned. Without a free block or a
-        free seat (every running sample counts against max_num_seqs) the sample waits and
-        recomputes its prompt (prefix-cache hits make that cheap)."""
+        free seat (every running sample counts against max_num_seqs), or a partial block that
+        may not be copied (SchedulerConfig.copy_blocks), the sample waits and recomputes its
+        prompt (prefix-cache hits make that cheap)."""
         copies = None
         if len(self.running) < self.config.max_num_seqs:
             copies = self.tables.share_prompt(leader, sample)

@@ -40,6 +40,11 @@ class SchedulerConfig:
     # Hybrid local/global models with per-kind tables (engine/hybrid_tables.py): the windows
     # of layer groups 1.. (None: full attention; group 0 is full). (): one table.
     group_windows: tuple[int | None, ...] = ()
+    # Whether the engine may copy K/V from block to block (an n > 1 fork's partial last
+    # prompt block): not under tensor parallelism, whose workers' cache shards only a step's
+    # forward writes. Without it a sample whose leader's prompt ends inside a block recomputes
+    # its prompt (prefix-cache hits make that cheap).
+    copy_blocks: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) < 1:
@@ -69,4 +74,5 @@ class SchedulerConfig:
             num_lookahead_tokens=(
                 config.num_speculative_tokens if config.speculative != "none" else 0
             ),
+            copy_blocks=config.tensor_parallel_size == 1,
         )

@@ -98,8 +98,21 @@ class StepExecutor:
         if previous is not None and not self._complete(previous, outputs):
             return  # rolled back: the next step (synchronous) schedules afresh
         batch.entries = [e for e in batch.entries if e[0].status is RequestStatus.RUNNING]
-        if batch:  # minus those that ended with the step before
+        if not batch:  # minus those that ended with the step before
+            return
+        if previous is None:
             self._run(batch, iteration, outputs)
+            return
+        # A second append in this step: a request that already has an output in it gets its
+        # plain token as an output too, not a TokenDeltas column. The engine core sends a
+        # step's columns with its outputs and the client applies the columns first: the
+        # column would run ahead of that earlier output.
+        output = self.output
+        output.had_output = {out.request_id for out in outputs}
+        try:
+            self._run(batch, iteration, outputs)
+        finally:
+            output.had_output = ()
 
     def _complete(self, step: InFlight, outputs: list[RequestOutput]) -> bool:
         """Wait for an overlapped step and append its ids; False: it failed (rolled back)."""

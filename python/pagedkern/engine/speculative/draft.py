@@ -52,11 +52,18 @@ def self_draft(target: LlamaModel, num_layers: int) -> LlamaModel:
     weight tensor (and the RoPE table) with the target."""
     w = target.weights
     weights = LlamaWeights(w.embed, w.layers[:num_layers], w.norm, w.lm_head, w.rope_freq_factors)
-    config = target.config.replace(
-        name=f"{target.config.name} (first {num_layers} layers)", num_layers=num_layers
+    # the per-layer fields cut to those layers too (a ModelConfig checks layer_types names
+    # every layer and dense_layers only existing ones)
+    target_config = target.config
+    config = target_config.replace(
+        name=f"{target_config.name} (first {num_layers} layers)",
+        num_layers=num_layers,
+        layer_types=target_config.layer_types[:num_layers],
+        dense_layers=tuple(i for i in target_config.dense_layers if i < num_layers),
     )
     draft = LlamaModel(config, weights, target.max_positions, target.kv_cache_dtype)
-    draft.cos_sin = target.cos_sin  # the same table: do not keep two
+    draft.cos_sin = target.cos_sin  # the same tables: do not keep two
+    draft.cos_sin_local = target.cos_sin_local
     return draft
 
 
