@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .errors import ModelLoadError
-from .hf_quantized import Scheme, dequantize_fp8, input_order, weight_from_codes
+from .hf_quantized import Scheme, dequantize_fp8, input_order, unpack_words, weight_from_codes
 from .quantized_linear import QuantizedWeight
 
 METHOD = "compressed-tensors"
@@ -186,9 +186,7 @@ def unpack_weight(
 def unpack_rows(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:
     """words int32 [R, length b / 32] -> the unsigned codes [R, length] (int16): code i at bits
     (i % p) b of word i // p, p = 32 / b."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (>> keeps the sign: masked)
-    return codes.reshape(words.shape[0], -1)[:, :length].to(torch.int16)
+    return unpack_words(words, bits).reshape(words.shape[0], -1)[:, :length]
 
 
 def _int8_weight(weight: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:

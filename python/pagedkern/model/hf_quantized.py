@@ -205,10 +205,10 @@ def to_quantized_weight(
     p = scheme.per_word
     if scheme.method == "awq":
         k, n = qweight.shape[0], qweight.shape[1] * p
-        codes = _unpack(qweight, scheme.bits, AWQ_ORDER).reshape(k, n)  # [K, N]
+        codes = unpack_words(qweight, scheme.bits, AWQ_ORDER).reshape(k, n)  # [K, N]
     else:
         k, n = qweight.shape[0] * p, qweight.shape[1]
-        codes = _unpack(qweight.t(), scheme.bits).reshape(n, k).t()  # [K, N]
+        codes = unpack_words(qweight.t(), scheme.bits).reshape(n, k).t()  # [K, N]
     groups = scales.shape[0]
     group = k if scheme.group_size == -1 else scheme.group_size
     if k % group or groups != k // group or scales.shape[1] != n:
@@ -219,7 +219,7 @@ def to_quantized_weight(
     if qzeros.shape != (groups, n // p):
         raise ValueError(f"qzeros has shape {tuple(qzeros.shape)}, expected {(groups, n // p)}")
     order = AWQ_ORDER if scheme.method == "awq" else None
-    zeros = _unpack(qzeros, scheme.bits, order).reshape(groups, n)
+    zeros = unpack_words(qzeros, scheme.bits, order).reshape(groups, n)
     if scheme.zeros_minus_one:
         zeros = zeros + 1  # (as vLLM and AutoGPTQ read v1: a stored 15 is a zero of 16)
     order = input_order(g_idx, k, group, scheme.act_order)
@@ -315,7 +315,9 @@ def dequantize_fp8(
     return weight.float() * scales
 
 
-def _unpack(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+def unpack_words(
+    words: torch.Tensor, bits: int, order: tuple[int, ...] | None = None
+) -> torch.Tensor:
     """words [..., W] int32 -> codes [..., W, 32 / bits] (code i of each word at bits i * bits),
     reordered so position order[i] holds code i where `order` is given (AWQ's interleave)."""
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)

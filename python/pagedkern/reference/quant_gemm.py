@@ -16,12 +16,7 @@ from .quantized_weight import QuantizedWeight
 def dequantize(weight: QuantizedWeight, kernel_scales: torch.dtype | None = None) -> torch.Tensor:
     """The float64 [N, K] weight, its columns in the input's order (act-order's put back);
     kernel_scales: round scales/zeros to that dtype first."""
-    stored = _stored(weight, kernel_scales)
-    if weight.input_index is None:
-        return stored
-    w = torch.empty_like(stored)
-    w[:, weight.input_index] = stored
-    return w
+    return weight.in_input_order(_stored(weight, kernel_scales))
 
 
 def _stored(weight: QuantizedWeight, kernel_scales: torch.dtype | None) -> torch.Tensor:

@@ -132,11 +132,15 @@ class QuantizedWeight:
         if rows is not None and rows.device.type == "cpu":  # (CUDA ids: no host read)
             _check_row_ids(rows, self.shape[0])
         stored = self._stored_rows(None if rows is None else rows.long())
-        if self.input_index is not None:  # the columns back in the input's order
-            w = torch.empty_like(stored)
-            w[:, self.input_index] = stored
-            stored = w
-        return stored.to(dtype)
+        return self.in_input_order(stored).to(dtype)
+
+    def in_input_order(self, stored: torch.Tensor) -> torch.Tensor:
+        """[rows, K] in the stored column order -> in the input's (act-order's put back)."""
+        if self.input_index is None:
+            return stored
+        w = torch.empty_like(stored)
+        w[:, self.input_index] = stored
+        return w
 
     def _stored_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
         """Rows `rows` (all: None) of the float32 weight, its columns in the stored order."""
