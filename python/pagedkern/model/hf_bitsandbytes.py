@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .errors import ModelLoadError
-from .hf_quantized import Scheme
-from .quantized_linear import QuantizedWeight, quantize_int8, quantize_int8_grouped
+from .hf_quantized import Scheme, weight_from_codes
+from .quantized_linear import QuantizedWeight, quantize_int8_grouped
 
 METHOD = "bitsandbytes"
 STATE = "weight.quant_state.bitsandbytes__"
@@ -115,8 +115,9 @@ def _eight_bit(weight: torch.Tensor | None, scb: torch.Tensor) -> QuantizedWeigh
         raise ValueError("an SCB needs an int8 [N, K] weight beside it")
     if tuple(scb.shape) != (weight.shape[0],):
         raise ValueError(f"SCB {tuple(scb.shape)} is not one scale per row of {weight.shape[0]}")
-    scales = (scb.float() / 127).contiguous()
-    if weight.shape[1] % 32 or bool((weight == -128).any()):  # (no int8 form: as quantized)
-        w = weight.float() * scales[:, None]
-        return quantize_int8(w) if weight.shape[1] % 32 == 0 else w
-    return QuantizedWeight("int8", tuple(weight.shape), weight.contiguous(), scales)
+    scales = (scb.float() / 127)[:, None]
+    if weight.shape[1] % 32:  # (no int8 form takes it: float)
+        return weight.float() * scales
+    codes = weight.to(torch.int16) + 128  # (weight_from_codes requantizes a -128)
+    zeros = torch.full_like(scales, 128)
+    return weight_from_codes(codes, 8, scales, zeros, weight.shape[1], per_row=True)
