@@ -1,5 +1,6 @@
-"""TP processes never outlive rank 0, and a dead worker ends rank 0 with an error naming it.
-Process exits are awaited by polling /proc with a bounded deadline (no timing sleeps)."""
+"""TP processes never outlive rank 0, a dead worker ends rank 0 with an error naming it, and
+groups started one after another in one process each end cleanly. Process exits are awaited by
+polling /proc with a bounded deadline (no timing sleeps)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 CHILD = Path(__file__).with_name("tensor_parallel_child.py")
 DEADLINE_S = 60.0
@@ -78,6 +80,64 @@ def test_killing_a_worker_fails_rank0_naming_the_rank():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# Imported by the spawned workers (PYTHONPATH): a worker whose interpreter begins to finalize
+# while still in its gloo group exits with LEFT_IN_GROUP. In that state gloo's thread, dropping
+# the last broadcast's tensors, may still be waiting for the GIL, and is then ended inside a C++
+# destructor (SIGABRT); that only happens when it loses the race, so the exit code alone would
+# catch the defect only now and then.
+LEFT_IN_GROUP = 70
+SITECUSTOMIZE = f"""
+import atexit, os, sys
+
+def _check():
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        print("worker: still in its process group at interpreter exit", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit({LEFT_IN_GROUP})
+
+atexit.register(_check)
+"""
+
+
+@pytest.fixture
+def checked_workers(tmp_path, monkeypatch):
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
+
+
+def test_groups_one_after_another_end_cleanly(checked_workers):
+    """Three TP = 2 engines in a row in this process (the last as a context manager): each
+    answers the first's tokens, each worker exits 0, and closing leaves no group behind."""
+    import torch.distributed as dist
+
+    from pagedkern.engine import LLM, SamplingParams
+
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11]]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    threads = torch.get_num_threads()
+    runs = []
+    for i in range(3):
+        llm = LLM("synthetic:tiny", tensor_parallel_size=2, num_blocks=32)
+        if i < 2:
+            try:
+                out = llm.generate(prompts, params, use_tqdm=False)
+            finally:
+                llm.close()
+        else:
+            with llm:
+                out = llm.generate(prompts, params, use_tqdm=False)
+        procs = llm.engine.model.tp.procs
+        runs.append(([g.token_ids for g in out], {r: p.returncode for r, p in procs.items()}))
+        assert not dist.is_initialized()
+        assert torch.get_num_threads() == threads
+    assert all(len(t) == 4 for t in runs[0][0]), runs[0]
+    assert [tokens for tokens, _ in runs] == [runs[0][0]] * 3, runs
+    # 0, not LEFT_IN_GROUP (see SITECUSTOMIZE) nor -6 (the abort itself)
+    assert [codes for _, codes in runs] == [{1: 0}] * 3, runs
 
 
 @pytest.mark.slow  # three interpreter starts and torchrun's own; the group itself: the tests above

@@ -53,12 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     from .shard import TensorShard
 
     group = TPGroup.start(int(os.environ["WORLD_SIZE"]), torch.device(args.device))
-    settings = group.share_settings(None)
-    group.expert_parallel = settings.pop("expert_parallel", False)
-    spec = ModelSpec(**settings)
-    shard = TensorShard(group.rank, group.size, group.expert_parallel)
-    model, _ = spec.load(group.device, shard)  # its part only
-    serve(shard_model(model, group), group, spec.backend)
+    try:
+        settings = group.share_settings(None)
+        group.expert_parallel = settings.pop("expert_parallel", False)
+        spec = ModelSpec(**settings)
+        shard = TensorShard(group.rank, group.size, group.expert_parallel)
+        model, _ = spec.load(group.device, shard)  # its part only
+        serve(shard_model(model, group), group, spec.backend)
+    finally:
+        # Leave the group (join gloo's threads) before the interpreter finalizes: a gloo thread
+        # still dropping the last broadcast's tensors needs the GIL, and a thread that asks for
+        # it during finalization is ended mid C++ destructor, which aborts the process.
+        group.close()
     return 0
 
 
