@@ -21,6 +21,7 @@ from pagedkern.engine import (
     SchedulerConfig,
     engine_fields,
 )
+from pagedkern.model.config import FULL, PRESETS, SLIDING
 
 TINY = "synthetic:tiny"
 PARAMS = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -123,6 +124,52 @@ def test_stats_report_the_engine_state():
     assert end.num_prompt_tokens == 60 and end.num_blocks_used == 0
     assert end.prefix_cache_hits == 4 * 4  # the third request found 4 of the 5 blocks cached
     assert end.prefix_cache_hit_rate == end.prefix_cache_hits / end.prefix_cache_queries
+
+
+def windowed_engine(layer_types: tuple[str, ...], **overrides) -> Engine:
+    """An engine over synthetic weights of the tiny preset's shape with these layer kinds and
+    a window of 6 (all sliding: windowed release; sliding + full: per-kind tables): both keep
+    the pool's null block."""
+    model = PRESETS["tiny"].replace(
+        name="tiny-windowed", num_layers=len(layer_types), sliding_window=6,
+        layer_types=layer_types,
+    )  # fmt: skip
+    config = EngineConfig(
+        **dict(model=TINY, backend="reference", num_blocks=64, block_size=4) | overrides
+    )
+    engine = Engine(*dataclasses.replace(config.model_spec(), model=model).load("cpu"), config)
+    engine.owns_model = True
+    return engine
+
+
+@pytest.mark.parametrize(
+    "layer_types", [(SLIDING, SLIDING), (SLIDING, FULL)], ids=["all sliding", "hybrid"]
+)
+def test_the_null_block_counts_neither_used_nor_free(layer_types):
+    from pagedkern.serving.core.engine_core import gauges
+
+    engine = windowed_engine(layer_types, enable_prefix_caching=False)
+    pool = engine.pool
+    assert pool.null_block is not None
+    assert (engine.scheduler.hybrid is not None) == (FULL in layer_types)
+    fresh = engine.stats()
+    assert (fresh.num_blocks_used, fresh.num_blocks_free, fresh.num_blocks_total) == (0, 63, 63)
+    idle = gauges(engine)
+    assert (idle.kv_blocks_used, idle.kv_blocks_total) == (0, 63)
+    # a sequence never outgrows what requests can hold
+    assert engine.max_model_len <= fresh.num_blocks_total * fresh.block_size
+    prompt = list(range(3, 23))
+    request = engine.add_request(prompt_ids=prompt, params=PARAMS)
+    engine.step()
+    held = {b for t in engine.scheduler.block_tables() for b in t if b != pool.null_block}
+    mid = engine.stats()
+    assert held and mid.num_blocks_used == len(held) == sum(pool.used_by_kind)
+    assert mid.num_blocks_used + mid.num_blocks_free == mid.num_blocks_total == 63
+    list(engine.run_until_done())
+    assert request.is_finished and not engine.has_unfinished
+    end = engine.stats()
+    assert (end.num_blocks_used, end.num_blocks_free, end.num_blocks_total) == (0, 63, 63)
+    pool.check_invariants([])
 
 
 def test_from_config_leaves_the_process_backend_alone():

@@ -165,7 +165,7 @@ def run_and_check(seed: int, backend: str) -> None:
     engine = workload.make_engine(workload.config)
     run = asyncio.run(Handlers(engine, workload, seed)())
     assert not engine.has_unfinished, "requests left running"
-    assert engine.pool.num_free == engine.pool.capacity, "blocks leaked"
+    assert engine.pool.num_free == engine.pool.num_blocks, "blocks leaked"
     check_streams(workload, run)
     check_against_offline(workload, run)
 
@@ -182,13 +182,13 @@ def run_and_check_llm(seed: int, backend: str) -> None:
         a
         for a in workload.arrivals
         if len(a.prompt_ids) < scheduler.config.max_model_len
-        and scheduler.tables.blocks_needed(len(a.prompt_ids) + 1) <= scheduler.pool.capacity
+        and scheduler.tables.blocks_needed(len(a.prompt_ids) + 1) <= scheduler.pool.num_blocks
     ]
     with llm:
         generations = llm.generate(
             [list(a.prompt_ids) for a in arrivals], [a.params for a in arrivals], use_tqdm=False
         )
-    assert llm.engine.pool.num_free == llm.engine.pool.capacity, "blocks leaked"
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks, "blocks leaked"
     run = ClientRun(defaultdict(lambda: defaultdict(list)), set(), set())
     for arrival, generation in zip(arrivals, generations, strict=True):
         samples = generation.samples or (generation,)

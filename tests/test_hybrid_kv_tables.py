@@ -89,7 +89,7 @@ def test_sliding_groups_hold_the_window_and_full_groups_everything():
     tables.roll_back(request, 7)
     assert all(len(t) == 7 for t in tables.tables(request))
     tables.release(request)
-    assert request.block_table == [] and pool.num_free == pool.capacity
+    assert request.block_table == [] and pool.num_free == pool.num_blocks
     assert pool.used_by_kind == [0, 0]
     pool.check_invariants([])
 

@@ -29,7 +29,8 @@ WINDOW, BLOCK = 6, 4
 
 def test_the_null_block_is_never_allocated_freed_or_cached():
     pool = BlockPool(5, 4, reserve_null_block=True)
-    assert pool.null_block == 0 and pool.capacity == 4 and pool.num_free == 4
+    assert pool.null_block == 0 and pool.num_free == 4
+    assert (pool.num_blocks, pool.num_used) == (4, 0)  # reserved: neither used nor free
     taken = pool.allocate(4)
     assert 0 not in taken and pool.allocate(1) is None
     pool.register(0, b"h" * 16)
@@ -39,7 +40,7 @@ def test_the_null_block_is_never_allocated_freed_or_cached():
     pool.check_invariants([table])
     pool.free(table)
     pool.acquire([0])
-    assert pool.num_free == 4
+    assert pool.num_free == 4 and pool.num_used == 0
     pool.check_invariants([])
 
 
@@ -122,7 +123,7 @@ def _run(folder, prompts, steps, release=True, monkeypatch=None, **engine_args):
     while engine.has_unfinished:
         for output in engine.step():
             got[output.request_id] += [(t, output.logprobs) for t in output.token_ids]
-        most = max(most, engine.pool.capacity - engine.pool.num_free)
+        most = max(most, engine.pool.num_blocks - engine.pool.num_free)
         engine.pool.check_invariants(engine.scheduler.block_tables())
     return [got[r.request_id] for r in requests], most, engine
 

@@ -11,9 +11,11 @@ Windowed models (every layer a sliding window) release the blocks no future quer
 (Scheduler.release_outside_window). A block table stays positional (entry j holds tokens
 [j bs, (j + 1) bs)), so a released entry is replaced by the pool's *null block*: a reserved id,
 never allocated, freed or cached, that the attention kernels never read (a window starts past
-it). A released block that was cached keeps its hash like any freed block: its K/V for those
-tokens stay valid until allocation evicts it (and then its hash goes with it), so a later prefix
-hit on it is correct for every layer: one pool serves all layers, none of which has dropped it
+it). It is neither in use nor free, nor one of the pool's `num_blocks` (the blocks requests can
+hold): an idle engine reports no block in use, and its total is what requests can take. A
+released block that was cached keeps its hash like any freed block: its K/V for those tokens
+stay valid until allocation evicts it (and then its hash goes with it), so a later prefix hit
+on it is correct for every layer: one pool serves all layers, none of which has dropped it
 alone. Hybrid local/global models give each layer group its own table over this one pool
 (engine/hybrid_tables.py), their blocks cached under group-salted hashes.
 """
@@ -65,7 +67,7 @@ class BlockPool:
         if reserve_null_block:
             self.null_block = 0
             del self._free[0]
-            self.blocks[0].ref_count = 1  # permanently in use: never allocated nor freed
+            self.blocks[0].ref_count = 1  # one permanent reference: never allocated nor freed
         self._cached: dict[bytes, int] = {}
         # Blocks in use per layer kind (0 full, 1 sliding: engine/hybrid_tables.py), now and
         # at most so far; a block's kind is the one it was allocated for (the null one's none).
@@ -77,7 +79,8 @@ class BlockPool:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        """The blocks requests can hold: num_used + num_free, the null block not among them."""
+        return len(self.blocks) - (self.null_block is not None)
 
     @property
     def num_free(self) -> int:
@@ -85,12 +88,8 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
+        """Blocks held by requests (the null block is reserved, not used)."""
         return self.num_blocks - len(self._free)
-
-    @property
-    def capacity(self) -> int:
-        """Blocks requests can hold (all but the null block)."""
-        return self.num_blocks - (self.null_block is not None)
 
     @property
     def hit_rate(self) -> float:
@@ -194,15 +193,15 @@ class BlockPool:
             self._cached.setdefault(block_hash, block_id)
 
     def check_invariants(self, block_tables: Iterable[Sequence[int]]) -> None:
-        """blocks in use + free == total; ref counts equal the uses in the live block tables;
+        """blocks in use + free == num_blocks; ref counts equal the uses in the live block tables;
         the prefix cache points at blocks that hold the hash. AssertionError otherwise."""
-        uses = [0] * self.num_blocks
+        uses = [0] * len(self.blocks)
         for table in block_tables:
             for block_id in table:
                 uses[block_id] += 1
         if self.null_block is not None:  # any number of table entries, one permanent reference
             uses[self.null_block] = 1
-        in_use = sum(1 for b in self.blocks if b.ref_count > 0)
+        in_use = sum(1 for b in self.blocks if b.ref_count > 0 and b.block_id != self.null_block)
         assert in_use + len(self._free) == self.num_blocks, "in use + free != total"
         for block in self.blocks:
             uses_of = uses[block.block_id]

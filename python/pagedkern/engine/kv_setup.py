@@ -41,14 +41,14 @@ class KVCacheSetup:
         num_blocks = config.num_blocks or kv_cache_blocks(
             model, config, context, draft_model, groups
         )
-        # A sequence can never outgrow the whole cache: one that did would be preempted
-        # forever.
-        max_model_len = min(context, num_blocks * config.block_size)
-        if groups is not None:  # every group's blocks, less the null block
+        # A sequence can never outgrow the blocks requests can hold (all but the null block a
+        # windowed pool reserves): one that did would be preempted forever.
+        capacity = num_blocks - reserves_null_block(model, config, groups)
+        max_model_len = min(context, capacity * config.block_size)
+        if groups is not None:  # every group's blocks
             max_model_len = context_that_fits(
-                groups, num_blocks - 1, config.block_size, config.max_num_batched_tokens,
-                context,
-            )  # fmt: skip
+                groups, capacity, config.block_size, config.max_num_batched_tokens, context
+            )
             if max_model_len < 2:
                 raise KVCacheMemoryError(
                     f"{num_blocks} KV blocks hold no sequence of this model's layer groups"
@@ -72,9 +72,19 @@ class KVCacheSetup:
             self.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
-            kv_window is not None or any(w is not None for w in group_windows),
+            reserves_null_block(model, config, self.groups),
         )
         return Scheduler(
             pool,
             SchedulerConfig.from_engine(config, self.max_model_len, kv_window, group_windows),
         )
+
+
+def reserves_null_block(
+    model: LlamaModel, config: EngineConfig, groups: KVLayerGroups | None
+) -> bool:
+    """Whether the pool keeps a null block for released table entries: every layer windowed,
+    or a sliding group among per-kind tables (block_pool.py)."""
+    group_windows = () if groups is None else groups.windows[1:]
+    windowed = released_kv_window(model.config, config) is not None
+    return windowed or any(w is not None for w in group_windows)

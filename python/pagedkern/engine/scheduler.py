@@ -74,7 +74,7 @@ class Scheduler:
                 "without chunked prefill the token budget of a step)"
             )
         needed = self.tables.blocks_needed(request.num_tokens + 1)
-        if needed > self.pool.capacity:
+        if needed > self.pool.num_blocks:
             raise RequestRejected(
                 f"request {request.request_id}: {request.num_tokens} prompt tokens need more KV "
                 f"blocks than the whole cache holds "
