@@ -1,9 +1,10 @@
 """CuPy arrays an op makes for itself (outputs, workspaces, parameter arrays: ops/arrays.py
-empty_like / full_like) while a CUDA graph captures: never from CuPy's pool left to reuse them
-(it is not graph-aware), but from torch's caching allocator on the capturing stream, kept alive
-until release_capture_arrays(); without torch from CuPy, kept alive likewise. Outside a capture
-nothing changes. On the CPU a stand-in `cupy` module simulates the capture and records which
-allocator each call reached (tests/test_arrays_capture_gpu.py replays a real capture)."""
+empty_like / full_like, through ops/cupy_capture.py) while a CUDA graph captures: never from
+CuPy's pool left to reuse them (it is not graph-aware), but from torch's caching allocator on
+the capturing stream, kept alive until release_capture_arrays(); without torch from CuPy, kept
+alive likewise. Outside a capture nothing changes. On the CPU a stand-in `cupy` module
+simulates the capture and records which allocator each call reached
+(tests/test_arrays_capture_gpu.py replays a real capture)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ import types
 import pytest
 import torch
 
-from pagedkern.ops import arrays
+from pagedkern.ops import arrays, cupy_capture
 from pagedkern.ops.arrays import ArrayView
 
 STREAM = 0x5EED
 
 
 class FakeCupy(types.ModuleType):
-    """What arrays.py calls on `cupy`; allocations are recorded, arrays are descriptions."""
+    """What arrays.py and cupy_capture.py call on `cupy`; allocations are recorded, arrays are
+    descriptions."""
 
     def __init__(self, capturing: bool) -> None:
         super().__init__("cupy")
@@ -77,7 +79,7 @@ def fake_cupy(monkeypatch):
 
 @pytest.fixture
 def torch_buffers(monkeypatch):
-    """arrays._torch_buffer (torch.empty / torch.full on the capturing CUDA stream) as CPU
+    """cupy_capture._torch_buffer (torch.empty / torch.full on the capturing CUDA stream) as CPU
     tensors, each call recorded."""
     made: list[tuple] = []
 
@@ -86,7 +88,7 @@ def torch_buffers(monkeypatch):
         t = torch.empty(shape, dtype=getattr(torch, dtype))
         return t if value is None else t.fill_(value)
 
-    monkeypatch.setattr(arrays, "_torch_buffer", buffer)
+    monkeypatch.setattr(cupy_capture, "_torch_buffer", buffer)
     return made
 
 
@@ -112,7 +114,7 @@ def test_during_a_capture_torch_allocates_on_the_capturing_stream_and_keeps_them
         (0, (4,), "float32", 0.5, STREAM),
     ]
     assert arrays.capture_arrays() == 2
-    kept = arrays._capture_arrays
+    kept = cupy_capture._capture_arrays
     for array, tensor, shape in zip((out, params), kept, ((3, 5), (4,)), strict=True):
         kind, got_shape, dtype, (_, memory, offset) = array
         assert (kind, got_shape, dtype, offset) == ("cupy view", shape, "float32", 0)
@@ -128,16 +130,18 @@ def test_during_a_capture_torch_allocates_on_the_capturing_stream_and_keeps_them
 
 def test_during_a_capture_without_torch_cupy_arrays_are_kept(fake_cupy, torch_buffers, monkeypatch):
     cupy = fake_cupy(capturing=True)
-    real = arrays._module
-    monkeypatch.setattr(arrays, "_module", lambda name: None if name == "torch" else real(name))
+    real = cupy_capture._module
+    monkeypatch.setattr(
+        cupy_capture, "_module", lambda name: None if name == "torch" else real(name)
+    )
     out = arrays.empty_like(_cupy_view(), (6,), "int32")
     assert cupy.calls == [("cupy.empty", (6,), "int32")] and torch_buffers == []
-    assert arrays._capture_arrays == [out]
+    assert cupy_capture._capture_arrays == [out]
 
 
 def test_an_old_cupy_without_graph_capture_is_never_capturing(fake_cupy):
     cupy = fake_cupy(capturing=True)
     cupy.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=STREAM)
-    assert not arrays.cupy_capturing()
+    assert not cupy_capture.cupy_capturing()
     arrays.empty_like(_cupy_view(), (1,), "float32")
     assert cupy.calls == [("cupy.empty", (1,), "float32")]

@@ -1,14 +1,14 @@
 """CuPy arguments under CUDA-graph capture, on a device: an op that allocates its own output
-inside a CuPy stream capture replays into memory nobody else was handed (ops/arrays.py keeps
-the arrays a capture made), after the pool was churned by arrays made and dropped since."""
+inside a CuPy stream capture replays into memory nobody else was handed (ops/cupy_capture.py
+keeps the arrays a capture made), after the pool was churned by arrays made and dropped since."""
 
 from __future__ import annotations
 
 import pytest
 
 import pagedkern
-from pagedkern.ops import arrays
-from pagedkern.ops.arrays import capture_arrays, release_capture_arrays
+from pagedkern.ops import cupy_capture
+from pagedkern.ops.cupy_capture import capture_arrays, release_capture_arrays
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +37,7 @@ def test_an_output_allocated_during_a_cupy_capture_stays_the_graphs(cp):
         out = pagedkern.rms_norm(x, w, 1e-6)  # allocates its output during the capture
         graph = stream.end_capture()
     assert capture_arrays() == 1
-    kept = cp.asarray(arrays._capture_arrays[0])  # (a torch tensor where torch is loaded)
+    kept = cp.asarray(cupy_capture._capture_arrays[0])  # (a torch tensor where torch is loaded)
     pointer = out.data.ptr
     assert kept.data.ptr == pointer
     del out  # the caller drops it; the graph still writes there

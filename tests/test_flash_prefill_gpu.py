@@ -22,6 +22,7 @@ from kernel_check import every_variant, poisoned
 
 import pagedkern
 from pagedkern import reference
+from pagedkern.reference.key_blocks import gather_sequence
 
 # The module (pagedkern.ops.flash_prefill, attribute access gives the function of that name).
 fp_module = importlib.import_module("pagedkern.ops.flash_prefill")
@@ -94,8 +95,8 @@ def attention_in_dtype(q, k_cache, v_cache, cu, table, seq_lens, scale):
         s, e = bounds[b], bounds[b + 1]
         if e == s:
             continue
-        k = reference.attention._gather(k_cache, table[b], length).to(q.dtype)
-        v = reference.attention._gather(v_cache, table[b], length).to(q.dtype)
+        k = gather_sequence(k_cache, table[b], length).to(q.dtype)
+        v = gather_sequence(v_cache, table[b], length).to(q.dtype)
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [Hq, L, D]
         scores = torch.einsum("thd,hld->htl", q[s:e] * scale, k)
         pos = torch.arange(length - (e - s), length, device=q.device)

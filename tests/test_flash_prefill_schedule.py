@@ -20,7 +20,7 @@ import pytest
 import torch
 from support.host_layouts import run_layout_check
 
-from pagedkern.reference.attention import _gather
+from pagedkern.reference.key_blocks import gather_sequence
 
 BLOCK_M = 128  # flash::kBlockM
 BLOCK_N = {"sm80 D=64": 128, "sm80 D=128": 64, "sm80 D=256": 64, "sm90": 128}
@@ -323,7 +323,7 @@ def test_path1_row_gather_matches_reference(block_size, head_dim, block_n):
     flat = cache.reshape(-1)
     page_stride = num_kv_heads * block_size * head_dim
     for kv_head in range(num_kv_heads):
-        want = _gather(cache, table, seq_len)[kv_head]
+        want = gather_sequence(cache, table, seq_len)[kv_head]
         for tile in range(-(-seq_len // block_n)):
             got = torch.zeros(block_n, head_dim)
             for row in range(block_n):  # load_kv: one table lookup per row, zero past seq_len
@@ -355,7 +355,7 @@ def test_path1_fp8_chunks_gather_the_tile(block_size, head_dim, block_n):
     flat = cache.reshape(-1)
     page_stride = num_kv_heads * block_size * head_dim
     for kv_head in range(num_kv_heads):
-        want = _gather(cache, table, seq_len)[kv_head]
+        want = gather_sequence(cache, table, seq_len)[kv_head]
         for tile in range(-(-seq_len // block_n)):
             ring = [  # fetch_pages: the page of each key row of the tile (0 past seq_len)
                 int(table[page_of(tile * block_n + r, block_size)[0]])
@@ -401,7 +401,7 @@ def test_path2_tma_boxes_fill_the_tile(block_size, head_dim):
     box_rows = min(block_size, block_n)
     stale = float("nan")  # what a buffer holds before: any value, NaN the worst
     for kv_head in range(num_kv_heads):
-        want = _gather(cache, table, seq_len)[kv_head]
+        want = gather_sequence(cache, table, seq_len)[kv_head]
         for j in range(-(-seq_len // block_n)):
             smem = torch.full((block_n * head_dim,), stale)
             key0 = j * block_n

@@ -158,9 +158,9 @@ def test_a_window_reads_only_its_blocks(monkeypatch):
     import pagedkern.reference.attention as attention
 
     spans = []
-    gather = attention._gather_pages
+    gather = attention.gather_pages
     monkeypatch.setattr(
-        attention, "_gather_pages", lambda c, p, d: spans.append(p.shape[1]) or gather(c, p, d)
+        attention, "gather_pages", lambda c, p, d: spans.append(p.shape[1]) or gather(c, p, d)
     )
     g = torch.Generator().manual_seed(9)
     seq_lens = [300, 17]

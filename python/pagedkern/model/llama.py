@@ -14,10 +14,10 @@ calls ops/cpu/'s functions without the ops layer's per-call validation: each lay
 is one C++ call over every row of the step, and a quantized fp32 model's layers are one C++
 call (cpu_step.py).
 
-Gemma 2 / 3 on the same loop: embeddings times sqrt(hidden), QK-norm (Gemma 3), the attention
-scale, soft-cap and sliding window of each layer passed to the attention ops, its own RoPE
-table for sliding layers (Gemma 3), an RMSNorm of the attention output and of the MLP output
-before their residual adds (sandwich norms), GeGLU, and the final logits soft-capped.
+Gemma 2 / 3 on the same loop: embeddings times sqrt(hidden), QK-norm (Gemma 3; qk_norm.py), the
+attention scale, soft-cap and sliding window of each layer passed to the attention ops, its own
+RoPE table for sliding layers (Gemma 3), an RMSNorm of the attention output and of the MLP
+output before their residual adds (sandwich norms), GeGLU, and the final logits soft-capped.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from .cpu_step import CpuStep
 from .kv_cache import FP8, KVCache, KVLayerGroups, allocate_kv_cache, kv_element
 from .linear import LogitsProjection, linear
 from .moe import moe_mlp
+from .qk_norm import qk_norms
 from .quantized_linear import QuantizedWeight
 from .rope import rope_table
 from .step_attention import StepAttention
@@ -335,18 +336,8 @@ class LlamaModel:
         q, k, v = qkv.unflatten(1, (-1, cfg.head_dim)).split(
             (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads), dim=1
         )
-        if cfg.qk_norm_whole:  # (OLMoE) one RMSNorm over all heads' q, likewise k
-            q = _whole_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = _whole_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        norms = {}
-        if layer.q_norm is not None and not cfg.qk_norm_whole:
-            # QK-norm (Qwen3, Gemma 3): each head RMS-normalised before RoPE, in place, fused
-            # into rope_and_cache (fp8 calibration needs the normalised k first: unfused)
-            if self._kv_amax is None:
-                norms = dict(q_norm=layer.q_norm, k_norm=layer.k_norm, norm_eps=cfg.rms_norm_eps)
-            else:
-                q = _head_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = _head_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        # QK-norm, fused into rope_and_cache unless fp8 calibration reads the normed k first
+        q, k, norms = qk_norms(q, k, layer, cfg, fuse=self._kv_amax is None)
         if self._kv_amax is not None:  # fp8 calibration (kv_scales)
             self._kv_amax.append((k.abs().max().item(), v.abs().max().item()))
         # fp8 cache: rope_and_cache stores k / k_scale and v / v_scale (E4M3, saturated) and
@@ -389,17 +380,3 @@ def _layer_metas(
             f"{1 + len(meta.group_block_tables)} block tables"
         )
     return [meta.for_group(g) for g in range(groups.num_groups)], groups.layer_group
-
-
-def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over each head ([T, H, D] -> a new contiguous [T, H, D]); heads of the fused QKV
-    output are not rows of one stride, so they are normed as a [T * H, D] copy."""
-    tokens, heads, dim = x.shape
-    return ops.rms_norm(x.reshape(tokens * heads, dim), weight, eps).view(tokens, heads, dim)
-
-
-def _whole_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over all heads of each token at once ([T, H, D] -> a new [T, H, D]; weight
-    [H * D]), as OLMoE norms the whole q and k projections."""
-    tokens, heads, dim = x.shape
-    return ops.rms_norm(x.reshape(tokens, heads * dim), weight, eps).view(tokens, heads, dim)

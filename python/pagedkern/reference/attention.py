@@ -4,6 +4,8 @@ Cache pages are [num_blocks, Hkv, block_size, D] (HND); a sequence's token t liv
 block_tables[b, t // block_size] at offset t % block_size. GQA: query head h reads KV head
 h // (Hq / Hkv). Scores, softmax and the weighted sum are fp32; the output is rounded once.
 The log-sum-exp (natural log, of the scaled scores) is what split-KV and cascades merge on.
+The keys both ops read, in whole blocks, and the query rows they pad for batch invariance:
+key_blocks.py.
 
 Both ops take the same options, defined once in ATTENTION_OPTIONS: a left `sliding_window`,
 logit `soft_cap`ping and attention `sinks`.
@@ -13,31 +15,7 @@ from __future__ import annotations
 
 import torch
 
-# Bit-identical results wherever a query is computed (batch invariance: greedy outputs must not
-# depend on what else a step carries, nor on decode vs prefill rows, chunking or preemption):
-# every GEMM of a (sequence, kv head) gets at least MIN_GEMM_ROWS query rows, zero-padded, and
-# its keys are padded to whole blocks. CPU BLASes round a product of few rows apart from the
-# same rows among many (a Xeon's MKL: 1 row; an AMD EPYC's: 1-3 rows, measured from 4 to 160
-# alike), and a score, softmax row or weighted sum apart at another width, except across
-# whole-block widths (both measured on the EPYC up to ~200 keys).
-MIN_GEMM_ROWS = 4
-
-
-def _with_min_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """x zero-padded along `dim` to MIN_GEMM_ROWS rows (x itself when it has as many)."""
-    missing = MIN_GEMM_ROWS - x.shape[dim]
-    if missing <= 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
-
-
-def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """Keys or values 0..length-1 of one sequence as [Hkv, length, D] float32."""
-    block_size = cache.shape[2]
-    pages = cache[table[: (length + block_size - 1) // block_size].long()]  # [n, Hkv, bs, D]
-    return pages.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])[:, :length].float()
+from .key_blocks import MIN_GEMM_ROWS, first_block, gather_pages, key_blocks, with_min_rows
 
 
 def paged_attention(
@@ -113,16 +91,6 @@ def _groups(lengths: list[int], elements_per_token: int, budget: int = 1 << 24) 
     return groups + [group] if group else groups
 
 
-def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, dims: tuple[int, ...]):
-    """Pages [S, n] of a cache [blocks, Hkv, bs, D] as a fresh float32 [S, Hkv, ...] tensor,
-    the rest in `dims` order (1: page, 3: slot, 4: D). index_select copies whole [Hkv, bs, D]
-    pages (cache[pages] walks them element by element)."""
-    group, n = pages.shape
-    pages_of = cache.index_select(0, pages.reshape(-1)).view(group, n, *cache.shape[1:])
-    dense = pages_of.permute(0, 2, *dims)
-    return torch.empty(dense.shape, device=cache.device).copy_(dense)
-
-
 ATTENTION_OPTIONS = """
     sliding_window: None, or an int >= 1: the query at position p sees only keys at positions k
     with p - k < sliding_window (HF transformers' convention: a window of 1 is the query's own
@@ -151,27 +119,6 @@ def _with_sink(scores: torch.Tensor, sinks: torch.Tensor | None, shape: tuple[in
     return torch.cat([scores, column], dim=-1)
 
 
-def _first_block(length: int, first_query: int, window: int | None, block_size: int) -> int:
-    """The first key block a sequence's queries read: 0, or with a window the block holding
-    the oldest key its first query (at position first_query) sees. Older blocks are never
-    read (a windowed layer reads ~window keys however long the sequence)."""
-    return 0 if window is None else max(0, first_query - window + 1) // block_size
-
-
-def _key_blocks(tables, lengths, first: torch.Tensor, block_size: int):
-    """(pages [G, span], key positions [G, span * block_size]): each sequence's blocks from
-    `first` on, as many as the group's widest span; entries past a sequence's last block read
-    page 0 (their positions are at or past its length: masked)."""
-    nblk = -(-lengths // block_size)
-    span = int((nblk - first).max())
-    cols = first[:, None] + torch.arange(span, device=lengths.device)
-    ids = tables.long().gather(1, cols.clamp(max=tables.shape[1] - 1))
-    pages = torch.where(cols < nblk[:, None], ids, 0)
-    offsets = torch.arange(block_size, device=lengths.device)
-    positions = (cols[:, :, None] * block_size + offsets).reshape(len(lengths), -1)
-    return pages, positions
-
-
 def _attend_padded(
     q,
     k_cache,
@@ -188,9 +135,9 @@ def _attend_padded(
     q [G, Hq, D] -> (out [G, Hq, D], lse [G, Hq] or None unless need_lse) in fp32."""
     g, hq, d = q.shape
     hkv, block_size = k_cache.shape[1], k_cache.shape[2]
-    first = [_first_block(n, n - 1, window, block_size) for n in lengths.tolist()]
+    first = [first_block(n, n - 1, window, block_size) for n in lengths.tolist()]
     first = torch.tensor(first, device=q.device)  # (the query sits at lengths - 1)
-    pages, positions = _key_blocks(tables, lengths, first, block_size)
+    pages, positions = key_blocks(tables, lengths, first, block_size)
     visible = positions < lengths[:, None]  # [G, L]
     if window is not None:
         visible &= positions >= (lengths - window)[:, None]
@@ -198,15 +145,15 @@ def _attend_padded(
     # Slots past a length may never have been written (NaN): their scores are masked to -inf
     # whatever the keys there, and their values zeroed (a zero weight times NaN is NaN).
     group = hq // hkv
-    qg = _with_min_rows(q.float().reshape(g, hkv, group, d), 2)  # (see MIN_GEMM_ROWS)
-    keys = _gather_pages(k_cache, pages, (1, 3, 4)).view(g, hkv, -1, d)
+    qg = with_min_rows(q.float().reshape(g, hkv, group, d), 2)  # (see MIN_GEMM_ROWS)
+    keys = gather_pages(k_cache, pages, (1, 3, 4)).view(g, hkv, -1, d)
     scores = _soft_capped(torch.einsum("bhgd,bhld->bhgl", qg, keys) * scale, soft_cap)
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     if sinks is not None:  # the query rows' sinks; the padding rows' are dropped with them
-        sinks = _with_min_rows(sinks.float().view(hkv, group), 1)
+        sinks = with_min_rows(sinks.float().view(hkv, group), 1)
     scores = _with_sink(scores, sinks, (1, hkv, -1, 1))
     lse = torch.logsumexp(scores[:, :, :group], dim=-1).reshape(g, hq) if need_lse else None
-    values = _gather_pages(v_cache, pages, (1, 3, 4)).view(g, hkv, -1, d)
+    values = gather_pages(v_cache, pages, (1, 3, 4)).view(g, hkv, -1, d)
     values.masked_fill_(~visible[:, None, :, None], 0.0)
     weights = torch.softmax(scores, dim=-1)
     if sinks is not None:
@@ -260,7 +207,7 @@ def flash_prefill(
         if length < n:
             raise ValueError(f"seq_lens[{i}]={length} is shorter than its query chunk ({n})")
     bs = k_cache.shape[2]
-    first = [_first_block(n, n - c, sliding_window, bs) for c, n in zip(chunks, lengths)]
+    first = [first_block(n, n - c, sliding_window, bs) for c, n in zip(chunks, lengths)]
     for group in _prefill_groups(chunks, lengths, bs, hq, first):
         starts = [bounds[i] for i in group]
         rows, o, s = _prefill_padded(
@@ -345,7 +292,7 @@ def _prefill_padded(
     rows = torch.where(real, first[:, None] + step[None, :], first[:, None])
     positions = (lens - n)[:, None] + step[None, :]  # [S, T], each query's position
     blocks = torch.tensor(first_blocks, device=q.device)
-    pages, slots = _key_blocks(tables, lens, blocks, block_size)  # slots: [S, W] key positions
+    pages, slots = key_blocks(tables, lens, blocks, block_size)  # slots: [S, W] key positions
     width = slots.shape[1]
     hidden = slots[:, None, :] > positions[:, :, None]  # [S, T, W]: causal (so < length)
     if window is not None:  # and keys window or more positions back
@@ -355,7 +302,7 @@ def _prefill_padded(
     qg = qg.permute(0, 2, 1, 3, 4).reshape(group * hkv, -1, d)  # [S * Hkv, T * G, D]
     # Keys as [D, W] rows: with the transposed view torch's CPU bmm rounds few-row products
     # (T * G < 6) differently from many-row ones, so a chunk's scores hung on its group's T
-    keys = _gather_pages(k_cache, pages, (4, 1, 3)).view(group * hkv, d, width)  # [D, W] a head
+    keys = gather_pages(k_cache, pages, (4, 1, 3)).view(group * hkv, d, width)  # [D, W] a head
     scores = _soft_capped(torch.bmm(qg, keys).mul_(scale), soft_cap)
     scores = scores.view(group, hkv, t_max, -1, width)
     scores.masked_fill_(hidden[:, None, :, None, :], float("-inf"))
@@ -366,7 +313,7 @@ def _prefill_padded(
         lse = scores.amax(-1) - torch.log_softmax(scores, dim=-1).amax(-1)
         lse = lse.permute(0, 2, 1, 3)
     # Slots past a length may never have been written (NaN): zero weights times NaN is NaN
-    values = _gather_pages(v_cache, pages, (1, 3, 4)).view(group, hkv, width, d)
+    values = gather_pages(v_cache, pages, (1, 3, 4)).view(group, hkv, width, d)
     values.masked_fill_((slots >= lens[:, None])[:, None, :, None], 0.0)
     weights = torch.softmax(scores, dim=-1)
     if sinks is not None:

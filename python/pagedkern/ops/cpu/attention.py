@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 
 from ... import reference
-from ...reference.attention import MIN_GEMM_ROWS
+from ...reference.key_blocks import MIN_GEMM_ROWS
 from . import attention_kernel
 
 # Keys a tile (rounded to whole blocks). Every tile is whole: keys are padded (hidden, values

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...reference.attention import MIN_GEMM_ROWS
+from ...reference.key_blocks import MIN_GEMM_ROWS
 from .attention import key_tile, table_columns, tiled_attention, whole_tiles
 
 
