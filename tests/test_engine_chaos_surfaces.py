@@ -18,7 +18,9 @@ engine's other features meet:
 - tensor parallelism on the CPU (TP = 2 over gloo, its deterministic requests checked against
   the request alone at TP = 1: ~5 s to start the worker, so one seed in the fast set).
 
-Under speculation only greedy requests are compared with their solo run (solo_runs says why).
+Under speculation seeded requests are compared with their solo run too: they verify by the
+coupled rule, which keeps the plain draws (speculative/verify.py); the others draw from the
+exact distribution by the rejection rule, their tokens not reproducible by design.
 On the reference backend torch's GEMMs are not batch-invariant (~1e-6 in the logits, where the
 CPU backend's are exact): a seeded draw that lands that close to a boundary between two tokens
 can flip, rarely (1 of 300 seeds swept, reference 85); the seeds here do not.
@@ -334,20 +336,10 @@ def surface_workload(seed: int, backend: str, front_end: bool = False) -> Worklo
 
 
 def solo_runs(workload: Workload) -> Workload:
-    """What check_against_alone runs each request alone with, and which requests: streamed
-    ones through step() (a stream closed at random would cut the solo run short). Under
-    speculation greedy ones only: a sampled request keeps the exact distribution, but a
-    verified position draws its token otherwise than a plain one (accept the proposal by
-    word 1 of the position's Philox draw, else recover from the residual; plain: word 0 over
-    the whole distribution), and whether a position is verified depends on the batch: the
-    step's token budget caps k, a fork that waits for a seat recomputes its prompt and samples
-    its next token plainly, so does a preempted request at its recompute's end. (A seeded
-    request is then reproducible alone, but not "whatever else shares its batches".)"""
+    """What check_against_alone runs each request alone with: streamed ones through step() (a
+    stream closed at random would cut the solo run short)."""
     driver = Driver if isinstance(workload.driver, functools.partial) else workload.driver
-    arrivals = workload.arrivals
-    if workload.config.get("speculative", "none") != "none":
-        arrivals = [a for a in arrivals if a.params.greedy]
-    return dataclasses.replace(workload, arrivals=arrivals, driver=driver)
+    return dataclasses.replace(workload, driver=driver)
 
 
 def run_and_check(seed: int, backend: str) -> None:

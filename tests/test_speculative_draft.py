@@ -466,9 +466,11 @@ RANDOM_DRAFT_SEEDS = {"temperature 0.7, top-p 0.9": 2**14, "temperature 0.7, top
 @needs_engine
 @pytest.mark.parametrize("case", SAMPLED)
 def test_speculative_sampling_with_a_random_draft_keeps_the_distribution(case):
-    """Many seeds, a synthetic target and a different random synthetic draft: the first two
+    """Many requests, a synthetic target and a different random synthetic draft: the first two
     tokens' joint frequencies under speculation match the exact non-speculative joint, and so
-    do the second token's alone (the verified one: the sharpest test of the rule)."""
+    do the second token's alone (the verified one: the sharpest test of the rule). The
+    requests have no seed of their own, so they verify by the rejection rule; the engine's
+    seed source is seeded here so that the run is reproducible."""
     seeds, batch = RANDOM_DRAFT_SEEDS[case], 4096
     prompt = [5]  # one token: the prefill runs as a (batched) decode row, the cheap path
     # Four tokens, so that the second one is verified (the last allowed token is only ever
@@ -487,13 +489,12 @@ def test_speculative_sampling_with_a_random_draft_keeps_the_distribution(case):
         num_speculative_tokens=3,
     )
     engine = Engine.from_config(config)
+    engine.admission._seeds = random.Random(17)
     pairs = []
     for start in range(0, seeds, batch):
         out: dict[str, list[int]] = {}
         for s in range(start, start + batch):
-            engine.add_request(
-                prompt_ids=prompt, params=dataclasses.replace(params, seed=s), request_id=f"S{s}"
-            )
+            engine.add_request(prompt_ids=prompt, params=params, request_id=f"S{s}")
         for o in engine.run_until_done():
             out.setdefault(o.request_id, []).extend(o.token_ids)
         pairs += [tuple(ids[:2]) for ids in out.values()]
@@ -506,6 +507,49 @@ def test_speculative_sampling_with_a_random_draft_keeps_the_distribution(case):
     assert_chi_square(observed, joint.flatten() * seeds)
     assert_chi_square(observed // VOCAB, joint.sum(1) * seeds)  # the first token alone
     assert_chi_square(observed % VOCAB, joint.sum(0) * seeds)  # the second, verified, alone
+
+
+@needs_engine
+@pytest.mark.parametrize("draft_model", ["self:1", "synthetic:tiny"])
+def test_seeded_sampling_with_a_draft_is_token_identical(draft_model):
+    """A request given a seed draws the tokens plain decoding draws (the coupled rule), with a
+    draft of the target's own layer and with another random model, batched and preempting."""
+    config, _, prompts = SELF_DRAFT_MODELS["tiny"]
+    params = SamplingParams(temperature=0.3, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
+    want = run_all(config, TEXTS[:prompts], params)[0]
+    for scenario in ("batched", "preemption (24-block pool)"):
+        spec = dataclasses.replace(
+            config,
+            speculative="draft",
+            draft_model=draft_model,
+            num_speculative_tokens=4,
+            **E2E_SCENARIOS[scenario],
+        )
+        got, preemptions, accepted = run_all(spec, TEXTS[:prompts], params)
+        assert got == want, scenario
+        if draft_model.startswith("self"):
+            assert accepted > 0, "no proposal was accepted: the accept branch did not run"
+        if "num_blocks" in E2E_SCENARIOS[scenario]:
+            assert preemptions > 0, "the small pool did not preempt"
+
+
+def test_a_seeded_requests_draft_draws_with_its_own_seed(target):
+    """The shared uniform: a seeded request's proposal is the draft distribution's inverse CDF
+    at the target's own draw (sample's rule with the request's seed), so a draft equal to the
+    target proposes exactly the token the target then draws."""
+    n = 256
+    params = dataclasses.replace(SAMPLED["temperature 0.7, top-p 0.9"], seed=0)
+    prompt = [1, 2, 3, 4]
+    requests = make_requests([prompt] * n, params, seeds=list(range(n)))
+    proposer = DraftProposer.create(
+        f"self:{TARGET.num_layers}", target, target_cache(target, n), CONFIG
+    )
+    proposed = torch.tensor([p.token_ids[0] for p in proposer.propose(requests, [1] * n)])
+    kv = target.allocate_kv_cache(4, BLOCK)
+    ids, meta = build_batch([SequenceChunk(prompt, 0, [0, 1])], BLOCK)
+    logits = target(ids, meta, kv).expand(n, VOCAB)
+    own = sample(logits, params.temperature, params.top_p, params.top_k, torch.arange(n), 0)
+    assert torch.equal(own.long(), proposed)
 
 
 @pytest.mark.parametrize("draft_model", ["self:1", "synthetic:tiny"])

@@ -169,6 +169,86 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
         assert alone["Q0"] == batched[f"Q{i}"]
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"num_blocks": 40, "max_num_batched_tokens": 48},  # preemption and chunked prefill
+        {"block_size": 16, "num_speculative_tokens": 7},
+    ],
+    ids=["roomy", "tight-pool", "block-16-k7"],
+)
+def test_seeded_sampling_is_token_identical_to_plain_decoding(overrides):
+    """A request given a seed draws the tokens a run without speculation draws (the coupled
+    rule), whatever its batch lets it verify: tempered, truncated and penalised, with stop ids
+    and max_tokens inside accepted runs."""
+    prompts = repetitive_prompts()
+    params = [
+        SamplingParams(
+            temperature=(0.05, 0.3, 1.0)[i % 3],
+            top_p=0.9 if i % 2 else 1.0,
+            top_k=8 if i % 4 == 1 else 0,
+            repetition_penalty=1.3 if i % 5 == 2 else 1.0,
+            seed=1000 + i,
+            max_tokens=5 + 7 * (i % 4),
+            stop_token_ids=(ids[i % len(ids)],) if i % 3 == 0 else (),
+            ignore_eos=True,
+        )
+        for i, ids in enumerate(prompts)
+    ]
+    plain = generate(make_engine("none", **overrides), prompts, params)
+    engine = make_engine(**overrides)
+    assert generate(engine, prompts, params) == plain
+    assert engine.stats().num_spec_accepted > 0, "no proposal was accepted"
+
+
+def test_coupled_rule_keeps_the_plain_draws():
+    """verify() for seeded requests: every gained token is the draw `sample`'s rule makes at
+    its position (a request with no proposals), and a proposal is kept iff it equals it."""
+    import torch
+
+    from pagedkern.engine.logits_processing import LogitsState
+    from pagedkern.engine.request import Request
+    from pagedkern.engine.speculative import verify as verification
+    from pagedkern.reference import rejection_sample
+
+    g = torch.Generator().manual_seed(5)
+    vocab = 7
+    kept = 0
+    for trial in range(60):
+        requests, proposals = [], []
+        for b in range(3):
+            params = SamplingParams(temperature=0.5 + b / 2, top_p=0.9, seed=trial)
+            r = Request(f"R{b}", (1, 2), params, output_ids=[3] * b, seed=trial * 3 + b)
+            r.logits_state = LogitsState(params, r.prompt_ids, (), vocab)
+            k = int(torch.randint(0, 4, (1,), generator=g))
+            requests.append(r)
+            proposals.append(Proposal(tuple(torch.randint(0, vocab, (k,), generator=g).tolist())))
+        rows = sum(len(p.token_ids) + 1 for p in proposals)
+        logits = 3 * torch.randn(rows, vocab, generator=g)
+        gains = verification.verify(logits, requests, proposals)
+        probs = verification.target_probs(logits, requests, proposals).float()
+        row = 0
+        for r, p, gained in zip(requests, proposals, gains, strict=True):
+            for j, token in enumerate(gained):
+                alone, _ = rejection_sample(
+                    probs[row + j : row + j + 1],
+                    torch.zeros(0, dtype=torch.int32),
+                    None,
+                    torch.zeros(2, dtype=torch.int32),
+                    torch.tensor([r.seed]),
+                    torch.tensor([len(r.output_ids) + j]),
+                )
+                assert token == int(alone[0, 0]), (trial, j)
+                if j < len(gained) - 1:
+                    assert token == p.token_ids[j]
+            a = len(gained) - 1
+            assert a == len(p.token_ids) or gained[a] != p.token_ids[a]
+            kept += a
+            row += len(p.token_ids) + 1
+    assert kept > 0, "no proposal was kept: the accept branch did not run"
+
+
 def test_zero_proposals_are_a_plain_decode_and_give_the_lookahead_back():
     engine = make_engine(block_size=4, num_speculative_tokens=8)
 
@@ -332,7 +412,7 @@ def test_greedy_shortcut_equals_the_rejection_rule():
         logits = torch.randn(rows, vocab, generator=g)
         logits[0, 1] = logits[0].max()  # a tie: the lower id wins in both paths
         fast = verification.verify(logits, requests, proposals)
-        rule = verification._sampled(logits, requests, proposals)
+        rule = verification._rejection(logits, requests, proposals)
         assert fast == rule, trial
 
 

@@ -50,7 +50,7 @@ class SamplingParams:
 
     max_tokens in [1, 2^31). temperature in [0, 2] (0 means greedy). top_p in (0, 1] (1 = off);
     top_k an int32, <= 0 = off. `seed` (an int64) makes the request's draws reproducible whatever
-    else shares its batches (None: the engine picks one).
+    else shares its batches, with speculative decoding or without (None: the engine picks one).
     Stop conditions: the model's end-of-turn / EOS tokens (unless ignore_eos), `stop_token_ids`
     (at most 1024), `stop` strings (at most 64, each 1..256 characters; never emitted, not even
     partly), `max_tokens`, the model's context length, `timeout` seconds after arrival, and

@@ -15,10 +15,13 @@ propose(), batched over the requests: one catch-up forward (every request's ids 
 prefix, through the prefill path; usually the one or two tokens the last step accepted), then
 k - 1 one-token decode steps feeding back the previous proposal. Greedy requests propose the
 draft's argmax. Sampled ones draw from the draft's own distribution under the request's
-temperature, top-p, top-k and min-p (reference.sampling_distribution, no penalties) with a
-Philox stream keyed by the request's seed XOR DRAFT_SEED_KEY (independent of the target's
-accept / recovery draws) at counter = the output index of the proposed token; those rows come
-back as draft_probs, what the rejection rule divides by.
+temperature, top-p, top-k and min-p (reference.sampling_distribution, no penalties) at counter
+= the output index of the proposed token, by inverse CDF. A request given a seed draws with
+the target's own uniform (its seed): verification keeps the target's plain draws and accepts a
+proposal that equals one, which the shared uniform makes likely where the two distributions
+agree. The others draw from a Philox stream keyed by the seed XOR DRAFT_SEED_KEY, independent
+of the rejection rule's draws as that rule needs; those rows come back as draft_probs, what the
+rule divides by.
 """
 
 from __future__ import annotations
@@ -279,7 +282,7 @@ class DraftProposer:
                 torch.tensor([p.top_k for p in params], device=logits.device),
                 torch.tensor([p.min_p for p in params], device=logits.device),
             )
-            seeds = torch.tensor([requests[i].seed ^ DRAFT_SEED_KEY for i in sampled])
+            seeds = torch.tensor([_draft_seed(requests[i]) for i in sampled])
             offsets = torch.tensor([len(requests[i].output_ids) + step for i in sampled])
             u = uniform(seeds, offsets).to(logits.device)
             # Inverse CDF over exactly the row handed back, so q(token) > 0 always: the first
@@ -292,3 +295,8 @@ class DraftProposer:
                 probs[i].append(rows[j])
         for token, out in zip(ids.tolist(), tokens, strict=True):
             out.append(token)
+
+
+def _draft_seed(request: Request) -> int:
+    """The Philox key of a sampled request's draft draws (the module docstring says why)."""
+    return request.seed if request.params.seed is not None else request.seed ^ DRAFT_SEED_KEY

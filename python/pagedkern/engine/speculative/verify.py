@@ -6,6 +6,19 @@ proposals 0 .. j-1 had been generated: its penalties count them, its bad-word an
 masks see them, so the target is exactly the distribution non-speculative `sample` would draw
 that position from (reference.sampling_distribution). Draws are seeded by the request's seed
 and the position's offset (tokens generated before it), never by the batch or by k.
+
+Three rules, per request:
+- greedy: the argmax shortcut (what the rejection rule gives a one-hot target);
+- a request given a seed: the coupled rule. Each position draws the token non-speculative
+  `sample` would draw there (its seed, its offset, word 0); proposal j is accepted iff it equals
+  position j's draw, and the first draw that differs (or the bonus draw) ends the step. The
+  output is always the plain draws, so the tokens are those of a run without speculation,
+  whatever is proposed, however many positions the batch lets it verify. A point-mass proposal
+  x is accepted with probability p(x), as by the rejection rule; a draft model's proposal, drawn
+  with the same uniform by inverse CDF (draft.py), with the probability that the two inverse
+  CDFs agree;
+- otherwise the rejection rule (reference/rejection_sampling.py), which accepts with
+  min(1, p/q): the most a draft model can get accepted.
 """
 
 from __future__ import annotations
@@ -75,7 +88,10 @@ def _row_processing(
 
 
 def _greedy(
-    logits: torch.Tensor, requests: Sequence[Request], proposals: Sequence[Proposal]
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    proposals: Sequence[Proposal],
+    sampler: ModuleType | None = None,
 ) -> list[list[int]]:
     """Greedy requests: the rejection rule with a one-hot target accepts exactly the proposals
     equal to the processed argmax and then yields the argmax, whatever the draft's q (see
@@ -83,16 +99,7 @@ def _greedy(
     _, arrays = _row_processing(logits, requests, proposals)
     arrays.pop("min_p", None)  # a greedy row's argmax is the processed logits' argmax
     best = logits_processing.process_logits(logits, **arrays).argmax(-1).tolist()
-    gains, row = [], 0
-    for proposal in proposals:
-        k = len(proposal.token_ids)
-        target = best[row : row + k + 1]
-        a = 0
-        while a < k and proposal.token_ids[a] == target[a]:
-            a += 1
-        gains.append([*proposal.token_ids[:a], target[a]])
-        row += k + 1
-    return gains
+    return _accepted(proposals, best)
 
 
 def verify(
@@ -103,35 +110,76 @@ def verify(
 ) -> list[list[int]]:
     """The tokens each request gains this step: its accepted proposals, then the recovered or
     bonus token (1 .. k_b + 1 ids). logits: [sum(k_b + 1), V], request b's rows in order.
-    Greedy requests take the argmax shortcut, the others the rejection sampler."""
-    greedy = [r.params.temperature <= 0 for r in requests]
-    if any(greedy):
-        starts = [0]
-        for p in proposals:
-            starts.append(starts[-1] + len(p.token_ids) + 1)
-        pick = [i for i, g in enumerate(greedy) if g]
-        rest = [i for i, g in enumerate(greedy) if not g]
-        gains: list[list[int]] = [[] for _ in requests]
-
-        def rows(indices: list[int]) -> torch.Tensor:
-            ids = [j for i in indices for j in range(starts[i], starts[i + 1])]
-            return logits[torch.tensor(ids, device=logits.device)]
-
-        for i, g in zip(
-            pick,
-            _greedy(rows(pick), [requests[i] for i in pick], [proposals[i] for i in pick]),
-            strict=True,
-        ):
+    Each request goes by its rule (the module docstring): greedy, coupled or rejection."""
+    rules = [_rule(r) for r in requests]
+    verifiers = {"greedy": _greedy, "coupled": _coupled, "rejection": _rejection}
+    if len(set(rules)) == 1:  # (the usual step: no row gather)
+        return verifiers[rules[0]](logits, requests, proposals, sampler)
+    starts = [0]
+    for p in proposals:
+        starts.append(starts[-1] + len(p.token_ids) + 1)
+    gains: list[list[int]] = [[] for _ in requests]
+    for rule, verifier in verifiers.items():
+        picked = [i for i, r in enumerate(rules) if r == rule]
+        if not picked:
+            continue
+        ids = [j for i in picked for j in range(starts[i], starts[i + 1])]
+        rows = logits[torch.tensor(ids, device=logits.device)]
+        sub = [requests[i] for i in picked], [proposals[i] for i in picked]
+        for i, g in zip(picked, verifier(rows, *sub, sampler), strict=True):
             gains[i] = g
-        if rest:
-            sub = [requests[i] for i in rest], [proposals[i] for i in rest]
-            for i, g in zip(rest, _sampled(rows(rest), *sub, sampler), strict=True):
-                gains[i] = g
-        return gains
-    return _sampled(logits, requests, proposals, sampler)
+    return gains
 
 
-def _sampled(
+def _rule(request: Request) -> str:
+    if request.params.temperature <= 0:
+        return "greedy"
+    return "coupled" if request.params.seed is not None else "rejection"
+
+
+def _accepted(proposals: Sequence[Proposal], draws: list[int]) -> list[list[int]]:
+    """Per request, its proposals up to the first that differs from its position's token in
+    `draws` (request b's k_b + 1 positions in order), then that position's token."""
+    gains, row = [], 0
+    for proposal in proposals:
+        k = len(proposal.token_ids)
+        target = draws[row : row + k + 1]
+        a = 0
+        while a < k and proposal.token_ids[a] == target[a]:
+            a += 1
+        gains.append([*proposal.token_ids[:a], target[a]])
+        row += k + 1
+    return gains
+
+
+def _coupled(
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    proposals: Sequence[Proposal],
+    sampler: ModuleType | None = None,
+) -> list[list[int]]:
+    """Seeded requests: every position's plain draw, then the proposals that equal them. The
+    draws come from REJECTION_SAMPLER with no proposals (one position each), which draws the
+    bonus token exactly as `sample` draws."""
+    sampler = REJECTION_SAMPLER if sampler is None else sampler
+    dev = logits.device
+    seeds, offsets = [], []
+    for request, proposal in zip(requests, proposals, strict=True):
+        for j in range(len(proposal.token_ids) + 1):
+            seeds.append(request.seed)
+            offsets.append(len(request.output_ids) + j)
+    draws, _ = sampler.rejection_sample(
+        target_probs(logits, requests, proposals).float(),  # float32: what the kernel takes
+        torch.zeros(0, dtype=torch.int32, device=dev),
+        None,
+        torch.zeros(len(seeds) + 1, dtype=torch.int32, device=dev),
+        torch.tensor(seeds, dtype=torch.int64, device=dev),
+        torch.tensor(offsets, dtype=torch.int64, device=dev),
+    )
+    return _accepted(proposals, draws[:, 0].tolist())
+
+
+def _rejection(
     logits: torch.Tensor,
     requests: Sequence[Request],
     proposals: Sequence[Proposal],
