@@ -58,6 +58,7 @@ LP = TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.5)))
 MESSAGES = [
     Add([AddRequest("a", [1, 2, 3], FULL_PARAMS), AddRequest("b", [4], SamplingParams())]),
     Abort("a.1"),
+    Abort("a", True),
     StatsQuery(3),
     Stop(),
     Ready(CoreInfo("synthetic:tiny", 64, 256, 8, "a model")),

@@ -165,9 +165,7 @@ class StreamDriver(Driver):
         stream = self.engine.stream(
             prompt_ids=arrival.prompt_ids, params=arrival.params, request_id=rid
         )
-        # the generator admits its request at the first next(): now, so that the run's aborts
-        # find it (RequestRejected comes out of that call)
-        self.streams[rid] = stream
+        self.streams[rid] = stream  # (admitted by the call: RequestRejected comes out of it)
         self.advance(rid, outcome)
 
     def advance(self, rid: str, outcome: Outcome) -> None:
@@ -176,30 +174,30 @@ class StreamDriver(Driver):
         except StopIteration:
             del self.streams[rid]
             return
-        assert out.request_id == rid, f"stream {rid} yielded {out.request_id}'s output"
+        assert rid in (out.request_id, out.parent_id), f"stream {rid} yielded {out.request_id}'s"
         self.deliver(rid, [out], outcome)
 
     def close(self, rid: str, outcome: Outcome) -> None:
-        """The consumer leaves: its request is aborted, with its samples still running, if it
-        has not ended; what the stream held and the ABORT output go with it (the checks see
-        them as made)."""
+        """The consumer leaves: what still runs of its request (every sample) is aborted, and
+        every output of it no consumer has taken goes with the stream: those it held, those set
+        aside for it, the ABORT outputs (the checks see them as made)."""
         engine = self.engine
-        running, self.closing = rid in engine.requests, None
-        mine = (
-            [r for r in engine.requests if r == rid or r.startswith(rid + ".")] if running else []
-        )
-        aside = {id(o) for o in engine.output.undelivered}
-        held = [
-            out
-            for key, (_, out) in self.made.items()
-            if out.request_id == rid and key not in self.taken and key not in aside
-        ]
+        self.closing = None
+        first_running = rid in engine.requests
+        mine = [r for r, q in engine.requests.items() if rid in (r, q.parent_id)]
         self.streams.pop(rid).close()
         assert not any(r in engine.requests for r in mine), f"{rid}: running after its close"
-        dropped = held + ([self.closing] if running else [])
-        assert not running or self.closing is not None, f"{rid}: no ABORT at its close"
+        assert not first_running or self.closing is not None, f"{rid}: no ABORT at its close"
+        assert not any(rid in (o.request_id, o.parent_id) for o in engine.output.undelivered), (
+            f"{rid}: outputs left behind by its closed stream"
+        )
+        dropped = [
+            out
+            for key, (_, out) in self.made.items()
+            if rid in (out.request_id, out.parent_id) and key not in self.taken
+        ]
         self.taken |= {id(out) for out in dropped}
-        outcome.record(dropped)
+        outcome.record(dropped + ([self.closing] if self.closing is not None else []))
         for r in mine:
             outcome.aborted.setdefault(r, 0)  # (the count: set in finish)
 

@@ -127,8 +127,8 @@ class _Recorder:
     def __init__(self) -> None:
         self.metrics, self.aborts = ServerMetrics(), []
 
-    def abort(self, request_id: str) -> None:
-        self.aborts.append(request_id)
+    def abort(self, request_id: str, alone: bool) -> None:
+        self.aborts.append(request_id if not alone else (request_id, "alone"))
 
 
 def test_a_column_token_makes_what_take_makes():

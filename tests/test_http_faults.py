@@ -211,7 +211,7 @@ def test_a_closed_stream_drops_what_it_held_for_its_handler():
     format on the event loop (before: 19 s of formatting 4 x 64-sample backlogs), and what
     arrives later is dropped."""
     backlog = Backlog(10**9, lambda: None)
-    owner, tokenizer = SimpleNamespace(abort=lambda _: None), SimpleNamespace(decode=str)
+    owner, tokenizer = SimpleNamespace(abort=lambda *_: None), SimpleNamespace(decode=str)
     stream = RequestStream("r", SamplingParams(), frozenset(), tokenizer, owner.abort, None)
     backlog.watch(stream)
     outs = [StreamOutput("x" * 100, [1], False, None) for _ in range(10)]

@@ -360,6 +360,31 @@ def test_stop_strings_matched_in_the_front_end_give_the_engines_answers(stream):
     assert usage["completion_tokens"] == tokens
 
 
+def test_a_stop_string_on_the_first_sample_ends_it_in_the_core_too():
+    """n = 2: a stop string the front end matches on sample 0 aborts that sample alone in the
+    core (its engine id is the request's own), which then makes no more of its tokens, while
+    sample 1 runs to its end."""
+    prompt = "Stop somewhere"
+    base = dict(n=2, seed=7, temperature=1.0, max_tokens=40, ignore_eos=True)
+    free, _, _ = engine_samples(SamplingParams(**base), prompt)
+    stop = next(
+        piece
+        for piece in (free[0][i : i + 3] for i in range(2, 30))
+        if piece.strip() and piece not in free[1]
+    )
+    texts, reasons, _ = engine_samples(SamplingParams(**base, stop=[stop]), prompt)
+    assert reasons == ["stop", "length"]
+    body = {"model": TINY, "prompt": prompt, **base, "stop": [stop]}
+    with ServerThread(tiny_engine()) as s:
+        answer = httpx.post(s.url + "/v1/completions", json=body, timeout=WAIT).json()
+        assert s.engine_loop.wait_for(lambda: s.engine_loop.num_live == 0, WAIT)
+        made = s.engine_loop.run_in_engine(lambda e: e.stats().num_generated_tokens).result(WAIT)
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in choices] == texts
+    assert [c["finish_reason"] for c in choices] == reasons
+    assert made - base["max_tokens"] < base["max_tokens"], "sample 0 ran on to max_tokens"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_min_tokens_holds_back_stop_strings_in_the_front_end_as_in_the_engine(stream):
     """A stop string that shows up before min_tokens ids does not end the request, whether the

@@ -52,7 +52,7 @@ from .kv_setup import KVCacheSetup
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .overlap import Overlap
-from .request import FinishReason, Request
+from .request import Request
 from .runner import ModelRunner
 from .scheduler import ScheduledBatch
 from .speculative import load_draft, make_proposer
@@ -249,37 +249,15 @@ class Engine:
             self.tracer.request_added(request)
         return request
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, *, alone: bool = False) -> RequestOutput | None:
         """Cancel a request (caller gone); its blocks return to the pool at once. An n > 1
         request's id ends every sample still running, also once its first sample has ended
-        (their outputs go to the next step(), or pop_undelivered()); a sample's own id
-        (`<id>.<i>`) ends that sample alone. None: nothing of that id was running. The ABORT
-        output also carries the deltas of the request's outputs not yet delivered (a stream()
-        set them aside for the next step()): nothing of it comes after its final output."""
-        output = self.output
-        request = self.requests.get(request_id)
-        samples = [
-            r for r in self.requests.values() if r.parent_id == request_id and r is not request
-        ]
-        output.undelivered += [output.finish(r, FinishReason.ABORT) for r in samples]
-        if request is None:
-            return None
-        # Its outputs that a stream() set aside and no step() has returned yet go out inside
-        # the ABORT output: returned after it, they would follow the request's final output.
-        pending = [o for o in output.undelivered if o.request_id == request_id]
-        if not pending:
-            return output.finish(request, FinishReason.ABORT)
-        output.undelivered = [o for o in output.undelivered if o.request_id != request_id]
-        logprobs = None
-        if request.params.logprobs is not None:
-            logprobs = tuple(lp for o in pending for lp in o.logprobs or ())
-        return output.finish(
-            request,
-            FinishReason.ABORT,
-            tuple(t for o in pending for t in o.token_ids),
-            "".join(o.text for o in pending),
-            logprobs,
-        )
+        (their outputs go to the next step(), or pop_undelivered()), and with `alone` its first
+        sample only; a sample's own id (`<id>.<i>`) ends that sample alone. None: nothing of
+        that id was running. The ABORT output also carries the deltas of the request's outputs
+        not yet delivered (a stream() set them aside for the next step()): nothing of it comes
+        after its final output."""
+        return self.output.abort(request_id, alone)
 
     def pop_undelivered(self) -> list[RequestOutput]:
         """Outputs produced outside step() (an aborted n > 1 request's other samples) that the
@@ -296,27 +274,32 @@ class Engine:
         prompt_ids: Sequence[int] | None = None,
         request_id: str | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yield this request's outputs as they are produced. Other requests keep running in
-        the same steps; their outputs are kept for the next `step()` (or another stream), not
-        dropped. Closing the generator early cancels the request."""
+        """Admit a request (now: add_request's errors are raised here) and yield its outputs as
+        they are produced, every sample's with params.n > 1 (their request_id says which; the
+        stream ends when all have finished). Other requests keep running in the same steps;
+        their outputs are kept for the next `step()` (or another stream), not dropped. Closing
+        the iterator early cancels what still runs of the request; its outputs go with it."""
         request = self.add_request(
             prompt, params, messages=messages, prompt_ids=prompt_ids, request_id=request_id
         )
-        rid = request.request_id
+        return self._outputs_of(request.request_id)
+
+    def _outputs_of(self, rid: str) -> Iterator[RequestOutput]:
+        def ours(o: RequestOutput) -> bool:
+            return o.request_id == rid or o.parent_id == rid
+
+        def running() -> bool:
+            return any(r.request_id == rid or r.parent_id == rid for r in self.requests.values())
+
         try:
-            while True:
+            while running() or any(ours(o) for o in self.output.undelivered):
                 outputs = self.step()
-                mine = [o for o in outputs if o.request_id == rid]
-                self.output.undelivered += [o for o in outputs if o.request_id != rid]
-                if not mine and rid not in self.requests:
-                    return  # finished elsewhere (aborted by another caller)
-                for output in mine:
-                    yield output
-                    if output.finished:
-                        return
+                self.output.undelivered += [o for o in outputs if not ours(o)]
+                yield from (o for o in outputs if ours(o))
         finally:
-            if rid in self.requests:
+            if running():
                 self.abort(rid)
+            self.output.undelivered = [o for o in self.output.undelivered if not ours(o)]
 
     def run_until_done(self) -> Iterator[RequestOutput]:
         while self.has_unfinished or self.output.undelivered:

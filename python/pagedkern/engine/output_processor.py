@@ -97,6 +97,34 @@ class OutputProcessor:
                 self.finish(r, FinishReason.TIMEOUT) for r in expired if r.request_id in live
             ]
 
+    def abort(self, request_id: str, alone: bool) -> RequestOutput | None:
+        """Engine.abort: the request's ABORT output (None: not running), its other samples'
+        (unless `alone`) to `undelivered`."""
+        request = self.requests.get(request_id)
+        if not alone:
+            samples = [
+                r for r in self.requests.values() if r.parent_id == request_id and r is not request
+            ]
+            self.undelivered += [self.finish(r, FinishReason.ABORT) for r in samples]
+        if request is None:
+            return None
+        # Its outputs that a stream() set aside and no step() has returned yet go out inside
+        # the ABORT output: returned after it, they would follow the request's final output.
+        pending = [o for o in self.undelivered if o.request_id == request_id]
+        if not pending:
+            return self.finish(request, FinishReason.ABORT)
+        self.undelivered = [o for o in self.undelivered if o.request_id != request_id]
+        logprobs = None
+        if request.params.logprobs is not None:
+            logprobs = tuple(lp for o in pending for lp in o.logprobs or ())
+        return self.finish(
+            request,
+            FinishReason.ABORT,
+            tuple(t for o in pending for t in o.token_ids),
+            "".join(o.text for o in pending),
+            logprobs,
+        )
+
     def append(self, results: Sequence[StepResult], outputs: list[RequestOutput]) -> None:
         """Append each sampled request's tokens, except for those that ended meanwhile (failed
         this step, aborted, or with async_scheduling stopped a step earlier: that token is

@@ -4,8 +4,7 @@ Messages (messages.py) arrive on the event loop itself (`loop.add_reader` on the
 socket): each StepOutputs is fanned out to the per-request streams in one pass, no thread hop.
 Text is made here: every sample has its own IncrementalDetokenizer with the request's stop
 strings; when one matches, the sample finishes with "stop" and the core is told to abort it
-(tokens it made in the meantime are dropped; n > 1: the first sample cannot be aborted alone, so
-it runs on to its end and what it makes is dropped).
+(tokens it made in the meantime are dropped; n > 1: that sample alone, the others run on).
 Stop token ids, EOS and max_tokens stay in the core.
 
 Two ways to have a core: `EngineClient.spawn(config)` starts the core process (the server;
@@ -213,9 +212,10 @@ class EngineClient:
             raise
         return stream
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, alone: bool = False) -> None:
+        """Tell the core to abort an engine request id (`alone`: Abort's)."""
         with contextlib.suppress(EngineUnavailable):
-            self.outbox.send(Abort(request_id))
+            self.outbox.send(Abort(request_id, alone))
 
     async def current_gauges(self) -> EngineGauges | None:
         """The core's gauges (asked for; the last reading once it has stopped)."""

@@ -195,7 +195,8 @@ class EngineCore:
     def _abort(self, message: Abort) -> None:
         if self._compiling.pop(message.request_id, None) is not None:
             return  # not admitted yet: nothing to free
-        self._outputs += [self.engine.abort(message.request_id), *self.engine.pop_undelivered()]
+        aborted = self.engine.abort(message.request_id, alone=message.alone is True)
+        self._outputs += [aborted, *self.engine.pop_undelivered()]
 
     def _stats(self, message: StatsQuery) -> None:
         self.channel.send(Stats(message.query_id, gauges(self.engine)))

@@ -7,7 +7,8 @@ the fields they map, so the two sides cannot drift apart.
 
 Front end -> core (`FrontMessage`):
     Add(requests)           the requests submitted in one event-loop iteration (AddRequest each)
-    Abort(request_id)       an engine request id (an n > 1 sample's: "id.i")
+    Abort(request_id, alone)  an engine request id (an n > 1 sample's: "id.i"); alone: an
+                            n > 1 request's first sample only, not the others
     StatsQuery(query_id)    -> Stats(query_id, gauges)
     Stop()                  abort everything, answer, exit
 Core -> front end (`CoreMessage`):
@@ -274,6 +275,7 @@ class Add(Message):
 class Abort(Message):
     TAG = "abort"
     request_id: str
+    alone: bool = False  # Engine.abort's: the first sample of an n > 1 request only
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """One request as the front end holds it: its samples' incremental detokenizers and stop
 strings, turning the core's token-id deltas into the StreamOutputs a handler reads (see
 engine_client.py for the protocol around it). It reaches its client through two callables,
-`abort(engine request id)` and `record(stream, sample, output, now)` (the metrics).
+`abort(engine request id, alone)` and `record(stream, sample, output, now)` (the metrics).
 
 Delivery is batched: the frame handler appends each StreamOutput to the stream's list and wakes
 its handler once; the handler takes everything that has arrived since it last looked. A handler
@@ -92,7 +92,7 @@ class RequestStream:
     params: SamplingParams
     stop_ids: frozenset[int]  # the core's finishing ids: they add no text
     tokenizer: Tokenizer
-    abort: Callable[[str], None]  # tell the core to abort an engine request id
+    abort: Callable[[str, bool], None]  # tell the core to abort an engine request id (alone?)
     record: Callable[[RequestStream, Sample, StreamOutput, float], None]  # the metrics
     arrival: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0
@@ -187,7 +187,7 @@ class RequestStream:
         self.put(failure)
         if self.pending and not self._aborted:
             self._aborted = True
-            self.abort(self.request_id)
+            self.abort(self.request_id, False)
 
     def close(self) -> None:
         """Abort what the core still runs of this request and drop what it holds for the
@@ -202,7 +202,7 @@ class RequestStream:
             wakeup.set_result(None)  # (a waiting handler finds the stream finished)
         if self.pending and not self._aborted:
             self._aborted = True
-            self.abort(self.request_id)
+            self.abort(self.request_id, False)
 
     def take(self, delta: SampleDelta, now: float) -> StreamOutput | None:
         """The core's delta for one sample -> the handler's StreamOutput (None: dropped, the
@@ -273,6 +273,8 @@ class RequestStream:
             return
         if self.samples == 1:
             self._aborted = True
-            self.abort(self.request_id)
-        elif index > 0:  # an n > 1 sample's own id; sample 0's abort would end them all
-            self.abort(f"{self.request_id}.{index}")
+            self.abort(self.request_id, False)
+        elif index > 0:  # an n > 1 sample's own id
+            self.abort(f"{self.request_id}.{index}", False)
+        else:  # the first sample's id is the request's: alone, or the others would end too
+            self.abort(self.request_id, True)
