@@ -17,7 +17,7 @@ from pagedkern.engine.outputs import TokenDeltas
 from pagedkern.serving.core.client_errors import EngineUnavailable
 from pagedkern.serving.core.engine_client import EngineClient
 from pagedkern.serving.core.engine_core import EngineCore
-from pagedkern.serving.core.messages import SampleDelta
+from pagedkern.serving.core.messages import Abort, SampleDelta
 from pagedkern.serving.core.metrics import ServerMetrics
 from pagedkern.serving.core.request_stream import RequestStream, StreamOutput
 from pagedkern.serving.http.body_formats import CompletionFormat
@@ -64,6 +64,18 @@ def test_the_engine_core_turns_detokenization_off():
     EngineCore(engine, channel=None)
     assert engine.detokenize is False
     assert engine.token_deltas is not None
+
+
+def test_a_first_sample_alone_abort_leaves_a_compiling_request_waiting():
+    """Abort(alone) ends a first sample, so it can only follow that sample's tokens; one for a
+    request whose grammar still compiles (from a broken front end) must not drop the whole
+    request, as a plain Abort does."""
+    core = EngineCore(tiny_engine(), channel=None)
+    core._compiling["r"] = (None, [1, 2], SamplingParams(n=2))
+    core._abort(Abort("r", True))
+    assert "r" in core._compiling
+    core._abort(Abort("r"))
+    assert "r" not in core._compiling and core._outputs == []
 
 
 CORE_PARAMS = [

@@ -193,8 +193,10 @@ class EngineCore:
             self._add(request)
 
     def _abort(self, message: Abort) -> None:
-        if self._compiling.pop(message.request_id, None) is not None:
-            return  # not admitted yet: nothing to free
+        if message.request_id in self._compiling:  # not admitted yet: nothing to free
+            if message.alone is not True:  # (a first sample alone has made nothing to stop yet)
+                del self._compiling[message.request_id]
+            return
         aborted = self.engine.abort(message.request_id, alone=message.alone is True)
         self._outputs += [aborted, *self.engine.pop_undelivered()]
 
