@@ -346,6 +346,27 @@ def test_gguf_missing_tensor_and_bad_arch(tmp_path):
         load_model(falcon)
 
 
+@pytest.mark.parametrize(
+    "tensor, offset, value",
+    [
+        ("blk.1.ffn_up.weight", 34, b"\x00\x7e"),  # Q8_0's block 1 (34 bytes a block): d NaN
+        ("output_norm.weight", 8, b"\x00\x00\x80\x7f"),  # F32 value 2: infinity
+    ],
+    ids=["a Q8_0 block's scale NaN", "an F32 norm's value infinite"],
+)
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, tensor, offset, value):
+    """A corrupt file's NaN or infinity is a load error naming the tensor, not a model that
+    silently samples token 0: a quantized weight's scale as well as a float tensor's value."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, base_config())
+    (info,) = [t for t in gguf.GGUFReader(str(path)).tensors if t.name == tensor]
+    with open(path, "r+b") as f:
+        f.seek(info.data_offset + offset)
+        f.write(value)
+    with pytest.raises(ModelLoadError, match=f"'{tensor}'.* holds NaN or infinite values"):
+        load_model(path)
+
+
 def toy_meta(pre: str, **extra) -> dict:
     """GGUF tokenizer metadata: the 256 byte symbols, two merges, one control token."""
     from tokenizers import pre_tokenizers

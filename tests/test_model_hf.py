@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_model_files import all_logits, base_config, dense_logits, write_folder
+from safetensors.torch import load_file, save_file
 
-from pagedkern.model import load_model
+from pagedkern.model import ModelLoadError, load_model
 from pagedkern.model.hf_loader import hf_checkpoint_dtype
 
 CASES = {
@@ -107,3 +108,26 @@ def test_hf_folder_in_half_precision(tmp_path):
         assert got.dtype == torch.float32
         cos = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
         assert cos.min().item() > 0.99
+
+
+@pytest.mark.parametrize(
+    "tensor, value, dtype",
+    [
+        ("model.layers.1.mlp.up_proj.weight", float("nan"), torch.float32),
+        ("model.norm.weight", float("-inf"), torch.float32),
+        ("model.layers.0.self_attn.k_proj.weight", 1e6, torch.float16),  # past fp16's range
+    ],
+    ids=["NaN", "infinity", "fp16 overflow"],
+)
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, tensor, value, dtype):
+    """NaN or infinity in a checkpoint, or a value the load dtype cannot hold, is a load
+    error naming the tensor and the dtype (not a model that silently samples token 0)."""
+    write_folder(tmp_path, base_config())
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    tensors[tensor][3, ...] = value
+    save_file(tensors, file)
+    with pytest.raises(
+        ModelLoadError, match=f"{tensor}'.* holds NaN or infinite values as {dtype}"
+    ):
+        load_model(tmp_path, dtype=dtype)

@@ -1,6 +1,7 @@
 """A model's runtime weights assembled from checkpoint tensors under HF names: every tensor's
-presence, shape and dtype checked, converted, and QKV and gate/up fused (one GEMM each in the
-forward); a MoE layer's experts stacked as ops.fused_moe takes them."""
+presence, shape and dtype checked, converted, checked finite as converted, and QKV and gate/up
+fused (one GEMM each in the forward); a MoE layer's experts stacked as ops.fused_moe takes
+them."""
 
 from __future__ import annotations
 
@@ -51,6 +52,24 @@ def _act_order(parts: list[Linear]) -> bool:
 TensorGetter = Callable[[str], "Linear | None"]
 
 
+def _float_parts(t: Linear) -> list[tuple[str, torch.Tensor]]:
+    """The floating-point tensors a weight is made of, named as an error shows them."""
+    if isinstance(t, QuantizedWeight):
+        return [
+            (f"'s {n}", v) for n, v in (("scales", t.scales), ("mins", t.mins)) if v is not None
+        ]
+    return [("", t)]
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN nor infinity in t (a corrupt checkpoint, or a value past the load dtype's range):
+    on the device it was loaded to, one pass, no mask as large as t (min and max carry a NaN)."""
+    if t.numel() == 0:
+        return True
+    low, high = t.aminmax()
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def _kept_16_bit(name: str) -> bool:
     """A dense layer's projection, the LM head or the embedding (not experts, routers, norms or
     biases)."""
@@ -96,7 +115,17 @@ def assemble_weights(
         return source(name) if callable(source) else source
 
     def load(name: str, t: Linear | None = None) -> Linear:
-        t = get(name) if t is None else t
+        t = checked(name, get(name) if t is None else t)
+        for part, values in _float_parts(t):
+            if not _finite(values):
+                raise ModelLoadError(
+                    where(name),
+                    f"tensor {describe(name)!r}{part} holds NaN or infinite values as "
+                    f"{values.dtype} (a corrupt file, or values past that dtype's range)",
+                )
+        return t
+
+    def checked(name: str, t: Linear | None) -> Linear:
         if isinstance(t, QuantizedWeight):
             if tuple(t.shape) != shapes[name]:
                 raise ModelLoadError(
