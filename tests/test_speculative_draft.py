@@ -258,11 +258,9 @@ def test_verified_proposals_keep_the_target_distribution(target, case, draft_mod
     assert_chi_square(torch.tensor(firsts), p0 * draws)
 
 
-def test_draft_draws_are_not_the_targets_stream(target):
-    """With the draft equal to the target (self:L), the same Philox stream would make every
-    proposal the token the target samples; a distinct key agrees only by chance."""
-    n = 512
-    params = SAMPLED["temperature 0.7, top-p 0.9"]
+def whole_model_draft(target, params: SamplingParams, n: int):
+    """A self-draft of every layer (the target itself) proposes one token for n requests of
+    seeds 0 .. n-1 after one prompt: its proposals and the target's logits there (n rows)."""
     prompt = [1, 2, 3, 4]
     requests = make_requests([prompt] * n, params, seeds=list(range(n)))
     proposer = DraftProposer.create(
@@ -271,7 +269,15 @@ def test_draft_draws_are_not_the_targets_stream(target):
     proposed = torch.tensor([p.token_ids[0] for p in proposer.propose(requests, [1] * n)])
     kv = target.allocate_kv_cache(4, BLOCK)
     ids, meta = build_batch([SequenceChunk(prompt, 0, [0, 1])], BLOCK)
-    logits = target(ids, meta, kv).expand(n, VOCAB)
+    return proposed, target(ids, meta, kv).expand(n, VOCAB)
+
+
+def test_draft_draws_are_not_the_targets_stream(target):
+    """With the draft equal to the target (self:L), the same Philox stream would make every
+    proposal the token the target samples; a distinct key agrees only by chance."""
+    n = 512
+    params = SAMPLED["temperature 0.7, top-p 0.9"]
+    proposed, logits = whole_model_draft(target, params, n)
     own = sample(logits, params.temperature, params.top_p, params.top_k, torch.arange(n), 0)
     p = sampling_distribution(logits[:1], params.temperature, params.top_p, params.top_k)[0]
     agree = (own.long() == proposed).double().mean().item()
@@ -539,15 +545,7 @@ def test_a_seeded_requests_draft_draws_with_its_own_seed(target):
     target proposes exactly the token the target then draws."""
     n = 256
     params = dataclasses.replace(SAMPLED["temperature 0.7, top-p 0.9"], seed=0)
-    prompt = [1, 2, 3, 4]
-    requests = make_requests([prompt] * n, params, seeds=list(range(n)))
-    proposer = DraftProposer.create(
-        f"self:{TARGET.num_layers}", target, target_cache(target, n), CONFIG
-    )
-    proposed = torch.tensor([p.token_ids[0] for p in proposer.propose(requests, [1] * n)])
-    kv = target.allocate_kv_cache(4, BLOCK)
-    ids, meta = build_batch([SequenceChunk(prompt, 0, [0, 1])], BLOCK)
-    logits = target(ids, meta, kv).expand(n, VOCAB)
+    proposed, logits = whole_model_draft(target, params, n)
     own = sample(logits, params.temperature, params.top_p, params.top_k, torch.arange(n), 0)
     assert torch.equal(own.long(), proposed)
 
