@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import chain, repeat
 from typing import TYPE_CHECKING
 
-from .logits_processing import NoTokenAllowed
+from .logits_processing import NON_FINITE, NonFiniteLogits, NoTokenAllowed
 from .outputs import RequestOutput, TokenDeltas, TokenLogprob
 from .request import ENDED_BY_A_LIMIT, FinishReason, Request
 from .structured_output import StructuredOutputError
@@ -165,6 +165,11 @@ class OutputProcessor:
             if requests.get(rid) is not request:
                 continue  # ended meanwhile: the tokens are discarded
             try:
+                if tokens[0] == NON_FINITE:
+                    raise NonFiniteLogits(
+                        "the model's logits were NaN or infinite (an activation overflowed: "
+                        "a wider dtype, e.g. bfloat16 or float32, may hold it)"
+                    )
                 if logits_rows is not None and request in logits_rows:
                     row = logits_rows[request]
                     tracer.candidates(request, row, tokens[0], self.tokenizer)
@@ -254,11 +259,11 @@ class OutputProcessor:
     def fail(self, request: Request, exc: BaseException) -> RequestOutput:
         """Finish a request with FinishReason.ERROR; `error` (and the log) say why."""
         request.error = f"{type(exc).__name__}: {exc}"
-        # (its own parameters: no traceback)
-        client_fault = isinstance(exc, (NoTokenAllowed, StructuredOutputError))
+        # (its own parameters, or the model's numbers: no traceback)
+        told = isinstance(exc, (NoTokenAllowed, StructuredOutputError, NonFiniteLogits))
         log.warning(
             "request %s failed: %s", request.request_id, request.error,
-            exc_info=None if client_fault else exc,
+            exc_info=None if told else exc,
         )  # fmt: skip
         try:
             return self.finish(request, FinishReason.ERROR)

@@ -8,6 +8,7 @@ get logits for every row, and are verified (engine/speculative/verify.py) instea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -23,7 +24,7 @@ from ..ops.cpu.direct import direct_cpu_calls
 from . import prompt_logprobs
 from .cuda_graphs import DecodeGraphs
 from .input_batch import DecodeStep, InputBatch
-from .logits_processing import BatchProcessing, batch_processing
+from .logits_processing import NON_FINITE, BatchProcessing, batch_processing
 from .outputs import TokenLogprob
 from .piecewise_graphs import PiecewiseGraphs
 from .request import Request
@@ -244,7 +245,10 @@ class ModelRunner:
         if step.fill_rows:
             if previous is None:
                 raise RuntimeError("placeholder rows without the step that samples them")
-            layout.input_ids[step.fill_rows] = [previous.token_ids[j] for j in step.fill_from]
+            # (a NON_FINITE draw's request fails at its append: any id will do until then)
+            layout.input_ids[step.fill_rows] = [
+                max(previous.token_ids[j], 0) for j in step.fill_from
+            ]
         ordered = step.ordered
         wanted = step.want_prompt_logprobs  # read at prepare time under overlap
         if wanted is None:
@@ -335,9 +339,10 @@ class ModelRunner:
             if n:
                 kwargs["top_ids"] = torch.empty(rows, n, dtype=torch.int32, device=logits.device)
                 kwargs["top_logprobs"] = torch.empty(rows, n, device=logits.device)
-        ids = _sampler(logits.device)(
-            logits, temperature, top_p, top_k, seeds, offsets, **kwargs
-        ).tolist()
+        ids = _checked_ids(
+            _sampler(logits.device)(logits, temperature, top_p, top_k, seeds, offsets, **kwargs),
+            logits,
+        )
         if not processing.want_logprobs:
             return ids, [None] * rows
         sampled = kwargs["logprobs"].tolist()
@@ -352,6 +357,20 @@ class ModelRunner:
             top = tuple(zip(top_ids[r][:k], top_values[r][:k], strict=True))
             logprobs.append(TokenLogprob(ids[r], sampled[r], top))
         return ids, logprobs
+
+
+def _checked_ids(ids: torch.Tensor, logits: torch.Tensor) -> list[int]:
+    """The drawn ids as a list, NON_FINITE where the drawn token's logit is NaN or infinite
+    (the sampler reads its logits only: these are the model's). A non-finite hidden state makes
+    its whole row so, whatever was drawn; a finite one never gives a drawn token a non-finite
+    logit. On the host a look at the values; on a device one small kernel, and one copy still."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        values = logits.numpy()
+        return [
+            t if math.isfinite(values[r, t]) else NON_FINITE for r, t in enumerate(ids.tolist())
+        ]
+    drawn = logits.gather(1, ids.long()[:, None])[:, 0]
+    return torch.where(torch.isfinite(drawn), ids, NON_FINITE).tolist()
 
 
 def _sampler(device: torch.device):
