@@ -334,6 +334,13 @@ def test_unwritable_cache_only_warns(tmp_path, monkeypatch):
     assert model.config.num_layers == 2
 
 
+def test_the_architecture_is_read_for_the_default_dtype(tmp_path):
+    from pagedkern.model.gguf_loader import gguf_architecture
+
+    write_gguf(tmp_path / "m.gguf", base_config())
+    assert gguf_architecture(tmp_path / "m.gguf") == "llama"
+
+
 def test_gguf_missing_tensor_and_bad_arch(tmp_path):
     path = tmp_path / "m.gguf"
     write_gguf(path, base_config(), skip="blk.1.ffn_up.weight")

@@ -131,3 +131,11 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, tensor, valu
         ModelLoadError, match=f"{tensor}'.* holds NaN or infinite values as {dtype}"
     ):
         load_model(tmp_path, dtype=dtype)
+
+
+def test_the_model_type_is_read_for_the_default_dtype(tmp_path):
+    from pagedkern.model.hf_loader import hf_model_type
+
+    write_folder(tmp_path, base_config())
+    assert hf_model_type(tmp_path) == base_config()["model_type"]
+    assert hf_model_type(tmp_path / "nowhere") is None

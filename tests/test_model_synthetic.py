@@ -104,6 +104,12 @@ def test_default_dtypes():
     assert default_dtype(cuda, "hf", torch.float16) == torch.float16
     assert default_dtype(cuda, "hf", None) == torch.bfloat16
     assert default_dtype(cuda, "synthetic") == torch.bfloat16
+    # Gemma 2 / 3 activations outgrow float16: bfloat16 on CUDA whatever the file says
+    for family in ("gemma2", "gemma3", "gemma3_text"):
+        assert default_dtype(cuda, "gguf", family=family) == torch.bfloat16
+        assert default_dtype(cuda, "hf", torch.float16, family) == torch.bfloat16
+        assert default_dtype(cpu, "gguf", family=family) == torch.float32
+    assert default_dtype(cuda, "gguf", family="llama") == torch.float16
 
 
 def test_greedy_generation_runs(tiny):

@@ -209,6 +209,12 @@ def gguf_default_quantization(path: str | os.PathLike) -> str:
     return "int4" if kinds and kinds <= exact | {"Q4_0", "Q4_1", "Q4_K"} else "none"
 
 
+def gguf_architecture(path: str | os.PathLike) -> str | None:
+    """general.architecture (None where the file names none: load_gguf reports that)."""
+    arch = _open(os.fspath(path))[1].get("general.architecture")
+    return arch if isinstance(arch, str) else None
+
+
 def read_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Only the tokenizer of a GGUF file (reads the metadata, no tensor data)."""
     path = os.fspath(path)

