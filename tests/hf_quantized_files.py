@@ -171,20 +171,44 @@ def write_quantized(folder, hf, qc: dict, lm_head: bool = False, orders=None) ->
     write_tokenizer(folder)
 
 
+def tiny_moe(tmp_path, moe_intermediate_size: int = 64, arch: str = "qwen3_moe"):
+    """A tiny Qwen3-MoE or Mixtral (4 experts, 2 a token), saved as transformers saves it in
+    tmp_path / "float": (the model, its tensors as stored: each expert's projections by name,
+    Mixtral's block_sparse_moe.experts.<e>.w1 / w3 / w2)."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=400, hidden_size=128, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
+    if arch == "mixtral":
+        config = transformers.MixtralConfig(
+            **common, intermediate_size=moe_intermediate_size, num_local_experts=4
+        )
+        hf = transformers.MixtralForCausalLM(config).float().eval()
+    else:
+        config = transformers.Qwen3MoeConfig(
+            **common, intermediate_size=256, moe_intermediate_size=moe_intermediate_size,
+            num_experts=4, norm_topk_prob=True,
+        )  # fmt: skip
+        hf = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    hf.save_pretrained(tmp_path / "float", safe_serialization=True)
+    return hf, load_file(str(tmp_path / "float" / "model.safetensors"))
+
+
+def moe_reference(tmp_path, plain: dict):
+    """The transformers model of tiny_moe's folder with its tensors replaced by `plain` (the
+    dequantized ones)."""
+    save_file(plain, str(tmp_path / "float" / "model.safetensors"))
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "float").eval()
+
+
 def write_moe_gptq(tmp_path, orders=None):
     """A tiny Qwen3-MoE as GPTQ ships it (every expert's projections packed, the router float;
     orders: as write_quantized's) in tmp_path / "gptq", and (the folder, the transformers model
     holding the dequantized weights)."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=400, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
-        initializer_range=0.2, tie_word_embeddings=False,
-    )  # fmt: skip
-    hf = transformers.Qwen3MoeForCausalLM(config).float().eval()
-    hf.save_pretrained(tmp_path / "float", safe_serialization=True)
-    tensors = load_file(str(tmp_path / "float" / "model.safetensors"))
+    hf, tensors = tiny_moe(tmp_path)
+    config = hf.config
     packed, plain = {}, dict(tensors)
     for name, w in tensors.items():
         if name.endswith("_proj.weight"):
@@ -203,8 +227,7 @@ def write_moe_gptq(tmp_path, orders=None):
     qc = SCHEMES["gptq-int4-asym-g32"] | {"desc_act": orders is not None}
     (folder / "config.json").write_text(json.dumps(config.to_dict() | {"quantization_config": qc}))
     write_tokenizer(folder)
-    save_file(plain, str(tmp_path / "float" / "model.safetensors"))
-    return folder, transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "float").eval()
+    return folder, moe_reference(tmp_path, plain)
 
 
 def linears_of(hf, tensors: dict):
@@ -285,6 +308,7 @@ COMPRESSED_TENSORS = {
     "w4a16-asym-g32": ("pack-quantized", "int", 4, 32, False),
     "w4a16-sym-channel": ("pack-quantized", "int", 4, -1, True),
     "w8a16-sym-g32": ("pack-quantized", "int", 8, 32, True),
+    "w8a16-sym-channel": ("pack-quantized", "int", 8, -1, True),
     "w8a8-int-channel": ("int-quantized", "int", 8, -1, True),
     "fp8-channel": ("float-quantized", "float", 8, -1, True),
     "fp8-block": ("float-quantized", "float", 8, [48, 64], True),
@@ -301,58 +325,109 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return words
 
 
-def write_compressed_tensors(folder, hf, scheme: str, orders=None, scale_dtype=torch.bfloat16):
-    """hf's linears in a compressed-tensors scheme (COMPRESSED_TENSORS), scales in
-    scale_dtype, orders: actorder "group" (as write_quantized's, with weight_g_idx); hf's
-    weights replaced by the dequantized ones."""
+def compress_linear(w: torch.Tensor, scheme: str, order=None, scale_dtype=torch.bfloat16):
+    """w [N, K] in a compressed-tensors scheme (COMPRESSED_TENSORS; order: actorder "group"'s
+    input order, weight_g_idx stored): (its tensors under `weight...` names, the dequantized
+    weight). A group past K (moe down_proj's few inputs) is the row's one, as
+    compressed-tensors makes ceil(K / G) groups."""
     fmt, kind, bits, group, sym = COMPRESSED_TENSORS[scheme]
-    tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
-    with torch.no_grad():
-        for name, module in linears_of(hf, tensors):
-            w = module.weight
-            out = {}
-            if kind == "float":
-                bn, bk = group if group != -1 else (1, w.shape[1])
-                fp8, scales, deq = fp8_blocks(w, bn, bk)
-                out = {"weight": fp8, "weight_scale": scales}
-            else:
-                order = None if orders is None else orders(name, w.shape[1])
-                codes, zeros, scales, _, g_idx = quantize_in_order(w, bits, group, sym, 0, order)
-                stored = scales.to(scale_dtype)  # [K / G, N]
-                at = g_idx.long()
-                deq = stored.float()[at].t() * (codes.t().float() - zeros.float()[at].t())
-                if fmt == "int-quantized":
-                    out["weight"] = (codes.t() - 128).to(torch.int8).contiguous()
-                else:
-                    out["weight_packed"] = pack_rows(codes.t(), bits)
-                    out["weight_shape"] = torch.tensor(list(w.shape))
-                    if not sym:  # (packed along N)
-                        out["weight_zero_point"] = pack_rows(zeros, bits).t().contiguous()
-                    if order is not None:
-                        out["weight_g_idx"] = g_idx
-                out["weight_scale"] = stored.t().contiguous()
-            module.weight.copy_(deq)
-            tensors |= {f"{name}.{part}": t for part, t in out.items()}
-    save_file(tensors, str(folder / "model.safetensors"))
+    if kind == "float":
+        bn, bk = group if group != -1 else (1, w.shape[1])
+        fp8, scales, deq = fp8_blocks(w, bn, bk)
+        return {"weight": fp8, "weight_scale": scales}, deq
+    group = -1 if group >= w.shape[1] else group
+    codes, zeros, scales, _, g_idx = quantize_in_order(w, bits, group, sym, 0, order)
+    stored = scales.to(scale_dtype)  # [K / G, N]
+    at = g_idx.long()
+    deq = stored.float()[at].t() * (codes.t().float() - zeros.float()[at].t())
+    out = {}
+    if fmt == "int-quantized":
+        out["weight"] = (codes.t() - 128).to(torch.int8).contiguous()
+    else:
+        out["weight_packed"] = pack_rows(codes.t(), bits)
+        out["weight_shape"] = torch.tensor(list(w.shape))
+        if not sym:  # (packed along N)
+            out["weight_zero_point"] = pack_rows(zeros, bits).t().contiguous()
+        if order is not None:
+            out["weight_g_idx"] = g_idx
+    out["weight_scale"] = stored.t().contiguous()
+    return out, deq
+
+
+def compressed_tensors_config(scheme: str, act_order: bool = False, ignore=("lm_head",)):
+    """The quantization_config llm-compressor writes for `scheme` on Linear targets, `ignore`
+    the modules it left in float (compressed-tensors lists each by name)."""
+    fmt, kind, bits, group, sym = COMPRESSED_TENSORS[scheme]
     weights = {
         "num_bits": bits, "type": kind, "symmetric": sym, "dynamic": False,
         "strategy": "channel" if group == -1 else "block" if kind == "float" else "group",
         "group_size": None if group == -1 or kind == "float" else group,
         "block_structure": group if kind == "float" and group != -1 else None,
-        "actorder": None if orders is None else "group",
+        "actorder": "group" if act_order else None,
     }  # fmt: skip
     activations = {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": True,
                    "strategy": "token"} if scheme.startswith(("w8a8", "fp8")) else None  # fmt: skip
-    qc = {
+    return {
         "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                       "input_activations": activations, "format": fmt}},
-        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+        "ignore": list(ignore), "kv_cache_scheme": None, "sparsity_config": {},
     }  # fmt: skip
+
+
+def write_compressed_tensors(folder, hf, scheme: str, orders=None, scale_dtype=torch.bfloat16):
+    """hf's linears in a compressed-tensors scheme (COMPRESSED_TENSORS), scales in
+    scale_dtype, orders: actorder "group" (as write_quantized's, with weight_g_idx); hf's
+    weights replaced by the dequantized ones."""
+    tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
+    with torch.no_grad():
+        for name, module in linears_of(hf, tensors):
+            w = module.weight
+            order = None if orders is None else orders(name, w.shape[1])
+            out, deq = compress_linear(w, scheme, order, scale_dtype)
+            module.weight.copy_(deq)
+            tensors |= {f"{name}.{part}": t for part, t in out.items()}
+    save_file(tensors, str(folder / "model.safetensors"))
+    qc = compressed_tensors_config(scheme, orders is not None)
     (folder / "config.json").write_text(
         json.dumps(hf.config.to_dict() | {"quantization_config": qc})
     )
     write_tokenizer(folder)
+
+
+MOE_PROJECTIONS = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+
+
+def write_moe_compressed_tensors(
+    tmp_path, scheme: str, orders=None, moe_intermediate_size: int = 64, arch: str = "qwen3_moe"
+):
+    """tiny_moe as llm-compressor ships it in `scheme` (every expert's and the attention's
+    projections quantized; each layer's router left float and listed in `ignore` by name, as
+    its MoE recipes' "re:.*mlp.gate$" / "re:.*block_sparse_moe.gate" leave it, and lm_head;
+    orders: as write_quantized's) in tmp_path / scheme: (the folder, the transformers model
+    holding the dequantized weights)."""
+    hf, tensors = tiny_moe(tmp_path, moe_intermediate_size, arch)
+    stored, plain = {}, dict(tensors)
+    for name, w in tensors.items():
+        if not name.endswith(MOE_PROJECTIONS):
+            stored[name] = w
+            continue
+        stem = name.removesuffix("weight")
+        order = None if orders is None else orders(stem[:-1], w.shape[1])
+        out, deq = compress_linear(w, scheme, order)
+        plain[name] = deq.contiguous()
+        stored |= {stem + part: t for part, t in out.items()}
+    folder = tmp_path / scheme
+    folder.mkdir()
+    save_file(stored, str(folder / "model.safetensors"))
+    block = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    routers = [f"model.layers.{n}.{block}.gate" for n in range(hf.config.num_hidden_layers)]
+    qc = compressed_tensors_config(scheme, orders is not None, [*routers, "lm_head"])
+    (folder / "config.json").write_text(
+        json.dumps(hf.config.to_dict() | {"quantization_config": qc})
+    )
+    write_tokenizer(folder)
+    return folder, moe_reference(tmp_path, plain)
 
 
 # bitsandbytes' NF4 table (QLoRA's normal-float quantiles)

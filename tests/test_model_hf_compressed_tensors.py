@@ -3,7 +3,9 @@ transformers models whose linears are quantized and packed here as compressed-te
 them (its dense int32 packing checked against the library's own packer when this was written),
 must load into the dequantized weights bit for bit, give transformers' logits on them and its
 greedy tokens through the engine; act-order groups, tensor-parallel ranks and the folder's own
-mode work as for GPTQ; what the loader cannot represent is refused by name."""
+mode work as for GPTQ; mixture-of-experts folders (Qwen3-MoE, Mixtral: experts quantized, the
+routers ignored) keep their experts quantized, as GPTQ's do; what the loader cannot represent is
+refused by name."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from hf_quantized_files import (
     shared_orders,
     tiny_model,
     write_compressed_tensors,
+    write_moe_compressed_tensors,
 )
+from test_expert_parallel_loading import assert_loads_as_cut as assert_experts_load_as_cut
 from test_tensor_shard_loading import assert_loads_as_cut
 from transformers_oracle import hf_greedy, relative
 
@@ -38,6 +42,7 @@ FORMS = {
     "w4a16-asym-g32": ("int4", 32),
     "w4a16-sym-channel": ("int4", 128),
     "w8a16-sym-g32": ("int8", 32),
+    "w8a16-sym-channel": ("int8", 0),
     "w8a8-int-channel": ("int8", 0),
     "fp8-channel": "float",
     "fp8-block": "float",
@@ -178,3 +183,105 @@ def test_int8_codes_of_minus_128_are_requantized_within_int8s_step(groups):
         got = quant_gemv.quant_gemv(x, qw).double()
         exact = x.double() @ qw.dequantize_rows().double().T
         assert (got - exact).abs().max() <= 1e-4 * (x.abs() @ want.abs().T).max()
+
+
+# MoE folders as llm-compressor's MoE examples quantize them (W4A16 in groups of 128 with a
+# moe_intermediate_size they divide, in groups of 32 asymmetric; W8A16 a scale a row), each
+# (scheme, architecture, the experts' form, moe_intermediate_size)
+MOE = {
+    "w4a16-sym-g128": ("w4a16-sym-g128", "qwen3_moe", ("int4", 128), 256),
+    "w4a16-asym-g32": ("w4a16-asym-g32", "qwen3_moe", ("int4", 32), 64),
+    "w8a16-sym-channel": ("w8a16-sym-channel", "qwen3_moe", ("int8", 0), 64),
+    "mixtral-w4a16-asym-g32": ("w4a16-asym-g32", "mixtral", ("int4", 32), 64),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MOE))
+def moe_checkpoint(request, tmp_path_factory):
+    """(folder, the transformers MoE holding the dequantized weights, the case's name)."""
+    scheme, arch, _, moe_i = MOE[request.param]
+    tmp = tmp_path_factory.mktemp("moe-" + request.param)
+    folder, reference = write_moe_compressed_tensors(tmp, scheme, None, moe_i, arch)
+    return folder, reference, request.param
+
+
+def test_moe_experts_stay_quantized_as_the_dequantized_ones_bit_for_bit(moe_checkpoint):
+    """Every expert's gate/up and down stacked quantized in the scheme's form, equal to the
+    reference's experts bit for bit; the ignored router stored float and loaded as it is."""
+    folder, reference, name = moe_checkpoint
+    _, _, form, moe_i = MOE[name]
+    assert hf_checkpoint_quantization(folder) == form[0]
+    model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
+    for n, layer in enumerate(model.weights.layers):
+        mlp, attn = reference.model.layers[n].mlp, reference.model.layers[n].self_attn
+        gate_up, down = layer.experts_gate_up, layer.experts_down
+        for w, shape in ((gate_up, (4, 2 * moe_i, 128)), (down, (4, 128, moe_i))):
+            assert isinstance(w, QuantizedWeight) and (w.format, w.group_size) == form
+            assert tuple(w.shape) == shape
+        for e in range(4):  # (transformers' experts: gate_up_proj [E, 2I, H], gate rows first)
+            assert torch.equal(gate_up.expert(e).dequantize_rows(), mlp.experts.gate_up_proj[e])
+            assert torch.equal(down.expert(e).dequantize_rows(), mlp.experts.down_proj[e])
+        assert torch.equal(layer.router, mlp.gate.weight)  # (ignored: float as stored)
+        want_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        assert torch.equal(layer.qkv.dequantize_rows(), want_qkv)
+        assert torch.equal(layer.o.dequantize_rows(), attn.o_proj.weight)
+        assert layer.gate_up is None and layer.down is None  # (no shared expert)
+    assert torch.equal(model.weights.lm_head, reference.lm_head.weight)
+
+
+def test_moe_logits_equal_transformers_on_the_dequantized_model(moe_checkpoint):
+    folder, reference, _ = moe_checkpoint
+    with ops.use_backend("cpu"):
+        model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
+        got = all_logits(model, PROMPT).double()
+    with torch.no_grad():
+        want = reference(torch.tensor([PROMPT])).logits[0].double()
+    assert relative(got, want) < 2e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_moe_the_engine_answers_as_transformers(moe_checkpoint):
+    folder, reference, _ = moe_checkpoint
+    assert engine_greedy(folder) == hf_greedy(reference, PROMPT, 12)[0]
+
+
+def own_orders():
+    """orders(name, K): each linear its own random input order (each expert saw tokens of its
+    own)."""
+    counter = iter(range(1000))
+    return lambda name, k: torch.randperm(k, generator=torch.Generator().manual_seed(next(counter)))
+
+
+def test_moe_act_order_experts_load_as_int8_per_32(tmp_path):
+    """Experts with act-order groups (weight_g_idx), each its own order: no MoE kernel gathers
+    by one, so they are requantized to int8 per 32 (within 1/254 of a group's largest weight);
+    the attention keeps its order and its codes."""
+    folder, reference = write_moe_compressed_tensors(tmp_path, "w4a16-asym-g32", own_orders())
+    with ops.use_backend("cpu"):
+        model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
+        got = all_logits(model, PROMPT).double()
+    layer = model.weights.layers[0]
+    assert layer.experts_gate_up.kind == layer.experts_down.kind == ("int8", 32, False)
+    assert layer.o.format == "int4" and layer.o.input_index is not None
+    assert torch.equal(layer.o.dequantize_rows(), reference.model.layers[0].self_attn.o_proj.weight)
+    mlp = reference.model.layers[0].mlp
+    for got_w, want_w in (
+        (layer.experts_down.expert(1), mlp.experts.down_proj[1]),
+        (layer.experts_gate_up.expert(2), mlp.experts.gate_up_proj[2]),
+    ):
+        step = want_w.abs().view(-1, 32).amax(-1).repeat_interleave(32).view_as(want_w) / 254
+        assert ((got_w.dequantize_rows() - want_w).abs() <= step * 1.0001).all()
+    with torch.no_grad():
+        want = reference(torch.tensor([PROMPT])).logits[0].double()
+    assert relative(got, want) < 5e-2
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("split", ["tensor", "expert"])
+def test_moe_ranks_load_the_whole_models_parts(tmp_path, monkeypatch, split, act_order):
+    """Tensor-parallel ranks (each expert's rows / columns) and expert-parallel ranks (whole
+    experts) of a compressed-tensors MoE equal the whole model cut for them."""
+    monkeypatch.setenv("PAGEDKERN_CACHE_DIR", str(tmp_path / "cache"))
+    orders = own_orders() if act_order else None
+    folder, _ = write_moe_compressed_tensors(tmp_path, "w4a16-asym-g32", orders)
+    (assert_loads_as_cut if split == "tensor" else assert_experts_load_as_cut)(str(folder), 2)
