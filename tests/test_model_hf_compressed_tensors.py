@@ -160,6 +160,25 @@ def test_a_misshapen_part_is_refused_naming_the_linear(tmp_path):
         load_model(str(tmp_path), "cpu", torch.float32)
 
 
+def test_groups_other_than_the_configs_are_refused(tmp_path):
+    """A weight's groups are read off its scales' shape: K / columns. compressed-tensors makes
+    ceil(K / group_size) of them, so where group_size does not divide K (K = 192 in groups of
+    128: 2 columns) that quotient is not the group size, and the weight would load wrong: a
+    weight whose groups are not of the config's group_size is refused. Shown with a g32 folder
+    whose config says 64, and directly with a K of 192."""
+    write_compressed_tensors(tmp_path, tiny_model(), "w4a16-asym-g32")
+    _with_config(tmp_path, lambda qc: _weights(qc).update(group_size=64))
+    with pytest.raises(ModelLoadError, match=r"in \d+ groups of the config's group_size 64"):
+        load_model(str(tmp_path), "cpu", torch.float32)
+    n, k = 8, 192
+    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(0))
+    scale = torch.full((n, 2), 0.01).bfloat16()
+    with pytest.raises(ValueError, match="a last group shorter than the others"):
+        unpack_weight(pack_rows(codes, 4), scale, torch.tensor([n, k]), group_sizes=(128,))
+    even = unpack_weight(pack_rows(codes, 4), scale, torch.tensor([n, k]), group_sizes=(96,))
+    assert torch.equal(even.dequantize_rows(), (codes - 8).float() * scale.float()[:, :1])
+
+
 @pytest.mark.parametrize("groups", [1, 2])  # a scale a row (W8A8-like), groups of 32
 def test_int8_codes_of_minus_128_are_requantized_within_int8s_step(groups):
     """compressed-tensors' int8 range is -128..127 (scale absmax / 127.5), and the CPU kernels

@@ -53,7 +53,7 @@ def compressed_tensors_scheme(qc: Mapping, path: str) -> Scheme:
     groups = qc.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
         raise ModelLoadError(path, "quantization_config: compressed-tensors needs config_groups")
-    int_bits, block = set(), None
+    int_bits, block, group_sizes = set(), None, set()
     for name, group in groups.items():
         where = f"quantization_config: config_groups.{name}"
         if not isinstance(group, Mapping):
@@ -96,11 +96,13 @@ def compressed_tensors_scheme(qc: Mapping, path: str) -> Scheme:
                 type(group_size) is int and group_size > 0 and group_size % 16 == 0
             ):
                 raise ModelLoadError(path, f"{where}: group_size {group_size!r}")
+            if strategy == "group":
+                group_sizes.add(group_size)
             int_bits.add(bits)
         else:
             raise ModelLoadError(path, f"{where}: weights type {kind!r} is not supported")
     bits = min(int_bits) if int_bits else 0
-    return Scheme(METHOD, bits, 0, False, block)
+    return Scheme(METHOD, bits, 0, False, block, group_sizes=tuple(sorted(group_sizes)))
 
 
 def compressed_getter(
@@ -122,7 +124,9 @@ def compressed_getter(
         packed = tensor(stem + "weight_packed")
         if packed is not None:
             parts = ("weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
-            return unpack_weight(packed, *(tensor(stem + part) for part in parts))
+            return unpack_weight(
+                packed, *(tensor(stem + part) for part in parts), scheme.group_sizes
+            )
         scale = tensor(stem + "weight_scale")  # (small: read before the weight)
         if scale is None:
             return None
@@ -145,8 +149,11 @@ def unpack_weight(
     shape: torch.Tensor | None,
     zero: torch.Tensor | None = None,
     g_idx: torch.Tensor | None = None,
+    group_sizes: tuple[int, ...] = (),
 ) -> QuantizedWeight:
-    """A pack-quantized linear's tensors as a QuantizedWeight (module docstring)."""
+    """A pack-quantized linear's tensors as a QuantizedWeight (module docstring). group_sizes:
+    the config's (empty: not checked); a weight of several groups must be in one of them, so a
+    K its group_size does not divide (ceil(K / G) groups, the last one short) is refused."""
     if scale is None or shape is None:
         raise ValueError("weight_scale and weight_shape must be beside weight_packed")
     if packed.dtype != torch.int32 or packed.dim() != 2 or shape.numel() != 2:
@@ -168,6 +175,12 @@ def unpack_weight(
     group = k // groups
     if k % groups or not (group % 32 == 0 or (bits == 8 and group == 16)):
         raise ValueError(f"weight_scale's {groups} groups: {k} input channels in groups of 32s")
+    if groups > 1 and group_sizes and group not in group_sizes:
+        raise ValueError(
+            f"{k} input channels in {groups} groups of the config's group_size "
+            f"{' / '.join(map(str, group_sizes))}: a last group shorter than the others is not "
+            "supported"
+        )
     codes = unpack_rows(packed, bits, k)
     middle = 1 << (bits - 1)
     if zero is None:

@@ -72,6 +72,9 @@ class Scheme:
     zeros_minus_one: bool  # GPTQ v1 stores z - 1
     block: tuple[int, int] | None = None  # fp8: the [rows, columns] a weight_scale_inv covers
     act_order: bool = False  # GPTQ desc_act: each linear's g_idx gives its groups
+    # compressed-tensors: the group_size of each config group with groups (a weight's groups,
+    # read off its scales' shape, must be one of them)
+    group_sizes: tuple[int, ...] = ()
 
     @property
     def per_word(self) -> int:
