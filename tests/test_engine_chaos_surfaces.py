@@ -115,7 +115,7 @@ class StreamDriver(Driver):
         self.last: dict[tuple[str, str], int] = {}  # (channel, request id) -> last number
         self.finals: set[str] = set()  # ids whose finished output a consumer has
         self.abort_at: dict[str, int] = {}  # id -> outputs numbered before its abort
-        self.closing: RequestOutput | None = None  # the ABORT a stream's close made
+        self.closing: list[RequestOutput] = []  # the ABORTs a stream's close made
         step, abort = engine.step, engine.abort
 
         def numbered_step() -> list[RequestOutput]:
@@ -124,12 +124,12 @@ class StreamDriver(Driver):
                 self.number(out)
             return outputs
 
-        def numbered_abort(rid: str) -> RequestOutput | None:
-            ended = [r for r, q in engine.requests.items() if q.parent_id == rid]
+        def numbered_abort(rid: str, alone: bool = False) -> RequestOutput | None:
+            ended = [] if alone else [r for r, q in engine.requests.items() if q.parent_id == rid]
             for r in [rid, *ended]:
                 self.abort_at.setdefault(r, len(self.made))
             pending = [o for o in engine.output.undelivered if o.request_id == rid]
-            out = abort(rid)
+            out = abort(rid, alone=alone)
             left = {id(o) for o in engine.output.undelivered}
             self.taken |= {id(o) for o in pending if id(o) not in left}  # folded into `out`
             for o in [out, *engine.output.undelivered]:
@@ -137,7 +137,7 @@ class StreamDriver(Driver):
             if out is not None:  # (the caller's: abort_checked, or a closing stream's)
                 self.finals.add(rid)
                 self.taken.add(id(out))
-            self.closing = out
+                self.closing.append(out)
             return out
 
         engine.step, engine.abort = numbered_step, numbered_abort  # type: ignore[method-assign]
@@ -182,12 +182,12 @@ class StreamDriver(Driver):
         every output of it no consumer has taken goes with the stream: those it held, those set
         aside for it, the ABORT outputs (the checks see them as made)."""
         engine = self.engine
-        self.closing = None
+        self.closing = []
         first_running = rid in engine.requests
         mine = [r for r, q in engine.requests.items() if rid in (r, q.parent_id)]
         self.streams.pop(rid).close()
         assert not any(r in engine.requests for r in mine), f"{rid}: running after its close"
-        assert not first_running or self.closing is not None, f"{rid}: no ABORT at its close"
+        assert not first_running or self.closing, f"{rid}: no ABORT at its close"
         assert not any(rid in (o.request_id, o.parent_id) for o in engine.output.undelivered), (
             f"{rid}: outputs left behind by its closed stream"
         )
@@ -197,7 +197,7 @@ class StreamDriver(Driver):
             if rid in (out.request_id, out.parent_id) and key not in self.taken
         ]
         self.taken |= {id(out) for out in dropped}
-        outcome.record(dropped + ([self.closing] if self.closing is not None else []))
+        outcome.record(dropped + self.closing)
         for r in mine:
             outcome.aborted.setdefault(r, 0)  # (the count: set in finish)
 

@@ -4,6 +4,8 @@ request, also once its first sample has finished, and takes its outputs with it.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from pagedkern.engine import Engine, EngineConfig, FinishReason, RequestRejected, SamplingParams
@@ -49,6 +51,40 @@ def test_the_request_is_admitted_by_the_call():
     stream.close()
     with pytest.raises(RequestRejected):
         engine.stream(prompt_ids=[7] * 100_000, params=sampled(1))
+
+
+@pytest.mark.parametrize("how", ["closed", "dropped"])
+def test_a_stream_never_started_cancels_its_request(how):
+    """Closed (or collected) before its first next(): every sample is cancelled, its blocks
+    and outputs with it."""
+    engine = make_engine()
+    stream = engine.stream(prompt_ids=PROMPT, params=sampled(2), request_id="q")
+    assert set(engine.requests) == {"q", "q.1"}
+    if how == "closed":
+        stream.close()
+    else:
+        del stream
+        gc.collect()
+    assert not engine.requests and not engine.output.undelivered
+    assert engine.step() == [] and engine.pool.num_used == 0
+
+
+def test_a_suspended_stream_does_not_cancel_a_later_request_of_its_id():
+    """A chat loop reusing one id: turn 0's stream is left suspended after its final output (a
+    `break`); closing it later (as rebinding or collecting it does) must not touch turn 1."""
+    engine = make_engine()
+    first = engine.stream(prompt_ids=PROMPT, params=sampled(1, 4), request_id="chat")
+    want = []
+    for out in first:
+        want += out.token_ids
+        if out.finished:
+            break  # (suspended after its final output)
+    second = engine.stream(prompt_ids=PROMPT, params=sampled(1, 4), request_id="chat")
+    first.close()
+    assert "chat" in engine.requests
+    got = [t for out in second for t in out.token_ids]
+    assert got == want and len(got) == 4  # (the same seed and prompt: the same tokens)
+    assert engine.pool.num_used == 0
 
 
 def test_closing_after_the_first_sample_finished_cancels_the_others():

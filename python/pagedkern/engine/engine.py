@@ -50,6 +50,7 @@ from .kernel_policy import pick_device, step_graphs
 from .kv_budget import release_device_memory
 from .kv_setup import KVCacheSetup
 from .output_processor import OutputProcessor
+from .output_stream import OutputStream
 from .outputs import EngineStats, RequestOutput
 from .overlap import Overlap
 from .request import Request
@@ -273,33 +274,17 @@ class Engine:
         messages: Sequence[Mapping] | None = None,
         prompt_ids: Sequence[int] | None = None,
         request_id: str | None = None,
-    ) -> Iterator[RequestOutput]:
-        """Admit a request (now: add_request's errors are raised here) and yield its outputs as
-        they are produced, every sample's with params.n > 1 (their request_id says which; the
-        stream ends when all have finished). Other requests keep running in the same steps;
-        their outputs are kept for the next `step()` (or another stream), not dropped. Closing
-        the iterator early cancels what still runs of the request; its outputs go with it."""
+    ) -> OutputStream:
+        """Admit a request (now: add_request's errors are raised here) and iterate over its
+        outputs as they are produced, every sample's with params.n > 1 (their request_id says
+        which; the iteration ends when all have finished). Other requests keep running in the
+        same steps; their outputs are kept for the next `step()` (or another stream), not
+        dropped. Closing the iterator (or dropping it) cancels what still runs of the request;
+        its outputs go with it."""
         request = self.add_request(
             prompt, params, messages=messages, prompt_ids=prompt_ids, request_id=request_id
         )
-        return self._outputs_of(request.request_id)
-
-    def _outputs_of(self, rid: str) -> Iterator[RequestOutput]:
-        def ours(o: RequestOutput) -> bool:
-            return o.request_id == rid or o.parent_id == rid
-
-        def running() -> bool:
-            return any(r.request_id == rid or r.parent_id == rid for r in self.requests.values())
-
-        try:
-            while running() or any(ours(o) for o in self.output.undelivered):
-                outputs = self.step()
-                self.output.undelivered += [o for o in outputs if not ours(o)]
-                yield from (o for o in outputs if ours(o))
-        finally:
-            if running():
-                self.abort(rid)
-            self.output.undelivered = [o for o in self.output.undelivered if not ours(o)]
+        return OutputStream(self, [request, *(request.forks or ())])
 
     def run_until_done(self) -> Iterator[RequestOutput]:
         while self.has_unfinished or self.output.undelivered:
