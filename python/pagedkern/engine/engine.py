@@ -284,7 +284,8 @@ class Engine:
         request = self.add_request(
             prompt, params, messages=messages, prompt_ids=prompt_ids, request_id=request_id
         )
-        return OutputStream(self, [request, *(request.forks or ())])
+        samples = [request, *(request.forks or ())]
+        return OutputStream(self.step, self.abort, self.output, samples)
 
     def run_until_done(self) -> Iterator[RequestOutput]:
         while self.has_unfinished or self.output.undelivered:

@@ -10,19 +10,24 @@ samples still running and drops its outputs no one has taken.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
 
+from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Request
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 
 class OutputStream:
-    def __init__(self, engine: Engine, samples: Sequence[Request]) -> None:
-        self._engine = engine
+    def __init__(
+        self,
+        step: Callable[[], list[RequestOutput]],
+        abort: Callable[..., RequestOutput | None],
+        output: OutputProcessor,
+        samples: Sequence[Request],
+    ) -> None:
+        """step, abort: the engine's; output: its OutputProcessor (the running requests and
+        the outputs set aside); samples: the request's, as admitted."""
+        self._step, self._abort, self._output = step, abort, output
         self._samples = tuple(samples)
         self._ids = frozenset(s.request_id for s in samples)
         self._cancelled = False
@@ -49,10 +54,10 @@ class OutputStream:
         self._cancel()
 
     def _generate(self) -> Iterator[RequestOutput]:
-        output = self._engine.output
+        output = self._output
         try:
             while self._running() or any(self._ours(o) for o in output.undelivered):
-                outputs = self._engine.step()
+                outputs = self._step()
                 output.undelivered += [o for o in outputs if not self._ours(o)]
                 yield from (o for o in outputs if self._ours(o))
         finally:
@@ -63,19 +68,16 @@ class OutputStream:
 
     def _running(self) -> list[Request]:
         """This stream's samples still running (the very objects: an id may be reused)."""
-        requests = self._engine.requests
+        requests = self._output.requests
         return [s for s in self._samples if requests.get(s.request_id) is s]
 
     def _cancel(self) -> None:
         if self._cancelled:
             return
         self._cancelled = True
-        engine = self._engine
         for sample in reversed(self._running()):  # (the first last: it ends unforked samples)
-            engine.abort(sample.request_id, alone=True)
+            self._abort(sample.request_id, alone=True)
         # its ids that no other request holds now (a finished sample's may be taken again)
-        requests = engine.requests
-        mine = {s.request_id for s in self._samples if requests.get(s.request_id, s) is s}
-        engine.output.undelivered = [
-            o for o in engine.output.undelivered if o.request_id not in mine
-        ]
+        output = self._output
+        mine = {s.request_id for s in self._samples if output.requests.get(s.request_id, s) is s}
+        output.undelivered = [o for o in output.undelivered if o.request_id not in mine]
