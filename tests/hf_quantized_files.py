@@ -253,6 +253,25 @@ def assert_layer_holds(layer, hf, index: int) -> None:
     assert torch.equal(plain(layer.gate_up)[mlp.up_proj.weight.shape[0] :], mlp.up_proj.weight)
 
 
+def cpu_logits(folder) -> tuple:
+    """(the folder's model, loaded in float32 on the CPU backend; its float64 logits over
+    PROMPT)."""
+    from hf_model_files import all_logits
+
+    from pagedkern import ops
+    from pagedkern.model import load_model
+
+    with ops.use_backend("cpu"):
+        model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
+        return model, all_logits(model, PROMPT).double()
+
+
+def reference_logits(hf) -> torch.Tensor:
+    """transformers' float64 logits over PROMPT."""
+    with torch.no_grad():
+        return hf(torch.tensor([PROMPT])).logits[0].double()
+
+
 def engine_greedy(folder, max_tokens: int = 12) -> list[int]:
     """The CPU backend engine's greedy tokens for PROMPT from the model in `folder`."""
     from pagedkern.engine import Engine, EngineConfig, SamplingParams

@@ -17,7 +17,9 @@ from hf_quantized_files import (
     PROMPT,
     SCHEMES,
     assert_layer_holds,
+    cpu_logits,
     engine_greedy,
+    reference_logits,
     shared_orders,
     tiny_model,
     write_moe_gptq,
@@ -69,8 +71,7 @@ def test_act_order_logits_equal_transformers(checkpoint, variant):
     with ops.use_backend("cpu"), variants.use_kernels(cpu_quant_linear=variant):
         model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
         got = all_logits(model, PROMPT).double()
-    with torch.no_grad():
-        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    want = reference_logits(hf)
     # (16-bit activations: 2e-4; llama.cpp's int8 ones and torch's bf16 ones: 1-3% on this
     # model's large random weights; inputs not gathered: ~100%)
     assert relative(got, want) < (2e-4 if variant == "int16_activations" else 6e-2)
@@ -109,9 +110,7 @@ def test_qkv_in_orders_of_their_own_fuse_within_int8s_step(tmp_path):
         return torch.randperm(k, generator=torch.Generator().manual_seed(next(counter)))
 
     write_quantized(tmp_path, hf, SCHEMES["gptq-int4-asym-g32"], orders=own_orders)
-    with ops.use_backend("cpu"):
-        model, _ = load_model(str(tmp_path), "cpu", torch.float32, kv_cache_dtype="float32")
-        got = all_logits(model, PROMPT).double()
+    model, got = cpu_logits(tmp_path)
     layer = model.weights.layers[0]
     assert layer.qkv.format == "int8" and layer.qkv.input_index is None
     assert layer.down.format == "int4" and layer.down.input_index is not None
@@ -119,8 +118,7 @@ def test_qkv_in_orders_of_their_own_fuse_within_int8s_step(tmp_path):
     want_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
     step = want_qkv.abs().view(-1, 32).amax(-1).repeat_interleave(32).view_as(want_qkv) / 254
     assert ((layer.qkv.dequantize_rows() - want_qkv).abs() <= step * 1.0001).all()
-    with torch.no_grad():
-        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    want = reference_logits(hf)
     assert relative(got, want) < 5e-2  # (this tiny random model's logits: ~3%)
 
 
@@ -151,9 +149,7 @@ def test_act_order_experts_load_as_int8_per_32(tmp_path):
         return torch.randperm(k, generator=torch.Generator().manual_seed(next(counter)))
 
     folder, reference = write_moe_gptq(tmp_path, own_orders)
-    with ops.use_backend("cpu"):
-        model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
-        got = all_logits(model, PROMPT).double()
+    model, got = cpu_logits(folder)
     layer = model.weights.layers[0]
     assert layer.experts_gate_up.kind == layer.experts_down.kind == ("int8", 32, False)
     assert layer.o.format == "int4" and layer.o.input_index is not None
@@ -161,8 +157,7 @@ def test_act_order_experts_load_as_int8_per_32(tmp_path):
     got_down = layer.experts_down.expert(1).dequantize_rows()
     step = want_down.abs().view(-1, 32).amax(-1).repeat_interleave(32).view_as(want_down) / 254
     assert ((got_down - want_down).abs() <= step * 1.0001).all()
-    with torch.no_grad():
-        want = reference(torch.tensor([PROMPT])).logits[0].double()
+    want = reference_logits(reference)
     assert relative(got, want) < 5e-2
 
 

@@ -11,12 +11,17 @@ import json
 
 import pytest
 import torch
-from hf_model_files import all_logits
-from hf_quantized_files import PROMPT, engine_greedy, tiny_model, write_bitsandbytes
+from hf_quantized_files import (
+    PROMPT,
+    cpu_logits,
+    engine_greedy,
+    reference_logits,
+    tiny_model,
+    write_bitsandbytes,
+)
 from safetensors.torch import load_file, save_file
 from transformers_oracle import hf_greedy, relative
 
-from pagedkern import ops
 from pagedkern.model import ModelLoadError, load_model
 from pagedkern.model.hf_loader import hf_checkpoint_quantization
 from pagedkern.model.quantized_linear import QuantizedWeight
@@ -32,9 +37,7 @@ def test_weights_hold_the_checkpoints_values_and_logits_follow(tmp_path, bits, n
     hf = tiny_model()
     write_bitsandbytes(tmp_path, hf, bits, nested)
     assert hf_checkpoint_quantization(tmp_path) == "int8"
-    with ops.use_backend("cpu"):
-        model, _ = load_model(str(tmp_path), "cpu", torch.float32, kv_cache_dtype="float32")
-        got = all_logits(model, PROMPT).double()
+    model, got = cpu_logits(tmp_path)
     layer, mlp = model.weights.layers[1], hf.model.layers[1].mlp
     for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
         assert isinstance(w, QuantizedWeight) and w.format == "int8"
@@ -45,8 +48,7 @@ def test_weights_hold_the_checkpoints_values_and_logits_follow(tmp_path, bits, n
     else:
         assert _within_int8_step(down, mlp.down_proj.weight)
     assert torch.equal(model.weights.lm_head, hf.lm_head.weight)  # (skipped: stored plain)
-    with torch.no_grad():
-        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    want = reference_logits(hf)
     assert relative(got, want) < (2e-4 if bits == 8 else 5e-2)  # (int8 per 32 here: ~3%)
 
 

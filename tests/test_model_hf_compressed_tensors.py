@@ -13,13 +13,14 @@ import json
 
 import pytest
 import torch
-from hf_model_files import all_logits
 from hf_quantized_files import (
     COMPRESSED_TENSORS,
     PROMPT,
     assert_layer_holds,
+    cpu_logits,
     engine_greedy,
     pack_rows,
+    reference_logits,
     shared_orders,
     tiny_model,
     write_compressed_tensors,
@@ -29,7 +30,6 @@ from test_expert_parallel_loading import assert_loads_as_cut as assert_experts_l
 from test_tensor_shard_loading import assert_loads_as_cut
 from transformers_oracle import hf_greedy, relative
 
-from pagedkern import ops
 from pagedkern.model import ModelLoadError, load_model
 from pagedkern.model.hf_compressed_tensors import unpack_weight
 from pagedkern.model.hf_loader import hf_checkpoint_quantization
@@ -73,11 +73,8 @@ def test_weights_are_the_dequantized_ones_bit_for_bit(checkpoint):
 
 def test_logits_equal_transformers_on_the_dequantized_model(checkpoint):
     folder, hf, name = checkpoint
-    with ops.use_backend("cpu"):
-        model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
-        got = all_logits(model, PROMPT).double()
-    with torch.no_grad():
-        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    model, got = cpu_logits(folder)
+    want = reference_logits(hf)
     assert relative(got, want) < 2e-4  # (activations rounded to 16 bits a block of 32)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     if name in TILES:
@@ -99,14 +96,11 @@ def test_the_engine_answers_as_transformers(tmp_path):
 def test_act_order_groups_load_in_their_order(tmp_path):
     hf = tiny_model()
     write_compressed_tensors(tmp_path, hf, "w4a16-asym-g32", orders=shared_orders(11))
-    with ops.use_backend("cpu"):
-        model, _ = load_model(str(tmp_path), "cpu", torch.float32, kv_cache_dtype="float32")
-        got = all_logits(model, PROMPT).double()
+    model, got = cpu_logits(tmp_path)
     down = model.weights.layers[0].down
     assert down.input_index is not None
     assert torch.equal(down.dequantize_rows(), hf.model.layers[0].mlp.down_proj.weight)
-    with torch.no_grad():
-        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    want = reference_logits(hf)
     assert relative(got, want) < 2e-4
 
 
@@ -250,11 +244,8 @@ def test_moe_experts_stay_quantized_as_the_dequantized_ones_bit_for_bit(moe_chec
 
 def test_moe_logits_equal_transformers_on_the_dequantized_model(moe_checkpoint):
     folder, reference, _ = moe_checkpoint
-    with ops.use_backend("cpu"):
-        model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
-        got = all_logits(model, PROMPT).double()
-    with torch.no_grad():
-        want = reference(torch.tensor([PROMPT])).logits[0].double()
+    model, got = cpu_logits(folder)
+    want = reference_logits(reference)
     assert relative(got, want) < 2e-4
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -276,9 +267,7 @@ def test_moe_act_order_experts_load_as_int8_per_32(tmp_path):
     by one, so they are requantized to int8 per 32 (within 1/254 of a group's largest weight);
     the attention keeps its order and its codes."""
     folder, reference = write_moe_compressed_tensors(tmp_path, "w4a16-asym-g32", own_orders())
-    with ops.use_backend("cpu"):
-        model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
-        got = all_logits(model, PROMPT).double()
+    model, got = cpu_logits(folder)
     layer = model.weights.layers[0]
     assert layer.experts_gate_up.kind == layer.experts_down.kind == ("int8", 32, False)
     assert layer.o.format == "int4" and layer.o.input_index is not None
@@ -290,8 +279,7 @@ def test_moe_act_order_experts_load_as_int8_per_32(tmp_path):
     ):
         step = want_w.abs().view(-1, 32).amax(-1).repeat_interleave(32).view_as(want_w) / 254
         assert ((got_w.dequantize_rows() - want_w).abs() <= step * 1.0001).all()
-    with torch.no_grad():
-        want = reference(torch.tensor([PROMPT])).logits[0].double()
+    want = reference_logits(reference)
     assert relative(got, want) < 5e-2
 
 

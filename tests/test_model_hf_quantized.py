@@ -17,8 +17,10 @@ from hf_quantized_files import (
     PROMPT,
     SCHEMES,
     assert_layer_holds,
+    cpu_logits,
     engine_greedy,
     pack_gptq,
+    reference_logits,
     tiny_model,
     write_fp8,
     write_moe_gptq,
@@ -72,8 +74,7 @@ def test_logits_equal_transformers_on_the_dequantized_model(checkpoint):
         # rounds activations to bf16: ~2% off, a different test)
         model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
         got = all_logits(model, PROMPT).double()
-    with torch.no_grad():
-        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    want = reference_logits(hf)
     assert relative(got, want) < 2e-4  # (activations rounded to 16 bits a block of 32)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert quant_gemv.tile_format(model.weights.layers[0].down) == TILE_FORMATS[name]
@@ -101,13 +102,10 @@ def test_quantization_none_dequantizes_int8_requantizes_and_int4_keeps(tmp_path)
 
 def test_a_mixture_of_experts_keeps_its_experts_quantized(tmp_path):
     folder, reference = write_moe_gptq(tmp_path)
-    with ops.use_backend("cpu"):
-        model, _ = load_model(str(folder), "cpu", torch.float32, kv_cache_dtype="float32")
-        got = all_logits(model, PROMPT).double()
+    model, got = cpu_logits(folder)
     experts = model.weights.layers[0].experts_gate_up
     assert isinstance(experts, QuantizedWeight) and experts.shape == (4, 128, 128)
-    with torch.no_grad():
-        want = reference(torch.tensor([PROMPT])).logits[0].double()
+    want = reference_logits(reference)
     assert relative(got, want) < 2e-4
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -241,8 +239,7 @@ def test_an_fp8_checkpoint_loads_its_blocks_dequantized(tmp_path):
     mlp = hf.model.layers[1].mlp
     assert torch.equal(model.weights.layers[1].down, mlp.down_proj.weight)
     got = all_logits(model, PROMPT).double()
-    with torch.no_grad():
-        want = hf(torch.tensor([PROMPT])).logits[0].double()
+    want = reference_logits(hf)
     assert relative(got, want) < 1e-5
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert_loads_as_cut(str(tmp_path), 2)
