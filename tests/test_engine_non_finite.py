@@ -59,11 +59,10 @@ def test_a_nan_hidden_state_fails_its_request_alone(backend, async_scheduling, t
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["host", "device-path"])
 def test_the_drawn_ids_mark_non_finite_rows(dtype):
-    """runner._checked_ids on both of its paths (the device one runs for any logits but fp32
+    """checked_ids on both of its paths (the device one runs for any logits but fp32
     on the host, so a CPU run covers it): NON_FINITE exactly where the drawn logit is NaN or
     infinite, the drawn id elsewhere (a -inf logit elsewhere in the row does not count)."""
-    from pagedkern.engine.logits_processing import NON_FINITE
-    from pagedkern.engine.runner import _checked_ids
+    from pagedkern.engine.non_finite import NON_FINITE, checked_ids
 
     logits = torch.randn(5, 11).to(dtype)
     logits[1] = float("nan")
@@ -71,4 +70,49 @@ def test_the_drawn_ids_mark_non_finite_rows(dtype):
     logits[3, 0] = float("-inf")
     ids = torch.tensor([3, 6, 4, 7, 0], dtype=torch.int32)
     logits[4, 0] = float("-inf")
-    assert _checked_ids(ids, logits) == [3, NON_FINITE, NON_FINITE, 7, NON_FINITE]
+    assert checked_ids(ids, logits) == [3, NON_FINITE, NON_FINITE, 7, NON_FINITE]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_proposals_that_overflow_change_nothing(temperature):
+    """Speculation with a proposer that proposes the poisoned token: the verification rows after
+    it are NaN, but a proposal is kept only where the finite row before it drew it, so the
+    output is the plain one (seeded: the coupled rule), and the request beside it runs on."""
+    from pagedkern.engine.speculative import Proposal
+
+    class Poison:
+        def propose(self, requests, max_tokens):
+            return [Proposal((POISON, 1, 2)[:k]) for k in max_tokens]
+
+        def forget(self, request):
+            pass
+
+    config = EngineConfig(
+        model="synthetic:tiny", backend="reference", num_blocks=32, block_size=4,
+        speculative="ngram", num_speculative_tokens=3,
+    )  # fmt: skip
+    engine = Engine.from_config(config)
+    with torch.no_grad():
+        engine.model.weights.embed[POISON] = float("nan")
+    engine.proposer = Poison()
+    params = SamplingParams(max_tokens=6, temperature=temperature, seed=5, ignore_eos=True)
+    prompts = {"clean": PROMPTS["clean"], "other": [1, 2, 3, 4]}
+    got = run(engine, prompts, params)
+    want = run(make_engine("reference", False), prompts, params)
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
+    assert engine.stats().num_spec_proposed > 0
+
+
+def test_a_verified_run_through_a_non_finite_row_is_marked():
+    """checked_gains: a request whose gained tokens include one drawn from a row whose logit
+    for it is not finite gains [NON_FINITE]; the others keep their gains."""
+    from pagedkern.engine.non_finite import NON_FINITE, checked_gains
+    from pagedkern.engine.speculative import Proposal
+
+    proposals = [Proposal((4, 5)), Proposal(()), Proposal((6,))]
+    logits = torch.randn(3 + 1 + 2, 9)
+    logits[2] = float("nan")  # request 0's third row: its bonus token's
+    logits[5, 1] = float("inf")  # request 2's second row, at a token it did not gain
+    gains = [[4, 5, 8], [2], [6, 3]]
+    assert checked_gains(gains, proposals, logits) == [[NON_FINITE], [2], [6, 3]]
+    assert checked_gains([[4, 7], [2], [6, 3]], proposals, logits) == [[4, 7], [2], [6, 3]]

@@ -26,17 +26,6 @@ class NoTokenAllowed(ValueError):
     left no token to sample: it fails alone (HTTP: a 400)."""
 
 
-# The id a drawn row reports when the model's logit for the drawn token is NaN or infinite:
-# its hidden state overflowed (an activation past float16's range, say), so no row of it is a
-# distribution; the request fails (NonFiniteLogits) instead of emitting that draw.
-NON_FINITE = -1
-
-
-class NonFiniteLogits(RuntimeError):
-    """The model's logits for a request were NaN or infinite (the model's fault, not the
-    request's: it fails alone, and the log says so)."""
-
-
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 

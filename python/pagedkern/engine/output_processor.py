@@ -20,7 +20,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import chain, repeat
 from typing import TYPE_CHECKING
 
-from .logits_processing import NON_FINITE, NonFiniteLogits, NoTokenAllowed
+from .logits_processing import NoTokenAllowed
+from .non_finite import NON_FINITE, NonFiniteLogits
 from .outputs import RequestOutput, TokenDeltas, TokenLogprob
 from .request import ENDED_BY_A_LIMIT, FinishReason, Request
 from .structured_output import StructuredOutputError

@@ -8,7 +8,6 @@ get logits for every row, and are verified (engine/speculative/verify.py) instea
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -24,7 +23,8 @@ from ..ops.cpu.direct import direct_cpu_calls
 from . import prompt_logprobs
 from .cuda_graphs import DecodeGraphs
 from .input_batch import DecodeStep, InputBatch
-from .logits_processing import NON_FINITE, BatchProcessing, batch_processing
+from .logits_processing import BatchProcessing, batch_processing
+from .non_finite import checked_gains, checked_ids
 from .outputs import TokenLogprob
 from .piecewise_graphs import PiecewiseGraphs
 from .request import Request
@@ -282,7 +282,8 @@ class ModelRunner:
         verified = []
         if speculating:
             num_sampled = step.num_sampled
-            gains = verify(logits[num_sampled:], speculating, [proposals[r] for r in speculating])
+            rows, mine = logits[num_sampled:], [proposals[r] for r in speculating]
+            gains = checked_gains(verify(rows, speculating, mine), mine, rows)
             verified = list(zip(speculating, gains, strict=True))
             logits = logits[:num_sampled]
             if not num_sampled:
@@ -339,7 +340,7 @@ class ModelRunner:
             if n:
                 kwargs["top_ids"] = torch.empty(rows, n, dtype=torch.int32, device=logits.device)
                 kwargs["top_logprobs"] = torch.empty(rows, n, device=logits.device)
-        ids = _checked_ids(
+        ids = checked_ids(
             _sampler(logits.device)(logits, temperature, top_p, top_k, seeds, offsets, **kwargs),
             logits,
         )
@@ -357,20 +358,6 @@ class ModelRunner:
             top = tuple(zip(top_ids[r][:k], top_values[r][:k], strict=True))
             logprobs.append(TokenLogprob(ids[r], sampled[r], top))
         return ids, logprobs
-
-
-def _checked_ids(ids: torch.Tensor, logits: torch.Tensor) -> list[int]:
-    """The drawn ids as a list, NON_FINITE where the drawn token's logit is NaN or infinite
-    (the sampler reads its logits only: these are the model's). A non-finite hidden state makes
-    its whole row so, whatever was drawn; a finite one never gives a drawn token a non-finite
-    logit. On the host a look at the values; on a device one small kernel, and one copy still."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        values = logits.numpy()
-        return [
-            t if math.isfinite(values[r, t]) else NON_FINITE for r, t in enumerate(ids.tolist())
-        ]
-    drawn = logits.gather(1, ids.long()[:, None])[:, 0]
-    return torch.where(torch.isfinite(drawn), ids, NON_FINITE).tolist()
 
 
 def _sampler(device: torch.device):
