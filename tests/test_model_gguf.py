@@ -334,11 +334,19 @@ def test_unwritable_cache_only_warns(tmp_path, monkeypatch):
     assert model.config.num_layers == 2
 
 
-def test_the_architecture_is_read_for_the_default_dtype(tmp_path):
-    from pagedkern.model.gguf_loader import gguf_architecture
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_architecture_is_read_for_the_default_dtype(tmp_path, monkeypatch, arch):
+    """From the header's first key alone (llama.cpp's writers put it there; parsing the
+    metadata takes seconds), and where another key comes first from the parsed metadata."""
+    from pagedkern.model import gguf_loader
 
-    write_gguf(tmp_path / "m.gguf", base_config())
-    assert gguf_architecture(tmp_path / "m.gguf") == "llama"
+    path = tmp_path / "m.gguf"
+    write_gguf(path, base_config(), arch=arch)
+    parsed, parse = [], gguf_loader._open
+    monkeypatch.setattr(gguf_loader, "_open", lambda p: parsed.append(p) or parse(p))
+    assert gguf_loader.gguf_architecture(path) == arch and not parsed
+    monkeypatch.setattr(gguf_loader, "_ARCH_KEY", b"general.name")  # (first: another key)
+    assert gguf_loader.gguf_architecture(path) == arch and parsed
 
 
 def test_gguf_missing_tensor_and_bad_arch(tmp_path):

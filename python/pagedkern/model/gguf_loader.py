@@ -210,9 +210,23 @@ def gguf_default_quantization(path: str | os.PathLike) -> str:
 
 
 def gguf_architecture(path: str | os.PathLike) -> str | None:
-    """general.architecture (None where the file names none: load_gguf reports that)."""
-    arch = _open(os.fspath(path))[1].get("general.architecture")
+    """general.architecture (None where the file names none: load_gguf reports that). Read
+    from the header's first key, where llama.cpp's writers put it: parsing the metadata (a
+    vocabulary's arrays) takes seconds, and a weights-cache hit parses nothing."""
+    key = len(_ARCH_KEY).to_bytes(8, "little") + _ARCH_KEY
+    with open(path, "rb") as f:
+        # magic, version, tensor and key counts (24 bytes); the first key (its length, its
+        # name), its value's type (8: a string) and the string's length
+        head = f.read(24 + len(key) + 4 + 8)
+        if head[:4] == b"GGUF" and head[24:-12] == key and head[-12:-8] == b"\x08\0\0\0":
+            size = int.from_bytes(head[-8:], "little")
+            if size <= 256:
+                return f.read(size).decode("utf-8", "replace")
+    arch = _open(os.fspath(path))[1].get("general.architecture")  # (another writer's order)
     return arch if isinstance(arch, str) else None
+
+
+_ARCH_KEY = b"general.architecture"
 
 
 def read_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
