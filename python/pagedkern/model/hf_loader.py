@@ -88,11 +88,8 @@ def hf_checkpoint_quantization(folder: str | os.PathLike) -> str | None:
 
 def hf_checkpoint_dtype(folder: str | os.PathLike) -> torch.dtype | None:
     """The half-precision dtype config.json names (torch_dtype, or dtype in transformers v5)."""
-    try:
-        raw = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None  # load_hf_folder reports the problem
-    name = raw.get("torch_dtype") or raw.get("dtype") if isinstance(raw, dict) else None
+    raw = _peeked_config(folder)
+    name = raw.get("torch_dtype") or raw.get("dtype")
     if not isinstance(name, str):
         return None  # (absent, or not a dtype name: the default)
     return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(name)
@@ -100,12 +97,16 @@ def hf_checkpoint_dtype(folder: str | os.PathLike) -> torch.dtype | None:
 
 def hf_model_type(folder: str | os.PathLike) -> str | None:
     """config.json's model_type (None where it cannot say: load_hf_folder reports that)."""
-    try:
-        raw = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    name = raw.get("model_type") if isinstance(raw, dict) else None
+    name = _peeked_config(folder).get("model_type")
     return name if isinstance(name, str) else None
+
+
+def _peeked_config(folder: str | os.PathLike) -> dict:
+    """config.json as _raw_config reads it, {} where it cannot (load_hf_folder reports why)."""
+    try:
+        return _raw_config(Path(folder))
+    except (ModelLoadError, OSError):
+        return {}
 
 
 def _shard_files(folder: Path) -> list[Path]:
