@@ -392,12 +392,18 @@ def check_against_alone(workload: Workload, outcome: Outcome) -> int:
         for rid in rids:
             got = (outcome.tokens(rid), outcome.text(rid), outcome.finish_reason(rid))
             want = (solo.tokens(rid), solo.text(rid), solo.finish_reason(rid))
-            if FinishReason.TIMEOUT in (got[2], want[2]):  # at another step alone: a prefix
-                n = min(len(got[0]), len(want[0]))
-                got, want = got[0][:n], want[0][:n]
-            assert got == want, f"{rid} ({arrival.params}): batched {got} != alone {want}"
+            assert_same_answer(got, want, f"{rid} ({arrival.params}): batched", "alone")
             compared += 1
     return compared
+
+
+def assert_same_answer(got: tuple, want: tuple, what: str, other: str) -> None:
+    """(tokens, text, finish reason) equal; where either timed out (at another step alone, or
+    on a clock of its own), the tokens as far as both went."""
+    if FinishReason.TIMEOUT in (got[2], want[2]):
+        n = min(len(got[0]), len(want[0]))
+        got, want = got[0][:n], want[0][:n]
+    assert got == want, f"{what} {got} != {other} {want}"
 
 
 def run_and_check(seed: int, backend: str) -> None:

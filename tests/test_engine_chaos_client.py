@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import pytest
 from support.serving import in_thread
-from test_engine_chaos import NORMAL_ENDS, Outcome, Workload, alone
+from test_engine_chaos import NORMAL_ENDS, Outcome, Workload, alone, assert_same_answer
 from test_engine_chaos_surfaces import solo_runs, surface_workload
 
-from pagedkern.engine import LLM, Engine, FinishReason, RequestRejected
+from pagedkern.engine import LLM, Engine, RequestRejected
 from pagedkern.serving.core.request_stream import RequestStream, StreamOutput
 
 
@@ -145,10 +145,7 @@ def check_against_offline(workload: Workload, run: ClientRun) -> int:
             tokens = [t for out in outs for t in out.token_ids]
             got = (tokens, "".join(out.text for out in outs), outs[-1].finish_reason)
             want = (solo.tokens(sample), solo.text(sample), solo.finish_reason(sample))
-            if FinishReason.TIMEOUT in (got[2], want[2]):  # (clocks of their own)
-                n = min(len(got[0]), len(want[0]))
-                got, want = got[0][:n], want[0][:n]
-            assert got == want, f"{sample} ({params}): client {got} != offline {want}"
+            assert_same_answer(got, want, f"{sample} ({params}): client", "offline")
             compared += 1
     return compared
 
